@@ -1,0 +1,29 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch lies on the disk of machines without a GPU; a plain `torch` would pull a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test test-fast lint clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: venv
+	$(BIN)/verl train --config examples/quickstart.yaml
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

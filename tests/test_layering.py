@@ -1,0 +1,163 @@
+"""DESIGN.md's import rules, checked on the source of every module (not by memory).
+
+- api/ and daemon/ never import torch, transformers or accelerate (the daemon must outlive a trainer
+  crash and start in a fraction of a second);
+- api/ imports no trainer code; daemon/ imports only trainer.config from trainer/;
+- trainer/ never imports api/ or daemon/;
+- trainer/config.py (and trainer/__init__.py, which every `import trainer.config` runs) import no torch.
+
+The checker reads imports with `ast`, so a module is judged without being imported: a violation is found
+even in a module whose other imports would fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("trainer", "daemon", "api")
+HEAVY = ("torch", "transformers", "accelerate")
+# Modules the daemon imports on its own: they must stay importable without torch.
+TORCH_FREE_TRAINER_MODULES = ("trainer", "trainer.config")
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a module's source, relative ones resolved.
+
+    `from a import b` yields a.b (b may be a submodule); importlib.import_module("x") and __import__("x")
+    with a literal name count as imports of x.
+    """
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base_parts = package[: len(package) - node.level + 1] if node.level else []
+            base = ".".join(base_parts + ([node.module] if node.module else []))
+            found += [(node.lineno, base if alias.name == "*" else f"{base}.{alias.name}".lstrip("."))
+                      for alias in node.names]
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node.func) and node.args:
+            name = node.args[0]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                found.append((node.lineno, name.value))
+    return found
+
+
+def _is_dynamic_import(function: ast.expr) -> bool:
+    if isinstance(function, ast.Name):
+        return function.id in ("__import__", "import_module")
+    return isinstance(function, ast.Attribute) and function.attr == "import_module"
+
+
+def broken_rule(importer: str, imported: str) -> str | None:
+    """Why `importer` may not import `imported`, or None when it may."""
+    layer, top = importer.split(".")[0], imported.split(".")[0]
+    if layer in ("api", "daemon") and top in HEAVY:
+        return f"{layer}/ never imports {', '.join(HEAVY)}"
+    if layer == "api" and top == "trainer":
+        return "api/ imports no trainer code"
+    if layer == "daemon" and top == "trainer" and not _within(imported, "trainer.config"):
+        return "daemon/ may import only trainer.config from trainer/"
+    if layer == "trainer" and top in ("api", "daemon"):
+        return "trainer/ never imports api/ or daemon/"
+    if importer in TORCH_FREE_TRAINER_MODULES:
+        if top in HEAVY:
+            return f"{importer} must not import {', '.join(HEAVY)}: the daemon imports it"
+        if top == "trainer" and not _within(imported, "trainer.config"):
+            return f"{importer} imports no trainer module but trainer.config: another might pull in torch"
+    return None
+
+
+def _within(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    return [f"{module}:{line} imports {imported}: {rule}"
+            for line, imported in imported_modules(source, module, is_package)
+            if (rule := broken_rule(module, imported))]
+
+
+def module_name(path: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_package else parts), is_package
+
+
+def source_files(layer: str) -> list[Path]:
+    return sorted(path for path in (ROOT / layer).rglob("*.py") if "__pycache__" not in path.parts)
+
+
+# ------------------------------------------------------------------------------------- the rules
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_every_module_keeps_the_import_rules(layer: str) -> None:
+    files = source_files(layer)
+    assert files, f"no Python files found under {layer}/: the check would pass without looking"
+    found = []
+    for path in files:
+        module, is_package = module_name(path)
+        found += violations(path.read_text(encoding="utf-8"), module, is_package)
+    assert found == []
+
+
+def test_importing_the_config_loads_no_torch() -> None:
+    """What the source says, checked at run time too: pydantic or yaml plugins could pull torch in."""
+    heavy = ", ".join(repr(name) for name in HEAVY)
+    script = (f"import sys, trainer.config; loaded = [m for m in ({heavy},) if m in sys.modules]; "
+              "print(loaded); sys.exit(1 if loaded else 0)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------------- the checker catches things
+
+
+@pytest.mark.parametrize(("module", "is_package", "source"), [
+    ("daemon.cli", False, "import torch\n"),
+    ("daemon.cli", False, "from transformers import AutoModel\n"),
+    ("daemon.supervisor", False, "def start():\n    import accelerate.utils\n"),
+    ("daemon.cli", False, "from trainer.models import build_model\n"),
+    ("daemon.cli", False, "from trainer import loop\n"),
+    ("daemon.cli", False, "import trainer\n"),
+    ("api.app", False, "from trainer.config import RunConfig\n"),
+    ("api.app", False, "import importlib\nimportlib.import_module('torch')\n"),
+    ("api", True, "__import__('torch.cuda')\n"),
+    ("trainer.loop", False, "from daemon.ipc import Client\n"),
+    ("trainer.loop", False, "from ..api import schemas\n"),
+    ("trainer.offload.engine", False, "from ...daemon import cli\n"),
+    ("trainer.config", False, "import torch\n"),
+    ("trainer.config", False, "from . import models\n"),
+    ("trainer", True, "from .models import build_model\n"),
+])
+def test_the_checker_catches_a_violation(module: str, is_package: bool, source: str) -> None:
+    assert len(violations(source, module, is_package)) == 1
+
+
+@pytest.mark.parametrize(("module", "is_package", "source"), [
+    ("daemon.cli", False, "from trainer.config import load_config, ConfigError\n"),
+    ("daemon.cli", False, "from trainer import config\n"),
+    ("daemon.cli", False, "import trainer.config\nfrom api import app\nimport pydantic\n"),
+    ("api.app", False, "from fastapi import FastAPI\nfrom . import schemas\n"),
+    ("trainer.loop", False, "import torch\nfrom transformers import AutoModel\nfrom . import config\n"),
+    ("trainer.offload.engine", False, "from ..config import FSDPConfig\nimport torch\n"),
+    ("trainer.config", False, "import yaml\nfrom pydantic import BaseModel\n"),
+])
+def test_the_checker_allows_what_the_design_allows(module: str, is_package: bool, source: str) -> None:
+    assert violations(source, module, is_package) == []
+
+
+def test_relative_imports_resolve_to_absolute_names() -> None:
+    source = "from . import a\nfrom .. import b\nfrom ..c import d\nfrom .e import *\n"
+    assert [name for _, name in imported_modules(source, "trainer.offload.engine", False)] == [
+        "trainer.offload.a", "trainer.b", "trainer.c.d", "trainer.offload.e"]
+    assert [name for _, name in imported_modules("from . import a\n", "trainer.offload", True)] == [
+        "trainer.offload.a"]

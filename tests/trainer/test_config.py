@@ -1,0 +1,414 @@
+"""The run config: loading, overrides, derived defaults, round trips and every kind of user error.
+
+No torch here: the config module is what the daemon imports before any trainer exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer.config import (
+    ConfigError,
+    ConfigProblem,
+    RunConfig,
+    Section,
+    dump_config,
+    inactive_settings,
+    load_config,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def problems_of(path: Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> list[ConfigProblem]:
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, overrides)
+    return caught.value.problems
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A stand-in HuggingFace model directory: the config only checks that config.json is there."""
+    write(tmp_path / "model" / "config.json", "{}")
+    return tmp_path / "model"
+
+
+# ------------------------------------------------------------------------------- loading and overrides
+
+
+def test_defaults_validate() -> None:
+    config = load_config()
+    assert config.data.train_files == ["builtin:counting"]
+    assert config.actor_rollout_ref.model.path == "builtin:tiny-qwen2"
+    assert config.algorithm.adv_estimator == "gae"
+
+
+def test_file_then_overrides(tmp_path: Path) -> None:
+    config_file = write(tmp_path / "run.yaml", """
+data:
+  train_batch_size: 64
+actor_rollout_ref:
+  actor:
+    ppo_mini_batch_size: 16
+    optim: {lr: 3.0e-6}
+""")
+    config = load_config(config_file, [
+        "actor_rollout_ref.actor.optim.lr=1e-5",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.model.override_config.num_hidden_layers=2",
+        "actor_rollout_ref.model.override_config.rope_theta=1e6",
+        "data.train_files=[builtin:counting, builtin:counting]",
+        "trainer.experiment_name=007",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+    ])
+    assert config.data.train_batch_size == 64  # from the file, untouched by the overrides
+    assert config.actor_rollout_ref.actor.ppo_mini_batch_size == 16
+    lr = config.actor_rollout_ref.actor.optim.lr
+    assert isinstance(lr, float) and lr == 1e-05
+    assert config.actor_rollout_ref.rollout.n == 2
+    # Inside a free-form mapping nothing converts the values later: the YAML reading itself must.
+    assert config.actor_rollout_ref.model.override_config == {"num_hidden_layers": 2, "rope_theta": 1e6}
+    assert isinstance(config.actor_rollout_ref.model.override_config["rope_theta"], float)
+    assert config.data.train_files == ["builtin:counting", "builtin:counting"]
+    assert config.trainer.experiment_name == "007"  # a name as typed, not YAML's number 7
+    assert config.actor_rollout_ref.actor.fsdp_config.param_offload is True
+
+
+def test_exponent_floats_in_the_file_are_floats(tmp_path: Path) -> None:
+    config_file = write(tmp_path / "run.yaml", "actor_rollout_ref:\n  model:\n    override_config:\n"
+                                               "      rope_theta: 1e6\n      rms_norm_eps: 1e-5\n")
+    override_config = load_config(config_file).actor_rollout_ref.model.override_config
+    assert override_config == {"rope_theta": 1e6, "rms_norm_eps": 1e-5}
+    assert all(isinstance(value, float) for value in override_config.values())
+
+
+def test_a_section_left_empty_in_yaml_means_its_defaults(tmp_path: Path) -> None:
+    config_file = write(tmp_path / "run.yaml", "critic:\n  # enable: false\ntrainer:\n")
+    config = load_config(config_file)
+    assert config.critic.cliprange_value == 0.5
+    assert config.trainer.experiment_name == "run"
+
+
+def test_an_empty_file_is_the_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path / "run.yaml", "# nothing yet\n")) == load_config()
+
+
+# ------------------------------------------------------------------------------- derived defaults
+
+
+def test_critic_inherits_the_actor_model_and_batch_sizes(model_dir: Path) -> None:
+    config = load_config(None, [
+        f"actor_rollout_ref.model.path={model_dir}",
+        "data.train_batch_size=32",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.ppo_epochs=2",
+    ])
+    assert config.critic.enable is True  # gae needs a critic
+    assert config.critic.model.path == str(model_dir)
+    assert config.critic.ppo_mini_batch_size == 8
+    assert config.critic.ppo_micro_batch_size_per_gpu == 4
+    assert config.critic.ppo_epochs == 2
+
+
+def test_critic_keeps_its_own_values_when_set(model_dir: Path) -> None:
+    config = load_config(None, [
+        "data.train_batch_size=32",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "critic.ppo_mini_batch_size=16",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        f"critic.model.path={model_dir}",
+    ])
+    assert config.critic.ppo_mini_batch_size == 16
+    assert config.critic.ppo_micro_batch_size_per_gpu == 2
+    assert config.critic.model.path == str(model_dir)
+    assert config.actor_rollout_ref.model.path == "builtin:tiny-qwen2"
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], True),
+    (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"], False),
+    (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "critic.enable=true"], True),
+])
+def test_critic_enable_follows_the_advantage_estimator(overrides: list[str], expected: bool) -> None:
+    assert load_config(None, overrides).critic.enable is expected
+
+
+# ------------------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("source", ["defaults", "grpo.yaml"])
+def test_dump_then_load_gives_the_same_config(tmp_path: Path, source: str) -> None:
+    config = load_config(None if source == "defaults" else EXAMPLES / source,
+                         ["actor_rollout_ref.actor.fsdp_config.offload_policy.embedding=cpu",
+                          "actor_rollout_ref.model.override_config.num_hidden_layers=2"])
+    dumped = dump_config(config)
+    assert "enable: null" not in dumped  # derived defaults are written out, not left to the reader
+    reloaded = load_config(write(tmp_path / "resolved.yaml", dumped))
+    assert reloaded == config
+    assert dump_config(reloaded) == dumped
+
+
+# ------------------------------------------------------------------------------- inactive settings
+
+
+def test_a_default_config_has_no_inactive_settings() -> None:
+    assert inactive_settings(load_config()) == []
+
+
+@pytest.mark.parametrize(("override", "named_key"), [
+    ("actor_rollout_ref.actor.fsdp_config.param_offload=true",
+     "actor_rollout_ref.actor.fsdp_config.param_offload"),
+    ("actor_rollout_ref.actor.fsdp_config.offload_policy.embedding=cpu",
+     "actor_rollout_ref.actor.fsdp_config.offload_policy"),
+    ("critic.fsdp_config.optimizer_offload=true", "critic.fsdp_config.optimizer_offload"),
+    ("actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
+     "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled"),
+    ("actor_rollout_ref.rollout.embedding_cache.enabled=true",
+     "actor_rollout_ref.rollout.embedding_cache.enabled"),
+])
+def test_inactive_settings_name_the_key_that_was_set(override: str, named_key: str) -> None:
+    notes = inactive_settings(load_config(None, [override]))
+    assert len(notes) == 1
+    assert notes[0].startswith(named_key)
+
+
+def test_inactive_settings_skip_models_the_run_does_not_build() -> None:
+    # GRPO without KL terms builds neither a critic nor a reference: their placement is moot.
+    config = load_config(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                                "critic.fsdp_config.param_offload=true",
+                                "actor_rollout_ref.ref.fsdp_config.param_offload=true"])
+    assert inactive_settings(config) == []
+
+
+# ------------------------------------------------------------------------------------- bad configs
+
+# (case id, YAML file text or None, overrides, the dotted key reported, a phrase of its message).
+# "{tmp}" in a file or an override is replaced by a fresh folder that holds:
+#   empty_dir/ (no config.json) and prompts.csv.
+BAD_CONFIGS = [
+    ("wrong type", None, ["data.train_batch_size=abc"],
+     "data.train_batch_size", "got 'abc', not an integer; allowed: an integer >= 1"),
+    ("boolean for a number", None, ["data.train_batch_size=true"],
+     "data.train_batch_size", "a boolean"),
+    ("fraction for an integer", None, ["data.train_batch_size=1.5"],
+     "data.train_batch_size", "not a whole number"),
+    ("unknown key", None, ["actor_rollout_ref.actor.optm.lr=1e-5"],
+     "actor_rollout_ref.actor.optm", "did you mean 'optim'?"),
+    ("unknown key in a file", "actor_rollout_ref:\n  rollout:\n    temprature: 0.7\n", [],
+     "actor_rollout_ref.rollout.temprature", "did you mean 'temperature'?"),
+    ("unknown section", "trainers:\n  total_epochs: 2\n", [],
+     "trainers", "unknown section 'trainers' (did you mean 'trainer'?)"),
+    ("threshold above 1", None,
+     ["actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold=1.5"],
+     "actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold",
+     "got 1.5, out of range; allowed: a number > 0 and <= 1"),
+    ("top_p of 0", None, ["actor_rollout_ref.rollout.top_p=0"],
+     "actor_rollout_ref.rollout.top_p", "> 0 and <= 1"),
+    ("clip_ratio_low of 1", None, ["actor_rollout_ref.actor.clip_ratio_low=1.0"],
+     "actor_rollout_ref.actor.clip_ratio_low", "0 < clip_ratio_low < 1"),
+    ("infinite learning rate", None, ["actor_rollout_ref.actor.optim.lr=.inf"],
+     "actor_rollout_ref.actor.optim.lr", "not a finite number"),
+    ("betas not a pair", None, ["actor_rollout_ref.actor.optim.betas=[0.9]"],
+     "actor_rollout_ref.actor.optim.betas", "two numbers"),
+    ("bad enum", None, ["algorithm.adv_estimator=ppo"],
+     "algorithm.adv_estimator", "got 'ppo', not one of the choices; allowed: 'gae' or 'grpo'"),
+    ("bad placement", None, ["critic.fsdp_config.offload_policy.embedding=disk"],
+     "critic.fsdp_config.offload_policy.embedding", "allowed: 'cpu' or 'gpu'"),
+    ("value for a section", None, ["actor_rollout_ref.actor.fsdp_config.offload_policy=cpu"],
+     "actor_rollout_ref.actor.fsdp_config.offload_policy", "is a section; allowed: a mapping of its keys"),
+    ("run name with a slash", None, ["trainer.experiment_name=a/b"],
+     "trainer.experiment_name", "cannot name a run folder"),
+    ("missing model directory", None, ["actor_rollout_ref.model.path=/no/such/model"],
+     "actor_rollout_ref.model.path", "'/no/such/model', which is not a directory"),
+    ("model directory without config.json", None, ["actor_rollout_ref.model.path={tmp}/empty_dir"],
+     "actor_rollout_ref.model.path", "a directory without config.json"),
+    ("missing tokenizer directory", None, ["actor_rollout_ref.model.tokenizer_path=/no/such/tokenizer"],
+     "actor_rollout_ref.model.tokenizer_path", "not a directory"),
+    ("missing data file", None, ["data.train_files=[builtin:counting, /no/such/train.parquet]"],
+     "data.train_files[1]", "'/no/such/train.parquet', which does not exist"),
+    ("data file with a wrong suffix", None, ["data.val_files={tmp}/prompts.csv", "trainer.test_freq=5"],
+     "data.val_files[0]", "a file format that cannot be read; allowed: .parquet, .jsonl, .json"),
+    ("no training data", None, ["data.train_files=[]"],
+     "data.train_files", "got an empty list"),
+    ("unknown built-in dataset", None, ["data.train_files=builtin:countng"],
+     "data.train_files[0]", "not a built-in dataset; allowed: .parquet, .jsonl, .json files"),
+    ("unknown built-in model", None, ["actor_rollout_ref.model.path=builtin:tiny-llama"],
+     "actor_rollout_ref.model.path", "not a built-in model; allowed: builtin:tiny-qwen2"),
+    ("grpo with one response per prompt", None, ["algorithm.adv_estimator=grpo"],
+     "actor_rollout_ref.rollout.n", "got 1, but algorithm.adv_estimator=grpo"),
+    ("gae without a critic", None, ["critic.enable=false"],
+     "critic.enable", "algorithm.adv_estimator=gae needs a critic"),
+    ("mini-batch not dividing the batch", None,
+     ["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=48"],
+     "actor_rollout_ref.actor.ppo_mini_batch_size", "48, which does not divide data.train_batch_size (64)"),
+    ("mini-batch larger than the batch", None, ["data.train_batch_size=16"],
+     "actor_rollout_ref.actor.ppo_mini_batch_size", "256, which is larger than data.train_batch_size (16)"),
+    ("micro-batch not dividing the mini-batch", None,
+     ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+      "actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"],
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "the mini-batch of 12 sequences"),
+    ("critic mini-batch of its own", None, ["data.train_batch_size=256", "critic.ppo_mini_batch_size=100"],
+     "critic.ppo_mini_batch_size", "100, which does not divide data.train_batch_size (256)"),
+    ("reward model without a path", None, ["reward_model.enable=true"],
+     "reward_model.model.path", "is not set, but reward_model.enable is true"),
+    ("validation without data", None, ["trainer.test_freq=5"],
+     "trainer.test_freq", "data.val_files is empty"),
+    ("resume_path without a path", None, ["trainer.resume_mode=resume_path"],
+     "trainer.resume_from_path", "is not set, but trainer.resume_mode is resume_path"),
+    ("several GPUs", None, ["trainer.n_gpus_per_node=8"],
+     "trainer.n_gpus_per_node", "only single-device runs exist yet"),
+    ("missing reward function file", None, ["custom_reward_function.path=/no/such/score.py"],
+     "custom_reward_function.path", "not a file"),
+    ("override without '='", None, ["data.train_batch_size"],
+     "data.train_batch_size", "not an override; allowed: key.path=value"),
+    ("override through a value", None, ["data.train_batch_size.x=1"],
+     "data.train_batch_size", "is a setting, not a section"),
+    ("override through a value set in the file", "data:\n  train_batch_size: 8\n",
+     ["data.train_batch_size.x=1"],
+     "data.train_batch_size", "is a setting, not a section"),
+    ("override through a section the file sets to a value", "trainer: 3\n", ["trainer.seed=1"],
+     "trainer", "the config file sets trainer to 3"),
+    ("YAML syntax error", "data:\n  train_batch_size: 4\n   bad: [\n", [],
+     "--config", "is not valid YAML at line 3"),
+    ("YAML key given twice", "data:\n  train_batch_size: 4\n  train_batch_size: 8\n", [],
+     "--config", "key 'train_batch_size' appears twice (first on line 2)"),
+    ("YAML list instead of a mapping", "- data\n- trainer\n", [],
+     "--config", "holds a list; allowed: a mapping of sections"),
+]
+
+
+@pytest.mark.parametrize(("yaml_text", "overrides", "key", "phrase"),
+                         [case[1:] for case in BAD_CONFIGS], ids=[case[0] for case in BAD_CONFIGS])
+def test_a_bad_config_names_its_key_and_what_is_allowed(
+        tmp_path: Path, yaml_text: str | None, overrides: list[str], key: str, phrase: str) -> None:
+    (tmp_path / "empty_dir").mkdir()
+    write(tmp_path / "prompts.csv", "prompt\n1 2 3\n")
+    config_file = write(tmp_path / "run.yaml", yaml_text) if yaml_text is not None else None
+    problems = problems_of(config_file, [override.replace("{tmp}", str(tmp_path)) for override in overrides])
+    assert [problem.path for problem in problems] == [key], problems
+    assert phrase in problems[0].message
+    assert "; allowed: " in problems[0].message  # every message says what would be accepted
+    assert "\n" not in str(problems[0])
+
+
+def test_a_missing_config_file_is_one_problem(tmp_path: Path) -> None:
+    problems = problems_of(tmp_path / "nope.yaml")
+    assert [str(problem) for problem in problems] == [
+        f"--config: got '{tmp_path / 'nope.yaml'}', which does not exist; allowed: a YAML file"]
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    config_file = write(tmp_path / "run.yaml", """
+data:
+  train_batch_size: abc                # schema: not an integer
+  train_files: [/no/such/train.parquet]   # disk: missing
+actor_rollout_ref:
+  model: {path: /no/such/model}        # disk: missing
+  actor:
+    optm: {lr: 1.0e-5}                 # schema: unknown key
+    ppo_mini_batch_size: 3             # fine on its own; cannot be judged against a bad batch size
+algorithm:
+  adv_estimator: ppo                   # schema: bad choice
+""")
+    problems = problems_of(config_file, ["actor_rollout_ref.rollout.top_p=0"])
+    assert sorted(problem.path for problem in problems) == sorted([
+        "data.train_batch_size",
+        "data.train_files[0]",
+        "actor_rollout_ref.model.path",
+        "actor_rollout_ref.actor.optm",
+        "algorithm.adv_estimator",
+        "actor_rollout_ref.rollout.top_p",
+    ])
+
+
+def test_semantic_problems_are_all_reported_together(tmp_path: Path) -> None:
+    problems = problems_of(None, ["algorithm.adv_estimator=grpo", "data.train_files=/no/such.jsonl",
+                                  "reward_model.enable=true", "data.train_batch_size=100",
+                                  "actor_rollout_ref.actor.ppo_mini_batch_size=64"])
+    assert {problem.path for problem in problems} == {
+        "actor_rollout_ref.rollout.n", "data.train_files[0]", "reward_model.model.path",
+        "actor_rollout_ref.actor.ppo_mini_batch_size"}
+
+
+def test_every_malformed_override_is_reported_at_once() -> None:
+    problems = problems_of(None, ["nonsense", "data.train_batch_size=8", "a..b=1"])
+    assert [problem.path for problem in problems] == ["nonsense", "a..b"]
+
+
+def test_the_error_text_is_one_line_per_problem() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["data.train_batch_size=abc", "algorithm.adv_estimator=ppo"])
+    assert str(caught.value).splitlines() == [str(problem) for problem in caught.value.problems]
+    assert len(caught.value.problems) == 2
+
+
+# ----------------------------------------------------------------------------------------- examples
+
+
+def test_the_grpo_example_validates_as_it_is() -> None:
+    config = load_config(EXAMPLES / "grpo.yaml")
+    assert config.algorithm.adv_estimator == "grpo"
+    assert config.actor_rollout_ref.rollout.n >= 4
+    assert config.actor_rollout_ref.actor.use_kl_loss
+    assert config.actor_rollout_ref.actor.kl_loss_type == "low_var_kl"
+    assert config.critic.enable is False
+    assert config.actor_rollout_ref.model.path == "builtin:tiny-qwen2"
+    assert config.data.train_files == ["builtin:counting"]
+
+
+def test_the_7b_example_reports_its_placeholder_paths(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # so a real ~/data/gsm8k on this machine cannot satisfy it
+    problems = problems_of(EXAMPLES / "ppo_7b.yaml")
+    assert {problem.path for problem in problems} == {
+        "actor_rollout_ref.model.path", "critic.model.path", "data.train_files[0]", "data.val_files[0]"}
+    assert any("/path/to/Qwen2.5-7B-Instruct" in problem.message for problem in problems)
+
+
+def test_the_7b_example_validates_once_its_paths_are_filled_in(model_dir: Path, tmp_path: Path) -> None:
+    train = write(tmp_path / "gsm8k" / "train.parquet", "")
+    test = write(tmp_path / "gsm8k" / "test.parquet", "")
+    config = load_config(EXAMPLES / "ppo_7b.yaml", [
+        f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
+        f"data.train_files=[{train}]", f"data.val_files=[{test}]"])
+    assert config.critic.enable is True
+    for fsdp in config.fsdp_configs().values():
+        assert fsdp.model_dtype == "bf16"
+        assert fsdp.param_offload
+    assert config.actor_rollout_ref.model.enable_gradient_checkpointing
+    assert config.actor_rollout_ref.actor.fsdp_config.optimizer_offload
+    assert config.critic.fsdp_config.optimizer_offload
+    assert config.actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
+    assert (config.data.max_prompt_length, config.data.max_response_length) == (512, 1024)
+    notes = inactive_settings(config)
+    assert any("actor_rollout_ref.actor.fsdp_config.optimizer_offload" in note for note in notes)
+    assert any("critic.fsdp_config.dynamic_offload" in note for note in notes)
+
+
+def test_the_schema_documents_every_field() -> None:
+    """STYLE.md: every field has a one-line docstring in one place."""
+    undocumented = []
+    sections: list[type] = [RunConfig]
+    seen = set()
+    while sections:
+        section = sections.pop()
+        if section in seen:
+            continue
+        seen.add(section)
+        for name, field in section.model_fields.items():
+            if not field.description or "\n" in field.description:
+                undocumented.append(f"{section.__name__}.{name}")
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, Section):
+                sections.append(annotation)
+    assert len(seen) > 15  # the walk reached the nested sections
+    assert undocumented == []

@@ -1,0 +1,53 @@
+"""RL algorithms: advantage estimators, PPO losses, KL estimators and KL coefficient controllers."""
+
+from trainer.algorithms.functional import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    PolicyLoss,
+    aggregate_loss,
+    apply_kl_penalty,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_policy_loss,
+    compute_value_loss,
+    entropy_from_logits,
+    get_advantage_estimator,
+    kl_penalty,
+    log_probs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+)
+from trainer.algorithms.kl_control import (
+    KL_CONTROLLER_TYPES,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    build_kl_controller,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_CONTROLLER_TYPES",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
+    "PolicyLoss",
+    "aggregate_loss",
+    "apply_kl_penalty",
+    "build_kl_controller",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "kl_penalty",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+]

@@ -1,0 +1,384 @@
+"""The RL math as pure tensor functions: masked statistics, advantages, losses and KL estimators.
+
+Shapes: ``B`` is the batch (one row per response), ``T`` the response length, ``V`` the vocabulary.
+Response-level tensors are ``[B, T]`` and come with a ``response_mask`` of the same shape: 1.0 on
+real response tokens (EOS included), 0.0 on the right padding after EOS. Nothing here keeps state
+or reads config; the trainer passes every number in, so each function is testable on its own.
+
+Modelled on verl's ``core_algos.py`` so that verl's config names mean the same thing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")
+
+# exp() of a log-ratio above ~88 overflows float32 to inf, and inf * 0 (a zero advantage or a
+# masked token) is nan; no ratio this far from 1 carries a useful gradient anyway.
+_LOG_RATIO_LIMIT = 20.0
+# verl clamps k3 to this range: a single token far off the reference must not dominate the KL.
+_LOW_VAR_KL_LIMIT = 10.0
+_WHITEN_EPSILON = 1e-8
+
+
+# ------------------------------------------------------------------------------ masked statistics
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is 1.
+
+    Args:
+        values: any shape.
+        mask: same shape as ``values``, 1.0 keeps a position.
+        dim: reduce over this dim only; ``None`` reduces over everything to a scalar.
+
+    Returns:
+        ``values`` reduced over ``dim``. An all-masked slice gives 0, not nan, so an empty
+        micro-batch does not poison the running metrics.
+    """
+    total = (values * mask).sum() if dim is None else (values * mask).sum(dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return total / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the positions where ``mask`` is 1, as a scalar.
+
+    ``unbiased`` applies Bessel's correction n / (n - 1). With fewer than two kept positions the
+    variance is 0 rather than an error or nan: whitening one token then maps it to 0.
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if not unbiased:
+        return variance
+    count = mask.sum()
+    # Clamping keeps n=0 and n=1 finite without a host sync on the count.
+    return variance * count / (count - 1).clamp(min=1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``values`` to unit variance (and zero mean if ``shift_mean``) over the masked positions.
+
+    Statistics come from the kept positions only; masked positions are transformed too but carry
+    no meaning, so callers multiply by ``mask`` afterwards.
+    """
+    mean = masked_mean(values, mask)
+    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + _WHITEN_EPSILON)
+    return whitened if shift_mean else whitened + mean
+
+
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar.
+
+    Modes (verl's ``loss_agg_mode``):
+        ``token-mean``: sum over all kept tokens / number of kept tokens (long answers weigh more).
+        ``seq-mean-token-sum``: per-sequence sum, then mean over sequences (Dr.GRPO).
+        ``seq-mean-token-mean``: per-sequence mean, then mean over sequences (original GRPO).
+    Sequence means run over rows with at least one kept token, so an empty row changes nothing.
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode '{mode}'; allowed: {', '.join(LOSS_AGG_MODES)}")
+    tokens_per_row = mask.sum(-1)
+    row_losses = (loss_mat * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        row_losses = row_losses / tokens_per_row.clamp(min=1)
+    return masked_mean(row_losses, (tokens_per_row > 0).to(row_losses.dtype))
+
+
+# -------------------------------------------------------------------------------------- advantages
+
+
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
+    Using Generalized Advantage Estimation", eq. 16), computed backwards over the response.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1}.
+
+    A masked step neither supplies V_{t+1} nor advances A_{t+1}: the running next value and running
+    advantage pass through it unchanged. Right padding therefore behaves as a terminal state (next
+    value 0), whatever values or rewards the padding holds.
+
+    Args:
+        token_level_rewards: ``[B, T]``.
+        values: ``[B, T]`` critic values of the rollout.
+        response_mask: ``[B, T]``.
+        gamma: discount factor.
+        lam: GAE lambda (bias/variance trade-off).
+
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]`` and 0 at masked positions. ``returns`` is
+        advantages + values before whitening (the critic's target); ``advantages`` are then
+        whitened over the batch's response tokens.
+    """
+    next_value = torch.zeros_like(values[:, 0])
+    running_advantage = torch.zeros_like(values[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(values.shape[1])):
+        keep = response_mask[:, t]
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        step_advantage = delta + gamma * lam * running_advantage
+        next_value = torch.where(keep.bool(), values[:, t], next_value)
+        running_advantage = torch.where(keep.bool(), step_advantage, running_advantage)
+        advantages_reversed.append(running_advantage)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = (advantages + values) * response_mask
+    advantages = masked_whiten(advantages, response_mask) * response_mask
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    epsilon: float = 1e-6,
+    norm_adv_by_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative outcome advantage (GRPO: Shao et al. 2024, "DeepSeekMath", sec. 4.1.2).
+
+    Each response's score is the sum of its token rewards; its advantage is
+    (score - group mean) / (group std + epsilon), std unbiased as ``torch.std``. A group of one
+    has mean 0 and std 1, as in verl, so its advantage is its raw score. With
+    ``norm_adv_by_std=False`` the division is dropped (Dr.GRPO: Liu et al. 2025, "Understanding
+    R1-Zero-Like Training", sec. 3.1).
+
+    Args:
+        token_level_rewards: ``[B, T]``.
+        response_mask: ``[B, T]``.
+        group_index: ``[B]`` integer group ids; responses to the same prompt share one.
+        epsilon: keeps a group of identical scores (std 0) finite.
+        norm_adv_by_std: divide by the group std.
+
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]``: the sequence advantage on every response
+        token, 0 at masked positions. ``returns`` equals ``advantages``.
+    """
+    scores = (token_level_rewards * response_mask).sum(-1)
+    _, group_of_row = torch.unique(group_index, return_inverse=True)
+    group_sizes = torch.bincount(group_of_row).to(scores.dtype)
+    group_sums = torch.zeros_like(group_sizes).index_add_(0, group_of_row, scores)
+    group_means = group_sums / group_sizes
+    squared_deviations = (scores - group_means[group_of_row]) ** 2
+    group_vars = torch.zeros_like(group_sizes).index_add_(0, group_of_row, squared_deviations)
+    group_stds = (group_vars / (group_sizes - 1).clamp(min=1)).sqrt()
+    is_group = group_sizes > 1
+    group_means = torch.where(is_group, group_means, torch.zeros_like(group_means))
+    group_stds = torch.where(is_group, group_stds, torch.ones_like(group_stds))
+    advantages = scores - group_means[group_of_row]
+    if norm_adv_by_std:
+        advantages = advantages / (group_stds[group_of_row] + epsilon)
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+# The estimators take different inputs (GAE needs values, gamma and lam; GRPO needs group ids),
+# so callers pass keyword arguments; the registry only maps config names to functions.
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "gae": compute_gae_advantage_return,
+    "grpo": compute_grpo_outcome_advantage,
+}
+
+
+def get_advantage_estimator(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The advantage function registered as ``name`` (``algorithm.adv_estimator``)."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator '{name}'; allowed: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+# ------------------------------------------------------------------------------------------ losses
+
+
+class PolicyLoss(NamedTuple):
+    """Result of :func:`compute_policy_loss`; every field is a scalar tensor."""
+
+    loss: torch.Tensor
+    """Aggregated clipped surrogate loss; keeps the graph."""
+    clipfrac: torch.Tensor
+    """Fraction of response tokens where the ratio clip was active (detached)."""
+    ppo_kl: torch.Tensor
+    """Mean of old_log_prob - log_prob over response tokens (detached)."""
+    clipfrac_lower: torch.Tensor
+    """Fraction of response tokens where the dual clip capped the loss (detached)."""
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> PolicyLoss:
+    """PPO clipped surrogate loss with an asymmetric clip range and dual clip.
+
+    Per token, with r = exp(log_prob - old_log_prob):
+        L = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    (Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7, negated to a loss;
+    asymmetric range as in DAPO, Yu et al. 2025). For A < 0 the loss is further capped at
+    -A * clip_ratio_c (dual clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with
+    Deep Reinforcement Learning", eq. 5), so one very unlikely-now token cannot blow up the step.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: ``[B, T]``; only ``log_prob`` needs grad.
+        clip_ratio_low, clip_ratio_high: clip range [1 - low, 1 + high].
+        clip_ratio_c: dual-clip bound, must be > 1.
+        loss_agg_mode: see :func:`aggregate_loss`.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    ppo_losses = torch.maximum(unclipped, clipped)
+    dual_clip_bound = -advantages * clip_ratio_c
+    is_negative = advantages < 0
+    token_losses = torch.where(is_negative, torch.minimum(ppo_losses, dual_clip_bound), ppo_losses)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), response_mask)
+        dual_clipped = is_negative & (ppo_losses > dual_clip_bound)
+        clipfrac_lower = masked_mean(dual_clipped.to(ratio.dtype), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return PolicyLoss(
+        loss=aggregate_loss(token_losses, response_mask, loss_agg_mode),
+        clipfrac=clipfrac,
+        ppo_kl=ppo_kl,
+        clipfrac_lower=clipfrac_lower,
+    )
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss (PPO2 style, as in OpenAI baselines and verl).
+
+    vpred_clipped = values + clamp(vpreds - values, -c, c);
+    L = 0.5 * max((vpreds - returns)^2, (vpred_clipped - returns)^2), aggregated.
+
+    Args:
+        vpreds: ``[B, T]`` current critic predictions (with grad).
+        values: ``[B, T]`` critic values at rollout time.
+        returns: ``[B, T]`` targets from the advantage estimator.
+        response_mask: ``[B, T]``.
+        cliprange_value: c above.
+        loss_agg_mode: see :func:`aggregate_loss`.
+
+    Returns:
+        ``(loss, clipfrac)``: the scalar loss, and the detached fraction of tokens where the
+        clipped branch was strictly larger (verl's ``critic/vf_clipfrac``).
+    """
+    vpred_clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
+    unclipped = (vpreds - returns) ** 2
+    clipped = (vpred_clipped - returns) ** 2
+    loss = 0.5 * aggregate_loss(torch.maximum(unclipped, clipped), response_mask, loss_agg_mode)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(vpreds.dtype), response_mask)
+    return loss, clipfrac
+
+
+# ------------------------------------------------------------------------------- logits and KL
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: ``[..., V] -> [...]``.
+
+    H = logsumexp(z) - sum(softmax(z) * z), which never takes the log of a tiny probability.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def _gathered_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] per position: ``[..., V]`` and ``[...]`` -> ``[...]``.
+
+    Computed as the gathered logit minus logsumexp, so no ``[..., V]`` log-softmax copy is kept.
+    Half-precision logits are upcast to float32 one leading row at a time (the result is float32):
+    a bf16 logsumexp is off by ~0.05 nats at typical magnitudes, which shows up directly as noise
+    in the PPO ratio, while upcasting the whole ``[B, T, V]`` tensor at once would double its memory.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        return _gathered_log_probs(logits, labels)
+    if logits.dim() < 2:
+        return _gathered_log_probs(logits.float(), labels)
+    rows = zip(logits, labels, strict=True)
+    return torch.stack([_gathered_log_probs(row.float(), row_labels) for row, row_labels in rows])
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled-token log-probs, ``[B, T]``.
+
+    Estimators (Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html):
+        ``kl``: k1 = log p - log q (unbiased, high variance, can be negative).
+        ``abs``: |log p - log q|.
+        ``mse``: k2 = 0.5 * (log p - log q)^2 (low variance, biased).
+        ``low_var_kl``: k3 = r - log r - 1 with r = q / p (unbiased, non-negative), clamped to
+        [-10, 10] as verl does.
+    """
+    log_ratio = log_prob - ref_log_prob
+    if estimator == "kl":
+        return log_ratio
+    if estimator == "abs":
+        return log_ratio.abs()
+    if estimator == "mse":
+        return 0.5 * log_ratio.square()
+    if estimator == "low_var_kl":
+        ref_over_policy = (-log_ratio).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+        k3 = torch.exp(ref_over_policy) - ref_over_policy - 1
+        return k3.clamp(-_LOW_VAR_KL_LIMIT, _LOW_VAR_KL_LIMIT)
+    raise ValueError(f"unknown KL estimator '{estimator}'; allowed: {', '.join(KL_ESTIMATORS)}")
+
+
+@torch.no_grad()
+def apply_kl_penalty(
+    token_level_scores: torch.Tensor,
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Subtract a KL penalty from the token rewards (Ziegler et al. 2019, sec. 2.2; verl's in-reward KL).
+
+    Args:
+        token_level_scores: ``[B, T]`` rewards from the reward function or model.
+        log_prob, ref_log_prob: ``[B, T]`` sampled-token log-probs of the actor and reference.
+        response_mask: ``[B, T]``.
+        kl_coef: beta, usually a KL controller's current value.
+        estimator: see :func:`kl_penalty`.
+
+    Returns:
+        ``(token_level_rewards, mean_kl)``: rewards = scores - kl_coef * kl * mask, ``[B, T]``;
+        mean_kl is a scalar, the mean over sequences of each sequence's masked-mean KL
+        (verl's ``actor/reward_kl_penalty``, which feeds the adaptive controller).
+    """
+    kl = kl_penalty(log_prob, ref_log_prob, estimator) * response_mask
+    token_level_rewards = token_level_scores - kl_coef * kl
+    mean_kl = masked_mean(kl, response_mask, dim=-1).mean()
+    return token_level_rewards, mean_kl

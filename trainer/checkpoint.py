@@ -1,0 +1,132 @@
+"""Checkpoints under <run_dir>/checkpoints/global_step_N/, written atomically.
+
+A checkpoint is assembled in a hidden temporary folder and renamed into place in one step, so
+a crash at any moment leaves either a complete checkpoint or none: never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+
+CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.pt"
+LATEST = "latest_checkpointed_iteration.txt"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / TRAINER_STATE).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module], state: dict[str, Any],
+                    *, keep: int | None = None) -> Path:
+    """Write the models' weights and `state` (optimizers, RNG, data position...) for `step`."""
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"global_step_{step}"
+    partial = root / f".global_step_{step}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    for role, model in models.items():
+        (partial / role).mkdir()
+        # save_model (not save_file) copes with tied weights such as a shared embedding and head.
+        save_model(model, str(partial / role / "model.safetensors"))
+    torch.save(state, partial / TRAINER_STATE)
+    _fsync_tree(partial)
+    _move_into_place(partial, final)
+    _write_atomically(root / LATEST, f"{step}\n")
+    if keep is not None:
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str, Any]:
+    """Load the weights of `models` from `path` in place and return the saved state."""
+    path = Path(path)
+    if not (path / TRAINER_STATE).is_file():
+        raise CheckpointError(f"{str(path)!r} is not a complete checkpoint (no {TRAINER_STATE})")
+    for role, model in models.items():
+        weights = path / role / "model.safetensors"
+        if not weights.is_file():
+            raise CheckpointError(f"{str(path)!r} has no weights for the {role}; was it written by a run "
+                                  f"with the same models?")
+        device = next(model.parameters()).device
+        missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
+        if missing or unexpected:
+            raise CheckpointError(f"the {role} weights in {str(path)!r} do not fit the model "
+                                  f"(missing {len(missing)}, unexpected {len(unexpected)} tensors)")
+    # Our own file, holding numpy and Python RNG states that weights_only loading refuses.
+    return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Temporary folders left by a run killed while saving."""
+    root = checkpoints_dir(run_dir)
+    if root.is_dir():
+        for path in root.glob(".global_step_*.partial-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _move_into_place(partial: Path, final: Path) -> None:
+    if final.exists():
+        # Re-saving a step (after a resume redid it): swap, so a complete copy exists throughout.
+        stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
+        os.replace(final, stale)
+        os.replace(partial, final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.replace(partial, final)
+    _fsync_directory(final.parent)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as file:
+                os.fsync(file.fileno())
+    for directory in [root, *[path for path in root.rglob("*") if path.is_dir()]]:
+        _fsync_directory(directory)
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,1013 @@
+"""The run configuration: one typed tree, validated at load.
+
+Keys follow verl's names (``actor_rollout_ref.actor.optim.lr``, ``data.train_batch_size``, ...).
+Every field has its default and a one-line docstring here and nowhere else; the rest of the
+code reads typed attributes, never ``dict.get(key, default)``.
+
+This module must not import torch: the daemon imports it to validate a config before it
+starts the trainer process.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import itertools
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import annotated_types
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic.fields import FieldInfo
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-qwen2",)
+BUILTIN_DATASETS = ("counting",)
+DATA_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+Placement = Literal["cpu", "gpu"]
+LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
+
+
+# ------------------------------------------------------------------------------ field helpers
+# Used by the validators below (defaults are validated as the classes are defined) and by the messages.
+
+
+def _describe_allowed(annotation: Any, field: FieldInfo | None) -> str:
+    """What a field takes, in words: "an integer >= 1", "a number > 0 and <= 1", "'gae' or 'grpo'"."""
+    annotation = _unwrap_optional(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return " or ".join(repr(choice) for choice in typing.get_args(annotation))
+    if typing.get_origin(annotation) in (list, tuple):
+        return "a list of strings" if typing.get_args(annotation) == (str,) else "a list"
+    noun = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(annotation, "")
+    bounds = []
+    for constraint in field.metadata if field is not None else ():
+        for name, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if isinstance(constraint, getattr(annotated_types, name.capitalize())):
+                bounds.append(f"{symbol} {getattr(constraint, name):g}")
+    return " ".join(filter(None, [noun, " and ".join(bounds)])) or "a value of the right type"
+
+
+def _show(value: Any) -> str:
+    """A value as the user typed it in YAML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    arguments = [argument for argument in typing.get_args(annotation) if argument is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(arguments) == 1:
+        return arguments[0]
+    return annotation
+
+
+def _section_type(annotation: Any) -> type[Section] | None:
+    annotation = _unwrap_optional(annotation)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return typing.get_origin(_unwrap_optional(annotation)) is dict
+
+
+def _number_type(annotation: Any) -> bool:
+    return _unwrap_optional(annotation) in (int, float)
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, field docstrings are the documentation."""
+
+    # coerce_numbers_to_str: `experiment_name: 7` or `trainer.experiment_name=7` means the name "7".
+    # allow_inf_nan=False: YAML reads `.inf` and `.nan` as floats, and no setting here wants them.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True,
+                              coerce_numbers_to_str=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_yaml_values(cls, value: Any, info: ValidationInfo) -> Any:
+        """An empty YAML section (`critic:` with every key commented out) reads as null: treat it as {}.
+
+        Pydantic's lax mode would read `true` as 1 for a number; a boolean given for a number is a mistake.
+        """
+        annotation = cls.model_fields[info.field_name].annotation
+        if value is None and _section_type(annotation) is not None:
+            return {}
+        if isinstance(value, bool) and _number_type(annotation):
+            allowed = _describe_allowed(annotation, cls.model_fields[info.field_name])
+            raise ValueError(f"got {_show(value)}, a boolean; allowed: {allowed}")
+        return value
+
+
+# ---------------------------------------------------------------------------------------- offload
+
+
+class OffloadPolicy(Section):
+    embedding: Placement | None = None
+    """Where the token embedding lives; unset follows param_offload (cpu when it is true)."""
+    lm_head: Placement | None = None
+    """Where the output head (lm_head, value head or score head) lives; unset follows param_offload."""
+    transformer: Placement | None = None
+    """Where the transformer blocks live; unset follows param_offload."""
+    norm: Placement | None = None
+    """Where the final norm lives; unset follows param_offload."""
+
+
+class DynamicOffload(Section):
+    enabled: bool = False
+    """Move transformer layers to the CPU while GPU memory in use is above the threshold."""
+    gpu_memory_threshold: float = Field(0.85, gt=0.0, le=1.0)
+    """Fraction of GPU memory in use (0 to 1] above which layers move off the GPU."""
+    min_transformer_layers_on_gpu: int = Field(0, ge=0)
+    """Never keep fewer transformer layers than this on the GPU."""
+
+
+class WrapPolicy(Section):
+    transformer_layer_cls_to_wrap: list[str] | None = None
+    """Class names of the transformer blocks; unset detects them from the model."""
+    min_num_params: int = Field(0, ge=0)
+    """Wrap any module with at least this many parameters (0 wraps by layer class only)."""
+
+
+class FSDPConfig(Section):
+    param_offload: bool = False
+    """Keep all parameters on the CPU and stream them to the GPU (offload_policy refines it)."""
+    optimizer_offload: bool = False
+    """Keep optimizer states, and run the optimizer update, on the CPU."""
+    offload_policy: OffloadPolicy = OffloadPolicy()
+    """Placement of each module group: embedding, lm_head, transformer, norm."""
+    dynamic_offload: DynamicOffload = DynamicOffload()
+    """Move transformer layers off the GPU under memory pressure."""
+    wrap_policy: WrapPolicy = WrapPolicy()
+    """How the model is split into units for sharding and offload."""
+    model_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the parameters (bf16 trains without fp32 master weights)."""
+
+    def placement(self, group: str) -> Placement:
+        """Where a module group lives once param_offload and offload_policy are combined."""
+        explicit = getattr(self.offload_policy, group)
+        if explicit is not None:
+            return explicit
+        return "cpu" if self.param_offload else "gpu"
+
+
+# ----------------------------------------------------------------------------------------- models
+
+
+class ModelConfig(Section):
+    path: str = "builtin:tiny-qwen2"
+    """A local HuggingFace model directory, or builtin:tiny-qwen2 (random init, no download)."""
+    tokenizer_path: str | None = None
+    """A local tokenizer directory; unset uses the model's."""
+    override_config: dict[str, Any] = {}
+    """Keys set on the model's HF config before it is built (e.g. num_hidden_layers)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the model directory."""
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-6, gt=0.0)
+    """Peak learning rate of AdamW."""
+    lr_warmup_steps: int = Field(-1, ge=-1)
+    """Linear warm-up steps; -1 uses lr_warmup_steps_ratio."""
+    lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Warm-up as a fraction of the run's training steps (used when lr_warmup_steps is -1)."""
+    warmup_style: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up: constant, or cosine decay to min_lr_ratio * lr."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the cosine schedule as a fraction of lr."""
+    weight_decay: float = Field(0.01, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _two_betas(cls, betas: Any) -> Any:
+        if not isinstance(betas, list | tuple) or len(betas) != 2:
+            raise ValueError(f"got {_show(betas)}; allowed: two numbers [beta1, beta2], each 0 <= beta < 1")
+        return betas
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"got {_show(list(betas))}, out of range; allowed: each 0 <= beta < 1")
+        return betas
+
+
+class ActorConfig(Section):
+    ppo_mini_batch_size: int = Field(256, ge=1)
+    """Prompts per optimizer step (each carries rollout.n responses)."""
+    ppo_micro_batch_size_per_gpu: int = Field(8, ge=1)
+    """Sequences per forward/backward; gradients accumulate up to the mini-batch."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each rollout batch."""
+    shuffle: bool = False
+    """Shuffle sequences before splitting them into mini-batches."""
+    clip_ratio: float = Field(0.2, gt=0.0)
+    """PPO clip range epsilon (both sides unless clip_ratio_low/high are set)."""
+    clip_ratio_low: float | None = Field(None, gt=0.0)
+    """Lower clip range; unset uses clip_ratio."""
+    clip_ratio_high: float | None = Field(None, gt=0.0)
+    """Upper clip range; unset uses clip_ratio."""
+    clip_ratio_c: float = Field(3.0, gt=1.0)
+    """Dual-clip bound for negative advantages (Ye et al. 2020)."""
+    entropy_coeff: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus."""
+    use_kl_loss: bool = False
+    """Add a KL(actor || reference) term to the actor loss (GRPO style)."""
+    kl_loss_coef: float = Field(0.001, ge=0.0)
+    """Weight of the KL loss."""
+    kl_loss_type: KLEstimator = "low_var_kl"
+    """KL estimator of the KL loss."""
+    loss_agg_mode: LossAggregation = "token-mean"
+    """How token losses are averaged."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Clip the gradient norm to this value."""
+    ulysses_sequence_parallel_size: int = Field(1, ge=1)
+    """Ulysses sequence-parallel degree (needs several GPUs)."""
+    sequence_parallel_offload: bool = False
+    """Offload sequence-parallel activations to the CPU."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer of the actor."""
+    fsdp_config: FSDPConfig = FSDPConfig()
+    """Placement and dtype of the actor."""
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high) clip range of the policy ratio."""
+        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+        return low, high
+
+
+class EmbeddingCache(Section):
+    enabled: bool = False
+    """Keep the most frequent tokens' embedding rows on the GPU while the embedding is on the CPU."""
+    cache_size: int = Field(8192, ge=1)
+    """Rows kept on the GPU."""
+    warmup_steps: int = Field(10, ge=0)
+    """Steps over which token frequencies are counted before the cache is filled."""
+
+
+class RolloutConfig(Section):
+    name: Literal["hf"] = "hf"
+    """Generation engine: hf (transformers generate on the actor's own weights)."""
+    n: int = Field(1, ge=1)
+    """Responses sampled per prompt."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Sample from the k most likely tokens; -1 or 0 disables."""
+    do_sample: bool = True
+    """Sample; false decodes greedily."""
+    log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Sequences per forward when computing log-probs and values."""
+    embedding_cache: EmbeddingCache = EmbeddingCache()
+    """GPU cache of frequent embedding rows."""
+
+
+class RefConfig(Section):
+    log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Sequences per forward of the reference policy."""
+    fsdp_config: FSDPConfig = FSDPConfig()
+    """Placement and dtype of the reference policy."""
+
+
+class ActorRolloutRefConfig(Section):
+    model: ModelConfig = ModelConfig()
+    """The policy model (actor, rollout and reference share it)."""
+    actor: ActorConfig = ActorConfig()
+    """PPO/GRPO actor update."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Response sampling."""
+    ref: RefConfig = RefConfig()
+    """Frozen reference policy for the KL terms."""
+
+
+class CriticModelConfig(Section):
+    path: str | None = None
+    """Model directory of the critic; unset uses the actor's model."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; unset uses the actor's tokenizer."""
+    override_config: dict[str, Any] = {}
+    """Keys set on the critic's HF config before it is built."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the model directory."""
+
+
+class CriticConfig(Section):
+    enable: bool | None = None
+    """Train a value model; unset enables it when algorithm.adv_estimator is gae."""
+    model: CriticModelConfig = CriticModelConfig()
+    """The value model (a causal LM backbone with a one-output head)."""
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    """Optimizer of the critic."""
+    ppo_mini_batch_size: int | None = Field(None, ge=1)
+    """Prompts per critic optimizer step; unset uses the actor's."""
+    ppo_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    """Sequences per critic forward/backward; unset uses the actor's."""
+    ppo_epochs: int | None = Field(None, ge=1)
+    """Passes over each batch; unset uses the actor's."""
+    cliprange_value: float = Field(0.5, gt=0.0)
+    """Clip range of the value update."""
+    loss_agg_mode: LossAggregation = "token-mean"
+    """How token value losses are averaged."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Clip the gradient norm to this value."""
+    ulysses_sequence_parallel_size: int = Field(1, ge=1)
+    """Ulysses sequence-parallel degree (needs several GPUs)."""
+    fsdp_config: FSDPConfig = FSDPConfig()
+    """Placement and dtype of the critic."""
+
+
+class RewardModelNetwork(Section):
+    path: str | None = None
+    """Directory of a sequence-classification model with one output (num_labels=1)."""
+    tokenizer_path: str | None = None
+    """Its tokenizer directory; unset uses the reward model's own."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the model directory."""
+    fsdp_config: FSDPConfig = FSDPConfig()
+    """Placement and dtype of the reward model."""
+
+
+class RewardModelConfig(Section):
+    enable: bool = False
+    """Score responses with a reward model instead of the rule-based scorers."""
+    model: RewardModelNetwork = RewardModelNetwork()
+    """The reward model."""
+    micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Sequences per reward-model forward."""
+
+
+class CustomRewardFunction(Section):
+    path: str | None = None
+    """A Python file defining the scoring function; unset uses the built-in scorers."""
+    name: str = "compute_score"
+    """Function in that file: (data_source, solution_str, ground_truth, extra_info) -> float."""
+
+
+class KLControl(Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed keeps kl_coef; adaptive steers it towards target_kl (Ziegler et al. 2019)."""
+    kl_coef: float = Field(0.001, ge=0.0)
+    """(Initial) coefficient of the KL penalty in the reward."""
+    horizon: int = Field(10000, ge=1)
+    """Adaptive controller horizon in samples."""
+    target_kl: float = Field(0.1, gt=0.0)
+    """KL the adaptive controller aims at."""
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal["gae", "grpo"] = "gae"
+    """Advantage estimator: gae (PPO with a critic) or grpo (group-normalized, no critic)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount factor."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group's standard deviation."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL(actor || reference) penalty from the token rewards."""
+    kl_penalty: KLEstimator = "kl"
+    """KL estimator of the in-reward penalty."""
+    kl_ctrl: KLControl = KLControl()
+    """Coefficient controller of the in-reward penalty."""
+
+
+class DataConfig(Section):
+    train_files: list[str] = ["builtin:counting"]
+    """Training prompts: verl parquet or JSONL files, or builtin:counting."""
+    val_files: list[str] = []
+    """Validation prompts, scored every trainer.test_freq steps."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt (chat messages or plain text)."""
+    max_prompt_length: int = Field(512, ge=1)
+    """Longest prompt in tokens."""
+    max_response_length: int = Field(512, ge=1)
+    """Most tokens generated per response."""
+    train_batch_size: int = Field(1024, ge=1)
+    """Prompts per training step."""
+    val_batch_size: int = Field(256, ge=1)
+    """Prompts per validation generation batch."""
+    shuffle: bool = True
+    """Shuffle prompts every epoch."""
+    seed: int = 1
+    """Seed of the prompt order."""
+    truncation: Literal["error", "left", "right"] = "error"
+    """What to do with a prompt longer than max_prompt_length."""
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_file_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class TrainerConfig(Section):
+    project_name: str = "verl_offload"
+    """Project the run belongs to (shown in logs and telemetry)."""
+    experiment_name: str = "run"
+    """Name of the run; its files go to <runs_dir>/<experiment_name>/."""
+    runs_dir: str = "runs"
+    """Folder that holds the run directories."""
+    total_epochs: int = Field(1, ge=1)
+    """Passes over the training prompts."""
+    total_training_steps: int | None = Field(None, ge=1)
+    """Steps to train; wins over total_epochs when set."""
+    save_freq: int = Field(-1, ge=-1)
+    """Checkpoint every this many steps (-1: only at the end)."""
+    max_ckpt_to_keep: int | None = Field(None, ge=1)
+    """Keep only the newest this many checkpoints; unset keeps all."""
+    test_freq: int = Field(-1, ge=-1)
+    """Validate every this many steps (-1: never; needs data.val_files)."""
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    """auto resumes from the run's latest complete checkpoint; resume_path from resume_from_path."""
+    resume_from_path: str | None = None
+    """A checkpoint directory (global_step_N) to resume from with resume_mode resume_path."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Compute device: auto takes the GPU when there is one."""
+    seed: int = 1
+    """Seed of model init, sampling and everything else random."""
+    nnodes: int = Field(1, ge=1)
+    """Nodes (several need torchrun; not supported yet)."""
+    n_gpus_per_node: int = Field(1, ge=1)
+    """GPUs per node (several need torchrun; not supported yet)."""
+
+    @field_validator("experiment_name")
+    @classmethod
+    def _usable_as_folder_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise ValueError(f"got {name!r}, which cannot name a run folder; allowed: letters, digits, "
+                             "'.', '_' and '-', starting with a letter or digit")
+        return name
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.experiment_name
+
+
+class RunConfig(Section):
+    """The whole run."""
+
+    actor_rollout_ref: ActorRolloutRefConfig = ActorRolloutRefConfig()
+    """Policy model, its update, rollout and reference."""
+    critic: CriticConfig = CriticConfig()
+    """Value model (PPO with GAE)."""
+    reward_model: RewardModelConfig = RewardModelConfig()
+    """Learned reward model."""
+    custom_reward_function: CustomRewardFunction = CustomRewardFunction()
+    """A user-supplied rule-based scorer."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Advantage estimator and KL penalty."""
+    data: DataConfig = DataConfig()
+    """Prompts and lengths."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Length of the run, checkpoints, device."""
+
+    @property
+    def use_critic(self) -> bool:
+        if self.critic.enable is None:
+            return self.algorithm.adv_estimator == "gae"
+        return self.critic.enable
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def fsdp_configs(self) -> dict[str, FSDPConfig]:
+        """The placement config of every model the run builds, by role."""
+        configs = {"actor": self.actor_rollout_ref.actor.fsdp_config}
+        if self.use_reference:
+            configs["ref"] = self.actor_rollout_ref.ref.fsdp_config
+        if self.use_critic:
+            configs["critic"] = self.critic.fsdp_config
+        if self.reward_model.enable:
+            configs["reward_model"] = self.reward_model.model.fsdp_config
+        return configs
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with a config: where, what was given, what is allowed."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class ConfigError(Exception):
+    """A config that cannot run; carries every problem found, not just the first."""
+
+    def __init__(self, problems: Sequence[ConfigProblem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(problem) for problem in self.problems))
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read a YAML file, apply ``key.path=value`` overrides, validate, resolve derived defaults.
+
+    Raises ConfigError naming every problem at once.
+    """
+    raw: dict[str, Any] = {}
+    problems: list[ConfigProblem] = []
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for override in overrides:
+        problem = _apply_override(raw, override)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
+    return validate_config(raw)
+
+
+def validate_config(raw: dict[str, Any]) -> RunConfig:
+    """Turn a plain dict into a RunConfig, or raise ConfigError naming every problem."""
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as error:
+        errors = error.errors()
+        problems = [_describe_pydantic_error(item) for item in errors]
+        problems += _file_problems_despite_schema_errors(raw, [item["loc"] for item in errors])
+        raise ConfigError(problems) from None
+    problems = check_semantics(config)
+    if problems:
+        raise ConfigError(problems)
+    return resolve_defaults(config)
+
+
+def resolve_defaults(config: RunConfig) -> RunConfig:
+    """Fill the "unset means same as the actor" fields so the saved config is explicit."""
+    actor = config.actor_rollout_ref.actor
+    critic = config.critic.model_copy(
+        update={
+            "enable": config.use_critic,
+            "ppo_mini_batch_size": config.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+            "ppo_micro_batch_size_per_gpu": config.critic.ppo_micro_batch_size_per_gpu
+            or actor.ppo_micro_batch_size_per_gpu,
+            "ppo_epochs": config.critic.ppo_epochs or actor.ppo_epochs,
+            "model": config.critic.model.model_copy(
+                update={"path": config.critic.model.path or config.actor_rollout_ref.model.path}
+            ),
+        }
+    )
+    return config.model_copy(update={"critic": critic})
+
+
+def dump_config(config: RunConfig) -> str:
+    """The config as YAML, every field explicit: what the trainer process is started with."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def inactive_settings(config: RunConfig) -> list[str]:
+    """Accepted keys whose engine is not built yet: each one gets a warning at start."""
+    notes = []
+    for role, fsdp in config.fsdp_configs().items():
+        prefix = _FSDP_PREFIX[role]
+        offloaded = [group for group in ("embedding", "lm_head", "transformer", "norm")
+                     if fsdp.placement(group) == "cpu"]
+        if offloaded:
+            # Name the key the user set: param_offload alone puts every group on the CPU.
+            key = "param_offload" if fsdp.param_offload else "offload_policy"
+            notes.append(f"{prefix}.{key} places {', '.join(offloaded)} on the CPU, but the offload engine "
+                         "is not built yet: every group stays on the compute device")
+        if fsdp.optimizer_offload:
+            notes.append(f"{prefix}.optimizer_offload is set, but optimizer offload is not built yet: "
+                         "optimizer states stay on the compute device")
+        if fsdp.dynamic_offload.enabled:
+            notes.append(f"{prefix}.dynamic_offload.enabled is set, but dynamic offload is not built yet")
+        if fsdp.wrap_policy.transformer_layer_cls_to_wrap or fsdp.wrap_policy.min_num_params:
+            notes.append(f"{prefix}.wrap_policy is set, but only single-device runs exist yet: "
+                         "it has no effect")
+    if config.actor_rollout_ref.rollout.embedding_cache.enabled:
+        notes.append("actor_rollout_ref.rollout.embedding_cache.enabled is set, but the embedding cache "
+                     "is not built yet")
+    actor = config.actor_rollout_ref.actor
+    if actor.sequence_parallel_offload:
+        notes.append("actor_rollout_ref.actor.sequence_parallel_offload is set, but sequence parallelism "
+                     "is not built yet")
+    return notes
+
+
+_FSDP_PREFIX = {
+    "actor": "actor_rollout_ref.actor.fsdp_config",
+    "ref": "actor_rollout_ref.ref.fsdp_config",
+    "critic": "critic.fsdp_config",
+    "reward_model": "reward_model.model.fsdp_config",
+}
+
+
+# ------------------------------------------------------------------------------ semantic checks
+
+
+def check_semantics(config: RunConfig) -> list[ConfigProblem]:
+    """Problems no single field can see: files, paths, and how fields fit together."""
+    return _check_files(config) + _check_consistency(config)
+
+
+def _check_files(config: RunConfig) -> list[ConfigProblem]:
+    """Checks of one value each against the disk: safe to run on a config with defaults patched in."""
+    return _check_model_paths(config) + _check_data_files(config)
+
+
+def _check_consistency(config: RunConfig) -> list[ConfigProblem]:
+    """Checks of how fields fit together: they only make sense once every field is the user's own."""
+    return _check_batch_sizes(config) + _check_algorithm(config) + _check_devices(config)
+
+
+def _file_problems_despite_schema_errors(raw: dict[str, Any],
+                                         locations: Sequence[tuple[Any, ...]]) -> list[ConfigProblem]:
+    """The file checks of a config that failed the schema, so a typo does not hide a missing file.
+
+    The bad values are dropped (their defaults take their place) and the rest is checked again; problems at
+    or under a dropped key are left out, as is everything that compares fields (a default would be judged).
+    """
+    patched = copy.deepcopy(raw)
+    dropped = []
+    for location in locations:
+        field_path = list(itertools.takewhile(lambda part: isinstance(part, str), location))
+        if field_path and _drop(patched, field_path):
+            dropped.append(_dotted(field_path))
+    try:
+        config = RunConfig.model_validate(patched)
+    except ValidationError:
+        return []
+    return [problem for problem in _check_files(config)
+            if not any(_is_under(problem.path, key) for key in dropped)]
+
+
+def _drop(raw: dict[str, Any], field_path: Sequence[str]) -> bool:
+    node: Any = raw
+    for part in field_path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and field_path[-1] in node:
+        del node[field_path[-1]]
+        return True
+    return False
+
+
+def _is_under(path: str, key: str) -> bool:
+    return path == key or path.startswith((key + ".", key + "["))
+
+
+def _check_model_paths(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    candidates = [
+        ("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path, True),
+        ("actor_rollout_ref.model.tokenizer_path", config.actor_rollout_ref.model.tokenizer_path, False),
+    ]
+    if config.use_critic:
+        candidates += [("critic.model.path", config.critic.model.path, True),
+                       ("critic.model.tokenizer_path", config.critic.model.tokenizer_path, False)]
+    if config.reward_model.enable:
+        if config.reward_model.model.path is None:
+            problems.append(ConfigProblem("reward_model.model.path", "is not set, but reward_model.enable is "
+                                          "true; allowed: the directory of a sequence-classification model "
+                                          "with one output (num_labels=1)"))
+        candidates += [("reward_model.model.path", config.reward_model.model.path, True),
+                       ("reward_model.model.tokenizer_path", config.reward_model.model.tokenizer_path, False)]
+    for key, value, is_model in candidates:
+        if value is None:
+            continue
+        problem = _check_model_path(key, value, is_model)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _check_model_path(key: str, value: str, is_model: bool) -> ConfigProblem | None:
+    what = "model" if is_model else "tokenizer"
+    builtins = ", ".join(BUILTIN_PREFIX + model for model in BUILTIN_MODELS)
+    if value.startswith(BUILTIN_PREFIX):
+        if value.removeprefix(BUILTIN_PREFIX) not in BUILTIN_MODELS:
+            return ConfigProblem(key, f"got {value!r}, which is not a built-in model; allowed: {builtins}, "
+                                 f"or a local HuggingFace {what} directory")
+        return None
+    directory = Path(value).expanduser()
+    if not directory.is_dir():
+        return ConfigProblem(key, f"got {value!r}, which is not a directory (models are never downloaded); "
+                             f"allowed: a local HuggingFace {what} directory, or {builtins}")
+    if is_model and not (directory / "config.json").is_file():
+        return ConfigProblem(key, f"got {value!r}, a directory without config.json; allowed: a model "
+                             "directory written by save_pretrained")
+    return None
+
+
+def _check_data_files(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    if not config.data.train_files:
+        problems.append(ConfigProblem("data.train_files", f"got an empty list; "
+                                      f"allowed: {_DATA_FILES_ALLOWED}"))
+    for key in ("train_files", "val_files"):
+        for index, value in enumerate(getattr(config.data, key)):
+            problem = _check_data_file(f"data.{key}[{index}]", value)
+            if problem:
+                problems.append(problem)
+    function = config.custom_reward_function
+    if function.path is not None and not Path(function.path).expanduser().is_file():
+        problems.append(ConfigProblem("custom_reward_function.path", f"got {function.path!r}, which is not a "
+                                      f"file; allowed: a Python file that defines {function.name}"))
+    return problems
+
+
+_DATA_FILES_ALLOWED = (f"{', '.join(DATA_FILE_SUFFIXES)} files (verl's parquet layout or JSONL), "
+                       f"or {', '.join(BUILTIN_PREFIX + name for name in BUILTIN_DATASETS)}")
+
+
+def _check_data_file(key: str, value: str) -> ConfigProblem | None:
+    if value.startswith(BUILTIN_PREFIX):
+        if value.removeprefix(BUILTIN_PREFIX) not in BUILTIN_DATASETS:
+            return ConfigProblem(key, f"got {value!r}, which is not a built-in dataset; "
+                                 f"allowed: {_DATA_FILES_ALLOWED}")
+        return None
+    path = Path(value).expanduser()
+    if path.suffix not in DATA_FILE_SUFFIXES:
+        return ConfigProblem(key, f"got {value!r}, a file format that cannot be read; "
+                             f"allowed: {_DATA_FILES_ALLOWED}")
+    if not path.is_file():
+        return ConfigProblem(key, f"got {value!r}, which does not exist; allowed: an existing file")
+    return None
+
+
+def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    batch = config.data.train_batch_size
+    n = config.actor_rollout_ref.rollout.n
+    actor = config.actor_rollout_ref.actor
+    sections = [("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu)]
+    critic = config.critic
+    # A critic size left unset inherits the actor's: only its own values are reported under critic.
+    if config.use_critic and (critic.ppo_mini_batch_size or critic.ppo_micro_batch_size_per_gpu):
+        sections.append(("critic", critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+                         critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu))
+    for prefix, mini, micro in sections:
+        if batch % mini:
+            why = "is larger than" if mini > batch else "does not divide"
+            problems.append(ConfigProblem(f"{prefix}.ppo_mini_batch_size", f"got {mini}, which {why} "
+                                          f"data.train_batch_size ({batch}); allowed: a divisor of {batch}, "
+                                          f"e.g. {_largest_divisor(batch, mini)}"))
+        elif (mini * n) % micro:
+            sequences = mini * n
+            problems.append(ConfigProblem(
+                f"{prefix}.ppo_micro_batch_size_per_gpu",
+                f"got {micro}, which does not divide the mini-batch of {sequences} sequences "
+                f"(ppo_mini_batch_size {mini} x rollout.n {n}); allowed: a divisor of {sequences}, "
+                f"e.g. {_largest_divisor(sequences, micro)}"))
+    return problems
+
+
+def _largest_divisor(number: int, at_most: int) -> int:
+    return max(divisor for divisor in range(1, min(number, at_most) + 1) if number % divisor == 0)
+
+
+def _check_algorithm(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    n = config.actor_rollout_ref.rollout.n
+    if config.algorithm.adv_estimator == "grpo" and n < 2:
+        problems.append(ConfigProblem("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator="
+                                      "grpo compares responses to the same prompt; allowed: n >= 2"))
+    if config.algorithm.adv_estimator == "gae" and config.critic.enable is False:
+        problems.append(ConfigProblem("critic.enable", "got false, but algorithm.adv_estimator=gae needs a "
+                                      "critic; allowed: true, or algorithm.adv_estimator=grpo"))
+    actor = config.actor_rollout_ref.actor
+    low, _ = actor.clip_range
+    if low >= 1.0:
+        key = "clip_ratio_low" if actor.clip_ratio_low is not None else "clip_ratio"
+        problems.append(ConfigProblem(f"actor_rollout_ref.actor.{key}", f"got {low}, which lets the policy "
+                                      f"ratio be clipped at 0 or below; allowed: 0 < {key} < 1"))
+    if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
+        problems.append(ConfigProblem("trainer.resume_from_path", "is not set, but trainer.resume_mode is "
+                                      "resume_path; allowed: a global_step_N checkpoint directory"))
+    if config.trainer.test_freq > 0 and not config.data.val_files:
+        problems.append(ConfigProblem("trainer.test_freq", f"got {config.trainer.test_freq}, but "
+                                      "data.val_files is empty; allowed: -1 (no validation), or set "
+                                      "data.val_files"))
+    return problems
+
+
+def _check_devices(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    trainer = config.trainer
+    devices = trainer.nnodes * trainer.n_gpus_per_node
+    if devices > 1:
+        key = "trainer.nnodes" if trainer.nnodes > 1 else "trainer.n_gpus_per_node"
+        problems.append(ConfigProblem(key, f"got {trainer.n_gpus_per_node} GPU(s) per node on "
+                                      f"{trainer.nnodes} node(s), but only single-device runs exist yet; "
+                                      "allowed: nnodes=1 and n_gpus_per_node=1"))
+    actor = config.actor_rollout_ref.actor
+    for key, size in (("actor_rollout_ref.actor", actor.ulysses_sequence_parallel_size),
+                      ("critic", config.critic.ulysses_sequence_parallel_size)):
+        if size > devices:
+            problems.append(ConfigProblem(f"{key}.ulysses_sequence_parallel_size", f"got {size}, more than "
+                                          f"the run's {devices} device(s); allowed: at most {devices}"))
+    return problems
+
+
+# ------------------------------------------------------------------------------------------- YAML
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with two fixes for config files.
+
+    - ``1e-5`` is a float (YAML 1.2 reads it so; PyYAML follows YAML 1.1, which wants ``1.0e-5``), so a
+      learning rate written the usual way stays a number inside free-form keys such as override_config.
+    - A key given twice in one mapping is an error: PyYAML would keep the last one without a word.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` legitimately repeats the keys it merges.
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (first on line {first_line[key] + 1})",
+                    key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        why = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError([ConfigProblem("--config", f"got {str(path)!r}, which {why}; "
+                                         "allowed: a YAML file")])
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)  # noqa: S506 (a safe loader)
+    except UnicodeDecodeError:
+        raise ConfigError([ConfigProblem("--config", f"got {str(path)!r}, which is not UTF-8 text; "
+                                         "allowed: a YAML file")]) from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        reason = getattr(error, "problem", None) or "not valid YAML"
+        raise ConfigError([ConfigProblem("--config", f"{str(path)!r} is not valid YAML{where}: {reason}; "
+                                         "allowed: a YAML mapping of sections")]) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        kind = "list" if isinstance(raw, list) else type(raw).__name__
+        raise ConfigError([ConfigProblem("--config", f"{str(path)!r} holds a {kind}; allowed: a mapping of "
+                                         f"sections ({', '.join(RunConfig.model_fields)})")])
+    return raw
+
+
+# ---------------------------------------------------------------------------------------- overrides
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> ConfigProblem | None:
+    """Set one ``key.path=value`` in the raw dict; the value is read as YAML (64, 1e-5, true, [a, b])."""
+    key, sep, text = override.partition("=")
+    parts = key.split(".")
+    if not sep or not all(parts):
+        return ConfigProblem(key or override, f"got {override!r}, which is not an override; "
+                             "allowed: key.path=value, e.g. data.train_batch_size=64")
+    try:
+        value = yaml.load(text, Loader=_ConfigLoader) if text else ""  # noqa: S506 (a safe loader)
+    except yaml.YAMLError:
+        value = text  # e.g. `name=a: b`: take it as the plain string the user typed
+    node = raw
+    section: type[BaseModel] | None = RunConfig
+    for index, part in enumerate(parts[:-1]):
+        prefix = ".".join(parts[: index + 1])
+        field = section.model_fields.get(part) if section is not None else None
+        # An unknown key is left for pydantic, which reports it with a suggestion; a free-form dict
+        # (override_config) takes any key below it.
+        is_setting = field is not None and _section_type(field.annotation) is None
+        if is_setting and not _is_mapping(field.annotation):
+            return ConfigProblem(prefix, f"got the override {key}=..., but {prefix} is a setting, not a "
+                                 f"section; allowed: {prefix}=<{_describe_allowed(field.annotation, field)}>")
+        section = _section_type(field.annotation) if field is not None else None
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            return ConfigProblem(prefix, f"got the override {key}=..., but the config file sets {prefix} to "
+                                 f"{_show(child)}; allowed: a section (a mapping) at {prefix}")
+        node = child
+    field = section.model_fields.get(parts[-1]) if section is not None else None
+    if field is not None and _unwrap_optional(field.annotation) is str and not isinstance(value, str | None):
+        value = text  # a name stays as typed: YAML would read experiment_name=007 as the number 7
+    node[parts[-1]] = value
+    return None
+
+
+# ------------------------------------------------------------------------------- schema messages
+
+
+_WHY_WRONG = {
+    "int_parsing": "not an integer",
+    "int_type": "not an integer",
+    "int_from_float": "not a whole number",
+    "float_parsing": "not a number",
+    "float_type": "not a number",
+    "finite_number": "not a finite number",
+    "bool_parsing": "not true or false",
+    "bool_type": "not true or false",
+    "string_type": "not a string",
+    "list_type": "not a list",
+    "tuple_type": "not a list",
+    "greater_than": "out of range",
+    "greater_than_equal": "out of range",
+    "less_than": "out of range",
+    "less_than_equal": "out of range",
+    "literal_error": "not one of the choices",
+}
+
+
+def _describe_pydantic_error(error: dict[str, Any]) -> ConfigProblem:
+    location = list(error["loc"])
+    path = _dotted(location)
+    kind = error["type"]
+    given = error.get("input")
+    field = _field_at(location)
+    if kind == "extra_forbidden":
+        return ConfigProblem(path, _unknown_key(location))
+    if kind == "missing":
+        return ConfigProblem(path, "is missing")
+    if kind == "value_error":  # the validators in this module write whole "got ...; allowed: ..." messages
+        return ConfigProblem(path, str(error["ctx"]["error"]))
+    if field is None:
+        return ConfigProblem(path, f"got {_show(given)}; {error['msg']}")
+    annotation = field.annotation
+    if location and isinstance(location[-1], int):  # an item of a list or tuple
+        annotation = next(iter(typing.get_args(_unwrap_optional(annotation))), annotation)
+    section = _section_type(annotation)
+    if section is not None:
+        return ConfigProblem(path, f"got {_show(given)}, but {location[-1]} is a section; allowed: a mapping "
+                             f"of its keys ({', '.join(section.model_fields)})")
+    if kind == "dict_type":
+        return ConfigProblem(path, f"got {_show(given)}, not a mapping; allowed: a mapping of keys to values")
+    why = _WHY_WRONG.get(kind)
+    if why is None:
+        return ConfigProblem(path, f"got {_show(given)}; {error['msg']}")
+    return ConfigProblem(path, f"got {_show(given)}, {why}; allowed: {_describe_allowed(annotation, field)}")
+
+
+def _dotted(location: Sequence[Any]) -> str:
+    text = ""
+    for part in location:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += ("." if text else "") + str(part)
+    return text
+
+
+def _unknown_key(location: Sequence[Any]) -> str:
+    """Name the unknown key, the closest known one, and the allowed keys of its section."""
+    name = str(location[-1])
+    parent = _field_at(location[:-1]) if len(location) > 1 else None
+    section = RunConfig if len(location) == 1 else _section_type(parent.annotation) if parent else None
+    what = "section" if len(location) == 1 else "key"
+    if section is None:
+        return f"got the unknown {what} {name!r}"
+    allowed = list(section.model_fields)
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"got the unknown {what} {name!r}{hint}; allowed: {', '.join(allowed)}"
+
+
+def _field_at(location: Sequence[Any]) -> FieldInfo | None:
+    """The schema field a pydantic error location points at (list indexes are skipped)."""
+    section: type[BaseModel] | None = RunConfig
+    field = None
+    for part in location:
+        if isinstance(part, int):
+            continue
+        if section is None:
+            return None
+        field = section.model_fields.get(str(part))
+        if field is None:
+            return None
+        section = _section_type(field.annotation)
+    return field

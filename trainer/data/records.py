@@ -1,0 +1,225 @@
+"""Prompt records in verl's dataset layout, read from and written to parquet or JSONL.
+
+One row per prompt: ``data_source`` (str), ``prompt`` (chat messages ``[{"role", "content"}]`` or,
+as our extension, a plain string), ``ability`` (optional), ``reward_model`` (``{"style": "rule",
+"ground_truth": ...}``) and ``extra_info`` (optional dict). Every problem with a file is a
+``DataError`` whose message is one line naming the file, the row and the column.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trainer.config import BUILTIN_PREFIX, DATA_FILE_SUFFIXES
+
+PARQUET_SUFFIX = ".parquet"
+JSONL_SUFFIXES = tuple(suffix for suffix in DATA_FILE_SUFFIXES if suffix != PARQUET_SUFFIX)
+
+Prompt = str | list[dict[str, str]]
+
+
+class DataError(Exception):
+    """A data file cannot be used; the message is one line that says where and why."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt and what its responses are scored against."""
+
+    prompt: Prompt
+    data_source: str
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+def load_records(files: Iterable[str], prompt_key: str = "prompt") -> list[PromptRecord]:
+    """All records of ``files`` in order; ``builtin:NAME`` stands for a built-in dataset."""
+    records: list[PromptRecord] = []
+    for file in files:
+        if file.startswith(BUILTIN_PREFIX):
+            records += _builtin_records(file)
+        else:
+            records += _read_file(file, prompt_key)
+    return records
+
+
+def write_records(records: Iterable[PromptRecord], path: str | Path) -> None:
+    """Write ``records`` in verl's layout: parquet for a ``.parquet`` path, JSONL for .jsonl or .json.
+
+    Parquet stores ``extra_info`` as one struct column, so a key that only some rows have
+    comes back as None in the others; JSONL keeps every row as written.
+    """
+    path = Path(path)
+    rows = [_to_row(record) for record in records]
+    if path.suffix == PARQUET_SUFFIX:
+        _write_parquet(rows, path)
+    elif path.suffix in JSONL_SUFFIXES:
+        with path.open("w", encoding="utf-8") as out:
+            out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    else:
+        raise DataError(f"cannot write {str(path)!r}: unknown format; allowed: "
+                        f"{PARQUET_SUFFIX}, {', '.join(JSONL_SUFFIXES)}")
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+def _builtin_records(file: str) -> list[PromptRecord]:
+    # builtin.py builds PromptRecords, so it imports this module and not the other way round.
+    from trainer.data.builtin import BUILTIN_DATASETS
+
+    name = file.removeprefix(BUILTIN_PREFIX)
+    if name not in BUILTIN_DATASETS:
+        allowed = ", ".join(BUILTIN_PREFIX + known for known in BUILTIN_DATASETS)
+        raise DataError(f"{file!r} is not a built-in dataset; allowed: {allowed}")
+    return BUILTIN_DATASETS[name]()
+
+
+def _read_file(file: str, prompt_key: str) -> list[PromptRecord]:
+    path = Path(file).expanduser()
+    name = f"data file {file!r}"
+    if path.suffix not in (PARQUET_SUFFIX, *JSONL_SUFFIXES):
+        raise DataError(f"{name} has an unknown format; allowed: {', '.join(DATA_FILE_SUFFIXES)} files "
+                        f"or {BUILTIN_PREFIX}NAME")
+    if not path.is_file():
+        raise DataError(f"{name} does not exist")
+    if path.stat().st_size == 0:
+        raise DataError(f"{name} is empty (0 bytes)")
+    rows = _parquet_rows(path, name, prompt_key) if path.suffix == PARQUET_SUFFIX else _jsonl_rows(path, name)
+    records = [_to_record(row, where, prompt_key) for where, row in rows]
+    if not records:
+        raise DataError(f"{name} has no rows")
+    return records
+
+
+def _parquet_rows(path: Path, name: str, prompt_key: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(f"{name} is not a readable parquet file ({_one_line(error)})") from None
+    for column in (prompt_key, "data_source"):
+        if column not in table.column_names:
+            raise DataError(f"{name} has no column {column!r} (columns: {', '.join(table.column_names)}); "
+                            + _COLUMN_HINTS[column])
+    # Row numbers count from 0, as pandas and pyarrow index them.
+    return ((f"{name} row {index}", row) for index, row in enumerate(table.to_pylist()))
+
+
+def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise DataError(f"{name} is not UTF-8 text ({_one_line(error)})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{name} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: must be a JSON object (one row per line), got {_type_name(row)}")
+        yield where, row
+
+
+_COLUMN_HINTS = {
+    "prompt": "set data.prompt_key to the column that holds the prompt",
+    "data_source": "every row needs the name of its dataset, which picks the reward function",
+}
+
+
+def _to_record(row: dict[str, Any], where: str, prompt_key: str) -> PromptRecord:
+    for column in (prompt_key, "data_source"):
+        if column not in row:
+            hint = _COLUMN_HINTS["prompt" if column == prompt_key else column]
+            raise DataError(f"{where} has no key {column!r} (keys: {', '.join(row)}); {hint}")
+    data_source = row["data_source"]
+    if not isinstance(data_source, str) or not data_source:
+        got = "an empty string" if data_source == "" else _type_name(data_source)
+        raise DataError(f"{where}: data_source must be a non-empty string, got {got}")
+    return PromptRecord(
+        prompt=_check_prompt(row[prompt_key], where, prompt_key),
+        data_source=data_source,
+        ground_truth=_ground_truth(row.get("reward_model"), where),
+        extra_info=_extra_info(row.get("extra_info"), where),
+    )
+
+
+def _check_prompt(prompt: Any, where: str, prompt_key: str) -> Prompt:
+    problem = f"{where}: {prompt_key} must be a string or a list of {{role, content}} messages, got "
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(problem + "an empty string")
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise DataError(problem + ("an empty list" if isinstance(prompt, list) else _type_name(prompt)))
+    messages = []
+    for index, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise DataError(f"{problem}{_type_name(message)} as message {index}")
+        # Parquet stores messages as one struct type, so a key only some messages carry is None in the rest.
+        message = {key: value for key, value in message.items() if value is not None}
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise DataError(f"{problem}message {index} with {key} {_describe(message.get(key))}")
+        messages.append(message)
+    return messages
+
+
+def _ground_truth(reward_model: Any, where: str) -> Any:
+    if reward_model is None:
+        return None
+    if not isinstance(reward_model, dict):
+        raise DataError(f"{where}: reward_model must be a dict like "
+                        f"{{'style': 'rule', 'ground_truth': ...}}, got {_type_name(reward_model)}")
+    return reward_model.get("ground_truth")
+
+
+def _extra_info(extra_info: Any, where: str) -> dict[str, Any]:
+    if extra_info is None:
+        return {}
+    if not isinstance(extra_info, dict):
+        raise DataError(f"{where}: extra_info must be a dict or absent, got {_type_name(extra_info)}")
+    return extra_info
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _describe(value: Any) -> str:
+    return "missing" if value is None else f"{value!r} ({_type_name(value)})"
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+# ------------------------------------------------------------------------------------- writing
+
+
+def _to_row(record: PromptRecord) -> dict[str, Any]:
+    return {
+        "data_source": record.data_source,
+        "prompt": record.prompt,
+        "reward_model": {"style": "rule", "ground_truth": record.ground_truth},
+        # Parquet cannot store a struct without fields, so an empty extra_info is written as null.
+        "extra_info": record.extra_info or None,
+    }
+
+
+def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
+    try:
+        table = pa.Table.from_pylist(rows)
+    except pa.ArrowException as error:
+        raise DataError(f"cannot write {str(path)!r} as parquet: the rows do not share one type per column "
+                        f"({_one_line(error)}); write JSONL instead") from None
+    pq.write_table(table, path)

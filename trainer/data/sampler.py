@@ -1,0 +1,82 @@
+"""The order in which prompts are taken, reproducible across a checkpoint and resume."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+# What fixes the order of the batches, by the name a user knows it by.
+_RESUME_KEYS = {"num_records": "prompts", "batch_size": "data.train_batch_size", "shuffle": "data.shuffle",
+                "seed": "data.seed"}
+
+
+class PromptSampler:
+    """Batches of record indices: drop-last, a fresh permutation each epoch.
+
+    The order of an epoch depends only on (seed, epoch), so ``epoch`` and ``position`` (batches
+    already taken in this epoch) are all a checkpoint needs to continue with the same batches
+    as an uninterrupted run.
+    """
+
+    def __init__(self, num_records: int, batch_size: int, shuffle: bool = True, seed: int = 0) -> None:
+        if batch_size < 1:
+            raise ValueError(f"data.train_batch_size must be at least 1, got {batch_size}")
+        if num_records < batch_size:
+            raise ValueError(f"{num_records} prompts cannot fill one batch of data.train_batch_size="
+                             f"{batch_size}; lower data.train_batch_size to at most {num_records} "
+                             "or add prompts")
+        self.num_records = num_records
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch: int | None = None
+        self._order: list[int] = []
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_records // self.batch_size
+
+    def next_batch(self) -> list[int]:
+        """The next batch of record indices, moving into the next epoch when this one is spent."""
+        if self.position >= self.steps_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        start = self.position * self.batch_size
+        batch = self._epoch_order()[start : start + self.batch_size]
+        self.position += 1
+        return batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Batches without end; the caller decides when training stops."""
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "num_records": self.num_records,
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` left off; the prompts and batching must be those it was saved with."""
+        changed = [f"{name} {state[key]} in the checkpoint, {getattr(self, key)} now"
+                   for key, name in _RESUME_KEYS.items() if state[key] != getattr(self, key)]
+        if changed:
+            raise ValueError("the checkpoint's prompt order does not fit this run (" + "; ".join(changed)
+                             + "): resume with the same data files, data.train_batch_size, data.shuffle "
+                             "and data.seed")
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+
+    def _epoch_order(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            if self.shuffle:
+                # SeedSequence wants non-negative entropy; the modulo keeps any int seed usable.
+                generator = np.random.default_rng([self.seed % 2**64, self.epoch])
+                self._order = generator.permutation(self.num_records).tolist()
+            else:
+                self._order = list(range(self.num_records))
+            self._order_epoch = self.epoch
+        return self._order

@@ -1,0 +1,11 @@
+"""The errors a user can fix from the config or the data: reported as one line, exit code 2."""
+
+from trainer.checkpoint import CheckpointError
+from trainer.data import DataError
+from trainer.loop import RunSetupError
+from trainer.models import ModelLoadError
+from trainer.rewards import CustomRewardError, UnknownDataSource
+from trainer.rollout.prompts import PromptTooLong
+
+USER_ERRORS = (CheckpointError, DataError, ModelLoadError, CustomRewardError, UnknownDataSource, PromptTooLong,
+               RunSetupError)

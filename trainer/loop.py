@@ -1,0 +1,331 @@
+"""The RL trainer: PPO and GRPO share this pipeline and differ only in advantage and loss.
+
+One step reads top to bottom in `train_step`: generate, score, old log-probs, reference
+log-probs, values, advantages, critic update, actor update.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from trainer.algorithms import apply_kl_penalty, build_kl_controller, get_advantage_estimator
+from trainer.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
+from trainer.config import RunConfig
+from trainer.data import PromptRecord, PromptSampler, load_records
+from trainer.metrics import (
+    MetricsLog,
+    StepTimer,
+    data_metrics,
+    memory_metrics,
+    reduce_metrics,
+    throughput_metrics,
+)
+from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
+from trainer.randomness import rng_state, seed_everything, set_rng_state
+from trainer.reporting import StepObserver
+from trainer.rewards import resolve_compute_score
+from trainer.rewards.manager import ModelReward, RewardFunction, RuleReward, place_on_last_token
+from trainer.rollout.batch import RolloutBatch
+from trainer.rollout.hf_rollout import HFRollout
+from trainer.rollout.prompts import encode_prompts
+from trainer.workers.actor import Actor, compute_log_probs
+from trainer.workers.critic import Critic
+
+
+class RunSetupError(Exception):
+    """The run cannot start as configured; the message names the setting to change."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RunSetupError("trainer.device: cuda, but no CUDA GPU is visible; set trainer.device=auto or cpu")
+    return torch.device(name)
+
+
+def count_total_steps(config: RunConfig, steps_per_epoch: int) -> int:
+    """trainer.total_training_steps when set (verl: it wins), else epochs x steps per epoch."""
+    return config.trainer.total_training_steps or steps_per_epoch * config.trainer.total_epochs
+
+
+class Trainer:
+    """Builds the models from the config and runs the RL loop, checkpointing as it goes."""
+
+    def __init__(self, config: RunConfig, *, observers: Sequence[StepObserver] = (), log=print, warn=print):
+        self.config = config
+        self.run_dir = Path(config.trainer.run_dir)
+        self.observers = list(observers)
+        self.log, self.warn = log, warn
+        self.device = resolve_device(config.trainer.device)
+        seed_everything(config.trainer.seed)
+        self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.tokenizer_path
+                                        or config.actor_rollout_ref.model.path,
+                                        trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
+        self.records = load_records(config.data.train_files, config.data.prompt_key)
+        self.val_records = load_records(config.data.val_files, config.data.prompt_key) if config.data.val_files else []
+        try:
+            self.sampler = PromptSampler(len(self.records), config.data.train_batch_size,
+                                         shuffle=config.data.shuffle, seed=config.data.seed)
+        except ValueError as error:
+            raise RunSetupError(str(error)) from None
+        self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
+        self._build_models()
+        self.reward_fn = self._build_reward()
+        self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
+        kl = config.algorithm.kl_ctrl
+        self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.step = 0
+        self._resumed = False
+        self.stop_requested = threading.Event()
+
+    # ------------------------------------------------------------------------------------- build
+
+    def _build_models(self) -> None:
+        config = self.config
+        model_config = config.actor_rollout_ref.model
+        seed = config.trainer.seed
+        rollout = config.actor_rollout_ref.rollout
+
+        def policy(fsdp_config, gradient_checkpointing: bool):
+            return load_policy(model_config.path, self.tokenizer, dtype=torch_dtype(fsdp_config.model_dtype),
+                               seed=seed, override_config=model_config.override_config,
+                               gradient_checkpointing=gradient_checkpointing,
+                               trust_remote_code=model_config.trust_remote_code).to(self.device)
+
+        actor_config = config.actor_rollout_ref.actor
+        self.actor = Actor(policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
+                           actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
+                           log_prob_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
+                           total_steps=self.total_steps, seed=seed)
+        self.rollout = HFRollout(self.actor.model, self.tokenizer, rollout, config.data.max_response_length)
+        self.reference = None
+        if config.use_reference:
+            self.reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
+        self.critic = None
+        if config.use_critic:
+            critic = config.critic
+            model = load_critic(critic.model.path, self.tokenizer, dtype=torch_dtype(critic.fsdp_config.model_dtype),
+                                seed=seed, override_config=critic.model.override_config or model_config.override_config,
+                                gradient_checkpointing=critic.model.enable_gradient_checkpointing,
+                                trust_remote_code=critic.model.trust_remote_code).to(self.device)
+            self.critic = Critic(model, critic, rollout_n=rollout.n,
+                                 forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
+                                 total_steps=self.total_steps)
+
+    def _build_reward(self) -> RewardFunction:
+        config = self.config
+        if not config.reward_model.enable:
+            function = config.custom_reward_function
+            return RuleReward(self.tokenizer, resolve_compute_score(function.path, function.name))
+        network = config.reward_model.model
+        tokenizer = load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code)
+        model = load_reward_model(network.path, tokenizer, dtype=torch_dtype(network.fsdp_config.model_dtype),
+                                  seed=config.trainer.seed, trust_remote_code=network.trust_remote_code)
+        return ModelReward(model.to(self.device), self.tokenizer, tokenizer,
+                           micro_batch_size=config.reward_model.micro_batch_size_per_gpu,
+                           max_length=config.data.max_prompt_length + config.data.max_response_length)
+
+    # -------------------------------------------------------------------------------------- loop
+
+    def fit(self) -> None:
+        """Train until total steps, or until a stop is requested (then checkpoint and return)."""
+        if not self._resumed:
+            self.resume()
+        if self.step >= self.total_steps:
+            self.log(f"nothing to do: the run is complete at step {self.step}/{self.total_steps}")
+            return
+        saved_at = self.step
+        while self.step < self.total_steps and not self.stop_requested.is_set():
+            records = [self.records[index] for index in self.sampler.next_batch()]
+            metrics = self.train_step(records)
+            self.step += 1
+            metrics.update(self._maybe_validate())
+            self.metrics_log.append(self.step, metrics)
+            for observer in self.observers:
+                observer.on_step(self.step, metrics)
+            if self.config.trainer.save_freq > 0 and self.step % self.config.trainer.save_freq == 0:
+                self.save()
+                saved_at = self.step
+        if saved_at != self.step:
+            self.save()
+        if self.stop_requested.is_set() and self.step < self.total_steps:
+            self.log(f"stopped at step {self.step}/{self.total_steps} on request; checkpoint saved")
+
+    def train_step(self, records: Sequence[PromptRecord]) -> dict[str, float]:
+        """One RL step over a batch of prompts; returns its metrics under verl's names."""
+        timer = StepTimer(self._synchronize)
+        metrics: dict[str, float] = {}
+        with timer.phase("step"):
+            with timer.phase("gen"):
+                batch = self.generate(records)
+            with timer.phase("reward"):
+                batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
+            with timer.phase("old_log_prob"):
+                batch.old_log_probs = self.actor.compute_log_probs(batch)
+            if self.reference is not None:
+                with timer.phase("ref"):
+                    batch.ref_log_probs = self._reference_log_probs(batch)
+            if self.critic is not None:
+                with timer.phase("values"):
+                    batch.values = self.critic.compute_values(batch)
+            with timer.phase("adv"):
+                metrics.update(self.compute_advantages(batch))
+            if self.critic is not None:
+                with timer.phase("update_critic"):
+                    metrics.update(reduce_metrics(self.critic.update(batch)))
+            with timer.phase("update_actor"):
+                metrics.update(reduce_metrics(self.actor.update(batch)))
+        metrics.update(timer.metrics())
+        metrics.update(data_metrics(batch, response_length=self.config.data.max_response_length,
+                                    prompt_length=self.config.data.max_prompt_length))
+        metrics.update(throughput_metrics(batch, timer.seconds["step"]))
+        metrics.update(memory_metrics(self.device))
+        metrics["training/epoch"] = self.sampler.epoch
+        return metrics
+
+    # ------------------------------------------------------------------------------------ phases
+
+    def generate(self, records: Sequence[PromptRecord], rollout: HFRollout | None = None,
+                 n: int | None = None) -> RolloutBatch:
+        """Sample n responses per prompt; the batch holds prompt i's responses at i*n ... i*n + n - 1."""
+        n = self.config.actor_rollout_ref.rollout.n if n is None else n
+        repeated = [record for record in records for _ in range(n)]
+        prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
+                                                 max_length=self.config.data.max_prompt_length,
+                                                 truncation=self.config.data.truncation)
+        prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        response_ids, response_mask = (rollout or self.rollout).generate(prompt_ids, prompt_mask)
+        group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
+        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                            response_mask=response_mask, group_index=group_index, records=repeated)
+
+    def _reference_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        return compute_log_probs(self.reference, batch,
+                                 micro_batch_size=self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+                                 temperature=self.config.actor_rollout_ref.rollout.temperature)
+
+    def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        """Token rewards (less the KL penalty when it is in the reward), then advantages and returns."""
+        algorithm = self.config.algorithm
+        metrics = {}
+        if algorithm.use_kl_in_reward:
+            batch.token_level_rewards, mean_kl = apply_kl_penalty(
+                batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+                kl_coef=self.kl_controller.value, estimator=algorithm.kl_penalty)
+            metrics = {"actor/reward_kl_penalty": float(mean_kl),
+                       "actor/reward_kl_penalty_coeff": self.kl_controller.value}
+            self.kl_controller.update(float(mean_kl), n_steps=len(batch))
+        else:
+            batch.token_level_rewards = batch.token_level_scores
+        if algorithm.adv_estimator == "gae":
+            batch.advantages, batch.returns = self.advantage_fn(
+                batch.token_level_rewards, batch.values, batch.response_mask, gamma=algorithm.gamma, lam=algorithm.lam)
+        else:
+            batch.advantages, batch.returns = self.advantage_fn(
+                batch.token_level_rewards, batch.response_mask, batch.group_index,
+                norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo)
+        return metrics
+
+    def _maybe_validate(self) -> dict[str, float]:
+        frequency = self.config.trainer.test_freq
+        due = frequency > 0 and (self.step % frequency == 0 or self.step == self.total_steps)
+        return self.validate() if due and self.val_records else {}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Greedy responses to the validation prompts, mean score per data source (verl's val-core keys)."""
+        greedy = HFRollout(self.actor.model, self.tokenizer,
+                           self.config.actor_rollout_ref.rollout.model_copy(update={"do_sample": False}),
+                           self.config.data.max_response_length)
+        scores: dict[str, list[float]] = {}
+        size = self.config.data.val_batch_size
+        for start in range(0, len(self.val_records), size):
+            batch = self.generate(self.val_records[start:start + size], rollout=greedy, n=1)
+            for record, score in zip(batch.records, self.reward_fn(batch).tolist(), strict=True):
+                scores.setdefault(record.data_source, []).append(score)
+        return {f"val-core/{source}/reward/mean@1": sum(values) / len(values) for source, values in scores.items()}
+
+    # ------------------------------------------------------------------------------- checkpoints
+
+    def _models(self) -> dict[str, torch.nn.Module]:
+        models = {"actor": self.actor.model}
+        if self.critic is not None:
+            models["critic"] = self.critic.model
+        return models
+
+    def save(self) -> Path:
+        state = {
+            "step": self.step,
+            "actor": self.actor.state_dict(),
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "sampler": self.sampler.state_dict(),
+            "kl_controller": self.kl_controller.state_dict(),
+            "rng": rng_state(),
+        }
+        path = save_checkpoint(self.run_dir, self.step, self._models(), state,
+                               keep=self.config.trainer.max_ckpt_to_keep)
+        self.log(f"checkpoint saved: {path}")
+        return path
+
+    def resume(self) -> None:
+        """Continue from the checkpoint resume_mode points at, or start at step 0."""
+        mode = self.config.trainer.resume_mode
+        self._resumed = True
+        remove_partial_checkpoints(self.run_dir)
+        if mode == "disable":
+            if list_checkpoints(self.run_dir):
+                raise RunSetupError(f"trainer.resume_mode: disable, but {self.run_dir} already holds checkpoints; "
+                                    "set trainer.resume_mode=auto to continue that run, or choose another "
+                                    "trainer.experiment_name")
+            path = None
+        elif mode == "resume_path":
+            path = Path(self.config.trainer.resume_from_path)
+        else:
+            path = latest_checkpoint(self.run_dir)
+        if path is None:
+            self.metrics_log.truncate_after(0)
+            return
+        self._restore(path)
+
+    def _restore(self, path: Path) -> None:
+        try:
+            state = load_checkpoint(path, self._models())
+            self.actor.load_state_dict(state["actor"])
+            if self.critic is not None:
+                self.critic.load_state_dict(state["critic"])
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as error:
+            raise CheckpointError(f"cannot resume from {path}: {error}") from None
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.metrics_log.truncate_after(self.step)
+        self.log(f"resumed from {path} at step {self.step}")
+
+    # ------------------------------------------------------------------------------------ control
+
+    def request_stop(self) -> None:
+        """Checkpoint at the end of the current step and return from fit(). Safe from a signal handler."""
+        self.stop_requested.set()
+
+    def install_signal_handlers(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self.request_stop())
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

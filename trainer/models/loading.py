@@ -1,0 +1,128 @@
+"""Build the run's models from local directories (never downloaded) or the built-in preset."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
+    Qwen2ForTokenClassification,
+)
+
+from trainer.config import BUILTIN_PREFIX
+from trainer.models.tiny import build_tiny_tokenizer, seeded_init, tiny_qwen2_config
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ModelLoadError(Exception):
+    """A model or tokenizer that could not be loaded; the message names the config key."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """A tokenizer set up for generation: left padding, and a pad token (eos when it has none)."""
+    if path.startswith(BUILTIN_PREFIX):
+        tokenizer = build_tiny_tokenizer()
+    else:
+        tokenizer = _from_local(AutoTokenizer, path, "tokenizer", trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(f"tokenizer at {path!r} has no eos token: responses could never end")
+    return tokenizer
+
+
+def load_policy(
+    path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    dtype: torch.dtype,
+    seed: int,
+    override_config: dict[str, Any] | None = None,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A causal LM: the actor, the rollout and (frozen) the reference policy."""
+    if path.startswith(BUILTIN_PREFIX):
+        model = seeded_init(Qwen2ForCausalLM, tiny_qwen2_config(tokenizer, override_config), seed)
+    else:
+        model = _from_local(AutoModelForCausalLM, path, "model", dtype=dtype,
+                            trust_remote_code=trust_remote_code, **(override_config or {}))
+    return _prepare(model, tokenizer, dtype, gradient_checkpointing)
+
+
+def load_critic(
+    path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    dtype: torch.dtype,
+    seed: int,
+    override_config: dict[str, Any] | None = None,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A value model: the policy's backbone with a one-output head per token (as verl's critic).
+
+    From a directory the backbone's weights load and the head starts random; the built-in
+    preset copies the backbone of the policy built from the same seed, to match.
+    """
+    if path.startswith(BUILTIN_PREFIX):
+        config = tiny_qwen2_config(tokenizer, override_config, num_labels=1)
+        model = seeded_init(Qwen2ForTokenClassification, config, seed + 1)
+        policy = seeded_init(Qwen2ForCausalLM, tiny_qwen2_config(tokenizer, override_config), seed)
+        model.model.load_state_dict(policy.model.state_dict())
+    else:
+        model = _from_local(AutoModelForTokenClassification, path, "critic", dtype=dtype, num_labels=1,
+                            trust_remote_code=trust_remote_code, **(override_config or {}))
+    return _prepare(model, tokenizer, dtype, gradient_checkpointing)
+
+
+def load_reward_model(
+    path: str, tokenizer: PreTrainedTokenizerBase, *, dtype: torch.dtype, seed: int, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """A sequence classifier with one output: the score of a whole prompt and response.
+
+    The built-in preset gives a random reward model, for tests of the plumbing only.
+    """
+    if path.startswith(BUILTIN_PREFIX):
+        model = seeded_init(Qwen2ForSequenceClassification,
+                            tiny_qwen2_config(tokenizer, num_labels=1), seed + 2)
+    else:
+        model = _from_local(AutoModelForSequenceClassification, path, "reward model", dtype=dtype,
+                            num_labels=1, trust_remote_code=trust_remote_code)
+    model = _prepare(model, tokenizer, dtype, gradient_checkpointing=False)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype,
+             gradient_checkpointing: bool) -> PreTrainedModel:
+    model = model.to(dtype)
+    if model.config.pad_token_id is None:
+        # Sequence classifiers find the last real token through pad_token_id.
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _from_local(auto_class, path: str, what: str, **kwargs):
+    try:
+        return auto_class.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"could not load the {what} from {path!r}: {first_line}") from error

@@ -1,0 +1,90 @@
+"""Turn a batch of responses into one score each: rule-based scorers or a reward model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from trainer.rewards.custom import as_float_score
+from trainer.rollout.batch import RolloutBatch
+
+ScoreFunction = Callable[[str, str, Any, dict | None], Any]
+
+
+class RewardFunction(Protocol):
+    def __call__(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B] float scores, one per response."""
+        ...
+
+
+def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] scores -> [B, R] token-level scores, each on its response's last token (EOS included)."""
+    token_scores = torch.zeros_like(response_mask, dtype=torch.float32)
+    last = (response_mask.sum(dim=1).long() - 1).clamp(min=0)
+    token_scores[torch.arange(len(scores), device=scores.device), last] = scores.float()
+    return token_scores
+
+
+def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The responses as text, without padding or EOS."""
+    return tokenizer.batch_decode(batch.response_ids.masked_fill(batch.response_mask == 0, tokenizer.pad_token_id),
+                                  skip_special_tokens=True)
+
+
+class RuleReward:
+    """verl's naive reward manager: score(data_source, response text, ground truth, extra_info)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, compute_score: ScoreFunction):
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score
+
+    def __call__(self, batch: RolloutBatch) -> torch.Tensor:
+        texts = decode_responses(batch, self.tokenizer)
+        scores = [
+            as_float_score(self.compute_score(record.data_source, text, record.ground_truth, record.extra_info))
+            for record, text in zip(batch.records, texts, strict=True)
+        ]
+        return torch.tensor(scores, dtype=torch.float32, device=batch.response_ids.device)
+
+
+class ModelReward:
+    """A sequence classifier scores the prompt and response, re-tokenized with its own tokenizer."""
+
+    def __init__(self, model: PreTrainedModel, policy_tokenizer: PreTrainedTokenizerBase,
+                 reward_tokenizer: PreTrainedTokenizerBase, *, micro_batch_size: int, max_length: int):
+        self.model = model
+        self.policy_tokenizer = policy_tokenizer
+        self.reward_tokenizer = reward_tokenizer
+        self.micro_batch_size = micro_batch_size
+        self.max_length = max_length
+
+    def _texts(self, batch: RolloutBatch) -> list[str]:
+        responses = decode_responses(batch, self.policy_tokenizer)
+        texts = []
+        for record, response in zip(batch.records, responses, strict=True):
+            if isinstance(record.prompt, list) and self.reward_tokenizer.chat_template:
+                messages = [*record.prompt, {"role": "assistant", "content": response}]
+                texts.append(self.reward_tokenizer.apply_chat_template(messages, tokenize=False))
+            else:
+                prompt = record.prompt if isinstance(record.prompt, str) else "\n".join(
+                    message["content"] for message in record.prompt)
+                texts.append(f"{prompt} {response}")
+        return texts
+
+    @torch.no_grad()
+    def __call__(self, batch: RolloutBatch) -> torch.Tensor:
+        device = batch.response_ids.device
+        texts = self._texts(batch)
+        scores = []
+        # Right padding: the classifier reads the score at the last non-pad token.
+        self.reward_tokenizer.padding_side = "right"
+        for start in range(0, len(texts), self.micro_batch_size):
+            encoded = self.reward_tokenizer(texts[start:start + self.micro_batch_size], return_tensors="pt",
+                                            padding=True, truncation=True, max_length=self.max_length)
+            output = self.model(input_ids=encoded["input_ids"].to(device),
+                                attention_mask=encoded["attention_mask"].to(device))
+            scores.append(output.logits[:, 0].float())
+        return torch.cat(scores)

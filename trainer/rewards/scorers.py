@@ -1,0 +1,81 @@
+"""Rule-based scorers, picked by a prompt's ``data_source`` as in verl's ``default_compute_score``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+Scorer = Callable[[str, Any], float]
+
+# A number as people write it: optional sign, thousands commas, decimals; a sentence's final "."
+# is not part of it.
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+_STRICT_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
+_ANY_NUMBER = re.compile(_NUMBER)
+
+
+class UnknownDataSource(ValueError):
+    """No built-in scorer for a prompt's data_source."""
+
+
+def score_counting(solution_str: str, ground_truth: Any) -> float:
+    """Share of answer words in place, over the longer of answer and response.
+
+    Dividing by the response length too means words after the answer cost reward, which is
+    what teaches a model to stop.
+    """
+    truth = str(ground_truth).split()
+    response = solution_str.split()
+    longest = max(len(truth), len(response))
+    if longest == 0:
+        return 0.0
+    matches = sum(1 for expected, given in zip(truth, response, strict=False) if expected == given)
+    return matches / longest
+
+
+def score_gsm8k(solution_str: str, ground_truth: Any, method: str = "strict", format_score: float = 0.0,
+                score: float = 1.0) -> float:
+    """verl's GSM8K rule: ``score`` for the right number, ``format_score`` for a wrong one, else 0.
+
+    strict reads the number after the last "#### "; flexible reads the last number in the text.
+    """
+    if method == "strict":
+        found = _STRICT_ANSWER.findall(solution_str)
+    elif method == "flexible":
+        found = _ANY_NUMBER.findall(solution_str)
+    else:
+        raise ValueError(f"method {method!r} is not a GSM8K answer rule; allowed: strict, flexible")
+    if not found:
+        return 0.0
+    right = _normalise_number(found[-1]) == _normalise_number(str(ground_truth))
+    return float(score) if right else float(format_score)
+
+
+def _normalise_number(text: str) -> str:
+    """One spelling per value, so "1,800", "$1800" and "1800.00" compare equal."""
+    text = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        return f"{Decimal(text).normalize():f}"
+    except InvalidOperation:
+        return text
+
+
+SCORERS: dict[str, Scorer] = {
+    "counting": score_counting,
+    "openai/gsm8k": score_gsm8k,
+    "gsm8k": score_gsm8k,
+}
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any,
+                          extra_info: dict[str, Any] | None = None) -> float:
+    """verl's scorer signature: dispatch on ``data_source`` to a built-in scorer."""
+    scorer = SCORERS.get(data_source)
+    if scorer is None:
+        raise UnknownDataSource(
+            f"no built-in scorer for data_source {data_source!r}; known: {', '.join(sorted(SCORERS))}; "
+            "set custom_reward_function.path to a Python file that defines "
+            "compute_score(data_source, solution_str, ground_truth, extra_info)")
+    return float(scorer(solution_str, ground_truth))

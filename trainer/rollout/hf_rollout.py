@@ -1,0 +1,67 @@
+"""Batched sampling with transformers' generate on the actor's own weights."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from trainer.config import RolloutConfig
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends a response: the tokenizer's eos and the model's (chat models have several)."""
+    ids = {tokenizer.eos_token_id}
+    model_eos = model.generation_config.eos_token_id
+    if model_eos is not None:
+        ids.update(model_eos if isinstance(model_eos, list) else [model_eos])
+    return sorted(ids)
+
+
+def response_mask_until_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """[B, R] float mask: 1 up to and including the first EOS, 0 after it."""
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device))
+    # Count EOS tokens seen strictly before each position; the response is what precedes the first.
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    return (eos_before == 0).float()
+
+
+class HFRollout:
+    """Samples `response_length` tokens at most per prompt, stopping at EOS."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
+                 response_length: int):
+        self.model = model
+        self.response_length = response_length
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id
+        # A fresh config on purpose: a checkpoint's own generation defaults (repetition penalty,
+        # top_k=20, ...) would silently change the sampling distribution the losses assume.
+        self.generation_config = GenerationConfig(
+            max_new_tokens=response_length,
+            do_sample=config.do_sample,
+            temperature=config.temperature if config.do_sample else None,
+            top_p=config.top_p if config.do_sample else None,
+            top_k=max(config.top_k, 0) if config.do_sample else None,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, P] left-padded prompts -> ([B, R] response ids right-padded, [B, R] response mask)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            sequences = self.model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
+            )
+        finally:
+            self.model.train(was_training)
+        responses = sequences[:, prompt_ids.shape[1]:]
+        padding = self.response_length - responses.shape[1]
+        if padding > 0:
+            responses = torch.nn.functional.pad(responses, (0, padding), value=self.pad_id)
+        mask = response_mask_until_eos(responses, self.eos_ids)
+        responses = responses.masked_fill(mask == 0, self.pad_id)
+        return responses, mask

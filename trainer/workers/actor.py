@@ -1,0 +1,102 @@
+"""The policy: log-probs for the rollout and reference, and the PPO/GRPO update."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from trainer.algorithms import (
+    aggregate_loss,
+    compute_policy_loss,
+    entropy_from_logits,
+    kl_penalty,
+    log_probs_from_logits,
+)
+from trainer.config import ActorConfig
+from trainer.rollout.batch import RolloutBatch
+from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
+
+
+@torch.no_grad()
+def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
+                      temperature: float) -> torch.Tensor:
+    """[B, R] log-probs of the sampled responses under `model` at the sampling temperature."""
+    was_training = model.training
+    model.eval()
+    try:
+        parts = []
+        for micro_batch in batch.split(micro_batch_size):
+            logits = response_logits(model, micro_batch).float() / temperature
+            parts.append(log_probs_from_logits(logits, micro_batch.response_ids))
+    finally:
+        model.train(was_training)
+    return torch.cat(parts) * batch.response_mask
+
+
+class Actor:
+    """Owns the policy's weights, optimizer and learning-rate schedule."""
+
+    def __init__(self, model: PreTrainedModel, config: ActorConfig, *, temperature: float, rollout_n: int,
+                 log_prob_micro_batch_size: int, total_steps: int, seed: int):
+        self.model = model
+        self.config = config
+        self.temperature = temperature
+        self.rollout_n = rollout_n
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size
+        self.optimizer = build_optimizer(model, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
+        self.shuffle_generator = torch.Generator().manual_seed(seed) if config.shuffle else None
+
+    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
+                                 temperature=self.temperature)
+
+    def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
+        """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""
+        metrics = run_updates(
+            self.model, self.optimizer, batch, self._loss,
+            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n,
+            micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
+            epochs=self.config.ppo_epochs,
+            grad_clip=self.config.grad_clip,
+            shuffle_generator=self.shuffle_generator,
+        )
+        metrics = {f"actor/{key}": values for key, values in metrics.items()}
+        metrics["actor/lr"] = [self.scheduler.get_last_lr()[0]]
+        self.scheduler.step()
+        return metrics
+
+    def _loss(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        config = self.config
+        logits = response_logits(self.model, batch).float() / self.temperature
+        log_probs = log_probs_from_logits(logits, batch.response_ids)
+        low, high = config.clip_range
+        policy = compute_policy_loss(batch.old_log_probs, log_probs, batch.advantages, batch.response_mask,
+                                     clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=config.clip_ratio_c,
+                                     loss_agg_mode=config.loss_agg_mode)
+        entropy = aggregate_loss(entropy_from_logits(logits), batch.response_mask, config.loss_agg_mode)
+        loss = policy.loss - config.entropy_coeff * entropy
+        metrics = {
+            "pg_loss": policy.loss.item(),
+            "pg_clipfrac": policy.clipfrac.item(),
+            "pg_clipfrac_lower": policy.clipfrac_lower.item(),
+            "ppo_kl": policy.ppo_kl.item(),
+            "entropy": entropy.item(),
+        }
+        if config.use_kl_loss:
+            kl = kl_penalty(log_probs, batch.ref_log_probs, config.kl_loss_type)
+            kl_loss = aggregate_loss(kl, batch.response_mask, config.loss_agg_mode)
+            loss = loss + config.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.item()
+            metrics["kl_coef"] = config.kl_loss_coef
+        return loss, metrics
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "shuffle_generator": self.shuffle_generator.get_state() if self.shuffle_generator else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.shuffle_generator is not None and state["shuffle_generator"] is not None:
+            self.shuffle_generator.set_state(state["shuffle_generator"])

@@ -1,0 +1,67 @@
+"""The value model: values for GAE and the clipped value update."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from trainer.algorithms import compute_value_loss
+from trainer.config import CriticConfig
+from trainer.rollout.batch import RolloutBatch
+from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
+
+
+class Critic:
+    """Owns the critic's weights, optimizer and schedule."""
+
+    def __init__(self, model: PreTrainedModel, config: CriticConfig, *, rollout_n: int,
+                 forward_micro_batch_size: int, total_steps: int):
+        self.model = model
+        self.config = config
+        self.rollout_n = rollout_n
+        self.forward_micro_batch_size = forward_micro_batch_size
+        self.optimizer = build_optimizer(model, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
+
+    def _values(self, batch: RolloutBatch) -> torch.Tensor:
+        # The head's output at the position before each response token is that state's value.
+        return response_logits(self.model, batch).squeeze(-1).float() * batch.response_mask
+
+    @torch.no_grad()
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, R] values of the states before each response token."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return torch.cat([self._values(micro) for micro in batch.split(self.forward_micro_batch_size)])
+        finally:
+            self.model.train(was_training)
+
+    def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
+        metrics = run_updates(
+            self.model, self.optimizer, batch, self._loss,
+            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n,
+            micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
+            epochs=self.config.ppo_epochs,
+            grad_clip=self.config.grad_clip,
+            shuffle_generator=None,
+        )
+        metrics = {f"critic/{key}": values for key, values in metrics.items()}
+        metrics["critic/lr"] = [self.scheduler.get_last_lr()[0]]
+        self.scheduler.step()
+        return metrics
+
+    def _loss(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        predictions = self._values(batch)
+        loss, clipfrac = compute_value_loss(predictions, batch.values, batch.returns, batch.response_mask,
+                                            cliprange_value=self.config.cliprange_value,
+                                            loss_agg_mode=self.config.loss_agg_mode)
+        mean_prediction = (predictions * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)
+        return loss, {"vf_loss": loss.item(), "vf_clipfrac": clipfrac.item(), "vpred_mean": mean_prediction.item()}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
