@@ -22,7 +22,7 @@ from trainer.checkpoint import (
     remove_partial_checkpoints,
     save_checkpoint,
 )
-from trainer.config import RunConfig
+from trainer.config import RunConfig, dump_config
 from trainer.data import PromptRecord, PromptSampler, load_records
 from trainer.metrics import (
     MetricsLog,
@@ -67,6 +67,9 @@ class Trainer:
     def __init__(self, config: RunConfig, *, observers: Sequence[StepObserver] = (), log=print, warn=print):
         self.config = config
         self.run_dir = Path(config.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # The config that actually ran, every default explicit, beside its results.
+        (self.run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
         self.observers = list(observers)
         self.log, self.warn = log, warn
         self.device = resolve_device(config.trainer.device)

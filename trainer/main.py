@@ -25,7 +25,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     # Import after argument parsing so --help is instant, and config errors show before torch loads.
-    from trainer.config import ConfigError, dump_config, inactive_settings, load_config
+    from trainer.config import ConfigError, inactive_settings, load_config
 
     try:
         config = load_config(args.config, args.overrides)
@@ -37,8 +37,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.reporting import ConsoleReporter
 
     run_dir = config.trainer.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
     reporter = None
     try:
         trainer = Trainer(config, log=print)
