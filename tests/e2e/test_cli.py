@@ -1,0 +1,128 @@
+"""The real `verl` command, as a user runs it: a short training run, stopping and resuming,
+and one-line errors with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VERL = Path(sys.executable).parent / "verl"
+QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
+SMALL = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.device=cpu"]
+
+
+def verl(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VERL), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_verl_command_is_installed():
+    assert VERL.is_file(), f"{VERL} missing: install the package (make venv)"
+
+
+def test_train_writes_the_run_directory(tmp_path):
+    result = verl("train", "--config", QUICKSTART, *SMALL, "trainer.total_training_steps=3", "trainer.save_freq=2",
+                  cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "runs" / "quickstart"
+    assert (run / "config.yaml").is_file()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert {"actor/pg_loss", "critic/score/mean", "timing_s/gen", "perf/throughput"} <= rows[0].keys()
+    assert sorted(path.name for path in (run / "checkpoints").glob("global_step_*")) == [
+        "global_step_2", "global_step_3"]
+    # One line of metrics per step on the console, and the same in the run's log.
+    step_lines = [line for line in result.stderr.splitlines() + result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in step_lines] == ["1/3", "2/3", "3/3"]
+    assert "step 3/3" in (run / "logs" / "trainer.log").read_text()
+
+
+def test_sigterm_checkpoints_and_a_second_start_resumes(tmp_path):
+    args = ["train", "--config", QUICKSTART, *SMALL, "trainer.total_training_steps=400"]
+    process = subprocess.Popen([str(VERL), *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    metrics = tmp_path / "runs" / "quickstart" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "stopped at step" in output
+    stopped_at = len(metrics.read_text().splitlines())
+    assert 2 <= stopped_at < 400
+    checkpoint = tmp_path / "runs" / "quickstart" / "checkpoints" / f"global_step_{stopped_at}"
+    assert checkpoint.is_dir()
+
+    result = verl("train", "--config", QUICKSTART, *SMALL, f"trainer.total_training_steps={stopped_at + 2}",
+                  cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {checkpoint.relative_to(tmp_path)} at step {stopped_at}" in result.stderr + result.stdout
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, stopped_at + 3))
+
+
+def _write_parquet(path: Path, table: dict) -> str:
+    pq.write_table(pa.table(table), path)
+    return str(path)
+
+
+BAD_INPUTS = ["wrong type", "unknown key", "out of range", "bad choice", "missing model", "not a model dir",
+              "missing data file", "unknown data format", "no prompt column", "not parquet",
+              "reward function missing", "mini-batch", "grpo n", "malformed override", "broken yaml"]
+
+
+def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    not_a_model = tmp_path / "not_a_model"
+    not_a_model.mkdir()
+    no_prompt = _write_parquet(tmp_path / "no_prompt.parquet", {"question": ["1 2 3"], "data_source": ["counting"]})
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"this is not parquet")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def something_else(*args):\n    return 0.0\n")
+    broken_yaml = tmp_path / "broken.yaml"
+    broken_yaml.write_text("data:\n  train_batch_size: [1, 2\n")
+    return {
+        "wrong type": (["data.train_batch_size=abc"], "data.train_batch_size"),
+        "unknown key": (["actor_rollout_ref.actor.optm.lr=1"], "did you mean 'optim'"),
+        "out of range": (["actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold=1.5"],
+                         "gpu_memory_threshold"),
+        "bad choice": (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator"),
+        "missing model": (["actor_rollout_ref.model.path=/nonexistent/model"], "actor_rollout_ref.model.path"),
+        "not a model dir": ([f"actor_rollout_ref.model.path={not_a_model}"], "config.json"),
+        "missing data file": (["data.train_files=/nonexistent/train.parquet"], "data.train_files[0]"),
+        "unknown data format": (["data.train_files=train.csv"], ".parquet"),
+        "no prompt column": ([f"data.train_files={no_prompt}"], "data.prompt_key"),
+        "not parquet": ([f"data.train_files={garbage}"], "garbage.parquet"),
+        "reward function missing": ([f"custom_reward_function.path={reward}"], "compute_score"),
+        "mini-batch": (["data.train_batch_size=100"], "ppo_mini_batch_size"),
+        "grpo n": (["algorithm.adv_estimator=grpo"], "actor_rollout_ref.rollout.n"),
+        "malformed override": (["data.train_batch_size"], "key.path=value"),
+        "broken yaml": (["--config", str(broken_yaml)], "line"),
+    }
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_error_line_and_exit_code_2(tmp_path, case):
+    overrides, expected = _bad_inputs(tmp_path)[case]
+    config = ["--config", QUICKSTART]
+    if overrides[0] == "--config":
+        config, overrides = overrides, []
+    result = verl("train", *config, *SMALL, *overrides, cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
+    assert len(errors) == 1, result.stderr
+    assert expected in errors[0]
+    # Nothing was trained on bad input.
+    assert not (tmp_path / "runs" / "quickstart" / "metrics.jsonl").exists()
