@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
+# Each demo is a new run (runs/quickstart-<time>), so a second `make demo` trains again.
 demo: venv
-	$(BIN)/verl train --config examples/quickstart.yaml
+	$(BIN)/verl train --config examples/quickstart.yaml trainer.experiment_name=quickstart-$$(date +%Y%m%d-%H%M%S)
 
 test: venv
 	$(BIN)/python -m pytest -q

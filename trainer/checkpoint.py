@@ -81,7 +81,13 @@ def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str,
             raise CheckpointError(f"{str(path)!r} has no weights for the {role}; was it written by a run "
                                   f"with the same models?")
         device = next(model.parameters()).device
-        missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
+        try:
+            missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
+        except RuntimeError as error:
+            # Missing or extra tensors are returned, but a tensor of another shape makes torch raise.
+            detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line),
+                          str(error).strip())
+            raise CheckpointError(f"the {role} weights in {str(path)!r} do not fit the model ({detail})") from None
         if missing or unexpected:
             raise CheckpointError(f"the {role} weights in {str(path)!r} do not fit the model "
                                   f"(missing {len(missing)}, unexpected {len(unexpected)} tensors)")

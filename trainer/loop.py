@@ -149,7 +149,8 @@ class Trainer:
         if not self._resumed:
             self.resume()
         if self.step >= self.total_steps:
-            self.log(f"nothing to do: the run is complete at step {self.step}/{self.total_steps}")
+            self.log(f"nothing to do: the run is complete at step {self.step}/{self.total_steps}; to train "
+                     "again choose another trainer.experiment_name, or raise trainer.total_training_steps")
             return
         saved_at = self.step
         while self.step < self.total_steps and not self.stop_requested.is_set():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
     Qwen2ForTokenClassification,
@@ -35,6 +38,8 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
     """A tokenizer set up for generation: left padding, and a pad token (eos when it has none)."""
     if path.startswith(BUILTIN_PREFIX):
         tokenizer = build_tiny_tokenizer()
+    elif _declares_plain_tokenizer_json(path):
+        tokenizer = _from_local(PreTrainedTokenizerFast, path, "tokenizer")
     else:
         tokenizer = _from_local(AutoTokenizer, path, "tokenizer", trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
@@ -43,6 +48,20 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(f"tokenizer at {path!r} has no eos token: responses could never end")
     return tokenizer
+
+
+def _declares_plain_tokenizer_json(path: str) -> bool:
+    """Whether the directory asks for its tokenizer.json as is (the tiny preset's tokenizer does).
+
+    For a qwen2 model directory AutoTokenizer overrides that and rebuilds tokenizer.json as Qwen2's
+    byte-level BPE, which drops unknown words and the spaces between decoded words.
+    """
+    try:
+        declared = json.loads((Path(path) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(declared, dict) and declared.get("tokenizer_class") in ("TokenizersBackend",
+                                                                              "PreTrainedTokenizerFast")
 
 
 def load_policy(
@@ -116,7 +135,11 @@ def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: 
         model.config.pad_token_id = tokenizer.pad_token_id
     model.config.use_cache = False
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.2x renamed it (the old name warns, and goes in v6); older 5.x has only the old one.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

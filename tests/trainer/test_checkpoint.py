@@ -1,0 +1,178 @@
+"""Atomic checkpoints: round trips, leftovers of crashed saves, pruning, re-saving, bad loads."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import trainer.checkpoint
+from trainer.checkpoint import (
+    LATEST,
+    TRAINER_STATE,
+    CheckpointError,
+    checkpoints_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
+from trainer.models import load_critic, load_policy, load_tokenizer
+from trainer.randomness import rng_state, set_rng_state
+
+TINY = "builtin:tiny-qwen2"
+SMALL = {"num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
+         "num_key_value_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY)
+
+
+def models(tokenizer, seed: int, **override) -> dict[str, torch.nn.Module]:
+    config = {**SMALL, **override}
+    return {
+        "actor": load_policy(TINY, tokenizer, dtype=torch.float32, seed=seed, override_config=config),
+        "critic": load_critic(TINY, tokenizer, dtype=torch.float32, seed=seed, override_config=config),
+    }
+
+
+def assert_same_weights(first: torch.nn.Module, second: torch.nn.Module) -> None:
+    first_state, second_state = first.state_dict(), second.state_dict()
+    assert first_state.keys() == second_state.keys()
+    for name, tensor in first_state.items():
+        assert torch.equal(tensor, second_state[name]), name
+
+
+def step_dirs(run_dir) -> list[str]:
+    return sorted(path.name for path in checkpoints_dir(run_dir).iterdir())
+
+
+def test_round_trip_of_models_and_state(tokenizer, tmp_path):
+    saved = models(tokenizer, seed=1)
+    optimizer = torch.optim.AdamW(saved["actor"].parameters(), lr=0.1)
+    saved["actor"](input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
+    optimizer.step()
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    state = {"step": 3, "optimizer": optimizer.state_dict(), "rng": rng_state(), "sampler": {"epoch": 1}}
+    expected_draws = (random.random(), np.random.rand(), torch.rand(3))
+
+    path = save_checkpoint(tmp_path, 3, saved, state)
+    assert path == tmp_path / "checkpoints" / "global_step_3"
+    loaded = models(tokenizer, seed=2)
+    restored = load_checkpoint(path, loaded)
+    for role in saved:
+        assert_same_weights(loaded[role], saved[role])
+    assert restored["step"] == 3 and restored["sampler"] == {"epoch": 1}
+    new_optimizer = torch.optim.AdamW(loaded["actor"].parameters(), lr=0.1)
+    new_optimizer.load_state_dict(restored["optimizer"])
+    first_moment = next(iter(optimizer.state.values()))["exp_avg"]
+    assert torch.equal(next(iter(new_optimizer.state.values()))["exp_avg"], first_moment)
+    # The RNG states put back make the same draws as when they were saved.
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    set_rng_state(restored["rng"])
+    draws = (random.random(), np.random.rand(), torch.rand(3))
+    assert draws[:2] == expected_draws[:2]
+    assert torch.equal(draws[2], expected_draws[2])
+
+
+def test_latest_file_holds_the_step(tokenizer, tmp_path):
+    saved = models(tokenizer, seed=1)
+    save_checkpoint(tmp_path, 4, saved, {"step": 4})
+    assert (checkpoints_dir(tmp_path) / LATEST).read_text() == "4\n"
+    save_checkpoint(tmp_path, 10, saved, {"step": 10})
+    assert (checkpoints_dir(tmp_path) / LATEST).read_text() == "10\n"
+    assert latest_checkpoint(tmp_path).name == "global_step_10"  # by number, not by name (10 < 4 as text)
+
+
+def test_no_checkpoints(tmp_path):
+    assert list_checkpoints(tmp_path) == []
+    assert latest_checkpoint(tmp_path) is None
+    remove_partial_checkpoints(tmp_path)  # nothing to do, and no error
+
+
+def test_leftovers_of_a_crashed_save_are_ignored(tokenizer, tmp_path):
+    saved = models(tokenizer, seed=1)
+    complete = save_checkpoint(tmp_path, 3, saved, {"step": 3})
+    root = checkpoints_dir(tmp_path)
+    partial = root / ".global_step_5.partial-123"
+    (partial / "actor").mkdir(parents=True)
+    (partial / TRAINER_STATE).write_bytes(b"half")
+    (root / "global_step_7" / "actor").mkdir(parents=True)  # weights, but no trainer_state.pt
+    (root / "notes").mkdir()
+
+    assert list_checkpoints(tmp_path) == [(3, complete)]
+    assert latest_checkpoint(tmp_path) == complete
+    remove_partial_checkpoints(tmp_path)
+    assert not partial.exists()
+    assert step_dirs(tmp_path) == ["global_step_3", "global_step_7", LATEST, "notes"]
+    with pytest.raises(CheckpointError, match=f"global_step_7.*not a complete checkpoint.*{TRAINER_STATE}"):
+        load_checkpoint(root / "global_step_7", saved)
+
+
+def test_keep_prunes_the_oldest(tokenizer, tmp_path):
+    saved = models(tokenizer, seed=1)
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, saved, {"step": step}, keep=2)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [3, 4]
+    assert step_dirs(tmp_path) == ["global_step_3", "global_step_4", LATEST]
+
+
+def test_resaving_a_step_replaces_it(tokenizer, tmp_path):
+    first, second = models(tokenizer, seed=1), models(tokenizer, seed=2)
+    save_checkpoint(tmp_path, 5, first, {"version": 1})
+    path = save_checkpoint(tmp_path, 5, second, {"version": 2})
+    loaded = models(tokenizer, seed=3)
+    assert load_checkpoint(path, loaded) == {"version": 2}
+    assert_same_weights(loaded["actor"], second["actor"])
+    assert step_dirs(tmp_path) == ["global_step_5", LATEST], "no stale copy may be left behind"
+
+
+def test_loading_into_a_model_of_another_shape(tokenizer, tmp_path):
+    path = save_checkpoint(tmp_path, 1, models(tokenizer, seed=1), {})
+    wider = models(tokenizer, seed=1, hidden_size=32)
+    with pytest.raises(CheckpointError, match=r"actor weights in .*global_step_1.* do not fit the model") as error:
+        load_checkpoint(path, wider)
+    assert "size mismatch" in str(error.value)
+    deeper = models(tokenizer, seed=1, num_hidden_layers=2)
+    with pytest.raises(CheckpointError, match=r"actor weights .* do not fit the model \(missing \d+, unexpected 0"):
+        load_checkpoint(path, deeper)
+
+
+def test_loading_a_role_the_checkpoint_lacks(tokenizer, tmp_path):
+    saved = models(tokenizer, seed=1)
+    path = save_checkpoint(tmp_path, 1, {"actor": saved["actor"]}, {})
+    with pytest.raises(CheckpointError, match="no weights for the critic"):
+        load_checkpoint(path, saved)
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(tokenizer, tmp_path, monkeypatch):
+    saved = models(tokenizer, seed=1)
+    previous = save_checkpoint(tmp_path, 1, saved, {"step": 1})
+
+    def crash(*_args, **_kwargs):
+        # torch.save runs once the weights are written: they are on disk when this raises.
+        assert (checkpoints_dir(tmp_path) / f".global_step_2.partial-{os.getpid()}"
+                / "actor" / "model.safetensors").is_file()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(trainer.checkpoint.torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, models(tokenizer, seed=2), {"step": 2})
+    monkeypatch.undo()
+
+    assert not (checkpoints_dir(tmp_path) / "global_step_2").exists()
+    assert list_checkpoints(tmp_path) == [(1, previous)]
+    assert (checkpoints_dir(tmp_path) / LATEST).read_text() == "1\n"
+    loaded = models(tokenizer, seed=3)
+    assert load_checkpoint(latest_checkpoint(tmp_path), loaded) == {"step": 1}
+    assert_same_weights(loaded["actor"], saved["actor"])
+    remove_partial_checkpoints(tmp_path)
+    assert step_dirs(tmp_path) == ["global_step_1", LATEST]
