@@ -466,6 +466,41 @@ class TrainerConfig(Section):
         return Path(self.runs_dir) / self.experiment_name
 
 
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class TelemetryConfig(Section):
+    host: str = "127.0.0.1"
+    """Address the API binds; anything but loopback exposes it beyond this machine (token still needed)."""
+    port: int = Field(0, ge=0, le=65535)
+    """API port; 0 picks a free one (printed at start and kept in the runtime file)."""
+    public_metrics: bool = False
+    """Serve /metrics without the token, for a Prometheus that cannot send it."""
+    gpu_sample_interval_s: float = Field(1.0, ge=0.05, le=60.0)
+    """Seconds between GPU samples (utilization, memory, power, temperature)."""
+    pcie_sample_interval_s: float = Field(10.0, ge=1.0, le=600.0)
+    """Seconds between PCIe throughput samples (each NVML call blocks ~20 ms)."""
+    history_seconds: int = Field(900, ge=10, le=86400)
+    """How far back the daemon keeps samples for monitors that attach late."""
+    allowed_origins: list[str] = []
+    """Extra browser origins allowed to open the WebSocket stream (the API's own is always allowed)."""
+
+
+class DaemonConfig(Section):
+    max_restarts: int = Field(3, ge=0)
+    """Restart a crashed trainer at most this many times, resuming from its latest checkpoint."""
+    restart_backoff_s: float = Field(1.0, ge=0.0, le=600.0)
+    """Wait before the first restart; doubles with each further one."""
+    restart_backoff_max_s: float = Field(60.0, ge=0.0, le=3600.0)
+    """Longest wait between restarts."""
+    stop_timeout_s: float = Field(300.0, gt=0.0)
+    """On stop, how long the trainer may take to reach a safe point and checkpoint before it is killed."""
+    state_dir: str | None = None
+    """Where runtime files live; unset uses $VERL_STATE_DIR, else $XDG_STATE_HOME/verl, else ~/.local/state/verl."""
+    log_level: LogLevel = "info"
+    """Least severe log lines kept by the daemon and the trainer (a live setting too)."""
+
+
 class RunConfig(Section):
     """The whole run."""
 
@@ -483,6 +518,10 @@ class RunConfig(Section):
     """Prompts and lengths."""
     trainer: TrainerConfig = TrainerConfig()
     """Length of the run, checkpoints, device."""
+    telemetry: TelemetryConfig = TelemetryConfig()
+    """The daemon's API: address, token use, sampling."""
+    daemon: DaemonConfig = DaemonConfig()
+    """Supervision of the trainer process."""
 
     @property
     def use_critic(self) -> bool:

@@ -1,0 +1,136 @@
+"""Runtime files: how `verl monitor/set/status/stop --pid` find a running daemon.
+
+Each daemon writes <state dir>/run/<daemon pid>.json (mode 0600: it holds the API token) with
+its URL, token, trainer child pids, run directory and config path, and removes it on exit.
+A file whose process is gone (or whose pid now names another process) is stale and removed
+whenever runs are looked up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+STATE_DIR_ENV = "VERL_STATE_DIR"
+# Two processes with the same pid started this far apart are different processes.
+_START_TIME_TOLERANCE_S = 1.0
+
+
+class RunNotFound(LookupError):
+    """No live verl run matches; the message says what was looked for and what exists."""
+
+
+@dataclass
+class RuntimeInfo:
+    """What a client needs to reach a running daemon."""
+
+    pid: int
+    url: str
+    token: str
+    run_dir: str
+    config_path: str
+    name: str
+    started_at: float
+    """The daemon process's start time (epoch seconds), to tell it from a later process with its pid."""
+    trainer_pids: list[int] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> RuntimeInfo:
+        return cls(**json.loads(text))
+
+
+def state_dir(configured: str | None = None) -> Path:
+    """daemon.state_dir, else $VERL_STATE_DIR, else $XDG_STATE_HOME/verl, else ~/.local/state/verl."""
+    if configured:
+        return Path(configured).expanduser()
+    if os.environ.get(STATE_DIR_ENV):
+        return Path(os.environ[STATE_DIR_ENV]).expanduser()
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "verl"
+
+
+def runtime_dir(state: Path) -> Path:
+    directory = state / "run"
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return directory
+
+
+def runtime_file(state: Path, pid: int) -> Path:
+    return runtime_dir(state) / f"{pid}.json"
+
+
+def write_runtime_file(state: Path, info: RuntimeInfo) -> Path:
+    """Write (or rewrite) the daemon's file atomically, readable by its owner only."""
+    path = runtime_file(state, info.pid)
+    temporary = path.with_name(f".{path.name}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write(info.to_json())
+    os.chmod(temporary, 0o600)  # O_CREAT's mode does not apply to a file that already existed
+    os.replace(temporary, path)
+    return path
+
+
+def remove_runtime_file(state: Path, pid: int) -> None:
+    runtime_file(state, pid).unlink(missing_ok=True)
+
+
+def process_start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def is_alive(info: RuntimeInfo) -> bool:
+    started = process_start_time(info.pid)
+    return started is not None and abs(started - info.started_at) <= _START_TIME_TOLERANCE_S
+
+
+def live_runs(state: Path) -> list[RuntimeInfo]:
+    """Every running daemon's info; stale and unreadable files are removed on the way."""
+    runs = []
+    for path in sorted(runtime_dir(state).glob("*.json")):
+        try:
+            info = RuntimeInfo.from_json(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError):
+            path.unlink(missing_ok=True)
+            continue
+        if is_alive(info):
+            runs.append(info)
+        else:
+            path.unlink(missing_ok=True)
+    return runs
+
+
+def find_run(pid: int, state: Path | None = None) -> RuntimeInfo:
+    """The run whose daemon is `pid`, or whose trainer (or any descendant of the daemon) is `pid`."""
+    state = state or state_dir()
+    if not psutil.pid_exists(pid):
+        raise RunNotFound(f"no process has pid {pid}{_running_hint(state)}")
+    runs = {info.pid: info for info in live_runs(state)}
+    try:
+        lineage = [psutil.Process(pid), *psutil.Process(pid).parents()]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        lineage = []
+    for process in lineage:
+        if process.pid in runs:
+            return runs[process.pid]
+    for info in runs.values():
+        if pid in info.trainer_pids:
+            return info
+    raise RunNotFound(f"pid {pid} is not a verl run (neither a daemon nor one of its trainers){_running_hint(state)}")
+
+
+def _running_hint(state: Path) -> str:
+    runs = live_runs(state)
+    if not runs:
+        return f"; no verl run is going (runtime files in {runtime_dir(state)})"
+    return "; running: " + ", ".join(f"pid {info.pid} ({info.name})" for info in runs)

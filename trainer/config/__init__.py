@@ -1,0 +1,40 @@
+"""The run configuration (schema, loading, errors), the live settings and the trainer<->daemon
+messages: everything the daemon shares with the trainer, none of it importing torch."""
+
+from trainer.config.schema import (
+    BUILTIN_DATASETS,
+    BUILTIN_MODELS,
+    BUILTIN_PREFIX,
+    DATA_FILE_SUFFIXES,
+    ActorConfig,
+    ActorRolloutRefConfig,
+    AlgorithmConfig,
+    ConfigError,
+    ConfigProblem,
+    CriticConfig,
+    DaemonConfig,
+    DataConfig,
+    FSDPConfig,
+    LogLevel,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    RunConfig,
+    Section,
+    TelemetryConfig,
+    TrainerConfig,
+    check_semantics,
+    dump_config,
+    inactive_settings,
+    load_config,
+    resolve_defaults,
+    validate_config,
+)
+
+__all__ = [
+    "BUILTIN_DATASETS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "DATA_FILE_SUFFIXES", "ActorConfig",
+    "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError", "ConfigProblem", "CriticConfig", "DaemonConfig",
+    "DataConfig", "FSDPConfig", "LogLevel", "ModelConfig", "OptimConfig", "RolloutConfig", "RunConfig", "Section",
+    "TelemetryConfig", "TrainerConfig", "check_semantics", "dump_config", "inactive_settings", "load_config",
+    "resolve_defaults", "validate_config",
+]
