@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -23,6 +25,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import RunConfig, dump_config
+from trainer.config.live import LiveSettings, initial_live_settings
 from trainer.data import PromptRecord, PromptSampler, load_records
 from trainer.metrics import (
     MetricsLog,
@@ -42,6 +45,14 @@ from trainer.rollout.hf_rollout import HFRollout
 from trainer.rollout.prompts import encode_prompts
 from trainer.workers.actor import Actor, compute_log_probs
 from trainer.workers.critic import Critic
+
+
+class TelemetryLink(Protocol):
+    """The trainer's side of the daemon connection (trainer/telemetry.py): never blocks."""
+
+    def send(self, message: dict) -> None: ...
+
+    def poll(self) -> list[dict]: ...
 
 
 class RunSetupError(Exception):
@@ -64,8 +75,12 @@ def count_total_steps(config: RunConfig, steps_per_epoch: int) -> int:
 class Trainer:
     """Builds the models from the config and runs the RL loop, checkpointing as it goes."""
 
-    def __init__(self, config: RunConfig, *, observers: Sequence[StepObserver] = (), log=print, warn=print):
+    def __init__(self, config: RunConfig, *, observers: Sequence[StepObserver] = (), log=print, warn=print,
+                 telemetry: TelemetryLink | None = None):
         self.config = config
+        self.telemetry = telemetry
+        self.live_settings: LiveSettings = initial_live_settings(config)
+        self.settings_listeners: list[Callable[[LiveSettings], None]] = []
         self.run_dir = Path(config.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # The config that actually ran, every default explicit, beside its results.
@@ -93,6 +108,8 @@ class Trainer:
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         self.step = 0
         self._resumed = False
+        self._checkpoint_requested = False
+        self._saved_at = 0
         self.stop_requested = threading.Event()
 
     # ------------------------------------------------------------------------------------- build
@@ -152,26 +169,35 @@ class Trainer:
             self.log(f"nothing to do: the run is complete at step {self.step}/{self.total_steps}; to train "
                      "again choose another trainer.experiment_name, or raise trainer.total_training_steps")
             return
-        saved_at = self.step
-        while self.step < self.total_steps and not self.stop_requested.is_set():
+        self._saved_at = self.step
+        while True:
+            self.handle_control_messages()
+            if self._checkpoint_requested and self._saved_at != self.step:
+                self.save()
+            self._checkpoint_requested = False
+            if self.step >= self.total_steps or self.stop_requested.is_set():
+                break
             records = [self.records[index] for index in self.sampler.next_batch()]
             metrics = self.train_step(records)
             self.step += 1
-            metrics.update(self._maybe_validate())
-            self.metrics_log.append(self.step, metrics)
-            for observer in self.observers:
-                observer.on_step(self.step, metrics)
+            self._record_step({**metrics, **self._maybe_validate()})
             if self.config.trainer.save_freq > 0 and self.step % self.config.trainer.save_freq == 0:
                 self.save()
-                saved_at = self.step
-        if saved_at != self.step:
+        if self._saved_at != self.step:
             self.save()
         if self.stop_requested.is_set() and self.step < self.total_steps:
             self.log(f"stopped at step {self.step}/{self.total_steps} on request; checkpoint saved")
 
+    def _record_step(self, metrics: dict[str, float]) -> None:
+        """metrics.jsonl, the daemon and every observer (the console) get the step's metrics."""
+        self.metrics_log.append(self.step, metrics)
+        self._send({"type": "step", "step": self.step, "metrics": metrics, "time": time.time()})
+        for observer in self.observers:
+            observer.on_step(self.step, metrics)
+
     def train_step(self, records: Sequence[PromptRecord]) -> dict[str, float]:
         """One RL step over a batch of prompts; returns its metrics under verl's names."""
-        timer = StepTimer(self._synchronize)
+        timer = StepTimer(self._synchronize, on_phase=self._phase)
         metrics: dict[str, float] = {}
         with timer.phase("step"):
             with timer.phase("gen"):
@@ -272,6 +298,7 @@ class Trainer:
         return models
 
     def save(self) -> Path:
+        self._phase("save_checkpoint")
         state = {
             "step": self.step,
             "actor": self.actor.state_dict(),
@@ -282,7 +309,9 @@ class Trainer:
         }
         path = save_checkpoint(self.run_dir, self.step, self._models(), state,
                                keep=self.config.trainer.max_ckpt_to_keep)
+        self._saved_at = self.step
         self.log(f"checkpoint saved: {path}")
+        self._send({"type": "checkpoint", "step": self.step, "path": str(path)})
         return path
 
     def resume(self) -> None:
@@ -321,6 +350,34 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
 
     # ------------------------------------------------------------------------------------ control
+
+    def handle_control_messages(self) -> None:
+        """The safe point between steps: apply live settings, note checkpoint and stop requests."""
+        if self.telemetry is None:
+            return
+        for message in self.telemetry.poll():
+            if message["type"] == "settings":
+                self.apply_live_settings(message["version"], message["values"])
+            elif message["type"] == "checkpoint_now":
+                self._checkpoint_requested = True
+            elif message["type"] == "stop":
+                self.request_stop()
+
+    def apply_live_settings(self, version: int, values: dict) -> None:
+        """Take the daemon's settings from the next step on, and acknowledge with that step."""
+        self.live_settings = LiveSettings.model_validate(values)
+        for listener in self.settings_listeners:
+            listener(self.live_settings)
+        self._send({"type": "settings_ack", "version": version, "step": self.step + 1,
+                    "values": self.live_settings.public()})
+
+    def _phase(self, name: str) -> None:
+        if name != "step":
+            self._send({"type": "phase", "step": self.step + 1, "phase": name, "time": time.time()})
+
+    def _send(self, message: dict) -> None:
+        if self.telemetry is not None:
+            self.telemetry.send(message)
 
     def request_stop(self) -> None:
         """Checkpoint at the end of the current step and return from fit(). Safe from a signal handler."""

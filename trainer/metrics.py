@@ -72,20 +72,24 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
 
 
 def throughput_metrics(batch: RolloutBatch, step_seconds: float) -> dict[str, float]:
-    tokens = (batch.prompt_mask.sum() + batch.response_mask.sum()).item()
-    return {"perf/total_num_tokens": tokens, "perf/time_per_step": step_seconds,
+    response_tokens = batch.response_mask.sum().item()
+    tokens = batch.prompt_mask.sum().item() + response_tokens
+    return {"perf/total_num_tokens": tokens, "perf/total_num_response_tokens": response_tokens,
+            "perf/time_per_step": step_seconds,
             "perf/throughput": tokens / step_seconds if step_seconds > 0 else math.nan}
 
 
 class StepTimer:
     """Wall time of each named phase of a step, as timing_s/<phase>."""
 
-    def __init__(self, synchronize=None):
+    def __init__(self, synchronize=None, on_phase=None):
         self._synchronize = synchronize or (lambda: None)
+        self._on_phase = on_phase or (lambda name: None)
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        self._on_phase(name)
         start = time.perf_counter()
         try:
             yield

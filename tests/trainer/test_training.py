@@ -172,3 +172,66 @@ def test_adaptive_kl_in_reward_moves_the_coefficient(tmp_path):
     assert coefficients[1] < coefficients[0]
     assert coefficients[2] > coefficients[1]
     assert all(row["critic/rewards/mean"] <= row["critic/score/mean"] + 1e-6 for row in rows)
+
+
+class FakeDaemonLink:
+    """Stands in for trainer/telemetry.py: records what the trainer sends, hands it queued commands."""
+
+    def __init__(self):
+        self.sent: list[dict] = []
+        self.inbox: list[dict] = []
+
+    def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def poll(self) -> list[dict]:
+        messages, self.inbox = self.inbox, []
+        return messages
+
+    def of_type(self, kind: str) -> list[dict]:
+        return [message for message in self.sent if message["type"] == kind]
+
+
+def test_live_settings_apply_at_the_next_step_and_are_acknowledged(tmp_path):
+    link = FakeDaemonLink()
+    trainer = make_trainer(tmp_path, "trainer.total_training_steps=3")
+    trainer.telemetry = link
+    applied = []
+    trainer.settings_listeners.append(applied.append)
+
+    class ChangeAfterStepOne:
+        def on_step(self, step, metrics):
+            if step == 1:
+                values = {**trainer.live_settings.public(), "gpu_memory_threshold": 0.6}
+                link.inbox.append({"type": "settings", "version": 4, "values": values})
+
+    trainer.observers.append(ChangeAfterStepOne())
+    trainer.fit()
+    assert link.of_type("settings_ack") == [
+        {"type": "settings_ack", "version": 4, "step": 2, "values": trainer.live_settings.public()}]
+    assert trainer.live_settings.gpu_memory_threshold == 0.6
+    assert [settings.gpu_memory_threshold for settings in applied] == [0.6]
+    assert [message["step"] for message in link.of_type("step")] == [1, 2, 3]
+    phases = [message["phase"] for message in link.of_type("phase") if message["step"] == 1]
+    assert phases[:3] == ["gen", "reward", "old_log_prob"] and phases[-1] == "update_actor"
+
+
+def test_checkpoint_now_and_stop_from_the_daemon(tmp_path):
+    link = FakeDaemonLink()
+    trainer = make_trainer(tmp_path, "trainer.total_training_steps=10")
+    trainer.telemetry = link
+
+    class Commands:
+        def on_step(self, step, metrics):
+            if step == 1:
+                link.inbox.append({"type": "checkpoint_now"})
+            if step == 3:
+                link.inbox.append({"type": "stop"})
+
+    trainer.observers.append(Commands())
+    trainer.fit()
+    # Both are taken at the safe point after the step they arrive in: a checkpoint of step 1 at once,
+    # and one of step 3 on the way out.
+    assert [step for step, _ in list_checkpoints(trainer.run_dir)] == [1, 3]
+    assert [message["step"] for message in link.of_type("checkpoint")] == [1, 3]
+    assert trainer.step == 3
