@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # A CPU build of torch lies on the disk of machines without a GPU; a plain `torch` would pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test test-fast lint clean
+.PHONY: venv tools demo test lint clean
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,13 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/verl train --config examples/quickstart.yaml trainer.experiment_name=quickstart-$$(date +%Y%m%d-%H%M%S)
 
-test: venv
+# promtool (Debian's prometheus package) checks the /metrics output; tests skip, saying why, without it.
+tools:
+	@command -v promtool >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >/dev/null 2>&1 \
+		|| (DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >/dev/null 2>&1) \
+		|| echo "promtool could not be installed (not root, or no package index): the promtool checks will skip"
+
+test: venv tools
 	$(BIN)/python -m pytest -q
 
 lint: venv

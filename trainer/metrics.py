@@ -61,14 +61,17 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     """Peak accelerator memory this step, and the process's resident memory, in GiB (verl's keys)."""
     gib = 1024**3
     allocated = reserved = 0.0
+    out_of_memory_errors = 0
     if device.type == "cuda":
         allocated = torch.cuda.max_memory_allocated(device) / gib
         reserved = torch.cuda.max_memory_reserved(device) / gib
+        # Cumulative over the process: the daemon turns it into verl_trainer_oom_total across restarts.
+        out_of_memory_errors = torch.cuda.memory_stats(device).get("num_ooms", 0)
         torch.cuda.reset_peak_memory_stats(device)
     # ru_maxrss is in KiB on Linux.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
     return {"perf/max_memory_allocated_gb": allocated, "perf/max_memory_reserved_gb": reserved,
-            "perf/cpu_memory_peak_gb": peak_rss}
+            "perf/cpu_memory_peak_gb": peak_rss, "perf/num_ooms": out_of_memory_errors}
 
 
 def throughput_metrics(batch: RolloutBatch, step_seconds: float) -> dict[str, float]:

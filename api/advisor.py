@@ -1,0 +1,106 @@
+"""Hints from the field's experience with offloaded training, read off one monitor snapshot.
+
+A pure function: `advise(snapshot)` looks at the snapshot the monitor builds and returns
+sentences for a user, most urgent first; no hint means nothing looks wrong. The snapshot is a
+dict of the API's JSON shapes:
+
+    {"time": now (epoch seconds),
+     "status": GET /v1/status,
+     "latest": GET /v1/metrics/latest,
+     "history": [recent events {"seq", "time", "kind", "data"}, oldest first]}
+
+Only "gpu" events of the last SUSTAINED_WINDOW_S seconds count for the GPU hints, so a short
+dip (a checkpoint save, a slow reward call) says nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from statistics import fmean
+from typing import Any
+
+from api.client import dig
+
+# Copies slower than this are bound by host memory or the PCIe link, not by the GPU.
+OFFLOAD_P99_LIMIT_S = 0.050
+SUSTAINED_WINDOW_S = 60.0
+# The GPU samples in the window must span this long before utilization counts as sustained.
+MIN_COVERAGE_S = 30.0
+LOW_UTILIZATION = 0.60
+HIGH_UTILIZATION = 0.95
+# Memory "spikes": in use this close to the total, or rising this much between two samples.
+MEMORY_NEAR_FULL = 0.95
+MEMORY_JUMP = 0.10
+
+
+def advise(snapshot: Mapping[str, Any]) -> list[str]:
+    """The hints that apply to this snapshot (empty when nothing looks wrong)."""
+    hints = []
+    p99 = dig(snapshot, "latest", "offload", "copy_latency_p99_s")
+    if p99 is not None and p99 > OFFLOAD_P99_LIMIT_S:
+        hints.append(f"offload copies are slow (p99 {p99 * 1e3:.0f} ms > {OFFLOAD_P99_LIMIT_S * 1e3:.0f} ms): "
+                     "CPU/PCIe bandwidth bound; use a coarser offload granularity (fewer, larger copies) "
+                     "or check that host memory is pinned")
+    if _training(snapshot):
+        for index, samples in _gpu_samples(snapshot).items():
+            hints += _gpu_hints(index, samples, anything_offloaded=_anything_offloaded(snapshot))
+    return hints
+
+
+def _gpu_hints(index: int, samples: list[tuple[float, dict]], *, anything_offloaded: bool) -> list[str]:
+    if samples[-1][0] - samples[0][0] < MIN_COVERAGE_S:
+        return []
+    utilization = fmean(gpu["utilization_ratio"] for _, gpu in samples)
+    window = f"the last {SUSTAINED_WINDOW_S:.0f} s"
+    if utilization < LOW_UTILIZATION and anything_offloaded:
+        return [f"GPU {index} averaged {utilization:.0%} utilization over {window} (< {LOW_UTILIZATION:.0%}): "
+                "likely over-offloaded; keep more of the model on the GPU (offload_policy, or raise "
+                "min_transformer_layers_on_gpu / gpu_memory_threshold)"]
+    if utilization > HIGH_UTILIZATION and (spike := _memory_spike(samples)):
+        return [f"GPU {index} at {utilization:.0%} utilization with memory spikes ({spike}): "
+                "raise min_transformer_layers_on_gpu so fewer layers move on and off the GPU"]
+    return []
+
+
+def _memory_spike(samples: list[tuple[float, dict]]) -> str | None:
+    """What makes the memory spiky, or None: near full at some point, or a sharp rise between samples."""
+    fractions = [gpu["memory_used_bytes"] / gpu["memory_total_bytes"]
+                 for _, gpu in samples if gpu.get("memory_total_bytes")]
+    if not fractions:
+        return None
+    if max(fractions) >= MEMORY_NEAR_FULL:
+        return f"peak {max(fractions):.0%} of memory in use"
+    rise = max((after - before for before, after in zip(fractions, fractions[1:], strict=False)), default=0.0)
+    if rise >= MEMORY_JUMP:
+        return f"memory in use rose by {rise:.0%} of the total between two samples"
+    return None
+
+
+def _gpu_samples(snapshot: Mapping[str, Any]) -> dict[int, list[tuple[float, dict]]]:
+    """(time, GPU data) per GPU index from the gpu events of the window, oldest first."""
+    since = snapshot["time"] - SUSTAINED_WINDOW_S
+    per_gpu: dict[int, list[tuple[float, dict]]] = {}
+    for event in _events(snapshot, "gpu"):
+        if event["time"] < since:
+            continue
+        for gpu in event["data"].get("gpus", []):
+            if gpu.get("utilization_ratio") is not None:
+                per_gpu.setdefault(gpu["index"], []).append((event["time"], gpu))
+    return per_gpu
+
+
+def _events(snapshot: Mapping[str, Any], kind: str) -> Sequence[Mapping[str, Any]]:
+    return [event for event in snapshot.get("history") or [] if event["kind"] == kind]
+
+
+def _training(snapshot: Mapping[str, Any]) -> bool:
+    """GPU load means something only while the trainer runs (not while it starts, restarts or stops)."""
+    return dig(snapshot, "status", "run", "state") == "running"
+
+
+def _anything_offloaded(snapshot: Mapping[str, Any]) -> bool:
+    """Whether any module group lives on the CPU; unknown (no summary yet) counts as yes."""
+    summary = dig(snapshot, "status", "offload", "summary")
+    if not summary:
+        return True
+    return any(group.get("device") == "cpu" for group in summary)

@@ -1,0 +1,232 @@
+"""The daemon's HTTP API: REST under /v1, Prometheus text at /metrics, the live stream at /v1/stream.
+
+Everything it serves comes in through `create_app`'s arguments (the hub, the registry, the daemon's
+RunControl, the token), so a test builds a fresh app the way the daemon does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any
+from urllib.parse import quote
+
+from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request, Response, WebSocket, status
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.websockets import WebSocketDisconnect
+
+from api.hub import Subscription, TelemetryHub, json_safe
+from api.schemas import (
+    EVENT_KINDS,
+    ErrorBody,
+    Health,
+    HistoryBody,
+    LatestBody,
+    RunControl,
+    SettingsRejectedError,
+    SettingsUpdateBody,
+    ValidationErrorBody,
+)
+from api.security import (
+    LoopbackHostMiddleware,
+    TokenAuth,
+    is_loopback_host,
+    origin_allowed,
+    token_matches,
+    websocket_token,
+)
+
+UNAUTHORIZED = {401: {"model": ErrorBody, "description": "Missing or wrong token."}}
+
+
+def create_app(*, hub: TelemetryHub, registry: CollectorRegistry, control: RunControl, token: str,
+               public_metrics: bool = False, bind_host: str = "127.0.0.1",
+               allowed_origins: Sequence[str] = ()) -> FastAPI:
+    """The API of one run. `public_metrics` serves /metrics without the token (for a Prometheus that
+    cannot send one); `bind_host` on loopback turns on the Host check; `allowed_origins` are the browser
+    origins, beyond loopback pages and the API's own, that may open the WebSocket stream.
+    """
+    # /docs and /openapi.json are declared below, behind the token like everything else.
+    app = FastAPI(title="verl run API", summary="Status, metrics, live stream and live settings of one run.",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(LoopbackHostMiddleware, enabled=is_loopback_host(bind_host))
+    app.add_exception_handler(SettingsRejectedError, _settings_rejected)
+    public = APIRouter()
+    private = APIRouter(dependencies=[Depends(TokenAuth(token))], responses=UNAUTHORIZED)
+
+    @public.get("/healthz", response_model=Health, tags=["health"])
+    async def healthz() -> dict:
+        """Liveness, without the token."""
+        return {"status": "ok"}
+
+    _add_metrics_routes(public if public_metrics else private, registry)
+    _add_telemetry_routes(private, hub)
+    _add_control_routes(private, control)
+    _add_docs_routes(private, app)
+    app.include_router(public)
+    app.include_router(private)
+    _add_stream(app, hub, token, allowed_origins)
+    return app
+
+
+def _add_metrics_routes(router: APIRouter, registry: CollectorRegistry) -> None:
+    @router.get("/metrics", response_class=Response, tags=["metrics"],
+                responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    async def metrics() -> Response:
+        """Prometheus text exposition of every verl_* metric."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_telemetry_routes(router: APIRouter, hub: TelemetryHub) -> None:
+    @router.get("/v1/metrics/latest", response_model=LatestBody, tags=["metrics"])
+    def latest() -> dict:
+        """The newest step metrics and GPU sample, and offload copies of the last minute."""
+        step, gpu = hub.latest("step"), hub.latest("gpu")
+        return json_safe({
+            "seq": hub.last_seq,
+            "step": ({"step": step.data.get("step"), "time": step.time, "metrics": step.data.get("metrics") or {}}
+                     if step else None),
+            "gpu": gpu.data if gpu else None,
+            "offload": hub.offload.summary(),
+        })
+
+    # A plain `def`: FastAPI runs it in a worker thread, so serializing a long history does not stall the loop.
+    @router.get("/v1/metrics/history", response_class=Response, tags=["metrics"],
+                responses={200: {"model": HistoryBody}, 422: {"model": ValidationErrorBody}})
+    def history(
+        since: Annotated[int, Query(ge=0, description="Only events with a larger seq.")] = 0,
+        keys: Annotated[str | None, Query(description="Comma-separated step metrics to keep, e.g. "
+                                                      "actor/pg_loss,timing_s/step.")] = None,
+        kinds: Annotated[str | None, Query(description="Comma-separated kinds: " + ",".join(EVENT_KINDS))] = None,
+    ) -> Response:
+        """Events kept by the daemon (the last telemetry.history_seconds), oldest first."""
+        wanted_kinds = _comma_list(kinds)
+        unknown = sorted(set(wanted_kinds or ()) - set(EVENT_KINDS))
+        if unknown:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=[{
+                "loc": ["query", "kinds"], "type": "value_error",
+                "msg": f"unknown kind(s) {', '.join(unknown)}; allowed: {', '.join(EVENT_KINDS)}"}])
+        last_seq = hub.last_seq
+        events = hub.since(since, kinds=wanted_kinds, keys=_comma_list(keys))
+        # Resuming from last_seq must miss nothing, also when events arrived while this one was read.
+        last_seq = max([last_seq, *(event.seq for event in events[-1:])])
+        body = '{"events":[' + ",".join(event.to_json() for event in events) + f'],"last_seq":{last_seq}}}'
+        return Response(body, media_type="application/json")
+
+
+def _add_control_routes(router: APIRouter, control: RunControl) -> None:
+    @router.get("/v1/status", tags=["run"])
+    async def run_status() -> dict:
+        """The run: state, pids, progress, restarts, live settings, telemetry health, offload placement."""
+        return await _call(control.status)
+
+    @router.get("/v1/settings", tags=["settings"])
+    async def get_settings() -> dict:
+        """Every live setting: value, who applies it, what it does; version and acknowledged version."""
+        return await _call(control.settings)
+
+    @router.patch("/v1/settings", response_model=SettingsUpdateBody, tags=["settings"],
+                  responses={422: {"model": ValidationErrorBody, "description": "A bad value; nothing changed."}})
+    async def patch_settings(
+        change: Annotated[dict[str, Any], Body(examples=[{"gpu_memory_threshold": 0.8}])],
+    ) -> dict:
+        """Change live settings, all or nothing; the trainer applies them at its next safe point."""
+        return await _call(control.update_settings, change)
+
+    @router.post("/v1/checkpoint", status_code=status.HTTP_202_ACCEPTED, tags=["run"])
+    async def checkpoint() -> dict:
+        """Save a checkpoint at the trainer's next safe point."""
+        return await _call(control.request_checkpoint)
+
+    @router.post("/v1/stop", status_code=status.HTTP_202_ACCEPTED, tags=["run"])
+    async def stop() -> dict:
+        """Checkpoint at the next safe point, then stop the run (the daemon exits 0)."""
+        return await _call(control.request_stop)
+
+
+def _add_docs_routes(router: APIRouter, app: FastAPI) -> None:
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @router.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        # A browser opens /docs?token=...; the page then fetches the schema with the same token.
+        token = request.query_params.get("token")
+        schema_url = "/openapi.json" + (f"?token={quote(token, safe='')}" if token else "")
+        return get_swagger_ui_html(openapi_url=schema_url, title=f"{app.title} - docs")
+
+
+def _add_stream(app: FastAPI, hub: TelemetryHub, token: str, allowed_origins: Sequence[str]) -> None:
+    @app.websocket("/v1/stream")
+    async def stream(websocket: WebSocket, since: int | None = None) -> None:
+        """Replays the events after `since` (none without it), then sends each new one, one JSON per frame."""
+        offered, subprotocol = websocket_token(websocket)
+        origin = websocket.headers.get("origin")
+        if origin is not None and not origin_allowed(origin, websocket.headers.get("host", ""), allowed_origins):
+            await _refuse(websocket, f"Origin {origin!r} may not open the stream")
+            return
+        if not token_matches(offered, token):
+            await _refuse(websocket, f"{'wrong' if offered else 'missing'} token")
+            return
+        # A browser that offered the token as a subprotocol fails the handshake unless one is chosen.
+        await websocket.accept(subprotocol=subprotocol)
+        async with hub.subscribe(None if since is None else max(since, 0)) as events:
+            await _pump(websocket, events)
+
+
+async def _refuse(websocket: WebSocket, reason: str) -> None:
+    """Refuse a handshake: closing before accepting makes the server answer HTTP 403 (no upgrade).
+
+    Not an HTTP denial response with a JSON body: uvicorn then logs a spurious "ASGI callable returned
+    without completing handshake" error for every refused client.
+    """
+    await websocket.close(code=status.WS_1008_POLICY_VIOLATION, reason=reason[:120])
+
+
+async def _pump(websocket: WebSocket, events: Subscription) -> None:
+    """Send events until the client goes away; listening for the close notices it even when none come."""
+
+    async def send_events() -> None:
+        async for event in events:
+            await websocket.send_text(event.to_json())
+
+    async def until_closed() -> None:
+        while (await websocket.receive())["type"] != "websocket.disconnect":
+            pass  # clients have nothing to say; their messages are ignored
+
+    tasks = [asyncio.create_task(send_events()), asyncio.create_task(until_closed())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, OSError, RuntimeError):
+                await task
+
+
+def _comma_list(value: str | None) -> list[str] | None:
+    """"a,b" -> ["a", "b"]; None (the parameter absent) -> None, meaning no filter."""
+    if value is None:
+        return None
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+async def _call(method: Callable[..., Any], *args: Any) -> Any:
+    """Call a RunControl method, awaiting it when the daemon implemented it as a coroutine."""
+    result = method(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+async def _settings_rejected(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, SettingsRejectedError)
+    detail = [{"loc": ["body", setting], "msg": message, "type": "value_error"} for setting, message in error.problems]
+    return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+

@@ -1,0 +1,383 @@
+"""The live terminal view of a run: `verl monitor --pid PID` and `verl train --monitor`.
+
+`MonitorFeed` polls the daemon's REST API and keeps what the view and the advisor need beyond
+the latest values: the GPU samples of the last minute and the metrics of the last steps (the
+history is fetched once, then only what is new). `render(snapshot)` turns one snapshot into a
+rich renderable that fits an 80x24 terminal for one GPU; `run_monitor` shows it once, as JSON,
+or live until the run ends, the daemon goes away or the user presses Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from api.advisor import SUSTAINED_WINDOW_S, advise
+from api.client import ApiClient, DaemonUnreachable, dig
+
+# (label, verl metric key) of the trend lines, in the order shown.
+TRENDS = (("reward", "critic/score/mean"), ("KL", "actor/ppo_kl"), ("loss", "actor/pg_loss"),
+          ("value loss", "critic/vf_loss"))
+# Step metrics the history request keeps (the latest step comes whole from /v1/metrics/latest).
+TREND_KEYS = tuple(key for _, key in TRENDS)
+MAX_STEPS = 60
+SPARK_WIDTH = 24
+GPU_SPARK_WIDTH = 8
+ENDED_STATES = ("finished", "failed")
+# Polls that may fail in a row (a daemon busy for a moment) before the view decides it is gone.
+MAX_MISSED_POLLS = 3
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+class MonitorFeed:
+    """Polls one daemon and keeps the recent history; each poll() returns a fresh snapshot
+    (the advisor's shape: {"time", "status", "latest", "history"})."""
+
+    def __init__(self, client: ApiClient, *, clock: Callable[[], float] = time.time,
+                 window_s: float = SUSTAINED_WINDOW_S, max_steps: int = MAX_STEPS):
+        self._client = client
+        self._clock = clock
+        self._window_s = window_s
+        self._max_steps = max_steps
+        self._last_seq = 0
+        self._gpu_events: list[dict] = []
+        self._step_events: list[dict] = []
+
+    def poll(self) -> dict[str, Any]:
+        status = self._client.status()
+        latest = self._client.latest()
+        history = self._client.history(since=self._last_seq, keys=TREND_KEYS, kinds=("gpu", "step"))
+        self._last_seq = history["last_seq"]
+        for event in history["events"]:
+            if event["kind"] == "gpu":
+                self._gpu_events.append(event)
+            elif event["kind"] == "step":
+                self._add_step(event)
+        now = self._clock()
+        self._gpu_events = [event for event in self._gpu_events if event["time"] >= now - self._window_s]
+        self._step_events = self._step_events[-self._max_steps:]
+        events = sorted(self._gpu_events + self._step_events, key=lambda event: event["seq"])
+        return {"time": now, "status": status, "latest": latest, "history": events}
+
+    def _add_step(self, event: dict) -> None:
+        # After a crash the trainer redoes the steps after its checkpoint: the redone step replaces
+        # the old one and everything after it, so the trends read as if the run had never stopped.
+        step = event["data"]["step"]
+        self._step_events = [kept for kept in self._step_events if kept["data"]["step"] < step]
+        self._step_events.append(event)
+
+
+def snapshot_json(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """What `verl monitor --once --json` prints: status, latest values and hints."""
+    return {"time": snapshot["time"], "status": snapshot["status"], "latest": snapshot["latest"],
+            "hints": advise(snapshot)}
+
+
+def run_monitor(client: ApiClient, *, once: bool, as_json: bool, refresh_s: float = 1.0,
+                console: Console | None = None, stop: threading.Event | None = None,
+                clock: Callable[[], float] = time.time) -> int:
+    """Show the run once (as a view or as JSON) or live; `stop` ends a live view from another thread
+    (as `verl train --monitor` does when the run ends) without a closing line. Errors of the first
+    poll (ApiError) propagate for the caller to report; later a daemon that goes away ends the view."""
+    console = console or Console()
+    feed = MonitorFeed(client, clock=clock)
+    snapshot = feed.poll()
+    if as_json:
+        print(json.dumps(snapshot_json(snapshot)), file=console.file, flush=True)
+        return 0
+    if once:
+        console.print(render(snapshot))
+        return 0
+    return _watch(feed, snapshot, console, refresh_s, stop or threading.Event())
+
+
+def _watch(feed: MonitorFeed, snapshot: dict, console: Console, refresh_s: float, stop: threading.Event) -> int:
+    missed = 0
+    farewell = ""  # stopped by the caller, who says what happened
+    try:
+        with Live(render(snapshot), console=console, auto_refresh=False) as live:
+            while not stop.wait(refresh_s):
+                try:
+                    snapshot = feed.poll()
+                    missed = 0
+                    note = None
+                except DaemonUnreachable as error:
+                    missed += 1
+                    note = f"{error}; retrying ({missed}/{MAX_MISSED_POLLS})"
+                if missed >= MAX_MISSED_POLLS:
+                    farewell = "the daemon stopped answering: the run has ended or was stopped"
+                    break
+                live.update(render(snapshot, note=note), refresh=True)
+                state = dig(snapshot, "status", "run", "state")
+                if state in ENDED_STATES:
+                    farewell = f"the run has {state}"
+                    break
+    except KeyboardInterrupt:
+        farewell = "monitor closed; the run goes on"
+    if farewell:
+        console.print(farewell)
+    return 0
+
+
+# ------------------------------------------------------------------------------------- the view
+
+
+def render(snapshot: Mapping[str, Any], *, note: str | None = None) -> RenderableType:
+    """One screen: progress, GPUs, host, offload, step, trends, settings and hints."""
+    status, latest = snapshot["status"], snapshot["latest"]
+    rows = Table.grid(padding=(0, 1), expand=True)
+    rows.add_column(style="bold", no_wrap=True, min_width=8)
+    rows.add_column(ratio=1)
+    if note:
+        rows.add_row(Text("!", style="red"), Text(note, style="red"))
+    rows.add_row("step", _progress(status))
+    rows.add_row("phase", _phase(status, snapshot["time"]))
+    for label, line in _gpu_lines(latest.get("gpu"), _events(snapshot, "gpu")):
+        rows.add_row(label, line)
+    rows.add_row("host", _host(dig(latest, "gpu", "host")))
+    rows.add_row("offload", _offload(latest.get("offload")))
+    rows.add_row("speed", _speed(latest.get("step")))
+    for label, line in _trends(_events(snapshot, "step")):
+        rows.add_row(label, line)
+    rows.add_row("settings", _settings(status.get("settings")))
+    hints = advise(snapshot)
+    rows.add_row("hints", Group(*(Text(f"• {hint}", style="yellow") for hint in hints))
+                 if hints else Text("none", style="dim"))
+    run = status.get("run") or {}
+    state = run.get("state", "?")
+    state_style = {"running": "green", "failed": "red", "restarting": "yellow"}.get(state, "cyan")
+    title = Text.assemble(("verl ", "bold"), (f"{run.get('name', '?')} · ", ""), (state, state_style))
+    subtitle = f"pid {run.get('daemon_pid', '?')} · up {_clock_time(run.get('uptime_s'))} · {run.get('url', '')}"
+    return Panel(rows, title=title, subtitle=subtitle, padding=(0, 1))
+
+
+def _progress(status: Mapping) -> RenderableType:
+    step, total = dig(status, "progress", "step") or 0, dig(status, "progress", "total_steps")
+    if not total:
+        return Text(f"{step}")
+    line = Table.grid(padding=(0, 1), expand=True)
+    line.add_column(no_wrap=True)
+    line.add_column(ratio=1)
+    line.add_column(no_wrap=True)
+    line.add_row(f"{step}/{total}", ProgressBar(total=total, completed=step), f"{step / total:.0%}")
+    return line
+
+
+def _phase(status: Mapping, now: float) -> Text:
+    phase, since = dig(status, "progress", "phase"), dig(status, "progress", "phase_since")
+    text = Text(phase or "-", style="cyan")
+    if phase and since is not None:
+        text.append(f" for {_seconds(max(0.0, now - since))}")
+    total, limit = dig(status, "restarts", "total") or 0, dig(status, "restarts", "max")
+    text.append(f" · restarts {total}/{limit}" if limit is not None else f" · restarts {total}",
+                style="red" if total else "")
+    reasons = ", ".join(f"{reason} {count}" for reason, count in (dig(status, "restarts", "by_reason") or {}).items()
+                        if count)
+    if reasons:
+        text.append(f" ({reasons})")
+    return text
+
+
+def _gpu_lines(sample: Mapping | None, history: Sequence[Mapping]) -> list[tuple[str, Text]]:
+    if not sample:
+        return [("GPU", Text("no sample yet", style="dim"))]
+    if not sample.get("nvml"):
+        return [("GPU", Text("NVML unavailable (no GPU or driver): GPU figures are off", style="dim"))]
+    lines = []
+    for gpu in sample.get("gpus", []):
+        past = [next((other.get("utilization_ratio") for other in event["data"].get("gpus", [])
+                      if other.get("index") == gpu["index"]), None) for event in history[-GPU_SPARK_WIDTH:]]
+        utilization = gpu.get("utilization_ratio")
+        text = Text(f"{_percent(utilization):>4} ", style=_load_style(utilization))
+        text.append(sparkline(past, low=0.0, high=1.0), style="green")
+        used, total = gpu.get("memory_used_bytes"), gpu.get("memory_total_bytes")
+        text.append(f"  {_gib(used)}/{_gib(total)} GiB")
+        if used is not None and total:
+            text.append(f" {used / total:.0%}", style=_load_style(used / total))
+        if gpu.get("power_watts") is not None:
+            text.append(f"  {gpu['power_watts']:.0f} W")
+        if gpu.get("temperature_celsius") is not None:
+            text.append(f" {gpu['temperature_celsius']:.0f}°C")
+        tx, rx = gpu.get("pcie_tx_bytes_per_second"), gpu.get("pcie_rx_bytes_per_second")
+        if tx is not None or rx is not None:
+            text.append(f"  PCIe ↑{_gigabytes(tx)} ↓{_gigabytes(rx)} GB/s")
+        lines.append((f"GPU {gpu['index']}", text))
+    return lines or [("GPU", Text("no GPU visible", style="dim"))]
+
+
+def _host(host: Mapping | None) -> Text:
+    if not host:
+        return Text("no sample yet", style="dim")
+    parts = [f"CPU {_percent(host.get('cpu_ratio'))}",
+             f"RAM {_gib(host.get('memory_used_bytes'))}/{_gib(host.get('memory_total_bytes'))} GiB",
+             f"RSS daemon {_size(host.get('daemon_rss_bytes'))}, trainer {_size(host.get('trainer_rss_bytes'))}"]
+    return Text("  ".join(parts))
+
+
+def _offload(offload: Mapping | None) -> Text:
+    if not offload or not offload.get("copies"):
+        return Text("no copies in the last minute", style="dim")
+    p99 = offload.get("copy_latency_p99_s")
+    text = Text(f"p50 {_milliseconds(offload.get('copy_latency_p50_s'))}  ")
+    text.append(f"p99 {_milliseconds(p99)}", style="red" if p99 is not None and p99 > 0.050 else "")
+    text.append(f"  {_rate(offload.get('bandwidth_bytes_per_second'))}  {offload['copies']:,} copies/min")
+    return text
+
+
+def _speed(step: Mapping | None) -> Text:
+    if not step:
+        return Text("waiting for the first step", style="dim")
+    metrics = step.get("metrics") or {}
+    parts = [f"{_number(metrics.get('timing_s/step'))} s/step",
+             f"{_number(metrics.get('perf/throughput'), ',.0f')} tokens/s"]
+    phases = sorted(((key.removeprefix("timing_s/"), value) for key, value in metrics.items()
+                     if key.startswith("timing_s/") and key != "timing_s/step" and value is not None),
+                    key=lambda item: -item[1])
+    parts += [f"{name} {seconds:.2f} s" for name, seconds in phases[:2]]
+    return Text("  ".join(parts))
+
+
+def _trends(steps: Sequence[Mapping]) -> list[tuple[str, Text]]:
+    steps = steps[-SPARK_WIDTH:]
+    lines = []
+    for label, key in TRENDS:
+        values = [event["data"]["metrics"].get(key) for event in steps]
+        present = [value for value in values if value is not None]
+        if not present:
+            continue
+        text = Text(sparkline(values), style="magenta")
+        text.append(f" {_number(present[-1], '.4g'):>9}  ")
+        text.append(key, style="dim")
+        lines.append((label, text))
+    return lines
+
+
+def _settings(settings: Mapping | None) -> Text:
+    if not settings:
+        return Text("unknown", style="dim")
+    acknowledgement = _acknowledgement(settings)
+    text = Text(f"v{settings.get('version')} {acknowledgement}",
+                style="yellow" if acknowledgement.startswith("pending") else "green")
+    for name, value in (settings.get("values") or {}).items():
+        text.append(f"  {name}={format_value(value)}")
+    return text
+
+
+def _events(snapshot: Mapping[str, Any], kind: str) -> list[Mapping]:
+    return [event for event in snapshot.get("history") or [] if event["kind"] == kind]
+
+
+def describe_status(status: Mapping[str, Any]) -> list[str]:
+    """GET /v1/status as a few plain lines (`verl status`): what runs, where, how far, with what settings."""
+    run, progress = status.get("run") or {}, status.get("progress") or {}
+    step, total = progress.get("step"), progress.get("total_steps")
+    trainers = ", ".join(str(pid) for pid in run.get("trainer_pids") or []) or "none"
+    lines = [f"{run.get('name')}: {run.get('state')}, step {step}/{total}"
+             + (f" (phase {progress['phase']})" if progress.get("phase") else "")
+             + f", up {_clock_time(run.get('uptime_s'))}",
+             f"daemon pid {run.get('daemon_pid')}, trainer pid {trainers}; API {run.get('url')}",
+             f"run dir {run.get('run_dir')}"]
+    restarts = status.get("restarts") or {}
+    reasons = ", ".join(f"{reason} {count}" for reason, count in (restarts.get("by_reason") or {}).items() if count)
+    lines.append(f"restarts {restarts.get('total', 0)} of at most {restarts.get('max')}"
+                 + (f" ({reasons})" if reasons else ""))
+    settings = status.get("settings") or {}
+    values = ", ".join(f"{name}={format_value(value)}" for name, value in (settings.get("values") or {}).items())
+    lines.append(f"settings v{settings.get('version')} ({_acknowledgement(settings)}): {values}")
+    telemetry = status.get("telemetry") or {}
+    lines.append(f"telemetry: NVML {'available' if telemetry.get('nvml') else 'unavailable'}, "
+                 f"{telemetry.get('dropped_messages', 0)} messages dropped")
+    return lines
+
+
+def _acknowledgement(settings: Mapping[str, Any]) -> str:
+    version, acknowledged = settings.get("version"), settings.get("acknowledged_version")
+    if version is not None and acknowledged is not None and acknowledged >= version:
+        applied = settings.get("applied_at_step")
+        return "in effect" + (f" from step {applied}" if applied is not None else "")
+    return f"pending: the trainer has v{acknowledged}"
+
+
+# ---------------------------------------------------------------------------------- formatting
+
+
+def sparkline(values: Sequence[float | None], *, low: float | None = None, high: float | None = None) -> str:
+    """One block character per value, scaled between low and high (the values' own range unless
+    given); a missing value is a blank. Written here because rich has no sparkline."""
+    present = [value for value in values if value is not None and math.isfinite(value)]
+    if not present:
+        return " " * len(values)
+    low = min(present) if low is None else low
+    high = max(present) if high is None else high
+    characters = []
+    for value in values:
+        if value is None or not math.isfinite(value):
+            characters.append(" ")
+            continue
+        level = 0.5 if high <= low else (min(max(value, low), high) - low) / (high - low)
+        characters.append(BLOCKS[round(level * (len(BLOCKS) - 1))])
+    return "".join(characters)
+
+
+def _load_style(ratio: float | None) -> str:
+    if ratio is None:
+        return ""
+    return "red" if ratio > 0.95 else "yellow" if ratio < 0.6 else "green"
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.0%}"
+
+
+def _gib(size: float | None) -> str:
+    return "-" if size is None else f"{size / 2**30:.1f}"
+
+
+def _size(size: float | None) -> str:
+    if size is None:
+        return "-"
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+
+
+def _rate(bytes_per_second: float | None) -> str:
+    return "-" if bytes_per_second is None else f"{_gigabytes(bytes_per_second)} GB/s"
+
+
+def _gigabytes(size: float | None) -> str:
+    return "-" if size is None else f"{size / 1e9:.1f}"
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _number(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else _clock_time(seconds)
+
+
+def _clock_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_value(value: Any) -> str:
+    """A setting's value as `verl set` takes it (YAML scalars: true/false, not Python's True/False)."""
+    return json.dumps(value) if isinstance(value, bool) or value is None else str(value)

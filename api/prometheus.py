@@ -1,0 +1,314 @@
+"""Every verl_* Prometheus metric, on a registry the caller passes in (a fresh one per test).
+
+Names follow Prometheus conventions: base units in the name (_seconds, _bytes, _ratio from 0 to 1),
+_total on counters, histograms for latencies, labels of bounded cardinality (free-form values from the
+trainer or a user are mapped to a fixed set before they become labels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+GIB = 1024**3
+OFFLOAD_COPY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                        1.0, 2.5, 5.0, 10.0)
+STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+# Phases of an RL step (trainer.config.ipc's list); anything else is counted as "other".
+PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
+          "save_checkpoint", "validate", "idle")
+OTHER = "other"
+RESTART_REASONS = ("crash", "signal", "oom", "exit")
+UPDATE_RESULTS = ("accepted", "rejected", "applied")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Live setting -> (metric suffix, help). log_level is a state set of its own (verl_setting_log_level).
+SETTING_GAUGES = {
+    "gpu_memory_threshold": ("gpu_memory_threshold_ratio",
+                             "Fraction of GPU memory in use above which dynamic offload moves layers to the CPU."),
+    "min_transformer_layers_on_gpu": ("min_transformer_layers_on_gpu",
+                                      "Fewest transformer layers dynamic offload keeps on the GPU."),
+    "dynamic_offload.enabled": ("dynamic_offload_enabled", "1 when dynamic offload may move layers, else 0."),
+    "gpu_sample_interval_s": ("gpu_sample_interval_seconds", "Seconds between GPU samples."),
+    "pcie_sample_interval_s": ("pcie_sample_interval_seconds", "Seconds between PCIe throughput samples."),
+}
+SETTING_NAMES = (*SETTING_GAUGES, "log_level")
+
+# Step metrics (verl's names) -> gauges; perf/max_memory_allocated_gb is in GiB, converted to bytes.
+STEP_GAUGES = {
+    "perf/throughput": ("verl_trainer_throughput_tokens_per_second",
+                        "Tokens (prompt + response) processed per second in the latest step.", 1.0),
+    "critic/score/mean": ("verl_trainer_score_mean", "Mean sequence score (reward before KL) of the latest step.",
+                          1.0),
+    "actor/ppo_kl": ("verl_trainer_ppo_kl", "KL between the rollout policy and the updated one, latest step.", 1.0),
+    "actor/pg_loss": ("verl_trainer_policy_loss", "Policy-gradient loss of the latest step.", 1.0),
+    "critic/vf_loss": ("verl_trainer_value_loss", "Value-function loss of the latest step.", 1.0),
+    "actor/entropy": ("verl_trainer_entropy", "Mean token entropy of the policy, latest step.", 1.0),
+    "perf/max_memory_allocated_gb": ("verl_trainer_gpu_memory_max_allocated_bytes",
+                                     "Peak GPU memory allocated by torch during the latest step.", float(GIB)),
+}
+STEP_SECONDS_KEY = "timing_s/step"
+PHASE_SECONDS_PREFIX = "timing_s/"
+TRAIN_TOKENS_KEY = "perf/total_num_tokens"
+# Not one of verl's names: trainer/metrics.py adds it so rollout tokens need not be guessed from a mean length.
+ROLLOUT_TOKENS_KEY = "perf/total_num_response_tokens"
+# torch.cuda.memory_stats()["num_ooms"]: cumulative within one trainer process.
+OOM_COUNT_KEY = "perf/num_ooms"
+
+
+class TelemetryMetrics:
+    """The daemon's Prometheus metrics; the daemon feeds it from its events.
+
+    The run's name is not a label on every series: it is on `verl_run_info{run, project, config}`,
+    which queries join on when they need it.
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, run: str, project: str = "", config: str = ""):
+        self.registry = registry
+        self._gpu_series: set[tuple[str, str]] = set()
+        self._last_trainer_ooms = 0
+        info = Info("verl_run", "The run this daemon supervises.", registry=registry)
+        info.info({"run": run, "project": project, "config": config})
+        self._gpu_metrics(registry)
+        self._host_metrics(registry)
+        self._offload_metrics(registry)
+        self._trainer_metrics(registry)
+        self._setting_metrics(registry)
+        self.nvml_up = Gauge("verl_telemetry_nvml_up", "1 when NVML answers (GPU metrics are live), else 0.",
+                             registry=registry)
+        self.dropped = Counter("verl_telemetry_dropped_messages", "Telemetry messages dropped, by where.",
+                               ["source"], registry=registry)
+
+    # ------------------------------------------------------------------------------- definitions
+
+    def _gpu_metrics(self, registry: CollectorRegistry) -> None:
+        labels = ["gpu", "uuid"]
+        self.gpu_utilization = Gauge("verl_gpu_utilization_ratio", "Fraction of time a kernel ran on the GPU.",
+                                     labels, registry=registry)
+        self.gpu_memory_used = Gauge("verl_gpu_memory_used_bytes", "GPU memory in use (all processes).", labels,
+                                     registry=registry)
+        self.gpu_memory_total = Gauge("verl_gpu_memory_total_bytes", "GPU memory in all.", labels,
+                                      registry=registry)
+        self.gpu_power = Gauge("verl_gpu_power_watts", "GPU power draw.", labels, registry=registry)
+        self.gpu_temperature = Gauge("verl_gpu_temperature_celsius", "GPU core temperature.", labels,
+                                     registry=registry)
+        self.gpu_pcie = Gauge("verl_gpu_pcie_throughput_bytes_per_second",
+                              "PCIe throughput of the GPU (tx: out of the GPU, rx: into it), latest slow sample.",
+                              [*labels, "direction"], registry=registry)
+        self.gpu_process_memory = Gauge("verl_gpu_process_memory_used_bytes",
+                                        "GPU memory used by this run's trainer processes and by all others.",
+                                        [*labels, "role"], registry=registry)
+
+    def _host_metrics(self, registry: CollectorRegistry) -> None:
+        self.host_cpu = Gauge("verl_host_cpu_utilization_ratio", "Fraction of the host's CPU time in use.",
+                              registry=registry)
+        self.host_memory_used = Gauge("verl_host_memory_used_bytes", "Host memory in use.", registry=registry)
+        self.host_memory_total = Gauge("verl_host_memory_total_bytes", "Host memory in all.", registry=registry)
+        self.process_rss = Gauge("verl_process_resident_memory_bytes", "Resident memory of the daemon and trainer.",
+                                 ["process"], registry=registry)
+
+    def _offload_metrics(self, registry: CollectorRegistry) -> None:
+        self.offload_copy_seconds = Histogram(
+            "verl_offload_copy_duration_seconds", "Duration of one offload copy, timed with CUDA events.",
+            ["direction", "group"], buckets=OFFLOAD_COPY_BUCKETS, registry=registry)
+        self.offload_copied_bytes = Counter("verl_offload_copied_bytes", "Bytes copied by the offload engine.",
+                                            ["direction", "group"], registry=registry)
+        self.offload_group_bytes = Gauge("verl_offload_group_bytes",
+                                         "Size of each module group of each model, by the device that holds it.",
+                                         ["role", "group", "device"], registry=registry)
+
+    def _trainer_metrics(self, registry: CollectorRegistry) -> None:
+        self.steps = Counter("verl_trainer_steps", "Training steps completed (steps redone after a restart count "
+                             "again).", registry=registry)
+        self.step = Gauge("verl_trainer_step", "The latest completed step.", registry=registry)
+        self.total_steps = Gauge("verl_trainer_total_steps", "Steps the run is to reach.", registry=registry)
+        self.tokens = Counter("verl_trainer_tokens", "Tokens processed: rollout = response tokens generated, "
+                              "train = prompt + response tokens trained on.", ["phase"], registry=registry)
+        self.phase_seconds = Histogram("verl_trainer_step_phase_duration_seconds",
+                                       "Wall time of each phase of a step.", ["phase"], buckets=STEP_BUCKETS,
+                                       registry=registry)
+        self.step_seconds = Histogram("verl_trainer_step_duration_seconds", "Wall time of a whole step.",
+                                      buckets=STEP_BUCKETS, registry=registry)
+        self.step_gauges = {key: Gauge(name, help_text, registry=registry)
+                            for key, (name, help_text, _) in STEP_GAUGES.items()}
+        self.ooms = Counter("verl_trainer_oom", "CUDA out-of-memory errors in the trainer (caught or fatal).",
+                            registry=registry)
+        self.restarts = Counter("verl_trainer_restarts", "Trainer restarts by the daemon, by reason.", ["reason"],
+                                registry=registry)
+        self.phase = Gauge("verl_trainer_phase", "1 for the phase the trainer is in, 0 for the others.", ["phase"],
+                           registry=registry)
+        for reason in RESTART_REASONS:
+            self.restarts.labels(reason)
+        for phase in (*PHASES, OTHER):
+            self.phase.labels(phase).set(0)
+
+    def _setting_metrics(self, registry: CollectorRegistry) -> None:
+        self.settings = {name: Gauge(f"verl_setting_{suffix}", help_text, registry=registry)
+                         for name, (suffix, help_text) in SETTING_GAUGES.items()}
+        self.log_level = Gauge("verl_setting_log_level", "1 for the current log level, 0 for the others.",
+                               ["level"], registry=registry)
+        self.setting_updates = Counter("verl_setting_updates", "Live setting changes by setting and result "
+                                       "(accepted by the daemon, rejected, applied by the trainer).",
+                                       ["setting", "result"], registry=registry)
+
+    # ------------------------------------------------------------------------------- observations
+
+    def observe_gpu(self, sample: Mapping[str, Any]) -> None:
+        """A "gpu" event's data: per-GPU gauges, NVML up/down, and its "host" part when present.
+
+        Series of GPUs absent from the sample (NVML went away) are removed rather than left frozen.
+        """
+        self.set_nvml_up(bool(sample.get("nvml")))
+        seen = set()
+        for gpu in sample.get("gpus") or ():
+            labels = (str(gpu["index"]), str(gpu["uuid"]))
+            seen.add(labels)
+            self._observe_one_gpu(labels, gpu)
+        for labels in self._gpu_series - seen:
+            self._remove_gpu(labels)
+        self._gpu_series = seen
+        if sample.get("host"):
+            self.observe_host(sample["host"])
+
+    def _observe_one_gpu(self, labels: tuple[str, str], gpu: Mapping[str, Any]) -> None:
+        for gauge, key in ((self.gpu_utilization, "utilization_ratio"), (self.gpu_memory_used, "memory_used_bytes"),
+                           (self.gpu_memory_total, "memory_total_bytes"), (self.gpu_power, "power_watts"),
+                           (self.gpu_temperature, "temperature_celsius")):
+            _set(gauge.labels(*labels), gpu.get(key))
+        for direction in ("tx", "rx"):
+            value = gpu.get(f"pcie_{direction}_bytes_per_second")
+            if value is not None:
+                self.gpu_pcie.labels(*labels, direction).set(value)
+        by_role = {"trainer": 0, "other": 0}
+        for process in gpu.get("processes") or ():
+            role = "trainer" if process.get("role") == "trainer" else "other"
+            by_role[role] += process.get("memory_bytes") or 0
+        for role, used in by_role.items():
+            self.gpu_process_memory.labels(*labels, role).set(used)
+
+    def _remove_gpu(self, labels: tuple[str, str]) -> None:
+        for gauge in (self.gpu_utilization, self.gpu_memory_used, self.gpu_memory_total, self.gpu_power,
+                      self.gpu_temperature):
+            _remove(gauge, *labels)
+        for direction in ("tx", "rx"):
+            _remove(self.gpu_pcie, *labels, direction)
+        for role in ("trainer", "other"):
+            _remove(self.gpu_process_memory, *labels, role)
+
+    def observe_host(self, host: Mapping[str, Any]) -> None:
+        _set(self.host_cpu, host.get("cpu_ratio"))
+        _set(self.host_memory_used, host.get("memory_used_bytes"))
+        _set(self.host_memory_total, host.get("memory_total_bytes"))
+        _set(self.process_rss.labels("daemon"), host.get("daemon_rss_bytes"))
+        if host.get("trainer_rss_bytes") is None:
+            _remove(self.process_rss, "trainer")  # no trainer running (between restarts)
+        else:
+            self.process_rss.labels("trainer").set(host["trainer_rss_bytes"])
+
+    def observe_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        """One completed step's metrics under verl's names (None, NaN and unknown keys are skipped)."""
+        self.steps.inc()
+        self.step.set(step)
+        for key, (_, _, scale) in STEP_GAUGES.items():
+            value = _number(metrics.get(key))
+            if value is not None:
+                self.step_gauges[key].set(value * scale)
+        for key, value in metrics.items():
+            seconds = _number(value)
+            if seconds is None or not key.startswith(PHASE_SECONDS_PREFIX) or seconds < 0:
+                continue
+            if key == STEP_SECONDS_KEY:
+                self.step_seconds.observe(seconds)
+            else:
+                self.phase_seconds.labels(_phase_label(key.removeprefix(PHASE_SECONDS_PREFIX))).observe(seconds)
+        for phase, key in (("train", TRAIN_TOKENS_KEY), ("rollout", ROLLOUT_TOKENS_KEY)):
+            tokens = _number(metrics.get(key))
+            if tokens is not None and tokens >= 0:
+                self.tokens.labels(phase).inc(tokens)
+        self._observe_ooms(_number(metrics.get(OOM_COUNT_KEY)))
+
+    def _observe_ooms(self, trainer_count: float | None) -> None:
+        if trainer_count is None:
+            return
+        # The count is per trainer process: a smaller one means a new process started counting from 0.
+        new = trainer_count - self._last_trainer_ooms if trainer_count >= self._last_trainer_ooms else trainer_count
+        if new > 0:
+            self.ooms.inc(new)
+        self._last_trainer_ooms = trainer_count
+
+    def set_total_steps(self, total_steps: int) -> None:
+        self.total_steps.set(total_steps)
+
+    def observe_phase(self, phase: str) -> None:
+        current = _phase_label(phase)
+        for name in (*PHASES, OTHER):
+            self.phase.labels(name).set(1 if name == current else 0)
+
+    def observe_offload(self, copies: Iterable[Mapping[str, Any]], summary: Iterable[Mapping[str, Any]] | None) -> None:
+        """Copies [{direction, group, bytes, seconds}]; summary [{role, group, device, bytes}] replaces the last."""
+        for copy in copies:
+            labels = (str(copy["direction"]), str(copy["group"]))
+            self.offload_copy_seconds.labels(*labels).observe(float(copy["seconds"]))
+            self.offload_copied_bytes.labels(*labels).inc(int(copy["bytes"]))
+        if summary is not None:
+            self.offload_group_bytes.clear()
+            for entry in summary:
+                self.offload_group_bytes.labels(str(entry["role"]), str(entry["group"]),
+                                                str(entry["device"])).set(int(entry["bytes"]))
+
+    def count_restart(self, reason: str) -> None:
+        if reason not in RESTART_REASONS:
+            raise ValueError(f"unknown restart reason {reason!r}; expected one of {', '.join(RESTART_REASONS)}")
+        self.restarts.labels(reason).inc()
+        if reason == "oom":
+            self.ooms.inc()
+        self._last_trainer_ooms = 0  # the next trainer process counts its OOMs from 0
+
+    def set_setting(self, name: str, value: Any) -> None:
+        """Show a live setting's current value (public name, e.g. "dynamic_offload.enabled")."""
+        if name == "log_level":
+            for level in LOG_LEVELS:
+                self.log_level.labels(level).set(1 if level == value else 0)
+        elif name in self.settings:
+            self.settings[name].set(float(value))
+        else:
+            raise ValueError(f"unknown live setting {name!r}; known: {', '.join(SETTING_NAMES)}")
+
+    def count_setting_update(self, setting: str, result: str) -> None:
+        if result not in UPDATE_RESULTS:
+            raise ValueError(f"unknown result {result!r}; expected one of {', '.join(UPDATE_RESULTS)}")
+        # A rejected name comes from the user: only known names become label values.
+        self.setting_updates.labels(setting if setting in SETTING_NAMES else "unknown", result).inc()
+
+    def set_nvml_up(self, up: bool) -> None:
+        self.nvml_up.set(1 if up else 0)
+
+    def count_dropped(self, source: str, n: int) -> None:
+        if n > 0:
+            self.dropped.labels(source).inc(n)
+
+
+def _phase_label(phase: str) -> str:
+    return phase if phase in PHASES else OTHER
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _set(gauge: Gauge, value: Any) -> None:
+    number = _number(value)
+    if number is not None:
+        gauge.set(number)
+
+
+def _remove(metric: Gauge, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass

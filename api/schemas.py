@@ -1,0 +1,126 @@
+"""What the API promises: the control surface the daemon implements, and the bodies the routes send.
+
+The daemon's own documents (status, settings) are passed through verbatim: the models below describe
+them for OpenAPI and for readers, the app does not re-validate them on every request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from pydantic import BaseModel, Field
+
+EVENT_KINDS = ("gpu", "step", "phase", "offload", "settings", "restart", "log", "status")
+"""Kinds of event the hub carries (a subscriber may also receive "gap", see api.hub.Subscription)."""
+
+
+class RunControl(Protocol):
+    """What the API asks of the run; the daemon implements it.
+
+    The app calls these on the event loop that serves it, so they must return at once (hand work to
+    the daemon, never wait on the trainer). A method may also be a coroutine function: the app awaits
+    what it returns.
+    """
+
+    def status(self) -> dict:
+        """The GET /v1/status body (shape in issue3_spec.md), returned verbatim."""
+
+    def settings(self) -> dict:
+        """The GET /v1/settings body."""
+
+    def update_settings(self, change: dict) -> dict:
+        """Apply a change all or nothing; the PATCH /v1/settings 200 body, or SettingsRejectedError."""
+
+    def request_checkpoint(self) -> dict:
+        """Ask the trainer to save a checkpoint at its next safe point."""
+
+    def request_stop(self) -> dict:
+        """Ask the trainer to checkpoint at its next safe point and exit; the daemon then exits 0."""
+
+
+class SettingsRejectedError(Exception):
+    """A settings change with at least one bad entry; nothing was changed.
+
+    `problems` holds (setting, message) pairs, one per bad entry. Objects with `.setting` and
+    `.message` (trainer.config.live.SettingProblem) are accepted too and turned into pairs.
+    """
+
+    def __init__(self, problems: Iterable[tuple[str, str] | Any]):
+        self.problems: list[tuple[str, str]] = [_pair(problem) for problem in problems]
+        super().__init__("; ".join(f"{setting}: {message}" for setting, message in self.problems))
+
+
+def _pair(problem: tuple[str, str] | Any) -> tuple[str, str]:
+    if hasattr(problem, "setting") and hasattr(problem, "message"):
+        return str(problem.setting), str(problem.message)
+    setting, message = problem
+    return str(setting), str(message)
+
+
+# ------------------------------------------------------------------------------ response bodies
+
+
+class Health(BaseModel):
+    status: str = "ok"
+
+
+class EventBody(BaseModel):
+    """One event of the hub, as in history bodies and WebSocket frames."""
+
+    seq: int = Field(description="Position in the daemon's stream, from 1, increasing by 1 per event.")
+    time: float = Field(description="When the daemon received it (epoch seconds).")
+    kind: str = Field(description="One of " + ", ".join(EVENT_KINDS) + " (or 'gap' on a stream).")
+    data: dict[str, Any]
+
+
+class HistoryBody(BaseModel):
+    events: list[EventBody]
+    last_seq: int = Field(description="Pass it as `since` to get only what came after this answer.")
+
+
+class StepSnapshot(BaseModel):
+    step: int
+    time: float
+    metrics: dict[str, Any] = Field(description="verl's names -> number or null, e.g. actor/pg_loss, timing_s/gen.")
+
+
+class OffloadSummary(BaseModel):
+    """Offload copies of the last minute."""
+
+    copy_latency_p50_s: float | None
+    copy_latency_p99_s: float | None
+    bandwidth_bytes_per_second: float | None = Field(description="Bytes copied / seconds spent copying.")
+    copies: int
+
+
+class LatestBody(BaseModel):
+    seq: int
+    step: StepSnapshot | None
+    gpu: dict[str, Any] | None = Field(description="The latest GPU sample (nvml, gpus, host).")
+    offload: OffloadSummary
+
+
+class SettingsUpdateBody(BaseModel):
+    """PATCH /v1/settings answer: the change is pending until the trainer acknowledges it."""
+
+    version: int
+    old: dict[str, Any]
+    new: dict[str, Any]
+    values: dict[str, Any]
+    applies_at_step: int | None
+    status: str
+
+
+class ValidationProblem(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(BaseModel):
+    detail: list[ValidationProblem]
+
+
+class ErrorBody(BaseModel):
+    detail: str

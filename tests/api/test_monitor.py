@@ -1,0 +1,383 @@
+"""The monitor's client and live view against a fake daemon: a small FastAPI app answering with the
+API's JSON shapes, served by a real uvicorn on loopback, so that HTTP, the token and the WebSocket
+all go over a real socket."""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import io
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request, WebSocket
+from fastapi.responses import JSONResponse
+from rich.console import Console
+
+from api.client import ApiClient, ApiError, DaemonUnreachable, Unauthorized
+from api.monitor import MonitorFeed, render, run_monitor, sparkline
+
+TOKEN = "test-token"
+NOW = 1_700_000_000.0
+GIB = 2**30
+
+
+# ---------------------------------------------------------------------------------- the run's data
+
+
+def gpu_data(utilization: float = 0.93, used: float = 120 * GIB) -> dict:
+    return {"nvml": True,
+            "gpus": [{"index": 0, "uuid": "GPU-0", "name": "NVIDIA H200", "utilization_ratio": utilization,
+                      "memory_used_bytes": used, "memory_total_bytes": 141 * GIB, "power_watts": 301.0,
+                      "temperature_celsius": 55, "pcie_tx_bytes_per_second": 1.2e9,
+                      "pcie_rx_bytes_per_second": 3.4e9,
+                      "processes": [{"pid": 2, "memory_bytes": used, "role": "trainer"}]}],
+            "host": {"cpu_ratio": 0.5, "memory_used_bytes": 12 * GIB, "memory_total_bytes": 64 * GIB,
+                     "daemon_rss_bytes": 80 * 2**20, "trainer_rss_bytes": 3.2 * GIB}}
+
+
+def status_body(state: str = "running") -> dict:
+    return {"run": {"name": "quickstart", "project": "verl", "run_dir": "runs/quickstart",
+                    "config_path": "runs/quickstart/config.yaml", "daemon_pid": 4242, "trainer_pids": [4243],
+                    "state": state, "started_at": NOW - 754, "uptime_s": 754.0, "url": "http://127.0.0.1:41234"},
+            "progress": {"step": 45, "total_steps": 200, "phase": "update_actor", "phase_since": NOW - 3},
+            "restarts": {"total": 1, "max": 3, "by_reason": {"crash": 1, "oom": 0}},
+            "settings": {"values": {"gpu_memory_threshold": 0.8, "min_transformer_layers_on_gpu": 4,
+                                    "dynamic_offload.enabled": True, "gpu_sample_interval_s": 1.0,
+                                    "pcie_sample_interval_s": 10.0, "log_level": "info"},
+                         "version": 3, "acknowledged_version": 3, "applied_at_step": 12},
+            "telemetry": {"nvml": True, "dropped_messages": 0},
+            "offload": {"summary": [{"role": "actor", "group": "transformer", "device": "cpu", "bytes": 2 * GIB}]}}
+
+
+def latest_body(p99_s: float = 0.083) -> dict:
+    metrics = {"timing_s/step": 2.31, "timing_s/gen": 1.2, "timing_s/update_actor": 0.8, "timing_s/reward": 0.01,
+               "perf/throughput": 1234.4, "critic/score/mean": 0.45, "actor/ppo_kl": 0.0045, "actor/pg_loss": -0.12}
+    return {"seq": 300, "step": {"step": 45, "time": NOW - 1, "metrics": metrics}, "gpu": gpu_data(),
+            "offload": {"copy_latency_p50_s": 0.0012, "copy_latency_p99_s": p99_s,
+                        "bandwidth_bytes_per_second": 12.3e9, "copies": 1234}}
+
+
+def step_event(seq: int, step: int, time_s: float, score: float) -> dict:
+    return {"seq": seq, "time": time_s, "kind": "step",
+            "data": {"step": step, "metrics": {"critic/score/mean": score, "actor/ppo_kl": 0.001 * step,
+                                               "actor/pg_loss": -0.01 * step}}}
+
+
+def gpu_event(seq: int, time_s: float, utilization: float = 0.93) -> dict:
+    return {"seq": seq, "time": time_s, "kind": "gpu", "data": gpu_data(utilization)}
+
+
+def snapshot(**changes) -> dict:
+    """A run at step 45 of 200, one GPU busy at 93%, slow offload copies (p99 83 ms)."""
+    history = ([gpu_event(seq, NOW - 60 + seq) for seq in range(1, 61)]
+               + [step_event(100 + step, step, NOW - 90 + 2 * step, 0.01 * step) for step in range(1, 46)])
+    return {"time": NOW, "status": status_body(), "latest": latest_body(), "history": history} | changes
+
+
+# ------------------------------------------------------------------------------------ a fake daemon
+
+
+class FakeDaemon:
+    """The daemon's API with canned answers; tests change `states`, `events`, `latest`, and read `requests`."""
+
+    def __init__(self):
+        self.states = ["running"]  # one per status request; the last one stays
+        self.broken = False  # answer 500 to the status request
+        self.latest = latest_body()
+        self.events: list[dict] = []
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        self.stream_headers: list[str | None] = []
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.middleware("http")
+        async def check_token(request: Request, call_next):
+            self.requests.append((request.url.path, dict(request.query_params)))
+            if request.headers.get("authorization") != f"Bearer {TOKEN}":
+                return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401)
+            return await call_next(request)
+
+        @app.get("/v1/status")
+        def status():
+            if self.broken:
+                raise HTTPException(500, "boom")
+            state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+            return status_body(state)
+
+        @app.get("/v1/metrics/latest")
+        def latest():
+            return self.latest
+
+        @app.get("/v1/metrics/history")
+        def history(since: int = 0):
+            events = [event for event in self.events if event["seq"] > since]
+            return {"events": events, "last_seq": max((event["seq"] for event in self.events), default=0)}
+
+        @app.post("/v1/checkpoint")
+        def checkpoint():
+            return {"requested": True}
+
+        @app.websocket("/v1/stream")
+        async def stream(websocket: WebSocket, since: int = 0):
+            self.stream_headers.append(websocket.headers.get("authorization"))
+            if websocket.headers.get("authorization") != f"Bearer {TOKEN}":
+                await websocket.close(code=1008)
+                return
+            await websocket.accept()
+            for event in self.events:
+                if event["seq"] > since:
+                    await websocket.send_text(json.dumps(event))
+            await websocket.close()
+
+        return app
+
+
+@contextmanager
+def serve(app: FastAPI) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free loopback port in a thread; yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the fake daemon did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def daemon() -> Iterator[tuple[FakeDaemon, str]]:
+    fake = FakeDaemon()
+    with serve(fake.app) as url:
+        yield fake, url
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------ client
+
+
+def test_the_client_sends_the_token_and_passes_the_history_filters(daemon):
+    fake, url = daemon
+    with ApiClient(url, TOKEN) as client:
+        assert client.status()["progress"]["total_steps"] == 200
+        assert client.latest()["offload"]["copies"] == 1234
+        assert client.history(since=7, keys=["actor/pg_loss", "perf/throughput"], kinds=["gpu", "step"]) == {
+            "events": [], "last_seq": 0}
+        assert client.checkpoint() == {"requested": True}
+    assert fake.requests[-2] == ("/v1/metrics/history",
+                                 {"since": "7", "keys": "actor/pg_loss,perf/throughput", "kinds": "gpu,step"})
+
+
+def test_a_wrong_token_is_unauthorized_and_a_server_error_names_the_route(daemon):
+    fake, url = daemon
+    with ApiClient(url, "not-the-token") as client, pytest.raises(Unauthorized) as refused:
+        client.status()
+    assert refused.value.status == 401 and url in str(refused.value)
+    fake.broken = True
+    with ApiClient(url, TOKEN) as client, pytest.raises(ApiError, match="GET /v1/status failed with HTTP 500: boom"):
+        client.status()
+
+
+def test_nothing_listening_is_daemon_unreachable():
+    url = f"http://127.0.0.1:{free_port()}"
+    with ApiClient(url, TOKEN, timeout=2) as client, pytest.raises(DaemonUnreachable, match="does not answer"):
+        client.status()
+
+
+def test_the_stream_replays_the_events_after_since_with_the_token_in_a_header(daemon):
+    fake, url = daemon
+    fake.events = [gpu_event(seq, NOW + seq) for seq in range(1, 6)]
+
+    async def collect(token: str) -> list[dict]:
+        return [event async for event in ApiClient(url, token).stream(since=2)]
+
+    received = asyncio.run(collect(TOKEN))
+    assert [event["seq"] for event in received] == [3, 4, 5]
+    assert received[0]["kind"] == "gpu" and received[0]["data"]["gpus"][0]["uuid"] == "GPU-0"
+    assert fake.stream_headers == [f"Bearer {TOKEN}"]
+    with pytest.raises(Unauthorized):
+        asyncio.run(collect("not-the-token"))
+
+
+def test_the_stream_from_nowhere_is_daemon_unreachable():
+    async def first():
+        async for event in ApiClient(f"http://127.0.0.1:{free_port()}", TOKEN).stream():
+            return event
+
+    with pytest.raises(DaemonUnreachable):
+        asyncio.run(first())
+
+
+# -------------------------------------------------------------------------------------------- feed
+
+
+def test_the_feed_fetches_the_history_once_then_only_what_is_new(daemon):
+    fake, url = daemon
+    clock = [NOW]
+    fake.events = [gpu_event(1, NOW - 100), gpu_event(2, NOW - 30), step_event(3, 1, NOW - 20, 0.1),
+                   step_event(4, 2, NOW - 10, 0.2)]
+    with ApiClient(url, TOKEN) as client:
+        feed = MonitorFeed(client, clock=lambda: clock[0])
+        first = feed.poll()
+        # A GPU sample older than the advisor's minute is dropped; the steps stay.
+        assert [event["seq"] for event in first["history"]] == [2, 3, 4]
+        assert first["status"]["run"]["state"] == "running" and first["latest"] == fake.latest
+
+        # The trainer crashed after step 2, resumed from its step-1 checkpoint and redid step 2.
+        fake.events.append(step_event(5, 2, NOW + 5, 0.25))
+        clock[0] = NOW + 5
+        second = feed.poll()
+    history_requests = [query for path, query in fake.requests if path == "/v1/metrics/history"]
+    assert [query["since"] for query in history_requests] == ["0", "4"]
+    assert history_requests[0]["kinds"] == "gpu,step"
+    steps = [event for event in second["history"] if event["kind"] == "step"]
+    assert [(event["data"]["step"], event["data"]["metrics"]["critic/score/mean"]) for event in steps] == [
+        (1, 0.1), (2, 0.25)]
+
+
+# -------------------------------------------------------------------------------------------- view
+
+
+def rendered(snap: dict, width: int = 100) -> str:
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(render(snap))
+    return console.export_text()
+
+
+def test_the_view_shows_the_key_figures():
+    text = rendered(snapshot())
+    for figure in ["quickstart", "running", "45/200", "22%", "update_actor for 3 s", "restarts 1/3 (crash 1)",
+                   "GPU 0", "93%", "120.0/141.0 GiB", "85%", "301 W", "55°C", "PCIe ↑1.2 ↓3.4 GB/s",
+                   "CPU 50%", "RSS daemon 80 MiB, trainer 3.2 GiB",
+                   "p50 1.2 ms", "p99 83.0 ms", "12.3 GB/s", "1,234 copies/min",
+                   "2.31 s/step", "1,234 tokens/s", "gen 1.20 s",
+                   "critic/score/mean", "actor/ppo_kl", "actor/pg_loss",
+                   "v3 in effect from step 12", "gpu_memory_threshold=0.8", "min_transformer_layers_on_gpu=4",
+                   "dynamic_offload.enabled=true", "CPU/PCIe bandwidth bound", "pid 4242", "up 12:34"]:
+        assert figure in text, f"{figure!r} missing from\n{text}"
+    # The reward trend rises over the last steps: its sparkline ends higher than it starts.
+    reward_line = next(line for line in text.splitlines() if "critic/score/mean" in line)
+    spark = reward_line.split()[2]
+    assert spark[0] == "▁" and spark[-1] == "█"
+
+
+def test_the_view_fits_an_80_by_24_terminal():
+    text = rendered(snapshot(), width=80)
+    lines = text.splitlines()
+    assert len(lines) <= 24, text
+    assert all(len(line) <= 80 for line in lines)
+    gpu_line = next(line for line in lines if "GPU 0" in line)
+    assert "PCIe ↑1.2 ↓3.4 GB/s" in gpu_line, "a GPU's figures share one line"
+
+
+def test_the_view_before_any_sample_says_what_is_missing():
+    status = status_body("starting")
+    status["progress"] = {"step": 0, "total_steps": 200, "phase": None, "phase_since": None}
+    status["settings"]["acknowledged_version"] = 2
+    latest = {"seq": 0, "step": None, "gpu": {"nvml": False, "gpus": [], "host": gpu_data()["host"]},
+              "offload": {"copy_latency_p50_s": None, "copy_latency_p99_s": None,
+                          "bandwidth_bytes_per_second": None, "copies": 0}}
+    text = rendered(snapshot(status=status, latest=latest, history=[]))
+    for figure in ["starting", "0/200", "NVML unavailable", "waiting for the first step", "no copies",
+                   "v3 pending: the trainer has v2", "hints    none", "CPU 50%"]:
+        assert figure in text, f"{figure!r} missing from\n{text}"
+
+
+def test_sparklines_scale_between_bounds_and_leave_gaps_blank():
+    assert sparkline([0.0, 0.5, 1.0], low=0.0, high=1.0) == "▁▅█"
+    assert sparkline([2.0, None, 4.0, float("nan")]) == "▁ █ "
+    assert sparkline([3.0, 3.0]) == "▅▅"
+    assert sparkline([None, None]) == "  "
+
+
+# --------------------------------------------------------------------------------------- run_monitor
+
+
+def test_once_json_prints_status_latest_and_hints(daemon):
+    fake, url = daemon
+    output = io.StringIO()
+    with ApiClient(url, TOKEN) as client:
+        assert run_monitor(client, once=True, as_json=True, console=Console(file=output)) == 0
+    snapshot_printed = json.loads(output.getvalue())
+    assert snapshot_printed.keys() == {"time", "status", "latest", "hints"}
+    assert snapshot_printed["status"]["progress"]["step"] == 45
+    assert snapshot_printed["latest"] == fake.latest
+    assert len(snapshot_printed["hints"]) == 1 and "p99 83 ms" in snapshot_printed["hints"][0]
+
+
+def test_once_prints_the_view(daemon):
+    _, url = daemon
+    console = Console(record=True, width=100, file=io.StringIO())
+    with ApiClient(url, TOKEN) as client:
+        assert run_monitor(client, once=True, as_json=False, console=console) == 0
+    assert "45/200" in console.export_text()
+
+
+def test_the_live_view_updates_until_the_run_finishes(daemon):
+    fake, url = daemon
+    fake.states = ["running", "running", "running", "finished"]
+    output = io.StringIO()
+    console = Console(file=output, force_terminal=True, width=100)
+    with ApiClient(url, TOKEN) as client:
+        assert run_monitor(client, once=False, as_json=False, refresh_s=0.02, console=console) == 0
+    statuses = [path for path, _ in fake.requests if path == "/v1/status"]
+    assert len(statuses) == 4
+    text = output.getvalue()
+    assert "45/200" in text and "finished" in text
+    assert text.rstrip().endswith("the run has finished")
+
+
+def test_the_live_view_ends_when_asked_or_when_the_daemon_goes_away():
+    fake = FakeDaemon()
+    stop = threading.Event()
+    with serve(fake.app) as url, ApiClient(url, TOKEN) as client:
+        console = Console(file=io.StringIO(), force_terminal=True, width=100)
+        threading.Timer(0.3, stop.set).start()
+        started = time.monotonic()
+        assert run_monitor(client, once=False, as_json=False, refresh_s=0.02, console=console, stop=stop) == 0
+        assert time.monotonic() - started < 5
+        assert "45/200" in console.file.getvalue()
+        assert len([path for path, _ in fake.requests if path == "/v1/status"]) >= 3, "it polled until stopped"
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    result: list[int] = []
+    with serve(FakeDaemon().app) as url:
+        client = ApiClient(url, TOKEN, timeout=1)
+        watcher = threading.Thread(target=lambda: result.append(
+            run_monitor(client, once=False, as_json=False, refresh_s=0.05, console=console)))
+        watcher.start()
+        time.sleep(0.3)
+    # The server is gone now: three missed polls later the view says so and returns.
+    watcher.join(timeout=10)
+    client.close()
+    assert result == [0]
+    assert "the daemon stopped answering" in console.file.getvalue()
+
+
+def test_ctrl_c_closes_the_live_view_and_leaves_the_run_alone(daemon):
+    fake, url = daemon
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    with ApiClient(url, TOKEN) as client:
+        assert run_monitor(client, once=False, as_json=False, refresh_s=0.02, console=console) == 0
+    assert console.file.getvalue().rstrip().endswith("monitor closed; the run goes on")
+    assert not any(path in ("/v1/stop", "/v1/checkpoint") for path, _ in fake.requests)

@@ -1,0 +1,204 @@
+"""The verl_* metrics: every documented name, with help text and base units, fed from realistic step
+metrics and GPU samples, and an exposition that `promtool check metrics` accepts."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.prometheus import GIB, TelemetryMetrics
+
+# Sample names as they appear in the exposition (counters with _total, histograms by family name).
+DOCUMENTED = [
+    "verl_gpu_utilization_ratio", "verl_gpu_memory_used_bytes", "verl_gpu_memory_total_bytes", "verl_gpu_power_watts",
+    "verl_gpu_temperature_celsius", "verl_gpu_pcie_throughput_bytes_per_second", "verl_gpu_process_memory_used_bytes",
+    "verl_host_cpu_utilization_ratio", "verl_host_memory_used_bytes", "verl_process_resident_memory_bytes",
+    "verl_offload_copy_duration_seconds", "verl_offload_copied_bytes_total", "verl_offload_group_bytes",
+    "verl_trainer_steps_total", "verl_trainer_step", "verl_trainer_total_steps", "verl_trainer_tokens_total",
+    "verl_trainer_step_phase_duration_seconds", "verl_trainer_step_duration_seconds",
+    "verl_trainer_throughput_tokens_per_second", "verl_trainer_score_mean", "verl_trainer_ppo_kl",
+    "verl_trainer_policy_loss", "verl_trainer_value_loss", "verl_trainer_entropy",
+    "verl_trainer_gpu_memory_max_allocated_bytes", "verl_trainer_oom_total", "verl_trainer_restarts_total",
+    "verl_trainer_phase", "verl_setting_gpu_memory_threshold_ratio", "verl_setting_min_transformer_layers_on_gpu",
+    "verl_setting_dynamic_offload_enabled", "verl_setting_gpu_sample_interval_seconds",
+    "verl_setting_pcie_sample_interval_seconds", "verl_setting_updates_total", "verl_telemetry_nvml_up",
+    "verl_telemetry_dropped_messages_total", "verl_run_info",
+]
+
+# One PPO step as trainer/loop.py reports it (verl's names).
+STEP_METRICS = {
+    "actor/pg_loss": -0.0123, "actor/ppo_kl": 0.00042, "actor/entropy": 2.31, "actor/lr": 1e-6,
+    "critic/vf_loss": 0.51, "critic/score/mean": 0.375, "critic/score/max": 1.0, "critic/score/min": 0.0,
+    "timing_s/step": 3.2, "timing_s/gen": 1.9, "timing_s/reward": 0.01, "timing_s/old_log_prob": 0.2,
+    "timing_s/ref": 0.2, "timing_s/values": 0.15, "timing_s/adv": 0.002, "timing_s/update_critic": 0.3,
+    "timing_s/update_actor": 0.4, "timing_s/some_new_phase": 0.05,
+    "perf/throughput": 2560.0, "perf/total_num_tokens": 8192, "perf/total_num_response_tokens": 6144,
+    "perf/time_per_step": 3.2, "perf/max_memory_allocated_gb": 1.5, "perf/max_memory_reserved_gb": 2.0,
+    "response_length/mean": 96.0, "training/epoch": 0, "val-core/gsm8k/reward/mean@1": None,
+}
+
+GPU_SAMPLE = {
+    "nvml": True,
+    "gpus": [{"index": 0, "uuid": "GPU-8f2c", "name": "NVIDIA H200", "utilization_ratio": 0.93,
+              "memory_used_bytes": 100 * GIB, "memory_total_bytes": 141 * GIB, "power_watts": 612.5,
+              "temperature_celsius": 55, "pcie_tx_bytes_per_second": 1.5e9, "pcie_rx_bytes_per_second": None,
+              "processes": [{"pid": 2, "memory_bytes": 90 * GIB, "role": "trainer"},
+                            {"pid": 3, "memory_bytes": 1 * GIB, "role": "other"},
+                            {"pid": 4, "memory_bytes": 2 * GIB, "role": "other"}]}],
+    "host": {"cpu_ratio": 0.25, "memory_used_bytes": 40 * GIB, "memory_total_bytes": 128 * GIB,
+             "daemon_rss_bytes": 80_000_000, "trainer_rss_bytes": 9_000_000_000},
+}
+
+
+def fed_metrics() -> tuple[TelemetryMetrics, CollectorRegistry]:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="gsm8k-ppo", project="verl-offload", config="/runs/a/config.yaml")
+    metrics.set_total_steps(200)
+    metrics.observe_gpu(GPU_SAMPLE)
+    metrics.observe_step(1, STEP_METRICS)
+    metrics.observe_step(2, {**STEP_METRICS, "timing_s/step": 0.8, "perf/num_ooms": 1})
+    metrics.observe_phase("update_actor")
+    metrics.observe_offload(
+        [{"direction": "h2d", "group": "transformer", "bytes": 400_000_000, "seconds": 0.0081},
+         {"direction": "d2h", "group": "embedding", "bytes": 1_000_000, "seconds": 0.00005}],
+        [{"role": "actor", "group": "embedding", "device": "cpu", "bytes": 272_000_000},
+         {"role": "actor", "group": "transformer", "device": "gpu", "bytes": 14_000_000_000}])
+    metrics.count_restart("crash")
+    for name, value in {"gpu_memory_threshold": 0.8, "min_transformer_layers_on_gpu": 4,
+                        "dynamic_offload.enabled": True, "gpu_sample_interval_s": 1.0, "pcie_sample_interval_s": 10.0,
+                        "log_level": "info"}.items():
+        metrics.set_setting(name, value)
+    metrics.count_setting_update("gpu_memory_threshold", "accepted")
+    metrics.count_setting_update("no_such_setting", "rejected")
+    metrics.set_nvml_up(True)
+    metrics.count_dropped("trainer", 3)
+    return metrics, registry
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
+    text = generate_latest(registry).decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return samples(registry).get((name, tuple(sorted(labels.items()))))
+
+
+def test_every_documented_metric_is_exposed_with_help_text() -> None:
+    _, registry = fed_metrics()
+    text = generate_latest(registry).decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    exposed = {sample.name for family in families.values() for sample in family.samples}
+    missing = [name for name in DOCUMENTED if name not in exposed and name not in families]
+    assert missing == []
+    assert [family.name for family in families.values() if not family.documentation.strip()] == []
+    assert families["verl_offload_copy_duration_seconds"].type == "histogram"
+    assert families["verl_trainer_step_duration_seconds"].type == "histogram"
+    assert families["verl_trainer_step_phase_duration_seconds"].type == "histogram"
+
+
+def test_step_metrics_become_counters_gauges_and_histograms_in_base_units() -> None:
+    _, registry = fed_metrics()
+    assert value(registry, "verl_trainer_steps_total") == 2
+    assert value(registry, "verl_trainer_step") == 2 and value(registry, "verl_trainer_total_steps") == 200
+    assert value(registry, "verl_trainer_tokens_total", phase="train") == 2 * 8192
+    assert value(registry, "verl_trainer_tokens_total", phase="rollout") == 2 * 6144
+    assert value(registry, "verl_trainer_policy_loss") == pytest.approx(-0.0123)
+    assert value(registry, "verl_trainer_score_mean") == pytest.approx(0.375)
+    assert value(registry, "verl_trainer_gpu_memory_max_allocated_bytes") == 1.5 * GIB
+    assert value(registry, "verl_trainer_step_duration_seconds_count") == 2
+    assert value(registry, "verl_trainer_step_duration_seconds_sum") == pytest.approx(4.0)
+    assert value(registry, "verl_trainer_step_duration_seconds_bucket", le="1.0") == 1
+    assert value(registry, "verl_trainer_step_phase_duration_seconds_sum", phase="gen") == pytest.approx(3.8)
+    # An unknown phase does not become a new label value; the step itself is not a phase.
+    assert value(registry, "verl_trainer_step_phase_duration_seconds_count", phase="other") == 2
+    assert value(registry, "verl_trainer_step_phase_duration_seconds_count", phase="step") is None
+    assert value(registry, "verl_trainer_oom_total") == 1
+
+
+def test_gpu_host_offload_phase_and_settings_values() -> None:
+    _, registry = fed_metrics()
+    gpu = {"gpu": "0", "uuid": "GPU-8f2c"}
+    assert value(registry, "verl_gpu_utilization_ratio", **gpu) == pytest.approx(0.93)
+    assert value(registry, "verl_gpu_memory_total_bytes", **gpu) == 141 * GIB
+    assert value(registry, "verl_gpu_pcie_throughput_bytes_per_second", **gpu, direction="tx") == 1.5e9
+    assert value(registry, "verl_gpu_pcie_throughput_bytes_per_second", **gpu, direction="rx") is None  # not sampled
+    assert value(registry, "verl_gpu_process_memory_used_bytes", **gpu, role="trainer") == 90 * GIB
+    assert value(registry, "verl_gpu_process_memory_used_bytes", **gpu, role="other") == 3 * GIB
+    assert value(registry, "verl_process_resident_memory_bytes", process="trainer") == 9_000_000_000
+    assert value(registry, "verl_host_cpu_utilization_ratio") == 0.25
+    assert value(registry, "verl_offload_copied_bytes_total", direction="h2d", group="transformer") == 400_000_000
+    assert value(registry, "verl_offload_copy_duration_seconds_bucket", direction="h2d", group="transformer",
+                 le="0.01") == 1
+    assert value(registry, "verl_offload_copy_duration_seconds_bucket", direction="d2h", group="embedding",
+                 le="0.0001") == 1
+    assert value(registry, "verl_offload_group_bytes", role="actor", group="embedding", device="cpu") == 272_000_000
+    assert value(registry, "verl_trainer_phase", phase="update_actor") == 1
+    assert value(registry, "verl_trainer_phase", phase="gen") == 0
+    assert value(registry, "verl_trainer_restarts_total", reason="crash") == 1
+    assert value(registry, "verl_trainer_restarts_total", reason="oom") == 0  # every reason exists from the start
+    assert value(registry, "verl_setting_gpu_memory_threshold_ratio") == 0.8
+    assert value(registry, "verl_setting_dynamic_offload_enabled") == 1
+    assert value(registry, "verl_setting_min_transformer_layers_on_gpu") == 4
+    assert value(registry, "verl_setting_updates_total", setting="unknown", result="rejected") == 1
+    assert value(registry, "verl_telemetry_dropped_messages_total", source="trainer") == 3
+    assert value(registry, "verl_run_info", run="gsm8k-ppo", project="verl-offload", config="/runs/a/config.yaml") == 1
+
+
+def test_gpu_series_go_away_when_nvml_does() -> None:
+    metrics, registry = fed_metrics()
+    metrics.observe_gpu({"nvml": False, "gpus": [], "host": {**GPU_SAMPLE["host"], "trainer_rss_bytes": None}})
+    names = {name for name, _ in samples(registry)}
+    assert not {name for name in names if name.startswith("verl_gpu_")}
+    assert value(registry, "verl_telemetry_nvml_up") == 0
+    assert value(registry, "verl_host_memory_used_bytes") == 40 * GIB  # host metrics carry on
+    assert value(registry, "verl_process_resident_memory_bytes", process="trainer") is None
+
+
+def test_oom_counts_follow_trainer_processes_across_restarts() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    for count in (0, 1, 1):  # torch's num_ooms is cumulative in a process
+        metrics.observe_step(1, {"perf/num_ooms": count})
+    metrics.count_restart("oom")  # the fatal one, never reported by a step
+    for count in (2, 3):  # the new process counts from 0 again
+        metrics.observe_step(1, {"perf/num_ooms": count})
+    assert value(registry, "verl_trainer_oom_total") == 1 + 1 + 3
+
+
+def test_bad_inputs_are_refused_or_skipped() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    with pytest.raises(ValueError, match="restart reason"):
+        metrics.count_restart("bored")
+    with pytest.raises(ValueError, match="unknown live setting"):
+        metrics.set_setting("nope", 1)
+    with pytest.raises(ValueError, match="result"):
+        metrics.count_setting_update("gpu_memory_threshold", "maybe")
+    metrics.observe_step(1, {"actor/pg_loss": float("nan"), "critic/score/mean": None, "timing_s/gen": -1.0})
+    assert value(registry, "verl_trainer_policy_loss") == 0  # NaN skipped, the gauge keeps its last value
+    assert value(registry, "verl_trainer_step_phase_duration_seconds_count", phase="gen") is None
+
+
+def test_each_instance_owns_its_registry() -> None:
+    first, second = CollectorRegistry(), CollectorRegistry()
+    TelemetryMetrics(first, run="a").count_restart("exit")
+    TelemetryMetrics(second, run="b")
+    assert value(first, "verl_trainer_restarts_total", reason="exit") == 1
+    assert value(second, "verl_trainer_restarts_total", reason="exit") == 0
+
+
+def test_the_exposition_passes_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not found: install Debian's `prometheus` package (apt-get install -y prometheus)")
+    _, registry = fed_metrics()
+    result = subprocess.run([promtool, "check", "metrics"], input=generate_latest(registry), capture_output=True,
+                            timeout=30)
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
+    assert result.stdout.decode().strip() == "" and result.stderr.decode().strip() == ""
