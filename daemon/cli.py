@@ -1,54 +1,146 @@
 """The ``verl`` command.
 
-    verl train --config run.yaml [key.path=value ...]
+    verl train --config run.yaml [--monitor] [key.path=value ...]   start a run
+    verl monitor --pid PID [--once] [--json]                        watch a running run
+    verl set NAME=VALUE [NAME=VALUE ...] --pid PID                  change live settings
+    verl status --pid PID [--json]                                  one summary
+    verl stop --pid PID [--wait]                                    checkpoint, then exit
 
-Known user errors become ``ERROR:`` lines (and a ``HINT:``) with exit code 2, never a traceback.
-This module must not import torch: it validates the config and starts the trainer process.
+PID is the daemon's (printed by `verl train`) or any of its trainers'. Known user errors become
+``ERROR:`` lines (and a ``HINT:``) with exit code 2, never a traceback. This module must not
+import torch: it validates the config and starts the run.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
+import json
+import re
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import psutil
+import yaml
+
+from api.client import ApiClient, ApiError, DaemonUnreachable, Unauthorized, dig
+from api.monitor import describe_status, format_value, run_monitor
+from daemon.runtime import RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
 from trainer.config import ConfigError, RunConfig, dump_config, load_config
+from trainer.config.live import SETTING_NAMES
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+ACK_POLL_S = 0.2
+
+
+class UsageError(Exception):
+    """A mistake of the user's (or a run that cannot be reached): ERROR lines, a HINT, exit code 2."""
+
+    def __init__(self, errors: str | Sequence[str], hint: str | None = None):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        self.hint = hint
+        super().__init__("; ".join(self.errors))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse reporting its errors in the ERROR/HINT form of every other message."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"ERROR: {message}\nHINT: `{self.prog} --help` shows the usage\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verl", description="PPO and GRPO for LLMs on GPUs too small for the model.")
+    parser = _Parser(prog="verl", description="PPO and GRPO for LLMs on GPUs too small for the model.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser("train", help="start a training run",
                                 description="Validate the config, write it into runs/<name>/ and train.")
     train.add_argument("--config", required=True, metavar="FILE", help="YAML run config (see examples/)")
+    train.add_argument("--monitor", action="store_true", help="show the live view in the foreground")
     train.add_argument("overrides", nargs="*", metavar="key.path=value",
                        help="override config keys, e.g. data.train_batch_size=64")
     train.set_defaults(handler=train_command)
+
+    monitor = _run_command(commands, "monitor", "attach a live view to a running run", monitor_command)
+    monitor.add_argument("--once", action="store_true", help="print one view and exit")
+    monitor.add_argument("--json", action="store_true", help="print one JSON snapshot and exit (implies --once)")
+    monitor.add_argument("--refresh", type=_positive_seconds, default=1.0, metavar="SECONDS",
+                         help="seconds between updates (default 1)")
+
+    settings = _run_command(commands, "set", "change live settings without a restart", set_command)
+    settings.add_argument("assignments", nargs="+", metavar="NAME=VALUE",
+                          help="a live setting and its value (YAML: 0.8, 4, true); one of " + ", ".join(SETTING_NAMES))
+    settings.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
+                          help="how long to wait for the trainer to acknowledge (default 5; 0: don't wait)")
+
+    status = _run_command(commands, "status", "summarize a running run", status_command)
+    status.add_argument("--json", action="store_true", help="print the API's status body as JSON")
+
+    stop = _run_command(commands, "stop", "ask a run to checkpoint and exit", stop_command)
+    stop.add_argument("--wait", action="store_true", help="wait until the daemon has exited")
     return parser
 
 
+def _run_command(commands, name: str, summary: str, handler) -> argparse.ArgumentParser:
+    """A subcommand that talks to a running run, found by --pid."""
+    command = commands.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+    command.add_argument("--pid", required=True, type=_pid, metavar="PID",
+                         help="the daemon's pid (printed by `verl train`) or one of its trainers' pids")
+    command.add_argument("--state-dir", metavar="DIR", help="where runtime files are (default: the run's "
+                         "daemon.state_dir, else $VERL_STATE_DIR, else ~/.local/state/verl)")
+    command.set_defaults(handler=handler)
+    return command
+
+
+def _pid(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a process id (a positive integer), got {text!r}")
+    return int(text)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return seconds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error argparse has already reported
+        return int(exit_request.code or 0)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except UsageError as error:
+        for line in error.errors:
+            print(f"ERROR: {line}", file=sys.stderr)
+        if error.hint:
+            print(f"HINT: {error.hint}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+# ----------------------------------------------------------------------------------------- train
 
 
 def train_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
-        for problem in error.problems:
-            print(f"ERROR: {problem}", file=sys.stderr)
+        hint = None
         if any(problem.path != "--config" for problem in error.problems):
-            print(f"HINT: fix these in {args.config} or override them on the command line as key.path=value",
-                  file=sys.stderr)
-        return EXIT_USAGE
+            hint = f"fix these in {args.config} or override them on the command line as key.path=value"
+        raise UsageError([str(problem) for problem in error.problems], hint) from None
     config_path = write_run_config(config)
-    return run_trainer(config_path)
+    return start_run(config, config_path, monitor=args.monitor)
 
 
 def write_run_config(config: RunConfig) -> Path:
@@ -60,24 +152,150 @@ def write_run_config(config: RunConfig) -> Path:
     return path
 
 
-def run_trainer(config_path: Path) -> int:
-    """Run the trainer as a child process; the first Ctrl-C or SIGTERM asks it to checkpoint and stop,
-    a second one ends it at once."""
-    child = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(config_path)])
-    signals_seen = 0
+def start_run(config: RunConfig, config_path: Path, monitor: bool) -> int:
+    """Run the training under this process, the daemon; `monitor` shows the live view in the foreground."""
+    from daemon.service import run_daemon
 
-    def forward(signum, _frame):
-        nonlocal signals_seen
-        signals_seen += 1
-        if signals_seen == 1:
-            print("stopping: the trainer checkpoints at the end of this step (again to abort)", file=sys.stderr)
-            child.send_signal(signal.SIGTERM)
-        else:
-            child.kill()
+    return run_daemon(config, config_path, monitor=monitor)
 
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+def monitor_command(args: argparse.Namespace) -> int:
+    with connect(args.pid, args.state_dir) as (_, client):
+        return run_monitor(client, once=args.once or args.json, as_json=args.json, refresh_s=args.refresh)
+
+
+def status_command(args: argparse.Namespace) -> int:
+    with connect(args.pid, args.state_dir) as (_, client):
+        body = client.status()
+    print(json.dumps(body, indent=2) if args.json else "\n".join(describe_status(body)))
+    return 0
+
+
+def set_command(args: argparse.Namespace) -> int:
+    change = parse_assignments(args.assignments)
+    with connect(args.pid, args.state_dir) as (info, client):
+        try:
+            answer = client.update_settings(change)
+        except ApiError as error:
+            if error.status != 422:
+                raise
+            raise UsageError(error.lines(), f"nothing was changed; `verl status --pid {args.pid}` shows the "
+                             "current values") from None
+        version = answer["version"]
+        for name, new in answer["new"].items():
+            print(f"{name}: {format_value(answer['old'].get(name))} -> {format_value(new)}")
+        if not answer["new"]:
+            print("nothing to change: the settings already have these values")
+        print(f"settings version {version}; the trainer applies it at step {answer['applies_at_step']}")
+        if answer["status"] != "pending" or args.wait <= 0:
+            return 0
+        acknowledged = _wait_for_acknowledgement(client, version, args.wait)
+    if acknowledged is None:
+        print(f"the trainer has not acknowledged version {version} within {args.wait:g} s; it applies it at "
+              f"its next safe point (`verl status --pid {info.pid}` shows when)")
+    else:
+        print(f"acknowledged by the trainer: in effect from step {acknowledged['applied_at_step']}")
+    return 0
+
+
+def stop_command(args: argparse.Namespace) -> int:
+    with connect(args.pid, args.state_dir) as (info, client):
+        client.stop()
+        print(f"asked run {info.name} (daemon pid {info.pid}) to checkpoint at its next safe point and exit")
+        if not args.wait:
+            return 0
+        try:
+            last_step = _wait_for_exit(info.pid, client)
+        except KeyboardInterrupt:
+            print("stopped waiting; the run still stops", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    print(f"run {info.name} has stopped" + (f" (last seen at step {last_step})" if last_step is not None else ""))
+    return 0
+
+
+@contextmanager
+def connect(pid: int, configured_state_dir: str | None = None) -> Iterator[tuple[RuntimeInfo, ApiClient]]:
+    """The run that `pid` belongs to and a client of its API; turns the ways this fails into UsageError."""
+    state = state_dir(configured_state_dir)
     try:
-        return child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        info = find_run(pid, state)
+    except RunNotFound as error:
+        raise UsageError(str(error), "pass the pid that `verl train` printed (the daemon's) or one of its "
+                         "trainers' pids (a run that has ended has none)") from None
+    with ApiClient(info.url, info.token) as client:
+        try:
+            yield info, client
+        except DaemonUnreachable as error:
+            raise UsageError(f"run {info.name} (daemon pid {info.pid}): {error}",
+                             f"the daemon may still be starting or be stuck; see {info.run_dir}/logs/daemon.log"
+                             ) from None
+        except Unauthorized as error:
+            raise UsageError(f"run {info.name} (daemon pid {info.pid}): {error}",
+                             f"the token in {runtime_file(state, info.pid)} is not this daemon's: the file is "
+                             "left from an older run; delete it, then use the pid the running `verl train` "
+                             "printed") from None
+        except ApiError as error:
+            raise UsageError(error.lines(), f"see {info.run_dir}/logs/daemon.log") from None
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+class _ScalarLoader(yaml.SafeLoader):
+    """YAML as the config's overrides read it: 1e-3 is a number (PyYAML's YAML 1.1 wants 1.0e-3)."""
+
+
+_ScalarLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def parse_assignments(texts: Sequence[str]) -> dict[str, Any]:
+    """NAME=VALUE arguments as a settings change, each value read as a YAML scalar (0.8, 4, true, debug)."""
+    hint = "write NAME=VALUE, e.g. `verl set gpu_memory_threshold=0.8 --pid PID`; settings: " + ", ".join(
+        SETTING_NAMES)
+    change: dict[str, Any] = {}
+    for text in texts:
+        name, equals, raw = text.partition("=")
+        name = name.strip()
+        if not equals or not name or not raw.strip():
+            raise UsageError(f"expected NAME=VALUE, got {text!r}", hint)
+        if name in change:
+            raise UsageError(f"{name} is given twice", hint)
+        try:
+            value = yaml.load(raw, Loader=_ScalarLoader)  # noqa: S506 (a safe loader)
+        except yaml.YAMLError:
+            value = raw  # a plain string after all; the daemon says whether the setting takes one
+        if isinstance(value, dict | list):
+            raise UsageError(f"{name}: expected a single value, got {raw!r}", hint)
+        change[name] = value
+    return change
+
+
+def _wait_for_acknowledgement(client: ApiClient, version: int, timeout_s: float) -> dict | None:
+    """The settings once the trainer has acknowledged `version`, or None after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        settings = client.settings()
+        if (settings.get("acknowledged_version") or 0) >= version:
+            return settings
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(min(ACK_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _wait_for_exit(pid: int, client: ApiClient) -> int | None:
+    """Block until the daemon has exited; the last step its API reported on the way."""
+    last_step = None
+    while True:
+        try:
+            last_step = dig(client.status(), "progress", "step")
+        except ApiError:
+            pass  # it is shutting down its API: keep waiting for the process
+        try:
+            psutil.Process(pid).wait(timeout=0.5)
+            return last_step
+        except psutil.TimeoutExpired:
+            continue
+        except psutil.NoSuchProcess:
+            return last_step
+

@@ -356,12 +356,28 @@ class Trainer:
         if self.telemetry is None:
             return
         for message in self.telemetry.poll():
-            if message["type"] == "settings":
-                self.apply_live_settings(message["version"], message["values"])
-            elif message["type"] == "checkpoint_now":
-                self._checkpoint_requested = True
-            elif message["type"] == "stop":
-                self.request_stop()
+            self._dispatch(message)
+
+    def receive_initial_settings(self, timeout_s: float = 5.0) -> bool:
+        """Wait (once, before the first step) for the daemon's current settings, so a change made
+        before a restart holds from the restarted trainer's first step. False if none came."""
+        deadline = time.monotonic() + timeout_s
+        while self.telemetry is not None and time.monotonic() < deadline:
+            messages = self.telemetry.poll()
+            for message in messages:
+                self._dispatch(message)
+            if any(message["type"] == "settings" for message in messages):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def _dispatch(self, message: dict) -> None:
+        if message["type"] == "settings":
+            self.apply_live_settings(message["version"], message["values"])
+        elif message["type"] == "checkpoint_now":
+            self._checkpoint_requested = True
+        elif message["type"] == "stop":
+            self.request_stop()
 
     def apply_live_settings(self, version: int, values: dict) -> None:
         """Take the daemon's settings from the next step on, and acknowledge with that step."""

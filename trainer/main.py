@@ -35,19 +35,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.errors import USER_ERRORS
     from trainer.loop import Trainer
     from trainer.reporting import ConsoleReporter
+    from trainer.telemetry import TelemetryClient
 
     run_dir = config.trainer.run_dir
+    # Present when the verl daemon started this process; None when run by hand.
+    telemetry = TelemetryClient.from_env(run_dir=str(run_dir))
     reporter = None
     try:
-        trainer = Trainer(config, log=print)
-        reporter = ConsoleReporter(total_steps=trainer.total_steps, log_path=run_dir / "logs" / "trainer.log")
+        trainer = Trainer(config, log=print, telemetry=telemetry)
+        reporter = ConsoleReporter(total_steps=trainer.total_steps, log_path=run_dir / "logs" / "trainer.log",
+                                   forward=_log_forwarder(telemetry))
         trainer.log, trainer.warn = reporter.info, reporter.warning
         trainer.observers.append(reporter)
+        trainer.settings_listeners.append(lambda settings: reporter.set_level(settings.log_level))
         for note in inactive_settings(config):
             reporter.warning(note)
         reporter.info(f"run directory {run_dir}; device {trainer.device}; {trainer.total_steps} steps")
         trainer.install_signal_handlers()
         trainer.resume()
+        if telemetry is not None:
+            telemetry.hello(start_step=trainer.step, total_steps=trainer.total_steps)
+            if not trainer.receive_initial_settings():
+                reporter.warning("the daemon sent no live settings within 5 s; starting with the config's")
         reporter.start(trainer.step)
         trainer.fit()
     except USER_ERRORS as error:
@@ -55,7 +64,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if reporter is not None:
             reporter.close()
+        if telemetry is not None:
+            telemetry.close()
     return EXIT_OK
+
+
+def _log_forwarder(telemetry):
+    if telemetry is None:
+        return None
+    return lambda level, message: telemetry.send({"type": "log", "level": level, "message": message})
 
 
 def _report_errors(messages: Sequence[str]) -> int:

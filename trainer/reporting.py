@@ -4,11 +4,12 @@ mirrored into the run's log file."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 # (metric, label, format) in the order they are printed.
@@ -44,8 +45,10 @@ def format_step_line(step: int, total_steps: int, metrics: Mapping[str, float]) 
 class ConsoleReporter:
     """Progress bar on a terminal (plain lines elsewhere), and the log file `log_path`."""
 
-    def __init__(self, *, total_steps: int, log_path: Path, console: Console | None = None):
+    def __init__(self, *, total_steps: int, log_path: Path, console: Console | None = None,
+                 forward: Callable[[str, str], None] | None = None):
         self.total_steps = total_steps
+        self._forward = forward
         self.console = console or Console(stderr=True, highlight=False)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.logger = logging.getLogger(f"verl.trainer.{log_path}")
@@ -59,11 +62,20 @@ class ConsoleReporter:
 
     def info(self, message: str) -> None:
         self.logger.info(message)
-        self._print(message)
+        if self.logger.isEnabledFor(logging.INFO):
+            self._print(message, markup=False)
+        if self._forward is not None:
+            self._forward("info", message)
 
     def warning(self, message: str) -> None:
         self.logger.warning(message)
-        self._print(f"[yellow]WARNING:[/yellow] {message}")
+        self._print(f"[yellow]WARNING:[/yellow] {escape(message)}")
+        if self._forward is not None:
+            self._forward("warning", message)
+
+    def set_level(self, level: str) -> None:
+        """The live log_level: debug, info, warning or error."""
+        self.logger.setLevel(level.upper())
 
     def start(self, step: int) -> None:
         if self.console.is_terminal:
@@ -75,7 +87,8 @@ class ConsoleReporter:
     def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
         line = format_step_line(step, self.total_steps, metrics)
         self.logger.info(line)
-        self._print(line, markup=False)
+        if self.logger.isEnabledFor(logging.INFO):
+            self._print(line, markup=False)
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
 

@@ -235,3 +235,15 @@ def test_checkpoint_now_and_stop_from_the_daemon(tmp_path):
     assert [step for step, _ in list_checkpoints(trainer.run_dir)] == [1, 3]
     assert [message["step"] for message in link.of_type("checkpoint")] == [1, 3]
     assert trainer.step == 3
+
+
+def test_settings_sent_before_the_first_step_hold_from_step_one(tmp_path):
+    link = FakeDaemonLink()
+    trainer = make_trainer(tmp_path, "trainer.total_training_steps=1")
+    trainer.telemetry = link
+    values = {**trainer.live_settings.public(), "min_transformer_layers_on_gpu": 3}
+    link.inbox.append({"type": "settings", "version": 2, "values": values})
+    assert trainer.receive_initial_settings(timeout_s=1.0)
+    assert link.of_type("settings_ack")[0]["step"] == 1
+    assert trainer.live_settings.min_transformer_layers_on_gpu == 3
+    assert not trainer.receive_initial_settings(timeout_s=0.05)

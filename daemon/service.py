@@ -1,0 +1,522 @@
+"""The daemon: one asyncio process that supervises the trainer and serves its telemetry.
+
+    run_daemon(config, config_path, monitor=False) -> exit code
+
+Inside one event loop: the trainer child (daemon/supervisor.py), the IPC server the trainer
+reports to (daemon/ipc.py), the HTTP API (api/app.py on uvicorn), and the live settings
+(daemon/settings.py); the GPU sampler (daemon/gpu.py) runs on a thread and hands its samples
+to the loop. Everything learned is published once to the hub (history + WebSocket fan-out)
+and the Prometheus metrics. The runtime file (daemon/runtime.py) lets `verl monitor/set/
+status/stop --pid` find the daemon; it is removed on exit.
+
+Exit codes: 0 the run finished or was stopped on request; 1 the trainer kept crashing and the
+daemon gave up after daemon.max_restarts; 2 the trainer reported a config/data problem, or the
+daemon could not start (port in use, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from api.app import create_app
+from api.hub import TelemetryHub
+from api.prometheus import TelemetryMetrics
+from api.schemas import SettingsRejectedError
+from daemon.gpu import GpuSampler
+from daemon.ipc import MAX_SOCKET_PATH_BYTES, IpcServer, TrainerConnection
+from daemon.runtime import (
+    RuntimeInfo,
+    process_start_time,
+    remove_runtime_file,
+    runtime_dir,
+    state_dir,
+    write_runtime_file,
+)
+from daemon.settings import SettingsStore
+from daemon.supervisor import EXIT_USAGE, RestartPolicy, Supervisor
+from trainer.config import RunConfig
+from trainer.config.ipc import ENV_SOCKET, ENV_TOKEN
+from trainer.config.live import SettingsRejected, initial_live_settings
+
+log = logging.getLogger("verl.daemon")
+
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+RESTART_REASONS = ("crash", "signal", "oom")
+
+
+class DaemonStartError(Exception):
+    """The daemon cannot start; the message names the setting to change."""
+
+
+def run_daemon(config: RunConfig, config_path: Path, *, monitor: bool) -> int:
+    """Supervise the trainer for `config` (already written to `config_path`) and serve telemetry until the run
+    ends; `monitor` shows the live view in this terminal (the trainer's output then goes to logs/trainer.out)."""
+    return asyncio.run(Daemon(config, Path(config_path), monitor=monitor).run())
+
+
+class _ApiServer(uvicorn.Server):
+    """uvicorn without its signal handling: SIGTERM/SIGINT are the daemon's (stop the trainer first)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class Daemon:
+    """The daemon's state and wiring; also the API's RunControl (status, settings, checkpoint, stop).
+
+    `trainer_command` replaces ``python -m trainer --config CONFIG`` (tests run a fake trainer), `nvml` the
+    pynvml module (tests pass a fake), `state` the state directory.
+    """
+
+    def __init__(self, config: RunConfig, config_path: Path, *, monitor: bool = False,
+                 trainer_command: Sequence[str] | None = None, nvml: Any = None, state: Path | None = None,
+                 out: TextIO | None = None):
+        self.config = config
+        self.config_path = Path(config_path).resolve()
+        self.monitor = monitor
+        self.name = config.trainer.experiment_name
+        self.run_dir = Path(config.trainer.run_dir).resolve()
+        self.state = state or state_dir(config.daemon.state_dir)
+        self.pid = os.getpid()
+        self.token = secrets.token_urlsafe(32)
+        self._ipc_token = secrets.token_urlsafe(32)  # kept apart: the API token never enters the trainer's env
+        self._out = out or sys.stdout
+        self.registry = CollectorRegistry()
+        self.hub = TelemetryHub(history_seconds=config.telemetry.history_seconds)
+        self.metrics = TelemetryMetrics(self.registry, run=self.name, project=config.trainer.project_name,
+                                        config=str(self.config_path))
+        self.settings_store = SettingsStore(initial_live_settings(config),
+                                            audit_path=self.run_dir / "settings_audit.jsonl")
+        self.supervisor = Supervisor(
+            list(trainer_command or [sys.executable, "-m", "trainer", "--config", str(self.config_path)]),
+            policy=RestartPolicy(config.daemon.max_restarts, config.daemon.restart_backoff_s,
+                                 config.daemon.restart_backoff_max_s),
+            stop_timeout_s=config.daemon.stop_timeout_s,
+            output=self.run_dir / "logs" / "trainer.out" if monitor else None,
+            on_started=self._trainer_started, on_exited=self._trainer_exited, on_restart=self._trainer_restarting,
+            on_state=self._state_changed, request_trainer_stop=lambda: self._send_down({"type": "stop"}))
+        self._nvml = nvml
+        self.sampler: GpuSampler | None = None
+        self.ipc: IpcServer | None = None
+        self.url = ""
+        self.started_at = time.time()
+        self.progress: dict[str, Any] = {"step": 0, "total_steps": config.trainer.total_training_steps,
+                                         "phase": None, "phase_since": None}
+        self._phase_step: int | None = None  # the step the latest phase message is part of
+        self.offload_summary: list[dict[str, Any]] = []
+        self.dropped_messages = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._api: _ApiServer | None = None
+        self._api_task: asyncio.Task | None = None
+        self._socket_dir: Path | None = None
+        self._log_handlers: list[tuple[logging.Logger, logging.Handler]] = []
+        self._monitor_thread: threading.Thread | None = None
+        self._monitor_stop = threading.Event()
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._setup_logging()
+        try:
+            try:
+                await self._start()
+            except DaemonStartError as error:
+                print(f"ERROR: {error}", file=sys.stderr)
+                return EXIT_USAGE
+            except OSError as error:  # the state or run directory cannot be written, the socket not made
+                print(f"ERROR: the daemon cannot start: {error}\nHINT: check that daemon.state_dir (now "
+                      f"{self.state}) and {self.run_dir} are writable", file=sys.stderr)
+                return EXIT_USAGE
+            code = await self.supervisor.run()
+        finally:
+            await self._shutdown()
+            self._teardown_logging()
+        return code
+
+    async def _start(self) -> None:
+        self.ipc = IpcServer(self._socket_path(), self._ipc_token, on_hello=self._trainer_hello,
+                             on_message=self._trainer_message, on_disconnect=self._trainer_disconnected,
+                             on_invalid=self._invalid_message)
+        await self.ipc.start()
+        self.supervisor.env.update({ENV_SOCKET: str(self.ipc.path), ENV_TOKEN: self._ipc_token})
+        if self.monitor:
+            self.supervisor.env["PYTHONUNBUFFERED"] = "1"  # trainer.out should follow the run, not lag a buffer
+        await self._start_api()
+        for name, value in self.settings_store.values.public().items():
+            self.metrics.set_setting(name, value)
+        path = self._write_runtime_file()
+        print(f"verl daemon pid {self.pid}: run {self.name} in {self.run_dir}\n"
+              f"  API:     {self.url}\n"
+              f"  monitor: verl monitor --pid {self.pid}\n"
+              f"  token:   in {path} (mode 0600)", file=self._out, flush=True)
+        live = self.settings_store.values
+        self.sampler = GpuSampler(self._sampled, gpu_interval_s=live.gpu_sample_interval_s,
+                                  pcie_interval_s=live.pcie_sample_interval_s,
+                                  trainer_pids=lambda: self.supervisor.pids, nvml=self._nvml)
+        self.metrics.set_nvml_up(self.sampler.nvml_up)
+        self.sampler.start()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(signum, self._on_signal, signum)
+        if self.monitor:
+            self._start_monitor()
+
+    async def _shutdown(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._loop.remove_signal_handler(signum)
+        if self._monitor_thread is not None:
+            self._monitor_stop.set()
+            await asyncio.to_thread(self._monitor_thread.join, 5.0)
+        if self.sampler is not None:
+            await asyncio.to_thread(self.sampler.stop)
+        self._publish_status()
+        if self._api is not None:
+            self._api.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._api_task, 5.0)
+        if self.ipc is not None:
+            await self.ipc.close()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        remove_runtime_file(self.state, self.pid)
+        if self.monitor:
+            self._report_outcome()
+
+    def _on_signal(self, signum: int) -> None:
+        log.info("received %s: stopping the run", signal.Signals(signum).name)
+        self.supervisor.request_stop()
+
+    # -------------------------------------------------------------------------------------- the API
+
+    async def _start_api(self) -> None:
+        telemetry = self.config.telemetry
+        listener = _listen(telemetry.host, telemetry.port)
+        port = listener.getsockname()[1]
+        host = "127.0.0.1" if telemetry.host in ("0.0.0.0", "") else ("::1" if telemetry.host == "::"
+                                                                       else telemetry.host)
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        app = create_app(hub=self.hub, registry=self.registry, control=self, token=self.token,
+                         public_metrics=telemetry.public_metrics, bind_host=telemetry.host,
+                         allowed_origins=telemetry.allowed_origins)
+        self._api = _ApiServer(uvicorn.Config(app, log_level="warning", lifespan="off", log_config=None,
+                                              access_log=False, timeout_graceful_shutdown=2))
+        self._api_task = asyncio.create_task(self._api.serve(sockets=[listener]))
+        while not self._api.started:
+            if self._api_task.done():
+                raise DaemonStartError(f"the API server on {self.url} did not start: {self._api_task.exception()}")
+            await asyncio.sleep(0.01)
+
+    # --------------------------------------------------------------------- RunControl (the API's calls)
+
+    def status(self) -> dict[str, Any]:
+        supervisor = self.supervisor
+        return {
+            "run": {"name": self.name, "project": self.config.trainer.project_name, "run_dir": str(self.run_dir),
+                    "config_path": str(self.config_path), "daemon_pid": self.pid, "trainer_pids": supervisor.pids,
+                    "state": supervisor.state, "started_at": self.started_at,
+                    "uptime_s": time.time() - self.started_at, "url": self.url},
+            "progress": dict(self.progress),
+            "restarts": {"total": supervisor.restarts, "max": self.config.daemon.max_restarts,
+                         "by_reason": {reason: supervisor.restarts_by_reason[reason] for reason in
+                                       sorted({*RESTART_REASONS, *supervisor.restarts_by_reason})}},
+            "settings": self.settings_store.state(),
+            "telemetry": {"nvml": self.sampler is not None and self.sampler.nvml_up,
+                          "dropped_messages": self.dropped_messages},
+            "offload": {"summary": list(self.offload_summary)},
+        }
+
+    def settings(self) -> dict[str, Any]:
+        return self.settings_store.describe()
+
+    def update_settings(self, change: dict, *, source: str = "api") -> dict[str, Any]:
+        try:
+            update = self.settings_store.update(change, source=source)
+        except SettingsRejected as rejected:
+            for problem in rejected.problems:
+                self.metrics.count_setting_update(problem.setting, "rejected")
+            log.warning("settings change rejected: %s", rejected)
+            raise SettingsRejectedError(rejected.problems) from None
+        for name, value in update.new.items():
+            self.metrics.set_setting(name, value)
+            self.metrics.count_setting_update(name, "accepted")
+        log.info("settings version %d: %s", update.version,
+                 ", ".join(f"{name} {update.old[name]!r} -> {value!r}" for name, value in update.new.items()))
+        self._apply_in_daemon(update.new)
+        self._send_down(self.settings_store.down_message())
+        self.hub.publish("settings", self.settings_store.state())
+        return {"version": update.version, "old": update.old, "new": update.new, "values": update.values,
+                "applies_at_step": self._next_safe_step(), "status": "pending"}
+
+    def request_checkpoint(self) -> dict[str, Any]:
+        reached = self._send_down({"type": "checkpoint_now"})
+        log.info("checkpoint requested%s", "" if reached else " but no trainer is connected")
+        return {"status": "requested" if reached else "no_trainer",
+                "detail": "the trainer saves a checkpoint at its next safe point" if reached
+                else "no trainer is connected right now; ask again once it runs"}
+
+    def request_stop(self) -> dict[str, Any]:
+        self.supervisor.request_stop()
+        return {"status": "stopping", "detail": "the trainer checkpoints at its next safe point and exits; "
+                                                "then the daemon exits 0"}
+
+    # ------------------------------------------------------------------------------- trainer events
+
+    def _trainer_hello(self, connection: TrainerConnection) -> None:
+        hello = connection.hello
+        log.info("trainer pid %s connected (rank %d, step %s of %s)", connection.pid, connection.rank,
+                 hello.get("start_step"), hello.get("total_steps"))
+        if connection.rank == 0:
+            if isinstance(hello.get("start_step"), int):
+                self.progress["step"] = hello["start_step"]
+            if isinstance(hello.get("total_steps"), int):
+                self.progress["total_steps"] = hello["total_steps"]
+                self.metrics.set_total_steps(hello["total_steps"])
+        # The current values, every time: a change made before a restart holds in the new trainer.
+        connection.send(self.settings_store.down_message())
+        self.supervisor.trainer_connected()
+
+    def _trainer_message(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
+        handler = getattr(self, f"_on_{message['type']}", None)
+        if handler is None:
+            return
+        try:
+            handler(connection, message)
+        except (KeyError, TypeError, ValueError) as error:
+            self._invalid_message(connection, f"bad {message['type']} message: {error!r}")
+
+    def _on_step(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
+        step, metrics = message["step"], message.get("metrics") or {}
+        if not isinstance(step, int) or not isinstance(metrics, dict):
+            raise ValueError("step must be an integer and metrics an object")
+        if connection.rank == 0:
+            self.progress["step"] = step
+        self.hub.publish("step", {"step": step, "metrics": metrics})
+        self.metrics.observe_step(step, metrics)
+
+    def _on_phase(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
+        phase = str(message["phase"])
+        if connection.rank == 0:
+            self.progress.update(phase=phase, phase_since=time.time())
+            self._phase_step = message.get("step")
+        self.hub.publish("phase", {"step": message.get("step"), "phase": phase})
+        self.metrics.observe_phase(phase)
+
+    def _on_offload(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
+        copies, summary = message.get("copies") or [], message.get("summary")
+        self.metrics.observe_offload(copies, summary)
+        if summary is not None:
+            self.offload_summary = list(summary)
+        self.hub.publish("offload", {"copies": copies, "summary": summary})
+
+    def _on_log(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
+        level = str(message.get("level", "info")).lower()
+        self.hub.publish("log", {"level": level, "message": str(message.get("message", "")), "source": "trainer"})
+
+    def _on_settings_ack(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
+        version, step = message["version"], message.get("step")
+        change = self.settings_store.acknowledge(version, step)
+        if change is not None:
+            for name in change.new:
+                self.metrics.count_setting_update(name, "applied")
+        log.info("trainer pid %s runs settings version %s from step %s", connection.pid, version, step)
+        self.hub.publish("settings", self.settings_store.state())
+
+    def _on_checkpoint(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
+        step, path = message["step"], message.get("path")
+        self.hub.publish("log", {"level": "info", "message": f"checkpoint saved at step {step}: {path}",
+                                 "source": "trainer", "checkpoint": {"step": step, "path": path}})
+
+    def _on_dropped(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
+        count = int(message["count"])
+        self.dropped_messages += count
+        self.metrics.count_dropped("trainer", count)
+
+    def _invalid_message(self, connection: TrainerConnection, problem: str) -> None:
+        self.dropped_messages += 1
+        self.metrics.count_dropped("ipc", 1)
+        log.warning("ignored a message from trainer pid %s: %s", connection.pid, problem)
+
+    def _trainer_disconnected(self, connection: TrainerConnection) -> None:
+        log.info("trainer pid %s disconnected", connection.pid)
+        if connection.rank == 0:
+            self.progress.update(phase=None, phase_since=None)
+            self._phase_step = None
+
+    # --------------------------------------------------------------------------- supervisor events
+
+    def _trainer_started(self, pid: int) -> None:
+        log.info("trainer started: pid %d", pid)
+        self._write_runtime_file()
+        self._publish_status()
+
+    def _trainer_exited(self, pid: int, returncode: int) -> None:
+        log.info("trainer pid %d exited with code %d", pid, returncode)
+        self._write_runtime_file()
+
+    def _trainer_restarting(self, event: dict[str, Any]) -> None:
+        self.metrics.count_restart(event["reason"])
+        self.hub.publish("restart", event)
+
+    def _state_changed(self, state: str) -> None:
+        self._publish_status()
+
+    # ---------------------------------------------------------------------------------------- helpers
+
+    def _sampled(self, data: dict[str, Any]) -> None:
+        """From the sampler thread: hand the sample to the loop."""
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the daemon is exiting
+            self._loop.call_soon_threadsafe(self._publish_gpu, data)
+
+    def _publish_gpu(self, data: dict[str, Any]) -> None:
+        self.hub.publish("gpu", data)
+        self.metrics.observe_gpu(data)
+
+    def _publish_status(self) -> None:
+        self.hub.publish("status", self.status())
+
+    def _send_down(self, message: dict[str, Any]) -> bool:
+        """Send to the connected trainer(s); safe from any thread. Whether a trainer was connected."""
+        if self.ipc is None:
+            return False
+        reached = bool(self.ipc.connections)
+        if _on_loop(self._loop):
+            self.ipc.send(message)
+        else:
+            self._loop.call_soon_threadsafe(self.ipc.send, message)
+        return reached
+
+    def _apply_in_daemon(self, changed: dict[str, Any]) -> None:
+        """The settings the daemon acts on itself, at once."""
+        if self.sampler is not None and ({"gpu_sample_interval_s", "pcie_sample_interval_s"} & changed.keys()):
+            self.sampler.set_intervals(gpu_interval_s=changed.get("gpu_sample_interval_s"),
+                                       pcie_interval_s=changed.get("pcie_sample_interval_s"))
+        if "log_level" in changed:
+            log.setLevel(LOG_LEVELS[changed["log_level"]])
+
+    def _next_safe_step(self) -> int:
+        """The first step a change can run in: the next one, or the one after when a step is under way."""
+        progress = self.progress
+        in_step = progress["phase"] not in (None, "idle") and self._phase_step == progress["step"] + 1
+        return progress["step"] + (2 if in_step else 1)
+
+    def _socket_path(self) -> Path:
+        path = runtime_dir(self.state) / f"{self.pid}.sock"
+        if len(os.fsencode(path)) <= MAX_SOCKET_PATH_BYTES:
+            return path
+        # A deep state dir would overflow sun_path: use a private temporary folder instead.
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="verl-"))
+        return self._socket_dir / "ipc.sock"
+
+    def _write_runtime_file(self) -> Path:
+        info = RuntimeInfo(pid=self.pid, url=self.url, token=self.token, run_dir=str(self.run_dir),
+                           config_path=str(self.config_path), name=self.name,
+                           started_at=process_start_time(self.pid) or self.started_at,
+                           trainer_pids=self.supervisor.pids)
+        return write_runtime_file(self.state, info)
+
+    def _setup_logging(self) -> None:
+        log_path = self.run_dir / "logs" / "daemon.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        to_file = logging.FileHandler(log_path, encoding="utf-8")
+        to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handlers = [(log, to_file), (logging.getLogger("uvicorn"), to_file), (log, _HubLogHandler(self.hub))]
+        if not self.monitor:  # the live view owns the terminal when there is one
+            to_terminal = logging.StreamHandler(sys.stderr)
+            to_terminal.setFormatter(logging.Formatter("verl daemon: %(message)s"))
+            handlers.append((log, to_terminal))
+        for logger, handler in handlers:
+            logger.addHandler(handler)
+            self._log_handlers.append((logger, handler))
+        log.setLevel(LOG_LEVELS[self.settings_store.values.log_level])
+        log.propagate = False
+
+    def _teardown_logging(self) -> None:
+        for logger, handler in self._log_handlers:
+            logger.removeHandler(handler)
+            handler.close()
+        self._log_handlers.clear()
+
+    def _start_monitor(self) -> None:
+        from api.client import ApiClient
+        from api.monitor import run_monitor
+
+        def watch() -> None:
+            with ApiClient(self.url, self.token) as client:
+                try:
+                    run_monitor(client, once=False, as_json=False, stop=self._monitor_stop)
+                except Exception as error:  # the view is a convenience: the run goes on without it
+                    log.warning("the live view stopped: %s", error)
+
+        self._monitor_thread = threading.Thread(target=watch, name="verl-monitor", daemon=True)
+        self._monitor_thread.start()
+
+    def _report_outcome(self) -> None:
+        supervisor = self.supervisor
+        logs = self.run_dir / "logs"
+        if supervisor.state == "finished":
+            print(f"run {self.name} {'stopped' if supervisor.stopping else 'finished'} at step "
+                  f"{self.progress['step']}", file=sys.stderr)
+        elif supervisor.last_exit_code == EXIT_USAGE:
+            print(f"ERROR: the trainer stopped on a problem with the config, data or models (exit code 2)\n"
+                  f"HINT: see its ERROR lines in {logs / 'trainer.out'}", file=sys.stderr)
+        else:
+            print(f"ERROR: the trainer failed {supervisor.restarts + 1} times; gave up after "
+                  f"daemon.max_restarts={self.config.daemon.max_restarts} restarts\n"
+                  f"HINT: see {logs / 'trainer.out'} and {logs / 'daemon.log'}", file=sys.stderr)
+
+
+class _HubLogHandler(logging.Handler):
+    """The daemon's own log lines as "log" events, so a monitor shows restarts and stops as they happen."""
+
+    def __init__(self, hub: TelemetryHub):
+        super().__init__(logging.INFO)
+        self._hub = hub
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._hub.publish("log", {"level": record.levelname.lower(), "message": record.getMessage(),
+                                  "source": "daemon"})
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The API's listening socket, bound here so a port in use is a clear error rather than uvicorn's exit."""
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as error:
+        raise DaemonStartError(f"telemetry.host: cannot resolve {host!r} ({error}); use an address such as "
+                               "127.0.0.1") from None
+    listener = socket.socket(family, kind, protocol)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+    except OSError as error:
+        listener.close()
+        raise DaemonStartError(f"telemetry.port: cannot listen on {host}:{port} ({error.strerror}); choose "
+                               "another port, or telemetry.port=0 for a free one") from None
+    listener.listen(128)
+    return listener
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop | None) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -1,0 +1,114 @@
+"""A stand-in for ``python -m trainer`` in the daemon's tests: starts in a fraction of a second, speaks the
+IPC protocol through the real client (trainer/telemetry.py) and fails on demand.
+
+It keeps its "checkpoint" (the last completed step) in FAKE_DIR/progress, so a restart resumes where
+the last run stopped, and appends what happens to FAKE_DIR/events.jsonl: one {"event": ...} line for
+each start, down message, crash and exit.
+
+Environment:
+  FAKE_DIR           folder for progress and events.jsonl (required)
+  FAKE_TOTAL_STEPS   steps of the run (default 5)
+  FAKE_STEP_S        seconds per step (default 0.05)
+  FAKE_EXIT_CODE     exit at once with this code (e.g. 2: a config problem)
+  FAKE_CRASH         "exit:N" (exit code N) or "kill" (SIGKILL itself), at step FAKE_CRASH_AT_STEP (default 2) ...
+  FAKE_CRASH_RUNS    ... on the first this many starts (default: every start)
+  FAKE_CRASH_FILE    also crash (SIGKILL) as soon as this file exists; the file is removed first
+  FAKE_IGNORE_STOP   "1": ignore SIGTERM and the IPC stop (the daemon must kill it)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for trainer.telemetry
+
+from trainer.telemetry import TelemetryClient  # noqa: E402
+
+FOLDER = Path(os.environ["FAKE_DIR"])
+EVENTS = FOLDER / "events.jsonl"
+PROGRESS = FOLDER / "progress"
+
+
+def record(event: str, **fields) -> None:
+    with EVENTS.open("a", encoding="utf-8") as file:
+        file.write(json.dumps({"event": event, "pid": os.getpid(), "time": time.time(), **fields}) + "\n")
+
+
+def starts_so_far() -> int:
+    if not EVENTS.exists():
+        return 0
+    return sum(json.loads(line)["event"] == "start" for line in EVENTS.read_text().splitlines())
+
+
+def crash(how: str) -> None:
+    record("crash", how=how)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(int(how.split(":")[1]))
+
+
+def main() -> int:
+    if os.environ.get("FAKE_EXIT_CODE"):
+        record("start", step=0)
+        return int(os.environ["FAKE_EXIT_CODE"])
+    total = int(os.environ.get("FAKE_TOTAL_STEPS", "5"))
+    step_s = float(os.environ.get("FAKE_STEP_S", "0.05"))
+    ignore_stop = os.environ.get("FAKE_IGNORE_STOP") == "1"
+    crash_how = os.environ.get("FAKE_CRASH")
+    crash_at = int(os.environ.get("FAKE_CRASH_AT_STEP", "2"))
+    crash_runs = int(os.environ.get("FAKE_CRASH_RUNS", "1000000"))
+    crash_file = Path(os.environ["FAKE_CRASH_FILE"]) if os.environ.get("FAKE_CRASH_FILE") else None
+    run = starts_so_far() + 1
+    step = int(PROGRESS.read_text()) if PROGRESS.exists() else 0
+    record("start", step=step, run=run)
+
+    stop = {"requested": False}
+    if not ignore_stop:
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True) or record("sigterm"))
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: record("sigterm_ignored"))
+    client = TelemetryClient.from_env(run_dir=str(FOLDER))
+    if client is not None:
+        client.hello(start_step=step, total_steps=total)
+
+    def safe_point(next_step: int) -> None:
+        for message in client.poll() if client is not None else []:
+            record("down", message=message)
+            if message["type"] == "settings":
+                client.send({"type": "settings_ack", "version": message["version"], "step": next_step,
+                             "values": message["values"]})
+            elif message["type"] == "stop" and not ignore_stop:
+                stop["requested"] = True
+
+    while step < total:
+        safe_point(step + 1)
+        if stop["requested"]:
+            break
+        if client is not None:
+            client.send({"type": "phase", "step": step + 1, "phase": "gen"})
+        time.sleep(step_s)
+        if crash_file is not None and crash_file.exists():
+            crash_file.unlink()
+            crash("kill")
+        if crash_how and step + 1 == crash_at and run <= crash_runs:
+            crash(crash_how)
+        step += 1
+        PROGRESS.write_text(str(step))
+        if client is not None:
+            client.send({"type": "step", "step": step, "metrics": {"critic/score/mean": step / total,
+                                                                   "timing_s/step": step_s}})
+    safe_point(step + 1)
+    if client is not None:
+        client.send({"type": "checkpoint", "step": step, "path": str(PROGRESS)})
+        client.close()
+    record("exit", step=step, stopped=stop["requested"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The whole daemon in this process (real IPC, API, sampler and supervisor) around the fake trainer, and
+`run_daemon` around the real trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from daemon.runtime import RuntimeInfo, runtime_file
+from daemon.service import Daemon
+from trainer.config import dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_TRAINER = [sys.executable, str(Path(__file__).with_name("fake_trainer.py"))]
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
+
+
+def make_daemon(tmp_path: Path, monkeypatch, *overrides: str, **fake: str) -> Daemon:
+    for key in [key for key in os.environ if key.startswith("FAKE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("FAKE_DIR", str(tmp_path))
+    for key, value in fake.items():
+        monkeypatch.setenv(f"FAKE_{key.upper()}", value)
+    config = load_config(QUICKSTART, [f"trainer.runs_dir={tmp_path / 'runs'}", "trainer.experiment_name=fake",
+                                      "daemon.restart_backoff_s=0.1", "telemetry.gpu_sample_interval_s=0.1",
+                                      *overrides])
+    config_path = config.trainer.run_dir / "config.yaml"
+    config_path.parent.mkdir(parents=True)
+    config_path.write_text(dump_config(config))
+    return Daemon(config, config_path, trainer_command=FAKE_TRAINER, state=tmp_path / "state", out=io.StringIO())
+
+
+async def eventually(condition, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await condition() if asyncio.iscoroutinefunction(condition) else condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def fake_events(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+
+
+def audit(daemon: Daemon) -> list[dict]:
+    return [json.loads(line) for line in (daemon.run_dir / "settings_audit.jsonl").read_text().splitlines()]
+
+
+def metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_a_run_is_served_restarted_and_keeps_its_live_settings(tmp_path: Path, monkeypatch) -> None:
+    crash_file = tmp_path / "crash-now"
+    daemon = make_daemon(tmp_path, monkeypatch, total_steps="25", step_s="0.1", crash_file=str(crash_file))
+    path = runtime_file(daemon.state, daemon.pid)
+
+    async def scenario() -> tuple[int, dict]:
+        run = asyncio.create_task(daemon.run())
+        await eventually(lambda: path.exists() and RuntimeInfo.from_json(path.read_text()).trainer_pids,
+                         what="the runtime file with the trainer's pid")
+        info = RuntimeInfo.from_json(path.read_text())
+        assert oct(path.stat().st_mode & 0o777) == "0o600" and info.token == daemon.token
+        async with httpx.AsyncClient(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}) as api:
+            async def status() -> dict:
+                return (await api.get("/v1/status")).json()
+
+            await eventually(lambda: daemon.progress["step"] >= 1, what="a first step")
+            assert (await status())["run"]["state"] == "running"
+            patched = await api.patch("/v1/settings", json={"gpu_memory_threshold": 0.5})
+            assert patched.status_code == 200, patched.text
+            body = patched.json()
+            assert body["version"] == 1 and body["status"] == "pending"
+            assert body["old"] == {"gpu_memory_threshold": 0.85} and body["new"] == {"gpu_memory_threshold": 0.5}
+            assert body["applies_at_step"] > (await status())["progress"]["step"] - 2
+            rejected = await api.patch("/v1/settings", json={"gpu_memory_threshold": 1.5})
+            assert rejected.status_code == 422
+            await eventually(lambda: daemon.settings_store.acknowledged_version == 1, what="the acknowledgement")
+
+            crash_file.touch()  # the fake trainer SIGKILLs itself at its next step
+            await eventually(lambda: daemon.supervisor.restarts == 1, what="the restart")
+            await eventually(lambda: daemon.supervisor.state == "running", what="the restarted trainer")
+            assert info.trainer_pids != RuntimeInfo.from_json(path.read_text()).trainer_pids
+            middle = await status()
+            metrics_text = (await api.get("/metrics")).text
+        return await asyncio.wait_for(run, 30), {"status": middle, "metrics": metrics_text}
+
+    code, seen = asyncio.run(scenario())
+    assert code == 0 and daemon.supervisor.state == "finished"
+    assert not path.exists() and not daemon.ipc.path.exists()
+
+    # The restarted trainer got version 1 right after its hello, and acknowledged it.
+    runs = [event for event in fake_events(tmp_path) if event["event"] in ("start", "down")]
+    second_start = [index for index, event in enumerate(runs) if event["event"] == "start"][1]
+    first_message = runs[second_start + 1]["message"]
+    assert first_message["type"] == "settings" and first_message["version"] == 1
+    assert first_message["values"]["gpu_memory_threshold"] == 0.5
+    assert [line["result"] for line in audit(daemon)] == ["accepted", "rejected", "applied", "applied"]
+
+    assert seen["status"]["restarts"]["total"] == 1 and seen["status"]["restarts"]["by_reason"]["signal"] == 1
+    assert seen["status"]["settings"]["values"]["gpu_memory_threshold"] == 0.5
+    assert seen["status"]["telemetry"]["nvml"] is False
+    text = seen["metrics"]
+    assert metric(text, 'verl_trainer_restarts_total{reason="signal"}') == 1.0
+    assert metric(text, "verl_setting_gpu_memory_threshold_ratio") == 0.5
+    assert metric(text, 'verl_setting_updates_total{result="accepted",setting="gpu_memory_threshold"}') == 1.0
+    assert metric(text, 'verl_setting_updates_total{result="rejected",setting="gpu_memory_threshold"}') == 1.0
+    assert metric(text, 'verl_setting_updates_total{result="applied",setting="gpu_memory_threshold"}') == 1.0
+    assert metric(text, "verl_telemetry_nvml_up") == 0.0
+
+    steps = {event.data["step"] for event in daemon.hub.since(0, kinds=["step"])}
+    assert steps == set(range(1, 26))
+    kinds = {event.kind for event in daemon.hub.since(0)}
+    assert {"gpu", "step", "phase", "settings", "restart", "status", "log"} <= kinds
+    assert "restart" in (daemon.run_dir / "logs" / "daemon.log").read_text()
+
+
+def test_sigterm_stops_the_trainer_at_a_safe_point_and_the_daemon_exits_0(tmp_path: Path, monkeypatch) -> None:
+    daemon = make_daemon(tmp_path, monkeypatch, total_steps="100000", step_s="0.05")
+
+    async def scenario() -> int:
+        run = asyncio.create_task(daemon.run())
+        await eventually(lambda: daemon.progress["step"] >= 2, what="two steps")
+        os.kill(os.getpid(), signal.SIGTERM)
+        return await asyncio.wait_for(run, 30)
+
+    assert asyncio.run(scenario()) == 0
+    assert daemon.supervisor.state == "finished"
+    events = fake_events(tmp_path)
+    assert events[-1]["event"] == "exit" and events[-1]["stopped"] is True
+    assert any(event["event"] == "down" and event["message"]["type"] == "stop" for event in events) or \
+        any(event["event"] == "sigterm" for event in events)
+    assert not runtime_file(daemon.state, daemon.pid).exists()
+
+
+def test_a_port_in_use_is_a_clear_error_and_no_trainer_starts(tmp_path: Path, monkeypatch, capsys) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        daemon = make_daemon(tmp_path, monkeypatch, f"telemetry.port={port}", total_steps="3")
+        assert asyncio.run(daemon.run()) == 2
+    finally:
+        taken.close()
+    assert "ERROR: telemetry.port" in capsys.readouterr().err
+    assert not (tmp_path / "events.jsonl").exists()
+    assert not runtime_file(daemon.state, daemon.pid).exists()
+
+
+def test_a_trainer_that_keeps_crashing_makes_the_daemon_exit_1(tmp_path: Path, monkeypatch) -> None:
+    daemon = make_daemon(tmp_path, monkeypatch, "daemon.max_restarts=1", crash="exit:3", crash_at_step="1")
+    assert asyncio.run(daemon.run()) == 1
+    assert daemon.supervisor.state == "failed" and daemon.supervisor.restarts == 1
+    assert "giving up after 1 restart" in (daemon.run_dir / "logs" / "daemon.log").read_text()
+
+
+@pytest.mark.slow
+def test_run_daemon_runs_the_real_trainer_for_three_steps(tmp_path: Path) -> None:
+    """`run_daemon` as `verl train` calls it, in a subprocess, around the real trainer on the tiny config."""
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from trainer.config import load_config, dump_config\n"
+        "from daemon.service import run_daemon\n"
+        f"config = load_config({str(QUICKSTART)!r}, sys.argv[1:])\n"
+        "path = config.trainer.run_dir / 'config.yaml'; path.parent.mkdir(parents=True, exist_ok=True)\n"
+        "path.write_text(dump_config(config))\n"
+        "sys.exit(run_daemon(config, path, monitor=False))\n")
+    overrides = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.total_training_steps=3",
+                 "trainer.device=cpu", f"trainer.runs_dir={tmp_path / 'runs'}"]
+    env = {**os.environ, "VERL_STATE_DIR": str(tmp_path / "state")}
+    result = _run(script, overrides, env, tmp_path)
+    run_dir = tmp_path / "runs" / "quickstart"
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "monitor: verl monitor --pid" in result.stdout and "http://127.0.0.1:" in result.stdout
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    assert "trainer finished" in (run_dir / "logs" / "daemon.log").read_text()
+    assert list((tmp_path / "state" / "run").glob("*.json")) == []
+    daemon_log = (run_dir / "logs" / "daemon.log").read_text()
+    if _trainer_sends_telemetry():  # once trainer/main.py hands the trainer a TelemetryClient
+        assert "connected (rank 0, step 0 of 3)" in daemon_log
+        assert "runs settings version 0 from step 1" in daemon_log
+
+
+def _run(script: str, overrides: list[str], env: dict, cwd: Path):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-c", script, *overrides], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _trainer_sends_telemetry() -> bool:
+    return "TelemetryClient" in (REPO / "trainer" / "main.py").read_text()

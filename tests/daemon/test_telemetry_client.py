@@ -1,0 +1,128 @@
+"""The trainer's telemetry client: sending never costs training time, whatever the daemon does."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.config.ipc import ENV_SOCKET, ENV_TOKEN
+from trainer.telemetry import TelemetryClient
+
+
+def wait_until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+def timed_sends(client: TelemetryClient, count: int, payload: str = "") -> list[float]:
+    durations = []
+    for step in range(count):
+        started = time.perf_counter()
+        client.send({"type": "step", "step": step, "metrics": {"actor/pg_loss": 0.1, "note": payload}})
+        durations.append(time.perf_counter() - started)
+    return durations
+
+
+def test_from_env_is_none_without_a_daemon(monkeypatch) -> None:
+    monkeypatch.delenv(ENV_SOCKET, raising=False)
+    assert TelemetryClient.from_env() is None
+
+
+def test_from_env_reads_the_socket_and_token(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(ENV_SOCKET, str(tmp_path / "daemon.sock"))
+    monkeypatch.setenv(ENV_TOKEN, "secret")
+    client = TelemetryClient.from_env(start_step=0, total_steps=3)
+    try:
+        assert client is not None and client.socket_path == str(tmp_path / "daemon.sock")
+    finally:
+        client.close()
+
+
+def test_sends_cost_microseconds_and_are_counted_as_dropped_when_no_daemon_listens(tmp_path: Path) -> None:
+    client = TelemetryClient(str(tmp_path / "absent.sock"), "token", start_step=0, total_steps=10,
+                             queue_size=256, reconnect_interval_s=0.05)
+    durations = timed_sends(client, 5000)
+    client.close()
+    assert statistics.mean(durations) < 100e-6, f"mean send {statistics.mean(durations) * 1e6:.1f} us"
+    assert sorted(durations)[int(len(durations) * 0.99)] < 1e-3
+    assert not client.connected
+    assert client.dropped == 5000
+
+
+def test_a_daemon_that_stops_reading_costs_drops_not_time(tmp_path: Path) -> None:
+    path = tmp_path / "stuck.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)  # accepts into the backlog, never reads
+    client = TelemetryClient(str(path), "token", start_step=0, total_steps=10, queue_size=256,
+                             send_timeout_s=0.2)
+    try:
+        wait_until(lambda: client.connected)
+        started = time.perf_counter()
+        durations = timed_sends(client, 5000, payload="x" * 2000)  # ~10 MB: far beyond the socket buffers
+        elapsed = time.perf_counter() - started
+        assert elapsed < 1.0, f"5000 sends took {elapsed:.2f} s"
+        assert statistics.mean(durations) < 200e-6
+        wait_until(lambda: client.dropped > 0)
+    finally:
+        client.close(timeout=0.5)
+        listener.close()
+
+
+def test_messages_wait_for_hello_then_flow(tmp_path: Path) -> None:
+    path = tmp_path / "daemon.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    listener.settimeout(5)
+    client = TelemetryClient(str(path), "token")
+    client.send({"type": "log", "level": "info", "message": "before hello"})
+    time.sleep(0.2)
+    assert not client.connected  # no hello fields yet: it must not connect
+    client.hello(start_step=4, total_steps=9, run_dir="runs/x")
+    connection, _ = listener.accept()
+    connection.settimeout(5)
+    received = b""
+    while received.count(b"\n") < 2:
+        received += connection.recv(65536)
+    hello, log, *_ = [line for line in received.split(b"\n") if line]
+    assert b'"type":"hello"' in hello and b'"start_step":4' in hello and b'"token":"token"' in hello
+    assert b"before hello" in log
+    connection.close()
+    client.close(timeout=0.5)
+    listener.close()
+
+
+def test_poll_returns_at_once_with_nothing_received(tmp_path: Path) -> None:
+    client = TelemetryClient(str(tmp_path / "absent.sock"), "token", start_step=0, total_steps=1)
+    started = time.perf_counter()
+    assert client.poll() == []
+    assert time.perf_counter() - started < 1e-3
+    client.close()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_metrics_go_out_as_null(tmp_path: Path, value: float) -> None:
+    path = tmp_path / "daemon.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    listener.settimeout(5)
+    client = TelemetryClient(str(path), "token", start_step=0, total_steps=1)
+    client.send({"type": "step", "step": 1, "metrics": {"actor/pg_loss": value}})
+    connection, _ = listener.accept()
+    connection.settimeout(5)
+    received = b""
+    while received.count(b"\n") < 2:
+        received += connection.recv(65536)
+    assert b'"actor/pg_loss":null' in received
+    connection.close()
+    client.close(timeout=0.5)
+    listener.close()

@@ -1,0 +1,229 @@
+"""The daemon as a user meets it: the real `verl train` in a subprocess, real HTTP, WebSocket and
+Prometheus clients on loopback, the trainer child killed and restarted, live settings changed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+
+REPO = Path(__file__).resolve().parents[2]
+VERL = Path(sys.executable).parent / "verl"
+QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
+SMALL = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.device=cpu",
+         "telemetry.gpu_sample_interval_s=0.2", "daemon.restart_backoff_s=0.2"]
+
+
+@dataclass
+class Run:
+    process: subprocess.Popen
+    url: str
+    token: str
+    run_dir: Path
+    state_dir: Path
+    env: dict
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def get(self, path: str, **params) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, params=params, timeout=10)
+
+    def json(self, path: str, **params) -> dict:
+        response = self.get(path, **params)
+        response.raise_for_status()
+        return response.json()
+
+    def runtime(self) -> dict:
+        return json.loads((self.state_dir / "run" / f"{self.process.pid}.json").read_text())
+
+    def verl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([str(VERL), *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for(condition, timeout: float = 90, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+@contextmanager
+def running(tmp_path: Path, *overrides: str) -> Iterator[Run]:
+    env = {**os.environ, "VERL_STATE_DIR": str(tmp_path / "state")}
+    log = (tmp_path / "verl.out").open("w")
+    process = subprocess.Popen([str(VERL), "train", "--config", QUICKSTART, *SMALL, *overrides],
+                               cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    runtime_file = tmp_path / "state" / "run" / f"{process.pid}.json"
+    try:
+        wait_for(lambda: runtime_file.exists() or process.poll() is not None, what="the runtime file")
+        assert process.poll() is None, (tmp_path / "verl.out").read_text()
+        info = json.loads(runtime_file.read_text())
+        yield Run(process, info["url"], info["token"], Path(tmp_path / info["run_dir"]), tmp_path / "state", env)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        log.close()
+
+
+def current_step(run: Run) -> int:
+    return run.json("/v1/status")["progress"]["step"]
+
+
+def test_status_history_metrics_and_stream_fill_as_steps_pass(tmp_path):
+    with running(tmp_path, "trainer.total_training_steps=400") as run:
+        assert oct(os.stat(run.state_dir / "run" / f"{run.process.pid}.json").st_mode & 0o777) == "0o600"
+        assert httpx.get(run.url + "/healthz", timeout=5).status_code == 200
+        assert httpx.get(run.url + "/v1/status", timeout=5).status_code == 401
+        wait_for(lambda: current_step(run) >= 3, what="three steps")
+        status = run.json("/v1/status")
+        assert status["run"]["state"] == "running" and status["run"]["daemon_pid"] == run.process.pid
+        assert status["progress"]["total_steps"] == 400
+        history = run.json("/v1/metrics/history", kinds="step", keys="critic/score/mean")
+        steps = [event["data"]["step"] for event in history["events"]]
+        assert steps == sorted(steps) and len(steps) >= 3
+        assert set(history["events"][0]["data"]["metrics"]) == {"critic/score/mean"}
+        latest = run.json("/v1/metrics/latest")
+        assert "actor/pg_loss" in latest["step"]["metrics"]
+        assert latest["gpu"]["host"]["trainer_rss_bytes"] > 0
+
+        first = _counter(run.get("/metrics").text, "verl_trainer_steps_total")
+        wait_for(lambda: _counter(run.get("/metrics").text, "verl_trainer_steps_total") > first,
+                 what="the step counter to move")
+        _promtool_check(run.get("/metrics").text, tmp_path)
+
+        events = asyncio.run(_stream(run, since=0, count=5))
+        assert [event["seq"] for event in events] == sorted(event["seq"] for event in events)
+        assert {event["kind"] for event in events} & {"step", "gpu", "phase"}
+        live = asyncio.run(_stream(run, since=run.json("/v1/metrics/history")["last_seq"], count=2))
+        assert all(event["seq"] > events[-1]["seq"] for event in live)
+
+
+def test_a_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path):
+    total = 40
+    with running(tmp_path, f"trainer.total_training_steps={total}", "trainer.save_freq=5") as run:
+        wait_for(lambda: current_step(run) >= 7, what="step 7")
+        trainer_pid = run.runtime()["trainer_pids"][0]
+        os.kill(trainer_pid, signal.SIGKILL)
+        wait_for(lambda: run.runtime()["trainer_pids"] and run.runtime()["trainer_pids"][0] != trainer_pid,
+                 what="a new trainer")
+        assert 'verl_trainer_restarts_total{reason="signal"} 1.0' in run.get("/metrics").text
+        assert run.json("/v1/status")["restarts"]["total"] == 1
+        assert run.process.wait(timeout=180) == 0
+    # The new trainer resumed from the latest checkpoint (the steps after it ran twice), and the run
+    # ends with one line per step, like an unbroken one.
+    resumed = re.search(r"resumed from runs/quickstart/checkpoints/global_step_(\d+) at step (\d+)",
+                        (tmp_path / "verl.out").read_text())
+    assert resumed and resumed[1] == resumed[2] and int(resumed[1]) % 5 == 0 and int(resumed[1]) >= 5
+    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, total + 1))
+
+
+def test_live_setting_is_acknowledged_audited_exported_and_survives_a_restart(tmp_path):
+    with running(tmp_path, "trainer.total_training_steps=400", "trainer.save_freq=5") as run:
+        wait_for(lambda: current_step(run) >= 2, what="step 2")
+        for bad in (1.5, -1, "abc"):
+            response = httpx.patch(run.url + "/v1/settings", headers=run.headers,
+                                   json={"gpu_memory_threshold": bad}, timeout=10)
+            assert response.status_code == 422, response.text
+            assert response.json()["detail"][0]["loc"][-1] == "gpu_memory_threshold"
+        unknown = httpx.patch(run.url + "/v1/settings", headers=run.headers, json={"no_such_setting": 1}, timeout=10)
+        assert unknown.status_code == 422
+        assert run.json("/v1/settings")["values"]["gpu_memory_threshold"] == 0.85
+
+        response = httpx.patch(run.url + "/v1/settings", headers=run.headers, json={"gpu_memory_threshold": 0.8},
+                               timeout=10)
+        assert response.status_code == 200, response.text
+        change = response.json()
+        assert change["old"] == {"gpu_memory_threshold": 0.85} and change["new"] == {"gpu_memory_threshold": 0.8}
+        version = change["version"]
+        acknowledged = wait_for(lambda: (body := run.json("/v1/settings"))["acknowledged_version"] >= version
+                                and body, what="the trainer's acknowledgement")
+        assert acknowledged["applied_at_step"] >= change["applies_at_step"] - 1
+        assert "verl_setting_gpu_memory_threshold_ratio 0.8" in run.get("/metrics").text
+        audit = [json.loads(line) for line in (run.run_dir / "settings_audit.jsonl").read_text().splitlines()]
+        assert any(entry["new"] == {"gpu_memory_threshold": 0.8} for entry in audit)
+
+        trainer_pid = run.runtime()["trainer_pids"][0]
+        os.kill(trainer_pid, signal.SIGKILL)
+        wait_for(lambda: run.runtime()["trainer_pids"] and run.runtime()["trainer_pids"][0] != trainer_pid,
+                 what="a new trainer")
+        restarted_step = current_step(run)
+        wait_for(lambda: current_step(run) > restarted_step + 1, what="steps after the restart")
+        settings = run.json("/v1/settings")
+        assert settings["values"]["gpu_memory_threshold"] == 0.8
+        assert settings["acknowledged_version"] == settings["version"]
+        assert 'verl_trainer_restarts_total{reason="signal"} 1.0' in run.get("/metrics").text
+
+
+def test_the_cli_reaches_a_run_through_its_pid(tmp_path):
+    with running(tmp_path, "trainer.total_training_steps=400") as run:
+        wait_for(lambda: current_step(run) >= 1, what="step 1")
+        trainer_pid = run.runtime()["trainer_pids"][0]
+        snapshot = run.verl("monitor", "--pid", str(trainer_pid), "--once", "--json")
+        assert snapshot.returncode == 0, snapshot.stderr
+        assert json.loads(snapshot.stdout)["status"]["run"]["daemon_pid"] == run.process.pid
+
+        changed = run.verl("set", "gpu_memory_threshold=0.7", "--pid", str(run.process.pid))
+        assert changed.returncode == 0, changed.stderr
+        assert "0.85" in changed.stdout and "0.7" in changed.stdout
+        rejected = run.verl("set", "gpu_memory_threshold=1.5", "--pid", str(run.process.pid))
+        assert rejected.returncode == 2 and rejected.stderr.startswith("ERROR:")
+        assert run.json("/v1/settings")["values"]["gpu_memory_threshold"] == 0.7
+
+        not_a_run = run.verl("monitor", "--pid", str(os.getpid()), "--once")
+        assert not_a_run.returncode == 2 and "ERROR:" in not_a_run.stderr and "Traceback" not in not_a_run.stderr
+
+        stopped = run.verl("stop", "--pid", str(run.process.pid))
+        assert stopped.returncode == 0, stopped.stderr
+        assert run.process.wait(timeout=120) == 0
+    assert not (tmp_path / "state" / "run" / f"{run.process.pid}.json").exists()
+    assert any(path.name.startswith("global_step_") for path in (run.run_dir / "checkpoints").iterdir())
+
+
+def _counter(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def _promtool_check(text: str, tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is missing: `make test` installs Debian's prometheus package where it can")
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+async def _stream(run: Run, since: int, count: int) -> list[dict]:
+    url = run.url.replace("http://", "ws://") + f"/v1/stream?since={since}"
+    events = []
+    async with websockets.connect(url, additional_headers=run.headers) as socket:
+        while len(events) < count:
+            events.append(json.loads(await asyncio.wait_for(socket.recv(), timeout=30)))
+    return events

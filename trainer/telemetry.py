@@ -1,0 +1,262 @@
+"""The trainer's side of the telemetry link: sends up to the daemon, never waits on it.
+
+Usage in the trainer (rank 0)::
+
+    client = TelemetryClient.from_env()          # None when not started by a daemon
+    if client is not None:
+        client.hello(start_step=trainer.step, total_steps=trainer.total_steps, run_dir=str(run_dir))
+        client.send({"type": "phase", "step": step + 1, "phase": "gen"})
+        client.send({"type": "step", "step": step, "metrics": metrics})
+        for message in client.poll():            # at a safe point, between steps
+            ...                                  # "settings", "checkpoint_now" or "stop"
+        client.close()                           # flushes what is queued (at most `timeout` s)
+
+``send`` only encodes the message and puts it on a bounded queue (a few microseconds); a
+background thread writes the queue to the daemon's Unix socket. When the daemon is absent,
+slow or gone, messages are dropped and counted (``dropped``), the count is reported to the
+daemon with a ``dropped`` message once it is reachable again, and the thread reconnects
+quietly (hello again, with the latest step sent as ``start_step``). ``poll`` returns the down
+messages received since the last poll, oldest first, without waiting. The message types and
+fields are those of trainer/config/ipc.py; ``time`` is filled in when a message lacks it.
+
+Only the standard library and trainer.config.ipc: this module is imported before torch work
+starts and must cost nothing when telemetry is off.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from trainer.config.ipc import (
+    DOWN_TYPES,
+    ENV_SOCKET,
+    ENV_TOKEN,
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decode,
+    encode,
+)
+
+
+class TelemetryClient:
+    """A non-blocking line-JSON link to the daemon (see the module docstring)."""
+
+    def __init__(self, socket_path: str, token: str, *, rank: int = 0, run_dir: str = "",
+                 start_step: int | None = None, total_steps: int | None = None, queue_size: int = 4096,
+                 reconnect_interval_s: float = 1.0, send_timeout_s: float = 1.0):
+        self.socket_path = socket_path
+        self._token = token
+        self._hello_fields: dict[str, Any] = {"rank": rank, "run_dir": run_dir, "start_step": start_step,
+                                              "total_steps": total_steps}
+        self._hello_ready = threading.Event()
+        if start_step is not None and total_steps is not None:
+            self._hello_ready.set()
+        self._queue: queue.Queue[bytes] = queue.Queue(maxsize=queue_size)
+        self._received: deque[dict[str, Any]] = deque()
+        self._reconnect_interval_s = reconnect_interval_s
+        self._send_timeout_s = send_timeout_s
+        self._lock = threading.Lock()  # guards the drop counters and the current socket
+        self._dropped_total = 0
+        self._dropped_unreported = 0
+        self._last_step: int | None = None
+        self._socket: socket.socket | None = None
+        self._connected = threading.Event()
+        self._closing = threading.Event()
+        self._warned_unencodable = False
+        self._writer = threading.Thread(target=self._write_loop, name="verl-telemetry", daemon=True)
+        self._writer.start()
+
+    @classmethod
+    def from_env(cls, **hello_fields: Any) -> TelemetryClient | None:
+        """A client for the daemon named by VERL_IPC_SOCKET/VERL_IPC_TOKEN, or None when unset.
+
+        `hello_fields` (rank, run_dir, start_step, total_steps) go to the constructor; give start_step and
+        total_steps here or later through `hello`: the client connects once both are known.
+        """
+        path = os.environ.get(ENV_SOCKET)
+        if not path:
+            return None
+        return cls(path, os.environ.get(ENV_TOKEN, ""), **hello_fields)
+
+    # -------------------------------------------------------------------------------- trainer API
+
+    def hello(self, *, start_step: int, total_steps: int, run_dir: str | None = None,
+              rank: int | None = None) -> None:
+        """Say where the run stands; the first call lets the client connect (messages wait until then)."""
+        updates = {"start_step": start_step, "total_steps": total_steps}
+        if run_dir is not None:
+            updates["run_dir"] = run_dir
+        if rank is not None:
+            updates["rank"] = rank
+        self._hello_fields.update(updates)
+        self._hello_ready.set()
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Queue one up message; returns at once. Dropped (and counted) when the queue is full."""
+        if "time" not in message and message.get("type") != "hello":
+            message = {**message, "time": time.time()}
+        if message.get("type") == "step" and isinstance(message.get("step"), int):
+            self._last_step = message["step"]
+        try:
+            line = encode(message)
+        except (TypeError, ValueError) as error:
+            self._count_dropped(1)
+            if not self._warned_unencodable:
+                self._warned_unencodable = True
+                print(f"WARNING: telemetry message dropped, not JSON-encodable: {error}", file=sys.stderr)
+            return
+        try:
+            self._queue.put_nowait(line)
+        except queue.Full:
+            self._count_dropped(1)
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Down messages (settings, checkpoint_now, stop) received since the last poll, oldest first."""
+        messages = []
+        while self._received:
+            messages.append(self._received.popleft())
+        return messages
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what is queued (waiting at most `timeout` seconds while connected), then disconnect."""
+        self._closing.set()
+        self._hello_ready.set()  # unblocks a writer still waiting for hello; it then drops the queue
+        self._writer.join(timeout)
+        self._disconnect(self._socket)
+
+    @property
+    def dropped(self) -> int:
+        """Messages dropped since the client was made (daemon absent or slow, queue full)."""
+        return self._dropped_total
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    # --------------------------------------------------------------------------- background thread
+
+    def _write_loop(self) -> None:
+        self._hello_ready.wait()
+        while True:
+            if not self._connected.is_set():
+                if self._closing.is_set() or not self._connect():
+                    self._drop_queued()
+                    if self._closing.is_set():
+                        return
+                    self._closing.wait(self._reconnect_interval_s)
+                    continue
+            if self._closing.is_set() and self._queue.empty():
+                return
+            try:
+                self._write(self._queue.get(timeout=0.1))
+            except queue.Empty:
+                pass
+            if self._dropped_unreported:
+                self._report_dropped()
+
+    def _connect(self) -> bool:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.settimeout(self._send_timeout_s)
+        fields = self._hello_fields
+        start_step = fields["start_step"] if self._last_step is None else self._last_step
+        hello = encode({"type": "hello", "protocol": PROTOCOL_VERSION, "token": self._token, "pid": os.getpid(),
+                        "rank": fields["rank"], "run_dir": fields["run_dir"], "start_step": start_step,
+                        "total_steps": fields["total_steps"]})
+        try:
+            connection.connect(self.socket_path)
+            connection.sendall(hello)
+        except OSError:
+            connection.close()
+            return False
+        with self._lock:
+            self._socket = connection
+            self._connected.set()
+        threading.Thread(target=self._read_loop, args=(connection,), name="verl-telemetry-read",
+                         daemon=True).start()
+        self._report_dropped()
+        return True
+
+    def _write(self, line: bytes, *, count_failure: bool = True) -> bool:
+        connection = self._socket
+        try:
+            if connection is None:
+                raise ConnectionError("not connected")
+            connection.sendall(line)  # bounded by the send timeout: a stuck daemon costs a reconnect
+        except OSError:
+            if count_failure:
+                self._count_dropped(1)
+            self._disconnect(connection)
+            return False
+        return True
+
+    def _read_loop(self, connection: socket.socket) -> None:
+        buffer = b""
+        while True:
+            try:
+                chunk = connection.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                try:
+                    self._received.append(decode(line, DOWN_TYPES))
+                except ProtocolError:
+                    continue
+            if len(buffer) > MAX_MESSAGE_BYTES:
+                break
+        self._disconnect(connection)
+
+    def _disconnect(self, connection: socket.socket | None) -> None:
+        """Close `connection`; when it is the current one, the writer reconnects."""
+        if connection is None:
+            return
+        with self._lock:
+            if self._socket is connection:
+                self._socket = None
+                self._connected.clear()
+        try:
+            connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        connection.close()
+
+    # ------------------------------------------------------------------------------------ counting
+
+    def _drop_queued(self) -> None:
+        dropped = 0
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+            dropped += 1
+        if dropped:
+            self._count_dropped(dropped)
+
+    def _count_dropped(self, count: int) -> None:
+        with self._lock:
+            self._dropped_total += count
+            self._dropped_unreported += count
+
+    def _report_dropped(self) -> None:
+        with self._lock:
+            count, self._dropped_unreported = self._dropped_unreported, 0
+        if not count:
+            return
+        report = encode({"type": "dropped", "count": count, "time": time.time()})
+        if not self._write(report, count_failure=False):
+            with self._lock:  # not lost: the next report carries it
+                self._dropped_unreported += count
