@@ -16,9 +16,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
-# Each demo is a new run (runs/quickstart-<time>), so a second `make demo` trains again.
+# Each demo is a new run (runs/quickstart-<time>), so a second `make demo` trains again; the live
+# view shows while it trains (MONITOR= to see the plain progress bar and step lines instead).
+MONITOR ?= --monitor
 demo: venv
-	$(BIN)/verl train --config examples/quickstart.yaml trainer.experiment_name=quickstart-$$(date +%Y%m%d-%H%M%S)
+	$(BIN)/verl train --config examples/quickstart.yaml $(MONITOR) trainer.experiment_name=quickstart-$$(date +%Y%m%d-%H%M%S)
 
 # promtool (Debian's prometheus package) checks the /metrics output; tests skip, saying why, without it.
 tools:
