@@ -12,16 +12,15 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, HTTPException, Request, WebSocket
 from fastapi.responses import JSONResponse
 from rich.console import Console
 
 from api.client import ApiClient, ApiError, DaemonUnreachable, Unauthorized
 from api.monitor import MonitorFeed, render, run_monitor, sparkline
+from tests.support import serve_app as serve
 
 TOKEN = "test-token"
 NOW = 1_700_000_000.0
@@ -139,24 +138,6 @@ class FakeDaemon:
             await websocket.close()
 
         return app
-
-
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free loopback port in a thread; yields its URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the fake daemon did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture

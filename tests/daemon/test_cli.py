@@ -19,17 +19,16 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import daemon.cli as cli
 from daemon.runtime import RuntimeInfo, runtime_file, write_runtime_file
+from tests.support import serve_app as serve
 from trainer.config.live import LiveSettings, SettingsRejected, apply_change
 
 TOKEN = "test-token"
@@ -120,22 +119,6 @@ class FakeRun:
             return {"requested": "stop"}
 
         return app
-
-
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the fake daemon did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def runtime_info(pid: int, url: str, tmp_path: Path, *, token: str = TOKEN, trainer_pids=()) -> RuntimeInfo:
