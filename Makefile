@@ -22,11 +22,15 @@ MONITOR ?= --monitor
 demo: venv
 	$(BIN)/verl train --config examples/quickstart.yaml $(MONITOR) trainer.experiment_name=quickstart-$$(date +%Y%m%d-%H%M%S)
 
-# promtool (Debian's prometheus package) checks the /metrics output; tests skip, saying why, without it.
+# promtool and prometheus (Debian's prometheus package) check the /metrics output, the dashboards' queries
+# and a real scrape; Debian's chromium drives the live page. Tests skip, saying why, without them.
 tools:
 	@command -v promtool >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >/dev/null 2>&1 \
 		|| (DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >/dev/null 2>&1) \
 		|| echo "promtool could not be installed (not root, or no package index): the promtool checks will skip"
+	@command -v chromium >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| (DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1) \
+		|| echo "chromium could not be installed (not root, or no package index): the live page's browser test will skip"
 
 test: venv tools
 	$(BIN)/python -m pytest -q

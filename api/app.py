@@ -1,4 +1,5 @@
-"""The daemon's HTTP API: REST under /v1, Prometheus text at /metrics, the live stream at /v1/stream.
+"""The daemon's HTTP API: REST under /v1, Prometheus text at /metrics, the live stream at /v1/stream,
+and the live page at / (static files from api/static, which fetch everything else with the token).
 
 Everything it serves comes in through `create_app`'s arguments (the hub, the registry, the daemon's
 RunControl, the token), so a test builds a fresh app the way the daemon does.
@@ -10,20 +11,23 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request, Response, WebSocket, status
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.websockets import WebSocketDisconnect
 
+from api.advisor import SUSTAINED_WINDOW_S, advise
 from api.hub import Subscription, TelemetryHub, json_safe
 from api.schemas import (
     EVENT_KINDS,
     ErrorBody,
     Health,
+    HintsBody,
     HistoryBody,
     LatestBody,
     RunControl,
@@ -41,6 +45,19 @@ from api.security import (
 )
 
 UNAUTHORIZED = {401: {"model": ErrorBody, "description": "Missing or wrong token."}}
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+STATIC_MEDIA_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
+# The page loads only its own files and talks only to this API ('self' covers the same-origin
+# WebSocket); no frames (the settings form must not be clickjacked), no Referer (the first URL
+# carries the token).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-cache",
+}
 
 
 def create_app(*, hub: TelemetryHub, registry: CollectorRegistry, control: RunControl, token: str,
@@ -66,6 +83,8 @@ def create_app(*, hub: TelemetryHub, registry: CollectorRegistry, control: RunCo
     _add_metrics_routes(public if public_metrics else private, registry)
     _add_telemetry_routes(private, hub)
     _add_control_routes(private, control)
+    _add_hints_route(private, hub, control)
+    _add_page_routes(public)
     _add_docs_routes(private, app)
     app.include_router(public)
     app.include_router(private)
@@ -85,14 +104,7 @@ def _add_telemetry_routes(router: APIRouter, hub: TelemetryHub) -> None:
     @router.get("/v1/metrics/latest", response_model=LatestBody, tags=["metrics"])
     def latest() -> dict:
         """The newest step metrics and GPU sample, and offload copies of the last minute."""
-        step, gpu = hub.latest("step"), hub.latest("gpu")
-        return json_safe({
-            "seq": hub.last_seq,
-            "step": ({"step": step.data.get("step"), "time": step.time, "metrics": step.data.get("metrics") or {}}
-                     if step else None),
-            "gpu": gpu.data if gpu else None,
-            "offload": hub.offload.summary(),
-        })
+        return _latest_body(hub)
 
     # A plain `def`: FastAPI runs it in a worker thread, so serializing a long history does not stall the loop.
     @router.get("/v1/metrics/history", response_class=Response, tags=["metrics"],
@@ -116,6 +128,17 @@ def _add_telemetry_routes(router: APIRouter, hub: TelemetryHub) -> None:
         last_seq = max([last_seq, *(event.seq for event in events[-1:])])
         body = '{"events":[' + ",".join(event.to_json() for event in events) + f'],"last_seq":{last_seq}}}'
         return Response(body, media_type="application/json")
+
+
+def _latest_body(hub: TelemetryHub) -> dict:
+    step, gpu = hub.latest("step"), hub.latest("gpu")
+    return json_safe({
+        "seq": hub.last_seq,
+        "step": ({"step": step.data.get("step"), "time": step.time, "metrics": step.data.get("metrics") or {}}
+                 if step else None),
+        "gpu": gpu.data if gpu else None,
+        "offload": hub.offload.summary(),
+    })
 
 
 def _add_control_routes(router: APIRouter, control: RunControl) -> None:
@@ -146,6 +169,38 @@ def _add_control_routes(router: APIRouter, control: RunControl) -> None:
     async def stop() -> dict:
         """Checkpoint at the next safe point, then stop the run (the daemon exits 0)."""
         return await _call(control.request_stop)
+
+
+def _add_hints_route(router: APIRouter, hub: TelemetryHub, control: RunControl) -> None:
+    @router.get("/v1/hints", response_model=HintsBody, tags=["run"])
+    async def hints() -> dict:
+        """The advisor's hints for the run as it is now (the monitor's HINT lines), most urgent first."""
+        now = hub.clock()
+        recent_gpu = [event.as_dict() for event in hub.since(0, kinds=("gpu",))
+                      if event.time >= now - SUSTAINED_WINDOW_S]
+        snapshot = {"time": now, "status": await _call(control.status), "latest": _latest_body(hub),
+                    "history": recent_gpu}
+        return {"time": now, "hints": advise(snapshot)}
+
+
+def _add_page_routes(router: APIRouter) -> None:
+    """The live page: a static shell, public because it holds no data. Its script takes the token from
+    the ?token= of the URL `verl train` prints, keeps it in the tab's sessionStorage and sends it with
+    every call, so without the token the page can show nothing but that the token is missing."""
+    files = {path.name: path for path in sorted(STATIC_DIR.iterdir()) if path.suffix in STATIC_MEDIA_TYPES}
+
+    @router.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(files["index.html"], media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+    # Only the files shipped in api/static, by name: nothing else on the disk can be asked for.
+    @router.get("/static/{name}", include_in_schema=False)
+    async def static_file(name: str) -> FileResponse:
+        if name not in files:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no file {name!r} in the live page")
+        path = files[name]
+        return FileResponse(path, media_type=STATIC_MEDIA_TYPES[path.suffix] + "; charset=utf-8",
+                            headers=PAGE_HEADERS)
 
 
 def _add_docs_routes(router: APIRouter, app: FastAPI) -> None:

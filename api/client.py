@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from websockets.asyncio.client import connect
@@ -141,6 +142,15 @@ class ApiClient:
             raise DaemonUnreachable(f"the stream from {self.url} broke off ({error})") from None
         except (OSError, InvalidHandshake, TimeoutError) as error:
             raise DaemonUnreachable(f"the daemon does not answer at {self.url} ({_describe(error)})") from None
+
+
+def page_url(api_url: str, token: str) -> str:
+    """The live page's address with the token in it, as Jupyter prints its URL.
+
+    The one place a token goes into a URL on purpose: a browser can be handed nothing else. The page
+    moves the token into the tab's storage and strips it from the address bar at once.
+    """
+    return f"{api_url.rstrip('/')}/?token={quote(token, safe='')}"
 
 
 def _describe(error: Exception) -> str:

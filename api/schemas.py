@@ -124,3 +124,10 @@ class ValidationErrorBody(BaseModel):
 
 class ErrorBody(BaseModel):
     detail: str
+
+
+class HintsBody(BaseModel):
+    """GET /v1/hints: what the advisor (api.advisor) reads off the run now; empty when nothing looks wrong."""
+
+    time: float = Field(description="When the hints were computed (epoch seconds).")
+    hints: list[str] = Field(description="Sentences for a user, most urgent first.")

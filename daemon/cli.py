@@ -1,7 +1,7 @@
 """The ``verl`` command.
 
     verl train --config run.yaml [--monitor] [key.path=value ...]   start a run
-    verl monitor --pid PID [--once] [--json]                        watch a running run
+    verl monitor --pid PID [--once] [--json] [--web]                watch a running run
     verl set NAME=VALUE [NAME=VALUE ...] --pid PID                  change live settings
     verl status --pid PID [--json]                                  one summary
     verl stop --pid PID [--wait]                                    checkpoint, then exit
@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import yaml
 
-from api.client import ApiClient, ApiError, DaemonUnreachable, Unauthorized, dig
+from api.client import ApiClient, ApiError, DaemonUnreachable, Unauthorized, dig, page_url
 from api.monitor import describe_status, format_value, run_monitor
 from daemon.runtime import RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
 from trainer.config import ConfigError, RunConfig, dump_config, load_config
@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     monitor.add_argument("--json", action="store_true", help="print one JSON snapshot and exit (implies --once)")
     monitor.add_argument("--refresh", type=_positive_seconds, default=1.0, metavar="SECONDS",
                          help="seconds between updates (default 1)")
+    monitor.add_argument("--web", action="store_true",
+                         help="print the URL of the run's live page (with its token) and exit")
 
     settings = _run_command(commands, "set", "change live settings without a restart", set_command)
     settings.add_argument("assignments", nargs="+", metavar="NAME=VALUE",
@@ -160,7 +162,16 @@ def start_run(config: RunConfig, config_path: Path, monitor: bool) -> int:
 
 
 def monitor_command(args: argparse.Namespace) -> int:
-    with connect(args.pid, args.state_dir) as (_, client):
+    if args.web and (args.once or args.json):
+        raise UsageError("--web prints the live page's URL; it does not go with --once or --json",
+                         f"run `verl monitor --pid {args.pid} --web` alone")
+    with connect(args.pid, args.state_dir) as (info, client):
+        if args.web:
+            client.status()  # the daemon answers and takes this token: the URL will work
+            print(f"live page of run {info.name} (daemon pid {info.pid}); the URL holds the run's token, "
+                  "so share it only with whoever may steer the run:", file=sys.stderr)
+            print(page_url(info.url, info.token), flush=True)
+            return 0
         return run_monitor(client, once=args.once or args.json, as_json=args.json, refresh_s=args.refresh)
 
 

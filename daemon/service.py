@@ -36,6 +36,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from api.app import create_app
+from api.client import page_url
 from api.hub import TelemetryHub
 from api.prometheus import TelemetryMetrics
 from api.schemas import SettingsRejectedError
@@ -166,6 +167,7 @@ class Daemon:
         path = self._write_runtime_file()
         print(f"verl daemon pid {self.pid}: run {self.name} in {self.run_dir}\n"
               f"  API:     {self.url}\n"
+              f"  page:    {page_url(self.url, self.token)}\n"
               f"  monitor: verl monitor --pid {self.pid}\n"
               f"  token:   in {path} (mode 0600)", file=self._out, flush=True)
         live = self.settings_store.values

@@ -1,0 +1,208 @@
+"""The live page as the API serves it: a static shell at / that shows nothing without the token, its
+files from api/static (shipped in the wheel), nothing loaded from the network, every call it makes
+behind the token, and /v1/hints, the advisor's hints it shows.
+
+tests/e2e/test_live_page.py drives the page in a real browser against a real run.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from api.app import STATIC_DIR, create_app
+from api.client import page_url
+from api.hub import TelemetryHub
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "page-token_for-tests"
+RUN_NAME = "secret-run-name"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeControl:
+    def __init__(self) -> None:
+        self.offload_summary: list[dict] = []
+
+    def status(self) -> dict:
+        return {"run": {"name": RUN_NAME, "state": "running"}, "progress": {"step": 5, "total_steps": 200},
+                "offload": {"summary": self.offload_summary}}
+
+    def settings(self) -> dict:
+        return {"values": {"gpu_memory_threshold": 0.85}, "version": 0, "acknowledged_version": 0,
+                "applied_at_step": None, "settings": []}
+
+    def update_settings(self, change: dict) -> dict:
+        raise AssertionError("the page tests change no settings")
+
+    def request_checkpoint(self) -> dict:
+        return {}
+
+    def request_stop(self) -> dict:
+        return {}
+
+
+@dataclass
+class Served:
+    url: str
+    hub: TelemetryHub
+    clock: Clock
+    control: FakeControl
+
+    def client(self, token: str | None = TOKEN) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, trust_env=False, timeout=5)
+
+
+@pytest.fixture
+def served(serve) -> Iterator[Served]:
+    clock = Clock()
+    hub, control = TelemetryHub(history_seconds=600, clock=clock), FakeControl()
+    app = create_app(hub=hub, registry=CollectorRegistry(), control=control, token=TOKEN)
+    with serve(app) as url:
+        yield Served(url, hub, clock, control)
+
+
+def static_files() -> list[Path]:
+    return sorted(path for path in STATIC_DIR.iterdir() if path.is_file())
+
+
+# ---------------------------------------------------------------------------------------- the page
+
+
+@pytest.mark.parametrize("query", ["", f"?token={TOKEN}", "?token=wrong"])
+def test_the_page_is_a_shell_that_holds_nothing_of_the_run(served: Served, query: str) -> None:
+    """Whatever the token, / is the same static file: the run's data come only through token-checked calls."""
+    response = served.client(token=None).get("/" + query)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    assert response.content == (STATIC_DIR / "index.html").read_bytes()
+    assert RUN_NAME not in response.text and TOKEN not in response.text
+
+
+def test_the_page_can_load_nothing_from_elsewhere_nor_be_framed(served: Served) -> None:
+    headers = served.client(token=None).get("/").headers
+    policy = dict(part.strip().split(" ", 1) for part in headers["content-security-policy"].split(";"))
+    assert policy["default-src"] == "'none'" and policy["script-src"] == "'self'"
+    assert policy["connect-src"] == "'self'" and policy["frame-ancestors"] == "'none'"
+    # The first address holds the token: no Referer may carry it anywhere.
+    assert headers["referrer-policy"] == "no-referrer"
+
+
+def test_every_file_the_page_references_is_served_from_the_package(served: Served) -> None:
+    html = (STATIC_DIR / "index.html").read_text(encoding="utf-8")
+    referenced = re.findall(r'(?:src|href)="([^"]+)"', html)
+    local = [ref for ref in referenced if not ref.startswith("data:")]
+    assert "/static/app.js" in local and "/static/style.css" in local
+    imports = re.findall(r'from "\./([^"]+)"', (STATIC_DIR / "app.js").read_text(encoding="utf-8"))
+    assert imports == ["charts.js"]
+    client = served.client(token=None)
+    for path in [*local, *(f"/static/{name}" for name in imports)]:
+        response = client.get(path)
+        assert response.status_code == 200, path
+        assert response.content == (STATIC_DIR / path.removeprefix("/static/")).read_bytes()
+    assert client.get("/static/app.js").headers["content-type"].startswith("text/javascript")
+    assert client.get("/static/style.css").headers["content-type"].startswith("text/css")
+
+
+@pytest.mark.parametrize("path", ["/static/nothing.js", "/static/..%2Fapp.py", "/static/%2E%2E%2Fsecurity.py",
+                                  "/static/../app.py"])
+def test_nothing_but_the_shipped_files_is_served(served: Served, path: str) -> None:
+    response = served.client(token=None).get(path)
+    assert response.status_code == 404
+    assert "def create_app" not in response.text
+
+
+def test_no_file_of_the_page_names_another_host() -> None:
+    """No CDN, fonts or analytics: the page works on a machine without network."""
+    for path in static_files():
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text, re.IGNORECASE), path.name
+        assert "@import" not in text and "url(" not in text, path.name
+
+
+def test_every_call_of_the_page_needs_the_token(served: Served) -> None:
+    script = (STATIC_DIR / "app.js").read_text(encoding="utf-8")
+    calls = set(re.findall(r'api\("(/v1/[a-z/]+)"', script))
+    assert {"/v1/status", "/v1/settings", "/v1/hints"} <= calls
+    for path in sorted(calls):
+        assert served.client(token=None).get(path).status_code == 401, path
+        assert served.client(token="wrong").get(path).status_code == 401, path
+        assert served.client().get(path).status_code == 200, path
+    # The stream gets the token as a subprotocol, not in its URL (where logs would keep it).
+    [opening] = re.findall(r"new WebSocket\(([^;]+)\);", script)
+    assert "bearer.${page.token}" in opening and "token=" not in opening
+
+
+def test_a_foreign_host_gets_no_page_on_loopback(served: Served) -> None:
+    response = served.client(token=None).get("/", headers={"Host": "rebound.example.com"})
+    assert response.status_code == 403
+
+
+def test_the_page_url_carries_the_token_escaped() -> None:
+    assert page_url("http://127.0.0.1:8000", "a b/c") == "http://127.0.0.1:8000/?token=a%20b%2Fc"
+    assert page_url("http://[::1]:8000/", TOKEN) == f"http://[::1]:8000/?token={TOKEN}"
+
+
+# ------------------------------------------------------------------------------------------- hints
+
+
+def test_hints_are_empty_when_nothing_looks_wrong(served: Served) -> None:
+    body = served.client().get("/v1/hints").json()
+    assert body == {"time": served.clock.now, "hints": []}
+
+
+def test_slow_offload_copies_give_a_hint(served: Served) -> None:
+    served.hub.publish("offload", {"copies": [{"direction": "h2d", "group": "transformer", "bytes": 1 << 26,
+                                               "seconds": 0.120}] * 20, "summary": None})
+    hints = served.client().get("/v1/hints").json()["hints"]
+    assert len(hints) == 1 and "p99 120 ms" in hints[0]
+
+
+def test_a_minute_of_an_idle_gpu_with_offload_says_over_offloaded(served: Served) -> None:
+    served.control.offload_summary = [{"role": "actor", "group": "transformer", "device": "cpu", "bytes": 1 << 30}]
+    for _ in range(40):
+        served.hub.publish("gpu", {"nvml": True, "gpus": [{"index": 0, "utilization_ratio": 0.3,
+                                                           "memory_used_bytes": 10, "memory_total_bytes": 100}]})
+        served.clock.now += 1.0
+    hints = served.client().get("/v1/hints").json()["hints"]
+    assert len(hints) == 1 and hints[0].startswith("GPU 0 averaged 30% utilization")
+    # Samples older than the advisor's window no longer count.
+    served.clock.now += 120
+    assert served.client().get("/v1/hints").json()["hints"] == []
+
+
+# ---------------------------------------------------------------------------------------- packaging
+
+
+def test_a_built_wheel_ships_the_page(tmp_path: Path) -> None:
+    """What a pip-installed verl serves at /: every file of api/static is in the wheel."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for package in ("api", "daemon", "trainer"):
+        shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                             "-w", str(tmp_path / "wheel"), str(source)], capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [wheel] = (tmp_path / "wheel").glob("*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"api/static/{path.name}" for path in static_files()} <= shipped
