@@ -24,7 +24,7 @@ from trainer.checkpoint import (
     remove_partial_checkpoints,
     save_checkpoint,
 )
-from trainer.config import RunConfig, dump_config
+from trainer.config import FSDPConfig, RunConfig, dump_config
 from trainer.config.live import LiveSettings, initial_live_settings
 from trainer.data import PromptRecord, PromptSampler, load_records
 from trainer.metrics import (
@@ -36,6 +36,7 @@ from trainer.metrics import (
     throughput_metrics,
 )
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
+from trainer.offload import OffloadEngine, attach_offload, offload_message
 from trainer.randomness import rng_state, seed_everything, set_rng_state
 from trainer.reporting import StepObserver
 from trainer.rewards import resolve_compute_score
@@ -100,6 +101,7 @@ class Trainer:
         except ValueError as error:
             raise RunSetupError(str(error)) from None
         self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
+        self.offload_engines: list[OffloadEngine] = []
         self._build_models()
         self.reward_fn = self._build_reward()
         self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
@@ -110,6 +112,7 @@ class Trainer:
         self._resumed = False
         self._checkpoint_requested = False
         self._saved_at = 0
+        self._summary_sent = False
         self.stop_requested = threading.Event()
 
     # ------------------------------------------------------------------------------------- build
@@ -124,27 +127,36 @@ class Trainer:
             return load_policy(model_config.path, self.tokenizer, dtype=torch_dtype(fsdp_config.model_dtype),
                                seed=seed, override_config=model_config.override_config,
                                gradient_checkpointing=gradient_checkpointing,
-                               trust_remote_code=model_config.trust_remote_code).to(self.device)
+                               trust_remote_code=model_config.trust_remote_code)
 
         actor_config = config.actor_rollout_ref.actor
-        self.actor = Actor(policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
+        actor_model = self._place(policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
+                                  actor_config.fsdp_config, "actor")
+        self.actor = Actor(actor_model,
                            actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
                            log_prob_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
                            total_steps=self.total_steps, seed=seed)
         self.rollout = HFRollout(self.actor.model, self.tokenizer, rollout, config.data.max_response_length)
         self.reference = None
         if config.use_reference:
-            self.reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
+            reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
+            self.reference = self._place(reference, config.actor_rollout_ref.ref.fsdp_config, "ref")
         self.critic = None
         if config.use_critic:
             critic = config.critic
             model = load_critic(critic.model.path, self.tokenizer, dtype=torch_dtype(critic.fsdp_config.model_dtype),
                                 seed=seed, override_config=critic.model.override_config or model_config.override_config,
                                 gradient_checkpointing=critic.model.enable_gradient_checkpointing,
-                                trust_remote_code=critic.model.trust_remote_code).to(self.device)
-            self.critic = Critic(model, critic, rollout_n=rollout.n,
+                                trust_remote_code=critic.model.trust_remote_code)
+            self.critic = Critic(self._place(model, critic.fsdp_config, "critic"), critic, rollout_n=rollout.n,
                                  forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
                                  total_steps=self.total_steps)
+
+    def _place(self, model: torch.nn.Module, fsdp_config: FSDPConfig, role: str) -> torch.nn.Module:
+        """Put each module group where the policy says (the engine streams the CPU-resident ones)."""
+        engine = attach_offload(model, fsdp_config, self.device, role=role)
+        self.offload_engines.append(engine)
+        return model
 
     def _build_reward(self) -> RewardFunction:
         config = self.config
@@ -155,7 +167,7 @@ class Trainer:
         tokenizer = load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code)
         model = load_reward_model(network.path, tokenizer, dtype=torch_dtype(network.fsdp_config.model_dtype),
                                   seed=config.trainer.seed, trust_remote_code=network.trust_remote_code)
-        return ModelReward(model.to(self.device), self.tokenizer, tokenizer,
+        return ModelReward(self._place(model, network.fsdp_config, "reward"), self.tokenizer, tokenizer,
                            micro_batch_size=config.reward_model.micro_batch_size_per_gpu,
                            max_length=config.data.max_prompt_length + config.data.max_response_length)
 
@@ -192,6 +204,10 @@ class Trainer:
         """metrics.jsonl, the daemon and every observer (the console) get the step's metrics."""
         self.metrics_log.append(self.step, metrics)
         self._send({"type": "step", "step": self.step, "metrics": metrics, "time": time.time()})
+        if self.telemetry is not None:
+            # The placement summary goes with the first report of each trainer process.
+            self._send(offload_message(self.offload_engines, with_summary=not self._summary_sent))
+            self._summary_sent = True
         for observer in self.observers:
             observer.on_step(self.step, metrics)
 

@@ -165,11 +165,6 @@ def test_a_default_config_has_no_inactive_settings() -> None:
 
 
 @pytest.mark.parametrize(("override", "named_key"), [
-    ("actor_rollout_ref.actor.fsdp_config.param_offload=true",
-     "actor_rollout_ref.actor.fsdp_config.param_offload"),
-    ("actor_rollout_ref.actor.fsdp_config.offload_policy.embedding=cpu",
-     "actor_rollout_ref.actor.fsdp_config.offload_policy"),
-    ("critic.fsdp_config.optimizer_offload=true", "critic.fsdp_config.optimizer_offload"),
     ("actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
      "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled"),
     ("actor_rollout_ref.rollout.embedding_cache.enabled=true",
@@ -181,11 +176,18 @@ def test_inactive_settings_name_the_key_that_was_set(override: str, named_key: s
     assert notes[0].startswith(named_key)
 
 
+def test_offload_placement_is_active_now_that_the_engine_exists() -> None:
+    config = load_config(None, ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                                "critic.fsdp_config.offload_policy.embedding=cpu"])
+    assert inactive_settings(config) == []
+
+
 def test_inactive_settings_skip_models_the_run_does_not_build() -> None:
-    # GRPO without KL terms builds neither a critic nor a reference: their placement is moot.
+    # GRPO without KL terms builds neither a critic nor a reference: their settings are moot.
     config = load_config(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
-                                "critic.fsdp_config.param_offload=true",
-                                "actor_rollout_ref.ref.fsdp_config.param_offload=true"])
+                                "critic.fsdp_config.dynamic_offload.enabled=true",
+                                "actor_rollout_ref.ref.fsdp_config.dynamic_offload.enabled=true"])
     assert inactive_settings(config) == []
 
 
@@ -390,7 +392,8 @@ def test_the_7b_example_validates_once_its_paths_are_filled_in(model_dir: Path, 
     assert config.actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
     assert (config.data.max_prompt_length, config.data.max_response_length) == (512, 1024)
     notes = inactive_settings(config)
-    assert any("actor_rollout_ref.actor.fsdp_config.optimizer_offload" in note for note in notes)
+    # Offload placement runs now; dynamic offload (issue 5) still warns.
+    assert not any("optimizer_offload" in note for note in notes)
     assert any("critic.fsdp_config.dynamic_offload" in note for note in notes)
 
 

@@ -628,16 +628,6 @@ def inactive_settings(config: RunConfig) -> list[str]:
     notes = []
     for role, fsdp in config.fsdp_configs().items():
         prefix = _FSDP_PREFIX[role]
-        offloaded = [group for group in ("embedding", "lm_head", "transformer", "norm")
-                     if fsdp.placement(group) == "cpu"]
-        if offloaded:
-            # Name the key the user set: param_offload alone puts every group on the CPU.
-            key = "param_offload" if fsdp.param_offload else "offload_policy"
-            notes.append(f"{prefix}.{key} places {', '.join(offloaded)} on the CPU, but the offload engine "
-                         "is not built yet: every group stays on the compute device")
-        if fsdp.optimizer_offload:
-            notes.append(f"{prefix}.optimizer_offload is set, but optimizer offload is not built yet: "
-                         "optimizer states stay on the compute device")
         if fsdp.dynamic_offload.enabled:
             notes.append(f"{prefix}.dynamic_offload.enabled is set, but dynamic offload is not built yet")
         if fsdp.wrap_policy.transformer_layer_cls_to_wrap or fsdp.wrap_policy.min_num_params:

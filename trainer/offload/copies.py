@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 H2D, D2H = "h2d", "d2h"
@@ -36,18 +37,17 @@ def pinned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
     # Register whole pages that lie inside this allocation only, so that no other registration
     # can overlap it (the driver refuses overlapping ranges).
     page = 4096
-    allocation = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
-    start = -allocation.data_ptr() % page
-    buffer = allocation[start:start + nbytes]
-    pointer, length = buffer.data_ptr(), -(-nbytes // page) * page
+    memory = numpy.empty(nbytes + 2 * page, dtype=numpy.uint8)
+    start = -memory.ctypes.data % page
+    pointer, length = memory.ctypes.data + start, -(-nbytes // page) * page
     error = int(torch.cuda.cudart().cudaHostRegister(pointer, length, 1))  # 1: cudaHostRegisterPortable
     if error != 0:
         raise RuntimeError(f"could not page-lock {nbytes} bytes of host memory for the offload engine "
                            f"(cudaError {error}); check the memory lock limit (ulimit -l) and free host memory")
-    # Unregister before the memory can go back to the C allocator: the finalizer runs when the
-    # buffer object dies, before the allocation it holds is released.
-    weakref.finalize(buffer, _unregister, pointer)
-    return buffer
+    # The tensor's storage holds `memory` through the memoryview, and so does every view of it:
+    # the memory is unregistered only once nothing can reach it any more, just before it is freed.
+    weakref.finalize(memory, _unregister, pointer)
+    return torch.frombuffer(memoryview(memory)[start:start + nbytes], dtype=torch.uint8)
 
 
 def _unregister(pointer: int) -> None:
@@ -70,20 +70,15 @@ class _Pending:
 class CopyLog:
     """Every copy: direction, group, bytes, and (read lazily) its duration."""
 
-    def __init__(self, cuda: bool, *, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, cuda: bool, *, max_records: int = MAX_RECORDS_PER_DRAIN,
+                 clock: Callable[[], float] = time.perf_counter):
         self.cuda = cuda
+        self.max_records = max_records
         self.clock = clock
         self._pending: deque[_Pending] = deque(maxlen=MAX_PENDING_RECORDS)
-        self._events: list[torch.cuda.Event] = []
         self._lock = threading.Lock()
         self.totals: dict[tuple[str, str], int] = {}
         self.counts: dict[tuple[str, str], int] = {}
-
-    def _event(self) -> torch.cuda.Event:
-        with self._lock:
-            if self._events:
-                return self._events.pop()
-        return torch.cuda.Event(enable_timing=True)
 
     def timed(self, direction: str, group: str, nbytes: int, stream: torch.cuda.Stream | None,
               copy: Callable[[], None]) -> torch.cuda.Event | None:
@@ -97,7 +92,9 @@ class CopyLog:
             copy()
             self._pending.append(_Pending(direction, group, nbytes, None, None, self.clock() - started))
             return None
-        start, end = self._event(), self._event()
+        # Fresh events (creating one costs about a microsecond): the end event also orders the
+        # compute after the copy, so it must not be recorded again for another copy.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record(stream)
             copy()
@@ -105,8 +102,13 @@ class CopyLog:
         self._pending.append(_Pending(direction, group, nbytes, start, end))
         return end
 
-    def drain(self) -> list[dict]:
-        """The copies completed since the last drain, oldest first; copies still in flight stay."""
+    def drain(self, max_records: int | None = None) -> list[dict]:
+        """The copies completed since the last drain, oldest first; copies still in flight stay.
+
+        Past `max_records` (default: the log's), copies are folded into one record per
+        (direction, group) holding their summed bytes and seconds.
+        """
+        limit = self.max_records if max_records is None else max_records
         records: list[dict] = []
         folded: dict[tuple[str, str], dict] = {}
         while self._pending:
@@ -115,10 +117,8 @@ class CopyLog:
                 if not pending.end.query():
                     break
                 pending.seconds = pending.start.elapsed_time(pending.end) / 1e3
-                with self._lock:
-                    self._events += [pending.start, pending.end]
             self._pending.popleft()
-            if len(records) < MAX_RECORDS_PER_DRAIN:
+            if len(records) < limit:
                 records.append({"direction": pending.direction, "group": pending.group,
                                 "bytes": pending.nbytes, "seconds": pending.seconds})
                 continue

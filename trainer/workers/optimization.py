@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.config import OptimConfig
+from trainer.offload import offload_engine
 from trainer.rollout.batch import RolloutBatch
 
 LossFn = Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -31,6 +32,10 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor
 
 
 def build_optimizer(model: PreTrainedModel, config: OptimConfig) -> torch.optim.AdamW:
+    engine = offload_engine(model)
+    if engine is not None:
+        # Per-layer parameter groups, and the update on the CPU when optimizer_offload is set.
+        return engine.optimizer(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
@@ -84,7 +89,10 @@ def run_updates(
                 (loss * (len(micro_batch) / len(mini_batch))).backward()
                 for key, value in micro_metrics.items():
                     metrics[key].append(value)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            # The offload optimizer clips inside its update (one read of CPU-resident gradients).
+            clip = getattr(optimizer, "clip_grad_norm_", None)
+            grad_norm = clip(grad_clip) if clip is not None else torch.nn.utils.clip_grad_norm_(
+                model.parameters(), grad_clip)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:

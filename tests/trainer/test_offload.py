@@ -1,0 +1,320 @@
+"""The offload engine on the CPU: the CPU plays the device, so every copy is a real copy between a
+host arena and a device slot, and offloaded runs must give the numbers of resident runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.algorithms import compute_value_loss, kl_penalty, log_probs_from_logits
+from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.config import FSDPConfig
+from trainer.config.ipc import MAX_MESSAGE_BYTES, encode
+from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer
+from trainer.offload import GROUPS, OffloadOptions, UnsupportedModel, attach_offload, offload_message
+from trainer.offload.copies import MAX_RECORDS_PER_DRAIN, CopyLog
+
+TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
+FOUR_LAYERS = {"num_hidden_layers": 4}
+# One chunk for the head: its input gradient is then one matrix product, as on a resident model.
+WHOLE_HEAD = OffloadOptions(head_chunk_bytes=1 << 30)
+
+POLICIES = {
+    "all_gpu": {},
+    "all_cpu": {"param_offload": True},
+    "layered": {"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}},
+    "transformer_cpu": {"offload_policy": {"transformer": "cpu", "norm": "cpu"}},
+    "optimizer_offload": {"optimizer_offload": True},
+    "all_cpu_optimizer_offload": {"param_offload": True, "optimizer_offload": True},
+    "cpu_except_head": {"param_offload": True, "offload_policy": {"lm_head": "gpu"}},
+}
+
+
+def policy(**overrides) -> torch.nn.Module:
+    overrides.setdefault("override_config", FOUR_LAYERS)
+    return load_policy("builtin:tiny-qwen2", TOKENIZER, dtype=torch.float32, seed=1, **overrides)
+
+
+def offloaded(model, settings: dict, role: str = "actor", options: OffloadOptions = WHOLE_HEAD):
+    return attach_offload(model, FSDPConfig.model_validate(settings), "cpu", role=role, options=options)
+
+
+def token_batch(rows: int = 4, length: int = 10, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, len(TOKENIZER), (rows, length), generator=generator)
+
+
+def train(settings: dict, *, steps: int = 3, options: OffloadOptions = WHOLE_HEAD, **model_overrides):
+    """Steps of AdamW over two micro-batches each, as the actor's update runs them; the losses and
+    the final weights. zero_grad alternates between dropping and zeroing the gradients."""
+    model = policy(**model_overrides).train()
+    engine = offloaded(model, settings, options=options)
+    optimizer = engine.optimizer(lr=1e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    ids = token_batch()
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
+        for micro_batch in ids.split(2):
+            loss = model(input_ids=micro_batch, labels=micro_batch).loss
+            (loss / 2).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        scheduler.step()
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    return losses, weights, engine
+
+
+@pytest.fixture(scope="module")
+def resident_run():
+    return train({})
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_offloaded_training_gives_the_resident_losses_and_weights(name, resident_run):
+    losses, weights, engine = train(POLICIES[name])
+    expected_losses, expected_weights, _ = resident_run
+    assert losses == pytest.approx(expected_losses, rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    placed = {row["group"]: row["device"] for row in engine.summary()}
+    config = FSDPConfig.model_validate(POLICIES[name])
+    assert placed == {group: config.placement(group) for group in GROUPS}
+
+
+def test_the_cpu_update_overlapping_the_next_forward_gives_the_same_weights(resident_run):
+    _, weights, _ = train(POLICIES["all_cpu_optimizer_offload"],
+                          options=OffloadOptions(head_chunk_bytes=1 << 30, pipelined_update=True))
+    torch.testing.assert_close(weights, resident_run[1], rtol=1e-6, atol=1e-7)
+
+
+def test_clipping_inside_the_update_matches_clip_grad_norm():
+    """OffloadAdamW.clip_grad_norm_ leaves the gradients alone and scales them inside the fused
+    update: the same weights as torch.nn.utils.clip_grad_norm_ followed by the step."""
+    results = []
+    for clip_inside in (False, True):
+        model = policy().train()
+        optimizer = offloaded(model, POLICIES["all_cpu_optimizer_offload"]).optimizer(lr=1e-3)
+        for step in range(2):
+            optimizer.zero_grad()
+            ids = token_batch(seed=step)
+            model(input_ids=ids, labels=ids).loss.backward()
+            if clip_inside:
+                norm = optimizer.clip_grad_norm_(0.05)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            assert norm > 0.05  # the clipping binds
+            optimizer.step()
+        optimizer.wait()
+        results.append((norm, dict(model.state_dict())))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_head_streamed_in_chunks_changes_only_rounding(resident_run):
+    chunks = OffloadOptions(head_chunk_bytes=4 * 64 * 4)  # four vocabulary rows a chunk
+    losses, weights, engine = train(POLICIES["all_cpu"], options=chunks)
+    head = next(unit for unit in engine.units if unit.group == "lm_head")
+    assert len(head.blocks) == -(-len(TOKENIZER) // 4)
+    assert losses == pytest.approx(resident_run[0], rel=1e-5)
+    torch.testing.assert_close(weights, resident_run[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings", [POLICIES["all_cpu"], POLICIES["layered"], POLICIES["optimizer_offload"]],
+                         ids=["all_cpu", "layered", "optimizer_offload"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_gradient_checkpointing_and_tied_embeddings_train_as_resident(settings, tied):
+    config = {**FOUR_LAYERS, "tie_word_embeddings": tied}
+    expected_losses, expected_weights, _ = train({}, override_config=config, gradient_checkpointing=True)
+    losses, weights, engine = train(settings, override_config=config, gradient_checkpointing=True)
+    assert losses == pytest.approx(expected_losses, rel=1e-6)
+    # A tied weight's two gradients (head and embedding) are summed in another order across micro-batches.
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
+    if tied:
+        lines = engine.summary_lines()
+        assert "LM head: tied to the embedding" in lines
+
+
+def test_an_actor_a_reference_and_a_critic_with_different_policies_compute_together():
+    """PPO's pieces in one computation: the actor fully offloaded, the reference layered, the critic's
+    transformer on the CPU: the same losses and gradients as three resident models."""
+
+    def step(actor_settings, reference_settings, critic_settings):
+        actor = policy()
+        reference = policy().eval().requires_grad_(False)
+        critic = load_critic("builtin:tiny-qwen2", TOKENIZER, dtype=torch.float32, seed=1,
+                             override_config=FOUR_LAYERS).eval()
+        offloaded(actor, actor_settings)
+        offloaded(reference, reference_settings, role="ref")
+        offloaded(critic, critic_settings, role="critic")
+        ids = token_batch(rows=3, length=9, seed=4)
+        logits = actor(input_ids=ids).logits[:, :-1]
+        log_probs = log_probs_from_logits(logits, ids[:, 1:])
+        with torch.no_grad():
+            reference_log_probs = log_probs_from_logits(reference(input_ids=ids).logits[:, :-1], ids[:, 1:])
+        values = critic(input_ids=ids).logits.squeeze(-1)[:, :-1]
+        mask = torch.ones_like(log_probs)
+        kl = kl_penalty(log_probs, reference_log_probs, "low_var_kl").mean()
+        value_loss, _ = compute_value_loss(values, values.detach() + 0.1, log_probs.detach(), mask,
+                                           cliprange_value=0.2, loss_agg_mode="token-mean")
+        (kl + value_loss).backward()
+        grads = {f"actor.{name}": p.grad.clone() for name, p in actor.named_parameters()}
+        grads |= {f"critic.{name}": p.grad.clone() for name, p in critic.named_parameters()}
+        return kl.item(), value_loss.item(), grads
+
+    expected = step({}, {}, {})
+    mixed = step(POLICIES["all_cpu"], POLICIES["layered"], {"offload_policy": {"transformer": "cpu"}})
+    assert mixed[:2] == pytest.approx(expected[:2], rel=1e-6)
+    torch.testing.assert_close(mixed[2], expected[2], rtol=1e-6, atol=1e-7)
+
+
+def test_the_summary_reports_each_groups_place_and_parameter_bytes():
+    reference = policy()
+    expected = {group: 0 for group in GROUPS}
+    for name, parameter in reference.named_parameters():
+        group = ("embedding" if "embed_tokens" in name else "transformer" if ".layers." in name
+                 else "norm" if name == "model.norm.weight" else "lm_head")
+        expected[group] += parameter.numel() * parameter.element_size()
+    engine = offloaded(policy(), POLICIES["layered"])
+    summary = engine.summary()
+    assert {row["group"]: row["bytes"] for row in summary} == expected
+    assert {row["group"]: row["device"] for row in summary} == {
+        "embedding": "cpu", "transformer": "gpu", "norm": "gpu", "lm_head": "cpu"}
+    assert {row["role"] for row in summary} == {"actor"}
+    lines = engine.summary_lines()
+    assert f"Embedding: OFFLOADED to CPU ({expected['embedding'] / 1024:.2f} KiB)" in lines
+    assert any(line.startswith("Transformer (4 layers): on GPU") for line in lines)
+    assert lines[-1].startswith("GPU memory saved: ")
+
+
+def test_copies_are_counted_per_direction_and_group_with_their_bytes():
+    model = policy()
+    engine = offloaded(model, POLICIES["all_cpu"])
+    layer_bytes = [unit.nbytes for unit in engine.units if unit.group == "transformer"]
+    ids = token_batch(rows=2, length=7)
+    model(input_ids=ids, labels=ids).loss.backward()
+
+    def param_bytes(group):
+        return next(row["bytes"] for row in engine.summary() if row["group"] == group)
+
+    rows_bytes = ids.numel() * model.config.hidden_size * 4
+    # Forward streams the four blocks into three slots; backward finds the last three still there.
+    assert engine.copied_bytes() == {
+        ("h2d", "embedding"): rows_bytes,
+        ("h2d", "transformer"): sum(layer_bytes) + layer_bytes[0],
+        ("h2d", "norm"): param_bytes("norm"),
+        ("h2d", "lm_head"): param_bytes("lm_head"),
+        ("d2h", "embedding"): rows_bytes,
+        ("d2h", "transformer"): param_bytes("transformer"),
+        ("d2h", "norm"): param_bytes("norm"),
+        ("d2h", "lm_head"): param_bytes("lm_head"),
+    }
+    assert all(nbytes - param < 256 * 12 for nbytes, param in zip(layer_bytes, [param_bytes("transformer") // 4] * 4,
+                                                                    strict=True))
+    copies = engine.drain_copy_stats()
+    totals: dict[tuple[str, str], int] = {}
+    for copy in copies:
+        assert set(copy) == {"direction", "group", "bytes", "seconds"} and copy["seconds"] >= 0
+        totals[copy["direction"], copy["group"]] = totals.get((copy["direction"], copy["group"]), 0) + copy["bytes"]
+    assert totals == engine.copied_bytes()
+    assert engine.drain_copy_stats() == []
+
+
+@pytest.mark.parametrize("head_slots", [None, 5], ids=["three_slots", "whole_head"])
+def test_more_head_slots_keep_the_head_from_forward_to_backward(head_slots):
+    """Five chunks through three slots: backward fetches back the two chunks that were overwritten;
+    through five, the head crosses the bus once a step."""
+    model = policy()
+    options = OffloadOptions(head_chunk_bytes=4 * 64 * 4, head_slots=head_slots)
+    engine = offloaded(model, POLICIES["layered"], options=options)
+    ids = token_batch(rows=2, length=5)
+    model(input_ids=ids, labels=ids).loss.backward()
+    chunks = engine.copy_counts()["h2d", "lm_head"]
+    assert chunks == (5 if head_slots == 5 else 5 + 2)
+    assert engine.working_set_bytes() == min(head_slots or 3, 5) * 4 * 64 * 4
+
+
+def test_a_drain_is_bounded_and_folds_the_excess_per_direction_and_group():
+    log = CopyLog(cuda=False, max_records=4)
+    for index in range(10):
+        log.timed("h2d" if index % 2 else "d2h", "transformer", 100, None, lambda: None)
+    records = log.drain()
+    assert len(records) == 4 + 2
+    assert sum(record["bytes"] for record in records) == 1000
+    assert {(record["direction"], record["bytes"]) for record in records[4:]} == {("d2h", 300), ("h2d", 300)}
+
+
+def test_the_ipc_message_of_several_engines_stays_within_the_protocols_limit():
+    engines = [offloaded(policy(), POLICIES["all_cpu"], role=role) for role in ("actor", "ref", "critic")]
+    for engine in engines:
+        for _ in range(MAX_RECORDS_PER_DRAIN):
+            engine.log.timed("h2d", "transformer", 1000, None, lambda: None)
+    message = offload_message(engines, with_summary=True)
+    assert len(encode(message)) < MAX_MESSAGE_BYTES
+    assert sum(copy["bytes"] for copy in message["copies"]) == 3 * MAX_RECORDS_PER_DRAIN * 1000
+    assert {row["role"] for row in message["summary"]} == {"actor", "ref", "critic"}
+    assert offload_message(engines, with_summary=False) == {"type": "offload", "copies": []}
+
+
+@pytest.mark.parametrize("name", ["all_cpu", "layered", "optimizer_offload"])
+def test_no_grad_forward_and_generate_match_the_resident_model(name):
+    resident = policy().eval()
+    model = policy().eval()
+    offloaded(model, POLICIES[name])
+    ids = token_batch(rows=3, length=6, seed=2)
+    ids[0, :2] = TOKENIZER.pad_token_id
+    mask = (ids != TOKENIZER.pad_token_id).long()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                                   resident(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=TOKENIZER.pad_token_id, use_cache=True)
+    expected = resident.generate(input_ids=ids, attention_mask=mask, **settings)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **settings), expected)
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+
+
+def test_a_frozen_reward_model_streams_without_gradients():
+    resident = load_reward_model("builtin:tiny-qwen2", TOKENIZER, dtype=torch.float32, seed=1)
+    model = load_reward_model("builtin:tiny-qwen2", TOKENIZER, dtype=torch.float32, seed=1)
+    engine = offloaded(model, POLICIES["all_cpu"], role="reward")
+    ids = token_batch(rows=2, length=5)
+    torch.testing.assert_close(model(input_ids=ids).logits, resident(input_ids=ids).logits, rtol=0, atol=0)
+    assert all(unit.grad_views is None for unit in engine.units)
+    assert all(direction == "h2d" for direction, _ in engine.copied_bytes())
+
+
+def test_checkpoints_round_trip_and_resume_under_another_policy(tmp_path):
+    """Weights and AdamW states saved from a fully offloaded actor load into a layered one, which
+    then trains exactly as the original would have."""
+    source = policy().train()
+    engine = offloaded(source, POLICIES["all_cpu_optimizer_offload"])
+    optimizer = engine.optimizer(lr=1e-3)
+    ids = token_batch()
+
+    def one_step(model, optimizer):
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    one_step(source, optimizer)
+    path = save_checkpoint(tmp_path, 1, {"actor": source}, {"optimizer": optimizer.state_dict()})
+
+    target = policy(override_config={**FOUR_LAYERS, "initializer_range": 0.5}).train()
+    target_optimizer = offloaded(target, POLICIES["layered"]).optimizer(lr=1e-3)
+    state = load_checkpoint(path, {"actor": target})
+    target_optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():
+        torch.testing.assert_close(target(input_ids=ids).logits, source(input_ids=ids).logits, rtol=0, atol=0)
+    one_step(source, optimizer)
+    one_step(target, target_optimizer)
+    optimizer.wait()
+    target_optimizer.wait()
+    torch.testing.assert_close(dict(target.state_dict()), dict(source.state_dict()), rtol=1e-6, atol=1e-7)
+
+
+def test_a_model_without_recognisable_blocks_is_refused_with_the_setting_to_change():
+    model = policy()
+    with pytest.raises(UnsupportedModel, match="transformer_layer_cls_to_wrap"):
+        attach_offload(model, FSDPConfig.model_validate(
+            {"param_offload": True, "wrap_policy": {"transformer_layer_cls_to_wrap": ["NoSuchBlock"]}}),
+            "cpu", role="actor")

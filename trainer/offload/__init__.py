@@ -1,0 +1,60 @@
+"""Per-module-group CPU offload of parameters, gradients and optimizer states (DESIGN.md, "The offload engine").
+
+    engine = attach_offload(model, fsdp_config, device, role="actor")
+    optimizer = engine.optimizer(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01)
+    log(engine.summary_lines())                    # "Embedding: OFFLOADED to CPU (1.02 GiB)", ...
+    send({"type": "offload", "copies": engine.drain_copy_stats(), "summary": engine.summary()})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from trainer.config import FSDPConfig
+from trainer.offload.copies import MAX_RECORDS_PER_DRAIN
+from trainer.offload.engine import OffloadEngine, OffloadOptions, format_bytes
+from trainer.offload.groups import GROUPS, UnsupportedModel
+from trainer.offload.optimizer import OffloadAdamW
+
+__all__ = ["GROUPS", "OffloadAdamW", "OffloadEngine", "OffloadOptions", "UnsupportedModel", "attach_offload",
+           "format_bytes", "offload_engine", "offload_message"]
+
+
+def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.device | str, *, role: str,
+                   options: OffloadOptions | None = None) -> OffloadEngine:
+    """Place `model`'s module groups as `fsdp_config` says and return the engine that streams them.
+
+    Call it instead of `model.to(device)`, after the model is built (and frozen, for the reference
+    and reward models). Groups placed on the GPU move there; the others move into pinned host
+    memory. Build the model's optimizer with `engine.optimizer(...)`.
+    """
+    engine = OffloadEngine(
+        model,
+        {group: fsdp_config.placement(group) for group in GROUPS},
+        torch.device(device),
+        role=role,
+        optimizer_offload=fsdp_config.optimizer_offload,
+        options=options or OffloadOptions(),
+        layer_classes=fsdp_config.wrap_policy.transformer_layer_cls_to_wrap,
+    )
+    model._offload_engine = engine
+    return engine
+
+
+def offload_engine(model: nn.Module) -> OffloadEngine | None:
+    """The engine attached to `model`, if any."""
+    return getattr(model, "_offload_engine", None)
+
+
+def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool) -> dict:
+    """The IPC "offload" message (trainer/config/ipc.py) for all of a run's engines: the copies
+    drained since the last call, at most MAX_RECORDS_PER_DRAIN of them in all (the rest folded per
+    direction and group), and the placement summary of every role when `with_summary`."""
+    budget = MAX_RECORDS_PER_DRAIN // max(1, len(engines))
+    message = {"type": "offload", "copies": [copy for engine in engines for copy in engine.drain_copy_stats(budget)]}
+    if with_summary:
+        message["summary"] = [row for engine in engines for row in engine.summary()]
+    return message

@@ -1,0 +1,968 @@
+"""The offload engine: parameters, gradients and optimizer states on the CPU, per module group.
+
+How a model is laid out once the engine is attached:
+
+- Each module group is split into *units* (the embedding, each transformer block, the final norm,
+  the head). A unit placed on the CPU lives in one host *arena* per group, allocated once and
+  page-locked, in the compute dtype; the model's registered parameters (the *masters*, which the
+  optimizer, state_dict and checkpoints see) alias it, or are fp32 copies beside it when the
+  optimizer runs on the CPU with fp32 master weights.
+- A unit crosses the bus as *blocks*: one contiguous byte range copied in one H2D copy into a
+  static device *slot* (a transformer block is one block; the head is split into row chunks).
+  Transformer blocks rotate through `prefetch + 1` slots: block i always lands in slot i mod n, so
+  tensors autograd saved in forward still point at block i's weights when its backward runs.
+- A dedicated copy stream per direction, ordered with CUDA events: a copy into a slot waits for
+  the compute that last read it, the compute waits for the copy. No record_stream, no synchronize
+  per block. Blocks are prefetched `prefetch` ahead in forward and behind in backward.
+- During a block's forward (and backward) its modules hold *compute parameters*: views into the
+  slot. Their gradients go back D2H on the second copy stream, one copy per tensor, into a pinned
+  gradient arena (or pinned staging, converted to fp32 by a worker thread); at the end of
+  backward the masters' .grad are views into it. The device memory of gradients still on their
+  way is bounded (`grads_in_flight`) by letting the compute stream wait for the oldest copy.
+- The embedding on the CPU is never shipped whole: the rows of the batch's tokens are gathered on
+  the CPU and only they cross; their gradient comes back and is added into the embedding's
+  gradient on the CPU.
+- Units placed on the GPU stay there, untouched (with optimizer_offload, their fp32 masters and
+  optimizer states live on the CPU and a compute copy stays on the GPU).
+
+Every copy is logged (direction, group, bytes) and timed with CUDA events read lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trainer.offload.copies import D2H, H2D, CopyLog, CopyStreams, pinned_empty
+from trainer.offload.functions import GatheredRows, PostBackward, StreamedLinear
+from trainer.offload.groups import GROUPS, TITLES, Entry, entries_of, find_parts, owners_in
+
+ALIGNMENT = 256
+GIB = 1024**3
+
+RESIDENT = "resident"  # parameters on the compute device; the engine does nothing
+HOOKED = "hooked"  # a block swapped in around the unit's forward and backward (streamed or device copy)
+ROWS = "rows"  # embedding on the CPU: rows gathered on the CPU (and, when tied, the head streamed in chunks)
+CHUNKS = "chunks"  # output head on the CPU: streamed in row chunks
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    prefetch: int = 2
+    """Streamed blocks copied ahead of the one in use (behind it in backward); transformer blocks
+    rotate through prefetch + 1 device slots."""
+    head_chunk_bytes: int = 64 << 20
+    """An offloaded output head streams in row chunks of about this many bytes."""
+    head_slots: int | None = None
+    """Device slots the head's chunks rotate through (None: prefetch + 1). With more, more of the
+    head is prefetched while the transformer computes (when it is on the GPU the copy stream is
+    otherwise idle), at the cost of that much device memory."""
+    grads_in_flight: int = 2
+    """Gradient copies (a block's, or a head chunk's) that may still be on their way to the host
+    before the compute waits for the oldest: the device memory they hold stays bounded."""
+    pipelined_update: bool = False
+    """The CPU optimizer update runs in a background thread, block by block in forward order, and
+    the next forward waits for each block's update only when it reaches that block. Off by
+    default: on an H200 host (16 cores) the update and the next forward's copies compete for
+    host memory bandwidth, and a tight forward/backward/step loop ran 10% slower with it."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def _typed(buffer: torch.Tensor, offset: int, like: torch.Tensor | tuple[torch.Size, torch.dtype]) -> torch.Tensor:
+    """The tensor of `like`'s shape and dtype stored at byte `offset` of a uint8 buffer."""
+    shape, dtype = (like.shape, like.dtype) if isinstance(like, torch.Tensor) else like
+    nbytes = shape.numel() * dtype.itemsize
+    return buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def _standalone(buffer: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor at byte `offset` of a uint8 host buffer, with a storage object of its own.
+
+    Registered parameters must not be views into a larger storage: safetensors' save_model (the
+    checkpoints) refuses them. This one aliases the same bytes, and keeps `buffer` alive.
+    """
+    nbytes = shape.numel() * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    window = memoryview(buffer.numpy())[offset:offset + nbytes]
+    return torch.frombuffer(window, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class Slot:
+    """A static device buffer that blocks are copied into."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.data = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # Copies write through an alias with a version counter of its own: autograd checks that
+        # tensors saved in forward were not modified since, and block i's weights saved in forward
+        # are legitimately replaced by block i + n's and fetched back before block i's backward.
+        self.writer = self.data.data
+        self.holder: Block | None = None
+        self.free_event = torch.cuda.Event() if device.type == "cuda" else None
+
+
+@dataclass(eq=False)
+class Block:
+    """A byte range of a unit's arena that crosses the bus in one copy, into one slot."""
+
+    unit: Unit
+    source: torch.Tensor
+    slot: Slot
+    streamed: bool
+    ring: int = 0
+    """Which slot ring the block's slot belongs to."""
+    lookahead: int = 1
+    """Blocks of this block's slot ring that may be fetched ahead of the one in use."""
+    rows: tuple[int, int] | None = None
+    """For a chunk of the head: the weight rows it holds."""
+    position: int = -1
+    acquired: bool = False
+    fetched_event: torch.cuda.Event | None = None
+    fetched_version: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel()
+
+
+@dataclass(eq=False)
+class Unit:
+    """Parameters placed, packed and moved together: the embedding, one transformer block, the norm, the head."""
+
+    name: str
+    group: str
+    entries: list[Entry]
+    kind: str
+    placement: str
+    offsets: list[int] = field(default_factory=list)
+    nbytes: int = 0
+    arena: torch.Tensor | None = None
+    masters: list[torch.Tensor] = field(default_factory=list)
+    master_is_arena: bool = True
+    grad_views: list[torch.Tensor] | None = None
+    grad_pinned: bool = False
+    compute_params: list[nn.Parameter] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    version: int = 0
+    master_version: int = 0
+    swapped: bool = False
+    head_weight_index: int = -1
+    ready: threading.Event = field(default_factory=threading.Event)
+    grads_after_update: str | None = None
+    """What zero_grad asked for while the unit's update was still running: "none" or "zero"."""
+    # Per backward pass:
+    fresh: bool = True
+    landed: set[int] = field(default_factory=set)
+    accumulated: int = 0
+
+    def __post_init__(self):
+        self.ready.set()
+
+    @property
+    def trainable(self) -> bool:
+        return any(entry.parameter.requires_grad for entry in self.entries)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(entry.parameter.numel() * entry.parameter.element_size() for entry in self.entries)
+
+    def arena_view(self, index: int) -> torch.Tensor:
+        return _typed(self.arena, self.offsets[index], self.compute_like[index])
+
+    @functools.cached_property
+    def compute_like(self) -> list[tuple[torch.Size, torch.dtype]]:
+        return [(entry.parameter.shape, entry.parameter.dtype) for entry in self.entries]
+
+
+class OffloadEngine:
+    """Places one model's module groups, streams the offloaded ones, and accounts for every copy.
+
+    Build it with `attach_offload`. The model keeps working as a plain nn.Module: forward with or
+    without grad, backward (with gradient checkpointing), generate with a KV cache, state_dict.
+    """
+
+    def __init__(self, model: nn.Module, placements: dict[str, str], device: torch.device, *, role: str,
+                 optimizer_offload: bool = False, options: OffloadOptions = OffloadOptions(),
+                 layer_classes: Sequence[str] | None = None):
+        self.model = model
+        self.device = torch.device(device)
+        self.role = role
+        self.options = options
+        self.streams = CopyStreams(self.device)
+        self.log = CopyLog(self.streams.cuda)
+        self.in_backward = False
+        self._backward_active = False
+        self._in_flight: deque[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = deque()
+        self._grad_tasks: list[Future] = []
+        self._update_tasks: list[Future] = []
+        self.update_lock = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None
+        self._worker_lock = threading.Lock()
+        self.blocks: list[Block] = []
+        self.parts = find_parts(model, layer_classes)
+        self.placements = self._resolve_placements(placements)
+        self.compute_dtype = next(model.parameters()).dtype
+        trainable = any(parameter.requires_grad for parameter in model.parameters())
+        # The optimizer on the CPU keeps fp32 master weights; the device computes in the model's dtype.
+        self.optimizer_offload = optimizer_offload and trainable
+        self.master_dtype = torch.float32 if self.optimizer_offload else self.compute_dtype
+        self.units = self._build_units()
+        self.group_bytes = {group: sum(unit.param_bytes for unit in self.units if unit.group == group)
+                            for group in (*GROUPS, "other")}
+        self._pack()
+        self._install_hooks()
+
+    # ------------------------------------------------------------------------------- public
+
+    def summary(self) -> list[dict]:
+        """Each group: where it lives and its parameters' size (for the start-of-run log and /v1/status)."""
+        rows = []
+        for group in (*GROUPS, "other"):
+            if group == "other" and not self.group_bytes["other"]:
+                continue
+            rows.append({"role": self.role, "group": group, "device": self.placements.get(group, "gpu"),
+                         "bytes": self.group_bytes[group]})
+        return rows
+
+    def summary_lines(self) -> list[str]:
+        """The offload summary in words, e.g. "Embedding: OFFLOADED to CPU (1.02 GiB)"."""
+        lines = []
+        layers = sum(1 for unit in self.units if unit.group == "transformer")
+        for row in self.summary():
+            title = TITLES[row["group"]] + (f" ({layers} layers)" if row["group"] == "transformer" else "")
+            if row["group"] == "lm_head" and self.parts.tied:
+                lines.append(f"{title}: tied to the embedding")
+                continue
+            where = "OFFLOADED to CPU" if row["device"] == "cpu" else "on GPU"
+            lines.append(f"{title}: {where} ({format_bytes(row['bytes'])})")
+        on_host = sum(entry.parameter.numel() for unit in self.units if unit.kind != RESIDENT
+                      for entry in unit.entries if entry.parameter.requires_grad)
+        if on_host:
+            where = "OFFLOADED to CPU" if self.optimizer_offload else "on CPU for the groups placed there"
+            lines.append(f"Optimizer: {where} ({self.master_dtype_name} master weights and AdamW states, "
+                         f"{format_bytes(3 * on_host * self.master_dtype.itemsize)})")
+        lines.append(f"GPU memory saved: {format_bytes(self.saved_gpu_bytes())}")
+        return lines
+
+    @property
+    def master_dtype_name(self) -> str:
+        return str(self.master_dtype).removeprefix("torch.")
+
+    def saved_gpu_bytes(self) -> int:
+        """Device memory the placement saves against an all-GPU run: the offloaded parameters, their
+        gradients, and the optimizer states (two per parameter) kept on the CPU."""
+        saved = 0
+        for unit in self.units:
+            if unit.kind == RESIDENT:
+                continue
+            compute = [entry.parameter.numel() * self.compute_dtype.itemsize for entry in unit.entries]
+            trainable = sum(nbytes for nbytes, entry in zip(compute, unit.entries, strict=True)
+                            if entry.parameter.requires_grad)
+            if unit.placement == "cpu":
+                saved += sum(compute) + trainable
+            saved += 2 * trainable
+        return saved - self.working_set_bytes()
+
+    def working_set_bytes(self) -> int:
+        """Device memory of the engine's static slots."""
+        slots = {id(block.slot): block.slot for block in self.blocks}
+        return sum(slot.data.numel() for slot in slots.values() if slot.data is not None)
+
+    def drain_copy_stats(self, max_records: int | None = None) -> list[dict]:
+        """Copies completed since the last drain: [{direction, group, bytes, seconds}], bounded."""
+        return self.log.drain(max_records)
+
+    def copied_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes copied so far per (direction, group)."""
+        return dict(self.log.totals)
+
+    def copy_counts(self) -> dict[tuple[str, str], int]:
+        return dict(self.log.counts)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host arenas the offloaded groups live in (pinned when the device is a GPU)."""
+        arenas = {}
+        for unit in self.units:
+            if unit.arena is not None:
+                arenas[unit.arena.untyped_storage().data_ptr()] = unit.arena
+        return list(arenas.values())
+
+    def optimizer(self, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01,
+                  eps: float = 1e-8):
+        """AdamW over the model's trainable parameters, each on the device its master lives on."""
+        from trainer.offload.optimizer import OffloadAdamW  # that module imports this one
+
+        return OffloadAdamW(self, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+
+    def wait_for_updates(self) -> None:
+        """Block until every pending CPU optimizer update has landed (and raise if one failed)."""
+        tasks, self._update_tasks = self._update_tasks, []
+        for task in tasks:
+            task.result()
+        for unit in self.units:
+            unit.ready.wait()
+
+    def close(self) -> None:
+        """Finish pending work and give back the device slots; the model cannot run afterwards."""
+        self.wait_for_updates()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        self.streams.synchronize()
+        for block in self.blocks:
+            block.slot.data = block.slot.writer = block.slot.holder = None
+        for unit in self.units:
+            unit.compute_params = []
+        self._in_flight.clear()
+
+    # -------------------------------------------------------------------------------- build
+
+    def _resolve_placements(self, placements: dict[str, str]) -> dict[str, str]:
+        resolved = {group: placements.get(group, "gpu") for group in GROUPS}
+        if self.parts.tied:
+            # One weight cannot live in two places: it goes where either group needs it on the device.
+            shared = "gpu" if "gpu" in (resolved["embedding"], resolved["lm_head"]) else "cpu"
+            resolved["embedding"] = resolved["lm_head"] = shared
+        return resolved
+
+    def _build_units(self) -> list[Unit]:
+        model, parts = self.model, self.parts
+        names = {id(module): name for name, module in model.named_modules()}
+        units: list[Unit] = []
+        embedding_modules = [parts.embedding] + ([parts.head] if parts.tied else [])
+        units.append(self._unit("embedding", "embedding", entries_of(embedding_modules, names)))
+        for index, layer in enumerate(parts.layers):
+            units.append(self._unit(f"layers.{index}", "transformer", entries_of([layer], names)))
+        if parts.norm is not None:
+            units.append(self._unit("norm", "norm", entries_of([parts.norm], names)))
+        if parts.head is not None and not parts.tied:
+            units.append(self._unit("lm_head", "lm_head", entries_of([parts.head], names)))
+        claimed = {id(entry.parameter) for unit in units for entry in unit.entries}
+        other = [entry for entry in entries_of([model], names) if id(entry.parameter) not in claimed]
+        for unit in units:
+            owners_in(model, unit.entries)
+        units.append(Unit("other", "other", other, RESIDENT, "gpu"))
+        return [unit for unit in units if unit.entries]
+
+    def _unit(self, name: str, group: str, entries: list[Entry]) -> Unit:
+        placement = self.placements[group]
+        if placement == "gpu":
+            # With optimizer_offload a trainable unit on the GPU keeps its masters on the CPU and a
+            # compute copy on the device, refreshed after each update.
+            trains = any(entry.parameter.requires_grad for entry in entries)
+            kind = HOOKED if self.optimizer_offload and trains else RESIDENT
+        elif group == "embedding" and self._gathers_rows(self.parts.embedding):
+            kind = ROWS
+        elif group == "lm_head" and self._streams_in_chunks(self.parts.head):
+            kind = CHUNKS
+        else:
+            kind = HOOKED
+        if kind == ROWS and self.parts.tied and not self._streams_in_chunks(self.parts.head):
+            kind = HOOKED
+        return Unit(name, group, entries, kind, placement)
+
+    @staticmethod
+    def _gathers_rows(module: nn.Module) -> bool:
+        return (type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq
+                and not module.sparse)
+
+    @staticmethod
+    def _streams_in_chunks(module: nn.Module | None) -> bool:
+        return type(module) is nn.Linear and module.bias is None
+
+    # --------------------------------------------------------------------------------- pack
+
+    def _pack(self) -> None:
+        """Move resident units to the device and copy the others into their host arenas, once."""
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(self.device)
+        for unit in self.units:
+            if unit.kind == RESIDENT:
+                for entry in unit.entries:
+                    entry.parameter.data = entry.parameter.data.to(self.device)
+        for group in (*GROUPS, "other"):
+            units = [unit for unit in self.units if unit.group == group and unit.kind != RESIDENT]
+            if units:
+                self._pack_group(units)
+        self._make_blocks()
+
+    def _pack_group(self, units: list[Unit]) -> None:
+        starts, total = [], 0
+        for unit in units:
+            end = 0
+            for entry in unit.entries:
+                unit.offsets.append(_aligned(end))
+                end = unit.offsets[-1] + entry.parameter.numel() * entry.parameter.element_size()
+            unit.nbytes = end
+            starts.append(total)
+            total += _aligned(end)
+        arena = pinned_empty(total, self.device)
+        # fp32 masters beside a bf16 arena: the same layout at `scale` times the offsets.
+        scale = self.master_dtype.itemsize // self.compute_dtype.itemsize
+        masters = torch.empty(total * scale, dtype=torch.uint8) if scale != 1 else arena
+        for unit, start in zip(units, starts, strict=True):
+            unit.arena = arena[start:start + unit.nbytes]
+            unit.master_is_arena = scale == 1
+            for index, entry in enumerate(unit.entries):
+                unit.arena_view(index).copy_(entry.parameter.data)
+                master = _standalone(masters, (start + unit.offsets[index]) * scale, entry.parameter.shape,
+                                     self.master_dtype)
+                master.copy_(entry.parameter.data)
+                entry.parameter.data = master
+                unit.masters.append(master)
+            unit.master_version = self._master_version(unit)
+
+    def _make_blocks(self) -> None:
+        layer_units = [unit for unit in self.units if unit.kind == HOOKED and unit.placement == "cpu"
+                       and unit.group == "transformer"]
+        slots = min(self.options.prefetch + 1, len(layer_units))
+        ring = [Slot(max(unit.nbytes for unit in layer_units), self.device) for _ in range(slots)] if slots else []
+        rings = itertools.count(1)  # ring 0: the transformer blocks'
+        for unit in self.units:
+            if unit.kind == HOOKED:
+                slot = ring[layer_units.index(unit) % len(ring)] if unit in layer_units else Slot(unit.nbytes,
+                                                                                                  self.device)
+                block = Block(unit, unit.arena, slot, streamed=unit.placement == "cpu",
+                              ring=0 if unit in layer_units else next(rings),
+                              lookahead=max(1, len(ring) - 1) if unit in layer_units else 1)
+                unit.blocks = [block]
+                unit.compute_params = [self._compute_param(slot, unit, index) for index in range(len(unit.entries))]
+            elif unit.kind in (ROWS, CHUNKS) and (unit.kind == CHUNKS or self.parts.tied):
+                unit.blocks = self._chunk_blocks(unit, next(rings))
+            self.blocks += unit.blocks
+        for position, block in enumerate(self.blocks):
+            block.position = position
+
+    def _chunk_blocks(self, unit: Unit, ring: int) -> list[Block]:
+        weight_index = self._index_of(unit, self.parts.head.weight)
+        rows, width = self.parts.head.weight.shape
+        row_bytes = width * self.compute_dtype.itemsize
+        per_chunk = max(1, min(rows, self.options.head_chunk_bytes // row_bytes))
+        if per_chunk >= 128:
+            # Whole multiples of 128 rows: aligned leading dimensions and offsets keep the chunks'
+            # matrix products on cuBLAS's fast kernels.
+            per_chunk -= per_chunk % 128
+        chunks = -(-rows // per_chunk)
+        count = self.options.head_slots or self.options.prefetch + 1
+        slots = [Slot(per_chunk * row_bytes, self.device) for _ in range(min(count, chunks))]
+        blocks = []
+        for number, first in enumerate(range(0, rows, per_chunk)):
+            last = min(rows, first + per_chunk)
+            offset = unit.offsets[weight_index]
+            source = unit.arena[offset + first * row_bytes: offset + last * row_bytes]
+            blocks.append(Block(unit, source, slots[number % len(slots)], streamed=True, ring=ring,
+                                lookahead=max(1, len(slots) - 1), rows=(first, last)))
+        unit.head_weight_index = weight_index
+        return blocks
+
+    def _compute_param(self, slot: Slot, unit: Unit, index: int) -> nn.Parameter:
+        master = unit.entries[index].parameter
+        parameter = nn.Parameter(_typed(slot.data, unit.offsets[index], unit.compute_like[index]))
+        # Registered while it requires grad; it stays for when the master is unfrozen later.
+        parameter.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, unit))
+        return parameter.requires_grad_(master.requires_grad)
+
+    # -------------------------------------------------------------------------------- hooks
+
+    def _install_hooks(self) -> None:
+        self.model.register_forward_pre_hook(self._root_pre_forward)
+        self.model.register_state_dict_pre_hook(lambda *_: self.wait_for_updates())
+        self.model.register_load_state_dict_pre_hook(lambda *_, **__: self.wait_for_updates())
+        for unit in self.units:
+            if unit.kind == HOOKED:
+                for module in self._hook_roots(unit):
+                    module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), with_kwargs=True)
+                    module.register_forward_hook(functools.partial(self._post_forward, unit))
+            elif unit.kind == ROWS:
+                self.parts.embedding.forward = functools.partial(self._embedding_forward, unit)
+                if self.parts.tied:
+                    self.parts.head.forward = functools.partial(self._head_forward, unit)
+            elif unit.kind == CHUNKS:
+                self.parts.head.forward = functools.partial(self._head_forward, unit)
+        if any(unit.kind != RESIDENT for unit in self.units):
+            _present_compute_placement(self.model, self.device, self.compute_dtype)
+
+    def _hook_roots(self, unit: Unit) -> list[nn.Module]:
+        """The outermost modules of a unit (the block itself, or the embedding and the head when tied)."""
+        if unit.group == "transformer":
+            return [self.parts.layers[int(unit.name.split(".")[1])]]
+        return {"embedding": [self.parts.embedding] + ([self.parts.head] if self.parts.tied else []),
+                "norm": [self.parts.norm], "lm_head": [self.parts.head]}[unit.group]
+
+    def _root_pre_forward(self, module: nn.Module, args) -> None:
+        # A forward of the whole model never runs inside a backward pass: a flag left set by a
+        # backward that raised must not turn this forward's prefetch around.
+        self.in_backward = self._backward_active = False
+        if not any(unit.kind == ROWS for unit in self.units):
+            self._prefetch(-1, +1)
+        # Otherwise the embedding prefetches once its rows are on their way: the forward needs
+        # them first, and behind a block's copy they would wait for it.
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
+        self._acquire_unit(unit)
+        if self.in_backward or not torch.is_grad_enabled():
+            return None
+        return self._wrap_inputs(unit, args, kwargs)
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output):
+        if self.in_backward:
+            # Recomputation for gradient checkpointing: the block is released after its backward.
+            return None
+        if torch.is_grad_enabled():
+            outputs = [tensor for tensor in _tensors(output) if tensor.requires_grad]
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, functools.partial(self._pre_backward, unit), mode="any")
+        self._release_unit(unit)
+        return None
+
+    def _wrap_inputs(self, unit: Unit, args: tuple, kwargs: dict):
+        positions = [("args", index) for index, value in enumerate(args)
+                     if isinstance(value, torch.Tensor) and value.requires_grad]
+        positions += [("kwargs", key) for key, value in kwargs.items()
+                      if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not positions:
+            return None
+        tensors = [args[key] if where == "args" else kwargs[key] for where, key in positions]
+        wrapped = PostBackward.apply(functools.partial(self._post_backward, unit), *tensors)
+        args, kwargs = list(args), dict(kwargs)
+        for (where, key), tensor in zip(positions, wrapped, strict=True):
+            (args if where == "args" else kwargs)[key] = tensor
+        return tuple(args), kwargs
+
+    def _pre_backward(self, unit: Unit, grad) -> None:
+        self._enter_backward()
+        self._acquire_unit(unit)
+
+    def _post_backward(self, unit: Unit) -> None:
+        self._release_unit(unit)
+
+    # ------------------------------------------------------------------------ fetch / release
+
+    def _acquire_unit(self, unit: Unit) -> None:
+        self._acquire(unit.blocks[0])
+        if not unit.swapped:
+            for entry, compute in zip(unit.entries, unit.compute_params, strict=True):
+                if compute.requires_grad != entry.parameter.requires_grad:
+                    compute.requires_grad_(entry.parameter.requires_grad)
+                for owner, attribute in entry.owners:
+                    owner._parameters[attribute] = compute
+            unit.swapped = True
+
+    def _release_unit(self, unit: Unit) -> None:
+        if unit.swapped:
+            for entry in unit.entries:
+                for owner, attribute in entry.owners:
+                    owner._parameters[attribute] = entry.parameter
+            unit.swapped = False
+        if unit.blocks[0].acquired:
+            self._release(unit.blocks[0])
+
+    def _acquire(self, block: Block) -> None:
+        self._fetch(block, required=True)
+        self.streams.compute_waits(block.fetched_event)
+        block.acquired = True
+        self._prefetch(block.position, -1 if self.in_backward else +1)
+
+    def _release(self, block: Block) -> None:
+        block.acquired = False
+        block.slot.free_event = self.streams.record_compute(block.slot.free_event)
+
+    def _prefetch(self, position: int, step: int) -> None:
+        """Copy the next streamed blocks in this direction, in order, as far as their slot rings
+        allow: at most `lookahead` blocks of a ring, and never into a slot whose block is in use or
+        needed sooner."""
+        ahead: dict[int, int] = {}
+        index = position + step
+        while 0 <= index < len(self.blocks):
+            block = self.blocks[index]
+            index += step
+            if not block.streamed:
+                self._fetch(block, required=False)
+                continue
+            if ahead.get(block.ring, 0) >= block.lookahead:
+                break
+            holder = block.slot.holder
+            if holder is not None and holder is not block and (
+                    holder.acquired or 0 < (holder.position - position) * step < (block.position - position) * step):
+                break
+            self._fetch(block, required=False)
+            ahead[block.ring] = ahead.get(block.ring, 0) + 1
+
+    def _fetch(self, block: Block, *, required: bool) -> None:
+        unit = block.unit
+        if not required and not unit.ready.is_set():
+            return  # its optimizer update is still running: a prefetch must not wait for it
+        unit.ready.wait()
+        self._sync_masters(unit)
+        slot = block.slot
+        if slot.holder is block and block.fetched_version == unit.version:
+            return
+        if slot.holder is not None and slot.holder.acquired:
+            if not required:
+                return
+            raise RuntimeError(f"offload: block {unit.name} needs the device slot that {slot.holder.unit.name} "
+                               "is still using; the forward ran the model's blocks out of order")
+        self.streams.stream_waits(self.streams.h2d, slot.free_event)
+        target = slot.writer[:block.nbytes]
+        block.fetched_event = self.log.timed(H2D, unit.group, block.nbytes, self.streams.h2d,
+                                             lambda: target.copy_(block.source, non_blocking=True))
+        if slot.holder is not None:
+            slot.holder.fetched_version = -1
+        slot.holder = block
+        block.fetched_version = unit.version
+
+    def _sync_masters(self, unit: Unit) -> None:
+        """Pick up an in-place change of the masters (load_state_dict, a manual edit) before a copy."""
+        version = self._master_version(unit)
+        if version == unit.master_version:
+            return
+        if not unit.master_is_arena:
+            for index, master in enumerate(unit.masters):
+                unit.arena_view(index).copy_(master)
+        unit.master_version = version
+        unit.version += 1
+
+    @staticmethod
+    def _master_version(unit: Unit) -> int:
+        return sum(entry.parameter._version for entry in unit.entries)
+
+    def after_update(self, unit: Unit) -> None:
+        """The optimizer changed this unit's masters in place: refresh its compute copy."""
+        if not unit.master_is_arena:
+            for index, master in enumerate(unit.masters):
+                unit.arena_view(index).copy_(master)
+        unit.master_version = self._master_version(unit)
+        unit.version += 1
+
+    # -------------------------------------------------------------------------------- grads
+
+    def _enter_backward(self) -> None:
+        if self._backward_active:
+            return
+        self._backward_active = self.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        for unit in self.units:
+            if unit.kind == RESIDENT or not unit.trainable:
+                continue
+            unit.fresh = all(entry.parameter.grad is None for entry in unit.entries)
+            unit.landed.clear()
+            unit.accumulated = 0
+            if unit.kind == ROWS and not self.parts.tied and unit.fresh:
+                # Zero the embedding's gradient while the backward runs; the rows are added into it last.
+                self._ensure_grad_arena(unit)
+                self._grad_tasks.append(self._submit(unit.grad_views[0].zero_))
+
+    def _on_grad_accumulated(self, unit: Unit, parameter: nn.Parameter) -> None:
+        self._enter_backward()
+        unit.accumulated += 1
+        if unit.accumulated == sum(compute.requires_grad for compute in unit.compute_params):
+            self._flush_accumulated(unit)
+
+    def _flush_accumulated(self, unit: Unit) -> None:
+        pieces = []
+        for index, compute in enumerate(unit.compute_params):
+            if compute.grad is not None:
+                pieces.append((compute.grad, index, 0))
+                compute.grad = None
+        if pieces:
+            self._send_grads(unit, pieces)
+
+    def _send_grads(self, unit: Unit, pieces: list[tuple[torch.Tensor, int, int]]) -> None:
+        """Copy gradient pieces (tensor, entry index, first element) into the unit's host gradient."""
+        self._ensure_grad_arena(unit)
+        self._retire_in_flight()
+        # Flatten before the event that orders the copies after the compute (a copy kernel, if any,
+        # must come before it).
+        pieces = [(tensor.reshape(-1), index, first) for tensor, index, first in pieces]
+        direct = unit.fresh and unit.grad_pinned and not (unit.landed & {index for _, index, _ in pieces})
+        unit.landed.update(index for _, index, _ in pieces)
+        if not self.streams.cuda:
+            for tensor, index, first in pieces:
+                self.log.timed(D2H, unit.group, tensor.numel() * tensor.element_size(), None,
+                               functools.partial(self._land, unit, index, first, tensor, direct))
+            return
+        self.streams.stream_waits(self.streams.d2h, self.streams.record_compute())
+        if direct:
+            end = None
+            for tensor, index, first in pieces:
+                target = unit.grad_views[index].view(-1)[first:first + tensor.numel()]
+                end = self.log.timed(D2H, unit.group, tensor.numel() * tensor.element_size(), self.streams.d2h,
+                                     functools.partial(target.copy_, tensor, non_blocking=True))
+            self._hold_until_copied(end, [tensor for tensor, _, _ in pieces])
+            return
+        staged = []
+        for tensor, index, first in pieces:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            end = self.log.timed(D2H, unit.group, tensor.numel() * tensor.element_size(), self.streams.d2h,
+                                 functools.partial(host.copy_, tensor, non_blocking=True))
+            staged.append((host, index, first))
+        self._hold_until_copied(end, [tensor for tensor, _, _ in pieces])
+        self._grad_tasks.append(self._submit(self._land_staged, unit, staged, end))
+
+    def _land_staged(self, unit: Unit, staged: list, end: torch.cuda.Event) -> None:
+        end.synchronize()
+        for host, index, first in staged:
+            self._land(unit, index, first, host, False)
+
+    def _land(self, unit: Unit, index: int, first: int, tensor: torch.Tensor, overwrite: bool) -> None:
+        """Put a gradient piece into the master's gradient: copy on a fresh one, add otherwise."""
+        parameter = unit.entries[index].parameter
+        target = parameter.grad if parameter.grad is not None else unit.grad_views[index]
+        target = target.view(-1)[first:first + tensor.numel()]
+        if overwrite or unit.fresh:
+            target.copy_(tensor.reshape(-1))
+        else:
+            target.add_(tensor.reshape(-1))
+
+    def _ensure_grad_arena(self, unit: Unit) -> None:
+        """The group's host gradient arena, in the master dtype (allocated at its first gradient).
+
+        Pinned when gradients can land straight in it (same dtype as the compute copies);
+        otherwise they land in pinned staging buffers and the worker converts them.
+        """
+        if unit.grad_views is not None:
+            return
+        units = [other for other in self.units if other.group == unit.group and other.kind != RESIDENT]
+        scale = self.master_dtype.itemsize // self.compute_dtype.itemsize
+        total = sum(_aligned(other.nbytes) for other in units) * scale
+        arena = pinned_empty(total, self.device) if scale == 1 else torch.empty(total, dtype=torch.uint8)
+        start = 0
+        for other in units:
+            other.grad_views = [_typed(arena, (start + offset) * scale, (entry.parameter.shape, self.master_dtype))
+                                for offset, entry in zip(other.offsets, other.entries, strict=True)]
+            other.grad_pinned = scale == 1 and self.streams.cuda
+            start += _aligned(other.nbytes)
+
+    def _retire_in_flight(self) -> None:
+        while self._in_flight and (self._in_flight[0][0] is None or self._in_flight[0][0].query()):
+            self._in_flight.popleft()
+
+    def _hold_until_copied(self, end: torch.cuda.Event, tensors: list[torch.Tensor]) -> None:
+        """Keep device gradients alive until their copy to the host is done.
+
+        The host runs ahead of the device, so waiting for the copies to finish on the host would
+        keep every block's gradients alive. Instead the compute stream waits for the oldest copy
+        and its tensors are released: the allocator hands their memory only to later work on the
+        compute stream, which now runs after the copy (what record_stream would do, without its
+        cost). The wait is free unless the copies fall behind the backward pass.
+        """
+        self._in_flight.append((end, tensors))
+        while len(self._in_flight) > self.options.grads_in_flight:
+            oldest, _ = self._in_flight.popleft()
+            self.streams.compute_waits(oldest)
+
+    def _finish_backward(self) -> None:
+        for unit in self.units:
+            if unit.kind == HOOKED and unit.accumulated:
+                self._flush_accumulated(unit)
+            if unit.kind == HOOKED:
+                self._release_unit(unit)
+        for block in self.blocks:
+            if block.acquired:
+                self._release(block)
+        self.streams.synchronize()
+        self._in_flight.clear()
+        tasks, self._grad_tasks = self._grad_tasks, []
+        for task in tasks:
+            task.result()
+        for unit in self.units:
+            for index in unit.landed:
+                parameter = unit.entries[index].parameter
+                if parameter.grad is None:
+                    parameter.grad = unit.grad_views[index]
+            unit.landed.clear()
+        self._backward_active = self.in_backward = False
+
+    def _submit(self, function: Callable, *args, inline: bool | None = None) -> Future:
+        """Run `function` in the engine's worker thread (CPU-side work that waits on copies), in order.
+
+        On a CPU-only machine gradient work runs at once (`inline` defaults to that), so results
+        land in the same order as the copies that produce them.
+        """
+        if inline if inline is not None else not self.streams.cuda:
+            future: Future = Future()
+            future.set_result(function(*args))
+            return future
+        with self._worker_lock:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"offload-{self.role}")
+            return self._worker.submit(function, *args)
+
+    # --------------------------------------------------------------------- embedding rows
+
+    def _embedding_forward(self, unit: Unit, input_ids: torch.Tensor) -> torch.Tensor:
+        module = self.parts.embedding
+        unit.ready.wait()
+        self._sync_masters(unit)
+        ids = input_ids.to("cpu").reshape(-1)
+        weight = unit.arena_view(self._index_of(unit, module.weight))
+        shape = (*input_ids.shape, weight.shape[1])
+
+        def gather() -> torch.Tensor:
+            rows = torch.empty((ids.numel(), weight.shape[1]), dtype=weight.dtype, device=self.device)
+            nbytes = rows.numel() * rows.element_size()
+            if not self.streams.cuda:
+                self.log.timed(H2D, unit.group, nbytes, None, lambda: torch.index_select(weight, 0, ids, out=rows))
+                self._prefetch(-1, +1)
+                return rows.view(shape)
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            torch.index_select(weight, 0, ids, out=host)
+            # On the compute stream: the forward cannot start before the rows anyway.
+            self.log.timed(H2D, unit.group, nbytes, self.streams.compute(), lambda: rows.copy_(host, non_blocking=True))
+            self._prefetch(-1, +1)
+            return rows.view(shape)
+
+        if not (torch.is_grad_enabled() and module.weight.requires_grad):
+            return gather()
+        return GatheredRows.apply(module.weight, gather, functools.partial(self._rows_backward, unit, ids))
+
+    def _rows_backward(self, unit: Unit, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        self._enter_backward()
+        self._ensure_grad_arena(unit)
+        index = self._index_of(unit, self.parts.embedding.weight)
+        grad_rows = grad_rows.reshape(ids.numel(), -1)
+        padding = self.parts.embedding.padding_idx
+        keep = ids != padding if padding is not None else None
+        overwrite = unit.fresh and index not in unit.landed and self.parts.tied
+        first_write = unit.fresh and index not in unit.landed
+        unit.landed.add(index)
+        if not self.streams.cuda:
+            self.log.timed(D2H, unit.group, grad_rows.numel() * grad_rows.element_size(), None,
+                           lambda: self._add_rows(unit, index, ids, keep, grad_rows, first_write and overwrite))
+            return
+        self.streams.stream_waits(self.streams.d2h, self.streams.record_compute())
+        host = torch.empty(grad_rows.shape, dtype=grad_rows.dtype, pin_memory=True)
+        end = self.log.timed(D2H, unit.group, grad_rows.numel() * grad_rows.element_size(), self.streams.d2h,
+                             functools.partial(host.copy_, grad_rows, non_blocking=True))
+        self._hold_until_copied(end, [grad_rows])
+
+        def land() -> None:
+            end.synchronize()
+            self._add_rows(unit, index, ids, keep, host, first_write and overwrite)
+
+        self._grad_tasks.append(self._submit(land))
+
+    def _add_rows(self, unit: Unit, index: int, ids: torch.Tensor, keep: torch.Tensor | None,
+                  rows: torch.Tensor, zero_first: bool) -> None:
+        parameter = unit.entries[index].parameter
+        target = parameter.grad if parameter.grad is not None and not unit.fresh else unit.grad_views[index]
+        if zero_first:
+            target.zero_()
+        if keep is not None:
+            ids, rows = ids[keep], rows[keep]
+        if unit.fresh:
+            target.index_add_(0, ids, rows.to(target.dtype))
+            return
+        # Sum each token's rows first, then add once per token: the same association as adding a
+        # dense per-micro-batch gradient, so accumulation matches an embedding kept on the device.
+        tokens, inverse = torch.unique(ids, return_inverse=True)
+        per_token = torch.zeros((tokens.numel(), rows.shape[1]), dtype=target.dtype)
+        per_token.index_add_(0, inverse, rows.to(target.dtype))
+        target.index_add_(0, tokens, per_token)
+
+    # ------------------------------------------------------------------------ head chunks
+
+    @staticmethod
+    def _index_of(unit: Unit, parameter: nn.Parameter) -> int:
+        return next(index for index, entry in enumerate(unit.entries) if entry.parameter is parameter)
+
+    def _head_forward(self, unit: Unit, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.parts.head.weight
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return StreamedLinear.apply(hidden, weight, _HeadStreamer(self, unit))
+        return _HeadStreamer(self, unit).forward(hidden)
+
+
+class _HeadStreamer:
+    """y = x W^T for a head whose weight W streams in row chunks (see functions.StreamedLinear)."""
+
+    def __init__(self, engine: OffloadEngine, unit: Unit):
+        self.engine, self.unit = engine, unit
+
+    def _weight(self, block: Block) -> torch.Tensor:
+        first, last = block.rows
+        width = self.engine.parts.head.weight.shape[1]
+        return _typed(block.slot.data, 0, (torch.Size((last - first, width)), self.engine.compute_dtype))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        engine = self.engine
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = torch.empty((flat.shape[0], engine.parts.head.weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+        for block in self.unit.blocks:
+            engine._acquire(block)
+            first, last = block.rows
+            out[:, first:last] = flat @ self._weight(block).t()
+            engine._release(block)
+        return out.view(*hidden.shape[:-1], out.shape[-1])
+
+    def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, *, input_needs_grad: bool):
+        engine = self.engine
+        engine._enter_backward()
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        grads = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_input = torch.zeros_like(flat) if input_needs_grad else None
+        weight_index = self.unit.head_weight_index
+        trains_weight = self.unit.entries[weight_index].parameter.requires_grad
+        for block in reversed(self.unit.blocks):
+            first, last = block.rows
+            grad_chunk = grads[:, first:last]
+            if input_needs_grad:
+                engine._acquire(block)
+                grad_input.addmm_(grad_chunk, self._weight(block))
+                engine._release(block)
+            if trains_weight:
+                weight_grad = grad_chunk.t().mm(flat)
+                engine._send_grads(self.unit, [(weight_grad, weight_index, first * flat.shape[1])])
+        return grad_input.view_as(hidden) if grad_input is not None else None
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in _tensors(item)]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    return []
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= size or unit == "KiB":
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+@functools.cache
+def _compute_placement_class(model_class: type) -> type:
+    """The model's class, reporting the compute device and dtype whatever its masters' placement.
+
+    HF code places new tensors on `model.device` (the first parameter's device) and casts to
+    `model.dtype`; with the embedding on the CPU or fp32 masters those would be wrong.
+    """
+    return type(model_class.__name__, (model_class,), {
+        "__module__": model_class.__module__,
+        "__qualname__": model_class.__qualname__,
+        "device": property(lambda self: self._offload_compute_device),
+        "dtype": property(lambda self: self._offload_compute_dtype),
+    })
+
+
+def _present_compute_placement(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    model._offload_compute_device = device
+    model._offload_compute_dtype = dtype
+    model.__class__ = _compute_placement_class(type(model))

@@ -1,0 +1,136 @@
+"""AdamW where each parameter's states and update live on the device its master weight lives on.
+
+One param group per unit (embedding, each transformer block, norm, head, ...), so that the layout
+does not depend on the placement: a checkpoint taken with one offload policy resumes under another.
+Groups on the GPU step there at once. Groups on the CPU step with torch's fused CPU AdamW (about
+4x faster than the for-each kernel, 5x faster than the plain loop on 16 cores) in the engine's
+worker thread, in forward order, and the next forward waits for each block only when it reaches
+that block: the CPU update overlaps whatever the trainer does next on the device.
+
+`clip_grad_norm_` computes the norm and folds the clipping into the fused update (its grad_scale
+input divides the gradients as it reads them): torch.nn.utils.clip_grad_norm_ would make one more
+read-and-write pass over every fp32 gradient on the CPU, which costs more than the update itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.offload.engine import RESIDENT, OffloadEngine, Unit
+
+
+class OffloadAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW (fused) over an offloaded model; LR schedulers and state_dict work as usual."""
+
+    def __init__(self, engine: OffloadEngine, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.01, eps: float = 1e-8):
+        groups, units = [], []
+        for unit in engine.units:
+            parameters = [entry.parameter for entry in unit.entries if entry.parameter.requires_grad]
+            if parameters:
+                groups.append({"params": parameters})
+                units.append(unit)
+        if not groups:
+            raise ValueError(f"the {engine.role} has no trainable parameter to optimize")
+        super().__init__(groups, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, fused=True)
+        self.engine = engine
+        self._units = units
+        self._grad_scale: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("OffloadAdamW.step takes no closure")
+        engine = self.engine
+        engine.wait_for_updates()
+        grad_scale, self._grad_scale = self._grad_scale, None
+        on_device = [group for group, unit in zip(self.param_groups, self._units, strict=True) if unit.kind == RESIDENT]
+        if on_device:
+            self._step_groups(on_device, grad_scale)
+        for group, unit in zip(self.param_groups, self._units, strict=True):
+            if unit.kind == RESIDENT:
+                continue
+            # A copy of the group: a scheduler changing the lr from now on applies to the next step.
+            snapshot = dict(group)
+            if engine.options.pipelined_update:
+                unit.ready.clear()
+                engine._update_tasks.append(engine._submit(self._update_unit, snapshot, unit, grad_scale,
+                                                           inline=False))
+            else:
+                self._update_unit(snapshot, unit, grad_scale)
+        return None
+
+    def _update_unit(self, group: dict, unit: Unit, grad_scale: torch.Tensor | None) -> None:
+        try:
+            self._step_groups([group], grad_scale)
+            self.engine.after_update(unit)
+        finally:
+            with self.engine.update_lock:
+                if unit.grads_after_update is not None:
+                    self._clear_grads(group["params"], unit.grads_after_update == "none")
+                    unit.grads_after_update = None
+                unit.ready.set()
+
+    def _step_groups(self, groups: list[dict], grad_scale: torch.Tensor | None = None) -> None:
+        """torch's AdamW step over some of the groups: a view of this optimizer sharing its state."""
+        view = object.__new__(torch.optim.AdamW)
+        view.__dict__.update(self.__dict__)
+        view.param_groups = groups
+        if grad_scale is not None:
+            view.grad_scale = grad_scale  # the fused kernels divide the gradients by it
+        torch.optim.AdamW.step(view)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The 2-norm of all gradients; the next step() scales them to at most `max_norm`, as
+        torch.nn.utils.clip_grad_norm_ would, but inside the update instead of in one more pass.
+        The gradients themselves are left as they are."""
+        grads = [parameter.grad for group in self.param_groups for parameter in group["params"]
+                 if parameter.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        host = [grad for grad in grads if grad.device.type == "cpu" and grad.dtype == torch.float32]
+        others = [grad for grad in grads if not (grad.device.type == "cpu" and grad.dtype == torch.float32)]
+        squares = []
+        if host:
+            # BLAS dot products use every core; torch's norm reduces each CPU tensor on one thread
+            # (10 GB/s on an H200 host, where the fused AdamW moves 84 GB/s).
+            squares.append(torch.stack([torch.dot(grad.view(-1), grad.view(-1)) for grad in host]).sum())
+        if others:
+            squares.append(torch.nn.utils.get_total_norm(others, norm_type=2.0).square().float().cpu())
+        total = torch.stack(squares).sum().sqrt()
+        # torch.nn.utils.clip_grad_norm_ multiplies by max_norm / (total + 1e-6), at most 1.
+        self._grad_scale = ((total + 1e-6) / max_norm).clamp(min=1.0).float()
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grad_scale = None
+        for group, unit in zip(self.param_groups, self._units, strict=True):
+            with self.engine.update_lock:
+                if not unit.ready.is_set():
+                    # Its update still reads the gradient: the worker clears it once done.
+                    unit.grads_after_update = "none" if set_to_none else "zero"
+                    continue
+            self._clear_grads(group["params"], set_to_none)
+
+    @staticmethod
+    def _clear_grads(parameters, set_to_none: bool) -> None:
+        for parameter in parameters:
+            if parameter.grad is None:
+                continue
+            if set_to_none:
+                parameter.grad = None
+            else:
+                parameter.grad.zero_()
+
+    def wait(self) -> None:
+        """Block until the CPU updates of the last step have landed."""
+        self.engine.wait_for_updates()
+
+    def state_dict(self):
+        self.engine.wait_for_updates()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.engine.wait_for_updates()
+        super().load_state_dict(state_dict)
