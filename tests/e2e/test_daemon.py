@@ -10,92 +10,21 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import websockets
 
-REPO = Path(__file__).resolve().parents[2]
-VERL = Path(sys.executable).parent / "verl"
-QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
-SMALL = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.device=cpu",
-         "telemetry.gpu_sample_interval_s=0.2", "daemon.restart_backoff_s=0.2"]
+from tests.e2e.runs import LiveRun, verl_train, wait_for
 
 
-@dataclass
-class Run:
-    process: subprocess.Popen
-    url: str
-    token: str
-    run_dir: Path
-    state_dir: Path
-    env: dict
-
-    @property
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}"}
-
-    def get(self, path: str, **params) -> httpx.Response:
-        return httpx.get(self.url + path, headers=self.headers, params=params, timeout=10)
-
-    def json(self, path: str, **params) -> dict:
-        response = self.get(path, **params)
-        response.raise_for_status()
-        return response.json()
-
-    def runtime(self) -> dict:
-        return json.loads((self.state_dir / "run" / f"{self.process.pid}.json").read_text())
-
-    def verl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([str(VERL), *args], env=self.env, capture_output=True, text=True, timeout=timeout)
-
-
-def wait_for(condition, timeout: float = 90, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
-
-
-@contextmanager
-def running(tmp_path: Path, *overrides: str) -> Iterator[Run]:
-    env = {**os.environ, "VERL_STATE_DIR": str(tmp_path / "state")}
-    log = (tmp_path / "verl.out").open("w")
-    process = subprocess.Popen([str(VERL), "train", "--config", QUICKSTART, *SMALL, *overrides],
-                               cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    runtime_file = tmp_path / "state" / "run" / f"{process.pid}.json"
-    try:
-        wait_for(lambda: runtime_file.exists() or process.poll() is not None, what="the runtime file")
-        assert process.poll() is None, (tmp_path / "verl.out").read_text()
-        info = json.loads(runtime_file.read_text())
-        yield Run(process, info["url"], info["token"], Path(tmp_path / info["run_dir"]), tmp_path / "state", env)
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        log.close()
-
-
-def current_step(run: Run) -> int:
+def current_step(run: LiveRun) -> int:
     return run.json("/v1/status")["progress"]["step"]
 
 
 def test_status_history_metrics_and_stream_fill_as_steps_pass(tmp_path):
-    with running(tmp_path, "trainer.total_training_steps=400") as run:
+    with verl_train(tmp_path, "trainer.total_training_steps=400") as run:
         assert oct(os.stat(run.state_dir / "run" / f"{run.process.pid}.json").st_mode & 0o777) == "0o600"
         assert httpx.get(run.url + "/healthz", timeout=5).status_code == 200
         assert httpx.get(run.url + "/v1/status", timeout=5).status_code == 401
@@ -125,7 +54,7 @@ def test_status_history_metrics_and_stream_fill_as_steps_pass(tmp_path):
 
 def test_a_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path):
     total = 40
-    with running(tmp_path, f"trainer.total_training_steps={total}", "trainer.save_freq=5") as run:
+    with verl_train(tmp_path, f"trainer.total_training_steps={total}", "trainer.save_freq=5") as run:
         wait_for(lambda: current_step(run) >= 7, what="step 7")
         trainer_pid = run.runtime()["trainer_pids"][0]
         os.kill(trainer_pid, signal.SIGKILL)
@@ -144,7 +73,7 @@ def test_a_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path)
 
 
 def test_live_setting_is_acknowledged_audited_exported_and_survives_a_restart(tmp_path):
-    with running(tmp_path, "trainer.total_training_steps=400", "trainer.save_freq=5") as run:
+    with verl_train(tmp_path, "trainer.total_training_steps=400", "trainer.save_freq=5") as run:
         wait_for(lambda: current_step(run) >= 2, what="step 2")
         for bad in (1.5, -1, "abc"):
             response = httpx.patch(run.url + "/v1/settings", headers=run.headers,
@@ -181,7 +110,7 @@ def test_live_setting_is_acknowledged_audited_exported_and_survives_a_restart(tm
 
 
 def test_the_cli_reaches_a_run_through_its_pid(tmp_path):
-    with running(tmp_path, "trainer.total_training_steps=400") as run:
+    with verl_train(tmp_path, "trainer.total_training_steps=400") as run:
         wait_for(lambda: current_step(run) >= 1, what="step 1")
         trainer_pid = run.runtime()["trainer_pids"][0]
         snapshot = run.verl("monitor", "--pid", str(trainer_pid), "--once", "--json")
@@ -220,7 +149,7 @@ def _promtool_check(text: str, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-async def _stream(run: Run, since: int, count: int) -> list[dict]:
+async def _stream(run: LiveRun, since: int, count: int) -> list[dict]:
     url = run.url.replace("http://", "ws://") + f"/v1/stream?since={since}"
     events = []
     async with websockets.connect(url, additional_headers=run.headers) as socket:
