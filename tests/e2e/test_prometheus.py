@@ -124,7 +124,7 @@ def test_prometheus_scrapes_a_real_run_and_runs_every_dashboard_query(live_run, 
         for title in ("Reward", "Step phase durations", "Tokens per second", "Host CPU and memory"):
             promql = q.expand(by_title[title]["targets"][0]["expr"])
             # Rates and quantiles fill once a few scrapes have landed: on a loaded machine that takes a while.
-            live_run.wait(lambda: values(url, promql), timeout=90,
+            live_run.wait(lambda promql=promql: values(url, promql), timeout=90,
                           what=f"panel {title!r} to show data for a running run: {promql}")
 
 
