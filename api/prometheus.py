@@ -47,6 +47,9 @@ STEP_GAUGES = {
     "actor/pg_loss": ("verl_trainer_policy_loss", "Policy-gradient loss of the latest step.", 1.0),
     "critic/vf_loss": ("verl_trainer_value_loss", "Value-function loss of the latest step.", 1.0),
     "actor/entropy": ("verl_trainer_entropy", "Mean token entropy of the policy, latest step.", 1.0),
+    "rollout/embedding_cache_hit_ratio": ("verl_rollout_embedding_cache_hit_ratio",
+                                          "Share of the latest step's no-grad embedding lookups served from the "
+                                          "GPU cache.", 1.0),
     "perf/max_memory_allocated_gb": ("verl_trainer_gpu_memory_max_allocated_bytes",
                                      "Peak GPU memory allocated by torch during the latest step.", float(GIB)),
 }
@@ -57,6 +60,11 @@ TRAIN_TOKENS_KEY = "perf/total_num_tokens"
 ROLLOUT_TOKENS_KEY = "perf/total_num_response_tokens"
 # torch.cuda.memory_stats()["num_ooms"]: cumulative within one trainer process.
 OOM_COUNT_KEY = "perf/num_ooms"
+# Out-of-memory errors the trainer recovered from in the step (trainer/workers/optimization.py).
+OOM_RECOVERIES_KEY = "perf/oom_recoveries"
+# Dynamic offload (trainer/offload/dynamic.py): layers on the GPU after the step, moves during it.
+LAYERS_ON_GPU_KEY = "offload/transformer_layers_on_gpu"
+MOVE_KEYS = {"to_cpu": "offload/moves_to_cpu", "to_gpu": "offload/moves_to_gpu"}
 
 
 class TelemetryMetrics:
@@ -116,6 +124,13 @@ class TelemetryMetrics:
             ["direction", "group"], buckets=OFFLOAD_COPY_BUCKETS, registry=registry)
         self.offload_copied_bytes = Counter("verl_offload_copied_bytes", "Bytes copied by the offload engine.",
                                             ["direction", "group"], registry=registry)
+        self.offload_layers_on_gpu = Gauge("verl_offload_transformer_layers_on_gpu",
+                                           "Transformer layers kept on the GPU between passes, all models together.",
+                                           registry=registry)
+        self.offload_moves = Counter("verl_offload_moves", "Transformer layers moved by dynamic offload, by "
+                                     "direction (to_cpu, to_gpu).", ["direction"], registry=registry)
+        for direction in MOVE_KEYS:
+            self.offload_moves.labels(direction)  # both series from the start: rate() needs a 0 before the first move
         self.offload_group_bytes = Gauge("verl_offload_group_bytes",
                                          "Size of each module group of each model, by the device that holds it.",
                                          ["role", "group", "device"], registry=registry)
@@ -136,6 +151,9 @@ class TelemetryMetrics:
                             for key, (name, help_text, _) in STEP_GAUGES.items()}
         self.ooms = Counter("verl_trainer_oom", "CUDA out-of-memory errors in the trainer (caught or fatal).",
                             registry=registry)
+        self.oom_recoveries = Counter("verl_trainer_oom_recoveries", "CUDA out-of-memory errors the trainer "
+                                      "recovered from (by offloading more or splitting a micro-batch).",
+                                      registry=registry)
         self.restarts = Counter("verl_trainer_restarts", "Trainer restarts by the daemon, by reason.", ["reason"],
                                 registry=registry)
         self.phase = Gauge("verl_trainer_phase", "1 for the phase the trainer is in, 0 for the others.", ["phase"],
@@ -229,6 +247,19 @@ class TelemetryMetrics:
             if tokens is not None and tokens >= 0:
                 self.tokens.labels(phase).inc(tokens)
         self._observe_ooms(_number(metrics.get(OOM_COUNT_KEY)))
+        self._observe_dynamic_offload(metrics)
+
+    def _observe_dynamic_offload(self, metrics: Mapping[str, float | None]) -> None:
+        recovered = _number(metrics.get(OOM_RECOVERIES_KEY))
+        if recovered is not None and recovered > 0:
+            self.oom_recoveries.inc(recovered)
+        layers = _number(metrics.get(LAYERS_ON_GPU_KEY))
+        if layers is not None:
+            self.offload_layers_on_gpu.set(layers)
+        for direction, key in MOVE_KEYS.items():
+            moves = _number(metrics.get(key))
+            if moves is not None and moves > 0:
+                self.offload_moves.labels(direction).inc(moves)
 
     def _observe_ooms(self, trainer_count: float | None) -> None:
         if trainer_count is None:

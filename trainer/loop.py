@@ -36,7 +36,9 @@ from trainer.metrics import (
     throughput_metrics,
 )
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
-from trainer.offload import OffloadEngine, attach_offload, offload_message
+from trainer.offload import OffloadEngine, attach_offload, offload_engine, offload_message
+from trainer.offload.dynamic import DynamicOffloadController, MemoryProbe, device_memory_probe
+from trainer.offload.embedding_cache import EmbeddingCache
 from trainer.randomness import rng_state, seed_everything, set_rng_state
 from trainer.reporting import StepObserver
 from trainer.rewards import resolve_compute_score
@@ -77,7 +79,7 @@ class Trainer:
     """Builds the models from the config and runs the RL loop, checkpointing as it goes."""
 
     def __init__(self, config: RunConfig, *, observers: Sequence[StepObserver] = (), log=print, warn=print,
-                 telemetry: TelemetryLink | None = None):
+                 telemetry: TelemetryLink | None = None, memory_probe: MemoryProbe | None = None):
         self.config = config
         self.telemetry = telemetry
         self.live_settings: LiveSettings = initial_live_settings(config)
@@ -102,8 +104,18 @@ class Trainer:
             raise RunSetupError(str(error)) from None
         self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
         self.offload_engines: list[OffloadEngine] = []
+        # Engines whose transformer layers move with memory pressure, each with its controller. All of
+        # them follow the live settings (initialised from the actor's dynamic_offload section).
+        self.dynamic_offload: list[tuple[OffloadEngine, DynamicOffloadController]] = []
+        self.memory_probe = memory_probe or (device_memory_probe(self.device) if self.device.type == "cuda"
+                                             else None)
+        self._moves_reported = {"to_cpu": 0, "to_gpu": 0}
         self._build_models()
         self.reward_fn = self._build_reward()
+        self.embedding_cache = self._build_embedding_cache()
+        for worker in (self.actor, self.critic):
+            if worker is not None:
+                worker.safe_point, worker.relieve_memory = self.offload_safe_point, self.relieve_memory
         self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -156,7 +168,25 @@ class Trainer:
         """Put each module group where the policy says (the engine streams the CPU-resident ones)."""
         engine = attach_offload(model, fsdp_config, self.device, role=role)
         self.offload_engines.append(engine)
+        if fsdp_config.dynamic_offload.enabled and self.memory_probe is not None:
+            self.dynamic_offload.append((engine, DynamicOffloadController(self.memory_probe,
+                                                                          lambda: self.live_settings)))
+        elif fsdp_config.dynamic_offload.enabled:
+            self.warn(f"dynamic offload of the {role} needs a GPU to measure memory on; on {self.device} its "
+                      "transformer layers stay where the offload policy puts them")
         return model
+
+    def _build_embedding_cache(self) -> EmbeddingCache | None:
+        settings = self.config.actor_rollout_ref.rollout.embedding_cache
+        if not settings.enabled:
+            return None
+        cache = offload_engine(self.actor.model).enable_embedding_cache(cache_size=settings.cache_size,
+                                                                        warmup_steps=settings.warmup_steps)
+        if cache is None:
+            self.warn("actor_rollout_ref.rollout.embedding_cache.enabled is set, but the actor's embedding is on "
+                      "the GPU: there is nothing to cache; set actor_rollout_ref.actor.fsdp_config."
+                      "offload_policy.embedding=cpu to use it")
+        return cache
 
     def _build_reward(self) -> RewardFunction:
         config = self.config
@@ -189,6 +219,7 @@ class Trainer:
             self._checkpoint_requested = False
             if self.step >= self.total_steps or self.stop_requested.is_set():
                 break
+            self.offload_safe_point()
             records = [self.records[index] for index in self.sampler.next_batch()]
             metrics = self.train_step(records)
             self.step += 1
@@ -218,6 +249,8 @@ class Trainer:
         with timer.phase("step"):
             with timer.phase("gen"):
                 batch = self.generate(records)
+                if self.embedding_cache is not None:
+                    self.embedding_cache.end_step()
             with timer.phase("reward"):
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
             with timer.phase("old_log_prob"):
@@ -240,8 +273,54 @@ class Trainer:
                                     prompt_length=self.config.data.max_prompt_length))
         metrics.update(throughput_metrics(batch, timer.seconds["step"]))
         metrics.update(memory_metrics(self.device))
+        metrics.update(self._offload_step_metrics(metrics))
+        hit_ratio = self.embedding_cache.take_hit_ratio() if self.embedding_cache is not None else None
+        if hit_ratio is not None:
+            metrics["rollout/embedding_cache_hit_ratio"] = hit_ratio
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
+
+    # -------------------------------------------------------------------------- dynamic offload
+
+    def offload_safe_point(self) -> None:
+        """Between steps and micro-batches (nothing in flight): move transformer layers as the
+        memory in use and the live settings say."""
+        for engine, controller in self.dynamic_offload:
+            decision = controller.decide(layers_on_gpu=engine.layers_on_gpu,
+                                         total_layers=len(engine.transformer_units), layer_bytes=engine.layer_bytes)
+            if decision is None:
+                continue
+            engine.set_transformer_layers_on_gpu(decision.layers_on_gpu)
+            if decision.layers_on_gpu < decision.previous and self.device.type == "cuda":
+                torch.cuda.empty_cache()  # give the freed slots back, so the next reading sees them gone
+            self.log(f"{decision.describe()} [{engine.role}]")
+
+    def relieve_memory(self) -> bool:
+        """After a CUDA out-of-memory error: move half the layers above the minimum to the CPU.
+        False when none can move (then the micro-batch is split instead)."""
+        minimum = self.live_settings.min_transformer_layers_on_gpu
+        moved = False
+        for engine, _ in self.dynamic_offload:
+            spare = engine.layers_on_gpu - minimum
+            if spare > 0 and self.live_settings.dynamic_offload_enabled:
+                engine.set_transformer_layers_on_gpu(engine.layers_on_gpu - max(1, spare // 2))
+                self.log(f"out of GPU memory: {engine.role} keeps {engine.layers_on_gpu} transformer layers "
+                         "on GPU, retrying")
+                moved = True
+        return moved
+
+    def _offload_step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Transformer layers on the GPU (all models), moves in this step and out-of-memory errors
+        recovered from."""
+        recovered = sum(metrics.pop(key, 0.0) for key in ("actor/oom_recoveries", "critic/oom_recoveries"))
+        result = {"perf/oom_recoveries": recovered,
+                  "offload/transformer_layers_on_gpu": sum(engine.layers_on_gpu for engine in self.offload_engines)}
+        moves = {direction: sum(engine.moves[direction] for engine in self.offload_engines)
+                 for direction in ("to_cpu", "to_gpu")}
+        for direction, total in moves.items():
+            result[f"offload/moves_{direction}"] = total - self._moves_reported[direction]
+        self._moves_reported = moves
+        return result
 
     # ------------------------------------------------------------------------------------ phases
 

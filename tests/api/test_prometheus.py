@@ -26,7 +26,8 @@ DOCUMENTED = [
     "verl_trainer_phase", "verl_setting_gpu_memory_threshold_ratio", "verl_setting_min_transformer_layers_on_gpu",
     "verl_setting_dynamic_offload_enabled", "verl_setting_gpu_sample_interval_seconds",
     "verl_setting_pcie_sample_interval_seconds", "verl_setting_updates_total", "verl_telemetry_nvml_up",
-    "verl_telemetry_dropped_messages_total", "verl_run_info",
+    "verl_telemetry_dropped_messages_total", "verl_run_info", "verl_offload_transformer_layers_on_gpu",
+    "verl_offload_moves_total", "verl_trainer_oom_recoveries_total", "verl_rollout_embedding_cache_hit_ratio",
 ]
 
 # One PPO step as trainer/loop.py reports it (verl's names).
@@ -169,6 +170,22 @@ def test_oom_counts_follow_trainer_processes_across_restarts() -> None:
     for count in (2, 3):  # the new process counts from 0 again
         metrics.observe_step(1, {"perf/num_ooms": count})
     assert value(registry, "verl_trainer_oom_total") == 1 + 1 + 3
+
+
+def test_dynamic_offload_and_oom_recoveries_from_step_metrics() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    assert value(registry, "verl_offload_moves_total", direction="to_cpu") == 0
+    metrics.observe_step(1, {"offload/transformer_layers_on_gpu": 24, "offload/moves_to_cpu": 4,
+                             "offload/moves_to_gpu": 0, "perf/oom_recoveries": 1})
+    metrics.observe_step(2, {"offload/transformer_layers_on_gpu": 25, "offload/moves_to_cpu": 0,
+                             "offload/moves_to_gpu": 1, "perf/oom_recoveries": 0,
+                             "rollout/embedding_cache_hit_ratio": 0.75})
+    assert value(registry, "verl_rollout_embedding_cache_hit_ratio") == 0.75
+    assert value(registry, "verl_offload_transformer_layers_on_gpu") == 25
+    assert value(registry, "verl_offload_moves_total", direction="to_cpu") == 4
+    assert value(registry, "verl_offload_moves_total", direction="to_gpu") == 1
+    assert value(registry, "verl_trainer_oom_recoveries_total") == 1
 
 
 def test_bad_inputs_are_refused_or_skipped() -> None:

@@ -165,10 +165,7 @@ def test_a_default_config_has_no_inactive_settings() -> None:
 
 
 @pytest.mark.parametrize(("override", "named_key"), [
-    ("actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
-     "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled"),
-    ("actor_rollout_ref.rollout.embedding_cache.enabled=true",
-     "actor_rollout_ref.rollout.embedding_cache.enabled"),
+    ("actor_rollout_ref.actor.sequence_parallel_offload=true", "actor_rollout_ref.actor.sequence_parallel_offload"),
 ])
 def test_inactive_settings_name_the_key_that_was_set(override: str, named_key: str) -> None:
     notes = inactive_settings(load_config(None, [override]))
@@ -180,6 +177,13 @@ def test_offload_placement_is_active_now_that_the_engine_exists() -> None:
     config = load_config(None, ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
                                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
                                 "critic.fsdp_config.offload_policy.embedding=cpu"])
+    assert inactive_settings(config) == []
+
+
+def test_dynamic_offload_and_the_embedding_cache_are_active_now() -> None:
+    config = load_config(None, ["actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
+                                "critic.fsdp_config.dynamic_offload.enabled=true",
+                                "actor_rollout_ref.rollout.embedding_cache.enabled=true"])
     assert inactive_settings(config) == []
 
 
@@ -392,9 +396,8 @@ def test_the_7b_example_validates_once_its_paths_are_filled_in(model_dir: Path, 
     assert config.actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
     assert (config.data.max_prompt_length, config.data.max_response_length) == (512, 1024)
     notes = inactive_settings(config)
-    # Offload placement runs now; dynamic offload (issue 5) still warns.
-    assert not any("optimizer_offload" in note for note in notes)
-    assert any("critic.fsdp_config.dynamic_offload" in note for note in notes)
+    # Offload placement and dynamic offload run now.
+    assert not any("optimizer_offload" in note or "dynamic_offload" in note for note in notes)
 
 
 def test_the_schema_documents_every_field() -> None:

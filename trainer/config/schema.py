@@ -628,14 +628,9 @@ def inactive_settings(config: RunConfig) -> list[str]:
     notes = []
     for role, fsdp in config.fsdp_configs().items():
         prefix = _FSDP_PREFIX[role]
-        if fsdp.dynamic_offload.enabled:
-            notes.append(f"{prefix}.dynamic_offload.enabled is set, but dynamic offload is not built yet")
         if fsdp.wrap_policy.transformer_layer_cls_to_wrap or fsdp.wrap_policy.min_num_params:
             notes.append(f"{prefix}.wrap_policy is set, but only single-device runs exist yet: "
                          "it has no effect")
-    if config.actor_rollout_ref.rollout.embedding_cache.enabled:
-        notes.append("actor_rollout_ref.rollout.embedding_cache.enabled is set, but the embedding cache "
-                     "is not built yet")
     actor = config.actor_rollout_ref.actor
     if actor.sequence_parallel_offload:
         notes.append("actor_rollout_ref.actor.sequence_parallel_offload is set, but sequence parallelism "

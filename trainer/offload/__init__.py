@@ -39,6 +39,7 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
         optimizer_offload=fsdp_config.optimizer_offload,
         options=options or OffloadOptions(),
         layer_classes=fsdp_config.wrap_policy.transformer_layer_cls_to_wrap,
+        dynamic_layers=fsdp_config.dynamic_offload.enabled,
     )
     model._offload_engine = engine
     return engine

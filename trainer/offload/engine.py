@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from trainer.offload.copies import D2H, H2D, CopyLog, CopyStreams, pinned_empty
+from trainer.offload.embedding_cache import EmbeddingCache
 from trainer.offload.functions import GatheredRows, PostBackward, StreamedLinear
 from trainer.offload.groups import GROUPS, TITLES, Entry, entries_of, find_parts, owners_in
 
@@ -194,8 +195,15 @@ class OffloadEngine:
 
     def __init__(self, model: nn.Module, placements: dict[str, str], device: torch.device, *, role: str,
                  optimizer_offload: bool = False, options: OffloadOptions = OffloadOptions(),
-                 layer_classes: Sequence[str] | None = None):
+                 layer_classes: Sequence[str] | None = None, dynamic_layers: bool = False):
         self.model = model
+        # Every transformer block gets a host arena, even those placed on the GPU, so that moving
+        # one between device and host later is a copy, not an allocation (set_transformer_layers_on_gpu).
+        self.dynamic_layers = dynamic_layers
+        self.moves = {"to_cpu": 0, "to_gpu": 0}
+        self.embedding_cache: EmbeddingCache | None = None
+        self._layer_ring: list[Slot] = []
+        self._ring_ids = itertools.count(1)  # ring 0: the streamed transformer blocks'
         self.device = torch.device(device)
         self.role = role
         self.options = options
@@ -326,6 +334,28 @@ class OffloadEngine:
             unit.compute_params = []
         self._in_flight.clear()
 
+    def abandon_pass(self) -> None:
+        """Forget a forward or backward that raised (a CUDA out-of-memory error): give back the
+        blocks it held and drop the gradients it was still sending. The masters' gradients, which
+        it may have added to, are the caller's to discard."""
+        self.wait_for_updates()
+        self.streams.synchronize()
+        for unit in self.units:
+            if unit.kind == HOOKED:
+                self._release_unit(unit)
+            for compute in unit.compute_params:
+                compute.grad = None
+            unit.landed.clear()
+            unit.accumulated = 0
+        for block in self.blocks:
+            if block.acquired:
+                self._release(block)
+        self._in_flight.clear()
+        tasks, self._grad_tasks = self._grad_tasks, []
+        for task in tasks:
+            task.exception()  # waits; a failure there is a consequence of the error being recovered
+        self._backward_active = self.in_backward = False
+
     # -------------------------------------------------------------------------------- build
 
     def _resolve_placements(self, placements: dict[str, str]) -> dict[str, str]:
@@ -357,7 +387,9 @@ class OffloadEngine:
 
     def _unit(self, name: str, group: str, entries: list[Entry]) -> Unit:
         placement = self.placements[group]
-        if placement == "gpu":
+        if group == "transformer" and self.dynamic_layers:
+            kind = HOOKED  # a device copy of the arena (placement gpu) or streamed from it (cpu)
+        elif placement == "gpu":
             # With optimizer_offload a trainable unit on the GPU keeps its masters on the CPU and a
             # compute copy on the device, refreshed after each update.
             trains = any(entry.parameter.requires_grad for entry in entries)
@@ -430,7 +462,8 @@ class OffloadEngine:
                        and unit.group == "transformer"]
         slots = min(self.options.prefetch + 1, len(layer_units))
         ring = [Slot(max(unit.nbytes for unit in layer_units), self.device) for _ in range(slots)] if slots else []
-        rings = itertools.count(1)  # ring 0: the transformer blocks'
+        self._layer_ring = ring
+        rings = self._ring_ids
         for unit in self.units:
             if unit.kind == HOOKED:
                 slot = ring[layer_units.index(unit) % len(ring)] if unit in layer_units else Slot(unit.nbytes,
@@ -474,6 +507,90 @@ class OffloadEngine:
         # Registered while it requires grad; it stays for when the master is unfrozen later.
         parameter.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, unit))
         return parameter.requires_grad_(master.requires_grad)
+
+    def enable_embedding_cache(self, *, cache_size: int, warmup_steps: int) -> EmbeddingCache | None:
+        """Serve no-grad lookups of a CPU-resident embedding from a device cache of its most frequent
+        rows (rollout.embedding_cache); None when the embedding is not gathered on the CPU."""
+        unit = next((unit for unit in self.units if unit.kind == ROWS), None)
+        if unit is None:
+            return None
+        index = self._index_of(unit, self.parts.embedding.weight)
+        self.embedding_cache = EmbeddingCache(lambda: unit.arena_view(index), lambda: unit.version, self.device,
+                                              cache_size=cache_size, warmup_steps=warmup_steps)
+        return self.embedding_cache
+
+    # ----------------------------------------------------------------------- dynamic offload
+
+    @property
+    def transformer_units(self) -> list[Unit]:
+        return [unit for unit in self.units if unit.group == "transformer"]
+
+    @property
+    def layers_on_gpu(self) -> int:
+        """Transformer blocks on the device between passes (resident, or a compute copy kept there)."""
+        return sum(unit.placement == "gpu" for unit in self.transformer_units)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Device bytes of the largest transformer block (what moving one to the CPU frees, at most)."""
+        return max((unit.nbytes for unit in self.transformer_units), default=0)
+
+    def set_transformer_layers_on_gpu(self, count: int) -> tuple[int, int]:
+        """Keep the first `count` transformer blocks on the device, stream the others from their host
+        arena; returns the blocks moved (to the CPU, to the GPU). Only at a safe point: no forward or
+        backward in flight. The host arena already holds every block (dynamic_layers), so a move to
+        the CPU frees the block's device slot and a move to the GPU is one copy into a new one."""
+        if not self.dynamic_layers:
+            raise RuntimeError(f"the {self.role}'s transformer layers cannot move: set "
+                               "fsdp_config.dynamic_offload.enabled=true for it")
+        if self._backward_active or any(block.acquired for block in self.blocks):
+            raise RuntimeError("offload: transformer layers can move only between passes, not during one")
+        units = self.transformer_units
+        count = max(0, min(count, len(units)))
+        to_cpu = to_gpu = 0
+        for index, unit in enumerate(units):
+            placement = "gpu" if index < count else "cpu"
+            if placement != unit.placement:
+                to_gpu, to_cpu = to_gpu + (placement == "gpu"), to_cpu + (placement == "cpu")
+                unit.placement = placement
+        if to_cpu or to_gpu:
+            # Queued work may still read a slot that is about to be freed or reused: once per move.
+            self.streams.synchronize()
+            self._assign_layer_slots()
+        self.moves["to_cpu"] += to_cpu
+        self.moves["to_gpu"] += to_gpu
+        return to_cpu, to_gpu
+
+    def _assign_layer_slots(self) -> None:
+        """Blocks on the GPU get a slot of their own (filled now); the streamed ones share the ring."""
+        units = self.transformer_units
+        streamed = [unit for unit in units if unit.placement == "cpu"]
+        size = min(self.options.prefetch + 1, len(streamed))
+        ring = self._layer_ring[:size]
+        ring += [Slot(self.layer_bytes, self.device) for _ in range(size - len(ring))]
+        self._layer_ring = ring
+        for slot in ring:
+            slot.holder = None
+        for unit in units:
+            old = unit.blocks[0]
+            if unit.placement == "gpu" and not old.streamed:
+                continue  # it stays in its own slot
+            if old.slot.holder is old:
+                old.slot.holder = None
+            if unit.placement == "cpu":
+                slot = ring[streamed.index(unit) % len(ring)]
+                block = Block(unit, unit.arena, slot, streamed=True, ring=0, lookahead=max(1, len(ring) - 1))
+            else:
+                slot = Slot(unit.nbytes, self.device)
+                block = Block(unit, unit.arena, slot, streamed=False, ring=next(self._ring_ids))
+            unit.blocks = [block]
+            unit.compute_params = [self._compute_param(slot, unit, index) for index in range(len(unit.entries))]
+        self.blocks = [block for unit in self.units for block in unit.blocks]
+        for position, block in enumerate(self.blocks):
+            block.position = position
+        for unit in units:
+            if unit.placement == "gpu":
+                self._fetch(unit.blocks[0], required=True)
 
     # -------------------------------------------------------------------------------- hooks
 
@@ -827,6 +944,10 @@ class OffloadEngine:
             return rows.view(shape)
 
         if not (torch.is_grad_enabled() and module.weight.requires_grad):
+            if self.embedding_cache is not None:
+                rows = self.embedding_cache.lookup(input_ids)
+                self._prefetch(-1, +1)
+                return rows
             return gather()
         return GatheredRows.apply(module.weight, gather, functools.partial(self._rows_backward, unit, ids))
 

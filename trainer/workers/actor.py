@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedModel
 
@@ -39,6 +41,9 @@ class Actor:
     def __init__(self, model: PreTrainedModel, config: ActorConfig, *, temperature: float, rollout_n: int,
                  log_prob_micro_batch_size: int, total_steps: int, seed: int):
         self.model = model
+        # Set by the trainer: dynamic offload between micro-batches, and relief after an out-of-memory error.
+        self.safe_point: Callable[[], None] | None = None
+        self.relieve_memory: Callable[[], bool] | None = None
         self.config = config
         self.temperature = temperature
         self.rollout_n = rollout_n
@@ -60,6 +65,8 @@ class Actor:
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,
             shuffle_generator=self.shuffle_generator,
+            safe_point=self.safe_point,
+            relieve_memory=self.relieve_memory,
         )
         metrics = {f"actor/{key}": values for key, values in metrics.items()}
         metrics["actor/lr"] = [self.scheduler.get_last_lr()[0]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedModel
 
@@ -17,6 +19,9 @@ class Critic:
     def __init__(self, model: PreTrainedModel, config: CriticConfig, *, rollout_n: int,
                  forward_micro_batch_size: int, total_steps: int):
         self.model = model
+        # Set by the trainer: dynamic offload between micro-batches, and relief after an out-of-memory error.
+        self.safe_point: Callable[[], None] | None = None
+        self.relieve_memory: Callable[[], bool] | None = None
         self.config = config
         self.rollout_n = rollout_n
         self.forward_micro_batch_size = forward_micro_batch_size
@@ -45,6 +50,8 @@ class Critic:
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,
             shuffle_generator=None,
+            safe_point=self.safe_point,
+            relieve_memory=self.relieve_memory,
         )
         metrics = {f"critic/{key}": values for key, values in metrics.items()}
         metrics["critic/lr"] = [self.scheduler.get_last_lr()[0]]

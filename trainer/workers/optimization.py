@@ -73,22 +73,29 @@ def run_updates(
     epochs: int,
     grad_clip: float,
     shuffle_generator: torch.Generator | None,
+    safe_point: Callable[[], None] | None = None,
+    relieve_memory: Callable[[], bool] | None = None,
 ) -> dict[str, list[float]]:
     """PPO's inner loop: `epochs` passes, one optimizer step per mini-batch of `mini_batch_size`
-    sequences, gradients accumulated over micro-batches. Returns every micro-batch's metrics."""
+    sequences, gradients accumulated over micro-batches. Returns every micro-batch's metrics, and
+    "oom_recoveries": the CUDA out-of-memory errors it recovered from.
+
+    `safe_point` runs before each micro-batch (nothing in flight: dynamic offload may move layers);
+    `relieve_memory` frees device memory after an out-of-memory error, True if it could.
+    """
     metrics: dict[str, list[float]] = defaultdict(list)
+    recoveries = 0
     model.train()
     for _ in range(epochs):
         order = (torch.randperm(len(batch), generator=shuffle_generator) if shuffle_generator is not None
                  else torch.arange(len(batch)))
         for mini_batch in batch.select(order).split(mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
-            for micro_batch in mini_batch.split(micro_batch_size):
-                loss, micro_metrics = loss_fn(micro_batch)
-                # Weight each micro-batch by its share of the mini-batch: the sum is the mini-batch mean.
-                (loss * (len(micro_batch) / len(mini_batch))).backward()
-                for key, value in micro_metrics.items():
-                    metrics[key].append(value)
+            micro_metrics, recovered = accumulate_gradients(model, optimizer, mini_batch, loss_fn, micro_batch_size,
+                                                            safe_point=safe_point, relieve_memory=relieve_memory)
+            recoveries += recovered
+            for key, values in micro_metrics.items():
+                metrics[key].extend(values)
             # The offload optimizer clips inside its update (one read of CPU-resident gradients).
             clip = getattr(optimizer, "clip_grad_norm_", None)
             grad_norm = clip(grad_clip) if clip is not None else torch.nn.utils.clip_grad_norm_(
@@ -100,4 +107,83 @@ def run_updates(
                 metrics["skipped_steps"].append(1.0)
             metrics["grad_norm"].append(grad_norm.item())
     optimizer.zero_grad(set_to_none=True)
+    metrics["oom_recoveries"] = [float(recoveries)]
+    return metrics
+
+
+def accumulate_gradients(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    mini_batch: RolloutBatch,
+    loss_fn: LossFn,
+    micro_batch_size: int,
+    *,
+    safe_point: Callable[[], None] | None = None,
+    relieve_memory: Callable[[], bool] | None = None,
+) -> tuple[dict[str, list[float]], int]:
+    """The gradient of the mini-batch's mean loss, summed over micro-batches; their metrics, and the
+    out-of-memory errors recovered from.
+
+    A CUDA out-of-memory error in a micro-batch does not end the run. A backward that failed half-way
+    has already added to some gradients, so the whole mini-batch's are dropped and it is redone: with
+    the same micro-batches once `relieve_memory` freed memory (the same result), otherwise with the
+    failed micro-batch split in two (the same result for losses that are means over sequences; its
+    metrics are merged back into one entry, weighted by size).
+    """
+    # Each piece: (first sequence, sequences, the micro-batch it came from).
+    pieces = [(start, min(micro_batch_size, len(mini_batch) - start), number)
+              for number, start in enumerate(range(0, len(mini_batch), micro_batch_size))]
+    recoveries = 0
+    while True:
+        done: list[tuple[int, int, dict[str, float]]] = []
+        try:
+            for first, size, origin in pieces:
+                if safe_point is not None:
+                    safe_point()
+                micro_batch = mini_batch.select(torch.arange(first, first + size))
+                loss, micro_metrics = loss_fn(micro_batch)
+                # Weight each micro-batch by its share of the mini-batch: the sum is the mini-batch mean.
+                (loss * (size / len(mini_batch))).backward()
+                done.append((origin, size, micro_metrics))
+            return _merge_pieces(done), recoveries
+        except torch.OutOfMemoryError:
+            failed = len(done)
+            del done
+            _discard_attempt(model, optimizer)
+            if relieve_memory is not None and relieve_memory():
+                recoveries += 1
+                continue
+            first, size, origin = pieces[failed]
+            if size == 1:
+                raise  # one sequence does not fit and nothing more can move off the device
+            half = size // 2
+            pieces[failed:failed + 1] = [(first, half, origin), (first + half, size - half, origin)]
+            recoveries += 1
+
+
+def _discard_attempt(model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
+    """Drop a failed attempt's gradients and whatever its forward or backward still held."""
+    engine = offload_engine(model)
+    if engine is not None:
+        engine.abandon_pass()
+    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _merge_pieces(done: list[tuple[int, int, dict[str, float]]]) -> dict[str, list[float]]:
+    """One entry per original micro-batch: a split one's halves averaged, weighted by size."""
+    merged: dict[int, tuple[int, dict[str, float]]] = {}
+    for origin, size, values in done:
+        if origin not in merged:
+            merged[origin] = (size, dict(values))
+            continue
+        total, mean = merged[origin]
+        merged[origin] = (total + size, {key: (mean[key] * total + value * size) / (total + size)
+                                         for key, value in values.items()})
+    metrics: dict[str, list[float]] = defaultdict(list)
+    for _, values in merged.values():
+        for key, value in values.items():
+            metrics[key].append(value)
     return metrics

@@ -1,0 +1,188 @@
+"""Dynamic offload: the controller's decisions from an injected memory probe, and the engine moving
+transformer layers between the device and the host arena without changing a number."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.test_offload import POLICIES, offloaded, policy, token_batch, train
+from trainer.config.live import LiveSettings
+from trainer.offload.dynamic import DynamicOffloadController
+
+GB = 10**9
+
+
+class Probe:
+    """A memory probe whose usage the test sets: (used, total) of a 100 GB device."""
+
+    def __init__(self, usage: float = 0.5):
+        self.usage = usage
+
+    def __call__(self) -> tuple[int, int]:
+        return int(self.usage * 100 * GB), 100 * GB
+
+
+def controller(probe: Probe, **settings) -> tuple[DynamicOffloadController, dict]:
+    current = {"settings": LiveSettings.model_validate({"dynamic_offload.enabled": True, **settings})}
+    return DynamicOffloadController(probe, lambda: current["settings"]), current
+
+
+def run(control: DynamicOffloadController, probe: Probe, usages, *, layers: int, total: int = 28,
+        layer_bytes: int = 0) -> list[int]:
+    """Layers on the GPU after each decision, for a sequence of usages."""
+    history = []
+    for usage in usages:
+        probe.usage = usage
+        decision = control.decide(layers_on_gpu=layers, total_layers=total, layer_bytes=layer_bytes)
+        if decision is not None:
+            layers = decision.layers_on_gpu
+        history.append(layers)
+    return history
+
+
+def test_rising_usage_moves_layers_out_and_falling_usage_brings_them_back_one_at_a_time():
+    probe = Probe()
+    control, _ = controller(probe, gpu_memory_threshold=0.85)
+    assert run(control, probe, [0.5, 0.86, 0.9, 0.84, 0.7, 0.7], layers=28) == [28, 27, 26, 26, 27, 28]
+
+
+def test_enough_layers_move_to_get_under_the_threshold_at_once():
+    probe = Probe(0.91)
+    control, _ = controller(probe, gpu_memory_threshold=0.85)
+    decision = control.decide(layers_on_gpu=28, total_layers=28, layer_bytes=int(1.5 * GB))
+    # 6 GB over the threshold, 1.5 GB a layer: four layers.
+    assert decision.layers_on_gpu == 24
+    assert decision.describe().startswith("dynamic offload: 4 layers to CPU (GPU memory 0.91 > threshold 0.85")
+
+
+def test_hysteresis_keeps_layers_where_they_are_just_below_the_threshold():
+    probe = Probe()
+    control, _ = controller(probe, gpu_memory_threshold=0.85)
+    # Between threshold - 0.05 and the threshold nothing moves, however often it is asked.
+    assert run(control, probe, [0.86, 0.82, 0.84, 0.81, 0.83], layers=10) == [9, 9, 9, 9, 9]
+    # A layer that would push usage back above the margin stays out.
+    assert run(control, probe, [0.75, 0.75], layers=9, layer_bytes=6 * GB) == [9, 9]
+    assert run(control, probe, [0.75], layers=9, layer_bytes=4 * GB) == [10]
+
+
+def test_never_below_the_minimum_and_a_raised_minimum_brings_layers_back():
+    probe = Probe()
+    control, current = controller(probe, gpu_memory_threshold=0.5, min_transformer_layers_on_gpu=3)
+    assert run(control, probe, [0.99] * 6, layers=6, layer_bytes=GB) == [3, 3, 3, 3, 3, 3]
+    current["settings"] = current["settings"].model_copy(update={"min_transformer_layers_on_gpu": 5})
+    assert run(control, probe, [0.99], layers=3) == [5]
+
+
+def test_a_live_threshold_change_acts_at_the_next_decision():
+    probe = Probe(0.8)
+    control, current = controller(probe, gpu_memory_threshold=0.85)
+    assert run(control, probe, [0.8], layers=28) == [28]
+    current["settings"] = current["settings"].model_copy(update={"gpu_memory_threshold": 0.6})
+    assert run(control, probe, [0.8], layers=28, layer_bytes=5 * GB) == [24]
+
+
+def test_disabled_never_moves():
+    probe = Probe(0.99)
+    control, current = controller(probe, gpu_memory_threshold=0.5)
+    current["settings"] = current["settings"].model_copy(update={"dynamic_offload_enabled": False})
+    assert run(control, probe, [0.99, 0.1], layers=28) == [28, 28]
+
+
+# ------------------------------------------------------------------------------------ the engine
+
+DYNAMIC = {"dynamic_offload": {"enabled": True}}
+
+
+def test_moving_layers_keeps_the_forward_and_counts_the_moves():
+    model = policy().eval()
+    engine = offloaded(model, DYNAMIC)
+    ids = token_batch()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert engine.layers_on_gpu == 4
+        for count, moved in ((1, (3, 0)), (0, (1, 0)), (3, (0, 3)), (3, (0, 0)), (4, (0, 1))):
+            assert engine.set_transformer_layers_on_gpu(count) == moved
+            assert engine.layers_on_gpu == count
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+    assert engine.moves == {"to_cpu": 4, "to_gpu": 4}
+    streamed = [unit.blocks[0].streamed for unit in engine.transformer_units]
+    assert streamed == [False] * 4
+
+
+def test_moving_layers_between_steps_and_micro_batches_trains_as_resident():
+    expected_losses, expected_weights, _ = train({})
+    moves = iter([2, 0, 4, 1, 3, 2])
+
+    model = policy().train()
+    engine = offloaded(model, {**POLICIES["optimizer_offload"], **DYNAMIC})
+    optimizer = engine.optimizer(lr=1e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    ids, losses = token_batch(), []
+    for step in range(3):
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
+        for micro_batch in ids.split(2):
+            engine.set_transformer_layers_on_gpu(next(moves))  # the safe point before each micro-batch
+            loss = model(input_ids=micro_batch, labels=micro_batch).loss
+            (loss / 2).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        scheduler.step()
+    assert losses == pytest.approx(expected_losses, rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(dict(model.state_dict()), expected_weights, rtol=1e-6, atol=1e-7)
+    assert engine.moves["to_cpu"] > 0 and engine.moves["to_gpu"] > 0
+
+
+def test_layers_move_only_between_passes_and_only_with_dynamic_offload():
+    model = policy().train()
+    engine = offloaded(model, DYNAMIC)
+    calls = []
+
+    def move_inside(*_):
+        with pytest.raises(RuntimeError, match="between passes"):
+            engine.set_transformer_layers_on_gpu(0)
+        calls.append(1)
+
+    model.model.layers[1].register_forward_pre_hook(move_inside)
+    model(input_ids=token_batch())
+    assert calls and engine.layers_on_gpu == 4
+    with pytest.raises(RuntimeError, match="dynamic_offload.enabled"):
+        offloaded(policy(), POLICIES["all_cpu"]).set_transformer_layers_on_gpu(2)
+
+
+# ------------------------------------------------------------------------------------ the trainer
+
+def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
+    from tests.trainer.test_training import TINY, FakeDaemonLink
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    config = load_config(None, [
+        *TINY, "actor_rollout_ref.model.override_config={num_hidden_layers: 3, hidden_size: 32, intermediate_size: 64}",
+        "actor_rollout_ref.actor.fsdp_config.dynamic_offload={enabled: true, gpu_memory_threshold: 0.9, "
+        "min_transformer_layers_on_gpu: 1}",
+        "trainer.total_training_steps=3", f"trainer.runs_dir={tmp_path}"])
+    logs = []
+    link = FakeDaemonLink()
+    trainer = Trainer(config, log=logs.append, telemetry=link, memory_probe=Probe(0.8))
+    engine = trainer.dynamic_offload[0][0]
+
+    class LowerTheThresholdAfterStepOne:
+        def on_step(self, step, metrics):
+            if step == 1:
+                values = {**trainer.live_settings.public(), "gpu_memory_threshold": 0.7}
+                link.inbox.append({"type": "settings", "version": 2, "values": values})
+
+    trainer.observers.append(LowerTheThresholdAfterStepOne())
+    trainer.fit()
+    rows = trainer.metrics_log.read()
+    others = sum(other.layers_on_gpu for other in trainer.offload_engines if other is not engine)
+    assert [row["offload/transformer_layers_on_gpu"] - others for row in rows] == [3, 1, 1]
+    assert [row["offload/moves_to_cpu"] for row in rows] == [0, 2, 0]
+    assert [row["offload/moves_to_gpu"] for row in rows] == [0, 0, 0]
+    assert all(row["perf/oom_recoveries"] == 0 for row in rows)
+    assert engine.layers_on_gpu == 1
+    # 10 GB over the threshold and layers of a few KiB: all it may move go at once, down to the minimum.
+    assert [line for line in logs if line.startswith("dynamic offload")] == [
+        "dynamic offload: 2 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [actor]"]
