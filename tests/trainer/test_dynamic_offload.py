@@ -114,23 +114,10 @@ def test_moving_layers_between_steps_and_micro_batches_trains_as_resident():
     expected_losses, expected_weights, _ = train({})
     moves = iter([2, 0, 4, 1, 3, 2])
 
-    model = policy().train()
-    engine = offloaded(model, {**POLICIES["optimizer_offload"], **DYNAMIC})
-    optimizer = engine.optimizer(lr=1e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
-    ids, losses = token_batch(), []
-    for step in range(3):
-        optimizer.zero_grad(set_to_none=step % 2 == 0)
-        for micro_batch in ids.split(2):
-            engine.set_transformer_layers_on_gpu(next(moves))  # the safe point before each micro-batch
-            loss = model(input_ids=micro_batch, labels=micro_batch).loss
-            (loss / 2).backward()
-            losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        scheduler.step()
+    losses, weights, engine = train({**POLICIES["optimizer_offload"], **DYNAMIC},
+                                    before_micro_batch=lambda engine: engine.set_transformer_layers_on_gpu(next(moves)))
     assert losses == pytest.approx(expected_losses, rel=1e-6, abs=1e-7)
-    torch.testing.assert_close(dict(model.state_dict()), expected_weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
     assert engine.moves["to_cpu"] > 0 and engine.moves["to_gpu"] > 0
 
 

@@ -3,6 +3,8 @@ host arena and a device slot, and offloaded runs must give the numbers of reside
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import FSDPConfig
 from trainer.config.ipc import MAX_MESSAGE_BYTES, encode
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer
-from trainer.offload import GROUPS, OffloadOptions, UnsupportedModel, attach_offload, offload_message
+from trainer.offload import GROUPS, OffloadEngine, OffloadOptions, UnsupportedModel, attach_offload, offload_message
 from trainer.offload.copies import MAX_RECORDS_PER_DRAIN, CopyLog
 
 TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
@@ -44,9 +46,11 @@ def token_batch(rows: int = 4, length: int = 10, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, len(TOKENIZER), (rows, length), generator=generator)
 
 
-def train(settings: dict, *, steps: int = 3, options: OffloadOptions = WHOLE_HEAD, **model_overrides):
+def train(settings: dict, *, steps: int = 3, options: OffloadOptions = WHOLE_HEAD,
+          before_micro_batch: Callable[[OffloadEngine], None] | None = None, **model_overrides):
     """Steps of AdamW over two micro-batches each, as the actor's update runs them; the losses and
-    the final weights. zero_grad alternates between dropping and zeroing the gradients."""
+    the final weights. zero_grad alternates between dropping and zeroing the gradients.
+    `before_micro_batch` runs at the safe point before each micro-batch (dynamic offload moves there)."""
     model = policy(**model_overrides).train()
     engine = offloaded(model, settings, options=options)
     optimizer = engine.optimizer(lr=1e-3, weight_decay=0.01)
@@ -56,6 +60,8 @@ def train(settings: dict, *, steps: int = 3, options: OffloadOptions = WHOLE_HEA
     for step in range(steps):
         optimizer.zero_grad(set_to_none=step % 2 == 0)
         for micro_batch in ids.split(2):
+            if before_micro_batch is not None:
+                before_micro_batch(engine)
             loss = model(input_ids=micro_batch, labels=micro_batch).loss
             (loss / 2).backward()
             losses.append(loss.item())
