@@ -92,20 +92,21 @@ def run_monitor(client: ApiClient, *, once: bool, as_json: bool, refresh_s: floa
     poll (ApiError) propagate for the caller to report; later a daemon that goes away ends the view."""
     console = console or Console()
     feed = MonitorFeed(client, clock=clock)
-    snapshot = feed.poll()
-    if as_json:
-        print(json.dumps(snapshot_json(snapshot)), file=console.file, flush=True)
+    if as_json or once:
+        snapshot = feed.poll()
+        if as_json:
+            print(json.dumps(snapshot_json(snapshot)), file=console.file, flush=True)
+        else:
+            console.print(render(snapshot))
         return 0
-    if once:
-        console.print(render(snapshot))
-        return 0
-    return _watch(feed, snapshot, console, refresh_s, stop or threading.Event())
+    return _watch(feed, console, refresh_s, stop or threading.Event())
 
 
-def _watch(feed: MonitorFeed, snapshot: dict, console: Console, refresh_s: float, stop: threading.Event) -> int:
+def _watch(feed: MonitorFeed, console: Console, refresh_s: float, stop: threading.Event) -> int:
     missed = 0
     farewell = ""  # stopped by the caller, who says what happened
-    try:
+    try:  # Ctrl-C may come during the first poll too
+        snapshot = feed.poll()
         with Live(render(snapshot), console=console, auto_refresh=False) as live:
             while not stop.wait(refresh_s):
                 try:

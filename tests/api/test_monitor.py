@@ -11,7 +11,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from fastapi import FastAPI, HTTPException, Request, WebSocket
@@ -354,10 +354,26 @@ def test_the_live_view_ends_when_asked_or_when_the_daemon_goes_away():
     assert "the daemon stopped answering" in console.file.getvalue()
 
 
-def test_ctrl_c_closes_the_live_view_and_leaves_the_run_alone(daemon):
+def _interrupt_when(condition: Callable[[], bool]) -> None:
+    """Ctrl-C in the main thread as soon as `condition` holds (checked from a helper thread)."""
+
+    def watch():
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        _thread.interrupt_main()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+@pytest.mark.parametrize("when", ["while the view polls", "during the first poll"])
+def test_ctrl_c_closes_the_live_view_and_leaves_the_run_alone(daemon, when):
     fake, url = daemon
+    if when == "during the first poll":
+        _interrupt_when(lambda: len(fake.requests) >= 1)
+    else:
+        _interrupt_when(lambda: sum(path == "/v1/status" for path, _ in fake.requests) >= 3)
     console = Console(file=io.StringIO(), force_terminal=True, width=100)
-    threading.Timer(0.3, _thread.interrupt_main).start()
     with ApiClient(url, TOKEN) as client:
         assert run_monitor(client, once=False, as_json=False, refresh_s=0.02, console=console) == 0
     assert console.file.getvalue().rstrip().endswith("monitor closed; the run goes on")
