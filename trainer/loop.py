@@ -6,10 +6,11 @@ log-probs, values, advantages, critic update, actor update.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -36,9 +37,16 @@ from trainer.metrics import (
     throughput_metrics,
 )
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
-from trainer.offload import OffloadEngine, attach_offload, offload_engine, offload_message
-from trainer.offload.dynamic import DynamicOffloadController, MemoryProbe, device_memory_probe
+from trainer.offload import OffloadEngine, attach_offload, format_bytes, offload_engine, offload_message
+from trainer.offload.dynamic import (
+    DynamicLayers,
+    DynamicOffloadController,
+    MemoryProbe,
+    device_memory_probe,
+    layers_that_fit,
+)
 from trainer.offload.embedding_cache import EmbeddingCache
+from trainer.offload.groups import find_parts
 from trainer.randomness import rng_state, seed_everything, set_rng_state
 from trainer.reporting import StepObserver
 from trainer.rewards import resolve_compute_score
@@ -48,6 +56,7 @@ from trainer.rollout.hf_rollout import HFRollout
 from trainer.rollout.prompts import encode_prompts
 from trainer.workers.actor import Actor, compute_log_probs
 from trainer.workers.critic import Critic
+from trainer.workers.recovery import Recovery, run_in_pieces
 
 
 class TelemetryLink(Protocol):
@@ -106,16 +115,24 @@ class Trainer:
         self.offload_engines: list[OffloadEngine] = []
         # Engines whose transformer layers move with memory pressure, each with its controller. All of
         # them follow the live settings (initialised from the actor's dynamic_offload section).
-        self.dynamic_offload: list[tuple[OffloadEngine, DynamicOffloadController]] = []
+        self.dynamic_offload: list[DynamicLayers] = []
         self.memory_probe = memory_probe or (device_memory_probe(self.device) if self.device.type == "cuda"
                                              else None)
         self._moves_reported = {"to_cpu": 0, "to_gpu": 0}
+        # Out-of-memory errors recovered from in the no-grad phases (the updates count their own).
+        self.recovery = Recovery(relieve_memory=self.relieve_memory)
+        self._staged_logged: dict[tuple[str, str], tuple[str, ...]] = {}
         self._build_models()
         self.reward_fn = self._build_reward()
         self.embedding_cache = self._build_embedding_cache()
         for worker in (self.actor, self.critic):
             if worker is not None:
                 worker.safe_point, worker.relieve_memory = self.offload_safe_point, self.relieve_memory
+                worker.recovery = self.recovery
+        if isinstance(self.reward_fn, ModelReward):
+            self.reward_fn.recovery = self.recovery
+        # Dynamic offload acts between decode chunks too.
+        self.rollout.safe_point = self.offload_safe_point if self.dynamic_offload else None
         self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -165,16 +182,36 @@ class Trainer:
                                  total_steps=self.total_steps)
 
     def _place(self, model: torch.nn.Module, fsdp_config: FSDPConfig, role: str) -> torch.nn.Module:
-        """Put each module group where the policy says (the engine streams the CPU-resident ones)."""
-        engine = attach_offload(model, fsdp_config, self.device, role=role)
+        """Put each module group where the policy says (the engine streams the CPU-resident ones).
+
+        With dynamic offload, the model starts with as many transformer layers on the GPU as fit
+        below the threshold (so a model the GPU cannot hold whole still starts), the rest streamed."""
+        dynamic = fsdp_config.dynamic_offload
+        layers_on_gpu = None
+        if dynamic.enabled and self.memory_probe is not None and fsdp_config.placement("transformer") == "gpu":
+            layers_on_gpu = self._layers_that_fit(model, fsdp_config)
+        engine = attach_offload(model, fsdp_config, self.device, role=role, layers_on_gpu=layers_on_gpu)
         self.offload_engines.append(engine)
-        if fsdp_config.dynamic_offload.enabled and self.memory_probe is not None:
-            self.dynamic_offload.append((engine, DynamicOffloadController(self.memory_probe,
-                                                                          lambda: self.live_settings)))
-        elif fsdp_config.dynamic_offload.enabled:
+        if layers_on_gpu is not None and layers_on_gpu < len(engine.transformer_units):
+            self.log(f"dynamic offload: the {role} starts with {layers_on_gpu} of {len(engine.transformer_units)} "
+                     f"transformer layers on the GPU (GPU memory threshold {self.live_settings.gpu_memory_threshold})")
+        if dynamic.enabled and self.memory_probe is not None:
+            controller = DynamicOffloadController(self.memory_probe, lambda: self.live_settings)
+            self.dynamic_offload.append(DynamicLayers(engine, controller, log=self.log))
+        elif dynamic.enabled:
             self.warn(f"dynamic offload of the {role} needs a GPU to measure memory on; on {self.device} its "
                       "transformer layers stay where the offload policy puts them")
         return model
+
+    def _layers_that_fit(self, model: torch.nn.Module, fsdp_config: FSDPConfig) -> int:
+        parts = find_parts(model, fsdp_config.wrap_policy.transformer_layer_cls_to_wrap)
+        layer_bytes = max((sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in parts.layers),
+                          default=0)
+        in_layers = {id(p) for layer in parts.layers for p in layer.parameters()}
+        # The other groups (on the GPU, or copied there for the rollout) need their room first.
+        others = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_layers)
+        return layers_that_fit(self.memory_probe, threshold=self.live_settings.gpu_memory_threshold,
+                               layer_bytes=layer_bytes, total_layers=len(parts.layers), reserve_bytes=others)
 
     def _build_embedding_cache(self) -> EmbeddingCache | None:
         settings = self.config.actor_rollout_ref.rollout.embedding_cache
@@ -251,15 +288,15 @@ class Trainer:
                 batch = self.generate(records)
                 if self.embedding_cache is not None:
                     self.embedding_cache.end_step()
-            with timer.phase("reward"):
+            with timer.phase("reward"), self.placed_for("scoring", getattr(self.reward_fn, "model", None)):
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
-            with timer.phase("old_log_prob"):
+            with timer.phase("old_log_prob"), self.placed_for("scoring", self.actor.model):
                 batch.old_log_probs = self.actor.compute_log_probs(batch)
             if self.reference is not None:
-                with timer.phase("ref"):
+                with timer.phase("ref"), self.placed_for("scoring", self.reference):
                     batch.ref_log_probs = self._reference_log_probs(batch)
             if self.critic is not None:
-                with timer.phase("values"):
+                with timer.phase("values"), self.placed_for("scoring", self.critic.model):
                     batch.values = self.critic.compute_values(batch)
             with timer.phase("adv"):
                 metrics.update(self.compute_advantages(batch))
@@ -283,24 +320,48 @@ class Trainer:
     # -------------------------------------------------------------------------- dynamic offload
 
     def offload_safe_point(self) -> None:
-        """Between steps and micro-batches (nothing in flight): move transformer layers as the
-        memory in use and the live settings say."""
-        for engine, controller in self.dynamic_offload:
-            decision = controller.decide(layers_on_gpu=engine.layers_on_gpu,
-                                         total_layers=len(engine.transformer_units), layer_bytes=engine.layer_bytes)
-            if decision is None:
-                continue
-            engine.set_transformer_layers_on_gpu(decision.layers_on_gpu)
-            if decision.layers_on_gpu < decision.previous and self.device.type == "cuda":
-                torch.cuda.empty_cache()  # give the freed slots back, so the next reading sees them gone
-            self.log(f"{decision.describe()} [{engine.role}]")
+        """Between steps, micro-batches and decode chunks (nothing in flight): move transformer
+        layers as the memory in use and the live settings say."""
+        for dynamic in self.dynamic_offload:
+            dynamic.safe_point()
+
+    @contextlib.contextmanager
+    def placed_for(self, phase: str, model: torch.nn.Module | None) -> Iterator[None]:
+        """Run a phase with `model`'s groups placed for it (OffloadEngine.placed_for) within the
+        memory budget: below the live GPU memory threshold, counting what is in use now."""
+        engine = offload_engine(model) if model is not None else None
+        if engine is None or not engine.stageable_bytes():
+            yield
+            return
+        if self.memory_probe is None:
+            budget = 0  # on the CPU there is no device copy to make
+        else:
+            used, total = self.memory_probe()
+            budget = int(self.live_settings.gpu_memory_threshold * total) - used
+        with engine.placed_for(phase, budget_bytes=budget) as staged:
+            self._log_staged(engine, phase, staged)
+            yield
+
+    def _log_staged(self, engine: OffloadEngine, phase: str, staged: list[str]) -> None:
+        """Say which groups a phase copies to the GPU, when that changes (not at every step)."""
+        key = (engine.role, phase)
+        if self._staged_logged.get(key) == tuple(staged):
+            return
+        self._staged_logged[key] = tuple(staged)
+        if staged:
+            sizes = engine.stageable_bytes()
+            self.log(f"per-phase placement: {phase} keeps the {engine.role}'s {' and '.join(staged)} on the GPU "
+                     f"({format_bytes(sum(sizes[group] for group in staged))}; streamed again for training)")
+        else:
+            self.log(f"per-phase placement: {phase} streams the {engine.role}'s CPU-resident groups (no room below "
+                     f"the GPU memory threshold {self.live_settings.gpu_memory_threshold} to keep them on the GPU)")
 
     def relieve_memory(self) -> bool:
         """After a CUDA out-of-memory error: move half the layers above the minimum to the CPU.
         False when none can move (then the micro-batch is split instead)."""
         minimum = self.live_settings.min_transformer_layers_on_gpu
         moved = False
-        for engine, _ in self.dynamic_offload:
+        for engine in (dynamic.engine for dynamic in self.dynamic_offload):
             spare = engine.layers_on_gpu - minimum
             if spare > 0 and self.live_settings.dynamic_offload_enabled:
                 engine.set_transformer_layers_on_gpu(engine.layers_on_gpu - max(1, spare // 2))
@@ -313,6 +374,7 @@ class Trainer:
         """Transformer layers on the GPU (all models), moves in this step and out-of-memory errors
         recovered from."""
         recovered = sum(metrics.pop(key, 0.0) for key in ("actor/oom_recoveries", "critic/oom_recoveries"))
+        recovered += self.recovery.take()
         result = {"perf/oom_recoveries": recovered,
                   "offload/transformer_layers_on_gpu": sum(engine.layers_on_gpu for engine in self.offload_engines)}
         moves = {direction: sum(engine.moves[direction] for engine in self.offload_engines)
@@ -333,7 +395,14 @@ class Trainer:
                                                  max_length=self.config.data.max_prompt_length,
                                                  truncation=self.config.data.truncation)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
-        response_ids, response_mask = (rollout or self.rollout).generate(prompt_ids, prompt_mask)
+        rollout = rollout or self.rollout
+        with self.placed_for("rollout", rollout.model):
+            # A batch that runs out of device memory is retried once layers moved off, or in halves.
+            pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
+                                                                         prompt_mask[first:first + count]),
+                                   len(repeated), len(repeated), recovery=self.recovery, models=[rollout.model])
+        response_ids = torch.cat([ids for ids, _ in pieces])
+        response_mask = torch.cat([mask for _, mask in pieces])
         group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated)
@@ -341,7 +410,8 @@ class Trainer:
     def _reference_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return compute_log_probs(self.reference, batch,
                                  micro_batch_size=self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
-                                 temperature=self.config.actor_rollout_ref.rollout.temperature)
+                                 temperature=self.config.actor_rollout_ref.rollout.temperature,
+                                 recovery=self.recovery)
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (less the KL penalty when it is in the reward), then advantages and returns."""

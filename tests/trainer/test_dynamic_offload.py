@@ -3,6 +3,9 @@ transformer layers between the device and the host arena without changing a numb
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -110,6 +113,73 @@ def test_moving_layers_keeps_the_forward_and_counts_the_moves():
     assert streamed == [False] * 4
 
 
+class SlotBudget:
+    """The engine's device slots under a memory cap: one that would go over it raises
+    torch.OutOfMemoryError, as CUDA does; a slot's bytes come back when its tensor is freed."""
+
+    def __init__(self, monkeypatch, cap: int):
+        from trainer.offload import engine as engine_module
+
+        self.cap, self.live, self.peak = cap, 0, 0
+        allocate = engine_module.Slot.__init__
+
+        def init(slot, nbytes, device):
+            if self.live + nbytes > self.cap:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {self.live} + {nbytes} > {self.cap})")
+            allocate(slot, nbytes, device)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(slot.data, self._free, nbytes)
+
+        monkeypatch.setattr(engine_module.Slot, "__init__", init)
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def test_a_move_gives_device_memory_back_before_it_asks_for_more(monkeypatch):
+    reference = policy().eval()
+    model = policy().eval()
+    layer = offloaded(policy(), DYNAMIC).layer_bytes
+    budget = SlotBudget(monkeypatch, cap=4 * layer)  # exactly the four layers' own slots
+    engine = offloaded(model, DYNAMIC)
+    ids = token_batch()
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        # To the CPU: three own slots go before the ring of three is made; back: the ring's slots change hands.
+        for count in (1, 4, 0, 2):
+            engine.set_transformer_layers_on_gpu(count)
+            assert engine.layers_on_gpu == count and budget.peak <= 4 * layer
+            gc.collect()
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+        # Tighter still: one streamed layer needs a ring slot too, so under 3 layers' worth none can
+        # come back (not even one: 1 on the GPU + 3 streamed needs 1 + 3 slots).
+        engine.set_transformer_layers_on_gpu(0)
+        gc.collect()
+        budget.cap = 3 * layer
+        assert engine.set_transformer_layers_on_gpu(4) == (0, 0)
+        assert engine.layers_on_gpu == 0
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
+def test_layers_that_cannot_all_come_back_leave_room_for_the_ring(monkeypatch):
+    six = {"override_config": {"num_hidden_layers": 6}}
+    reference = policy(**six).eval()
+    model = policy(**six).eval()
+    layer = offloaded(policy(**six), DYNAMIC).layer_bytes
+    budget = SlotBudget(monkeypatch, cap=6 * layer)
+    engine = offloaded(model, DYNAMIC)
+    engine.set_transformer_layers_on_gpu(0)  # a ring of three
+    gc.collect()
+    budget.cap = 5 * layer
+    # Six back would need 6 slots; k back and 6 - k streamed need k + min(3, 6 - k): at most 5 for k <= 2.
+    assert engine.set_transformer_layers_on_gpu(6) == (0, 2)
+    assert engine.layers_on_gpu == 2
+    ids = token_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
+
+
 def test_moving_layers_between_steps_and_micro_batches_trains_as_resident():
     expected_losses, expected_weights, _ = train({})
     moves = iter([2, 0, 4, 1, 3, 2])
@@ -140,6 +210,19 @@ def test_layers_move_only_between_passes_and_only_with_dynamic_offload():
 
 # ------------------------------------------------------------------------------------ the trainer
 
+class ThresholdChange:
+    """A step observer that sends the trainer a new gpu_memory_threshold after `after_step`, the way
+    `PATCH /v1/settings` reaches it (a settings message from the daemon)."""
+
+    def __init__(self, trainer, link, *, after_step: int, threshold: float):
+        self.trainer, self.link, self.after_step, self.threshold = trainer, link, after_step, threshold
+
+    def on_step(self, step, metrics):
+        if step == self.after_step:
+            values = {**self.trainer.live_settings.public(), "gpu_memory_threshold": self.threshold}
+            self.link.inbox.append({"type": "settings", "version": 2, "values": values})
+
+
 def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
     from tests.trainer.test_training import TINY, FakeDaemonLink
     from trainer.config import load_config
@@ -153,15 +236,9 @@ def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
     logs = []
     link = FakeDaemonLink()
     trainer = Trainer(config, log=logs.append, telemetry=link, memory_probe=Probe(0.8))
-    engine = trainer.dynamic_offload[0][0]
+    engine = trainer.dynamic_offload[0].engine
 
-    class LowerTheThresholdAfterStepOne:
-        def on_step(self, step, metrics):
-            if step == 1:
-                values = {**trainer.live_settings.public(), "gpu_memory_threshold": 0.7}
-                link.inbox.append({"type": "settings", "version": 2, "values": values})
-
-    trainer.observers.append(LowerTheThresholdAfterStepOne())
+    trainer.observers.append(ThresholdChange(trainer, link, after_step=1, threshold=0.7))
     trainer.fit()
     rows = trainer.metrics_log.read()
     others = sum(other.layers_on_gpu for other in trainer.offload_engines if other is not engine)

@@ -24,12 +24,13 @@ __all__ = ["GROUPS", "OffloadAdamW", "OffloadEngine", "OffloadOptions", "Unsuppo
 
 
 def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.device | str, *, role: str,
-                   options: OffloadOptions | None = None) -> OffloadEngine:
+                   options: OffloadOptions | None = None, layers_on_gpu: int | None = None) -> OffloadEngine:
     """Place `model`'s module groups as `fsdp_config` says and return the engine that streams them.
 
     Call it instead of `model.to(device)`, after the model is built (and frozen, for the reference
     and reward models). Groups placed on the GPU move there; the others move into pinned host
-    memory. Build the model's optimizer with `engine.optimizer(...)`.
+    memory. Build the model's optimizer with `engine.optimizer(...)`. With dynamic offload,
+    `layers_on_gpu` (see dynamic.layers_that_fit) keeps only the first ones on the GPU at the start.
     """
     engine = OffloadEngine(
         model,
@@ -40,6 +41,7 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
         options=options or OffloadOptions(),
         layer_classes=fsdp_config.wrap_policy.transformer_layer_cls_to_wrap,
         dynamic_layers=fsdp_config.dynamic_offload.enabled,
+        layers_on_gpu=layers_on_gpu,
     )
     model._offload_engine = engine
     return engine

@@ -59,13 +59,33 @@ class Decision:
 
 
 def device_memory_probe(device: torch.device) -> MemoryProbe:
-    """(used, total) of a CUDA device as the driver sees it (the caching allocator's reserve counts)."""
+    """(used, total) of a CUDA device as the driver sees it (the caching allocator's reserve counts).
+
+    Under a per-process cap (torch.cuda.set_per_process_memory_fraction) the budget is this
+    process's: (bytes its allocator holds, the cap); the driver's view would not see the cap."""
 
     def probe() -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        fraction = torch.cuda.get_per_process_memory_fraction(index) if hasattr(
+            torch.cuda, "get_per_process_memory_fraction") else 1.0
+        if fraction < 1.0:
+            return torch.cuda.memory_reserved(device), int(total * fraction)
         return total - free, total
 
     return probe
+
+
+def layers_that_fit(probe: MemoryProbe, *, threshold: float, layer_bytes: int, total_layers: int,
+                    reserve_bytes: int = 0) -> int:
+    """How many transformer layers of `layer_bytes` fit on the device now, below `threshold` of its
+    memory with `reserve_bytes` kept free for the rest (activations, the KV cache, staged groups):
+    where a run with dynamic offload starts, so that one the GPU cannot hold whole still starts."""
+    used, total = probe()
+    room = threshold * total - used - reserve_bytes
+    if layer_bytes <= 0:
+        return total_layers
+    return max(0, min(total_layers, int(room // layer_bytes)))
 
 
 class DynamicOffloadController:
@@ -105,3 +125,27 @@ class DynamicOffloadController:
         if target == layers_on_gpu:
             return None
         return Decision(target, layers_on_gpu, usage, threshold)
+
+
+class DynamicLayers:
+    """One engine's transformer layers under a controller: `safe_point()` is what the trainer (and
+    the rollout, between decode chunks) calls where nothing is in flight."""
+
+    def __init__(self, engine, controller: DynamicOffloadController, *, log: Callable[[str], None] | None = None):
+        self.engine = engine  # an OffloadEngine (not imported: the engine module imports this one's users)
+        self.controller = controller
+        self.log = log
+
+    def safe_point(self) -> Decision | None:
+        """Decide and move; returns the decision acted on, if any."""
+        engine = self.engine
+        decision = self.controller.decide(layers_on_gpu=engine.layers_on_gpu,
+                                          total_layers=len(engine.transformer_units), layer_bytes=engine.layer_bytes)
+        if decision is None:
+            return None
+        engine.set_transformer_layers_on_gpu(decision.layers_on_gpu)
+        if decision.layers_on_gpu < decision.previous and engine.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the freed slots back, so the next reading sees them gone
+        if self.log is not None:
+            self.log(f"{decision.describe()} [{engine.role}]")
+        return decision

@@ -22,6 +22,9 @@ How a model is laid out once the engine is attached:
 - The embedding on the CPU is never shipped whole: the rows of the batch's tokens are gathered on
   the CPU and only they cross; their gradient comes back and is added into the embedding's
   gradient on the CPU.
+- Placement is per phase (`placed_for`): a no-grad phase (rollout, where decode cannot afford to
+  stream the head at every token; log-prob scoring) copies the CPU-resident head and embedding whole
+  to the device while they fit in the budget the caller gives, and drops them when it ends.
 - Units placed on the GPU stay there, untouched (with optimizer_offload, their fp32 masters and
   optimizer states live on the CPU and a compute copy stays on the GPU).
 
@@ -30,16 +33,18 @@ Every copy is logged (direction, group, bytes) and timed with CUDA events read l
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from trainer.offload.copies import D2H, H2D, CopyLog, CopyStreams, pinned_empty
 from trainer.offload.embedding_cache import EmbeddingCache
@@ -195,13 +200,16 @@ class OffloadEngine:
 
     def __init__(self, model: nn.Module, placements: dict[str, str], device: torch.device, *, role: str,
                  optimizer_offload: bool = False, options: OffloadOptions = OffloadOptions(),
-                 layer_classes: Sequence[str] | None = None, dynamic_layers: bool = False):
+                 layer_classes: Sequence[str] | None = None, dynamic_layers: bool = False,
+                 layers_on_gpu: int | None = None):
         self.model = model
         # Every transformer block gets a host arena, even those placed on the GPU, so that moving
         # one between device and host later is a copy, not an allocation (set_transformer_layers_on_gpu).
         self.dynamic_layers = dynamic_layers
         self.moves = {"to_cpu": 0, "to_gpu": 0}
         self.embedding_cache: EmbeddingCache | None = None
+        self._staged: dict[str, tuple[torch.Tensor, int]] = {}  # unit name -> (device weight, its version)
+        self.phase = "training"
         self._layer_ring: list[Slot] = []
         self._ring_ids = itertools.count(1)  # ring 0: the streamed transformer blocks'
         self.device = torch.device(device)
@@ -226,6 +234,13 @@ class OffloadEngine:
         self.optimizer_offload = optimizer_offload and trainable
         self.master_dtype = torch.float32 if self.optimizer_offload else self.compute_dtype
         self.units = self._build_units()
+        if layers_on_gpu is not None:
+            if not dynamic_layers:
+                raise ValueError("offload: layers_on_gpu needs dynamic_layers (fsdp_config.dynamic_offload.enabled)")
+            # Where a dynamic run starts: the first ones on the device, the rest streamed.
+            for index, unit in enumerate(self.transformer_units):
+                if index >= layers_on_gpu:
+                    unit.placement = "cpu"
         self.group_bytes = {group: sum(unit.param_bytes for unit in self.units if unit.group == group)
                             for group in (*GROUPS, "other")}
         self._pack()
@@ -519,6 +534,77 @@ class OffloadEngine:
                                               cache_size=cache_size, warmup_steps=warmup_steps)
         return self.embedding_cache
 
+    # ---------------------------------------------------------------------- per-phase placement
+
+    PHASES = ("rollout", "scoring", "training")
+
+    def stageable_bytes(self) -> dict[str, int]:
+        """The CPU-resident groups a no-grad phase may copy whole to the device, with their device
+        bytes, in the order `placed_for` takes them: the head first (streamed, it crosses the bus
+        whole at every forward: at every decoded token), then the embedding (whose rows the
+        embedding cache or a CPU gather can serve instead)."""
+        staged = {}
+        for kind in (CHUNKS, ROWS):
+            for unit in self.units:
+                if unit.kind == kind:
+                    weight = self._staged_weight_index(unit)
+                    shape, dtype = unit.compute_like[weight]
+                    staged[unit.group] = shape.numel() * dtype.itemsize
+        return staged
+
+    @contextlib.contextmanager
+    def placed_for(self, phase: str, *, budget_bytes: int | None = None) -> Iterator[list[str]]:
+        """Place the groups for one phase of a step; yields the groups copied to the device for it.
+
+        "rollout" and "scoring" run without gradients, so optimizer states and gradients need no
+        room: the CPU-resident head and embedding are copied whole to the device, in the order of
+        `stageable_bytes`, while their sum fits in `budget_bytes` (None: no limit), and no-grad
+        forwards use them instead of streaming. "training" keeps the configured placement. On exit
+        the copies are dropped (their memory returns to the allocator for the next phase).
+        """
+        if phase not in self.PHASES:
+            raise ValueError(f"offload: unknown phase {phase!r}; expected one of {', '.join(self.PHASES)}")
+        previous, self.phase = self.phase, phase
+        staged: list[str] = []
+        try:
+            if phase != "training":
+                budget = budget_bytes
+                for group, nbytes in self.stageable_bytes().items():
+                    if budget is not None and nbytes > budget:
+                        break
+                    self._stage(next(unit for unit in self.units if unit.group == group))
+                    staged.append(group)
+                    budget = None if budget is None else budget - nbytes
+            yield staged
+        finally:
+            self._staged.clear()
+            self.phase = previous
+
+    def _staged_weight_index(self, unit: Unit) -> int:
+        return self._index_of(unit, self.parts.head.weight if unit.kind == CHUNKS else self.parts.embedding.weight)
+
+    def _stage(self, unit: Unit) -> None:
+        """Copy the unit's weight into a device tensor of its own (one copy, logged and timed)."""
+        unit.ready.wait()
+        self._sync_masters(unit)
+        source = unit.arena_view(self._staged_weight_index(unit))
+        target = torch.empty_like(source, device=self.device)
+        self.log.timed(H2D, unit.group, source.numel() * source.element_size(), self.streams.compute(),
+                       lambda: target.copy_(source, non_blocking=True))
+        self._staged[unit.name] = (target, unit.version)
+
+    def _staged_copy(self, unit: Unit) -> torch.Tensor | None:
+        """The unit's staged device weight, refreshed if its masters changed since (None when not staged)."""
+        if unit.name not in self._staged:
+            return None
+        unit.ready.wait()
+        self._sync_masters(unit)
+        weight, version = self._staged[unit.name]
+        if version != unit.version:
+            self._stage(unit)
+            weight = self._staged[unit.name][0]
+        return weight
+
     # ----------------------------------------------------------------------- dynamic offload
 
     @property
@@ -539,7 +625,9 @@ class OffloadEngine:
         """Keep the first `count` transformer blocks on the device, stream the others from their host
         arena; returns the blocks moved (to the CPU, to the GPU). Only at a safe point: no forward or
         backward in flight. The host arena already holds every block (dynamic_layers), so a move to
-        the CPU frees the block's device slot and a move to the GPU is one copy into a new one."""
+        the CPU frees the block's device slot and a move to the GPU is one copy into a new one. A
+        block whose slot cannot be allocated (out of device memory) stays on the CPU, and so do the
+        ones after it: a move never ends the run."""
         if not self.dynamic_layers:
             raise RuntimeError(f"the {self.role}'s transformer layers cannot move: set "
                                "fsdp_config.dynamic_offload.enabled=true for it")
@@ -547,50 +635,89 @@ class OffloadEngine:
             raise RuntimeError("offload: transformer layers can move only between passes, not during one")
         units = self.transformer_units
         count = max(0, min(count, len(units)))
-        to_cpu = to_gpu = 0
-        for index, unit in enumerate(units):
-            placement = "gpu" if index < count else "cpu"
-            if placement != unit.placement:
-                to_gpu, to_cpu = to_gpu + (placement == "gpu"), to_cpu + (placement == "cpu")
-                unit.placement = placement
-        if to_cpu or to_gpu:
-            # Queued work may still read a slot that is about to be freed or reused: once per move.
-            self.streams.synchronize()
-            self._assign_layer_slots()
+        before = [unit.placement for unit in units]
+        wanted = ["gpu" if index < count else "cpu" for index in range(len(units))]
+        if wanted == before:
+            return 0, 0
+        if self.streams.cuda:
+            # Work queued on any stream may still read a slot that is about to be freed or reused.
+            torch.cuda.synchronize(self.device)
+        self._assign_layer_slots(wanted)
+        to_cpu = sum(old == "gpu" and unit.placement == "cpu" for old, unit in zip(before, units, strict=True))
+        to_gpu = sum(old == "cpu" and unit.placement == "gpu" for old, unit in zip(before, units, strict=True))
         self.moves["to_cpu"] += to_cpu
         self.moves["to_gpu"] += to_gpu
         return to_cpu, to_gpu
 
-    def _assign_layer_slots(self) -> None:
-        """Blocks on the GPU get a slot of their own (filled now); the streamed ones share the ring."""
+    def _assign_layer_slots(self, wanted: list[str]) -> None:
+        """Blocks on the GPU get a slot of their own (filled now); the streamed ones share the ring.
+
+        Slots are all a layer's size, so they change hands instead of being freed and allocated
+        again, and device memory is given back before any is asked for: a move under memory
+        pressure cannot fail for want of the memory it frees. Blocks leaving the GPU give their
+        slots back first; blocks coming back take the ring slots no longer needed, then new ones;
+        when one cannot be allocated, it and the rest stay streamed, and the ring takes back slots
+        from the last arrivals if it needs them."""
         units = self.transformer_units
-        streamed = [unit for unit in units if unit.placement == "cpu"]
-        size = min(self.options.prefetch + 1, len(streamed))
-        ring = self._layer_ring[:size]
-        ring += [Slot(self.layer_bytes, self.device) for _ in range(size - len(ring))]
+        ring_size = self.options.prefetch + 1
+        for unit, placement in zip(units, wanted, strict=True):
+            if placement == "cpu" and unit.placement == "gpu":
+                if unit.blocks and not unit.blocks[0].streamed:
+                    self._drop_own_slot(unit)
+                unit.placement = "cpu"
+        ring = self._layer_ring
+        spare = ring[min(ring_size, wanted.count("cpu")):]
+        ring = ring[:len(ring) - len(spare)]
+        arriving: list[tuple[Unit, Slot]] = []
+        for unit, placement in zip(units, wanted, strict=True):
+            if placement != "gpu" or unit.placement == "gpu":
+                continue
+            if spare:
+                slot = spare.pop()
+            else:
+                try:
+                    slot = Slot(self.layer_bytes, self.device)
+                except torch.OutOfMemoryError:
+                    break  # this one and the rest stay streamed
+            arriving.append((unit, slot))
+        for slot in spare:
+            slot.data = slot.writer = None
+        streaming = sum(unit.placement == "cpu" for unit in units) - len(arriving)
+        while len(ring) < min(ring_size, streaming) and arriving:
+            ring.append(arriving.pop()[1])
+            streaming += 1
+        ring += [Slot(self.layer_bytes, self.device) for _ in range(min(ring_size, streaming) - len(ring))]
         self._layer_ring = ring
         for slot in ring:
             slot.holder = None
+        for unit, slot in arriving:
+            unit.placement = "gpu"
+            slot.holder = None
+        own = {id(unit): slot for unit, slot in arriving}
+        streamed = [unit for unit in units if unit.placement == "cpu"]
         for unit in units:
-            old = unit.blocks[0]
-            if unit.placement == "gpu" and not old.streamed:
+            if unit.placement == "gpu" and id(unit) not in own:
                 continue  # it stays in its own slot
-            if old.slot.holder is old:
-                old.slot.holder = None
             if unit.placement == "cpu":
                 slot = ring[streamed.index(unit) % len(ring)]
                 block = Block(unit, unit.arena, slot, streamed=True, ring=0, lookahead=max(1, len(ring) - 1))
             else:
-                slot = Slot(unit.nbytes, self.device)
+                slot = own[id(unit)]
                 block = Block(unit, unit.arena, slot, streamed=False, ring=next(self._ring_ids))
             unit.blocks = [block]
             unit.compute_params = [self._compute_param(slot, unit, index) for index in range(len(unit.entries))]
         self.blocks = [block for unit in self.units for block in unit.blocks]
         for position, block in enumerate(self.blocks):
             block.position = position
-        for unit in units:
-            if unit.placement == "gpu":
-                self._fetch(unit.blocks[0], required=True)
+        for unit, _ in arriving:
+            self._fetch(unit.blocks[0], required=True)
+
+    def _drop_own_slot(self, unit: Unit) -> None:
+        """Give a block's own device slot back (its compute parameters are views into it)."""
+        slot = unit.blocks[0].slot
+        slot.data = slot.writer = slot.holder = None
+        unit.blocks = []
+        unit.compute_params = []
 
     # -------------------------------------------------------------------------------- hooks
 
@@ -707,6 +834,8 @@ class OffloadEngine:
         while 0 <= index < len(self.blocks):
             block = self.blocks[index]
             index += step
+            if block.unit.name in self._staged:
+                continue  # kept whole on the device for this phase
             if not block.streamed:
                 self._fetch(block, required=False)
                 continue
@@ -923,8 +1052,18 @@ class OffloadEngine:
 
     def _embedding_forward(self, unit: Unit, input_ids: torch.Tensor) -> torch.Tensor:
         module = self.parts.embedding
+        tracked = torch.is_grad_enabled() and module.weight.requires_grad
+        staged = None if tracked else self._staged_copy(unit)
+        if staged is not None:
+            rows = F.embedding(input_ids.to(self.device), staged, module.padding_idx)
+            self._prefetch(-1, +1)
+            return rows
         unit.ready.wait()
         self._sync_masters(unit)
+        if not tracked and self.embedding_cache is not None:
+            rows = self.embedding_cache.lookup(input_ids)
+            self._prefetch(-1, +1)
+            return rows
         ids = input_ids.to("cpu").reshape(-1)
         weight = unit.arena_view(self._index_of(unit, module.weight))
         shape = (*input_ids.shape, weight.shape[1])
@@ -943,11 +1082,7 @@ class OffloadEngine:
             self._prefetch(-1, +1)
             return rows.view(shape)
 
-        if not (torch.is_grad_enabled() and module.weight.requires_grad):
-            if self.embedding_cache is not None:
-                rows = self.embedding_cache.lookup(input_ids)
-                self._prefetch(-1, +1)
-                return rows
+        if not tracked:
             return gather()
         return GatheredRows.apply(module.weight, gather, functools.partial(self._rows_backward, unit, ids))
 
@@ -1005,6 +1140,9 @@ class OffloadEngine:
         weight = self.parts.head.weight
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             return StreamedLinear.apply(hidden, weight, _HeadStreamer(self, unit))
+        staged = self._staged_copy(unit)
+        if staged is not None:
+            return F.linear(hidden, staged)
         return _HeadStreamer(self, unit).forward(hidden)
 
 

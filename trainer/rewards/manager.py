@@ -10,6 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer.rewards.custom import as_float_score
 from trainer.rollout.batch import RolloutBatch
+from trainer.workers.recovery import Recovery, run_in_pieces
 
 ScoreFunction = Callable[[str, str, Any, dict | None], Any]
 
@@ -60,6 +61,7 @@ class ModelReward:
         self.reward_tokenizer = reward_tokenizer
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
+        self.recovery: Recovery | None = None  # set by the trainer: out-of-memory errors retried or split
 
     def _texts(self, batch: RolloutBatch) -> list[str]:
         responses = decode_responses(batch, self.policy_tokenizer)
@@ -78,13 +80,15 @@ class ModelReward:
     def __call__(self, batch: RolloutBatch) -> torch.Tensor:
         device = batch.response_ids.device
         texts = self._texts(batch)
-        scores = []
         # Right padding: the classifier reads the score at the last non-pad token.
         self.reward_tokenizer.padding_side = "right"
-        for start in range(0, len(texts), self.micro_batch_size):
-            encoded = self.reward_tokenizer(texts[start:start + self.micro_batch_size], return_tensors="pt",
+
+        def score(first: int, count: int) -> torch.Tensor:
+            encoded = self.reward_tokenizer(texts[first:first + count], return_tensors="pt",
                                             padding=True, truncation=True, max_length=self.max_length)
             output = self.model(input_ids=encoded["input_ids"].to(device),
                                 attention_mask=encoded["attention_mask"].to(device))
-            scores.append(output.logits[:, 0].float())
-        return torch.cat(scores)
+            return output.logits[:, 0].float()
+
+        return torch.cat(run_in_pieces(score, len(texts), self.micro_batch_size, recovery=self.recovery,
+                                       models=[self.model]))

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from trainer.config import RolloutConfig
 
@@ -25,12 +33,33 @@ def response_mask_until_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> t
     return (eos_before == 0).float()
 
 
+SAFE_POINT_EVERY = 8
+"""Decoded tokens between two safe points of a rollout (a memory reading each: microseconds)."""
+
+
+class SafePoints(StoppingCriteria):
+    """Calls `callback` every `every` decoded tokens, between two forwards of the decode loop (no
+    pass in flight: dynamic offload may move layers there). It never stops the generation."""
+
+    def __init__(self, callback: Callable[[], object], every: int = SAFE_POINT_EVERY):
+        self.callback = callback
+        self.every = every
+        self.tokens = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        self.tokens += 1
+        if self.tokens % self.every == 0:
+            self.callback()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 class HFRollout:
     """Samples `response_length` tokens at most per prompt, stopping at EOS."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
-                 response_length: int):
+                 response_length: int, *, safe_point: Callable[[], object] | None = None):
         self.model = model
+        self.safe_point = safe_point  # called between decode chunks (dynamic offload)
         self.response_length = response_length
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
@@ -53,8 +82,10 @@ class HFRollout:
         was_training = self.model.training
         self.model.eval()
         try:
+            stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])
             sequences = self.model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
+                stopping_criteria=stopping,
             )
         finally:
             self.model.train(was_training)

@@ -17,19 +17,24 @@ from trainer.algorithms import (
 from trainer.config import ActorConfig
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
+from trainer.workers.recovery import Recovery, run_in_pieces
 
 
 @torch.no_grad()
 def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
-                      temperature: float) -> torch.Tensor:
-    """[B, R] log-probs of the sampled responses under `model` at the sampling temperature."""
+                      temperature: float, recovery: Recovery | None = None) -> torch.Tensor:
+    """[B, R] log-probs of the sampled responses under `model` at the sampling temperature; with
+    `recovery`, a micro-batch that runs out of device memory is retried or split."""
+
+    def score(first: int, count: int) -> torch.Tensor:
+        micro_batch = batch.select(torch.arange(first, first + count))
+        logits = response_logits(model, micro_batch).float() / temperature
+        return log_probs_from_logits(logits, micro_batch.response_ids)
+
     was_training = model.training
     model.eval()
     try:
-        parts = []
-        for micro_batch in batch.split(micro_batch_size):
-            logits = response_logits(model, micro_batch).float() / temperature
-            parts.append(log_probs_from_logits(logits, micro_batch.response_ids))
+        parts = run_in_pieces(score, len(batch), micro_batch_size, recovery=recovery, models=[model])
     finally:
         model.train(was_training)
     return torch.cat(parts) * batch.response_mask
@@ -44,6 +49,7 @@ class Actor:
         # Set by the trainer: dynamic offload between micro-batches, and relief after an out-of-memory error.
         self.safe_point: Callable[[], None] | None = None
         self.relieve_memory: Callable[[], bool] | None = None
+        self.recovery: Recovery | None = None
         self.config = config
         self.temperature = temperature
         self.rollout_n = rollout_n
@@ -54,7 +60,7 @@ class Actor:
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
-                                 temperature=self.temperature)
+                                 temperature=self.temperature, recovery=self.recovery)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""

@@ -11,6 +11,7 @@ from trainer.algorithms import compute_value_loss
 from trainer.config import CriticConfig
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
+from trainer.workers.recovery import Recovery, run_in_pieces
 
 
 class Critic:
@@ -22,6 +23,7 @@ class Critic:
         # Set by the trainer: dynamic offload between micro-batches, and relief after an out-of-memory error.
         self.safe_point: Callable[[], None] | None = None
         self.relieve_memory: Callable[[], bool] | None = None
+        self.recovery: Recovery | None = None
         self.config = config
         self.rollout_n = rollout_n
         self.forward_micro_batch_size = forward_micro_batch_size
@@ -38,7 +40,10 @@ class Critic:
         was_training = self.model.training
         self.model.eval()
         try:
-            return torch.cat([self._values(micro) for micro in batch.split(self.forward_micro_batch_size)])
+            parts = run_in_pieces(lambda first, count: self._values(batch.select(torch.arange(first, first + count))),
+                                  len(batch), self.forward_micro_batch_size, recovery=self.recovery,
+                                  models=[self.model])
+            return torch.cat(parts)
         finally:
             self.model.train(was_training)
 

@@ -1,0 +1,280 @@
+"""Per-phase placement (the rollout and scoring keep the CPU-resident head and embedding on the
+device within a budget), safe points between decode chunks, where a dynamic run starts, and
+out-of-memory recovery in the no-grad phases. On the CPU the CPU plays the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteriaList
+
+from tests.trainer.test_offload import offloaded, policy, token_batch
+from tests.trainer.test_oom_recovery import rollout_batch
+from trainer.offload.copies import H2D
+from trainer.offload.dynamic import layers_that_fit
+from trainer.rollout.hf_rollout import SafePoints
+from trainer.workers.actor import compute_log_probs
+from trainer.workers.recovery import Recovery, run_in_pieces
+
+LAYERED = {"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}
+
+
+def h2d_bytes(engine, group: str) -> int:
+    return engine.copied_bytes().get((H2D, group), 0)
+
+
+# ------------------------------------------------------------------------------ per-phase placement
+
+
+def test_rollout_keeps_head_and_embedding_on_the_device_and_gives_the_same_logits():
+    reference = policy().eval()
+    model = policy().eval()
+    engine = offloaded(model, LAYERED)
+    ids = token_batch()
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        sizes = engine.stageable_bytes()
+        assert list(sizes) == ["lm_head", "embedding"]
+        assert sizes["lm_head"] == model.lm_head.weight.numel() * 4
+        before = {group: h2d_bytes(engine, group) for group in sizes}
+        with engine.placed_for("rollout") as staged:
+            assert staged == ["lm_head", "embedding"]
+            first = model(input_ids=ids).logits
+            second = model(input_ids=ids).logits
+        # One copy of each, whatever the number of forwards (decode steps).
+        assert {group: h2d_bytes(engine, group) - before[group] for group in sizes} == sizes
+        assert engine._staged == {} and engine.phase == "training"
+        after = model(input_ids=ids).logits  # streamed again
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
+    torch.testing.assert_close(second, expected, rtol=0, atol=0)
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("budget", "staged"), [(None, ["lm_head", "embedding"]), ("head", ["lm_head"]), (0, [])])
+def test_what_is_kept_follows_the_budget_head_first(budget, staged):
+    engine = offloaded(policy(), LAYERED)
+    if budget == "head":
+        budget = engine.stageable_bytes()["lm_head"] + 1
+    with engine.placed_for("rollout", budget_bytes=budget) as kept:
+        assert kept == staged
+    with engine.placed_for("training") as kept:
+        assert kept == []
+
+
+def test_a_kept_copy_follows_an_update_and_gradients_still_flow_through_the_streamed_groups():
+    reference = policy()
+    model = policy()
+    engine = offloaded(model, LAYERED)
+    optimizer = engine.optimizer(lr=1e-2)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ids = token_batch()
+    with engine.placed_for("scoring"):
+        for network, opt in ((model, optimizer), (reference, expected_optimizer)):
+            network(input_ids=ids, labels=ids).loss.backward()  # with grad: the streamed path
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            got, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_groups_on_the_gpu_have_nothing_to_keep_and_a_bad_phase_is_refused():
+    engine = offloaded(policy(), {})
+    assert engine.stageable_bytes() == {}
+    with engine.placed_for("rollout") as kept:
+        assert kept == []
+    with pytest.raises(ValueError, match="unknown phase 'decode'; expected one of rollout, scoring, training"):
+        with engine.placed_for("decode"):
+            pass
+
+
+def test_a_tied_model_keeps_its_one_table():
+    reference = policy(override_config={"num_hidden_layers": 2, "tie_word_embeddings": True}).eval()
+    model = policy(override_config={"num_hidden_layers": 2, "tie_word_embeddings": True}).eval()
+    engine = offloaded(model, LAYERED)
+    assert list(engine.stageable_bytes()) == ["embedding"]
+    ids = token_batch()
+    with torch.no_grad(), engine.placed_for("rollout") as kept:
+        assert kept == ["embedding"]
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
+
+
+# -------------------------------------------------------------------------------------- safe points
+
+
+def test_safe_points_come_every_few_decoded_tokens_and_change_nothing():
+    model = policy().eval()
+    prompt = token_batch(rows=2, length=4)
+    calls = []
+
+    def generate(stopping):
+        torch.manual_seed(0)
+        return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                              max_new_tokens=20, min_new_tokens=20, pad_token_id=0, eos_token_id=None,
+                              stopping_criteria=stopping)
+
+    plain = generate(StoppingCriteriaList())
+    with_safe_points = generate(StoppingCriteriaList([SafePoints(lambda: calls.append(1), every=8)]))
+    assert torch.equal(plain, with_safe_points)
+    assert len(calls) == 2  # after tokens 8 and 16 of 20
+
+
+def test_layers_move_at_a_safe_point_in_the_middle_of_a_generate():
+    reference = policy().eval()
+    model = policy().eval()
+    engine = offloaded(model, {"dynamic_offload": {"enabled": True}})
+    prompt = token_batch(rows=2, length=4)
+    moves = iter([1, 3, 0, 2])  # after tokens 4, 8, 12 and 16
+
+    def generate(network, stopping):
+        torch.manual_seed(0)
+        return network.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                                max_new_tokens=16, min_new_tokens=16, pad_token_id=0, eos_token_id=None,
+                                stopping_criteria=stopping)
+
+    safe_point = SafePoints(lambda: engine.set_transformer_layers_on_gpu(next(moves)), every=4)
+    assert torch.equal(generate(model, StoppingCriteriaList([safe_point])), generate(reference, StoppingCriteriaList()))
+    assert engine.layers_on_gpu == 2 and engine.moves == {"to_cpu": 3 + 3, "to_gpu": 2 + 2}
+
+
+def test_a_dynamic_run_starts_with_the_layers_that_fit():
+    layer = 1000
+    probe = lambda: (2000, 10_000)  # noqa: E731
+    assert layers_that_fit(probe, threshold=0.9, layer_bytes=layer, total_layers=28) == 7
+    assert layers_that_fit(probe, threshold=0.9, layer_bytes=layer, total_layers=4) == 4
+    assert layers_that_fit(probe, threshold=0.9, layer_bytes=layer, total_layers=28, reserve_bytes=6500) == 0
+    engine = offloaded(policy(), {"dynamic_offload": {"enabled": True}})
+    assert engine.layers_on_gpu == 4
+    from trainer.config import FSDPConfig
+    from trainer.offload import attach_offload
+
+    started = attach_offload(policy(), FSDPConfig.model_validate({"dynamic_offload": {"enabled": True}}), "cpu",
+                             role="actor", layers_on_gpu=1)
+    assert started.layers_on_gpu == 1
+    with pytest.raises(ValueError, match="layers_on_gpu needs dynamic_layers"):
+        attach_offload(policy(), FSDPConfig(), "cpu", role="actor", layers_on_gpu=1)
+
+
+# ------------------------------------------------------------------------- recovery without grad
+
+
+def test_pieces_are_retried_after_relief_or_split_and_keep_their_order():
+    failures = {(0, 8)}  # the whole batch fails once; then halves
+
+    def run(first, count):
+        if (first, count) in failures:
+            failures.discard((first, count))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return list(range(first, first + count))
+
+    recovery = Recovery()
+    assert run_in_pieces(run, 8, 8, recovery=recovery) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert recovery.take() == 1 and recovery.count == 0
+    failures.add((0, 8))
+    relieved = []
+    recovery = Recovery(relieve_memory=lambda: relieved.append(1) or True)
+    assert run_in_pieces(run, 8, 8, recovery=recovery) == [list(range(8))]
+    assert relieved == [1] and recovery.count == 1
+
+
+def test_one_item_that_does_not_fit_with_nothing_to_move_raises_and_without_recovery_the_error_passes():
+    def never(first, count):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    with pytest.raises(torch.OutOfMemoryError, match="single sequence"):
+        run_in_pieces(never, 2, 2, recovery=Recovery(relieve_memory=lambda: False))
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        run_in_pieces(never, 2, 2, recovery=None)
+
+
+def test_log_probs_after_an_oom_in_a_micro_batch_equal_the_uninterrupted_ones():
+    model = policy()
+    engine = offloaded(model, {"param_offload": True})
+    batch = rollout_batch()
+    expected = compute_log_probs(model, batch, micro_batch_size=4, temperature=1.0)
+    calls = {"count": 0}
+
+    def fail_once(module, args):
+        calls["count"] += 1
+        if calls["count"] == 2:  # the second micro-batch, half-way through the model
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    handle = model.model.layers[2].register_forward_pre_hook(fail_once)
+    recovery = Recovery()
+    try:
+        got = compute_log_probs(model, batch, micro_batch_size=4, temperature=1.0, recovery=recovery)
+    finally:
+        handle.remove()
+    assert recovery.count == 1
+    assert not any(block.acquired for block in engine.blocks)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- the trainer
+
+
+class Probe:
+    def __init__(self, used: int, total: int):
+        self.used, self.total = used, total
+
+    def __call__(self):
+        return self.used, self.total
+
+
+def test_the_trainer_places_groups_per_phase_within_the_threshold_and_recovers_a_rollout_oom(tmp_path):
+    from tests.trainer.test_training import TINY
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    config = load_config(None, [
+        *TINY, "actor_rollout_ref.actor.fsdp_config.offload_policy={embedding: cpu, lm_head: cpu}",
+        "trainer.total_training_steps=2", f"trainer.runs_dir={tmp_path}"])
+    logs = []
+    probe = Probe(used=0, total=10**9)
+    trainer = Trainer(config, log=logs.append, memory_probe=probe)
+    engine = trainer.offload_engines[0]
+    phases = []
+    original = engine.placed_for
+
+    def spy(phase, *, budget_bytes=None):
+        phases.append((phase, budget_bytes))
+        return original(phase, budget_bytes=budget_bytes)
+
+    engine.placed_for = spy
+    generate = trainer.rollout.generate
+    failed = []
+
+    def generate_failing_once(prompt_ids, prompt_mask):
+        if not failed:
+            failed.append(len(prompt_ids))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return generate(prompt_ids, prompt_mask)
+
+    trainer.rollout.generate = generate_failing_once
+    trainer.fit()
+    rows = trainer.metrics_log.read()
+    assert [row["perf/oom_recoveries"] for row in rows] == [1, 0]
+    assert failed == [config.data.train_batch_size]
+    threshold_budget = int(0.85 * 10**9)
+    assert ("rollout", threshold_budget) in phases and ("scoring", threshold_budget) in phases
+    assert [line for line in logs if line.startswith("per-phase placement")] == [
+        "per-phase placement: rollout keeps the actor's lm_head and embedding on the GPU (4.25 KiB; streamed again "
+        "for training)",
+        "per-phase placement: scoring keeps the actor's lm_head and embedding on the GPU (4.25 KiB; streamed again "
+        "for training)"]
+
+
+def test_a_run_without_room_streams_and_says_so(tmp_path):
+    from tests.trainer.test_training import TINY
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    config = load_config(None, [
+        *TINY, "actor_rollout_ref.actor.fsdp_config.offload_policy={embedding: cpu, lm_head: cpu}",
+        "trainer.total_training_steps=1", f"trainer.runs_dir={tmp_path}"])
+    logs = []
+    trainer = Trainer(config, log=logs.append, memory_probe=Probe(used=95, total=100))
+    trainer.fit()
+    assert any(line.startswith("per-phase placement: rollout streams the actor's CPU-resident groups (no room "
+                               "below the GPU memory threshold 0.85") for line in logs)
+
