@@ -444,20 +444,25 @@ def main(argv: list[str] | None = None) -> int:
             "ours_layered": bench.layered,
             "fsdp2": bench.fsdp2, "accelerate": bench.accelerate, "checkpointing": bench.checkpointing,
             "optimizer": bench.optimizer}
-    for name in SECTIONS:
-        if name not in sections:
-            continue
+    run_sections(bench, [name for name in SECTIONS if name in sections], lambda name: runs[name]())
+    bench.report()
+    return 0
+
+
+def run_sections(bench, names: list[str], run: Callable[[str], None]) -> None:
+    """Run each section in turn, timed; one that fails records its error in `bench.errors` (and
+    the results file) and the others still run."""
+    for name in names:
         print(f"[{name}]", flush=True)
         started = time.perf_counter()
         try:
-            runs[name]()
-        except Exception:  # noqa: BLE001 - one broken baseline must not lose the other measurements
+            run(name)
+        except Exception:  # noqa: BLE001 - one broken variant must not lose the other measurements
             bench.errors[name] = traceback.format_exc()
             print(bench.errors[name], file=sys.stderr, flush=True)
+            bench.save()
         release()
         print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
-    bench.report()
-    return 0
 
 
 if __name__ == "__main__":
