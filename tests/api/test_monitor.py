@@ -8,6 +8,7 @@ import _thread
 import asyncio
 import io
 import json
+import signal
 import socket
 import threading
 import time
@@ -354,27 +355,42 @@ def test_the_live_view_ends_when_asked_or_when_the_daemon_goes_away():
     assert "the daemon stopped answering" in console.file.getvalue()
 
 
-def _interrupt_when(condition: Callable[[], bool]) -> None:
-    """Ctrl-C in the main thread as soon as `condition` holds (checked from a helper thread)."""
+def _interrupt_when(condition: Callable[[], bool], done: threading.Event) -> None:
+    """Ctrl-C in the main thread as soon as `condition` holds (checked from a helper thread), and
+    again every two seconds until `done`: the test cannot hang on an interrupt that went astray."""
 
     def watch():
         deadline = time.monotonic() + 30
         while not condition() and time.monotonic() < deadline:
             time.sleep(0.005)
-        _thread.interrupt_main()
+        while not done.is_set():
+            _thread.interrupt_main()
+            done.wait(2.0)
 
     threading.Thread(target=watch, daemon=True).start()
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt in the main thread, whatever an earlier test left installed."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("when", ["while the view polls", "during the first poll"])
-def test_ctrl_c_closes_the_live_view_and_leaves_the_run_alone(daemon, when):
+def test_ctrl_c_closes_the_live_view_and_leaves_the_run_alone(daemon, ctrl_c_raises, when):
     fake, url = daemon
+    done = threading.Event()
     if when == "during the first poll":
-        _interrupt_when(lambda: len(fake.requests) >= 1)
+        _interrupt_when(lambda: len(fake.requests) >= 1, done)
     else:
-        _interrupt_when(lambda: sum(path == "/v1/status" for path, _ in fake.requests) >= 3)
+        _interrupt_when(lambda: sum(path == "/v1/status" for path, _ in fake.requests) >= 3, done)
     console = Console(file=io.StringIO(), force_terminal=True, width=100)
-    with ApiClient(url, TOKEN) as client:
-        assert run_monitor(client, once=False, as_json=False, refresh_s=0.02, console=console) == 0
+    try:
+        with ApiClient(url, TOKEN) as client:
+            assert run_monitor(client, once=False, as_json=False, refresh_s=0.02, console=console) == 0
+    finally:
+        done.set()
     assert console.file.getvalue().rstrip().endswith("monitor closed; the run goes on")
     assert not any(path in ("/v1/stop", "/v1/checkpoint") for path, _ in fake.requests)
