@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
+import psutil
 import torch
 
 from trainer.algorithms import apply_kl_penalty, build_kl_controller, get_advantage_estimator
@@ -37,7 +38,14 @@ from trainer.metrics import (
     throughput_metrics,
 )
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
-from trainer.offload import OffloadEngine, attach_offload, format_bytes, offload_engine, offload_message
+from trainer.offload import (
+    HostMemoryError,
+    OffloadEngine,
+    attach_offload,
+    format_bytes,
+    offload_engine,
+    offload_message,
+)
 from trainer.offload.dynamic import (
     DynamicLayers,
     DynamicOffloadController,
@@ -67,6 +75,12 @@ class TelemetryLink(Protocol):
     def poll(self) -> list[dict]: ...
 
 
+HOST_MARGIN_BYTES = 2 << 30
+"""Host memory a run leaves free beside what its offload placements need (the process, data, staging)."""
+FSDP_KEYS = {"actor": "actor_rollout_ref.actor.fsdp_config", "ref": "actor_rollout_ref.ref.fsdp_config",
+             "critic": "critic.fsdp_config", "reward": "reward_model.model.fsdp_config"}
+
+
 class RunSetupError(Exception):
     """The run cannot start as configured; the message names the setting to change."""
 
@@ -88,7 +102,8 @@ class Trainer:
     """Builds the models from the config and runs the RL loop, checkpointing as it goes."""
 
     def __init__(self, config: RunConfig, *, observers: Sequence[StepObserver] = (), log=print, warn=print,
-                 telemetry: TelemetryLink | None = None, memory_probe: MemoryProbe | None = None):
+                 telemetry: TelemetryLink | None = None, memory_probe: MemoryProbe | None = None,
+                 host_available: Callable[[], int] | None = None):
         self.config = config
         self.telemetry = telemetry
         self.live_settings: LiveSettings = initial_live_settings(config)
@@ -119,6 +134,8 @@ class Trainer:
         self.memory_probe = memory_probe or (device_memory_probe(self.device) if self.device.type == "cuda"
                                              else None)
         self._moves_reported = {"to_cpu": 0, "to_gpu": 0}
+        self.host_available = host_available or (lambda: psutil.virtual_memory().available)
+        self._host_pending = 0  # host bytes placed engines will allocate once they train
         # Out-of-memory errors recovered from in the no-grad phases (the updates count their own).
         self.recovery = Recovery(relieve_memory=self.relieve_memory)
         self._staged_logged: dict[tuple[str, str], tuple[str, ...]] = {}
@@ -190,7 +207,16 @@ class Trainer:
         layers_on_gpu = None
         if dynamic.enabled and self.memory_probe is not None and fsdp_config.placement("transformer") == "gpu":
             layers_on_gpu = self._layers_that_fit(model, fsdp_config)
-        engine = attach_offload(model, fsdp_config, self.device, role=role, layers_on_gpu=layers_on_gpu)
+        budget = self.host_available() - self._host_pending - HOST_MARGIN_BYTES
+        try:
+            engine = attach_offload(model, fsdp_config, self.device, role=role, layers_on_gpu=layers_on_gpu,
+                                    host_budget=budget)
+        except HostMemoryError as error:
+            raise RunSetupError(f"{error} (keeping {format_bytes(HOST_MARGIN_BYTES)} free): place fewer groups on the "
+                                f"CPU ({FSDP_KEYS[role]}.param_offload, .offload_policy, .optimizer_offload) or use a "
+                                "machine with more memory") from None
+        host = engine.host_bytes()
+        self._host_pending += host["gradients"] + host["optimizer"]
         self.offload_engines.append(engine)
         if layers_on_gpu is not None and layers_on_gpu < len(engine.transformer_units):
             self.log(f"dynamic offload: the {role} starts with {layers_on_gpu} of {len(engine.transformer_units)} "

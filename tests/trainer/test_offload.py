@@ -13,7 +13,16 @@ from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import FSDPConfig
 from trainer.config.ipc import MAX_MESSAGE_BYTES, encode
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer
-from trainer.offload import GROUPS, OffloadEngine, OffloadOptions, UnsupportedModel, attach_offload, offload_message
+from trainer.offload import (
+    GROUPS,
+    HostMemoryError,
+    OffloadEngine,
+    OffloadOptions,
+    UnsupportedModel,
+    attach_offload,
+    format_bytes,
+    offload_message,
+)
 from trainer.offload.copies import MAX_RECORDS_PER_DRAIN, CopyLog
 
 TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
@@ -34,7 +43,8 @@ POLICIES = {
 
 def policy(**overrides) -> torch.nn.Module:
     overrides.setdefault("override_config", FOUR_LAYERS)
-    return load_policy("builtin:tiny-qwen2", TOKENIZER, dtype=torch.float32, seed=1, **overrides)
+    overrides.setdefault("dtype", torch.float32)
+    return load_policy("builtin:tiny-qwen2", TOKENIZER, seed=1, **overrides)
 
 
 def offloaded(model, settings: dict, role: str = "actor", options: OffloadOptions = WHOLE_HEAD):
@@ -190,7 +200,51 @@ def test_the_summary_reports_each_groups_place_and_parameter_bytes():
     lines = engine.summary_lines()
     assert f"Embedding: OFFLOADED to CPU ({expected['embedding'] / 1024:.2f} KiB)" in lines
     assert any(line.startswith("Transformer (4 layers): on GPU") for line in lines)
-    assert lines[-1].startswith("GPU memory saved: ")
+    assert lines[-2].startswith("GPU memory saved: ")
+    host = sum(engine.host_bytes().values())
+    assert lines[-1] == (f"Host memory: {format_bytes(host)} ({format_bytes(engine.host_bytes()['arena'])} weights, "
+                         "the rest once it trains)")
+
+
+@pytest.mark.parametrize(("settings", "dtype"), [(POLICIES["all_cpu"], torch.float32),
+                                                 (POLICIES["all_cpu_optimizer_offload"], torch.bfloat16),
+                                                 (POLICIES["layered"], torch.float32)],
+                         ids=["all_cpu", "bf16_optimizer_offload", "layered"])
+def test_the_host_memory_plan_is_what_a_training_step_allocates(settings, dtype):
+    model = policy(dtype=dtype).train()
+    engine = offloaded(model, settings)
+    plan = engine.host_bytes()
+    optimizer = engine.optimizer(lr=1e-3)
+    ids = token_batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    engine.wait_for_updates()
+
+    def storage_bytes(tensors) -> int:
+        storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
+        return sum(storages.values())
+
+    offloaded_units = [unit for unit in engine.units if unit.arena is not None]
+    assert storage_bytes(unit.arena for unit in offloaded_units) == plan["arena"]
+    assert storage_bytes(view for unit in offloaded_units for view in unit.grad_views) == plan["gradients"]
+    states = [state for values in optimizer.state.values() for state in values.values()
+              if isinstance(state, torch.Tensor) and state.dim() > 0 and state.device.type == "cpu"]
+    if settings is POLICIES["layered"]:
+        # The transformer stays on the device: its states are not the host's.
+        states = [state for unit in offloaded_units for entry in unit.entries
+                  for state in optimizer.state[entry.parameter].values() if state.dim() > 0]
+    assert sum(state.numel() * state.element_size() for state in states) == plan["optimizer"]
+    assert plan["masters"] == (plan["gradients"] if dtype == torch.bfloat16 else 0)
+
+
+def test_a_placement_that_does_not_fit_in_host_memory_says_so_before_allocating():
+    model = policy()
+    with pytest.raises(HostMemoryError, match=r"^the actor's offload placement needs [\d.]+ [KM]iB of host memory "
+                                              r"\(arena [\d.]+ KiB, gradients [\d.]+ KiB, optimizer [\d.]+ [KM]iB\) and "
+                                              r"1.00 KiB is available$"):
+        attach_offload(model, FSDPConfig(param_offload=True), "cpu", role="actor", host_budget=1024)
+    assert all(parameter.device.type == "cpu" and not hasattr(model, "_offload_engine")
+               for parameter in model.parameters())
 
 
 def test_copies_are_counted_per_direction_and_group_with_their_bytes():

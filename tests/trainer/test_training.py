@@ -247,3 +247,16 @@ def test_settings_sent_before_the_first_step_hold_from_step_one(tmp_path):
     assert link.of_type("settings_ack")[0]["step"] == 1
     assert trainer.live_settings.min_transformer_layers_on_gpu == 3
     assert not trainer.receive_initial_settings(timeout_s=0.05)
+
+
+def test_a_placement_the_host_cannot_hold_is_refused_at_start_naming_the_settings(tmp_path):
+    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path}", "critic.fsdp_config.param_offload=true"])
+    with pytest.raises(RunSetupError) as error:
+        # Room for the actor's placement (all on the "GPU": nothing on the host) but not the critic's.
+        Trainer(config, log=lambda *_: None, host_available=lambda: (2 << 30) + 1000)
+    message = str(error.value)
+    assert message.startswith("the critic's offload placement needs ")
+    assert message.endswith("and 0.98 KiB is available (keeping 2.00 GiB free): place fewer groups on the CPU "
+                            "(critic.fsdp_config.param_offload, .offload_policy, .optimizer_offload) or use a "
+                            "machine with more memory")
+    assert "\n" not in message

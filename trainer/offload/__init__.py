@@ -15,22 +15,25 @@ from torch import nn
 
 from trainer.config import FSDPConfig
 from trainer.offload.copies import MAX_RECORDS_PER_DRAIN
-from trainer.offload.engine import OffloadEngine, OffloadOptions, format_bytes
+from trainer.offload.engine import HostMemoryError, OffloadEngine, OffloadOptions, format_bytes
 from trainer.offload.groups import GROUPS, UnsupportedModel
 from trainer.offload.optimizer import OffloadAdamW
 
-__all__ = ["GROUPS", "OffloadAdamW", "OffloadEngine", "OffloadOptions", "UnsupportedModel", "attach_offload",
-           "format_bytes", "offload_engine", "offload_message"]
+__all__ = ["GROUPS", "HostMemoryError", "OffloadAdamW", "OffloadEngine", "OffloadOptions", "UnsupportedModel",
+           "attach_offload", "format_bytes", "offload_engine", "offload_message"]
 
 
 def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.device | str, *, role: str,
-                   options: OffloadOptions | None = None, layers_on_gpu: int | None = None) -> OffloadEngine:
+                   options: OffloadOptions | None = None, layers_on_gpu: int | None = None,
+                   host_budget: int | None = None) -> OffloadEngine:
     """Place `model`'s module groups as `fsdp_config` says and return the engine that streams them.
 
     Call it instead of `model.to(device)`, after the model is built (and frozen, for the reference
     and reward models). Groups placed on the GPU move there; the others move into pinned host
     memory. Build the model's optimizer with `engine.optimizer(...)`. With dynamic offload,
     `layers_on_gpu` (see dynamic.layers_that_fit) keeps only the first ones on the GPU at the start.
+    With `host_budget`, a placement that would need more host memory (OffloadEngine.host_bytes)
+    raises HostMemoryError before allocating any.
     """
     engine = OffloadEngine(
         model,
@@ -42,6 +45,7 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
         layer_classes=fsdp_config.wrap_policy.transformer_layer_cls_to_wrap,
         dynamic_layers=fsdp_config.dynamic_offload.enabled,
         layers_on_gpu=layers_on_gpu,
+        host_budget=host_budget,
     )
     model._offload_engine = engine
     return engine

@@ -60,6 +60,10 @@ ROWS = "rows"  # embedding on the CPU: rows gathered on the CPU (and, when tied,
 CHUNKS = "chunks"  # output head on the CPU: streamed in row chunks
 
 
+class HostMemoryError(MemoryError):
+    """The placement needs more host memory than there is; the message says how much and for what."""
+
+
 @dataclass(frozen=True)
 class OffloadOptions:
     prefetch: int = 2
@@ -201,7 +205,7 @@ class OffloadEngine:
     def __init__(self, model: nn.Module, placements: dict[str, str], device: torch.device, *, role: str,
                  optimizer_offload: bool = False, options: OffloadOptions = OffloadOptions(),
                  layer_classes: Sequence[str] | None = None, dynamic_layers: bool = False,
-                 layers_on_gpu: int | None = None):
+                 layers_on_gpu: int | None = None, host_budget: int | None = None):
         self.model = model
         # Every transformer block gets a host arena, even those placed on the GPU, so that moving
         # one between device and host later is a copy, not an allocation (set_transformer_layers_on_gpu).
@@ -243,6 +247,8 @@ class OffloadEngine:
                     unit.placement = "cpu"
         self.group_bytes = {group: sum(unit.param_bytes for unit in self.units if unit.group == group)
                             for group in (*GROUPS, "other")}
+        if host_budget is not None and sum(self.host_bytes().values()) > host_budget:
+            raise HostMemoryError(self._host_memory_message(host_budget))
         self._pack()
         self._install_hooks()
 
@@ -276,7 +282,36 @@ class OffloadEngine:
             lines.append(f"Optimizer: {where} ({self.master_dtype_name} master weights and AdamW states, "
                          f"{format_bytes(3 * on_host * self.master_dtype.itemsize)})")
         lines.append(f"GPU memory saved: {format_bytes(self.saved_gpu_bytes())}")
+        host = self.host_bytes()
+        if sum(host.values()):
+            pinned = " pinned" if self.streams.cuda else ""
+            lines.append(f"Host memory: {format_bytes(sum(host.values()))} ({format_bytes(host['arena'])}{pinned} "
+                         "weights, the rest once it trains)")
         return lines
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory the placement holds once it trains, by use: "arena" (the offloaded groups in the
+        compute dtype, pinned on a GPU machine), "masters" (fp32 master weights beside a bf16 arena),
+        "gradients" and "optimizer" (AdamW's two states) of the trainable parameters kept there. The
+        gradients and optimizer states are allocated at the first backward and step."""
+        usage = dict.fromkeys(("arena", "masters", "gradients", "optimizer"), 0)
+        scale = self.master_dtype.itemsize // self.compute_dtype.itemsize
+        for group in (*GROUPS, "other"):
+            units = [unit for unit in self.units if unit.group == group and unit.kind != RESIDENT]
+            arena = sum(_aligned(self._layout(unit)[1]) for unit in units)
+            usage["arena"] += arena
+            usage["masters"] += arena * scale if scale != 1 else 0
+            if any(unit.trainable for unit in units):
+                usage["gradients"] += arena * scale  # one gradient arena per group
+            usage["optimizer"] += sum(2 * entry.parameter.numel() * self.master_dtype.itemsize
+                                      for unit in units for entry in unit.entries if entry.parameter.requires_grad)
+        return usage
+
+    def _host_memory_message(self, budget: int) -> str:
+        usage = self.host_bytes()
+        parts = ", ".join(f"{use} {format_bytes(nbytes)}" for use, nbytes in usage.items() if nbytes)
+        return (f"the {self.role}'s offload placement needs {format_bytes(sum(usage.values()))} of host memory "
+                f"({parts}) and {format_bytes(max(0, budget))} is available")
 
     @property
     def master_dtype_name(self) -> str:
@@ -446,16 +481,20 @@ class OffloadEngine:
                 self._pack_group(units)
         self._make_blocks()
 
+    def _layout(self, unit: Unit) -> tuple[list[int], int]:
+        """Where each of the unit's tensors starts in its arena (aligned), and the unit's bytes."""
+        offsets, end = [], 0
+        for entry in unit.entries:
+            offsets.append(_aligned(end))
+            end = offsets[-1] + entry.parameter.numel() * self.compute_dtype.itemsize
+        return offsets, end
+
     def _pack_group(self, units: list[Unit]) -> None:
         starts, total = [], 0
         for unit in units:
-            end = 0
-            for entry in unit.entries:
-                unit.offsets.append(_aligned(end))
-                end = unit.offsets[-1] + entry.parameter.numel() * entry.parameter.element_size()
-            unit.nbytes = end
+            unit.offsets, unit.nbytes = self._layout(unit)
             starts.append(total)
-            total += _aligned(end)
+            total += _aligned(unit.nbytes)
         arena = pinned_empty(total, self.device)
         # fp32 masters beside a bf16 arena: the same layout at `scale` times the offsets.
         scale = self.master_dtype.itemsize // self.compute_dtype.itemsize
