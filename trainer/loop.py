@@ -356,14 +356,11 @@ class Trainer:
         """Run a phase with `model`'s groups placed for it (OffloadEngine.placed_for) within the
         memory budget: below the live GPU memory threshold, counting what is in use now."""
         engine = offload_engine(model) if model is not None else None
-        if engine is None or not engine.stageable_bytes():
-            yield
+        if engine is None or not engine.stageable_bytes() or self.memory_probe is None:
+            yield  # nothing on the CPU to keep, or no GPU to keep it on
             return
-        if self.memory_probe is None:
-            budget = 0  # on the CPU there is no device copy to make
-        else:
-            used, total = self.memory_probe()
-            budget = int(self.live_settings.gpu_memory_threshold * total) - used
+        used, total = self.memory_probe()
+        budget = int(self.live_settings.gpu_memory_threshold * total) - used
         with engine.placed_for(phase, budget_bytes=budget) as staged:
             self._log_staged(engine, phase, staged)
             yield

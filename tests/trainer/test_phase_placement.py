@@ -278,3 +278,18 @@ def test_a_run_without_room_streams_and_says_so(tmp_path):
     assert any(line.startswith("per-phase placement: rollout streams the actor's CPU-resident groups (no room "
                                "below the GPU memory threshold 0.85") for line in logs)
 
+
+
+def test_a_cpu_run_has_no_gpu_to_keep_groups_on_and_says_nothing_about_it(tmp_path):
+    from tests.trainer.test_training import TINY
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    config = load_config(None, [
+        *TINY, "actor_rollout_ref.actor.fsdp_config.offload_policy={embedding: cpu, lm_head: cpu}",
+        "trainer.total_training_steps=1", f"trainer.runs_dir={tmp_path}"])
+    logs = []
+    trainer = Trainer(config, log=logs.append)
+    trainer.fit()
+    assert trainer.offload_engines[0]._staged == {}
+    assert not any(line.startswith("per-phase placement") for line in logs)
