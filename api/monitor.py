@@ -126,6 +126,8 @@ def _watch(feed: MonitorFeed, console: Console, refresh_s: float, stop: threadin
                     break
     except KeyboardInterrupt:
         farewell = "monitor closed; the run goes on"
+    if not console.is_terminal:
+        console.line()  # written to a file, the last frame ends without its line end
     if farewell:
         console.print(farewell)
     return 0

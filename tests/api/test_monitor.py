@@ -328,6 +328,17 @@ def test_the_live_view_updates_until_the_run_finishes(daemon):
     assert text.rstrip().endswith("the run has finished")
 
 
+def test_the_live_view_written_to_a_file_ends_its_last_frame_before_the_farewell(daemon):
+    fake, url = daemon
+    fake.states = ["running", "finished"]
+    output = io.StringIO()
+    console = Console(file=output, force_terminal=False, width=100)
+    with ApiClient(url, TOKEN) as client:
+        assert run_monitor(client, once=False, as_json=False, refresh_s=0.02, console=console) == 0
+    lines = output.getvalue().splitlines()
+    assert lines[-1] == "the run has finished" and lines[-2].startswith("╰")
+
+
 def test_the_live_view_ends_when_asked_or_when_the_daemon_goes_away():
     fake = FakeDaemon()
     stop = threading.Event()
