@@ -73,11 +73,7 @@ class Bench:
         self.errors: dict[str, str] = {}
         self.pinned_gbps: float | None = None
         self.meta = {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name(),
-            "host_cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
+            **machine(),
             "shape": {**SHAPE, "num_hidden_layers": plan.layers},
             "batch": [plan.batch, plan.tokens],
             "plan": dataclasses.asdict(plan),
@@ -447,6 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     run_sections(bench, [name for name in SECTIONS if name in sections], lambda name: runs[name]())
     bench.report()
     return 0
+
+
+def machine() -> dict:
+    """When and on what a benchmark ran: date, GPU, host cores and library versions."""
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "host_cores": os.cpu_count(), "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__}
 
 
 def run_sections(bench, names: list[str], run: Callable[[str], None]) -> None:

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
-import os
 import socket
 import statistics
 import sys
@@ -38,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, StoppingCriteriaList  # noqa: E402
 
-from benchmarks.offload_bench import GIB, LAYERED, SHAPE, release, run_sections  # noqa: E402
+from benchmarks.offload_bench import GIB, LAYERED, SHAPE, machine, release, run_sections  # noqa: E402
 from trainer.config import FSDPConfig  # noqa: E402
 from trainer.offload import OffloadOptions, attach_offload  # noqa: E402
 
@@ -100,11 +98,7 @@ class Bench:
         self.attention_mask = torch.ones_like(self.prompt)
         self.generation_configs = {tokens: _sampling(tokens) for tokens in {1, plan.warmup_tokens, plan.new_tokens}}
         self.meta = {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name(),
-            "host_cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
+            **machine(),
             "accelerate": _version("accelerate"),
             "shape": {**SHAPE, "num_hidden_layers": plan.layers, "use_cache": True},
             "plan": dataclasses.asdict(plan),
