@@ -61,6 +61,20 @@ def test_what_is_kept_follows_the_budget_head_first(budget, staged):
         assert kept == []
 
 
+def test_a_copy_that_runs_out_of_device_memory_is_not_kept_and_the_phase_streams(monkeypatch):
+    engine = offloaded(policy(), LAYERED)
+    stage = engine._stage
+
+    def head_only(unit):
+        if unit.group == "embedding":
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        stage(unit)
+
+    monkeypatch.setattr(engine, "_stage", head_only)
+    with engine.placed_for("rollout") as kept:
+        assert kept == ["lm_head"]
+
+
 def test_a_kept_copy_follows_an_update_and_gradients_still_flow_through_the_streamed_groups():
     reference = policy()
     model = policy()

@@ -611,7 +611,10 @@ class OffloadEngine:
                 for group, nbytes in self.stageable_bytes().items():
                     if budget is not None and nbytes > budget:
                         break
-                    self._stage(next(unit for unit in self.units if unit.group == group))
+                    try:
+                        self._stage(next(unit for unit in self.units if unit.group == group))
+                    except torch.OutOfMemoryError:
+                        break  # the budget was optimistic: this group and the next stream as in training
                     staged.append(group)
                     budget = None if budget is None else budget - nbytes
             yield staged
