@@ -380,8 +380,9 @@ class Trainer:
                      f"the GPU memory threshold {self.live_settings.gpu_memory_threshold} to keep them on the GPU)")
 
     def relieve_memory(self) -> bool:
-        """After a CUDA out-of-memory error: move half the layers above the minimum to the CPU.
-        False when none can move (then the micro-batch is split instead)."""
+        """After a CUDA out-of-memory error: move half the layers above the minimum to the CPU, else
+        drop the groups a phase keeps on the GPU (they stream for the rest of it). False when
+        nothing could be freed (then the micro-batch is split instead)."""
         minimum = self.live_settings.min_transformer_layers_on_gpu
         moved = False
         for engine in (dynamic.engine for dynamic in self.dynamic_offload):
@@ -390,6 +391,14 @@ class Trainer:
                 engine.set_transformer_layers_on_gpu(engine.layers_on_gpu - max(1, spare // 2))
                 self.log(f"out of GPU memory: {engine.role} keeps {engine.layers_on_gpu} transformer layers "
                          "on GPU, retrying")
+                moved = True
+        if moved:
+            return True
+        for engine in self.offload_engines:
+            dropped = engine.drop_kept()
+            if dropped:
+                self.log(f"out of GPU memory: the {engine.role}'s {' and '.join(dropped)} stream for the rest of "
+                         f"the {engine.phase} phase, retrying")
                 moved = True
         return moved
 

@@ -307,3 +307,32 @@ def test_a_cpu_run_has_no_gpu_to_keep_groups_on_and_says_nothing_about_it(tmp_pa
     trainer.fit()
     assert trainer.offload_engines[0]._staged == {}
     assert not any(line.startswith("per-phase placement") for line in logs)
+
+
+def test_an_oom_in_a_rollout_that_keeps_groups_drops_them_and_retries_the_whole_batch(tmp_path):
+    from tests.trainer.test_training import TINY
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    config = load_config(None, [
+        *TINY, "actor_rollout_ref.actor.fsdp_config.offload_policy={embedding: cpu, lm_head: cpu}",
+        "trainer.total_training_steps=1", f"trainer.runs_dir={tmp_path}"])
+    logs = []
+    trainer = Trainer(config, log=logs.append, memory_probe=Probe(used=0, total=10**9))
+    engine = trainer.offload_engines[0]
+    generate = trainer.rollout.generate
+    attempts = []
+
+    def generate_failing_once(prompt_ids, prompt_mask):
+        attempts.append((len(prompt_ids), sorted(engine._staged)))
+        if len(attempts) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return generate(prompt_ids, prompt_mask)
+
+    trainer.rollout.generate = generate_failing_once
+    trainer.fit()
+    batch = config.data.train_batch_size
+    assert attempts == [(batch, ["embedding", "lm_head"]), (batch, [])]  # the same batch, now streaming
+    assert trainer.metrics_log.read()[0]["perf/oom_recoveries"] == 1
+    assert "out of GPU memory: the actor's lm_head and embedding stream for the rest of the rollout phase, " \
+           "retrying" in logs

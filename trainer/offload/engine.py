@@ -622,6 +622,14 @@ class OffloadEngine:
             self._staged.clear()
             self.phase = previous
 
+    def drop_kept(self) -> list[str]:
+        """Give back the device copies the current phase keeps (they stream from now on); the
+        groups dropped. What out-of-memory relief does when no layer can move."""
+        group_of = {unit.name: unit.group for unit in self.units}
+        groups = [group_of[name] for name in self._staged]  # in the order they were kept
+        self._staged.clear()
+        return groups
+
     def _staged_weight_index(self, unit: Unit) -> int:
         return self._index_of(unit, self.parts.head.weight if unit.kind == CHUNKS else self.parts.embedding.weight)
 
