@@ -28,6 +28,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import FSDPConfig, RunConfig, dump_config
 from trainer.config.live import LiveSettings, initial_live_settings
+from trainer.config.schema import FSDP_PREFIX
 from trainer.data import PromptRecord, PromptSampler, load_records
 from trainer.metrics import (
     MetricsLog,
@@ -75,10 +76,9 @@ class TelemetryLink(Protocol):
     def poll(self) -> list[dict]: ...
 
 
+CONFIG_ROLE = {"reward": "reward_model"}  # the engine's role name -> the config's
 HOST_MARGIN_BYTES = 2 << 30
 """Host memory a run leaves free beside what its offload placements need (the process, data, staging)."""
-FSDP_KEYS = {"actor": "actor_rollout_ref.actor.fsdp_config", "ref": "actor_rollout_ref.ref.fsdp_config",
-             "critic": "critic.fsdp_config", "reward": "reward_model.model.fsdp_config"}
 
 
 class RunSetupError(Exception):
@@ -212,9 +212,11 @@ class Trainer:
             engine = attach_offload(model, fsdp_config, self.device, role=role, layers_on_gpu=layers_on_gpu,
                                     host_budget=budget)
         except HostMemoryError as error:
+            key = FSDP_PREFIX[CONFIG_ROLE.get(role, role)]
             raise RunSetupError(f"{error} (keeping {format_bytes(HOST_MARGIN_BYTES)} free): place fewer groups on the "
-                                f"CPU ({FSDP_KEYS[role]}.param_offload, .offload_policy, .optimizer_offload) or use a "
-                                "machine with more memory") from None
+                                f"CPU ({key}.param_offload, .offload_policy, .optimizer_offload), keep their "
+                                f"gradients in bf16 ({key}.offload_grad_dtype) or use a machine with more memory"
+                                ) from None
         host = engine.host_bytes()
         self._host_pending += host["gradients"] + host["optimizer"]
         self.offload_engines.append(engine)

@@ -206,10 +206,14 @@ def test_the_summary_reports_each_groups_place_and_parameter_bytes():
                          "the rest once it trains)")
 
 
+BF16_HOST_GRADS = {**POLICIES["all_cpu_optimizer_offload"], "offload_grad_dtype": "bf16"}
+
+
 @pytest.mark.parametrize(("settings", "dtype"), [(POLICIES["all_cpu"], torch.float32),
                                                  (POLICIES["all_cpu_optimizer_offload"], torch.bfloat16),
+                                                 (BF16_HOST_GRADS, torch.bfloat16),
                                                  (POLICIES["layered"], torch.float32)],
-                         ids=["all_cpu", "bf16_optimizer_offload", "layered"])
+                         ids=["all_cpu", "bf16_optimizer_offload", "bf16_host_gradients", "layered"])
 def test_the_host_memory_plan_is_what_a_training_step_allocates(settings, dtype):
     model = policy(dtype=dtype).train()
     engine = offloaded(model, settings)
@@ -226,7 +230,8 @@ def test_the_host_memory_plan_is_what_a_training_step_allocates(settings, dtype)
 
     offloaded_units = [unit for unit in engine.units if unit.arena is not None]
     assert storage_bytes(unit.arena for unit in offloaded_units) == plan["arena"]
-    assert storage_bytes(view for unit in offloaded_units for view in unit.grad_views) == plan["gradients"]
+    scratch = optimizer._scratch.numel() * 4 if optimizer._scratch is not None else 0  # bf16 gradients read in fp32
+    assert storage_bytes(view for unit in offloaded_units for view in unit.grad_views) + scratch == plan["gradients"]
     states = [state for values in optimizer.state.values() for state in values.values()
               if isinstance(state, torch.Tensor) and state.dim() > 0 and state.device.type == "cpu"]
     if settings is POLICIES["layered"]:
@@ -234,7 +239,20 @@ def test_the_host_memory_plan_is_what_a_training_step_allocates(settings, dtype)
         states = [state for unit in offloaded_units for entry in unit.entries
                   for state in optimizer.state[entry.parameter].values() if state.dim() > 0]
     assert sum(state.numel() * state.element_size() for state in states) == plan["optimizer"]
-    assert plan["masters"] == (plan["gradients"] if dtype == torch.bfloat16 else 0)
+    assert plan["masters"] == (plan["arena"] * 2 if dtype == torch.bfloat16 else 0)
+    if settings is BF16_HOST_GRADS:
+        assert plan["gradients"] - scratch == plan["arena"]  # half the fp32 gradients
+
+
+def test_bf16_host_gradients_train_like_fp32_ones_to_bf16_tolerance():
+    """offload_grad_dtype: bf16 keeps the CPU gradients of a bf16 model in bf16 beside fp32 masters."""
+    expected_losses, expected_weights, _ = train(POLICIES["all_cpu_optimizer_offload"], dtype=torch.bfloat16)
+    losses, weights, engine = train(BF16_HOST_GRADS, dtype=torch.bfloat16)
+    assert engine.grad_dtype == torch.bfloat16 and engine.master_dtype == torch.float32
+    master = next(unit for unit in engine.units if unit.group == "transformer").entries[0].parameter
+    assert master.dtype == torch.float32
+    assert losses == pytest.approx(expected_losses, rel=2e-2)
+    torch.testing.assert_close(weights, expected_weights, rtol=2e-2, atol=2e-3)
 
 
 def test_a_placement_that_does_not_fit_in_host_memory_says_so_before_allocating():

@@ -30,6 +30,8 @@ POLICIES = {
     "layered": {"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}},
     "optimizer_offload": {"optimizer_offload": True},
     "all_cpu_optimizer_offload": {"param_offload": True, "optimizer_offload": True},
+    # Gradients land straight in a pinned bf16 arena; the update reads them in fp32.
+    "all_cpu_bf16_host_gradients": {"param_offload": True, "optimizer_offload": True, "offload_grad_dtype": "bf16"},
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -257,6 +258,19 @@ def test_a_placement_the_host_cannot_hold_is_refused_at_start_naming_the_setting
     message = str(error.value)
     assert message.startswith("the critic's offload placement needs ")
     assert message.endswith("and 0.98 KiB is available (keeping 2.00 GiB free): place fewer groups on the CPU "
-                            "(critic.fsdp_config.param_offload, .offload_policy, .optimizer_offload) or use a "
-                            "machine with more memory")
+                            "(critic.fsdp_config.param_offload, .offload_policy, .optimizer_offload), keep their "
+                            "gradients in bf16 (critic.fsdp_config.offload_grad_dtype) or use a machine with more "
+                            "memory")
     assert "\n" not in message
+
+
+def test_a_run_with_bf16_gradients_on_the_host_trains(tmp_path):
+    fsdp = "actor_rollout_ref.actor.fsdp_config"
+    trainer = make_trainer(tmp_path, f"{fsdp}.model_dtype=bf16", f"{fsdp}.optimizer_offload=true",
+                           f"{fsdp}.param_offload=true", f"{fsdp}.offload_grad_dtype=bf16",
+                           "trainer.total_training_steps=2")
+    engine = trainer.offload_engines[0]
+    assert engine.grad_dtype == torch.bfloat16 and engine.master_dtype == torch.float32
+    trainer.fit()
+    rows = trainer.metrics_log.read()
+    assert len(rows) == 2 and all(math.isfinite(row["actor/grad_norm"]) for row in rows)

@@ -154,6 +154,8 @@ class FSDPConfig(Section):
     """How the model is split into units for sharding and offload."""
     model_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the parameters (bf16 trains without fp32 master weights)."""
+    offload_grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of CPU gradients beside fp32 masters (bf16 halves their host memory; needs optimizer_offload, bf16)."""
 
     def placement(self, group: str) -> Placement:
         """Where a module group lives once param_offload and offload_policy are combined."""
@@ -627,7 +629,7 @@ def inactive_settings(config: RunConfig) -> list[str]:
     """Accepted keys whose engine is not built yet: each one gets a warning at start."""
     notes = []
     for role, fsdp in config.fsdp_configs().items():
-        prefix = _FSDP_PREFIX[role]
+        prefix = FSDP_PREFIX[role]
         if fsdp.wrap_policy.transformer_layer_cls_to_wrap or fsdp.wrap_policy.min_num_params:
             notes.append(f"{prefix}.wrap_policy is set, but only single-device runs exist yet: "
                          "it has no effect")
@@ -638,7 +640,7 @@ def inactive_settings(config: RunConfig) -> list[str]:
     return notes
 
 
-_FSDP_PREFIX = {
+FSDP_PREFIX = {
     "actor": "actor_rollout_ref.actor.fsdp_config",
     "ref": "actor_rollout_ref.ref.fsdp_config",
     "critic": "critic.fsdp_config",
@@ -661,7 +663,20 @@ def _check_files(config: RunConfig) -> list[ConfigProblem]:
 
 def _check_consistency(config: RunConfig) -> list[ConfigProblem]:
     """Checks of how fields fit together: they only make sense once every field is the user's own."""
-    return _check_batch_sizes(config) + _check_algorithm(config) + _check_devices(config)
+    return (_check_batch_sizes(config) + _check_algorithm(config) + _check_devices(config)
+            + _check_offload(config))
+
+
+def _check_offload(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    for role, fsdp in config.fsdp_configs().items():
+        if fsdp.offload_grad_dtype == "bf16" and not (fsdp.optimizer_offload and fsdp.model_dtype == "bf16"):
+            problems.append(ConfigProblem(
+                f"{FSDP_PREFIX[role]}.offload_grad_dtype",
+                f"got bf16 with optimizer_offload={str(fsdp.optimizer_offload).lower()} and model_dtype="
+                f"{fsdp.model_dtype}; bf16 gradients beside fp32 masters need optimizer_offload: true and "
+                "model_dtype: bf16 (otherwise gradients already have the model's dtype); allowed: fp32, or set both"))
+    return problems
 
 
 def _file_problems_despite_schema_errors(raw: dict[str, Any],

@@ -46,6 +46,7 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
         dynamic_layers=fsdp_config.dynamic_offload.enabled,
         layers_on_gpu=layers_on_gpu,
         host_budget=host_budget,
+        host_grad_dtype=torch.bfloat16 if fsdp_config.offload_grad_dtype == "bf16" else None,
     )
     model._offload_engine = engine
     return engine

@@ -205,7 +205,8 @@ class OffloadEngine:
     def __init__(self, model: nn.Module, placements: dict[str, str], device: torch.device, *, role: str,
                  optimizer_offload: bool = False, options: OffloadOptions = OffloadOptions(),
                  layer_classes: Sequence[str] | None = None, dynamic_layers: bool = False,
-                 layers_on_gpu: int | None = None, host_budget: int | None = None):
+                 layers_on_gpu: int | None = None, host_budget: int | None = None,
+                 host_grad_dtype: torch.dtype | None = None):
         self.model = model
         # Every transformer block gets a host arena, even those placed on the GPU, so that moving
         # one between device and host later is a copy, not an allocation (set_transformer_layers_on_gpu).
@@ -237,6 +238,17 @@ class OffloadEngine:
         # The optimizer on the CPU keeps fp32 master weights; the device computes in the model's dtype.
         self.optimizer_offload = optimizer_offload and trainable
         self.master_dtype = torch.float32 if self.optimizer_offload else self.compute_dtype
+        # Gradients on the host: in the masters' dtype, or (host_grad_dtype) in the compute dtype beside
+        # fp32 masters, which the update reads back in fp32 (OffloadAdamW).
+        self.grad_dtype = self.master_dtype
+        if host_grad_dtype is not None and self.optimizer_offload:
+            if host_grad_dtype != self.compute_dtype:
+                raise ValueError(f"offload: gradients on the host in {host_grad_dtype} need a model in that dtype, "
+                                 f"not {self.compute_dtype}")
+            if not hasattr(torch.Tensor, "grad_dtype"):
+                raise ValueError(f"offload: gradients in {host_grad_dtype} beside fp32 weights need torch's "
+                                 f"Tensor.grad_dtype, which torch {torch.__version__} does not have")
+            self.grad_dtype = host_grad_dtype
         self.units = self._build_units()
         if layers_on_gpu is not None:
             if not dynamic_layers:
@@ -296,15 +308,21 @@ class OffloadEngine:
         gradients and optimizer states are allocated at the first backward and step."""
         usage = dict.fromkeys(("arena", "masters", "gradients", "optimizer"), 0)
         scale = self.master_dtype.itemsize // self.compute_dtype.itemsize
+        grad_scale = self.grad_dtype.itemsize // self.compute_dtype.itemsize
         for group in (*GROUPS, "other"):
             units = [unit for unit in self.units if unit.group == group and unit.kind != RESIDENT]
             arena = sum(_aligned(self._layout(unit)[1]) for unit in units)
             usage["arena"] += arena
             usage["masters"] += arena * scale if scale != 1 else 0
             if any(unit.trainable for unit in units):
-                usage["gradients"] += arena * scale  # one gradient arena per group
+                usage["gradients"] += arena * grad_scale  # one gradient arena per group
             usage["optimizer"] += sum(2 * entry.parameter.numel() * self.master_dtype.itemsize
                                       for unit in units for entry in unit.entries if entry.parameter.requires_grad)
+        if self.grad_dtype != self.master_dtype:
+            # The update's fp32 copy of one unit's gradients at a time.
+            largest = max((sum(entry.parameter.numel() for entry in unit.entries if entry.parameter.requires_grad)
+                           for unit in self.units if unit.kind != RESIDENT), default=0)
+            usage["gradients"] += largest * self.master_dtype.itemsize
         return usage
 
     def _host_memory_message(self, budget: int) -> str:
@@ -508,6 +526,8 @@ class OffloadEngine:
                                      self.master_dtype)
                 master.copy_(entry.parameter.data)
                 entry.parameter.data = master
+                if self.grad_dtype != self.master_dtype:
+                    entry.parameter.grad_dtype = None  # its .grad is the host gradient, in grad_dtype
                 unit.masters.append(master)
             unit.master_version = self._master_version(unit)
 
@@ -1025,7 +1045,7 @@ class OffloadEngine:
             target.add_(tensor.reshape(-1))
 
     def _ensure_grad_arena(self, unit: Unit) -> None:
-        """The group's host gradient arena, in the master dtype (allocated at its first gradient).
+        """The group's host gradient arena, in the gradient dtype (allocated at its first gradient).
 
         Pinned when gradients can land straight in it (same dtype as the compute copies);
         otherwise they land in pinned staging buffers and the worker converts them.
@@ -1033,12 +1053,12 @@ class OffloadEngine:
         if unit.grad_views is not None:
             return
         units = [other for other in self.units if other.group == unit.group and other.kind != RESIDENT]
-        scale = self.master_dtype.itemsize // self.compute_dtype.itemsize
+        scale = self.grad_dtype.itemsize // self.compute_dtype.itemsize
         total = sum(_aligned(other.nbytes) for other in units) * scale
         arena = pinned_empty(total, self.device) if scale == 1 else torch.empty(total, dtype=torch.uint8)
         start = 0
         for other in units:
-            other.grad_views = [_typed(arena, (start + offset) * scale, (entry.parameter.shape, self.master_dtype))
+            other.grad_views = [_typed(arena, (start + offset) * scale, (entry.parameter.shape, self.grad_dtype))
                                 for offset, entry in zip(other.offsets, other.entries, strict=True)]
             other.grad_pinned = scale == 1 and self.streams.cuda
             start += _aligned(other.nbytes)

@@ -14,6 +14,8 @@ read-and-write pass over every fp32 gradient on the CPU, which costs more than t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from trainer.offload.engine import RESIDENT, OffloadEngine, Unit
@@ -36,6 +38,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self.engine = engine
         self._units = units
         self._grad_scale: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -62,7 +65,8 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def _update_unit(self, group: dict, unit: Unit, grad_scale: torch.Tensor | None) -> None:
         try:
-            self._step_groups([group], grad_scale)
+            with self._fp32_grads(group["params"]):
+                self._step_groups([group], grad_scale)
             self.engine.after_update(unit)
         finally:
             with self.engine.update_lock:
@@ -70,6 +74,31 @@ class OffloadAdamW(torch.optim.AdamW):
                     self._clear_grads(group["params"], unit.grads_after_update == "none")
                     unit.grads_after_update = None
                 unit.ready.set()
+
+    @contextlib.contextmanager
+    def _fp32_grads(self, parameters: list[torch.Tensor]):
+        """bf16 gradients of fp32 masters (offload_grad_dtype) read back in fp32 for the fused update,
+        which wants one dtype: one unit at a time, in a scratch buffer reused across units (only the
+        engine's worker runs updates, one after the other)."""
+        narrow = [parameter for parameter in parameters
+                  if parameter.grad is not None and parameter.grad.dtype != parameter.dtype]
+        if not narrow:
+            yield
+            return
+        needed = sum(parameter.numel() for parameter in narrow)
+        if self._scratch is None or self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed, dtype=narrow[0].dtype)
+        kept, offset = [], 0
+        for parameter in narrow:
+            wide = self._scratch[offset:offset + parameter.numel()].view_as(parameter)
+            offset += parameter.numel()
+            kept.append(parameter.grad)
+            parameter.grad = wide.copy_(parameter.grad)
+        try:
+            yield
+        finally:
+            for parameter, grad in zip(narrow, kept, strict=True):
+                parameter.grad = grad
 
     def _step_groups(self, groups: list[dict], grad_scale: torch.Tensor | None = None) -> None:
         """torch's AdamW step over some of the groups: a view of this optimizer sharing its state."""
@@ -90,12 +119,16 @@ class OffloadAdamW(torch.optim.AdamW):
         if not grads:
             return torch.zeros(())
         host = [grad for grad in grads if grad.device.type == "cpu" and grad.dtype == torch.float32]
-        others = [grad for grad in grads if not (grad.device.type == "cpu" and grad.dtype == torch.float32)]
+        narrow = [grad for grad in grads if grad.device.type == "cpu" and grad.dtype != torch.float32]
+        others = [grad for grad in grads if grad.device.type != "cpu"]
         squares = []
         if host:
             # BLAS dot products use every core; torch's norm reduces each CPU tensor on one thread
             # (10 GB/s on an H200 host, where the fused AdamW moves 84 GB/s).
             squares.append(torch.stack([torch.dot(grad.view(-1), grad.view(-1)) for grad in host]).sum())
+        if narrow:  # bf16 gradients on the host (offload_grad_dtype): summed in fp32
+            squares.append(torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in narrow])
+                           .square().sum())
         if others:
             squares.append(torch.nn.utils.get_total_norm(others, norm_type=2.0).square().float().cpu())
         total = torch.stack(squares).sum().sqrt()
