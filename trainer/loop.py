@@ -55,7 +55,6 @@ from trainer.offload.dynamic import (
     layers_that_fit,
 )
 from trainer.offload.embedding_cache import EmbeddingCache
-from trainer.offload.groups import find_parts
 from trainer.randomness import rng_state, seed_everything, set_rng_state
 from trainer.reporting import StepObserver
 from trainer.rewards import resolve_compute_score
@@ -141,6 +140,7 @@ class Trainer:
         self._staged_logged: dict[tuple[str, str], tuple[str, ...]] = {}
         self._build_models()
         self.reward_fn = self._build_reward()
+        self._fit_dynamic_layers()
         self.embedding_cache = self._build_embedding_cache()
         for worker in (self.actor, self.critic):
             if worker is not None:
@@ -201,12 +201,11 @@ class Trainer:
     def _place(self, model: torch.nn.Module, fsdp_config: FSDPConfig, role: str) -> torch.nn.Module:
         """Put each module group where the policy says (the engine streams the CPU-resident ones).
 
-        With dynamic offload, the model starts with as many transformer layers on the GPU as fit
-        below the threshold (so a model the GPU cannot hold whole still starts), the rest streamed."""
+        With dynamic offload its transformer layers start streamed; once every model is placed
+        they come to the GPU as far as they fit (`_fit_dynamic_layers`), so a model the GPU cannot
+        hold whole still starts, and the models placed after it still find their room."""
         dynamic = fsdp_config.dynamic_offload
-        layers_on_gpu = None
-        if dynamic.enabled and self.memory_probe is not None and fsdp_config.placement("transformer") == "gpu":
-            layers_on_gpu = self._layers_that_fit(model, fsdp_config)
+        layers_on_gpu = 0 if dynamic.enabled and self.memory_probe is not None else None
         budget = self.host_available() - self._host_pending - HOST_MARGIN_BYTES
         try:
             engine = attach_offload(model, fsdp_config, self.device, role=role, layers_on_gpu=layers_on_gpu,
@@ -220,9 +219,6 @@ class Trainer:
         host = engine.host_bytes()
         self._host_pending += host["gradients"] + host["optimizer"]
         self.offload_engines.append(engine)
-        if layers_on_gpu is not None and layers_on_gpu < len(engine.transformer_units):
-            self.log(f"dynamic offload: the {role} starts with {layers_on_gpu} of {len(engine.transformer_units)} "
-                     f"transformer layers on the GPU (GPU memory threshold {self.live_settings.gpu_memory_threshold})")
         if dynamic.enabled and self.memory_probe is not None:
             controller = DynamicOffloadController(self.memory_probe, lambda: self.live_settings)
             self.dynamic_offload.append(DynamicLayers(engine, controller, log=self.log))
@@ -231,15 +227,23 @@ class Trainer:
                       "transformer layers stay where the offload policy puts them")
         return model
 
-    def _layers_that_fit(self, model: torch.nn.Module, fsdp_config: FSDPConfig) -> int:
-        parts = find_parts(model, fsdp_config.wrap_policy.transformer_layer_cls_to_wrap)
-        layer_bytes = max((sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in parts.layers),
-                          default=0)
-        in_layers = {id(p) for layer in parts.layers for p in layer.parameters()}
-        # The other groups (on the GPU, or copied there for the rollout) need their room first.
-        others = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_layers)
-        return layers_that_fit(self.memory_probe, threshold=self.live_settings.gpu_memory_threshold,
-                               layer_bytes=layer_bytes, total_layers=len(parts.layers), reserve_bytes=others)
+    def _fit_dynamic_layers(self) -> None:
+        """Bring each dynamic model's transformer layers to the GPU as far as they fit below the
+        threshold, leaving room for the groups its rollout keeps there (per-phase placement)."""
+        for dynamic in self.dynamic_offload:
+            engine = dynamic.engine
+            if engine.placements["transformer"] != "gpu":
+                continue  # placed on the CPU: dynamic offload only ever takes layers off the GPU
+            total = len(engine.transformer_units)
+            fit = layers_that_fit(self.memory_probe, threshold=self.live_settings.gpu_memory_threshold,
+                                  layer_bytes=engine.layer_bytes, total_layers=total,
+                                  reserve_bytes=sum(engine.stageable_bytes().values()))
+            engine.set_transformer_layers_on_gpu(fit)
+            engine.moves = {"to_cpu": 0, "to_gpu": 0}  # where it starts, not a move
+            if engine.layers_on_gpu < total:
+                self.log(f"dynamic offload: the {engine.role} starts with {engine.layers_on_gpu} of {total} "
+                         f"transformer layers on the GPU (GPU memory threshold "
+                         f"{self.live_settings.gpu_memory_threshold})")
 
     def _build_embedding_cache(self) -> EmbeddingCache | None:
         settings = self.config.actor_rollout_ref.rollout.embedding_cache

@@ -270,3 +270,13 @@ def test_a_reward_model_micro_batch_out_of_memory_is_split_and_scores_the_same(t
         handle.remove()
     assert sizes == [4, 4, 2, 2] and reward.recovery.count == 1
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_built_in_model_takes_a_larger_vocabulary_and_refuses_a_smaller_one(tokenizer):
+    model = load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.float32, seed=0,
+                        override_config={"vocab_size": 1000})
+    assert model.model.embed_tokens.weight.shape[0] == 1000 and model.lm_head.weight.shape[0] == 1000
+    with pytest.raises(ModelLoadError, match=r"^could not build the built-in model from override_config: vocab_size: "
+                                             rf"got 3; allowed: an integer of at least the built-in tokenizer's "
+                                             rf"{len(tokenizer)} tokens$"):
+        load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.float32, seed=0, override_config={"vocab_size": 3})

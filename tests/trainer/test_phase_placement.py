@@ -336,3 +336,41 @@ def test_an_oom_in_a_rollout_that_keeps_groups_drops_them_and_retries_the_whole_
     assert trainer.metrics_log.read()[0]["perf/oom_recoveries"] == 1
     assert "out of GPU memory: the actor's lm_head and embedding stream for the rest of the rollout phase, " \
            "retrying" in logs
+
+
+def test_dynamic_layers_come_to_the_gpu_once_every_model_is_placed_leaving_room_for_the_kept_groups(
+        tmp_path, monkeypatch):
+    from tests.trainer.test_training import TINY
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    fsdp = "actor_rollout_ref.actor.fsdp_config"
+    config = load_config(None, [
+        *TINY, "actor_rollout_ref.model.override_config={num_hidden_layers: 3, hidden_size: 32, intermediate_size: 64}",
+        f"{fsdp}.offload_policy={{embedding: cpu, lm_head: cpu}}", f"{fsdp}.dynamic_offload.enabled=true",
+        "trainer.total_training_steps=1", f"trainer.runs_dir={tmp_path}"])
+    sizes = {}
+
+    class SizedProbe:
+        """Room below the 0.85 threshold for the kept head and embedding and one and a half layers."""
+
+        def __call__(self):
+            if not sizes:
+                return 0, 10**12  # while the models are placed
+            return 0, int((sizes["kept"] + 1.5 * sizes["layer"]) / 0.85)
+
+    logs = []
+    original = Trainer._fit_dynamic_layers
+
+    def fit_with_sizes(trainer):
+        engine = trainer.dynamic_offload[0].engine
+        assert engine.layers_on_gpu == 0 and len(trainer.offload_engines) == 2  # the critic is placed too
+        sizes.update(kept=sum(engine.stageable_bytes().values()), layer=engine.layer_bytes)
+        original(trainer)
+
+    monkeypatch.setattr(Trainer, "_fit_dynamic_layers", fit_with_sizes)
+    trainer = Trainer(config, log=logs.append, memory_probe=SizedProbe())
+    engine = trainer.dynamic_offload[0].engine
+    assert engine.layers_on_gpu == 1 and engine.moves == {"to_cpu": 0, "to_gpu": 0}
+    assert "dynamic offload: the actor starts with 1 of 3 transformer layers on the GPU (GPU memory threshold " \
+           "0.85)" in logs

@@ -76,11 +76,18 @@ def load_policy(
 ) -> PreTrainedModel:
     """A causal LM: the actor, the rollout and (frozen) the reference policy."""
     if path.startswith(BUILTIN_PREFIX):
-        model = seeded_init(Qwen2ForCausalLM, tiny_qwen2_config(tokenizer, override_config), seed)
+        model = seeded_init(Qwen2ForCausalLM, _builtin_config(tokenizer, override_config), seed)
     else:
         model = _from_local(AutoModelForCausalLM, path, "model", dtype=dtype,
                             trust_remote_code=trust_remote_code, **(override_config or {}))
     return _prepare(model, tokenizer, dtype, gradient_checkpointing)
+
+
+def _builtin_config(tokenizer: PreTrainedTokenizerBase, override_config: dict[str, Any] | None, **extra):
+    try:
+        return tiny_qwen2_config(tokenizer, override_config, **extra)
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(f"could not build the built-in model from override_config: {error}") from None
 
 
 def load_critic(
@@ -99,9 +106,9 @@ def load_critic(
     preset copies the backbone of the policy built from the same seed, to match.
     """
     if path.startswith(BUILTIN_PREFIX):
-        config = tiny_qwen2_config(tokenizer, override_config, num_labels=1)
+        config = _builtin_config(tokenizer, override_config, num_labels=1)
         model = seeded_init(Qwen2ForTokenClassification, config, seed + 1)
-        policy = seeded_init(Qwen2ForCausalLM, tiny_qwen2_config(tokenizer, override_config), seed)
+        policy = seeded_init(Qwen2ForCausalLM, _builtin_config(tokenizer, override_config), seed)
         model.model.load_state_dict(policy.model.state_dict())
     else:
         model = _from_local(AutoModelForTokenClassification, path, "critic", dtype=dtype, num_labels=1,

@@ -46,8 +46,13 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_qwen2_config(tokenizer: PreTrainedTokenizerFast, overrides: dict | None = None, **extra) -> Qwen2Config:
     """The preset's HF config, with the user's override_config applied on top."""
     settings = {**TINY_QWEN2, **(overrides or {}), **extra}
+    # A larger vocabulary than the tokenizer's is allowed (a real model's shape, rows never looked up).
+    vocab_size = settings.pop("vocab_size", len(tokenizer))
+    if not isinstance(vocab_size, int) or vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size: got {vocab_size!r}; allowed: an integer of at least the "
+                         f"built-in tokenizer's {len(tokenizer)} tokens")
     return Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

@@ -1,0 +1,182 @@
+"""The headline scenario of issue 5: one GRPO step of a 7B-shaped actor (rollout, reference
+log-probs, reward-model scoring, actor update with optimizer offload) with a 1.5B-shaped reward
+model, under a GPU memory cap, within the host's memory.
+
+    python benchmarks/grpo_headline.py --cap-gib 40 --out headline.json          # on one H200
+    python benchmarks/grpo_headline.py --cap-gib 0 --out uncapped.json            # the same step uncapped
+    python benchmarks/grpo_headline.py --quick --device cpu                       # a smoke run of the script
+
+Random weights (the built-in tiny tokenizer, so every token id is below 19: the shapes, not the
+text, are what is measured). The actor keeps its embedding and lm_head on the CPU, its transformer
+layers under dynamic offload, fp32 masters, bf16 gradients and AdamW on the CPU; the reference
+and the reward model stay on the GPU. Two steps run: the first warms up, the second is reported
+with the peak GPU memory (allocator), the peak host memory (RSS, sampled), step time and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import Qwen2Config, Qwen2ForSequenceClassification  # noqa: E402
+
+from benchmarks.offload_bench import GIB, SHAPE, machine  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.loop import Trainer  # noqa: E402
+from trainer.models import load_tokenizer  # noqa: E402
+
+REWARD_SHAPE = dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
+                    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
+"""Qwen2-1.5B's shape."""
+QUICK_ACTOR = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=4096)
+QUICK_REWARD = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=4096)
+
+
+def flow(mapping: dict) -> str:
+    return "{" + ", ".join(f"{key}: {str(value).lower() if isinstance(value, bool) else value}"
+                           for key, value in mapping.items()) + "}"
+
+
+def save_reward_model(directory: Path, shape: dict, device: str) -> None:
+    """A random sequence classifier of `shape` with the built-in tokenizer, as a local model directory."""
+    config = Qwen2Config(**shape, num_labels=1, pad_token_id=0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):  # random init on the GPU: far faster than on the host
+            model = Qwen2ForSequenceClassification(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.to("cpu").save_pretrained(directory)
+    load_tokenizer("builtin:tiny-qwen2").save_pretrained(directory)
+    del model
+
+
+class PeakRSS:
+    """The process's resident memory, sampled every 50 ms; `peak` is the largest seen."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        process = psutil.Process()
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, process.memory_info().rss)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def overrides(args, reward_dir: Path, runs_dir: Path) -> list[str]:
+    actor = QUICK_ACTOR if args.quick else {key: SHAPE[key] for key in
+                                            ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                             "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                             "tie_word_embeddings")}
+    fsdp = "actor_rollout_ref.actor.fsdp_config"
+    return [
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+        "data.train_files=[builtin:counting]", f"data.train_batch_size={args.prompts}",
+        "data.max_prompt_length=16", f"data.max_response_length={args.response_length}",
+        "actor_rollout_ref.model.path=builtin:tiny-qwen2",
+        f"actor_rollout_ref.model.override_config={flow(actor)}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        f"actor_rollout_ref.rollout.n={args.n}", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.optim.lr=1e-6",
+        f"{fsdp}.model_dtype=bf16", f"{fsdp}.optimizer_offload=true", f"{fsdp}.offload_grad_dtype=bf16",
+        f"{fsdp}.offload_policy={{embedding: cpu, lm_head: cpu}}",
+        f"{fsdp}.dynamic_offload={{enabled: true, gpu_memory_threshold: {args.threshold}}}",
+        "actor_rollout_ref.ref.fsdp_config.model_dtype=bf16",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        "reward_model.enable=true", f"reward_model.model.path={reward_dir}",
+        "reward_model.model.fsdp_config.model_dtype=bf16", "reward_model.micro_batch_size_per_gpu=8",
+        "critic.enable=false", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+        f"trainer.device={args.device}", f"trainer.runs_dir={runs_dir}", "trainer.experiment_name=headline",
+    ]
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    capped = device.type == "cuda" and args.cap_gib > 0
+    result = {**(machine() if device.type == "cuda" else {}), "cap_gib": args.cap_gib if capped else None,
+              "host_total_gib": psutil.virtual_memory().total / GIB}
+    with tempfile.TemporaryDirectory() as scratch:
+        reward_dir = Path(scratch) / "reward_model"
+        started = time.perf_counter()
+        save_reward_model(reward_dir, QUICK_REWARD if args.quick else REWARD_SHAPE, args.device)
+        result["reward_model_saved_s"] = time.perf_counter() - started
+        if capped:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(args.cap_gib * GIB / total, device)
+        config = load_config(None, overrides(args, reward_dir, Path(scratch) / "runs"))
+        logs: list[str] = []
+        with PeakRSS() as rss:
+            started = time.perf_counter()
+            trainer = Trainer(config, log=logs.append, warn=logs.append)
+            result["build_s"] = time.perf_counter() - started
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            trainer.fit()
+        rows = trainer.metrics_log.read()
+    last = rows[-1]
+    result.update(
+        steps=len(rows), step_s=last["timing_s/step"], tokens_per_s=last["perf/throughput"],
+        phases_s={key.removeprefix("timing_s/"): value for key, value in last.items() if key.startswith("timing_s/")},
+        peak_gpu_gib=last["perf/max_memory_allocated_gb"], peak_host_gib=rss.peak / GIB,
+        layers_on_gpu={engine.role: [engine.layers_on_gpu, len(engine.transformer_units)]
+                       for engine in trainer.offload_engines},
+        oom_recoveries=sum(row.get("perf/oom_recoveries", 0) for row in rows),
+        summary=[f"{engine.role}: {line}" for engine in trainer.offload_engines for line in engine.summary_lines()],
+        log=[line for line in logs if line.startswith(("dynamic offload", "per-phase placement", "out of GPU memory"))],
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cap-gib", type=float, default=40.0, help="GPU memory cap (0: none); default 40")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
+    parser.add_argument("--n", type=int, default=4, help="responses per prompt (default 4)")
+    parser.add_argument("--response-length", type=int, default=128, help="tokens per response at most (128)")
+    parser.add_argument("--threshold", type=float, default=0.9, help="dynamic offload threshold (0.9)")
+    parser.add_argument("--out", type=Path, help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("ERROR: --device cuda, but no CUDA GPU is visible; use --device cpu --quick for a smoke run",
+              file=sys.stderr)
+        return 2
+    if args.cap_gib < 0:
+        print(f"ERROR: --cap-gib must be 0 (no cap) or positive, got {args.cap_gib}", file=sys.stderr)
+        return 2
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    if args.out is not None:
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
