@@ -333,9 +333,9 @@ class Trainer:
             with timer.phase("adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.critic is not None:
-                with timer.phase("update_critic"):
+                with timer.phase("update_critic"), self.placed_for("training", self.critic.model):
                     metrics.update(reduce_metrics(self.critic.update(batch)))
-            with timer.phase("update_actor"):
+            with timer.phase("update_actor"), self.placed_for("training", self.actor.model):
                 metrics.update(reduce_metrics(self.actor.update(batch)))
         metrics.update(timer.metrics())
         metrics.update(data_metrics(batch, response_length=self.config.data.max_response_length,
@@ -380,7 +380,7 @@ class Trainer:
         if staged:
             sizes = engine.stageable_bytes()
             self.log(f"per-phase placement: {phase} keeps the {engine.role}'s {' and '.join(staged)} on the GPU "
-                     f"({format_bytes(sum(sizes[group] for group in staged))}; streamed again for training)")
+                     f"({format_bytes(sum(sizes[group] for group in staged))})")
         else:
             self.log(f"per-phase placement: {phase} streams the {engine.role}'s CPU-resident groups (no room below "
                      f"the GPU memory threshold {self.live_settings.gpu_memory_threshold} to keep them on the GPU)")

@@ -10,6 +10,7 @@ from transformers import StoppingCriteriaList
 
 from tests.trainer.test_offload import offloaded, policy, token_batch
 from tests.trainer.test_oom_recovery import rollout_batch
+from trainer.offload import OffloadOptions
 from trainer.offload.copies import H2D
 from trainer.offload.dynamic import layers_that_fit
 from trainer.rollout.hf_rollout import SafePoints
@@ -57,8 +58,8 @@ def test_what_is_kept_follows_the_budget_head_first(budget, staged):
         budget = engine.stageable_bytes()["lm_head"] + 1
     with engine.placed_for("rollout", budget_bytes=budget) as kept:
         assert kept == staged
-    with engine.placed_for("training") as kept:
-        assert kept == []
+    with engine.placed_for("training", budget_bytes=budget) as kept:
+        assert kept == [group for group in staged if group == "lm_head"]  # training keeps the head only
 
 
 def test_a_copy_that_runs_out_of_device_memory_is_not_kept_and_the_phase_streams(monkeypatch):
@@ -75,7 +76,37 @@ def test_a_copy_that_runs_out_of_device_memory_is_not_kept_and_the_phase_streams
         assert kept == ["lm_head"]
 
 
-def test_a_kept_copy_follows_an_update_and_gradients_still_flow_through_the_streamed_groups():
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_training_with_the_head_kept_trains_as_streaming_it_and_copies_it_once_a_step(tied):
+    from tests.trainer.test_offload import train
+
+    # The head in chunks of two rows through three slots: streamed, it crosses again at every pass.
+    overrides = {"override_config": {"num_hidden_layers": 2, "tie_word_embeddings": tied},
+                 "options": OffloadOptions(head_chunk_bytes=512)}
+    expected_losses, expected_weights, streamed = train(LAYERED, **overrides)
+    copies = {}
+
+    def keep_the_head(engine):
+        if "phase" not in copies:  # entered once, for the whole run: the kept copy follows each update
+            copies["phase"] = engine.placed_for("training")
+            copies["kept"] = copies["phase"].__enter__()
+
+    losses, weights, engine = train(LAYERED, before_micro_batch=keep_the_head, **overrides)
+    copies["phase"].__exit__(None, None, None)
+    assert copies["kept"] == ([] if tied else ["lm_head"])
+    assert losses == pytest.approx(expected_losses, rel=1e-6)
+    # A whole matrix product against chunked ones: float rounding, which Adam enlarges for near-zero gradients.
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-4, atol=2e-5)
+    if not tied:
+        head = engine.stageable_bytes()["lm_head"]
+        # 3 steps: one copy each (after each update), where streaming copies it twice per micro-batch.
+        assert h2d_bytes(engine, "lm_head") == 3 * head
+        # Streamed: in forward and again in backward, for each of two micro-batches (less the chunks
+        # still in their slots when the backward turns around).
+        assert h2d_bytes(streamed, "lm_head") > 3 * 2 * head
+
+
+def test_a_kept_copy_follows_an_update_and_gradients_flow_through_kept_and_streamed_groups():
     reference = policy()
     model = policy()
     engine = offloaded(model, LAYERED)
@@ -272,10 +303,9 @@ def test_the_trainer_places_groups_per_phase_within_the_threshold_and_recovers_a
     threshold_budget = int(0.85 * 10**9)
     assert ("rollout", threshold_budget) in phases and ("scoring", threshold_budget) in phases
     assert [line for line in logs if line.startswith("per-phase placement")] == [
-        "per-phase placement: rollout keeps the actor's lm_head and embedding on the GPU (4.25 KiB; streamed again "
-        "for training)",
-        "per-phase placement: scoring keeps the actor's lm_head and embedding on the GPU (4.25 KiB; streamed again "
-        "for training)"]
+        "per-phase placement: rollout keeps the actor's lm_head and embedding on the GPU (4.25 KiB)",
+        "per-phase placement: scoring keeps the actor's lm_head and embedding on the GPU (4.25 KiB)",
+        "per-phase placement: training keeps the actor's lm_head on the GPU (2.12 KiB)"]
 
 
 def test_a_run_without_room_streams_and_says_so(tmp_path):

@@ -618,17 +618,23 @@ class OffloadEngine:
         "rollout" and "scoring" run without gradients, so optimizer states and gradients need no
         room: the CPU-resident head and embedding are copied whole to the device, in the order of
         `stageable_bytes`, while their sum fits in `budget_bytes` (None: no limit), and no-grad
-        forwards use them instead of streaming. "training" keeps the configured placement. On exit
-        the copies are dropped (their memory returns to the allocator for the next phase).
+        forwards use them instead of streaming. "training" keeps only the head when it fits: its
+        forward and input gradient read the kept copy (copied again after each update) instead of
+        streaming it twice a micro-batch; its weight gradient still goes to the host chunk by
+        chunk. On exit the copies are dropped (their memory returns to the allocator).
         """
         if phase not in self.PHASES:
             raise ValueError(f"offload: unknown phase {phase!r}; expected one of {', '.join(self.PHASES)}")
         previous, self.phase = self.phase, phase
         staged: list[str] = []
         try:
-            if phase != "training":
+            candidates = self.stageable_bytes()
+            if phase == "training":
+                # The embedding's gradient rows come from its CPU gather; a tied table is both.
+                candidates = {group: nbytes for group, nbytes in candidates.items() if group == "lm_head"}
+            if candidates:
                 budget = budget_bytes
-                for group, nbytes in self.stageable_bytes().items():
+                for group, nbytes in candidates.items():
                     if budget is not None and nbytes > budget:
                         break
                     try:
@@ -1229,6 +1235,9 @@ class _HeadStreamer:
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         engine = self.engine
+        staged = engine._staged_copy(self.unit)
+        if staged is not None:  # kept whole on the device for this phase
+            return F.linear(hidden, staged)
         flat = hidden.reshape(-1, hidden.shape[-1])
         out = torch.empty((flat.shape[0], engine.parts.head.weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
         for block in self.unit.blocks:
@@ -1243,13 +1252,16 @@ class _HeadStreamer:
         engine._enter_backward()
         flat = hidden.reshape(-1, hidden.shape[-1])
         grads = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_input = torch.zeros_like(flat) if input_needs_grad else None
+        staged = engine._staged_copy(self.unit)
+        grad_input = None
+        if input_needs_grad:
+            grad_input = grads.mm(staged) if staged is not None else torch.zeros_like(flat)
         weight_index = self.unit.head_weight_index
         trains_weight = self.unit.entries[weight_index].parameter.requires_grad
         for block in reversed(self.unit.blocks):
             first, last = block.rows
             grad_chunk = grads[:, first:last]
-            if input_needs_grad:
+            if input_needs_grad and staged is None:
                 engine._acquire(block)
                 grad_input.addmm_(grad_chunk, self._weight(block))
                 engine._release(block)
