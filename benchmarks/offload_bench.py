@@ -434,10 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 layers, short sequences, few repeats")
     args = parser.parse_args(argv)
-    sections = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = sorted(set(sections) - set(SECTIONS))
-    if unknown:
-        print(f"ERROR: unknown sections {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+    sections = chosen_sections(args.only, SECTIONS)
+    if sections is None:
         return 2
     if not torch.cuda.is_available():
         print("ERROR: the benchmark needs a CUDA GPU", file=sys.stderr)
@@ -466,6 +464,16 @@ def _as_after_an_update(engine, run: Callable[[], None]) -> Callable[[], None]:
         run()
 
     return after_an_update
+
+
+def chosen_sections(only: str, known: tuple[str, ...]) -> list[str] | None:
+    """The sections --only names, or None after a one-line error naming the unknown ones."""
+    sections = [name.strip() for name in only.split(",") if name.strip()]
+    unknown = sorted(set(sections) - set(known))
+    if unknown:
+        print(f"ERROR: unknown sections {unknown}; choose from {', '.join(known)}", file=sys.stderr)
+        return None
+    return sections
 
 
 def machine() -> dict:

@@ -36,7 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, StoppingCriteriaList  # noqa: E402
 
-from benchmarks.offload_bench import GIB, LAYERED, SHAPE, machine, release, run_sections  # noqa: E402
+from benchmarks.offload_bench import (  # noqa: E402
+    GIB,
+    LAYERED,
+    SHAPE,
+    chosen_sections,
+    machine,
+    release,
+    run_sections,
+)
 from trainer.config import FSDPConfig  # noqa: E402
 from trainer.offload import OffloadOptions, attach_offload  # noqa: E402
 
@@ -465,10 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap-gib", type=float, help="GPU memory cap of the capped section (default: 12, quick: 3)")
     parser.add_argument("--iters", type=int, help="timed generates per variant (default: 3, quick: 1)")
     args = parser.parse_args(argv)
-    sections = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = sorted(set(sections) - set(SECTIONS))
-    if unknown:
-        print(f"ERROR: unknown sections {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+    sections = chosen_sections(args.only, SECTIONS)
+    if sections is None:
         return 2
     if args.cap_gib is not None and args.cap_gib <= 0:
         print(f"ERROR: --cap-gib must be positive, got {args.cap_gib}", file=sys.stderr)
