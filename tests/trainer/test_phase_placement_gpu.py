@@ -5,6 +5,7 @@ within one step."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -101,3 +102,32 @@ def test_under_a_memory_cap_the_all_gpu_run_fails_and_the_dynamic_one_completes(
     on_gpu = [row["offload/transformer_layers_on_gpu"] for row in rows]
     # Step 2 starts after the change: its layers moved at the first safe point.
     assert on_gpu[1] < on_gpu[0] and rows[1]["offload/moves_to_cpu"] > 0, on_gpu
+
+
+def test_training_with_the_head_kept_matches_streaming_it_and_copies_it_once_a_step():
+    from tests.trainer.test_offload_gpu import SMALL, SMALL_CHUNKS, TOKENIZER, policy
+
+    def train(keep: bool):
+        model, engine = place(policy(SMALL).train(), LAYERED)
+        optimizer = engine.optimizer(lr=1e-3)
+        ids = torch.randint(3, len(TOKENIZER), (4, 16), generator=torch.Generator().manual_seed(0)).to(CUDA)
+        losses = []
+        with engine.placed_for("training") if keep else contextlib.nullcontext():
+            for _ in range(3):
+                optimizer.zero_grad()
+                for micro_batch in ids.split(2):
+                    loss = model(input_ids=micro_batch, labels=micro_batch).loss
+                    (loss / 2).backward()
+                    losses.append(loss.item())
+                optimizer.step()
+            engine.wait_for_updates()
+        weights = {name: tensor.detach().float().cpu() for name, tensor in model.state_dict().items()}
+        return losses, weights, engine
+
+    assert SMALL_CHUNKS.head_chunk_bytes < (1 << 30)  # place() streams the head in chunks
+    expected_losses, expected_weights, _ = train(keep=False)
+    losses, weights, engine = train(keep=True)
+    assert losses == pytest.approx(expected_losses, rel=2e-2)
+    torch.testing.assert_close(weights, expected_weights, rtol=2e-2, atol=3e-3)
+    head = engine.stageable_bytes()["lm_head"]
+    assert engine.copied_bytes()[(H2D, "lm_head")] == 3 * head  # once a step (the first, then after each update)
