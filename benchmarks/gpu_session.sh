@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What a GPU machine checks, stage by stage (each fits one 10-minute device call), results under
+# $OUT (the device tool's output folder) or ./gpu-results:
+#
+#   benchmarks/gpu_session.sh tests        # every test marked gpu                      (~1 min)
+#   benchmarks/gpu_session.sh rollout      # rollout_bench.py, all sections              (~6 min)
+#   benchmarks/gpu_session.sh offload      # offload_bench.py: bandwidth, all-GPU, layered (~2 min)
+#   benchmarks/gpu_session.sh headline     # grpo_headline.py under a 40 GiB cap          (~4 min)
+#   benchmarks/gpu_session.sh uncapped     # grpo_headline.py without the cap             (~4 min)
+#
+# Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
+# (on the device image: pydantic and the rest installed from wheels first, see .library/device).
+set -u
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+cd "$(dirname "$0")/.." || exit 1
+
+case "${1:-}" in
+  tests)
+    python3 -m pytest -q -p no:cacheprovider -m gpu -rfs tests/ 2>&1 | tail -60 | tee "$out/gpu_tests.txt" ;;
+  rollout)
+    timeout 580 python3 benchmarks/rollout_bench.py --out "$out/rollout.json" 2>&1 | tee "$out/rollout.txt" | tail -30 ;;
+  offload)
+    timeout 580 python3 benchmarks/offload_bench.py --only bandwidth,allgpu,ours_layered --out "$out/offload.json" \
+      2>&1 | tee "$out/offload.txt" | tail -30 ;;
+  headline)
+    timeout 580 python3 benchmarks/grpo_headline.py --cap-gib 40 --out "$out/headline.json" 2>&1 \
+      | tee "$out/headline.txt" | tail -60 ;;
+  uncapped)
+    timeout 580 python3 benchmarks/grpo_headline.py --cap-gib 0 --out "$out/uncapped.json" 2>&1 \
+      | tee "$out/uncapped.txt" | tail -60 ;;
+  *)
+    echo "usage: $0 tests|rollout|offload|headline|uncapped" >&2
+    exit 2 ;;
+esac
