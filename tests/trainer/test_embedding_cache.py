@@ -41,6 +41,19 @@ def test_lookups_equal_the_full_table_before_and_after_an_update():
     assert torch.equal(cache.lookup(ids), table[ids])
 
 
+def test_steps_that_look_nothing_up_do_not_count_towards_the_warm_up():
+    table = torch.randn(100, 8)
+    cache = EmbeddingCache(lambda: table, lambda: 0, torch.device("cpu"), cache_size=10, warmup_steps=2)
+    for _ in range(3):
+        cache.end_step()  # rollouts that kept the whole embedding on the device
+    assert not cache.filled and cache.steps == 0
+    common = torch.tensor([[7, 7, 7, 3]])
+    for _ in range(2):
+        cache.lookup(common)
+        cache.end_step()
+    assert cache.filled and {7, 3} <= set(cache.tokens.tolist())
+
+
 def test_the_cached_embedding_of_an_offloaded_model_gives_its_logits_before_and_after_a_step():
     model = policy().train()
     engine = offloaded(model, {"offload_policy": {"embedding": "cpu"}})

@@ -36,15 +36,21 @@ class EmbeddingCache:
         self.rows: torch.Tensor | None = None
         self._rows_version = -1
         self.hits = self.lookups = 0
+        self._counted = False  # tokens were counted since the last end_step
 
     @property
     def filled(self) -> bool:
         return self.rows is not None
 
     def end_step(self) -> None:
-        """One warm-up step done; once all are, the cache is filled with the most counted rows."""
-        self.steps += 1
-        if not self.filled and self.steps >= self.warmup_steps:
+        """One warm-up step done, if it looked anything up (a rollout that kept the whole embedding
+        on the device did not); once all are, the cache is filled with the most counted rows."""
+        if self.filled:
+            return
+        if self._counted or self.warmup_steps == 0:
+            self.steps += 1
+        self._counted = False
+        if self.steps >= self.warmup_steps:
             self._fill()
 
     def _fill(self) -> None:
@@ -66,6 +72,7 @@ class EmbeddingCache:
         flat = ids.reshape(-1)
         if not self.filled:
             self.counts += torch.bincount(flat.cpu(), minlength=self.counts.numel())
+            self._counted = True
             rows = self.weight().index_select(0, flat.cpu()).to(self.device)
             return rows.view(*ids.shape, -1)
         if self._rows_version != self.version():
