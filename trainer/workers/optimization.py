@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from trainer.config import OptimConfig
 from trainer.offload import offload_engine
 from trainer.rollout.batch import RolloutBatch
+from trainer.workers.recovery import release
 
 LossFn = Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -163,13 +164,9 @@ def accumulate_gradients(
 
 def _discard_attempt(model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
     """Drop a failed attempt's gradients and whatever its forward or backward still held."""
-    engine = offload_engine(model)
-    if engine is not None:
-        engine.abandon_pass()
+    release([model])  # first: the abandoned pass may still land gradients until then
     optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _merge_pieces(done: list[tuple[int, int, dict[str, float]]]) -> dict[str, list[float]]:
