@@ -3,6 +3,7 @@ host arena and a device slot, and offloaded runs must give the numbers of reside
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -201,12 +202,50 @@ def test_the_summary_reports_each_groups_place_and_parameter_bytes():
     assert f"Embedding: OFFLOADED to CPU ({expected['embedding'] / 1024:.2f} KiB)" in lines
     assert any(line.startswith("Transformer (4 layers): on GPU") for line in lines)
     assert lines[-2].startswith("GPU memory saved: ")
-    host = sum(engine.host_bytes().values())
-    assert lines[-1] == (f"Host memory: {format_bytes(host)} ({format_bytes(engine.host_bytes()['arena'])} weights, "
-                         "the rest once it trains)")
+    host = engine.host_bytes()
+    assert lines[-1] == (f"Host memory: {format_bytes(sum(host.values()))} ({format_bytes(host['arena'])} weights, "
+                         f"{format_bytes(host['gradients'] + host['optimizer'])} more once it trains)")
+    assert host["masters"] == 0  # no optimizer_offload: the arena holds the masters
+
+
+def test_the_host_memory_line_names_fp32_masters_beside_a_bf16_arena():
+    engine = offloaded(policy().to(torch.bfloat16), POLICIES["all_cpu_optimizer_offload"])
+    host = engine.host_bytes()
+    assert host["masters"] == 2 * host["arena"] > 0
+    assert engine.summary_lines()[-1] == (
+        f"Host memory: {format_bytes(sum(host.values()))} ({format_bytes(host['arena'])} weights and "
+        f"{format_bytes(host['masters'])} float32 masters, {format_bytes(host['gradients'] + host['optimizer'])} "
+        "more once it trains)")
 
 
 BF16_HOST_GRADS = {**POLICIES["all_cpu_optimizer_offload"], "offload_grad_dtype": "bf16"}
+
+
+def test_bf16_host_gradients_are_read_back_a_slice_at_a_time_as_adamw_reads_them_whole():
+    model = policy(dtype=torch.bfloat16).train()
+    engine = offloaded(model, BF16_HOST_GRADS)
+    optimizer = engine.optimizer(lr=1e-3, weight_decay=0.01)
+    optimizer.slice_elements = 100  # many slices per tensor, the last one of each short
+    masters = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    assert all(master.dtype == torch.float32 for master in masters.values())
+    reference = torch.optim.AdamW(masters.values(), lr=1e-3, weight_decay=0.01, fused=True)
+    ids = token_batch()
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        for name, parameter in model.named_parameters():
+            assert parameter.grad.dtype == torch.bfloat16
+            masters[name].grad = parameter.grad.float()
+        optimizer.step()
+        engine.wait_for_updates()
+        reference.step()
+    assert optimizer._scratch.numel() == 100
+    # The same arithmetic; only the kernel's vector and scalar tails fall on other elements.
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.detach(), masters[name], rtol=1e-6, atol=1e-9)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(optimizer.state[parameter][key], reference.state[masters[name]][key],
+                                       rtol=1e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize(("settings", "dtype"), [(POLICIES["all_cpu"], torch.float32),
@@ -258,9 +297,11 @@ def test_bf16_host_gradients_train_like_fp32_ones_to_bf16_tolerance():
 def test_a_placement_that_does_not_fit_in_host_memory_says_so_before_allocating():
     model = policy()
     size = r"[\d.]+ [KM]iB"
+    # The model's own weights on the host count as available: packing gives them back.
+    weights = sum(tensor.nbytes for tensor in (*model.parameters(), *model.buffers()))
     with pytest.raises(HostMemoryError, match=rf"^the actor's offload placement needs {size} of host memory "
                                               rf"\(arena {size}, gradients {size}, optimizer {size}\) and "
-                                              r"1.00 KiB is available$"):
+                                              rf"{re.escape(format_bytes(weights + 1024))} is available$"):
         attach_offload(model, FSDPConfig(param_offload=True), "cpu", role="actor", host_budget=1024)
     assert all(parameter.device.type == "cpu" and not hasattr(model, "_offload_engine")
                for parameter in model.parameters())

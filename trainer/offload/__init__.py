@@ -32,8 +32,9 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
     and reward models). Groups placed on the GPU move there; the others move into pinned host
     memory. Build the model's optimizer with `engine.optimizer(...)`. With dynamic offload,
     `layers_on_gpu` (see dynamic.layers_that_fit) keeps only the first ones on the GPU at the start.
-    With `host_budget`, a placement that would need more host memory (OffloadEngine.host_bytes)
-    raises HostMemoryError before allocating any.
+    With `host_budget` (host memory free now, besides what the model's weights hold: packing gives
+    that back), a placement that would need more host memory (OffloadEngine.host_bytes) raises
+    HostMemoryError before allocating any.
     """
     engine = OffloadEngine(
         model,

@@ -60,6 +60,11 @@ ROWS = "rows"  # embedding on the CPU: rows gathered on the CPU (and, when tied,
 CHUNKS = "chunks"  # output head on the CPU: streamed in row chunks
 
 
+UPDATE_SLICE_ELEMENTS = 1 << 25
+"""Elements of gradient the CPU update reads back in fp32 at a time when the host keeps them in bf16
+(offload_grad_dtype): a 128 MiB buffer, where a whole 7B embedding's would take 2.2 GB."""
+
+
 class HostMemoryError(MemoryError):
     """The placement needs more host memory than there is; the message says how much and for what."""
 
@@ -78,11 +83,25 @@ class OffloadOptions:
     grads_in_flight: int = 2
     """Gradient copies (a block's, or a head chunk's) that may still be on their way to the host
     before the compute waits for the oldest: the device memory they hold stays bounded."""
+    staging_buffers: int = 2
+    """Pinned host buffers that gradients bound to be added (a later micro-batch's) or converted
+    (to fp32) pass through on their way from the device, reused: copies wait for the worker to
+    free one, so the host memory they take stays at this many blocks' gradients."""
     pipelined_update: bool = True
     """The CPU optimizer update runs in a background thread, block by block in forward order, and
     the next forward waits for each block's update only when it reaches that block. Measured on an
     H200 host (16 cores, 2026-11-30, clip folded into the update): a step of 8 7B-shaped layers took
     1376 ms with it and 1572 ms without (benchmarks/README.md)."""
+
+
+def _host_tensor_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers in host memory, each storage counted once (tied weights)."""
+    storages = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _aligned(nbytes: int) -> int:
@@ -226,6 +245,7 @@ class OffloadEngine:
         self._backward_active = False
         self._in_flight: deque[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = deque()
         self._grad_tasks: list[Future] = []
+        self._staging: deque[tuple[torch.Tensor, Future]] = deque()  # pinned gradient buffers, oldest first
         self._update_tasks: list[Future] = []
         self.update_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
@@ -259,8 +279,12 @@ class OffloadEngine:
                     unit.placement = "cpu"
         self.group_bytes = {group: sum(unit.param_bytes for unit in self.units if unit.group == group)
                             for group in (*GROUPS, "other")}
-        if host_budget is not None and sum(self.host_bytes().values()) > host_budget:
-            raise HostMemoryError(self._host_memory_message(host_budget))
+        if host_budget is not None:
+            # Packing gives back the host memory the model's weights hold now (they move into the
+            # arena or to the GPU), so that memory counts as available to the placement.
+            host_budget += _host_tensor_bytes(model)
+            if sum(self.host_bytes().values()) > host_budget:
+                raise HostMemoryError(self._host_memory_message(host_budget))
         self._pack()
         self._install_hooks()
 
@@ -297,8 +321,12 @@ class OffloadEngine:
         host = self.host_bytes()
         if sum(host.values()):
             pinned = " pinned" if self.streams.cuda else ""
-            lines.append(f"Host memory: {format_bytes(sum(host.values()))} ({format_bytes(host['arena'])}{pinned} "
-                         "weights, the rest once it trains)")
+            now = f"{format_bytes(host['arena'])}{pinned} weights"
+            if host["masters"]:
+                now += f" and {format_bytes(host['masters'])} {self.master_dtype_name} masters"
+            later = host["gradients"] + host["optimizer"]
+            lines.append(f"Host memory: {format_bytes(sum(host.values()))} ({now}"
+                         + (f", {format_bytes(later)} more once it trains)" if later else ")"))
         return lines
 
     def host_bytes(self) -> dict[str, int]:
@@ -319,10 +347,15 @@ class OffloadEngine:
             usage["optimizer"] += sum(2 * entry.parameter.numel() * self.master_dtype.itemsize
                                       for unit in units for entry in unit.entries if entry.parameter.requires_grad)
         if self.grad_dtype != self.master_dtype:
-            # The update's fp32 copy of one unit's gradients at a time.
-            largest = max((sum(entry.parameter.numel() for entry in unit.entries if entry.parameter.requires_grad)
-                           for unit in self.units if unit.kind != RESIDENT), default=0)
-            usage["gradients"] += largest * self.master_dtype.itemsize
+            # The update reads the gradients back in fp32 a slice at a time (OffloadAdamW), into one buffer.
+            largest = max((entry.parameter.numel() for unit in self.units if unit.kind != RESIDENT
+                           for entry in unit.entries if entry.parameter.requires_grad), default=0)
+            usage["gradients"] += min(largest, UPDATE_SLICE_ELEMENTS) * self.master_dtype.itemsize
+        if self.streams.cuda:
+            # The pinned buffers that accumulated (or converted) gradients pass through, at most a unit each.
+            largest = max((self._layout(unit)[1] for unit in self.units if unit.kind != RESIDENT and unit.trainable),
+                          default=0)
+            usage["gradients"] += self.options.staging_buffers * _aligned(largest)
         return usage
 
     def _host_memory_message(self, budget: int) -> str:
@@ -401,6 +434,7 @@ class OffloadEngine:
         for unit in self.units:
             unit.compute_params = []
         self._in_flight.clear()
+        self._staging.clear()
 
     def abandon_pass(self) -> None:
         """Forget a forward or backward that raised (a CUDA out-of-memory error): give back the
@@ -1026,14 +1060,31 @@ class OffloadEngine:
                                      functools.partial(target.copy_, tensor, non_blocking=True))
             self._hold_until_copied(end, [tensor for tensor, _, _ in pieces])
             return
+        buffer, offset = self._staging_buffer(sum(_aligned(tensor.nbytes) for tensor, _, _ in pieces)), 0
         staged = []
         for tensor, index, first in pieces:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host = _typed(buffer, offset, tensor)
+            offset += _aligned(tensor.nbytes)
             end = self.log.timed(D2H, unit.group, tensor.numel() * tensor.element_size(), self.streams.d2h,
                                  functools.partial(host.copy_, tensor, non_blocking=True))
             staged.append((host, index, first))
         self._hold_until_copied(end, [tensor for tensor, _, _ in pieces])
-        self._grad_tasks.append(self._submit(self._land_staged, unit, staged, end))
+        task = self._submit(self._land_staged, unit, staged, end)
+        self._grad_tasks.append(task)
+        self._staging.append((buffer, task))
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A pinned host buffer of at least `nbytes` for gradients that land through the worker.
+
+        torch's pinned allocator would round each request up to a power of two and keep every
+        block it ever gave out (12.5 GiB of the 7B shape's accumulated micro-batches on an H200
+        host, 2026-11-30, enough for the kernel to kill the run); these few buffers are reused once
+        the worker has landed what they held, the oldest first."""
+        if len(self._staging) < self.options.staging_buffers:
+            return pinned_empty(nbytes, self.device)
+        buffer, task = self._staging.popleft()
+        task.exception()  # waits for the worker to land it (a failure is raised where the tasks are awaited)
+        return buffer if buffer.numel() >= nbytes else pinned_empty(nbytes, self.device)
 
     def _land_staged(self, unit: Unit, staged: list, end: torch.cuda.Event) -> None:
         end.synchronize()

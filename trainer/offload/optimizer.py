@@ -14,11 +14,9 @@ read-and-write pass over every fp32 gradient on the CPU, which costs more than t
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from trainer.offload.engine import RESIDENT, OffloadEngine, Unit
+from trainer.offload.engine import RESIDENT, UPDATE_SLICE_ELEMENTS, OffloadEngine, Unit
 
 
 class OffloadAdamW(torch.optim.AdamW):
@@ -39,6 +37,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._units = units
         self._grad_scale: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        self.slice_elements = UPDATE_SLICE_ELEMENTS
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -65,7 +64,10 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def _update_unit(self, group: dict, unit: Unit, grad_scale: torch.Tensor | None) -> None:
         try:
-            with self._fp32_grads(group["params"]):
+            if any(parameter.grad is not None and parameter.grad.dtype != parameter.dtype
+                   for parameter in group["params"]):
+                self._step_narrow_grads(group, grad_scale)
+            else:
                 self._step_groups([group], grad_scale)
             self.engine.after_update(unit)
         finally:
@@ -75,30 +77,41 @@ class OffloadAdamW(torch.optim.AdamW):
                     unit.grads_after_update = None
                 unit.ready.set()
 
-    @contextlib.contextmanager
-    def _fp32_grads(self, parameters: list[torch.Tensor]):
-        """bf16 gradients of fp32 masters (offload_grad_dtype) read back in fp32 for the fused update,
-        which wants one dtype: one unit at a time, in a scratch buffer reused across units (only the
-        engine's worker runs updates, one after the other)."""
-        narrow = [parameter for parameter in parameters
-                  if parameter.grad is not None and parameter.grad.dtype != parameter.dtype]
-        if not narrow:
-            yield
-            return
-        needed = sum(parameter.numel() for parameter in narrow)
-        if self._scratch is None or self._scratch.numel() < needed:
-            self._scratch = torch.empty(needed, dtype=narrow[0].dtype)
-        kept, offset = [], 0
-        for parameter in narrow:
-            wide = self._scratch[offset:offset + parameter.numel()].view_as(parameter)
-            offset += parameter.numel()
-            kept.append(parameter.grad)
-            parameter.grad = wide.copy_(parameter.grad)
-        try:
-            yield
-        finally:
-            for parameter, grad in zip(narrow, kept, strict=True):
-                parameter.grad = grad
+    def _step_narrow_grads(self, group: dict, grad_scale: torch.Tensor | None) -> None:
+        """The fused AdamW step of one group whose host gradients are bf16 beside fp32 masters
+        (offload_grad_dtype), which the kernel wants in the masters' dtype: each gradient is read back
+        in fp32 a slice at a time into one reused buffer (only the engine's worker runs updates).
+
+        Written against torch's kernel (torch._fused_adamw_) because the optimizer's step() takes
+        whole tensors only; it does what AdamW.step does for fused CPU groups: the same state
+        (step, exp_avg, exp_avg_sq, so checkpoints load either way), one step increment per
+        parameter, then the elementwise kernel, here slice by slice, which gives the same values."""
+        if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
+            raise ValueError("OffloadAdamW: bf16 host gradients support plain AdamW (no amsgrad, maximize, "
+                             "capturable or differentiable)")
+        parameters = [parameter for parameter in group["params"] if parameter.grad is not None]
+        for parameter in parameters:
+            state = self.state[parameter]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+        steps = [self.state[parameter]["step"] for parameter in parameters]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        slice_elements = self.slice_elements
+        for parameter, step in zip(parameters, steps, strict=True):
+            state = self.state[parameter]
+            flat = [tensor.view(-1) for tensor in (parameter, parameter.grad, state["exp_avg"], state["exp_avg_sq"])]
+            for start in range(0, parameter.numel(), slice_elements):
+                length = min(slice_elements, parameter.numel() - start)
+                weight, narrow, exp_avg, exp_avg_sq = (tensor[start:start + length] for tensor in flat)
+                if self._scratch is None or self._scratch.numel() < length:
+                    self._scratch = torch.empty(min(parameter.numel(), slice_elements), dtype=parameter.dtype)
+                wide = self._scratch[:length].copy_(narrow)
+                torch._fused_adamw_([weight], [wide], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False,
+                                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                                    eps=group["eps"], maximize=False, grad_scale=grad_scale, found_inf=None)
 
     def _step_groups(self, groups: list[dict], grad_scale: torch.Tensor | None = None) -> None:
         """torch's AdamW step over some of the groups: a view of this optimizer sharing its state."""
@@ -126,8 +139,9 @@ class OffloadAdamW(torch.optim.AdamW):
             # BLAS dot products use every core; torch's norm reduces each CPU tensor on one thread
             # (10 GB/s on an H200 host, where the fused AdamW moves 84 GB/s).
             squares.append(torch.stack([torch.dot(grad.view(-1), grad.view(-1)) for grad in host]).sum())
-        if narrow:  # bf16 gradients on the host (offload_grad_dtype): summed in fp32
-            squares.append(torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in narrow])
+        if narrow:  # bf16 gradients on the host (offload_grad_dtype): summed in fp32, a slice at a time
+            squares.append(torch.stack([torch.linalg.vector_norm(piece, dtype=torch.float32)
+                                        for grad in narrow for piece in grad.view(-1).split(self.slice_elements)])
                            .square().sum())
         if others:
             squares.append(torch.nn.utils.get_total_norm(others, norm_type=2.0).square().float().cpu())
