@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
+from trainer.offload.engine import format_bytes
+
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -55,19 +57,54 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
     final = root / f"global_step_{step}"
     partial = root / f".global_step_{step}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    for role, model in models.items():
-        (partial / role).mkdir()
-        # save_model (not save_file) copes with tied weights such as a shared embedding and head.
-        save_model(model, str(partial / role / "model.safetensors"))
-    torch.save(state, partial / TRAINER_STATE)
-    _fsync_tree(partial)
+    needed, free = checkpoint_bytes(models, state), shutil.disk_usage(root).free
+    if needed > free:
+        raise CheckpointError(f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: it needs "
+                              f"about {format_bytes(needed)} and {format_bytes(free)} is free; free some space, keep fewer "
+                              "checkpoints (trainer.max_ckpt_to_keep) or write the run elsewhere (trainer.runs_dir)")
+    try:
+        partial.mkdir()
+        for role, model in models.items():
+            (partial / role).mkdir()
+            # save_model (not save_file) copes with tied weights such as a shared embedding and head.
+            save_model(model, str(partial / role / "model.safetensors"))
+        torch.save(state, partial / TRAINER_STATE)
+        _fsync_tree(partial)
+    except (OSError, RuntimeError) as error:
+        # torch.save reports a full disk as a RuntimeError of its zip writer, not as an OSError.
+        shutil.rmtree(partial, ignore_errors=True)
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"could not write the checkpoint of step {step} to {str(root)!r} ({detail}); "
+                              f"{format_bytes(shutil.disk_usage(root).free)} is free there, it needs about {format_bytes(needed)}"
+                              ) from None
     _move_into_place(partial, final)
     _write_atomically(root / LATEST, f"{step}\n")
     if keep is not None:
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_bytes(models: dict[str, torch.nn.Module], state: dict[str, Any]) -> int:
+    """About the bytes a checkpoint of `models` and `state` takes on disk: each model's tensors, and
+    every storage `state` holds (torch.save writes a view's whole storage), each counted once."""
+    weights = sum(tensor.nbytes for model in models.values()
+                  for tensor in {tensor.data_ptr(): tensor for tensor in model.state_dict().values()}.values())
+    storages: dict[int, int] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(state)
+    return weights + sum(storages.values())
 
 
 def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str, Any]:

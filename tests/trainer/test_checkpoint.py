@@ -117,6 +117,50 @@ def test_leftovers_of_a_crashed_save_are_ignored(tokenizer, tmp_path):
         load_checkpoint(root / "global_step_7", saved)
 
 
+def test_the_size_estimate_is_what_a_save_writes(tokenizer, tmp_path):
+    saved = models(tokenizer, seed=1)
+    optimizer = torch.optim.AdamW(saved["actor"].parameters(), lr=0.1)
+    saved["actor"](input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
+    optimizer.step()
+    state = {"optimizer": optimizer.state_dict(), "rng": rng_state()}
+    path = save_checkpoint(tmp_path, 1, saved, state)
+    written = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+    # The files add headers and names (a few KiB) to the tensors' bytes.
+    assert 0 < written - trainer.checkpoint.checkpoint_bytes(saved, state) < 64 * 1024
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_in_one_line_keeping_the_last_one(tokenizer, tmp_path,
+                                                                                         monkeypatch):
+    saved = models(tokenizer, seed=1)
+    complete = save_checkpoint(tmp_path, 3, saved, {"step": 3})
+    real = trainer.checkpoint.shutil.disk_usage
+    monkeypatch.setattr(trainer.checkpoint.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint(tmp_path, 5, saved, {"step": 5}, keep=1)
+    message = str(error.value)
+    assert message.startswith("not enough disk space for the checkpoint of step 5 in ")
+    assert message.endswith(" and 0.98 KiB is free; free some space, keep fewer checkpoints "
+                            "(trainer.max_ckpt_to_keep) or write the run elsewhere (trainer.runs_dir)")
+    assert "\n" not in message
+    assert step_dirs(tmp_path) == ["global_step_3", LATEST]
+    assert latest_checkpoint(tmp_path) == complete
+
+
+def test_a_disk_filling_up_while_saving_leaves_no_partial_checkpoint(tokenizer, tmp_path, monkeypatch):
+    saved = models(tokenizer, seed=1)
+    save_checkpoint(tmp_path, 3, saved, {"step": 3})
+
+    def full(*args, **kwargs):
+        # What torch.save raised on an H200 machine whose disk filled up (2026-11-30).
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 34969626496 vs 34969626396")
+
+    monkeypatch.setattr(trainer.checkpoint.torch, "save", full)
+    with pytest.raises(CheckpointError, match=r"^could not write the checkpoint of step 5 to .* \(\[enforce fail "
+                                              r".*\); [\d.]+ [KMG]iB is free there, it needs about [\d.]+ [KMG]iB$"):
+        save_checkpoint(tmp_path, 5, saved, {"step": 5})
+    assert step_dirs(tmp_path) == ["global_step_3", LATEST]
+
+
 def test_keep_prunes_the_oldest(tokenizer, tmp_path):
     saved = models(tokenizer, seed=1)
     for step in (1, 2, 3, 4):
@@ -164,8 +208,9 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tokenizer, tmp_path
         raise OSError("disk full")
 
     monkeypatch.setattr(trainer.checkpoint.torch, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=r"^could not write the checkpoint of step 2 to .* \(disk full\)"):
         save_checkpoint(tmp_path, 2, models(tokenizer, seed=2), {"step": 2})
+    assert not list(checkpoints_dir(tmp_path).glob(".global_step_2.partial-*"))
     monkeypatch.undo()
 
     assert not (checkpoints_dir(tmp_path) / "global_step_2").exists()
