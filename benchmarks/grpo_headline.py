@@ -44,6 +44,15 @@ QUICK_REWARD = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
                     num_key_value_heads=2, vocab_size=4096)
 
 
+class StepsOnly(Trainer):
+    """The trainer without its end-of-run checkpoint: the 7B actor's would hold about 100 GB (weights,
+    fp32 masters, AdamW states), more than the H200 machine's 64 GiB disk (a save there filled it on
+    2026-11-30); the benchmark measures steps."""
+
+    def save(self):
+        return None
+
+
 def flow(mapping: dict) -> str:
     return "{" + ", ".join(f"{key}: {str(value).lower() if isinstance(value, bool) else value}"
                            for key, value in mapping.items()) + "}"
@@ -115,12 +124,25 @@ def overrides(args, reward_dir: Path, runs_dir: Path) -> list[str]:
     ]
 
 
+def _cgroup_memory_limit() -> int | None:
+    """The container's memory limit (cgroup v2), which the kernel enforces below the machine's memory."""
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # the memory-fraction call needs an index
     capped = device.type == "cuda" and args.cap_gib > 0
     result = {**(machine() if device.type == "cuda" else {}), "cap_gib": args.cap_gib if capped else None,
               "host_total_gib": psutil.virtual_memory().total / GIB}
-    with tempfile.TemporaryDirectory() as scratch:
+    result["host_limit_gib"] = _cgroup_memory_limit() / GIB if _cgroup_memory_limit() else None
+    # On disk, not in /tmp: a tmpfs /tmp would hold the reward model's 3 GB in host memory all run.
+    with tempfile.TemporaryDirectory(dir=args.scratch, prefix="grpo_headline_") as scratch:
         reward_dir = Path(scratch) / "reward_model"
         started = time.perf_counter()
         save_reward_model(reward_dir, QUICK_REWARD if args.quick else REWARD_SHAPE, args.device)
@@ -132,7 +154,7 @@ def run(args) -> dict:
         logs: list[str] = []
         with PeakRSS() as rss:
             started = time.perf_counter()
-            trainer = Trainer(config, log=logs.append, warn=logs.append)
+            trainer = StepsOnly(config, log=logs.append, warn=logs.append)
             result["build_s"] = time.perf_counter() - started
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -162,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--response-length", type=int, default=128, help="tokens per response at most (128)")
     parser.add_argument("--threshold", type=float, default=0.9, help="dynamic offload threshold (0.9)")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
+    parser.add_argument("--scratch", type=Path, default=Path.cwd(),
+                        help="directory on disk for the reward model and the run (default: the current one)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("ERROR: --device cuda, but no CUDA GPU is visible; use --device cpu --quick for a smoke run",
