@@ -106,6 +106,25 @@ def test_training_with_the_head_kept_trains_as_streaming_it_and_copies_it_once_a
         assert h2d_bytes(streamed, "lm_head") > 3 * 2 * head
 
 
+def test_after_an_update_the_kept_head_is_copied_before_the_forward_reaches_the_layers():
+    model = policy().train()
+    engine = offloaded(model, LAYERED)
+    optimizer = engine.optimizer(lr=1e-2)
+    head = engine.stageable_bytes()["lm_head"]
+    ids = token_batch()
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(h2d_bytes(engine, "lm_head")))
+    with engine.placed_for("training"):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        engine.wait_for_updates()  # the head's update has landed: its new copy can start at once
+        model(input_ids=ids, labels=ids).loss.backward()
+    # The copy made on entering the phase, then the refresh, already on its way at the first layer
+    # (on a GPU it overlaps the layers; the head's forward waits for it there).
+    assert seen == [head, 2 * head]
+    assert h2d_bytes(engine, "lm_head") == 2 * head
+
+
 def test_a_kept_copy_follows_an_update_and_gradients_flow_through_kept_and_streamed_groups():
     reference = policy()
     model = policy()
