@@ -45,8 +45,8 @@ QUICK_REWARD = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
 
 
 class StepsOnly(Trainer):
-    """The trainer without its end-of-run checkpoint: the 7B actor's would hold about 100 GB (weights,
-    fp32 masters, AdamW states), more than the H200 machine's 64 GiB disk (a save there filled it on
+    """The trainer without its end-of-run checkpoint: the 7B actor's would hold about 92 GB (fp32
+    master weights and AdamW states), more than the H200 machine's 64 GiB disk (a save there filled it on
     2026-11-30); the benchmark measures steps."""
 
     def save(self):
