@@ -181,8 +181,26 @@ class Bench:
         model = self.build()
         ids = self.ids()
         for pass_, run in self.passes(model, ids):
-            self.record("all-GPU", pass_, *self.measure(run), self.tokens())
+            row = self.record("all-GPU", pass_, *self.measure(run), self.tokens())
+        self.note_loss_peak(row, model, ids)
         del model
+
+    def note_loss_peak(self, row: dict, model, ids) -> None:
+        """Where a forward+backward's peak comes: the peak up to the loss (forward with grad), beside
+        the whole pass's, from one more pass (untimed)."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = model(input_ids=ids, labels=ids).loss
+        torch.cuda.synchronize()
+        row["peak_at_loss_gib"] = torch.cuda.max_memory_allocated() / GIB
+        loss.backward()
+        for parameter in model.parameters():
+            parameter.grad = None
+        torch.cuda.synchronize()
+        row["peak_whole_pass_gib"] = torch.cuda.max_memory_allocated() / GIB
+        self.save()
+        print(f"  {'':<38} {'peak up to the loss / whole pass':<32} {row['peak_at_loss_gib']:6.1f} / "
+              f"{row['peak_whole_pass_gib']:.1f} GiB", flush=True)
 
     def ours(self, name: str, fsdp_config: FSDPConfig, options: OffloadOptions | None = None, *,
              phase: str | None = None) -> None:
@@ -206,9 +224,10 @@ class Bench:
             h2d, d2h = _delta(before, engine.copied_bytes())
             engine.drain_copy_stats()
             ms, peak = self.measure(run, warmup=0)
-            self.record(name, pass_, ms, peak, self.tokens(), h2d_bytes=h2d, d2h_bytes=d2h,
-                        copy_seconds=_copy_seconds(engine.drain_copy_stats()),
-                        working_set_gib=engine.working_set_bytes() / GIB)
+            row = self.record(name, pass_, ms, peak, self.tokens(), h2d_bytes=h2d, d2h_bytes=d2h,
+                              copy_seconds=_copy_seconds(engine.drain_copy_stats()),
+                              working_set_gib=engine.working_set_bytes() / GIB)
+        self.note_loss_peak(row, model, ids)
 
     def layered(self) -> None:
         """Embedding and head on the CPU, with the head streamed through three chunk slots (least
