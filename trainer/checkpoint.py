@@ -60,8 +60,9 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
     needed, free = checkpoint_bytes(models, state), shutil.disk_usage(root).free
     if needed > free:
         raise CheckpointError(f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: it needs "
-                              f"about {format_bytes(needed)} and {format_bytes(free)} is free; free some space, keep fewer "
-                              "checkpoints (trainer.max_ckpt_to_keep) or write the run elsewhere (trainer.runs_dir)")
+                              f"about {format_bytes(needed)} and {format_bytes(free)} is free; free some space, keep "
+                              "fewer checkpoints (trainer.max_ckpt_to_keep) or write the run elsewhere "
+                              "(trainer.runs_dir)")
     try:
         partial.mkdir()
         for role, model in models.items():
@@ -74,9 +75,9 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
         # torch.save reports a full disk as a RuntimeError of its zip writer, not as an OSError.
         shutil.rmtree(partial, ignore_errors=True)
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        free = shutil.disk_usage(root).free
         raise CheckpointError(f"could not write the checkpoint of step {step} to {str(root)!r} ({detail}); "
-                              f"{format_bytes(shutil.disk_usage(root).free)} is free there, it needs about {format_bytes(needed)}"
-                              ) from None
+                              f"{format_bytes(free)} is free there, it needs about {format_bytes(needed)}") from None
     _move_into_place(partial, final)
     _write_atomically(root / LATEST, f"{step}\n")
     if keep is not None:
