@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
-from trainer.offload.engine import format_bytes
+from trainer.offload.engine import format_bytes, nested_tensors, storage_bytes
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
@@ -87,25 +87,12 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
 
 
 def checkpoint_bytes(models: dict[str, torch.nn.Module], state: dict[str, Any]) -> int:
-    """About the bytes a checkpoint of `models` and `state` takes on disk: each model's tensors, and
-    every storage `state` holds (torch.save writes a view's whole storage), each counted once."""
+    """About the bytes a checkpoint of `models` and `state` takes on disk: each model's tensors
+    (safetensors writes a tied weight once), and the storages `state` holds (torch.save writes a
+    view's whole storage)."""
     weights = sum(tensor.nbytes for model in models.values()
                   for tensor in {tensor.data_ptr(): tensor for tensor in model.state_dict().values()}.values())
-    storages: dict[int, int] = {}
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-
-    visit(state)
-    return weights + sum(storages.values())
+    return weights + storage_bytes(nested_tensors(state))
 
 
 def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import functools
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -98,16 +98,6 @@ class OffloadOptions:
     the next forward waits for each block's update only when it reaches that block. Measured on an
     H200 host (16 cores, 2026-11-30, clip folded into the update): a step of 8 7B-shaped layers took
     1376 ms with it and 1572 ms without (benchmarks/README.md)."""
-
-
-def _host_tensor_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers in host memory, each storage counted once (tied weights)."""
-    storages = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        if tensor.device.type == "cpu":
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 def _aligned(nbytes: int) -> int:
@@ -289,7 +279,8 @@ class OffloadEngine:
         if host_budget is not None:
             # Packing gives back the host memory the model's weights hold now (they move into the
             # arena or to the GPU), so that memory counts as available to the placement.
-            host_budget += _host_tensor_bytes(model)
+            host_budget += storage_bytes(tensor for tensor in itertools.chain(model.parameters(), model.buffers())
+                                         if tensor.device.type == "cpu")
             if sum(self.host_bytes().values()) > host_budget:
                 raise HostMemoryError(self._host_memory_message(host_budget))
         self._pack()
@@ -903,7 +894,7 @@ class OffloadEngine:
             # Recomputation for gradient checkpointing: the block is released after its backward.
             return None
         if torch.is_grad_enabled():
-            outputs = [tensor for tensor in _tensors(output) if tensor.requires_grad]
+            outputs = [tensor for tensor in nested_tensors(output) if tensor.requires_grad]
             if outputs:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, functools.partial(self._pre_backward, unit), mode="any")
@@ -1356,14 +1347,24 @@ class _HeadStreamer:
         return grad_input.view_as(hidden) if grad_input is not None else None
 
 
-def _tensors(value) -> list[torch.Tensor]:
+def nested_tensors(value) -> list[torch.Tensor]:
+    """The tensors in a value of nested dicts, lists and tuples (a model's output, a state dict)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, dict):
-        return [tensor for item in value.values() for tensor in _tensors(item)]
+        return [tensor for item in value.values() for tensor in nested_tensors(item)]
     if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _tensors(item)]
+        return [tensor for item in value for tensor in nested_tensors(item)]
     return []
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind `tensors`, each counted once (views, tied weights)."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def format_bytes(nbytes: float) -> str:
