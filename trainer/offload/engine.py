@@ -679,7 +679,7 @@ class OffloadEngine:
                     budget = None if budget is None else budget - nbytes
             yield staged
         finally:
-            self._staged.clear()
+            self._forget_staged()
             self.phase = previous
 
     def drop_kept(self) -> list[str]:
@@ -687,8 +687,16 @@ class OffloadEngine:
         groups dropped. What out-of-memory relief does when no layer can move."""
         group_of = {unit.name: unit.group for unit in self.units}
         groups = [group_of[name] for name in self._staged]  # in the order they were kept
-        self._staged.clear()
+        self._forget_staged()
         return groups
+
+    def _forget_staged(self, name: str | None = None) -> None:
+        """Drop a kept copy (all of them without `name`). One still arriving on the copy stream is
+        waited for by the compute stream first: its memory goes back to the compute stream's pool,
+        and the copy must not write into whatever is allocated there next."""
+        for key in [name] if name is not None else list(self._staged):
+            if key in self._staged:
+                self.streams.compute_waits(self._staged.pop(key)[2])
 
     def _staged_weight_index(self, unit: Unit) -> int:
         return self._index_of(unit, self.parts.head.weight if unit.kind == CHUNKS else self.parts.embedding.weight)
@@ -709,6 +717,7 @@ class OffloadEngine:
             self.streams.stream_waits(stream, self.streams.record_compute())
         end = self.log.timed(H2D, unit.group, source.numel() * source.element_size(), stream,
                              lambda: target.copy_(source, non_blocking=True))
+        self._forget_staged(unit.name)
         self._staged[unit.name] = (target, unit.version, end if ahead else None)
 
     def _refresh_staged_ahead(self, unit: Unit) -> None:
