@@ -25,6 +25,7 @@ from trainer.offload import (
     offload_message,
 )
 from trainer.offload.copies import MAX_RECORDS_PER_DRAIN, CopyLog
+from trainer.offload.engine import storage_bytes
 
 TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
 FOUR_LAYERS = {"num_hidden_layers": 4}
@@ -262,10 +263,6 @@ def test_the_host_memory_plan_is_what_a_training_step_allocates(settings, dtype)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     engine.wait_for_updates()
-
-    def storage_bytes(tensors) -> int:
-        storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
-        return sum(storages.values())
 
     offloaded_units = [unit for unit in engine.units if unit.arena is not None]
     assert storage_bytes(unit.arena for unit in offloaded_units) == plan["arena"]
