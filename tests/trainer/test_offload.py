@@ -129,6 +129,22 @@ def test_clipping_inside_the_update_matches_clip_grad_norm():
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
 
 
+def test_the_norm_of_bf16_host_gradients_is_their_fp32_norm_slice_by_slice():
+    model = policy(dtype=torch.bfloat16).train()
+    optimizer = offloaded(model, BF16_HOST_GRADS).optimizer(lr=1e-3)
+    optimizer.slice_elements = 100  # many slices per tensor, the last one of each short
+    ids = token_batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = [parameter.grad for parameter in model.parameters()]
+    assert all(grad.dtype == torch.bfloat16 and grad.device.type == "cpu" for grad in grads)
+    expected = torch.linalg.vector_norm(torch.cat([grad.double().view(-1) for grad in grads]))
+    norm = optimizer.clip_grad_norm_(1.0)
+    assert norm.dtype == torch.float32
+    torch.testing.assert_close(norm.double(), expected, rtol=1e-6, atol=0)
+    assert optimizer._norm_scratch.numel() == 100
+    assert all(parameter.grad is grad for parameter, grad in zip(model.parameters(), grads, strict=True))
+
+
 def test_a_head_streamed_in_chunks_changes_only_rounding(resident_run):
     chunks = OffloadOptions(head_chunk_bytes=4 * 64 * 4)  # four vocabulary rows a chunk
     losses, weights, engine = train(POLICIES["all_cpu"], options=chunks)
@@ -261,12 +277,14 @@ def test_the_host_memory_plan_is_what_a_training_step_allocates(settings, dtype)
     optimizer = engine.optimizer(lr=1e-3)
     ids = token_batch()
     model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.clip_grad_norm_(1.0)
     optimizer.step()
     engine.wait_for_updates()
 
     offloaded_units = [unit for unit in engine.units if unit.arena is not None]
     assert storage_bytes(unit.arena for unit in offloaded_units) == plan["arena"]
-    scratch = optimizer._scratch.numel() * 4 if optimizer._scratch is not None else 0  # bf16 gradients read in fp32
+    # bf16 gradients are read in fp32 by the update and by the norm, each into a buffer of its own.
+    scratch = sum(buffer.numel() * 4 for buffer in (optimizer._scratch, optimizer._norm_scratch) if buffer is not None)
     assert storage_bytes(view for unit in offloaded_units for view in unit.grad_views) + scratch == plan["gradients"]
     states = [state for values in optimizer.state.values() for state in values.values()
               if isinstance(state, torch.Tensor) and state.dim() > 0 and state.device.type == "cpu"]

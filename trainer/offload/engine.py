@@ -345,10 +345,11 @@ class OffloadEngine:
             usage["optimizer"] += sum(2 * entry.parameter.numel() * self.master_dtype.itemsize
                                       for unit in units for entry in unit.entries if entry.parameter.requires_grad)
         if self.grad_dtype != self.master_dtype:
-            # The update reads the gradients back in fp32 a slice at a time (OffloadAdamW), into one buffer.
+            # The update and the gradient norm read the gradients back in fp32 a slice at a time
+            # (OffloadAdamW), each into a buffer of its own.
             largest = max((entry.parameter.numel() for unit in self.units if unit.kind != RESIDENT
                            for entry in unit.entries if entry.parameter.requires_grad), default=0)
-            usage["gradients"] += min(largest, UPDATE_SLICE_ELEMENTS) * self.master_dtype.itemsize
+            usage["gradients"] += 2 * min(largest, UPDATE_SLICE_ELEMENTS) * self.master_dtype.itemsize
         if self.streams.cuda:
             # The pinned buffers that accumulated (or converted) gradients pass through, at most a unit each.
             largest = max((self._layout(unit)[1] for unit in self.units if unit.kind != RESIDENT and unit.trainable),
