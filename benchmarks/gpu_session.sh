@@ -24,13 +24,13 @@ case "${1:-}" in
   rollout)
     timeout 580 python3 benchmarks/rollout_bench.py --out "$out/rollout.json" 2>&1 | tee "$out/rollout.txt" | tail -30 ;;
   offload)
-    timeout 580 python3 benchmarks/offload_bench.py --only bandwidth,allgpu,ours_layered --out "$out/offload.json" \
+    timeout 580 python3 benchmarks/offload_bench.py --only bandwidth,allgpu,ours_layered --out "$out/offload.json" ${PROFILE:+--profile "$out/profile"} \
       2>&1 | tee "$out/offload.txt" | tail -30 ;;
   headline)
-    timeout 580 python3 benchmarks/grpo_headline.py --cap-gib 40 --out "$out/headline.json" 2>&1 \
+    timeout 580 python3 benchmarks/grpo_headline.py --cap-gib 40 --out "$out/headline.json" ${PROFILE:+--profile} 2>&1 \
       | tee "$out/headline.txt" | tail -60 ;;
   uncapped)
-    timeout 580 python3 benchmarks/grpo_headline.py --cap-gib 0 --out "$out/uncapped.json" 2>&1 \
+    timeout 580 python3 benchmarks/grpo_headline.py --cap-gib 0 --out "$out/uncapped.json" ${PROFILE:+--profile} 2>&1 \
       | tee "$out/uncapped.txt" | tail -60 ;;
   *)
     echo "usage: $0 tests|rollout|offload|headline|uncapped" >&2

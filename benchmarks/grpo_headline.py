@@ -9,8 +9,10 @@ model, under a GPU memory cap, within the host's memory.
 Random weights (the built-in tiny tokenizer, so every token id is below 19: the shapes, not the
 text, are what is measured). The actor keeps its embedding and lm_head on the CPU, its transformer
 layers under dynamic offload, fp32 masters, bf16 gradients and AdamW on the CPU; the reference
-and the reward model stay on the GPU. Two steps run: the first warms up, the second is reported
-with the peak GPU memory (allocator), the peak host memory (RSS, sampled), step time and tokens/s.
+and the reward model stay on the GPU. Three steps run and the last is reported, with the peak GPU
+memory (allocator), the peak host memory (RSS, sampled), step time and tokens/s: each step's
+rollout waits for the CPU update of the step before, and the first update also allocates and
+first touches AdamW's 61 GB of host states, so the second step is not yet a steady one.
 """
 
 from __future__ import annotations
@@ -73,6 +75,81 @@ def save_reward_model(directory: Path, shape: dict, device: str) -> None:
     del model
 
 
+class Profile:
+    """Where a step's time goes (--profile): seconds per trainer phase of the engines' worker tasks
+    (gradient landing, CPU updates), of the main thread's waits for them, and of the optimizer's
+    calls, keyed by the step they ran in. Wraps the trainer's and engines' methods in place; a
+    benchmark aid, not part of the trainer."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.phase = "start"
+        self.seconds: dict[int, dict[str, dict[str, float]]] = {}
+        self._lock = threading.Lock()
+        original_phase = trainer._phase
+
+        def on_phase(name: str) -> None:
+            if name != "step":
+                self.phase = name
+            original_phase(name)
+
+        trainer._phase = on_phase
+        for engine in trainer.offload_engines:
+            self._wrap_engine(engine)
+        optimizer = trainer.actor.optimizer
+        for method in ("clip_grad_norm_", "step", "zero_grad", "_step_narrow_grads", "_step_groups"):
+            setattr(optimizer, method, self._timed(getattr(optimizer, method), f"actor optimizer.{method}"))
+
+    def add(self, name: str, seconds: float, phase: str | None = None, step: int | None = None) -> None:
+        with self._lock:
+            step = self.trainer.step + 1 if step is None else step
+            table = self.seconds.setdefault(step, {}).setdefault(phase or self.phase, {})
+            table[name] = table.get(name, 0.0) + seconds
+
+    def _timed(self, function, name: str):
+        def timed(*args, **kwargs):
+            phase, step, started = self.phase, self.trainer.step + 1, time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - started, phase, step)
+        return timed
+
+    def _wrap_engine(self, engine) -> None:
+        role = engine.role
+        submit = engine._submit
+
+        def timed_submit(function, *args, inline=None):
+            name = getattr(function, "__name__", None) or getattr(getattr(function, "func", None), "__name__", "task")
+            return submit(self._timed(function, f"{role} worker {name}"), *args, inline=inline)
+
+        engine._submit = timed_submit
+        for method in ("_staging_buffer", "_finish_backward", "wait_for_updates", "_land", "after_update"):
+            setattr(engine, method, self._timed(getattr(engine, method), f"{role} {method}"))
+        profile = self
+
+        class TimedEvent(threading.Event):
+            def wait(self, timeout=None):
+                if self.is_set():
+                    return True
+                started = time.perf_counter()
+                try:
+                    return super().wait(timeout)
+                finally:
+                    profile.add(f"{role} main waits for an update ({threading.current_thread().name})",
+                                time.perf_counter() - started)
+
+        for unit in engine.units:
+            event = TimedEvent()
+            if unit.ready.is_set():
+                event.set()
+            unit.ready = event
+
+    def report(self) -> dict:
+        return {str(step): {phase: {name: round(value, 3) for name, value in sorted(table.items())}
+                            for phase, table in phases.items()} for step, phases in self.seconds.items()}
+
+
 class PeakRSS:
     """The process's resident memory, sampled every 50 ms; `peak` is the largest seen."""
 
@@ -119,7 +196,7 @@ def overrides(args, reward_dir: Path, runs_dir: Path) -> list[str]:
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
         "reward_model.enable=true", f"reward_model.model.path={reward_dir}",
         "reward_model.model.fsdp_config.model_dtype=bf16", "reward_model.micro_batch_size_per_gpu=8",
-        "critic.enable=false", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+        "critic.enable=false", f"trainer.total_training_steps={args.steps}", "trainer.save_freq=-1",
         f"trainer.device={args.device}", f"trainer.runs_dir={runs_dir}", "trainer.experiment_name=headline",
     ]
 
@@ -156,6 +233,7 @@ def run(args) -> dict:
             started = time.perf_counter()
             trainer = StepsOnly(config, log=logs.append, warn=logs.append)
             result["build_s"] = time.perf_counter() - started
+            profile = Profile(trainer) if args.profile else None
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             trainer.fit()
@@ -169,6 +247,7 @@ def run(args) -> dict:
                        for engine in trainer.offload_engines},
         oom_recoveries=sum(row.get("perf/oom_recoveries", 0) for row in rows),
         summary=[f"{engine.role}: {line}" for engine in trainer.offload_engines for line in engine.summary_lines()],
+        profile=profile.report() if profile is not None else None,
         log=[line for line in logs if line.startswith(("dynamic offload", "per-phase placement", "out of GPU memory"))],
     )
     return result
@@ -183,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4, help="responses per prompt (default 4)")
     parser.add_argument("--response-length", type=int, default=128, help="tokens per response at most (128)")
     parser.add_argument("--threshold", type=float, default=0.9, help="dynamic offload threshold (0.9)")
+    parser.add_argument("--steps", type=int, default=3, help="steps to run (the last is reported); default 3")
+    parser.add_argument("--profile", action="store_true",
+                        help="also report per phase the seconds of the offload worker's tasks and the waits for them")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
     parser.add_argument("--scratch", type=Path, default=Path.cwd(),
                         help="directory on disk for the reward model and the run (default: the current one)")
@@ -190,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("ERROR: --device cuda, but no CUDA GPU is visible; use --device cpu --quick for a smoke run",
               file=sys.stderr)
+        return 2
+    if args.steps < 1:
+        print(f"ERROR: --steps must be at least 1, got {args.steps}", file=sys.stderr)
         return 2
     if args.cap_gib < 0:
         print(f"ERROR: --cap-gib must be 0 (no cap) or positive, got {args.cap_gib}", file=sys.stderr)

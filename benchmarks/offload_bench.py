@@ -67,8 +67,8 @@ QUICK_PLAN = Plan(layers=4, batch=2, tokens=512, long_tokens=1024, optimizer_lay
 
 
 class Bench:
-    def __init__(self, plan: Plan, out: Path):
-        self.plan, self.out = plan, out
+    def __init__(self, plan: Plan, out: Path, profile_dir: Path | None = None):
+        self.plan, self.out, self.profile_dir = plan, out, profile_dir
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.rows: list[dict] = []
         self.errors: dict[str, str] = {}
@@ -182,8 +182,29 @@ class Bench:
         ids = self.ids()
         for pass_, run in self.passes(model, ids):
             row = self.record("all-GPU", pass_, *self.measure(run), self.tokens())
+        self.profile("all-GPU forward+backward", run)
         self.note_loss_peak(row, model, ids)
         del model
+
+    def profile(self, name: str, run: Callable[[], None]) -> None:
+        """With --profile DIR: one more pass of `run` under torch.profiler, its Chrome trace (gzipped,
+        named after the variant) written to DIR and its kernel table (by device time) added to
+        DIR/tables.txt."""
+        if self.profile_dir is None:
+            return
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        slug = "".join(char if char.isalnum() else "_" for char in name).strip("_")
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            run()
+            torch.cuda.synchronize()
+        profiler.export_chrome_trace(str(self.profile_dir / f"{slug}.trace.json.gz"))
+        table = profiler.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+        with (self.profile_dir / "tables.txt").open("a") as tables:
+            tables.write(f"{name}\n{table}\n\n")
 
     def note_loss_peak(self, row: dict, model, ids) -> None:
         """Where a forward+backward's peak comes: the peak up to the loss (forward with grad), beside
@@ -227,6 +248,7 @@ class Bench:
             row = self.record(name, pass_, ms, peak, self.tokens(), h2d_bytes=h2d, d2h_bytes=d2h,
                               copy_seconds=_copy_seconds(engine.drain_copy_stats()),
                               working_set_gib=engine.working_set_bytes() / GIB)
+        self.profile(f"{name} forward+backward", run)
         self.note_loss_peak(row, model, ids)
 
     def layered(self) -> None:
@@ -452,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 layers, short sequences, few repeats")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="also write a torch.profiler trace of each forward+backward variant to DIR")
     args = parser.parse_args(argv)
     sections = chosen_sections(args.only, SECTIONS)
     if sections is None:
@@ -459,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("ERROR: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    bench = Bench(QUICK_PLAN if args.quick else FULL_PLAN, args.out)
+    bench = Bench(QUICK_PLAN if args.quick else FULL_PLAN, args.out, args.profile)
     print(f"{bench.meta['gpu']}, {bench.meta['host_cores']} host cores", flush=True)
     if "bandwidth" not in sections and any(name != "optimizer" for name in sections):
         sections.insert(0, "bandwidth")  # every floor needs the pinned bandwidth of this run
