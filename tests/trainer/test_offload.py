@@ -145,6 +145,22 @@ def test_the_norm_of_bf16_host_gradients_is_their_fp32_norm_slice_by_slice():
     assert all(parameter.grad is grad for parameter, grad in zip(model.parameters(), grads, strict=True))
 
 
+@pytest.mark.parametrize("chunked_head", [False, True], ids=["whole_head", "chunked_head"])
+@pytest.mark.parametrize("name", ["all_cpu", "layered", "all_cpu_optimizer_offload"])
+def test_two_forwards_before_one_backward_add_up_every_gradient(name, chunked_head):
+    """A parameter that gets two gradients in one backward (its forward ran twice) gets their sum,
+    as a resident model's does: the head's second piece is added, not copied over the first."""
+    ids, other = token_batch(seed=0), token_batch(seed=1)
+    resident = policy().train()
+    (resident(input_ids=ids, labels=ids).loss + resident(input_ids=other, labels=other).loss).backward()
+    model = policy().train()
+    chunks = OffloadOptions(head_chunk_bytes=4 * 64 * 4)  # four vocabulary rows a chunk
+    offloaded(model, POLICIES[name], options=chunks if chunked_head else WHOLE_HEAD)
+    (model(input_ids=ids, labels=ids).loss + model(input_ids=other, labels=other).loss).backward()
+    for (parameter_name, parameter), expected in zip(model.named_parameters(), resident.parameters(), strict=True):
+        torch.testing.assert_close(parameter.grad.float(), expected.grad, rtol=1e-4, atol=1e-6, msg=parameter_name)
+
+
 def test_a_head_streamed_in_chunks_changes_only_rounding(resident_run):
     chunks = OffloadOptions(head_chunk_bytes=4 * 64 * 4)  # four vocabulary rows a chunk
     losses, weights, engine = train(POLICIES["all_cpu"], options=chunks)

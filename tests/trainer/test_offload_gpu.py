@@ -46,6 +46,24 @@ def place(model, settings: dict, role: str = "actor", options: OffloadOptions = 
     return model, attach_offload(model, FSDPConfig.model_validate(settings), CUDA, role=role, options=options)
 
 
+
+@pytest.mark.parametrize("name", ["layered", "all_cpu_bf16_host_gradients"])
+def test_two_forwards_before_one_backward_add_up_every_gradient_on_cuda(name):
+    """The head's chunks sent twice in one backward (through pinned memory, some through the
+    worker) add up as on a resident model, to bf16's tolerance."""
+    ids = torch.randint(3, len(TOKENIZER), (4, 16), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    other = ids.flip(0)
+    resident = policy(SMALL).train().to(CUDA)
+    (resident(input_ids=ids, labels=ids).loss + resident(input_ids=other, labels=other).loss).backward()
+    # Four vocabulary rows (of the tiny model's 17, hidden 64, bf16) a chunk.
+    model, engine = place(policy(SMALL).train(), POLICIES[name], options=OffloadOptions(head_chunk_bytes=4 * 64 * 2))
+    (model(input_ids=ids, labels=ids).loss + model(input_ids=other, labels=other).loss).backward()
+    head = next(unit for unit in engine.units if unit.group == "lm_head")
+    assert len(head.blocks) > 1  # streamed in several chunks
+    for (parameter_name, parameter), expected in zip(model.named_parameters(), resident.parameters(), strict=True):
+        torch.testing.assert_close(parameter.grad.float(), expected.grad.float().cpu(), rtol=2e-2, atol=2e-3,
+                                   msg=parameter_name)
+
 def train(settings, *, steps=3, gradient_checkpointing=False):
     model, engine = place(policy(SMALL, gradient_checkpointing=gradient_checkpointing).train(), settings)
     optimizer = (engine.optimizer(lr=1e-3) if engine is not None else

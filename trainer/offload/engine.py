@@ -189,6 +189,9 @@ class Unit:
     # Per backward pass:
     fresh: bool = True
     landed: set[int] = field(default_factory=set)
+    landed_pieces: set[tuple[int, int]] = field(default_factory=set)
+    """(entry index, first element) of the gradient pieces sent this pass: a piece sent again (the
+    head's chunks when its forward ran twice before one backward) is added, not copied over."""
     accumulated: int = 0
 
     def __post_init__(self):
@@ -448,6 +451,7 @@ class OffloadEngine:
             for compute in unit.compute_params:
                 compute.grad = None
             unit.landed.clear()
+            unit.landed_pieces.clear()
             unit.accumulated = 0
         for block in self.blocks:
             if block.acquired:
@@ -1046,6 +1050,7 @@ class OffloadEngine:
                 continue
             unit.fresh = all(entry.parameter.grad is None for entry in unit.entries)
             unit.landed.clear()
+            unit.landed_pieces.clear()
             unit.accumulated = 0
             if unit.kind == ROWS and not self.parts.tied and unit.fresh:
                 # Zero the embedding's gradient while the backward runs; the rows are added into it last.
@@ -1074,12 +1079,15 @@ class OffloadEngine:
         # Flatten before the event that orders the copies after the compute (a copy kernel, if any,
         # must come before it).
         pieces = [(tensor.reshape(-1), index, first) for tensor, index, first in pieces]
+        # A piece's first write in a fresh pass is a copy; any other is added to what is there.
+        first_writes = [unit.fresh and (index, first) not in unit.landed_pieces for _, index, first in pieces]
         direct = unit.fresh and unit.grad_pinned and not (unit.landed & {index for _, index, _ in pieces})
         unit.landed.update(index for _, index, _ in pieces)
+        unit.landed_pieces.update((index, first) for _, index, first in pieces)
         if not self.streams.cuda:
-            for tensor, index, first in pieces:
+            for (tensor, index, first), copy in zip(pieces, first_writes, strict=True):
                 self.log.timed(D2H, unit.group, tensor.numel() * tensor.element_size(), None,
-                               functools.partial(self._land, unit, index, first, tensor, direct))
+                               functools.partial(self._land, unit, index, first, tensor, copy))
             return
         self.streams.stream_waits(self.streams.d2h, self.streams.record_compute())
         if direct:
@@ -1092,12 +1100,12 @@ class OffloadEngine:
             return
         buffer, offset = self._staging_buffer(sum(_aligned(tensor.nbytes) for tensor, _, _ in pieces)), 0
         staged = []
-        for tensor, index, first in pieces:
+        for (tensor, index, first), copy in zip(pieces, first_writes, strict=True):
             host = _typed(buffer, offset, tensor)
             offset += _aligned(tensor.nbytes)
             end = self.log.timed(D2H, unit.group, tensor.numel() * tensor.element_size(), self.streams.d2h,
                                  functools.partial(host.copy_, tensor, non_blocking=True))
-            staged.append((host, index, first))
+            staged.append((host, index, first, copy))
         self._hold_until_copied(end, [tensor for tensor, _, _ in pieces], head=unit.kind == CHUNKS)
         task = self._submit(self._land_staged, unit, staged, end)
         self._grad_tasks.append(task)
@@ -1118,15 +1126,16 @@ class OffloadEngine:
 
     def _land_staged(self, unit: Unit, staged: list, end: torch.cuda.Event) -> None:
         end.synchronize()
-        for host, index, first in staged:
-            self._land(unit, index, first, host, False)
+        for host, index, first, copy in staged:
+            self._land(unit, index, first, host, copy)
 
     def _land(self, unit: Unit, index: int, first: int, tensor: torch.Tensor, overwrite: bool) -> None:
-        """Put a gradient piece into the master's gradient: copy on a fresh one, add otherwise."""
+        """Put a gradient piece into the master's gradient: copied over it (the piece's first write of
+        a fresh pass) or added to it."""
         parameter = unit.entries[index].parameter
         target = parameter.grad if parameter.grad is not None else unit.grad_views[index]
         target = target.view(-1)[first:first + tensor.numel()]
-        if overwrite or unit.fresh:
+        if overwrite:
             target.copy_(tensor.reshape(-1))
         else:
             target.add_(tensor.reshape(-1))
@@ -1193,6 +1202,7 @@ class OffloadEngine:
                 if parameter.grad is None:
                     parameter.grad = unit.grad_views[index]
             unit.landed.clear()
+            unit.landed_pieces.clear()
         self._backward_active = self.in_backward = False
 
     def _submit(self, function: Callable, *args, inline: bool | None = None) -> Future:
