@@ -981,7 +981,12 @@ class OffloadEngine:
                     self._refresh_staged_ahead(block.unit)
                 continue
             if not block.streamed:
-                self._fetch(block, required=False)
+                # A block kept on the device is copied again only after an update: checked here by
+                # version alone, since every pass walks all the blocks ahead of each block (a full
+                # _fetch each was 2.2 ms of a 28-layer forward's host time). An in-place edit of
+                # the masters is still picked up when the block is acquired.
+                if block.slot.holder is not block or block.fetched_version != block.unit.version:
+                    self._fetch(block, required=False)
                 continue
             if ahead.get(block.ring, 0) >= block.lookahead:
                 break
