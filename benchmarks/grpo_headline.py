@@ -18,7 +18,9 @@ first touches AdamW's 61 GB of host states, so the second step is not yet a stea
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -36,6 +38,7 @@ from benchmarks.offload_bench import GIB, SHAPE, machine  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.models import load_tokenizer  # noqa: E402
+from trainer.rollout.hf_rollout import SAFE_POINT_EVERY  # noqa: E402
 
 REWARD_SHAPE = dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
@@ -99,6 +102,20 @@ class Profile:
         optimizer = trainer.actor.optimizer
         for method in ("clip_grad_norm_", "step", "zero_grad", "_step_narrow_grads", "_step_groups"):
             setattr(optimizer, method, self._timed(getattr(optimizer, method), f"actor optimizer.{method}"))
+        rollout = trainer.rollout
+        rollout.generate = self._timed(rollout.generate, "rollout generate")
+        # The decode's safe points (every few tokens) time its chunks: the first holds the prefill
+        # (and any wait for the update), the others decoding alone.
+        # (Without dynamic offload the rollout gets safe points for the timing alone.)
+        self.safe_point_times: dict[int, list[float]] = {}
+        safe_point = rollout.safe_point or (lambda: None)
+
+        def timed_safe_point() -> None:
+            if self.phase == "gen":
+                self.safe_point_times.setdefault(self.trainer.step + 1, []).append(time.perf_counter())
+            safe_point()
+
+        rollout.safe_point = timed_safe_point
 
     def add(self, name: str, seconds: float, phase: str | None = None, step: int | None = None) -> None:
         with self._lock:
@@ -146,8 +163,14 @@ class Profile:
             unit.ready = event
 
     def report(self) -> dict:
-        return {str(step): {phase: {name: round(value, 3) for name, value in sorted(table.items())}
-                            for phase, table in phases.items()} for step, phases in self.seconds.items()}
+        report = {str(step): {phase: {name: round(value, 3) for name, value in sorted(table.items())}
+                              for phase, table in phases.items()} for step, phases in self.seconds.items()}
+        for step, times in self.safe_point_times.items():
+            gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+            if gaps:
+                report[str(step)].setdefault("gen", {})["decode ms per token, after the first safe point"] = round(
+                    statistics.median(gaps) / SAFE_POINT_EVERY * 1e3, 2)
+        return report
 
 
 class PeakRSS:
