@@ -18,6 +18,7 @@ first touches AdamW's 61 GB of host states, so the second step is not yet a stea
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -124,6 +125,7 @@ class Profile:
             table[name] = table.get(name, 0.0) + seconds
 
     def _timed(self, function, name: str):
+        @functools.wraps(function)  # keeps what torch marks on optimizer.step for its LR schedulers
         def timed(*args, **kwargs):
             phase, step, started = self.phase, self.trainer.step + 1, time.perf_counter()
             try:

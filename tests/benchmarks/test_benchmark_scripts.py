@@ -1,0 +1,34 @@
+"""The GPU benchmarks' scripts, as far as a machine without a GPU can run them: a wasted GPU call
+costs minutes of a limited budget, so a script that would fail there should fail here first."""
+
+import json
+
+import pytest
+
+from benchmarks import grpo_headline, offload_bench
+
+
+def test_the_headline_step_runs_its_quick_shape_on_the_cpu_with_the_profile(tmp_path, capsys):
+    out = tmp_path / "headline.json"
+    assert grpo_headline.main(["--quick", "--device", "cpu", "--profile", "--steps", "2", "--out", str(out),
+                               "--scratch", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    assert result["steps"] == 2 and result["step_s"] > 0 and result["tokens_per_s"] > 0
+    assert {"gen", "update_actor", "old_log_prob", "ref", "reward"} <= set(result["phases_s"])
+    reported = result["profile"]["2"]
+    assert reported["gen"]["rollout generate"] > 0
+    assert reported["gen"]["decode ms per token, after the first safe point"] > 0
+    assert reported["update_actor"]["actor optimizer.clip_grad_norm_"] > 0
+    assert any(line.startswith("actor: Optimizer: OFFLOADED to CPU") for line in result["summary"])
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--cap-gib", "-1"]])
+def test_the_headline_refuses_bad_arguments_in_one_line(argv, capsys):
+    assert grpo_headline.main([*argv, "--device", "cpu", "--quick"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("ERROR: --") and "\n" not in error
+
+
+def test_the_offload_benchmark_names_an_unknown_section(capsys):
+    assert offload_bench.main(["--only", "allgpu,nonsense"]) == 2
+    assert "unknown sections ['nonsense']" in capsys.readouterr().err
