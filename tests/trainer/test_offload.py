@@ -145,15 +145,19 @@ def test_the_norm_of_bf16_host_gradients_is_their_fp32_norm_slice_by_slice():
     assert all(parameter.grad is grad for parameter, grad in zip(model.parameters(), grads, strict=True))
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("chunked_head", [False, True], ids=["whole_head", "chunked_head"])
 @pytest.mark.parametrize("name", ["all_cpu", "layered", "all_cpu_optimizer_offload"])
-def test_two_forwards_before_one_backward_add_up_every_gradient(name, chunked_head):
+def test_two_forwards_before_one_backward_add_up_every_gradient(name, chunked_head, tied):
     """A parameter that gets two gradients in one backward (its forward ran twice) gets their sum,
-    as a resident model's does: the head's second piece is added, not copied over the first."""
+    as a resident model's does: the head's second piece is added, not copied over the first (nor
+    over the embedding rows' gradient, when the head is the embedding)."""
     ids, other = token_batch(seed=0), token_batch(seed=1)
-    resident = policy().train()
+    config = {**FOUR_LAYERS, "tie_word_embeddings": tied}
+    resident = policy(override_config=config).train()
     (resident(input_ids=ids, labels=ids).loss + resident(input_ids=other, labels=other).loss).backward()
-    model = policy().train()
+    model = policy(override_config=config).train()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     chunks = OffloadOptions(head_chunk_bytes=4 * 64 * 4)  # four vocabulary rows a chunk
     offloaded(model, POLICIES[name], options=chunks if chunked_head else WHOLE_HEAD)
     (model(input_ids=ids, labels=ids).loss + model(input_ids=other, labels=other).loss).backward()

@@ -53,6 +53,8 @@ from trainer.offload.functions import GatheredRows, PostBackward, StreamedLinear
 from trainer.offload.groups import GROUPS, TITLES, Entry, entries_of, find_parts, owners_in
 
 ALIGNMENT = 256
+ROWS_PIECE = -1
+"""The "first element" Unit.landed records for an embedding's gradient rows (scattered over the table)."""
 GIB = 1024**3
 
 RESIDENT = "resident"  # parameters on the compute device; the engine does nothing
@@ -188,14 +190,18 @@ class Unit:
     """What zero_grad asked for while the unit's update was still running: "none" or "zero"."""
     # Per backward pass:
     fresh: bool = True
-    landed: set[int] = field(default_factory=set)
-    landed_pieces: set[tuple[int, int]] = field(default_factory=set)
-    """(entry index, first element) of the gradient pieces sent this pass: a piece sent again (the
-    head's chunks when its forward ran twice before one backward) is added, not copied over."""
+    landed: set[tuple[int, int]] = field(default_factory=set)
+    """(entry index, first element) of the gradient pieces sent this pass, ROWS for an embedding's
+    rows: a piece sent again (the head's chunks when its forward ran twice before one backward) is
+    added, not copied over."""
     accumulated: int = 0
 
     def __post_init__(self):
         self.ready.set()
+
+    def landed_entries(self) -> set[int]:
+        """The entries some gradient piece was sent to this pass."""
+        return {index for index, _ in self.landed}
 
     @property
     def trainable(self) -> bool:
@@ -451,7 +457,6 @@ class OffloadEngine:
             for compute in unit.compute_params:
                 compute.grad = None
             unit.landed.clear()
-            unit.landed_pieces.clear()
             unit.accumulated = 0
         for block in self.blocks:
             if block.acquired:
@@ -1055,7 +1060,6 @@ class OffloadEngine:
                 continue
             unit.fresh = all(entry.parameter.grad is None for entry in unit.entries)
             unit.landed.clear()
-            unit.landed_pieces.clear()
             unit.accumulated = 0
             if unit.kind == ROWS and not self.parts.tied and unit.fresh:
                 # Zero the embedding's gradient while the backward runs; the rows are added into it last.
@@ -1084,11 +1088,12 @@ class OffloadEngine:
         # Flatten before the event that orders the copies after the compute (a copy kernel, if any,
         # must come before it).
         pieces = [(tensor.reshape(-1), index, first) for tensor, index, first in pieces]
-        # A piece's first write in a fresh pass is a copy; any other is added to what is there.
-        first_writes = [unit.fresh and (index, first) not in unit.landed_pieces for _, index, first in pieces]
-        direct = unit.fresh and unit.grad_pinned and not (unit.landed & {index for _, index, _ in pieces})
-        unit.landed.update(index for _, index, _ in pieces)
-        unit.landed_pieces.update((index, first) for _, index, first in pieces)
+        # A piece's first write in a fresh pass is a copy; any other (a second piece at the same
+        # place, or one after a tied embedding's rows) is added to what is there.
+        first_writes = [unit.fresh and not {(index, first), (index, ROWS_PIECE)} & unit.landed
+                        for _, index, first in pieces]
+        direct = unit.fresh and unit.grad_pinned and not (unit.landed_entries() & {index for _, index, _ in pieces})
+        unit.landed.update((index, first) for _, index, first in pieces)
         if not self.streams.cuda:
             for (tensor, index, first), copy in zip(pieces, first_writes, strict=True):
                 self.log.timed(D2H, unit.group, tensor.numel() * tensor.element_size(), None,
@@ -1202,12 +1207,11 @@ class OffloadEngine:
         for task in tasks:
             task.result()
         for unit in self.units:
-            for index in unit.landed:
+            for index in unit.landed_entries():
                 parameter = unit.entries[index].parameter
                 if parameter.grad is None:
                     parameter.grad = unit.grad_views[index]
             unit.landed.clear()
-            unit.landed_pieces.clear()
         self._backward_active = self.in_backward = False
 
     def _submit(self, function: Callable, *args, inline: bool | None = None) -> Future:
@@ -1270,9 +1274,9 @@ class OffloadEngine:
         grad_rows = grad_rows.reshape(ids.numel(), -1)
         padding = self.parts.embedding.padding_idx
         keep = ids != padding if padding is not None else None
-        overwrite = unit.fresh and index not in unit.landed and self.parts.tied
-        first_write = unit.fresh and index not in unit.landed
-        unit.landed.add(index)
+        first_write = unit.fresh and index not in unit.landed_entries()
+        overwrite = first_write and self.parts.tied
+        unit.landed.add((index, ROWS_PIECE))
         if not self.streams.cuda:
             self.log.timed(D2H, unit.group, grad_rows.numel() * grad_rows.element_size(), None,
                            lambda: self._add_rows(unit, index, ids, keep, grad_rows, first_write and overwrite))
