@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from trainer.offload.copies import D2H, H2D, CopyLog, CopyStreams, pinned_empty
+from trainer.offload.copies import D2H, H2D, CopyLog, CopyStreams, StagingRing, pinned_empty
 from trainer.offload.embedding_cache import EmbeddingCache
 from trainer.offload.functions import GatheredRows, PostBackward, StreamedLinear
 from trainer.offload.groups import GROUPS, TITLES, Entry, entries_of, find_parts, owners_in
@@ -92,9 +92,10 @@ class OffloadOptions:
     than the bus takes it (1.09 GB for the 7B shape, 20 ms at 55 GB/s); letting it drain while the
     transformer's backward runs keeps the bus off the critical path."""
     staging_buffers: int = 2
-    """Pinned host buffers that gradients bound to be added (a later micro-batch's) or converted
-    (to fp32) pass through on their way from the device, reused: copies wait for the worker to
-    free one, so the host memory they take stays at this many blocks' gradients."""
+    """The pinned host memory that gradients bound to be added (a later micro-batch's) or converted
+    (to fp32) pass through on their way from the device, in units of the largest block's gradient:
+    one region shared as a ring, where copies wait for the worker to land the oldest only when it
+    is full."""
     pipelined_update: bool = True
     """The CPU optimizer update runs in a background thread, block by block in forward order, and
     the next forward waits for each block's update only when it reaches that block. Measured on an
@@ -251,7 +252,8 @@ class OffloadEngine:
         self._in_flight: deque[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = deque()
         self._head_in_flight: deque[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = deque()
         self._grad_tasks: list[Future] = []
-        self._staging: deque[tuple[torch.Tensor, Future]] = deque()  # pinned gradient buffers, oldest first
+        # Pinned memory for gradients the worker adds or converts (sized once the units are laid out).
+        self._staging = StagingRing(0, functools.partial(pinned_empty, device=self.device), ALIGNMENT)
         self._update_tasks: list[Future] = []
         self.update_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
@@ -360,10 +362,7 @@ class OffloadEngine:
                            for entry in unit.entries if entry.parameter.requires_grad), default=0)
             usage["gradients"] += 2 * min(largest, UPDATE_SLICE_ELEMENTS) * self.master_dtype.itemsize
         if self.streams.cuda:
-            # The pinned buffers that accumulated (or converted) gradients pass through, at most a unit each.
-            largest = max((self._layout(unit)[1] for unit in self.units if unit.kind != RESIDENT and unit.trainable),
-                          default=0)
-            usage["gradients"] += self.options.staging_buffers * _aligned(largest)
+            usage["gradients"] += self._staging_bytes()  # accumulated (or converted) gradients pass through it
         return usage
 
     def _host_memory_message(self, budget: int) -> str:
@@ -466,6 +465,7 @@ class OffloadEngine:
         tasks, self._grad_tasks = self._grad_tasks, []
         for task in tasks:
             task.exception()  # waits; a failure there is a consequence of the error being recovered
+        self._staging.reset()
         self._backward_active = self.in_backward = False
 
     # -------------------------------------------------------------------------------- build
@@ -1108,7 +1108,9 @@ class OffloadEngine:
                                      functools.partial(target.copy_, tensor, non_blocking=True))
             self._hold_until_copied(end, [tensor for tensor, _, _ in pieces], head=unit.kind == CHUNKS)
             return
-        buffer, offset = self._staging_buffer(sum(_aligned(tensor.nbytes) for tensor, _, _ in pieces)), 0
+        if not self._staging.capacity:
+            self._staging.capacity = self._staging_bytes()
+        buffer, offset = self._staging.take(sum(_aligned(tensor.nbytes) for tensor, _, _ in pieces)), 0
         staged = []
         for (tensor, index, first), copy in zip(pieces, first_writes, strict=True):
             host = _typed(buffer, offset, tensor)
@@ -1119,20 +1121,17 @@ class OffloadEngine:
         self._hold_until_copied(end, [tensor for tensor, _, _ in pieces], head=unit.kind == CHUNKS)
         task = self._submit(self._land_staged, unit, staged, end)
         self._grad_tasks.append(task)
-        self._staging.append((buffer, task))
+        self._staging.hold_until(task)
 
-    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """A pinned host buffer of at least `nbytes` for gradients that land through the worker.
-
-        torch's pinned allocator would round each request up to a power of two and keep every
-        block it ever gave out (12.5 GiB of the 7B shape's accumulated micro-batches on an H200
-        host, 2026-11-30, enough for the kernel to kill the run); these few buffers are reused once
-        the worker has landed what they held, the oldest first."""
-        if len(self._staging) < self.options.staging_buffers:
-            return pinned_empty(nbytes, self.device)
-        buffer, task = self._staging.popleft()
-        task.exception()  # waits for the worker to land it (a failure is raised where the tasks are awaited)
-        return buffer if buffer.numel() >= nbytes else pinned_empty(nbytes, self.device)
+    def _staging_bytes(self) -> int:
+        """The pinned region that gradients landing through the worker wait in: `staging_buffers`
+        times the largest trainable offloaded unit. One region allocated once, because torch's
+        pinned allocator would round each request up to a power of two and keep every block it
+        ever gave out (12.5 GiB of the 7B shape's accumulated micro-batches on an H200 host,
+        2026-11-30, enough for the kernel to kill the run)."""
+        largest = max((self._layout(unit)[1] for unit in self.units if unit.kind != RESIDENT and unit.trainable),
+                      default=0)
+        return self.options.staging_buffers * _aligned(largest)
 
     def _land_staged(self, unit: Unit, staged: list, end: torch.cuda.Event) -> None:
         end.synchronize()
