@@ -1092,7 +1092,9 @@ class OffloadEngine:
         # place, or one after a tied embedding's rows) is added to what is there.
         first_writes = [unit.fresh and not {(index, first), (index, ROWS_PIECE)} & unit.landed
                         for _, index, first in pieces]
-        direct = unit.fresh and unit.grad_pinned and not (unit.landed_entries() & {index for _, index, _ in pieces})
+        # Straight into the pinned host gradient when every piece is a first write (the head's chunks
+        # of one backward are each a first write of their own rows); through the worker otherwise.
+        direct = unit.grad_pinned and all(first_writes)
         unit.landed.update((index, first) for _, index, first in pieces)
         if not self.streams.cuda:
             for (tensor, index, first), copy in zip(pieces, first_writes, strict=True):
