@@ -1246,71 +1246,74 @@ class OffloadEngine:
             rows = self.embedding_cache.lookup(input_ids)
             self._prefetch(-1, +1)
             return rows
-        ids = input_ids.to("cpu").reshape(-1)
+        # Only the distinct tokens' rows are gathered and cross the bus; the device expands them with
+        # F.embedding, whose backward sums each token's gradient (in fp32 on CUDA, rounded once, as an
+        # embedding kept on the device does), so only those rows' gradients come back.
+        tokens, inverse = torch.unique(input_ids.to("cpu").reshape(-1), return_inverse=True)
+        padding = module.padding_idx
+        padding_row = None
+        if padding is not None and bool((tokens == padding).any()):
+            padding_row = int(torch.searchsorted(tokens, padding))
         weight = unit.arena_view(self._index_of(unit, module.weight))
-        shape = (*input_ids.shape, weight.shape[1])
+        inverse = inverse.view(input_ids.shape)
 
         def gather() -> torch.Tensor:
-            rows = torch.empty((ids.numel(), weight.shape[1]), dtype=weight.dtype, device=self.device)
+            rows = torch.empty((tokens.numel(), weight.shape[1]), dtype=weight.dtype, device=self.device)
             nbytes = rows.numel() * rows.element_size()
             if not self.streams.cuda:
-                self.log.timed(H2D, unit.group, nbytes, None, lambda: torch.index_select(weight, 0, ids, out=rows))
-                self._prefetch(-1, +1)
-                return rows.view(shape)
+                self.log.timed(H2D, unit.group, nbytes, None, lambda: torch.index_select(weight, 0, tokens, out=rows))
+                return rows
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            torch.index_select(weight, 0, ids, out=host)
+            torch.index_select(weight, 0, tokens, out=host)
             # On the compute stream: the forward cannot start before the rows anyway.
             self.log.timed(H2D, unit.group, nbytes, self.streams.compute(), lambda: rows.copy_(host, non_blocking=True))
-            self._prefetch(-1, +1)
-            return rows.view(shape)
+            return rows
 
-        if not tracked:
-            return gather()
-        return GatheredRows.apply(module.weight, gather, functools.partial(self._rows_backward, unit, ids))
+        positions = inverse.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else inverse
+        if tracked:
+            rows = GatheredRows.apply(module.weight, gather, functools.partial(self._rows_backward, unit, tokens))
+        else:
+            rows = gather()
+        self._prefetch(-1, +1)
+        return F.embedding(positions, rows, padding_row)
 
-    def _rows_backward(self, unit: Unit, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
+    def _rows_backward(self, unit: Unit, tokens: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        """The gradient of the distinct tokens' rows (already summed per token on the device) goes to
+        the host and is added into the embedding's gradient there."""
         self._enter_backward()
         self._ensure_grad_arena(unit)
         index = self._index_of(unit, self.parts.embedding.weight)
-        grad_rows = grad_rows.reshape(ids.numel(), -1)
-        padding = self.parts.embedding.padding_idx
-        keep = ids != padding if padding is not None else None
         first_write = unit.fresh and index not in unit.landed_entries()
-        overwrite = first_write and self.parts.tied
+        zero_first = first_write and self.parts.tied
         unit.landed.add((index, ROWS_PIECE))
+        # In the host gradient's dtype before the copy: the device converts in microseconds what
+        # would take the host tens of milliseconds.
+        grad_rows = grad_rows.to(unit.grad_views[index].dtype)
+        nbytes = grad_rows.numel() * grad_rows.element_size()
         if not self.streams.cuda:
-            self.log.timed(D2H, unit.group, grad_rows.numel() * grad_rows.element_size(), None,
-                           lambda: self._add_rows(unit, index, ids, keep, grad_rows, first_write and overwrite))
+            self.log.timed(D2H, unit.group, nbytes, None,
+                           lambda: self._add_rows(unit, index, tokens, grad_rows, zero_first))
             return
         self.streams.stream_waits(self.streams.d2h, self.streams.record_compute())
         host = torch.empty(grad_rows.shape, dtype=grad_rows.dtype, pin_memory=True)
-        end = self.log.timed(D2H, unit.group, grad_rows.numel() * grad_rows.element_size(), self.streams.d2h,
+        end = self.log.timed(D2H, unit.group, nbytes, self.streams.d2h,
                              functools.partial(host.copy_, grad_rows, non_blocking=True))
         self._hold_until_copied(end, [grad_rows])
 
         def land() -> None:
             end.synchronize()
-            self._add_rows(unit, index, ids, keep, host, first_write and overwrite)
+            self._add_rows(unit, index, tokens, host, zero_first)
 
         self._grad_tasks.append(self._submit(land))
 
-    def _add_rows(self, unit: Unit, index: int, ids: torch.Tensor, keep: torch.Tensor | None,
-                  rows: torch.Tensor, zero_first: bool) -> None:
+    def _add_rows(self, unit: Unit, index: int, tokens: torch.Tensor, rows: torch.Tensor, zero_first: bool) -> None:
+        """Add one backward's gradient of the distinct tokens' rows: a dense gradient's worth, so
+        accumulating micro-batches rounds as an embedding kept on the device does."""
         parameter = unit.entries[index].parameter
         target = parameter.grad if parameter.grad is not None and not unit.fresh else unit.grad_views[index]
         if zero_first:
             target.zero_()
-        if keep is not None:
-            ids, rows = ids[keep], rows[keep]
-        if unit.fresh:
-            target.index_add_(0, ids, rows.to(target.dtype))
-            return
-        # Sum each token's rows first, then add once per token: the same association as adding a
-        # dense per-micro-batch gradient, so accumulation matches an embedding kept on the device.
-        tokens, inverse = torch.unique(ids, return_inverse=True)
-        per_token = torch.zeros((tokens.numel(), rows.shape[1]), dtype=target.dtype)
-        per_token.index_add_(0, inverse, rows.to(target.dtype))
-        target.index_add_(0, tokens, per_token)
+        target.index_add_(0, tokens, rows)
 
     # ------------------------------------------------------------------------ head chunks
 
