@@ -143,8 +143,10 @@ class Profile:
             return submit(self._timed(function, f"{role} worker {name}"), *args, inline=inline)
 
         engine._submit = timed_submit
-        for method in ("_staging_buffer", "_finish_backward", "wait_for_updates", "_land", "after_update"):
+        for method in ("_finish_backward", "wait_for_updates", "_land", "after_update"):
             setattr(engine, method, self._timed(getattr(engine, method), f"{role} {method}"))
+        # A gradient waits here for room in the pinned staging ring (for the worker to land older ones).
+        engine._staging.take = self._timed(engine._staging.take, f"{role} staging ring take")
         profile = self
 
         class TimedEvent(threading.Event):

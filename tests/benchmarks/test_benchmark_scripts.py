@@ -4,8 +4,9 @@ costs minutes of a limited budget, so a script that would fail there should fail
 import json
 
 import pytest
+import torch
 
-from benchmarks import grpo_headline, offload_bench
+from benchmarks import grpo_headline, offload_bench, peak_timeline
 
 
 def test_the_headline_step_runs_its_quick_shape_on_the_cpu_with_the_profile(tmp_path, capsys):
@@ -32,3 +33,25 @@ def test_the_headline_refuses_bad_arguments_in_one_line(argv, capsys):
 def test_the_offload_benchmark_names_an_unknown_section(capsys):
     assert offload_bench.main(["--only", "allgpu,nonsense"]) == 2
     assert "unknown sections ['nonsense']" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without a GPU gives")
+def test_the_peak_timeline_says_it_needs_a_gpu_in_one_line(tmp_path, capsys):
+    assert peak_timeline.main(["--quick", "--out", str(tmp_path / "peaks.json")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("ERROR: ") and "CUDA" in error and "\n" not in error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+def test_the_peak_timeline_finds_the_held_gradients_of_a_second_micro_batch(tmp_path):
+    out = tmp_path / "peaks.json"
+    assert peak_timeline.main(["--quick", "--out", str(out)]) == 0
+    variants = {variant["name"]: variant for variant in json.loads(out.read_text())["variants"]}
+    assert set(variants) == set(peak_timeline.VARIANTS)
+    resident = variants["all-GPU"]["passes"]
+    layered = variants["layered, head streamed"]["passes"]
+    # The second micro-batch holds the first one's gradients; the layered run keeps its head's and
+    # embedding's on the host.
+    assert resident["second micro-batch"]["peak_gib"] > resident["first micro-batch"]["peak_gib"]
+    assert layered["second micro-batch"]["peak_gib"] < resident["second micro-batch"]["peak_gib"]

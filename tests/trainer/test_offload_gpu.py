@@ -47,22 +47,38 @@ def place(model, settings: dict, role: str = "actor", options: OffloadOptions = 
 
 
 
+def relative_error(gradient: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((gradient.float().cpu() - reference.cpu()).norm() / reference.norm().cpu().clamp_min(1e-12)).item()
+
+
 @pytest.mark.parametrize("name", ["layered", "all_cpu_bf16_host_gradients"])
 def test_two_forwards_before_one_backward_add_up_every_gradient_on_cuda(name):
     """The head's chunks sent twice in one backward (through pinned memory, some through the
-    worker) add up as on a resident model, to bf16's tolerance."""
+    worker) add up: every gradient is as close to an fp32 backward of the same weights as a
+    resident bf16 model's is (a chunk copied over instead of added would be off by tens of percent).
+
+    The fp32 backward is the yardstick because bf16 backwards of the same model differ from each
+    other by a few percent in the small gradients (measured on CPU: 2.2% relative for both the
+    resident model and ours, and ours the closer one for the embedding)."""
     ids = torch.randint(3, len(TOKENIZER), (4, 16), generator=torch.Generator().manual_seed(0)).to(CUDA)
     other = ids.flip(0)
-    resident = policy(SMALL).train().to(CUDA)
-    (resident(input_ids=ids, labels=ids).loss + resident(input_ids=other, labels=other).loss).backward()
+
+    def two_forwards(model):
+        (model(input_ids=ids, labels=ids).loss + model(input_ids=other, labels=other).loss).backward()
+        return [parameter.grad for parameter in model.parameters()]
+
+    reference = two_forwards(policy(SMALL).float().train().to(CUDA))
+    resident = two_forwards(policy(SMALL).train().to(CUDA))
     # Four vocabulary rows (of the tiny model's 17, hidden 64, bf16) a chunk.
     model, engine = place(policy(SMALL).train(), POLICIES[name], options=OffloadOptions(head_chunk_bytes=4 * 64 * 2))
-    (model(input_ids=ids, labels=ids).loss + model(input_ids=other, labels=other).loss).backward()
+    offloaded = two_forwards(model)
     head = next(unit for unit in engine.units if unit.group == "lm_head")
     assert len(head.blocks) > 1  # streamed in several chunks
-    for (parameter_name, parameter), expected in zip(model.named_parameters(), resident.parameters(), strict=True):
-        torch.testing.assert_close(parameter.grad.float(), expected.grad.float().cpu(), rtol=2e-2, atol=2e-3,
-                                   msg=parameter_name)
+    names = [parameter_name for parameter_name, _ in model.named_parameters()]
+    for parameter_name, ours, theirs, exact in zip(names, offloaded, resident, reference, strict=True):
+        ours_error, resident_error = relative_error(ours, exact), relative_error(theirs, exact)
+        assert ours_error <= 2 * resident_error + 5e-3, (parameter_name, ours_error, resident_error)
+
 
 def train(settings, *, steps=3, gradient_checkpointing=False):
     model, engine = place(policy(SMALL, gradient_checkpointing=gradient_checkpointing).train(), settings)

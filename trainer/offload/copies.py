@@ -166,3 +166,76 @@ class CopyStreams:
         if self.cuda:
             self.h2d.synchronize()
             self.d2h.synchronize()
+
+
+class StagingRing:
+    """One pinned host region that gradients wait in until the engine's worker has landed them,
+    handed out first in, first out, as a ring.
+
+    Pieces of every size share the region: a head's 64 MiB gradient chunks can all be on their way
+    while the worker still lands the first, where a few whole-block buffers would hold one chunk
+    each (and the backward would wait for the worker between chunks: 25-30 ms of a 7B pass's
+    backward on an H200, 2026-11-30). The worker lands in order, so the oldest piece is always the
+    first to be freed: `take` waits for it only when the region is full.
+
+    `take(nbytes)` gives a uint8 view, `hold_until(task)` ties the piece taken last to the task
+    that lands it (waited for with `task.exception()`: a failure is raised where the engine awaits
+    its tasks). The region is allocated at the first take.
+    """
+
+    def __init__(self, capacity: int, allocate: Callable[[int], torch.Tensor], alignment: int = 256):
+        self.capacity = capacity
+        self.alignment = alignment
+        """Every piece starts at a multiple of this many bytes (the region's start is page-aligned)."""
+        self._allocate = allocate
+        self._region: torch.Tensor | None = None
+        self._pieces: deque[list] = deque()  # [start, end, task or None], oldest first
+        self._next = 0
+        self.waits = 0
+        """How many takes waited for the worker (a full region)."""
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.capacity - self.capacity % self.alignment:
+            raise ValueError(f"a staged gradient piece of {nbytes} bytes is larger than the staging "
+                             f"region ({self.capacity} bytes)")
+        if self._pieces and self._pieces[-1][2] is None:
+            raise RuntimeError("StagingRing.take: the piece taken before has no task holding it")
+        if self._region is None:
+            self._region = self._allocate(self.capacity)
+        # Rounded up to the alignment; an empty piece still holds its place in the order.
+        reserved = max(-(-nbytes // self.alignment) * self.alignment, self.alignment)
+        while (start := self._free_start(reserved)) is None:
+            self.waits += 1
+            self._pieces.popleft()[2].exception()
+        self._pieces.append([start, start + reserved, None])
+        self._next = start + reserved
+        return self._region[start:start + nbytes]
+
+    def hold_until(self, task) -> None:
+        """The piece taken last stays reserved until `task` is done."""
+        self._pieces[-1][2] = task
+
+    def _free_start(self, nbytes: int) -> int | None:
+        """Where a piece of `nbytes` fits now, or None while the region is full."""
+        while self._pieces and self._pieces[0][2] is not None and self._pieces[0][2].done():
+            self._pieces.popleft()
+        if not self._pieces:
+            return 0
+        oldest = self._pieces[0][0]
+        if self._next > oldest:
+            # Free: from the newest piece's end to the region's end, then from its start to the oldest.
+            if self.capacity - self._next >= nbytes:
+                return self._next
+            return 0 if oldest >= nbytes else None
+        # Wrapped (full when the newest piece ends where the oldest starts): free up to the oldest.
+        return self._next if oldest - self._next >= nbytes else None
+
+    def reset(self) -> None:
+        """Forget every piece: nothing may still copy into them or land from them."""
+        self._pieces.clear()
+        self._next = 0
+
+    def clear(self) -> None:
+        """`reset`, and give the region back."""
+        self.reset()
+        self._region = None

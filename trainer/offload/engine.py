@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from trainer.offload.copies import D2H, H2D, CopyLog, CopyStreams, pinned_empty
+from trainer.offload.copies import D2H, H2D, CopyLog, CopyStreams, StagingRing, pinned_empty
 from trainer.offload.embedding_cache import EmbeddingCache
 from trainer.offload.functions import GatheredRows, PostBackward, StreamedLinear
 from trainer.offload.groups import GROUPS, TITLES, Entry, entries_of, find_parts, owners_in
@@ -92,9 +92,10 @@ class OffloadOptions:
     than the bus takes it (1.09 GB for the 7B shape, 20 ms at 55 GB/s); letting it drain while the
     transformer's backward runs keeps the bus off the critical path."""
     staging_buffers: int = 2
-    """Pinned host buffers that gradients bound to be added (a later micro-batch's) or converted
-    (to fp32) pass through on their way from the device, reused: copies wait for the worker to
-    free one, so the host memory they take stays at this many blocks' gradients."""
+    """The pinned host memory that gradients bound to be added (a later micro-batch's) or converted
+    (to fp32) pass through on their way from the device, in units of the largest block's gradient:
+    one region shared as a ring, where copies wait for the worker to land the oldest only when it
+    is full."""
     pipelined_update: bool = True
     """The CPU optimizer update runs in a background thread, block by block in forward order, and
     the next forward waits for each block's update only when it reaches that block. Measured on an
@@ -251,7 +252,8 @@ class OffloadEngine:
         self._in_flight: deque[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = deque()
         self._head_in_flight: deque[tuple[torch.cuda.Event | None, list[torch.Tensor]]] = deque()
         self._grad_tasks: list[Future] = []
-        self._staging: deque[tuple[torch.Tensor, Future]] = deque()  # pinned gradient buffers, oldest first
+        # Pinned memory for gradients the worker adds or converts (sized once the units are laid out).
+        self._staging = StagingRing(0, functools.partial(pinned_empty, device=self.device), ALIGNMENT)
         self._update_tasks: list[Future] = []
         self.update_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
@@ -360,10 +362,7 @@ class OffloadEngine:
                            for entry in unit.entries if entry.parameter.requires_grad), default=0)
             usage["gradients"] += 2 * min(largest, UPDATE_SLICE_ELEMENTS) * self.master_dtype.itemsize
         if self.streams.cuda:
-            # The pinned buffers that accumulated (or converted) gradients pass through, at most a unit each.
-            largest = max((self._layout(unit)[1] for unit in self.units if unit.kind != RESIDENT and unit.trainable),
-                          default=0)
-            usage["gradients"] += self.options.staging_buffers * _aligned(largest)
+            usage["gradients"] += self._staging_bytes()  # accumulated (or converted) gradients pass through it
         return usage
 
     def _host_memory_message(self, budget: int) -> str:
@@ -466,6 +465,7 @@ class OffloadEngine:
         tasks, self._grad_tasks = self._grad_tasks, []
         for task in tasks:
             task.exception()  # waits; a failure there is a consequence of the error being recovered
+        self._staging.reset()
         self._backward_active = self.in_backward = False
 
     # -------------------------------------------------------------------------------- build
@@ -1092,7 +1092,9 @@ class OffloadEngine:
         # place, or one after a tied embedding's rows) is added to what is there.
         first_writes = [unit.fresh and not {(index, first), (index, ROWS_PIECE)} & unit.landed
                         for _, index, first in pieces]
-        direct = unit.fresh and unit.grad_pinned and not (unit.landed_entries() & {index for _, index, _ in pieces})
+        # Straight into the pinned host gradient when every piece is a first write (the head's chunks
+        # of one backward are each a first write of their own rows); through the worker otherwise.
+        direct = unit.grad_pinned and all(first_writes)
         unit.landed.update((index, first) for _, index, first in pieces)
         if not self.streams.cuda:
             for (tensor, index, first), copy in zip(pieces, first_writes, strict=True):
@@ -1108,7 +1110,9 @@ class OffloadEngine:
                                      functools.partial(target.copy_, tensor, non_blocking=True))
             self._hold_until_copied(end, [tensor for tensor, _, _ in pieces], head=unit.kind == CHUNKS)
             return
-        buffer, offset = self._staging_buffer(sum(_aligned(tensor.nbytes) for tensor, _, _ in pieces)), 0
+        if not self._staging.capacity:
+            self._staging.capacity = self._staging_bytes()
+        buffer, offset = self._staging.take(sum(_aligned(tensor.nbytes) for tensor, _, _ in pieces)), 0
         staged = []
         for (tensor, index, first), copy in zip(pieces, first_writes, strict=True):
             host = _typed(buffer, offset, tensor)
@@ -1119,20 +1123,17 @@ class OffloadEngine:
         self._hold_until_copied(end, [tensor for tensor, _, _ in pieces], head=unit.kind == CHUNKS)
         task = self._submit(self._land_staged, unit, staged, end)
         self._grad_tasks.append(task)
-        self._staging.append((buffer, task))
+        self._staging.hold_until(task)
 
-    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """A pinned host buffer of at least `nbytes` for gradients that land through the worker.
-
-        torch's pinned allocator would round each request up to a power of two and keep every
-        block it ever gave out (12.5 GiB of the 7B shape's accumulated micro-batches on an H200
-        host, 2026-11-30, enough for the kernel to kill the run); these few buffers are reused once
-        the worker has landed what they held, the oldest first."""
-        if len(self._staging) < self.options.staging_buffers:
-            return pinned_empty(nbytes, self.device)
-        buffer, task = self._staging.popleft()
-        task.exception()  # waits for the worker to land it (a failure is raised where the tasks are awaited)
-        return buffer if buffer.numel() >= nbytes else pinned_empty(nbytes, self.device)
+    def _staging_bytes(self) -> int:
+        """The pinned region that gradients landing through the worker wait in: `staging_buffers`
+        times the largest trainable offloaded unit. One region allocated once, because torch's
+        pinned allocator would round each request up to a power of two and keep every block it
+        ever gave out (12.5 GiB of the 7B shape's accumulated micro-batches on an H200 host,
+        2026-11-30, enough for the kernel to kill the run)."""
+        largest = max((self._layout(unit)[1] for unit in self.units if unit.kind != RESIDENT and unit.trainable),
+                      default=0)
+        return self.options.staging_buffers * _aligned(largest)
 
     def _land_staged(self, unit: Unit, staged: list, end: torch.cuda.Event) -> None:
         end.synchronize()
@@ -1245,71 +1246,74 @@ class OffloadEngine:
             rows = self.embedding_cache.lookup(input_ids)
             self._prefetch(-1, +1)
             return rows
-        ids = input_ids.to("cpu").reshape(-1)
+        # Only the distinct tokens' rows are gathered and cross the bus; the device expands them with
+        # F.embedding, whose backward sums each token's gradient (in fp32 on CUDA, rounded once, as an
+        # embedding kept on the device does), so only those rows' gradients come back.
+        tokens, inverse = torch.unique(input_ids.to("cpu").reshape(-1), return_inverse=True)
+        padding = module.padding_idx
+        padding_row = None
+        if padding is not None and bool((tokens == padding).any()):
+            padding_row = int(torch.searchsorted(tokens, padding))
         weight = unit.arena_view(self._index_of(unit, module.weight))
-        shape = (*input_ids.shape, weight.shape[1])
+        inverse = inverse.view(input_ids.shape)
 
         def gather() -> torch.Tensor:
-            rows = torch.empty((ids.numel(), weight.shape[1]), dtype=weight.dtype, device=self.device)
+            rows = torch.empty((tokens.numel(), weight.shape[1]), dtype=weight.dtype, device=self.device)
             nbytes = rows.numel() * rows.element_size()
             if not self.streams.cuda:
-                self.log.timed(H2D, unit.group, nbytes, None, lambda: torch.index_select(weight, 0, ids, out=rows))
-                self._prefetch(-1, +1)
-                return rows.view(shape)
+                self.log.timed(H2D, unit.group, nbytes, None, lambda: torch.index_select(weight, 0, tokens, out=rows))
+                return rows
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            torch.index_select(weight, 0, ids, out=host)
+            torch.index_select(weight, 0, tokens, out=host)
             # On the compute stream: the forward cannot start before the rows anyway.
             self.log.timed(H2D, unit.group, nbytes, self.streams.compute(), lambda: rows.copy_(host, non_blocking=True))
-            self._prefetch(-1, +1)
-            return rows.view(shape)
+            return rows
 
-        if not tracked:
-            return gather()
-        return GatheredRows.apply(module.weight, gather, functools.partial(self._rows_backward, unit, ids))
+        positions = inverse.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else inverse
+        if tracked:
+            rows = GatheredRows.apply(module.weight, gather, functools.partial(self._rows_backward, unit, tokens))
+        else:
+            rows = gather()
+        self._prefetch(-1, +1)
+        return F.embedding(positions, rows, padding_row)
 
-    def _rows_backward(self, unit: Unit, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
+    def _rows_backward(self, unit: Unit, tokens: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        """The gradient of the distinct tokens' rows (already summed per token on the device) goes to
+        the host and is added into the embedding's gradient there."""
         self._enter_backward()
         self._ensure_grad_arena(unit)
         index = self._index_of(unit, self.parts.embedding.weight)
-        grad_rows = grad_rows.reshape(ids.numel(), -1)
-        padding = self.parts.embedding.padding_idx
-        keep = ids != padding if padding is not None else None
         first_write = unit.fresh and index not in unit.landed_entries()
-        overwrite = first_write and self.parts.tied
+        zero_first = first_write and self.parts.tied
         unit.landed.add((index, ROWS_PIECE))
+        # In the host gradient's dtype before the copy: the device converts in microseconds what
+        # would take the host tens of milliseconds.
+        grad_rows = grad_rows.to(unit.grad_views[index].dtype)
+        nbytes = grad_rows.numel() * grad_rows.element_size()
         if not self.streams.cuda:
-            self.log.timed(D2H, unit.group, grad_rows.numel() * grad_rows.element_size(), None,
-                           lambda: self._add_rows(unit, index, ids, keep, grad_rows, first_write and overwrite))
+            self.log.timed(D2H, unit.group, nbytes, None,
+                           lambda: self._add_rows(unit, index, tokens, grad_rows, zero_first))
             return
         self.streams.stream_waits(self.streams.d2h, self.streams.record_compute())
         host = torch.empty(grad_rows.shape, dtype=grad_rows.dtype, pin_memory=True)
-        end = self.log.timed(D2H, unit.group, grad_rows.numel() * grad_rows.element_size(), self.streams.d2h,
+        end = self.log.timed(D2H, unit.group, nbytes, self.streams.d2h,
                              functools.partial(host.copy_, grad_rows, non_blocking=True))
         self._hold_until_copied(end, [grad_rows])
 
         def land() -> None:
             end.synchronize()
-            self._add_rows(unit, index, ids, keep, host, first_write and overwrite)
+            self._add_rows(unit, index, tokens, host, zero_first)
 
         self._grad_tasks.append(self._submit(land))
 
-    def _add_rows(self, unit: Unit, index: int, ids: torch.Tensor, keep: torch.Tensor | None,
-                  rows: torch.Tensor, zero_first: bool) -> None:
+    def _add_rows(self, unit: Unit, index: int, tokens: torch.Tensor, rows: torch.Tensor, zero_first: bool) -> None:
+        """Add one backward's gradient of the distinct tokens' rows: a dense gradient's worth, so
+        accumulating micro-batches rounds as an embedding kept on the device does."""
         parameter = unit.entries[index].parameter
         target = parameter.grad if parameter.grad is not None and not unit.fresh else unit.grad_views[index]
         if zero_first:
             target.zero_()
-        if keep is not None:
-            ids, rows = ids[keep], rows[keep]
-        if unit.fresh:
-            target.index_add_(0, ids, rows.to(target.dtype))
-            return
-        # Sum each token's rows first, then add once per token: the same association as adding a
-        # dense per-micro-batch gradient, so accumulation matches an embedding kept on the device.
-        tokens, inverse = torch.unique(ids, return_inverse=True)
-        per_token = torch.zeros((tokens.numel(), rows.shape[1]), dtype=target.dtype)
-        per_token.index_add_(0, inverse, rows.to(target.dtype))
-        target.index_add_(0, tokens, per_token)
+        target.index_add_(0, tokens, rows)
 
     # ------------------------------------------------------------------------ head chunks
 
