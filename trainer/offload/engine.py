@@ -20,8 +20,9 @@ How a model is laid out once the engine is attached:
   backward the masters' .grad are views into it. The device memory of gradients still on their
   way is bounded (`grads_in_flight`; the head's chunks apart, `head_grads_in_flight`) by letting
   the compute stream wait for the oldest copy.
-- The embedding on the CPU is never shipped whole: the rows of the batch's tokens are gathered on
-  the CPU and only they cross; their gradient comes back and is added into the embedding's
+- The embedding on the CPU is never shipped whole: the rows of the batch's distinct tokens are
+  gathered on the CPU and only they cross; the device expands them (F.embedding), so its backward
+  sums each token's gradient, and only those rows come back to be added into the embedding's
   gradient on the CPU.
 - Placement is per phase (`placed_for`): a no-grad phase (rollout, where decode cannot afford to
   stream the head at every token; log-prob scoring) copies the CPU-resident head and embedding whole
