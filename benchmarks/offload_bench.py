@@ -3,6 +3,7 @@
     python benchmarks/offload_bench.py --out results.json            # the full set (about 5 minutes on an H200)
     python benchmarks/offload_bench.py --quick --out quick.json      # a smoke run: 4 layers, fewer repeats
     python benchmarks/offload_bench.py --only bandwidth,allgpu,ours_full --out part.json
+    python benchmarks/offload_bench.py --report part.json            # print a saved run's table again
 
 A Qwen2-7B-shaped decoder (hidden 3584, 28 layers, intermediate 18944, 28 heads / 4 KV heads,
 vocab 152064, untied) with random bf16 weights, batch 4 x 1024 tokens. Everything is measured in
@@ -79,6 +80,16 @@ class Bench:
             "batch": [plan.batch, plan.tokens],
             "plan": dataclasses.asdict(plan),
         }
+
+    @classmethod
+    def from_results(cls, path: Path) -> Bench:
+        """A finished run read back from its --out JSON, for report() (no GPU needed)."""
+        saved = json.loads(path.read_text())
+        bench = cls.__new__(cls)
+        bench.meta, bench.rows, bench.errors = saved["meta"], saved["rows"], saved.get("errors", {})
+        bench.plan, bench.out, bench.profile_dir = Plan(**saved["meta"]["plan"]), None, None
+        bench.pinned_gbps = saved["pinned_gbps"]
+        return bench
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -391,10 +402,14 @@ class Bench:
               f"intermediate {shape['intermediate_size']}, "
               f"{shape['num_attention_heads']}/{shape['num_key_value_heads']} heads, vocab {shape['vocab_size']}, "
               f"bf16; batch {self.plan.batch} x {self.plan.tokens}")
+        d2h_gbps = next((row["d2h_gbps"] for row in self.rows if row["name"] == "d2h pinned"), None)
         if self.pinned_gbps:
             print(f"pinned H2D {self.pinned_gbps:.1f} GB/s (floor = max(all-GPU time, H2D bytes / this))")
+        if self.pinned_gbps and d2h_gbps:
+            print(f"pinned D2H {d2h_gbps:.1f} GB/s (/both: a forward+backward's floor per phase and direction, "
+                  "see both_ways_floor_ms)")
         header = (f"{'variant':<38} {'pass':<32} {'ms':>8} {'tok/s':>8} {'peak GiB':>8} {'GB/s':>6} "
-                  f"{'vs GPU':>7} {'vs FSDP2':>8} {'/floor':>7}")
+                  f"{'vs GPU':>7} {'vs FSDP2':>8} {'/floor':>7} {'/both':>6}")
         print(header)
         print("-" * len(header))
         for row in self.rows:
@@ -409,9 +424,16 @@ class Bench:
             row["vs_all_gpu"] = gpu["ms"] / row["ms"] if gpu else None
             row["vs_fsdp2"] = fsdp["ms"] / row["ms"] if fsdp else None
             row["over_floor"] = row["ms"] / floor if floor else None
+            both = None
+            if row["pass"] == "forward+backward" and row.get("d2h_gb") and self.pinned_gbps and d2h_gbps:
+                both = both_ways_floor_ms(row, by_key.get((row["name"], "forward")), by_key.get(("all-GPU", "forward")),
+                                          gpu, self.pinned_gbps, d2h_gbps)
+            row["both_ways_floor_ms"] = both
+            row["over_both_ways_floor"] = row["ms"] / both if both else None
             print(f"{row['name']:<38} {row['pass']:<32} {row['ms']:8.1f} {row['tokens_per_s']:8.0f} "
                   f"{row['peak_gib']:8.1f} {_fmt(row['h2d_gbps'], 6, 1)} {_fmt(row['vs_all_gpu'], 7, 2)} "
-                  f"{_fmt(row['vs_fsdp2'], 8, 2)} {_fmt(row['over_floor'], 7, 2)}")
+                  f"{_fmt(row['vs_fsdp2'], 8, 2)} {_fmt(row['over_floor'], 7, 2)} "
+                  f"{_fmt(row['over_both_ways_floor'], 6, 2)}")
         for row in self.rows:
             if "hidden_fraction" in row:
                 print(f"optimizer_offload, {row['pass']}: clip and update add {row['added_ms']:.0f} ms to "
@@ -423,6 +445,22 @@ class Bench:
         for section, error in self.errors.items():
             print(f"section {section} failed: {error.strip().splitlines()[-1]}")
         self.save()
+
+
+def both_ways_floor_ms(row: dict, forward: dict | None, gpu_forward: dict | None, gpu: dict | None,
+                       h2d_gbps: float, d2h_gbps: float) -> float | None:
+    """The least time a streamed forward+backward can take, phase by phase: its forward cannot be
+    faster than the all-GPU forward nor than its weights' H2D copy, and the backward (which starts
+    only at the loss) neither than the all-GPU backward, its own H2D copies, nor the gradients'
+    D2H copy (PCIe carries both directions at once, so the two copies overlap each other). The
+    plain floor, max(all-GPU time, H2D bytes / bandwidth), lets the gradients cross for free."""
+    if forward is None or gpu_forward is None or gpu is None:
+        return None
+    forward_h2d = forward["h2d_gb"]
+    forward_ms = max(gpu_forward["ms"], forward_h2d / h2d_gbps * 1e3)
+    backward_ms = max(gpu["ms"] - gpu_forward["ms"], (row["h2d_gb"] - forward_h2d) / h2d_gbps * 1e3,
+                      row["d2h_gb"] / d2h_gbps * 1e3)
+    return forward_ms + backward_ms
 
 
 def _fmt(value, width: int, digits: int) -> str:
@@ -476,7 +514,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 layers, short sequences, few repeats")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="also write a torch.profiler trace of each forward+backward variant to DIR")
+    parser.add_argument("--report", type=Path, metavar="JSON", help="print the table of a finished run's --out file")
     args = parser.parse_args(argv)
+    if args.report is not None:
+        try:
+            bench = Bench.from_results(args.report)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            print(f"ERROR: --report {args.report}: not an offload_bench result ({error!r})", file=sys.stderr)
+            return 2
+        bench.report()
+        return 0
     sections = chosen_sections(args.only, SECTIONS)
     if sections is None:
         return 2

@@ -2,6 +2,7 @@
 costs minutes of a limited budget, so a script that would fail there should fail here first."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,3 +56,33 @@ def test_the_peak_timeline_finds_the_held_gradients_of_a_second_micro_batch(tmp_
     # embedding's on the host.
     assert resident["second micro-batch"]["peak_gib"] > resident["first micro-batch"]["peak_gib"]
     assert layered["second micro-batch"]["peak_gib"] < resident["second micro-batch"]["peak_gib"]
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def test_the_floor_both_ways_counts_each_phase_and_direction():
+    gpu_forward, gpu = {"ms": 100.0}, {"ms": 300.0}
+    forward = {"h2d_gb": 11.0}
+    # Forward bound by its 11 GB copy (200 ms at 55 GB/s); backward by its 22 GB of gradients
+    # (400 ms at 55 GB/s), not by its 5.5 GB of weights (100 ms) nor the 200 ms of compute.
+    row = {"h2d_gb": 16.5, "d2h_gb": 22.0}
+    assert offload_bench.both_ways_floor_ms(row, forward, gpu_forward, gpu, 55.0, 55.0) == pytest.approx(600.0)
+    assert offload_bench.both_ways_floor_ms(row, None, gpu_forward, gpu, 55.0, 55.0) is None
+
+
+def test_the_report_of_a_saved_h200_run_prints_both_floors(capsys):
+    assert offload_bench.main(["--report", str(RESULTS / "offload-h200-2026-11-30T1311.json")]) == 0
+    table = capsys.readouterr().out
+    streamed = next(line for line in table.splitlines() if line.startswith("ours full streaming")
+                    and "forward+backward" in line)
+    # /floor then /both: 555.6 ms against 455 ms (H2D only) and 512 ms (gradients going back counted).
+    assert streamed.split()[-2:] == ["1.22", "1.09"]
+
+
+def test_the_report_refuses_a_file_that_is_not_a_result(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert offload_bench.main(["--report", str(bad)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("ERROR: --report") and "\n" not in error
