@@ -519,7 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.report is not None:
         try:
             bench = Bench.from_results(args.report)
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except OSError as error:
+            print(f"ERROR: --report {args.report}: cannot read it ({error.strerror or error})", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, TypeError) as error:
             print(f"ERROR: --report {args.report}: not an offload_bench result ({error!r})", file=sys.stderr)
             return 2
         bench.report()

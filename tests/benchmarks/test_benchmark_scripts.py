@@ -86,3 +86,9 @@ def test_the_report_refuses_a_file_that_is_not_a_result(tmp_path, capsys):
     assert offload_bench.main(["--report", str(bad)]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("ERROR: --report") and "\n" not in error
+
+
+def test_the_report_names_a_missing_file(tmp_path, capsys):
+    assert offload_bench.main(["--report", str(tmp_path / "missing.json")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("ERROR: --report") and "cannot read it (No such file or directory)" in error
