@@ -121,11 +121,48 @@ def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str,
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:
-    """Temporary folders left by a run killed while saving."""
+    """Clear what saves of dead processes left behind; called before a run looks for its latest checkpoint.
+
+    - ``.global_step_N.partial-PID``: a save killed while writing: removed.
+    - ``.global_step_N.stale-PID``: the previous copy of a step being saved again. A save killed between
+      its two renames leaves this as the only complete copy of step N (``global_step_N`` is then missing):
+      it is renamed back into place; otherwise it is removed.
+
+    Folders of a process still alive are left alone: it may be saving into this run right now (a second
+    trainer on the same run directory, or one still shutting down), and its own rename would then fail.
+    A dead process's pid taken over by another process keeps its folders until a later start: only disk.
+    """
     root = checkpoints_dir(run_dir)
-    if root.is_dir():
-        for path in root.glob(".global_step_*.partial-*"):
+    if not root.is_dir():
+        return
+    leftovers = sorted((match.group("kind"), path, root / f"global_step_{match.group('step')}")
+                       for path in root.iterdir()
+                       if (match := _LEFTOVER.match(path.name)) and not _is_alive(int(match.group("pid"))))
+    for kind, path, final in leftovers:
+        if kind == "stale" and not final.exists() and (path / TRAINER_STATE).is_file():
+            os.replace(path, final)
+            _fsync_directory(root)
+        else:
             shutil.rmtree(path, ignore_errors=True)
+
+
+_LEFTOVER = re.compile(r"^\.global_step_(?P<step>\d+)\.(?P<kind>partial|stale)-(?P<pid>\d+)$")
+
+
+def _is_alive(pid: int) -> bool:
+    """Whether another process with this pid exists (this process's own folders are leftovers of an
+    earlier process that had the same pid: it is not saving while it clears them)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OverflowError:
+        return False  # no such pid can exist
+    return True
 
 
 def _move_into_place(partial: Path, final: Path) -> None:

@@ -2,14 +2,18 @@
 
 import math
 import statistics
+import typing
 
 import pytest
 import torch
 from torch.testing import assert_close
 
 from trainer.algorithms import (
+    KL_ESTIMATOR_ALIASES,
+    KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    actor_loss,
     aggregate_loss,
     apply_kl_penalty,
     build_kl_controller,
@@ -25,6 +29,12 @@ from trainer.algorithms import (
     masked_var,
     masked_whiten,
 )
+from trainer.config import ActorConfig
+from trainer.config.schema import KLEstimator
+from trainer.data import PromptRecord
+from trainer.models import load_policy, load_tokenizer
+from trainer.rollout.batch import RolloutBatch
+from trainer.workers.actor import Actor
 
 
 def tensor(values) -> torch.Tensor:
@@ -234,6 +244,51 @@ def test_policy_loss_rejects_a_dual_clip_bound_of_one_or_less():
         compute_policy_loss(**policy_batch(), clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1.0)
 
 
+# ------------------------------------------------------------------------------- the actor's loss
+
+
+def test_actor_loss_subtracts_the_entropy_bonus_and_adds_the_kl_loss():
+    # 0.5 - 0.01 * 2.0 + 0.1 * 0.3 = 0.5 - 0.02 + 0.03 = 0.51
+    loss = actor_loss(tensor(0.5), tensor(2.0), tensor(0.3), entropy_coeff=0.01, kl_loss_coef=0.1)
+    assert_close(loss, tensor(0.51))
+    # Without a KL loss: 0.5 - 0.02
+    assert_close(actor_loss(tensor(0.5), tensor(2.0), None, entropy_coeff=0.01, kl_loss_coef=0.1), tensor(0.48))
+    # Zero weights leave the policy loss alone.
+    assert_close(actor_loss(tensor(0.5), tensor(2.0), tensor(0.3), entropy_coeff=0.0, kl_loss_coef=0.0),
+                 tensor(0.5))
+
+
+def test_actor_loss_gradients_raise_entropy_and_lower_kl():
+    pg_loss, entropy, kl_loss = (tensor(value).requires_grad_(True) for value in (0.5, 2.0, 0.3))
+    actor_loss(pg_loss, entropy, kl_loss, entropy_coeff=0.01, kl_loss_coef=0.1).backward()
+    # Gradient descent moves each input against its gradient: the entropy up (a bonus), the KL down.
+    assert_close(pg_loss.grad, tensor(1.0))
+    assert_close(entropy.grad, tensor(-0.01))
+    assert_close(kl_loss.grad, tensor(0.1))
+
+
+def test_the_actor_update_minimises_actor_loss_of_its_own_terms():
+    """Actor._loss combines its policy loss, entropy and KL loss through actor_loss, signs included."""
+    tokenizer = load_tokenizer("builtin:tiny-qwen2")
+    model = load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.float32, seed=1,
+                        override_config={"num_hidden_layers": 1})
+    config = ActorConfig(entropy_coeff=0.25, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k2")
+    actor = Actor(model, config, temperature=1.0, rollout_n=1, log_prob_micro_batch_size=2, total_steps=1, seed=1)
+    generator = torch.Generator().manual_seed(0)
+    batch = RolloutBatch(prompt_ids=torch.tensor([[0, 4, 5], [6, 7, 8]]),
+                         prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                         response_ids=torch.tensor([[9, 10, 1], [11, 1, 0]]),
+                         response_mask=torch.tensor([[1.0, 1, 1], [1, 1, 0]]), group_index=torch.arange(2),
+                         records=[PromptRecord(prompt="p", data_source="test")] * 2)
+    batch.old_log_probs = actor.compute_log_probs(batch)
+    batch.ref_log_probs = batch.old_log_probs - torch.rand(2, 3, generator=generator)
+    batch.advantages = torch.randn(2, 3, generator=generator) * batch.response_mask
+    loss, metrics = actor._loss(batch)
+    assert metrics["kl_loss"] > 0 and metrics["entropy"] > 0
+    expected = metrics["pg_loss"] - 0.25 * metrics["entropy"] + 0.5 * metrics["kl_loss"]
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
 # ------------------------------------------------------------------------------------ value loss
 
 
@@ -281,8 +336,21 @@ def test_low_var_kl_is_clamped_to_ten():
     assert_close(kl_penalty(tensor([[0.0]]), tensor([[15.0]]), "low_var_kl"), tensor([[10.0]]))
 
 
+@pytest.mark.parametrize(("alias", "name"), [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")])
+def test_verl_aliases_compute_the_estimator_they_name(alias, name):
+    log_prob, ref_log_prob = tensor([[-1.0, -2.0, 0.0, -30.0]]), tensor([[-1.5, -1.0, -25.0, 0.0]])
+    assert KL_ESTIMATOR_ALIASES[alias] == name
+    assert_close(kl_penalty(log_prob, ref_log_prob, alias), kl_penalty(log_prob, ref_log_prob, name), rtol=0, atol=0)
+
+
+def test_the_config_offers_exactly_the_estimators_the_function_knows():
+    # The schema cannot import torch, so it spells the names out again: they must not drift apart.
+    assert set(typing.get_args(KLEstimator)) == {*KL_ESTIMATORS, *KL_ESTIMATOR_ALIASES}
+
+
 def test_kl_penalty_rejects_unknown_estimator():
-    with pytest.raises(ValueError, match="unknown KL estimator 'k9'; allowed: kl, abs, mse, low_var_kl"):
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k9'; allowed: kl, abs, mse, low_var_kl, "
+                                         r"k1 \(= kl\), k2 \(= mse\), k3 \(= low_var_kl\)"):
         kl_penalty(LOG_PROB, REF_LOG_PROB, "k9")
 
 

@@ -2,6 +2,8 @@
 
 import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -51,6 +53,14 @@ def step_dirs(run_dir) -> list[str]:
     return sorted(path.name for path in checkpoints_dir(run_dir).iterdir())
 
 
+@pytest.fixture(scope="module")
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
 def test_round_trip_of_models_and_state(tokenizer, tmp_path):
     saved = models(tokenizer, seed=1)
     optimizer = torch.optim.AdamW(saved["actor"].parameters(), lr=0.1)
@@ -98,11 +108,11 @@ def test_no_checkpoints(tmp_path):
     remove_partial_checkpoints(tmp_path)  # nothing to do, and no error
 
 
-def test_leftovers_of_a_crashed_save_are_ignored(tokenizer, tmp_path):
+def test_leftovers_of_a_crashed_save_are_ignored(tokenizer, tmp_path, dead_pid):
     saved = models(tokenizer, seed=1)
     complete = save_checkpoint(tmp_path, 3, saved, {"step": 3})
     root = checkpoints_dir(tmp_path)
-    partial = root / ".global_step_5.partial-123"
+    partial = root / f".global_step_5.partial-{dead_pid}"
     (partial / "actor").mkdir(parents=True)
     (partial / TRAINER_STATE).write_bytes(b"half")
     (root / "global_step_7" / "actor").mkdir(parents=True)  # weights, but no trainer_state.pt
@@ -177,6 +187,60 @@ def test_resaving_a_step_replaces_it(tokenizer, tmp_path):
     assert load_checkpoint(path, loaded) == {"version": 2}
     assert_same_weights(loaded["actor"], second["actor"])
     assert step_dirs(tmp_path) == ["global_step_5", LATEST], "no stale copy may be left behind"
+
+
+def test_a_crash_between_the_renames_of_a_resave_keeps_the_step(tokenizer, tmp_path, monkeypatch):
+    """Re-saving moves the old copy aside, then the new one in: killed in between, the old copy is the
+    only complete one, and the next start puts it back rather than losing the step."""
+    first, second = models(tokenizer, seed=1), models(tokenizer, seed=2)
+    save_checkpoint(tmp_path, 4, first, {"version": 0})
+    save_checkpoint(tmp_path, 5, first, {"version": 1})
+    real_replace = os.replace
+    renames = []
+
+    def killed_after_the_first_rename(source, target):
+        renames.append((source, target))
+        if len(renames) == 2:
+            raise KeyboardInterrupt  # stands in for SIGKILL: nothing after the first rename runs
+        real_replace(source, target)
+
+    monkeypatch.setattr(trainer.checkpoint.os, "replace", killed_after_the_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 5, second, {"version": 2})
+    monkeypatch.undo()
+    pid = os.getpid()  # folders named with this process's pid count as another (dead) process's leftovers
+    assert step_dirs(tmp_path) == [f".global_step_5.partial-{pid}", f".global_step_5.stale-{pid}",
+                                   "global_step_4", LATEST]
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [4], "step 5 is only in the stale copy now"
+
+    remove_partial_checkpoints(tmp_path)
+    assert step_dirs(tmp_path) == ["global_step_4", "global_step_5", LATEST]
+    loaded = models(tokenizer, seed=3)
+    assert load_checkpoint(latest_checkpoint(tmp_path), loaded) == {"version": 1}
+    assert_same_weights(loaded["actor"], first["actor"])
+
+
+def test_a_stale_copy_beside_its_step_is_removed(tokenizer, tmp_path, dead_pid):
+    saved = models(tokenizer, seed=1)
+    save_checkpoint(tmp_path, 5, saved, {"version": 1})
+    stale = checkpoints_dir(tmp_path) / f".global_step_5.stale-{dead_pid}"
+    (stale / "actor").mkdir(parents=True)
+    (stale / TRAINER_STATE).write_bytes(b"old")
+    remove_partial_checkpoints(tmp_path)
+    assert step_dirs(tmp_path) == ["global_step_5", LATEST]
+    assert load_checkpoint(checkpoints_dir(tmp_path) / "global_step_5", models(tokenizer, seed=3)) == {"version": 1}
+
+
+def test_the_folders_of_a_live_process_saving_into_the_run_are_left_alone(tmp_path, dead_pid):
+    root = checkpoints_dir(tmp_path)
+    live = os.getppid()  # alive: it started this test process
+    kept = [root / f".global_step_5.partial-{live}", root / f".global_step_4.stale-{live}"]
+    gone = [root / f".global_step_5.partial-{dead_pid}", root / f".global_step_4.stale-{dead_pid}"]
+    for folder in kept + gone:
+        folder.mkdir(parents=True)
+    (root / "global_step_4").mkdir()  # its stale copy is mid-swap in the live process
+    remove_partial_checkpoints(tmp_path)
+    assert step_dirs(tmp_path) == sorted([folder.name for folder in kept] + ["global_step_4"])
 
 
 def test_loading_into_a_model_of_another_shape(tokenizer, tmp_path):

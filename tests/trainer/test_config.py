@@ -187,12 +187,82 @@ def test_dynamic_offload_and_the_embedding_cache_are_active_now() -> None:
     assert inactive_settings(config) == []
 
 
-def test_inactive_settings_skip_models_the_run_does_not_build() -> None:
-    # GRPO without KL terms builds neither a critic nor a reference: their settings are moot.
-    config = load_config(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
-                                "critic.fsdp_config.dynamic_offload.enabled=true",
-                                "actor_rollout_ref.ref.fsdp_config.dynamic_offload.enabled=true"])
+# GRPO without KL terms builds neither a critic nor a reference; reward_model.enable is false by default.
+GRPO_WITHOUT_KL = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"]
+
+
+@pytest.mark.parametrize(("overrides", "named_key", "reason"), [
+    ([*GRPO_WITHOUT_KL, "critic.fsdp_config.dynamic_offload.enabled=true"],
+     "critic.fsdp_config sets dynamic_offload.enabled", "trains no critic"),
+    (["critic.enable=false", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+      "critic.fsdp_config.param_offload=true", "critic.fsdp_config.optimizer_offload=true"],
+     "critic.fsdp_config sets param_offload, optimizer_offload", "trains no critic"),
+    ([*GRPO_WITHOUT_KL, "actor_rollout_ref.ref.fsdp_config.offload_policy.transformer=cpu"],
+     "actor_rollout_ref.ref.fsdp_config sets offload_policy.transformer", "builds no reference policy"),
+    (["actor_rollout_ref.ref.fsdp_config.param_offload=true"],  # PPO, but no KL term either
+     "actor_rollout_ref.ref.fsdp_config sets param_offload", "builds no reference policy"),
+    (["reward_model.model.fsdp_config.param_offload=true"],
+     "reward_model.model.fsdp_config sets param_offload", "builds no reward model"),
+])
+def test_offload_settings_of_a_model_the_run_does_not_build_warn(
+        overrides: list[str], named_key: str, reason: str) -> None:
+    notes = inactive_settings(load_config(None, overrides))
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(named_key)
+    assert reason in notes[0] and "no effect" in notes[0]
+
+
+def test_the_same_settings_are_active_on_a_model_the_run_builds() -> None:
+    config = load_config(None, ["actor_rollout_ref.actor.use_kl_loss=true",
+                                "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+                                "actor_rollout_ref.ref.fsdp_config.offload_policy.transformer=gpu",
+                                "critic.fsdp_config.param_offload=true",
+                                "critic.fsdp_config.dynamic_offload.enabled=true"])
+    assert config.use_reference and config.use_critic
     assert inactive_settings(config) == []
+
+
+@pytest.mark.parametrize("key", ["optimizer_offload=true", "offload_grad_dtype=bf16"])
+@pytest.mark.parametrize(("prefix", "enable", "what"), [
+    ("actor_rollout_ref.ref.fsdp_config", "actor_rollout_ref.actor.use_kl_loss=true", "the reference policy"),
+    ("reward_model.model.fsdp_config", "reward_model.enable=true", "the reward model"),
+])
+def test_optimizer_settings_of_a_frozen_model_warn(model_dir: Path, prefix: str, enable: str, what: str,
+                                                     key: str) -> None:
+    config = load_config(None, [enable, f"reward_model.model.path={model_dir}", f"{prefix}.{key}"])
+    notes = inactive_settings(config)
+    assert notes == [f"{prefix}.{key.partition('=')[0]} is set, but {what} is frozen (no gradients, no optimizer): "
+                     "it has no effect"]
+
+
+def test_bf16_gradients_of_a_frozen_model_are_a_warning_not_an_error() -> None:
+    """The check that bf16 host gradients sit beside fp32 masters makes no sense where there are no gradients."""
+    config = load_config(None, ["actor_rollout_ref.actor.use_kl_loss=true",
+                                "actor_rollout_ref.ref.fsdp_config.offload_grad_dtype=bf16"])
+    assert len(inactive_settings(config)) == 1
+
+
+def test_dynamic_offload_levels_of_other_models_follow_the_actor() -> None:
+    config = load_config(None, ["actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold=0.7",
+                                "critic.fsdp_config.dynamic_offload.gpu_memory_threshold=0.7",  # the same: fine
+                                "critic.fsdp_config.dynamic_offload.min_transformer_layers_on_gpu=3"])
+    notes = inactive_settings(config)
+    assert len(notes) == 1, notes
+    assert notes[0].startswith("critic.fsdp_config.dynamic_offload.min_transformer_layers_on_gpu is set, but every "
+                               "model follows actor_rollout_ref.actor.fsdp_config.dynamic_offload.")
+
+
+def test_settings_left_at_their_defaults_on_a_model_not_built_are_silent() -> None:
+    # Written out explicitly (as a resolved config is), but equal to the defaults: nothing to say.
+    config = load_config(None, [*GRPO_WITHOUT_KL, "critic.fsdp_config.param_offload=false",
+                                "actor_rollout_ref.ref.fsdp_config.dynamic_offload.gpu_memory_threshold=0.85",
+                                "reward_model.model.fsdp_config.optimizer_offload=false"])
+    assert inactive_settings(config) == []
+
+
+@pytest.mark.parametrize("example", ["quickstart.yaml", "grpo.yaml"])
+def test_the_runnable_examples_start_without_warnings(example: str) -> None:
+    assert inactive_settings(load_config(EXAMPLES / example)) == []
 
 
 # ------------------------------------------------------------------------------------- bad configs
@@ -365,6 +435,20 @@ def test_the_error_text_is_one_line_per_problem() -> None:
 # ----------------------------------------------------------------------------------------- examples
 
 
+@pytest.mark.parametrize("alias", ["k1", "k2", "k3"])
+def test_verl_names_of_the_kl_estimators_are_accepted(alias: str) -> None:
+    """k1, k2, k3 are verl's names for kl, mse, low_var_kl; test_algorithms checks they compute the same."""
+    config = load_config(None, [f"actor_rollout_ref.actor.kl_loss_type={alias}", f"algorithm.kl_penalty={alias}"])
+    assert config.actor_rollout_ref.actor.kl_loss_type == alias
+    assert config.algorithm.kl_penalty == alias
+
+
+def test_an_unknown_kl_estimator_lists_the_aliases_too() -> None:
+    problems = problems_of(None, ["algorithm.kl_penalty=k4"])
+    assert [problem.path for problem in problems] == ["algorithm.kl_penalty"]
+    assert "'low_var_kl' or 'k1' or 'k2' or 'k3'" in problems[0].message
+
+
 def test_the_grpo_example_validates_as_it_is() -> None:
     config = load_config(EXAMPLES / "grpo.yaml")
     assert config.algorithm.adv_estimator == "grpo"
@@ -400,9 +484,9 @@ def test_the_7b_example_validates_once_its_paths_are_filled_in(model_dir: Path, 
     assert config.critic.fsdp_config.optimizer_offload
     assert config.actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
     assert (config.data.max_prompt_length, config.data.max_response_length) == (512, 1024)
-    notes = inactive_settings(config)
-    # Offload placement and dynamic offload run now.
-    assert not any("optimizer_offload" in note or "dynamic_offload" in note for note in notes)
+    assert config.algorithm.use_kl_in_reward, "the KL penalty is what the offloaded reference is for"
+    # Every key of the example does something: no start-up warning.
+    assert inactive_settings(config) == []
 
 
 def test_the_schema_documents_every_field() -> None:

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from transformers import Qwen2ForSequenceClassification
+from transformers.utils import logging as transformers_logging
 
 from trainer.checkpoint import latest_checkpoint
 from trainer.config import load_config
@@ -280,3 +281,14 @@ def test_the_built_in_model_takes_a_larger_vocabulary_and_refuses_a_smaller_one(
                                              rf"got 3; allowed: an integer of at least the built-in tokenizer's "
                                              rf"{len(tokenizer)} tokens$"):
         load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.float32, seed=0, override_config={"vocab_size": 3})
+
+
+def test_loading_a_model_directory_prints_no_progress_bar(tmp_path, capfd):
+    tokenizer = load_tokenizer("builtin:tiny-qwen2")
+    load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.float32, seed=1,
+                override_config={"num_hidden_layers": 1}).save_pretrained(tmp_path)
+    capfd.readouterr()
+    load_policy(str(tmp_path), tokenizer, dtype=torch.float32, seed=1)
+    captured = capfd.readouterr()
+    assert "Loading weights" not in captured.err + captured.out
+    assert transformers_logging.is_progress_bar_enabled(), "the bars are silenced for our loads only"

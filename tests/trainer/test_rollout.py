@@ -12,6 +12,7 @@ from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.hf_rollout import HFRollout, eos_token_ids, response_mask_until_eos
 from trainer.rollout.prompts import PromptTooLong, encode_prompts, prompt_token_ids
 from trainer.workers.actor import compute_log_probs
+from trainer.workers.optimization import response_logits
 
 TINY = "builtin:tiny-qwen2"
 PAD, EOS = 0, 1
@@ -251,6 +252,87 @@ def test_scoring_forward_matches_the_scores_of_generate(tokenizer, policy, do_sa
     alone = make_batch(prompt_ids[1:2], prompt_mask[1:2], responses[1:2], mask[1:2])
     torch.testing.assert_close(compute_log_probs(policy, alone, micro_batch_size=1, temperature=1.0),
                                expected[1:2], atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------- top_k and top_p
+
+SAMPLING_PROMPTS = ["1 2 3", "4", "5 6", "7 8 9 0"] * 4
+
+
+def sample(policy, tokenizer, seed: int, **settings) -> tuple[torch.Tensor, torch.Tensor, RolloutBatch]:
+    prompt_ids, prompt_mask = encode_prompts(SAMPLING_PROMPTS, tokenizer, max_length=8)
+    torch.manual_seed(seed)
+    responses, mask = rollout(policy, tokenizer, response_length=6, **settings).generate(prompt_ids, prompt_mask)
+    return responses, mask, make_batch(prompt_ids, prompt_mask, responses, mask)
+
+
+def token_probabilities(policy, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, R, V] the model's next-token probabilities at `temperature`, [B, R] those of the sampled tokens)."""
+    with torch.no_grad():
+        probs = torch.softmax(response_logits(policy, batch).float() / temperature, dim=-1)
+    return probs, probs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def more_likely_tokens(policy, batch: RolloutBatch, temperature: float = 1.0) -> list[int]:
+    """For each sampled response token, how many tokens the model ranked clearly above it."""
+    probs, picked = token_probabilities(policy, batch, temperature)
+    above = (probs > picked.unsqueeze(-1) + 1e-5).sum(-1)
+    return above[batch.response_mask.bool()].tolist()
+
+
+def mass_above(policy, batch: RolloutBatch, temperature: float) -> list[float]:
+    """For each sampled response token, the probability of the tokens clearly more likely than it."""
+    probs, picked = token_probabilities(policy, batch, temperature)
+    above = (probs * (probs > picked.unsqueeze(-1) + 1e-5)).sum(-1)
+    return above[batch.response_mask.bool()].tolist()
+
+
+@pytest.mark.parametrize("limit", [{"top_k": 1}, {"top_p": 1e-6}])
+def test_sampling_limited_to_the_top_token_is_greedy_decoding(tokenizer, policy, limit):
+    greedy, greedy_mask, _ = sample(policy, tokenizer, seed=0, do_sample=False)
+    unlimited, _, _ = sample(policy, tokenizer, seed=0, temperature=5.0)
+    assert unlimited.tolist() != greedy.tolist(), "a hot sampler must stray from greedy, or this test proves nothing"
+    for seed in range(3):
+        limited, limited_mask, _ = sample(policy, tokenizer, seed=seed, temperature=5.0, **limit)
+        assert limited.tolist() == greedy.tolist()
+        assert limited_mask.tolist() == greedy_mask.tolist()
+
+
+def test_top_k_samples_only_among_the_k_most_likely_tokens(tokenizer, policy):
+    _, _, unlimited = sample(policy, tokenizer, seed=0, temperature=5.0)
+    assert max(more_likely_tokens(policy, unlimited)) >= 3, "a hot sampler must pick unlikely tokens"
+    for disabled in (-1, 0):  # both mean no top-k
+        _, _, same = sample(policy, tokenizer, seed=0, temperature=5.0, top_k=disabled)
+        assert same.response_ids.tolist() == unlimited.response_ids.tolist()
+    _, _, limited = sample(policy, tokenizer, seed=0, temperature=5.0, top_k=3)
+    ranks = more_likely_tokens(policy, limited)
+    assert max(ranks) <= 2
+    assert len(set(ranks)) > 1, "the hot sampler should still use more than the top token"
+
+
+def test_top_p_samples_only_from_the_nucleus(tokenizer, policy):
+    """A token is in the nucleus when the tokens more likely than it (after temperature) hold less than top_p."""
+    temperature = 2.0
+    _, _, unlimited = sample(policy, tokenizer, seed=0, temperature=temperature)
+    assert max(mass_above(policy, unlimited, temperature)) > 0.6, "a hot sampler must pick tokens outside it"
+    _, _, limited = sample(policy, tokenizer, seed=0, temperature=temperature, top_p=0.6)
+    masses = mass_above(policy, limited, temperature)
+    assert max(masses) < 0.6 + 1e-4
+    assert max(masses) > 0, "the nucleus should hold more than the top token"
+
+
+def test_the_models_own_generation_defaults_do_not_change_the_rollout(tokenizer, policy):
+    """A model directory's generation_config.json (e.g. repetition_penalty: 1.05) must not reshape sampling:
+    the losses score the responses with plain softmax(logits / temperature)."""
+    greedy, _, _ = sample(policy, tokenizer, seed=0, do_sample=False)
+    sampled, _, _ = sample(policy, tokenizer, seed=0, temperature=2.0)
+    saved = policy.generation_config
+    try:
+        policy.generation_config = saved.__class__(**{**saved.to_dict(), "repetition_penalty": 50.0})
+        assert sample(policy, tokenizer, seed=0, do_sample=False)[0].tolist() == greedy.tolist()
+        assert sample(policy, tokenizer, seed=0, temperature=2.0)[0].tolist() == sampled.tolist()
+    finally:
+        policy.generation_config = saved
 
 
 # ---------------------------------------------------------------------------------- RolloutBatch

@@ -17,6 +17,8 @@ import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")
+# verl's other names for the same estimators (Schulman's k1, k2, k3): a verl config must run unchanged.
+KL_ESTIMATOR_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
 
 # exp() of a log-ratio above ~88 overflows float32 to inf, and inf * 0 (a zero advantage or a
 # masked token) is nan; no ratio this far from 1 carries a useful gradient anyway.
@@ -298,6 +300,33 @@ def compute_value_loss(
     return loss, clipfrac
 
 
+def actor_loss(
+    pg_loss: torch.Tensor,
+    entropy: torch.Tensor,
+    kl_loss: torch.Tensor | None,
+    *,
+    entropy_coeff: float,
+    kl_loss_coef: float,
+) -> torch.Tensor:
+    """The actor's objective: L = pg_loss - entropy_coeff * entropy + kl_loss_coef * kl_loss.
+
+    The entropy enters as a bonus (minimising L raises the entropy: dL/dH = -entropy_coeff) and the
+    KL to the reference as a penalty (minimising L pulls the policy towards it: dL/dKL = +kl_loss_coef),
+    as in verl's dp_actor and the GRPO objective (Shao et al. 2024, eq. 3).
+
+    Args:
+        pg_loss: scalar clipped surrogate loss (:func:`compute_policy_loss`).
+        entropy: scalar aggregated entropy of the policy over the response tokens.
+        kl_loss: scalar aggregated KL(policy || reference) estimate, or ``None`` without a KL loss.
+        entropy_coeff: weight of the entropy bonus (``actor.entropy_coeff``).
+        kl_loss_coef: weight of the KL loss (``actor.kl_loss_coef``); unused when ``kl_loss`` is None.
+    """
+    loss = pg_loss - entropy_coeff * entropy
+    if kl_loss is not None:
+        loss = loss + kl_loss_coef * kl_loss
+    return loss
+
+
 # ------------------------------------------------------------------------------- logits and KL
 
 
@@ -340,7 +369,9 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
         ``mse``: k2 = 0.5 * (log p - log q)^2 (low variance, biased).
         ``low_var_kl``: k3 = r - log r - 1 with r = q / p (unbiased, non-negative), clamped to
         [-10, 10] as verl does.
+    verl's aliases ``k1``, ``k2`` and ``k3`` name ``kl``, ``mse`` and ``low_var_kl``.
     """
+    estimator = KL_ESTIMATOR_ALIASES.get(estimator, estimator)
     log_ratio = log_prob - ref_log_prob
     if estimator == "kl":
         return log_ratio
@@ -352,7 +383,8 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
         ref_over_policy = (-log_ratio).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
         k3 = torch.exp(ref_over_policy) - ref_over_policy - 1
         return k3.clamp(-_LOW_VAR_KL_LIMIT, _LOW_VAR_KL_LIMIT)
-    raise ValueError(f"unknown KL estimator '{estimator}'; allowed: {', '.join(KL_ESTIMATORS)}")
+    allowed = [*KL_ESTIMATORS, *(f"{alias} (= {name})" for alias, name in KL_ESTIMATOR_ALIASES.items())]
+    raise ValueError(f"unknown KL estimator '{estimator}'; allowed: {', '.join(allowed)}")
 
 
 @torch.no_grad()

@@ -34,7 +34,9 @@ DATA_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 Placement = Literal["cpu", "gpu"]
 LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
+# verl also accepts k1, k2 and k3 (Schulman's names) for kl, mse and low_var_kl: trainer.algorithms.kl_penalty
+# maps them, and a test keeps this list equal to the estimators it knows.
+KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 
 
 # ------------------------------------------------------------------------------ field helpers
@@ -236,7 +238,7 @@ class ActorConfig(Section):
     kl_loss_coef: float = Field(0.001, ge=0.0)
     """Weight of the KL loss."""
     kl_loss_type: KLEstimator = "low_var_kl"
-    """KL estimator of the KL loss."""
+    """KL estimator of the KL loss (k1, k2, k3 are verl's names for kl, mse, low_var_kl)."""
     loss_agg_mode: LossAggregation = "token-mean"
     """How token losses are averaged."""
     grad_clip: float = Field(1.0, gt=0.0)
@@ -392,7 +394,7 @@ class AlgorithmConfig(Section):
     use_kl_in_reward: bool = False
     """Subtract a KL(actor || reference) penalty from the token rewards."""
     kl_penalty: KLEstimator = "kl"
-    """KL estimator of the in-reward penalty."""
+    """KL estimator of the in-reward penalty (k1, k2, k3 are verl's names for kl, mse, low_var_kl)."""
     kl_ctrl: KLControl = KLControl()
     """Coefficient controller of the in-reward penalty."""
 
@@ -626,13 +628,19 @@ def dump_config(config: RunConfig) -> str:
 
 
 def inactive_settings(config: RunConfig) -> list[str]:
-    """Accepted keys whose engine is not built yet: each one gets a warning at start."""
+    """Accepted keys that have no effect on this run: each one gets a warning at start.
+
+    Only keys set away from their defaults are named, so a default config starts without a warning.
+    """
     notes = []
     for role, fsdp in config.fsdp_configs().items():
         prefix = FSDP_PREFIX[role]
         if fsdp.wrap_policy.transformer_layer_cls_to_wrap or fsdp.wrap_policy.min_num_params:
             notes.append(f"{prefix}.wrap_policy is set, but only single-device runs exist yet: "
                          "it has no effect")
+    notes += _settings_of_models_not_built(config)
+    notes += _training_settings_of_frozen_models(config)
+    notes += _dynamic_offload_settings_not_followed(config)
     actor = config.actor_rollout_ref.actor
     if actor.sequence_parallel_offload:
         notes.append("actor_rollout_ref.actor.sequence_parallel_offload is set, but sequence parallelism "
@@ -646,6 +654,77 @@ FSDP_PREFIX = {
     "critic": "critic.fsdp_config",
     "reward_model": "reward_model.model.fsdp_config",
 }
+# The models that never train: an optimizer or gradient setting of theirs has nothing to act on.
+FROZEN_ROLES = ("ref", "reward_model")
+_TRAINING_ONLY_KEYS = ("optimizer_offload", "offload_grad_dtype")
+
+
+def _fsdp_configs_by_role(config: RunConfig) -> dict[str, FSDPConfig]:
+    """Every model's placement config, whether or not the run builds that model."""
+    return {"actor": config.actor_rollout_ref.actor.fsdp_config, "ref": config.actor_rollout_ref.ref.fsdp_config,
+            "critic": config.critic.fsdp_config, "reward_model": config.reward_model.model.fsdp_config}
+
+
+def _keys_changed(section: Section, default: Section, prefix: str = "") -> list[str]:
+    """Dotted names of the leaves of `section` whose value differs from `default`'s."""
+    changed = []
+    for name in type(section).model_fields:
+        value, default_value = getattr(section, name), getattr(default, name)
+        if isinstance(value, Section):
+            changed += _keys_changed(value, default_value, f"{prefix}{name}.")
+        elif value != default_value:
+            changed.append(prefix + name)
+    return changed
+
+
+def _settings_of_models_not_built(config: RunConfig) -> list[str]:
+    built = config.fsdp_configs()
+    why = {
+        "ref": "builds no reference policy (neither actor_rollout_ref.actor.use_kl_loss nor "
+               "algorithm.use_kl_in_reward is true)",
+        "critic": f"trains no critic (critic.enable is false; algorithm.adv_estimator="
+                  f"{config.algorithm.adv_estimator})",
+        "reward_model": "builds no reward model (reward_model.enable is false)",
+    }
+    notes = []
+    for role, fsdp in _fsdp_configs_by_role(config).items():
+        changed = _keys_changed(fsdp, FSDPConfig())
+        if role not in built and changed:
+            notes.append(f"{FSDP_PREFIX[role]} sets {', '.join(changed)}, but this run {why[role]}: "
+                         f"{'it has' if len(changed) == 1 else 'they have'} no effect")
+    return notes
+
+
+def _training_settings_of_frozen_models(config: RunConfig) -> list[str]:
+    notes = []
+    default = FSDPConfig()
+    for role, fsdp in config.fsdp_configs().items():
+        if role not in FROZEN_ROLES:
+            continue
+        what = "the reference policy" if role == "ref" else "the reward model"
+        for key in _TRAINING_ONLY_KEYS:
+            if getattr(fsdp, key) != getattr(default, key):
+                notes.append(f"{FSDP_PREFIX[role]}.{key} is set, but {what} is frozen (no gradients, no "
+                             "optimizer): it has no effect")
+    return notes
+
+
+def _dynamic_offload_settings_not_followed(config: RunConfig) -> list[str]:
+    """Every model's dynamic offload follows one threshold and one layer minimum: the actor's, which are live
+    settings. Another model's own values are moot, unless they say the same."""
+    actor = config.actor_rollout_ref.actor.fsdp_config.dynamic_offload
+    default = DynamicOffload()
+    notes = []
+    for role, fsdp in config.fsdp_configs().items():
+        if role == "actor":
+            continue
+        for key in ("gpu_memory_threshold", "min_transformer_layers_on_gpu"):
+            value = getattr(fsdp.dynamic_offload, key)
+            if value not in (getattr(default, key), getattr(actor, key)):
+                notes.append(f"{FSDP_PREFIX[role]}.dynamic_offload.{key} is set, but every model follows "
+                             f"actor_rollout_ref.actor.fsdp_config.dynamic_offload.{key} (a live setting): "
+                             "it has no effect")
+    return notes
 
 
 # ------------------------------------------------------------------------------ semantic checks
@@ -670,6 +749,8 @@ def _check_consistency(config: RunConfig) -> list[ConfigProblem]:
 def _check_offload(config: RunConfig) -> list[ConfigProblem]:
     problems = []
     for role, fsdp in config.fsdp_configs().items():
+        if role in FROZEN_ROLES:
+            continue  # no gradients at all: inactive_settings warns instead
         if fsdp.offload_grad_dtype == "bf16" and not (fsdp.optimizer_offload and fsdp.model_dtype == "bf16"):
             problems.append(ConfigProblem(
                 f"{FSDP_PREFIX[role]}.offload_grad_dtype",

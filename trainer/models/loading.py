@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from transformers import (
     Qwen2ForSequenceClassification,
     Qwen2ForTokenClassification,
 )
+from transformers.utils import logging as transformers_logging
 
 from trainer.config import BUILTIN_PREFIX
 from trainer.models.tiny import build_tiny_tokenizer, seeded_init, tiny_qwen2_config
@@ -152,7 +155,21 @@ def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: 
 
 def _from_local(auto_class, path: str, what: str, **kwargs):
     try:
-        return auto_class.from_pretrained(path, local_files_only=True, **kwargs)
+        with _no_progress_bars():
+            return auto_class.from_pretrained(path, local_files_only=True, **kwargs)
     except (OSError, ValueError, KeyError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"could not load the {what} from {path!r}: {first_line}") from error
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Silence transformers' "Loading weights" bars: they would tear through the trainer's own progress
+    bar and log lines, and a local load has no download to watch. The previous state comes back after."""
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()

@@ -64,7 +64,8 @@ class HFRollout:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
         # A fresh config on purpose: a checkpoint's own generation defaults (repetition penalty,
-        # top_k=20, ...) would silently change the sampling distribution the losses assume.
+        # top_k=20, ...) would silently change the sampling distribution the losses assume. (generate()
+        # still fills this config's unset fields from the model's: see `generate`.)
         self.generation_config = GenerationConfig(
             max_new_tokens=response_length,
             do_sample=config.do_sample,
@@ -80,7 +81,12 @@ class HFRollout:
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, P] left-padded prompts -> ([B, R] response ids right-padded, [B, R] response mask)."""
         was_training = self.model.training
+        model_defaults = self.model.generation_config
         self.model.eval()
+        # transformers fills every field our config leaves unset (None) from the model's own
+        # generation_config (a checkpoint's repetition_penalty, min_p, suppress_tokens, ...): for the
+        # call, the model's defaults are transformers' global ones, which change nothing.
+        self.model.generation_config = GenerationConfig()
         try:
             stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])
             sequences = self.model.generate(
@@ -88,6 +94,7 @@ class HFRollout:
                 stopping_criteria=stopping,
             )
         finally:
+            self.model.generation_config = model_defaults
             self.model.train(was_training)
         responses = sequences[:, prompt_ids.shape[1]:]
         padding = self.response_length - responses.shape[1]

@@ -8,6 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.algorithms import (
+    actor_loss,
     aggregate_loss,
     compute_policy_loss,
     entropy_from_logits,
@@ -88,7 +89,6 @@ class Actor:
                                      clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=config.clip_ratio_c,
                                      loss_agg_mode=config.loss_agg_mode)
         entropy = aggregate_loss(entropy_from_logits(logits), batch.response_mask, config.loss_agg_mode)
-        loss = policy.loss - config.entropy_coeff * entropy
         metrics = {
             "pg_loss": policy.loss.item(),
             "pg_clipfrac": policy.clipfrac.item(),
@@ -96,12 +96,14 @@ class Actor:
             "ppo_kl": policy.ppo_kl.item(),
             "entropy": entropy.item(),
         }
+        kl_loss = None
         if config.use_kl_loss:
             kl = kl_penalty(log_probs, batch.ref_log_probs, config.kl_loss_type)
             kl_loss = aggregate_loss(kl, batch.response_mask, config.loss_agg_mode)
-            loss = loss + config.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.item()
             metrics["kl_coef"] = config.kl_loss_coef
+        loss = actor_loss(policy.loss, entropy, kl_loss, entropy_coeff=config.entropy_coeff,
+                          kl_loss_coef=config.kl_loss_coef)
         return loss, metrics
 
     def state_dict(self) -> dict:

@@ -44,7 +44,8 @@ def build_optimizer(model: PreTrainedModel, config: OptimConfig) -> torch.optim.
 def warmup_steps(config: OptimConfig, total_steps: int) -> int:
     if config.lr_warmup_steps >= 0:
         return config.lr_warmup_steps
-    return int(config.lr_warmup_steps_ratio * total_steps)
+    # Whole steps of the fraction, as verl; rounding first keeps 0.29 * 100 (28.999999999999996) at 29.
+    return math.floor(round(config.lr_warmup_steps_ratio * total_steps, 6))
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, total_steps: int):
