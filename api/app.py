@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 from urllib.parse import quote
 
-from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request, Response, WebSocket, status
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response, WebSocket, status
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -58,14 +60,26 @@ PAGE_HEADERS = {
     "X-Frame-Options": "DENY",
     "Cache-Control": "no-cache",
 }
+SETTINGS_BODY_HINT = 'the body must be a JSON object of setting -> value, e.g. {"gpu_memory_threshold": 0.8}'
+SETTINGS_CHANGE_DOC = {
+    "required": True,
+    "content": {"application/json": {"schema": {"type": "object", "additionalProperties": True, "title": "Change",
+                                                 "examples": [{"gpu_memory_threshold": 0.8}]}}},
+}
+# A stream refused for a bad query parameter closes with this code (private range 4000-4999, after
+# HTTP 422); 1008 stays for refusals of the token or the origin, which clients read as "unauthorized".
+WS_CLOSE_BAD_REQUEST = 4422
+MAX_CLOSE_REASON_BYTES = 123
 
 
 def create_app(*, hub: TelemetryHub, registry: CollectorRegistry, control: RunControl, token: str,
                public_metrics: bool = False, bind_host: str = "127.0.0.1",
-               allowed_origins: Sequence[str] = ()) -> FastAPI:
+               allowed_origins: Sequence[str] = (), exposition: Callable[[], bytes] | None = None) -> FastAPI:
     """The API of one run. `public_metrics` serves /metrics without the token (for a Prometheus that
     cannot send one); `bind_host` on loopback turns on the Host check; `allowed_origins` are the browser
-    origins, beyond loopback pages and the API's own, that may open the WebSocket stream.
+    origins, beyond loopback pages and the API's own, that may open the WebSocket stream; `exposition`
+    renders /metrics (default: the whole registry at every request; the daemon passes
+    TelemetryMetrics.exposition, which renders only after a change).
     """
     # /docs and /openapi.json are declared below, behind the token like everything else.
     app = FastAPI(title="verl run API", summary="Status, metrics, live stream and live settings of one run.",
@@ -80,7 +94,7 @@ def create_app(*, hub: TelemetryHub, registry: CollectorRegistry, control: RunCo
         """Liveness, without the token."""
         return {"status": "ok"}
 
-    _add_metrics_routes(public if public_metrics else private, registry)
+    _add_metrics_routes(public if public_metrics else private, exposition or (lambda: generate_latest(registry)))
     _add_telemetry_routes(private, hub)
     _add_control_routes(private, control)
     _add_hints_route(private, hub, control)
@@ -92,12 +106,12 @@ def create_app(*, hub: TelemetryHub, registry: CollectorRegistry, control: RunCo
     return app
 
 
-def _add_metrics_routes(router: APIRouter, registry: CollectorRegistry) -> None:
+def _add_metrics_routes(router: APIRouter, exposition: Callable[[], bytes]) -> None:
     @router.get("/metrics", response_class=Response, tags=["metrics"],
                 responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics() -> Response:
         """Prometheus text exposition of every verl_* metric."""
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_telemetry_routes(router: APIRouter, hub: TelemetryHub) -> None:
@@ -152,13 +166,15 @@ def _add_control_routes(router: APIRouter, control: RunControl) -> None:
         """Every live setting: value, who applies it, what it does; version and acknowledged version."""
         return await _call(control.settings)
 
+    # The body is read by hand, not declared as a parameter: FastAPI parses it as JSON only when the request
+    # says application/json, and `curl -d` (the way most people try this) says form-urlencoded.
     @router.patch("/v1/settings", response_model=SettingsUpdateBody, tags=["settings"],
+                  openapi_extra={"requestBody": SETTINGS_CHANGE_DOC},
                   responses={422: {"model": ValidationErrorBody, "description": "A bad value; nothing changed."}})
-    async def patch_settings(
-        change: Annotated[dict[str, Any], Body(examples=[{"gpu_memory_threshold": 0.8}])],
-    ) -> dict:
-        """Change live settings, all or nothing; the trainer applies them at its next safe point."""
-        return await _call(control.update_settings, change)
+    async def patch_settings(request: Request) -> dict:
+        """Change live settings, all or nothing; the trainer applies them at its next safe point. The body is
+        read as JSON whatever its Content-Type."""
+        return await _call(control.update_settings, _settings_change(await request.body()))
 
     @router.post("/v1/checkpoint", status_code=status.HTTP_202_ACCEPTED, tags=["run"])
     async def checkpoint() -> dict:
@@ -217,9 +233,11 @@ def _add_docs_routes(router: APIRouter, app: FastAPI) -> None:
 
 
 def _add_stream(app: FastAPI, hub: TelemetryHub, token: str, allowed_origins: Sequence[str]) -> None:
+    # `since` is read from the query by hand: declared as a parameter, a bad value would make FastAPI
+    # refuse the handshake, which a client sees as a bare 403 with no word of what was wrong.
     @app.websocket("/v1/stream")
-    async def stream(websocket: WebSocket, since: int | None = None) -> None:
-        """Replays the events after `since` (none without it), then sends each new one, one JSON per frame."""
+    async def stream(websocket: WebSocket) -> None:
+        """Replays the events after `?since=SEQ` (none without it), then sends each new one, one JSON per frame."""
         offered, subprotocol = websocket_token(websocket)
         origin = websocket.headers.get("origin")
         if origin is not None and not origin_allowed(origin, websocket.headers.get("host", ""), allowed_origins):
@@ -230,7 +248,13 @@ def _add_stream(app: FastAPI, hub: TelemetryHub, token: str, allowed_origins: Se
             return
         # A browser that offered the token as a subprotocol fails the handshake unless one is chosen.
         await websocket.accept(subprotocol=subprotocol)
-        async with hub.subscribe(None if since is None else max(since, 0)) as events:
+        try:
+            since = _stream_since(websocket.query_params.get("since"))
+        except ValueError as error:
+            # Refused after accepting, so the client can read the reason in the close frame.
+            await websocket.close(code=WS_CLOSE_BAD_REQUEST, reason=_close_reason(str(error)))
+            return
+        async with hub.subscribe(since) as events:
             await _pump(websocket, events)
 
 
@@ -240,7 +264,12 @@ async def _refuse(websocket: WebSocket, reason: str) -> None:
     Not an HTTP denial response with a JSON body: uvicorn then logs a spurious "ASGI callable returned
     without completing handshake" error for every refused client.
     """
-    await websocket.close(code=status.WS_1008_POLICY_VIOLATION, reason=reason[:120])
+    await websocket.close(code=status.WS_1008_POLICY_VIOLATION, reason=_close_reason(reason))
+
+
+def _close_reason(reason: str) -> str:
+    """A close frame's reason holds at most 123 bytes of UTF-8."""
+    return reason.encode()[:MAX_CLOSE_REASON_BYTES].decode(errors="ignore")
 
 
 async def _pump(websocket: WebSocket, events: Subscription) -> None:
@@ -263,6 +292,37 @@ async def _pump(websocket: WebSocket, events: Subscription) -> None:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, OSError, RuntimeError):
                 await task
+
+
+def _settings_change(body: bytes) -> dict[str, Any]:
+    """The PATCH /v1/settings body as a dict, or a 422 naming the body (nothing reaches the run)."""
+    try:
+        change = json.loads(body)
+    except (ValueError, RecursionError) as error:  # not JSON, not Unicode text, or nested too deep
+        _refuse_body("json_invalid", f"{SETTINGS_BODY_HINT}; this is not JSON ({error})")
+    if not isinstance(change, dict):
+        _refuse_body("dict_type", f"{SETTINGS_BODY_HINT}; got a JSON {_json_type_name(change)}")
+    return change
+
+
+def _refuse_body(error_type: str, message: str) -> NoReturn:
+    raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                        detail=[{"loc": ["body"], "type": error_type, "msg": message}])
+
+
+def _json_type_name(value: Any) -> str:
+    names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _stream_since(value: str | None) -> int | None:
+    """The stream's `since` query parameter: None when absent, else a seq (a whole number >= 0)."""
+    if value is None:
+        return None
+    if re.fullmatch("[0-9]+", value):
+        with contextlib.suppress(ValueError):  # more digits than int() takes
+            return int(value)
+    raise ValueError(f"since must be a whole number >= 0 (the last seq received), got {value[:24]!r}")
 
 
 def _comma_list(value: str | None) -> list[str] | None:

@@ -58,6 +58,8 @@ class OffloadWindow:
     """Offload copies of the last `window_seconds`: latency percentiles and copy bandwidth.
 
     A copy is a dict {direction, group, bytes, seconds} as the trainer reports it (CUDA-event timed).
+    The trainer times a sample of its copies and counts all of them: percentiles and bandwidth come
+    from the sample, the number of copies from the counts ({direction, group, copies, bytes}).
     """
 
     def __init__(self, *, window_seconds: float = OFFLOAD_WINDOW_SECONDS, clock: Callable[[], float] = time.time):
@@ -65,11 +67,16 @@ class OffloadWindow:
         self._clock = clock
         self._lock = threading.Lock()
         self._copies: collections.deque[tuple[float, float, int]] = collections.deque()  # (time, seconds, bytes)
+        self._counted: collections.deque[tuple[float, int]] = collections.deque()  # (time, copies)
 
-    def add(self, copies: Iterable[dict[str, Any]]) -> None:
+    def add(self, copies: Iterable[dict[str, Any]], counts: Iterable[dict[str, Any]] | None = None) -> None:
+        """Timed `copies`; `counts` of every copy they were sampled from (None: the copies are all of them)."""
         now = self._clock()
         with self._lock:
+            before = len(self._copies)
             self._copies.extend((now, float(copy["seconds"]), int(copy["bytes"])) for copy in copies)
+            counted = len(self._copies) - before if counts is None else sum(int(row["copies"]) for row in counts)
+            self._counted.append((now, counted))
             self._prune(now)
 
     def percentile(self, q: float) -> float | None:
@@ -91,8 +98,11 @@ class OffloadWindow:
         return sum(size for _, _, size in window) / seconds if seconds > 0 else None
 
     def summary(self) -> dict[str, float | int | None]:
+        with self._lock:
+            self._prune(self._clock())
+            copies = sum(counted for _, counted in self._counted)
         return {"copy_latency_p50_s": self.percentile(50), "copy_latency_p99_s": self.percentile(99),
-                "bandwidth_bytes_per_second": self.bandwidth_bytes_per_second(), "copies": len(self._window())}
+                "bandwidth_bytes_per_second": self.bandwidth_bytes_per_second(), "copies": copies}
 
     def _window(self) -> list[tuple[float, float, int]]:
         with self._lock:
@@ -102,6 +112,8 @@ class OffloadWindow:
     def _prune(self, now: float) -> None:
         while self._copies and self._copies[0][0] < now - self.window_seconds:
             self._copies.popleft()
+        while self._counted and self._counted[0][0] < now - self.window_seconds:
+            self._counted.popleft()
 
 
 class TelemetryHub:
@@ -148,7 +160,7 @@ class TelemetryHub:
             self._prune(event.time)
             subscriptions = list(self._subscriptions)
         if kind == "offload":
-            self.offload.add(data.get("copies") or ())
+            self.offload.add(data.get("copies") or (), data.get("counts"))
         for subscription in subscriptions:
             subscription._offer(event)
         return event

@@ -7,11 +7,13 @@ trainer or a user are mapped to a fixed set before they become labels).
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 GIB = 1024**3
 OFFLOAD_COPY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -67,15 +69,31 @@ LAYERS_ON_GPU_KEY = "offload/transformer_layers_on_gpu"
 MOVE_KEYS = {"to_cpu": "offload/moves_to_cpu", "to_gpu": "offload/moves_to_gpu"}
 
 
+def _changes(method: Callable) -> Callable:
+    """Marks a TelemetryMetrics method that changes a metric: the cached exposition is stale after it."""
+
+    @functools.wraps(method)
+    def changing(self: TelemetryMetrics, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._version += 1
+    return changing
+
+
 class TelemetryMetrics:
     """The daemon's Prometheus metrics; the daemon feeds it from its events.
 
     The run's name is not a label on every series: it is on `verl_run_info{run, project, config}`,
-    which queries join on when they need it.
+    which queries join on when they need it. Every change goes through the methods marked `_changes`,
+    so `exposition()` can serve the same text until something changes.
     """
 
     def __init__(self, registry: CollectorRegistry, *, run: str, project: str = "", config: str = ""):
         self.registry = registry
+        self._version = 0
+        self._exposition: tuple[int, bytes] | None = None
+        self._exposition_lock = threading.Lock()
         self._gpu_series: set[tuple[str, str]] = set()
         self._last_trainer_ooms = 0
         info = Info("verl_run", "The run this daemon supervises.", registry=registry)
@@ -89,6 +107,19 @@ class TelemetryMetrics:
                              registry=registry)
         self.dropped = Counter("verl_telemetry_dropped_messages", "Telemetry messages dropped, by where.",
                                ["source"], registry=registry)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text of every metric, rendered again only after a change.
+
+        Rendering the whole registry costs about 2 ms of CPU (25 kB of text with the histograms), and
+        the metrics change a few times a second (a GPU sample, a phase, a step), so scrapers and
+        monitors polling faster than that get the text of the last change.
+        """
+        with self._exposition_lock:
+            version = self._version  # read before rendering: a change during the render makes it stale
+            if self._exposition is None or self._exposition[0] != version:
+                self._exposition = (version, generate_latest(self.registry))
+            return self._exposition[1]
 
     # ------------------------------------------------------------------------------- definitions
 
@@ -120,10 +151,13 @@ class TelemetryMetrics:
 
     def _offload_metrics(self, registry: CollectorRegistry) -> None:
         self.offload_copy_seconds = Histogram(
-            "verl_offload_copy_duration_seconds", "Duration of one offload copy, timed with CUDA events.",
+            "verl_offload_copy_duration_seconds", "Duration of one offload copy, timed with CUDA events (a "
+            "sample of the copies: about 256 a training step; verl_offload_copies_total counts them all).",
             ["direction", "group"], buckets=OFFLOAD_COPY_BUCKETS, registry=registry)
         self.offload_copied_bytes = Counter("verl_offload_copied_bytes", "Bytes copied by the offload engine.",
                                             ["direction", "group"], registry=registry)
+        self.offload_copies = Counter("verl_offload_copies", "Copies made by the offload engine.",
+                                      ["direction", "group"], registry=registry)
         self.offload_layers_on_gpu = Gauge("verl_offload_transformer_layers_on_gpu",
                                            "Transformer layers kept on the GPU between passes, all models together.",
                                            registry=registry)
@@ -171,9 +205,16 @@ class TelemetryMetrics:
         self.setting_updates = Counter("verl_setting_updates", "Live setting changes by setting and result "
                                        "(accepted by the daemon, rejected, applied by the trainer).",
                                        ["setting", "result"], registry=registry)
+        # Every series from 0 at the start: a change must be an increase a query can see (increase() and
+        # the dashboard's annotations miss the first change of a series that appears already at 1).
+        for setting in SETTING_NAMES:
+            for result in UPDATE_RESULTS:
+                self.setting_updates.labels(setting, result)
+        self.setting_updates.labels("unknown", "rejected")
 
     # ------------------------------------------------------------------------------- observations
 
+    @_changes
     def observe_gpu(self, sample: Mapping[str, Any]) -> None:
         """A "gpu" event's data: per-GPU gauges, NVML up/down, and its "host" part when present.
 
@@ -216,6 +257,7 @@ class TelemetryMetrics:
         for role in ("trainer", "other"):
             _remove(self.gpu_process_memory, *labels, role)
 
+    @_changes
     def observe_host(self, host: Mapping[str, Any]) -> None:
         _set(self.host_cpu, host.get("cpu_ratio"))
         _set(self.host_memory_used, host.get("memory_used_bytes"))
@@ -226,6 +268,7 @@ class TelemetryMetrics:
         else:
             self.process_rss.labels("trainer").set(host["trainer_rss_bytes"])
 
+    @_changes
     def observe_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
         """One completed step's metrics under verl's names (None, NaN and unknown keys are skipped)."""
         self.steps.inc()
@@ -270,26 +313,38 @@ class TelemetryMetrics:
             self.ooms.inc(new)
         self._last_trainer_ooms = trainer_count
 
+    @_changes
     def set_total_steps(self, total_steps: int) -> None:
         self.total_steps.set(total_steps)
 
+    @_changes
     def observe_phase(self, phase: str) -> None:
         current = _phase_label(phase)
         for name in (*PHASES, OTHER):
             self.phase.labels(name).set(1 if name == current else 0)
 
-    def observe_offload(self, copies: Iterable[Mapping[str, Any]], summary: Iterable[Mapping[str, Any]] | None) -> None:
-        """Copies [{direction, group, bytes, seconds}]; summary [{role, group, device, bytes}] replaces the last."""
+    @_changes
+    def observe_offload(self, copies: Iterable[Mapping[str, Any]], summary: Iterable[Mapping[str, Any]] | None,
+                        counts: Iterable[Mapping[str, Any]] | None = None) -> None:
+        """Timed copies [{direction, group, bytes, seconds}]; counts [{direction, group, copies, bytes}] of all
+        the copies they were sampled from (None: the timed copies are all of them); summary [{role, group,
+        device, bytes}] replaces the last."""
+        copies = list(copies)
         for copy in copies:
-            labels = (str(copy["direction"]), str(copy["group"]))
-            self.offload_copy_seconds.labels(*labels).observe(float(copy["seconds"]))
-            self.offload_copied_bytes.labels(*labels).inc(int(copy["bytes"]))
+            self.offload_copy_seconds.labels(str(copy["direction"]), str(copy["group"])).observe(float(copy["seconds"]))
+        if counts is None:
+            counts = [{**copy, "copies": 1} for copy in copies]
+        for row in counts:
+            labels = (str(row["direction"]), str(row["group"]))
+            self.offload_copied_bytes.labels(*labels).inc(int(row["bytes"]))
+            self.offload_copies.labels(*labels).inc(int(row["copies"]))
         if summary is not None:
             self.offload_group_bytes.clear()
             for entry in summary:
                 self.offload_group_bytes.labels(str(entry["role"]), str(entry["group"]),
                                                 str(entry["device"])).set(int(entry["bytes"]))
 
+    @_changes
     def count_restart(self, reason: str) -> None:
         if reason not in RESTART_REASONS:
             raise ValueError(f"unknown restart reason {reason!r}; expected one of {', '.join(RESTART_REASONS)}")
@@ -298,6 +353,7 @@ class TelemetryMetrics:
             self.ooms.inc()
         self._last_trainer_ooms = 0  # the next trainer process counts its OOMs from 0
 
+    @_changes
     def set_setting(self, name: str, value: Any) -> None:
         """Show a live setting's current value (public name, e.g. "dynamic_offload.enabled")."""
         if name == "log_level":
@@ -308,15 +364,18 @@ class TelemetryMetrics:
         else:
             raise ValueError(f"unknown live setting {name!r}; known: {', '.join(SETTING_NAMES)}")
 
+    @_changes
     def count_setting_update(self, setting: str, result: str) -> None:
         if result not in UPDATE_RESULTS:
             raise ValueError(f"unknown result {result!r}; expected one of {', '.join(UPDATE_RESULTS)}")
         # A rejected name comes from the user: only known names become label values.
         self.setting_updates.labels(setting if setting in SETTING_NAMES else "unknown", result).inc()
 
+    @_changes
     def set_nvml_up(self, up: bool) -> None:
         self.nvml_up.set(1 if up else 0)
 
+    @_changes
     def count_dropped(self, source: str, n: int) -> None:
         if n > 0:
             self.dropped.labels(source).inc(n)

@@ -102,14 +102,19 @@ class LatestBody(BaseModel):
 
 
 class SettingsUpdateBody(BaseModel):
-    """PATCH /v1/settings answer: the change is pending until the trainer acknowledges it."""
+    """PATCH /v1/settings answer: the change is pending until the trainer acknowledges it.
 
-    version: int
-    old: dict[str, Any]
-    new: dict[str, Any]
-    values: dict[str, Any]
-    applies_at_step: int | None
-    status: str
+    Asking for values already in effect changes nothing: `old` and `new` are empty and `version` is
+    the current one.
+    """
+
+    version: int = Field(description="The settings version now in force (not bumped when nothing changed).")
+    old: dict[str, Any] = Field(description="Each setting whose value changed -> its value before.")
+    new: dict[str, Any] = Field(description="Each setting whose value changed -> its value now; empty: no change.")
+    values: dict[str, Any] = Field(description="Every live setting -> its value now.")
+    applies_at_step: int | None = Field(description="The first step that runs with the change (null: no change).")
+    status: str = Field(description="'pending' until the trainer acknowledges the version; 'unchanged' when "
+                                    "nothing changed.")
 
 
 class ValidationProblem(BaseModel):

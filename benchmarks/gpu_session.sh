@@ -7,6 +7,7 @@
 #   benchmarks/gpu_session.sh offload      # offload_bench.py: bandwidth, all-GPU, layered (~2 min)
 #   benchmarks/gpu_session.sh headline     # grpo_headline.py under a 40 GiB cap          (~4 min)
 #   benchmarks/gpu_session.sh uncapped     # grpo_headline.py without the cap             (~4 min)
+#   benchmarks/gpu_session.sh telemetry    # telemetry_bench.py overhead, small and tiny  (~4 min)
 #
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: pydantic and the rest installed from wheels first, see .library/device).
@@ -32,7 +33,12 @@ case "${1:-}" in
   uncapped)
     timeout 580 python3 benchmarks/grpo_headline.py --cap-gib 0 --out "$out/uncapped.json" ${PROFILE:+--profile} 2>&1 \
       | tee "$out/uncapped.txt" | tail -60 ;;
+  telemetry)
+    for shape in small tiny; do
+      timeout 280 python3 benchmarks/telemetry_bench.py overhead --shape $shape --cycles 3 --out "$out/telemetry-$shape.json" 2>&1 \
+        | tee "$out/telemetry-$shape.txt" | tail -8
+    done ;;
   *)
-    echo "usage: $0 tests|rollout|offload|headline|uncapped" >&2
+    echo "usage: $0 tests|rollout|offload|headline|uncapped|telemetry" >&2
     exit 2 ;;
 esac

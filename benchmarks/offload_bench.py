@@ -238,6 +238,7 @@ class Bench:
              phase: str | None = None) -> None:
         model = self.build()
         engine = attach_offload(model, fsdp_config, self.device, role="actor", options=options)
+        engine.log.timed_per_drain = None  # every copy timed, not a sample: the table adds up copy times
         ids = self.ids()
         placed = engine.placed_for(phase) if phase is not None else contextlib.nullcontext()
         with placed:

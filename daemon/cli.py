@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -91,8 +92,10 @@ def _run_command(commands, name: str, summary: str, handler) -> argparse.Argumen
     command = commands.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
     command.add_argument("--pid", required=True, type=_pid, metavar="PID",
                          help="the daemon's pid (printed by `verl train`) or one of its trainers' pids")
-    command.add_argument("--state-dir", metavar="DIR", help="where runtime files are (default: the run's "
-                         "daemon.state_dir, else $VERL_STATE_DIR, else ~/.local/state/verl)")
+    command.add_argument("--state-dir", metavar="DIR",
+                         help="where the run keeps its runtime files: its daemon.state_dir (default: "
+                              "$VERL_STATE_DIR, else $XDG_STATE_HOME/verl, else ~/.local/state/verl; a run "
+                              "started with daemon.state_dir=DIR needs --state-dir DIR)")
     command.set_defaults(handler=handler)
     return command
 
@@ -164,7 +167,7 @@ def start_run(config: RunConfig, config_path: Path, monitor: bool) -> int:
 def monitor_command(args: argparse.Namespace) -> int:
     if args.web and (args.once or args.json):
         raise UsageError("--web prints the live page's URL; it does not go with --once or --json",
-                         f"run `verl monitor --pid {args.pid} --web` alone")
+                         f"run `verl monitor {_run_flags(args)} --web` alone")
     with connect(args.pid, args.state_dir) as (info, client):
         if args.web:
             client.status()  # the daemon answers and takes this token: the URL will work
@@ -190,20 +193,21 @@ def set_command(args: argparse.Namespace) -> int:
         except ApiError as error:
             if error.status != 422:
                 raise
-            raise UsageError(error.lines(), f"nothing was changed; `verl status --pid {args.pid}` shows the "
+            raise UsageError(error.lines(), f"nothing was changed; `verl status {_run_flags(args)}` shows the "
                              "current values") from None
         version = answer["version"]
         for name, new in answer["new"].items():
             print(f"{name}: {format_value(answer['old'].get(name))} -> {format_value(new)}")
         if not answer["new"]:
-            print("nothing to change: the settings already have these values")
+            print(f"nothing to change: the settings already have these values (settings version {version})")
+            return 0
         print(f"settings version {version}; the trainer applies it at step {answer['applies_at_step']}")
         if answer["status"] != "pending" or args.wait <= 0:
             return 0
         acknowledged = _wait_for_acknowledgement(client, version, args.wait)
     if acknowledged is None:
         print(f"the trainer has not acknowledged version {version} within {args.wait:g} s; it applies it at "
-              f"its next safe point (`verl status --pid {info.pid}` shows when)")
+              f"its next safe point (`verl status {_run_flags(args)}` shows when)")
     else:
         print(f"acknowledged by the trainer: in effect from step {acknowledged['applied_at_step']}")
     return 0
@@ -231,8 +235,8 @@ def connect(pid: int, configured_state_dir: str | None = None) -> Iterator[tuple
     try:
         info = find_run(pid, state)
     except RunNotFound as error:
-        raise UsageError(str(error), "pass the pid that `verl train` printed (the daemon's) or one of its "
-                         "trainers' pids (a run that has ended has none)") from None
+        raise UsageError(str(error), error.hint or "pass the pid that `verl train` printed (the daemon's) or one of "
+                         "its trainers' pids (a run that has ended has none)") from None
     with ApiClient(info.url, info.token) as client:
         try:
             yield info, client
@@ -250,6 +254,11 @@ def connect(pid: int, configured_state_dir: str | None = None) -> Iterator[tuple
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+
+def _run_flags(args: argparse.Namespace) -> str:
+    """--pid (and --state-dir, when given) as the user typed them, for the commands a message suggests."""
+    return f"--pid {args.pid}" + (f" --state-dir {shlex.quote(args.state_dir)}" if args.state_dir else "")
 
 
 class _ScalarLoader(yaml.SafeLoader):

@@ -21,7 +21,12 @@ _START_TIME_TOLERANCE_S = 1.0
 
 
 class RunNotFound(LookupError):
-    """No live verl run matches; the message says what was looked for and what exists."""
+    """No live verl run matches; the message says what was looked for and what exists, `hint` (when not
+    None) what to do about it."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
 
 
 @dataclass
@@ -126,7 +131,38 @@ def find_run(pid: int, state: Path | None = None) -> RuntimeInfo:
     for info in runs.values():
         if pid in info.trainer_pids:
             return info
+    daemon = next((process for process in lineage if _is_verl_train(process)), None)
+    if daemon is not None:
+        role = "the daemon" if daemon.pid == pid else f"a process under the daemon (pid {daemon.pid})"
+        raise RunNotFound(f"pid {pid} is {role} of a `verl train` run, but no runtime file for it is in "
+                          f"{runtime_dir(state)}: the run keeps its runtime files in another state dir, or is "
+                          "still starting", _state_dir_hint(daemon))
     raise RunNotFound(f"pid {pid} is not a verl run (neither a daemon nor one of its trainers){_running_hint(state)}")
+
+
+def _is_verl_train(process: psutil.Process) -> bool:
+    """Whether the process runs `verl train` (the console script) or `python -m daemon.cli train`."""
+    try:
+        arguments = process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    for index, argument in enumerate(arguments[:-1]):
+        if (Path(argument).name == "verl" or argument == "daemon.cli") and arguments[index + 1] == "train":
+            return True
+    return False
+
+
+def _state_dir_hint(daemon: psutil.Process) -> str:
+    """Which --state-dir to pass: the one the daemon's command line sets, when it does."""
+    hint = "pass --state-dir DIR with the run's daemon.state_dir (`verl train` printed the whole command at start)"
+    try:
+        arguments, folder = daemon.cmdline(), daemon.cwd()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return hint
+    given = [argument.partition("=")[2] for argument in arguments if argument.startswith("daemon.state_dir=")]
+    if not given or not given[-1]:
+        return hint
+    return f"its command line sets daemon.state_dir: pass --state-dir {Path(folder) / Path(given[-1]).expanduser()}"
 
 
 def _running_hint(state: Path) -> str:

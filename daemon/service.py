@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -51,7 +52,7 @@ from daemon.runtime import (
     write_runtime_file,
 )
 from daemon.settings import SettingsStore
-from daemon.supervisor import EXIT_USAGE, RestartPolicy, Supervisor
+from daemon.supervisor import EXIT_OUT_OF_MEMORY, EXIT_USAGE, RestartPolicy, Supervisor
 from trainer.config import RunConfig
 from trainer.config.ipc import ENV_SOCKET, ENV_TOKEN
 from trainer.config.live import SettingsRejected, initial_live_settings
@@ -69,7 +70,18 @@ class DaemonStartError(Exception):
 def run_daemon(config: RunConfig, config_path: Path, *, monitor: bool) -> int:
     """Supervise the trainer for `config` (already written to `config_path`) and serve telemetry until the run
     ends; `monitor` shows the live view in this terminal (the trainer's output then goes to logs/trainer.out)."""
-    return asyncio.run(Daemon(config, Path(config_path), monitor=monitor).run())
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        return runner.run(Daemon(config, Path(config_path), monitor=monitor).run())
+
+
+def _event_loop_factory():
+    """uvloop's event loop where it is installed (uvicorn[standard] brings it): it serves the API's
+    requests and the stream's fan-out for less CPU, taken from the trainer on a small host. None: asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 class _ApiServer(uvicorn.Server):
@@ -168,7 +180,7 @@ class Daemon:
         print(f"verl daemon pid {self.pid}: run {self.name} in {self.run_dir}\n"
               f"  API:     {self.url}\n"
               f"  page:    {page_url(self.url, self.token)}\n"
-              f"  monitor: verl monitor --pid {self.pid}\n"
+              f"  monitor: {self.monitor_command()}\n"
               f"  token:   in {path} (mode 0600)", file=self._out, flush=True)
         live = self.settings_store.values
         self.sampler = GpuSampler(self._sampled, gpu_interval_s=live.gpu_sample_interval_s,
@@ -180,6 +192,14 @@ class Daemon:
             self._loop.add_signal_handler(signum, self._on_signal, signum)
         if self.monitor:
             self._start_monitor()
+
+    def monitor_command(self) -> str:
+        """The `verl monitor` command that finds this run; it names the state dir when `verl` would not look
+        there by default (daemon.state_dir set, and not to what $VERL_STATE_DIR says)."""
+        command = f"verl monitor --pid {self.pid}"
+        if self.state.resolve() != state_dir().resolve():
+            command += f" --state-dir {shlex.quote(str(self.state.resolve()))}"
+        return command
 
     async def _shutdown(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -217,7 +237,7 @@ class Daemon:
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         app = create_app(hub=self.hub, registry=self.registry, control=self, token=self.token,
                          public_metrics=telemetry.public_metrics, bind_host=telemetry.host,
-                         allowed_origins=telemetry.allowed_origins)
+                         allowed_origins=telemetry.allowed_origins, exposition=self.metrics.exposition)
         self._api = _ApiServer(uvicorn.Config(app, log_level="warning", lifespan="off", log_config=None,
                                               access_log=False, timeout_graceful_shutdown=2))
         self._api_task = asyncio.create_task(self._api.serve(sockets=[listener]))
@@ -256,6 +276,9 @@ class Daemon:
                 self.metrics.count_setting_update(problem.setting, "rejected")
             log.warning("settings change rejected: %s", rejected)
             raise SettingsRejectedError(rejected.problems) from None
+        if not update.changed:  # every value already in effect: no version, nothing for the trainer
+            return {"version": update.version, "old": {}, "new": {}, "values": update.values,
+                    "applies_at_step": None, "status": "unchanged"}
         for name, value in update.new.items():
             self.metrics.set_setting(name, value)
             self.metrics.count_setting_update(name, "accepted")
@@ -322,11 +345,11 @@ class Daemon:
         self.metrics.observe_phase(phase)
 
     def _on_offload(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
-        copies, summary = message.get("copies") or [], message.get("summary")
-        self.metrics.observe_offload(copies, summary)
+        copies, counts, summary = message.get("copies") or [], message.get("counts"), message.get("summary")
+        self.metrics.observe_offload(copies, summary, counts)
         if summary is not None:
             self.offload_summary = list(summary)
-        self.hub.publish("offload", {"copies": copies, "summary": summary})
+        self.hub.publish("offload", {"copies": copies, "counts": counts, "summary": summary})
 
     def _on_log(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
         level = str(message.get("level", "info")).lower()
@@ -479,6 +502,12 @@ class Daemon:
         elif supervisor.last_exit_code == EXIT_USAGE:
             print(f"ERROR: the trainer stopped on a problem with the config, data or models (exit code 2)\n"
                   f"HINT: see its ERROR lines in {logs / 'trainer.out'}", file=sys.stderr)
+        elif supervisor.last_exit_code == EXIT_OUT_OF_MEMORY:
+            print(f"ERROR: the trainer failed {supervisor.restarts + 1} times, the last one out of memory; gave up "
+                  f"after daemon.max_restarts={self.config.daemon.max_restarts} restarts\n"
+                  "HINT: lower the micro batch sizes (*.ppo_micro_batch_size_per_gpu, "
+                  "*.log_prob_micro_batch_size_per_gpu) or offload more (fsdp_config.param_offload=true); "
+                  f"see {logs / 'trainer.out'}", file=sys.stderr)
         else:
             print(f"ERROR: the trainer failed {supervisor.restarts + 1} times; gave up after "
                   f"daemon.max_restarts={self.config.daemon.max_restarts} restarts\n"

@@ -29,12 +29,21 @@ from trainer.config.live import (
 
 @dataclass(frozen=True)
 class SettingsUpdate:
-    """An accepted change: its version, the changed settings before and after, and every value now."""
+    """An accepted change: its version, the changed settings before and after, and every value now.
+
+    `new` is empty when the change asked only for values already in effect: then `version` is the
+    current one (no new version was made).
+    """
 
     version: int
     old: dict[str, Any]
     new: dict[str, Any]
     values: dict[str, Any]
+
+    @property
+    def changed(self) -> bool:
+        """Whether any value changed (else: no new version, nothing to send to the trainer)."""
+        return bool(self.new)
 
 
 class SettingsStore:
@@ -55,7 +64,11 @@ class SettingsStore:
         return self._values
 
     def update(self, change: Mapping[str, Any], *, source: str = "api") -> SettingsUpdate:
-        """Apply `change` (public name -> value) as a new version, or raise SettingsRejected changing nothing."""
+        """Apply `change` (public name -> value) as a new version, or raise SettingsRejected changing nothing.
+
+        `old` and `new` of the answer hold only the settings whose value changes; when none does (every
+        value asked for is already in effect), both are empty and the version stays as it is.
+        """
         with self._lock:
             current = self._values.public()
             try:
@@ -69,10 +82,14 @@ class SettingsStore:
                                           for problem in rejected.problems]})
                 raise
             values = updated.public()
+            changed = [name for name in change if values[name] != current[name]]
+            old, new = {name: current[name] for name in changed}, {name: values[name] for name in changed}
+            if not changed:
+                # Asking for the values already in effect: no version, nothing for the trainer, no audit line.
+                return SettingsUpdate(self.version, old, new, values)
             self._values = updated
             self.version += 1
-            result = SettingsUpdate(self.version, {name: current[name] for name in change},
-                                    {name: values[name] for name in change}, values)
+            result = SettingsUpdate(self.version, old, new, values)
             self._changes[self.version] = result
             self._audit({"version": result.version, "old": result.old, "new": result.new, "source": source,
                          "result": "accepted"})

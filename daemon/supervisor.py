@@ -3,7 +3,8 @@
 - exit 0: the run is done (or stopped on request); the daemon exits 0.
 - exit 2: a problem with the config, data or models that a restart cannot fix; no restart, the
   daemon exits 2.
-- anything else (a crash, or death by a signal such as SIGKILL): restart after a back-off that
+- anything else (a crash, death by a signal such as SIGKILL, or exit 12: out of device memory the
+  trainer could not recover from): restart after a back-off that
   doubles from ``daemon.restart_backoff_s`` up to ``daemon.restart_backoff_max_s``, at most
   ``daemon.max_restarts`` times (the trainer resumes from its latest complete checkpoint);
   after that the daemon gives up and exits 1.
@@ -31,6 +32,9 @@ log = logging.getLogger("verl.daemon.supervisor")
 EXIT_OK = 0
 EXIT_GAVE_UP = 1
 EXIT_USAGE = 2  # the trainer's "fix your config/data" exit code, passed on as the daemon's
+# The trainer's exit code for an unrecovered out-of-memory error: the same value as
+# trainer/main.py's EXIT_OUT_OF_MEMORY (the daemon must not import that module; change both).
+EXIT_OUT_OF_MEMORY = 12
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,11 @@ class RestartPolicy:
 
 
 def exit_reason(returncode: int) -> str:
-    """Why a trainer that will be restarted ended: "signal" when a signal killed it, else "crash"."""
-    return "signal" if returncode < 0 else "crash"
+    """Why a trainer that will be restarted ended: "signal" when a signal killed it, "oom" when it ran out
+    of device memory and could not recover, else "crash"."""
+    if returncode < 0:
+        return "signal"
+    return "oom" if returncode == EXIT_OUT_OF_MEMORY else "crash"
 
 
 def describe_exit(returncode: int) -> str:
@@ -55,6 +62,8 @@ def describe_exit(returncode: int) -> str:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
+    if returncode == EXIT_OUT_OF_MEMORY:
+        return f"ran out of memory (exit code {returncode})"
     return f"exit code {returncode}"
 
 

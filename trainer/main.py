@@ -2,7 +2,9 @@
 
 The ``verl`` command validates the config, writes it into the run directory and starts this
 process; it can also be run by hand. Exit codes: 0 done (or stopped on request, after a
-checkpoint), 2 a problem with the config, data or models (one ``ERROR:`` line per problem).
+checkpoint), 2 a problem with the config, data or models (one ``ERROR:`` line per problem),
+12 out of device memory that the trainer could not recover from (one ``ERROR:`` line with what
+to change); any other non-zero code is a crash.
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ from collections.abc import Sequence
 
 EXIT_OK = 0
 EXIT_USAGE = 2
+# ENOMEM's number. The daemon cannot import this module (no torch there): daemon/supervisor.py keeps
+# the same value as EXIT_OUT_OF_MEMORY and counts such an exit as an "oom" restart. Change both.
+EXIT_OUT_OF_MEMORY = 12
+OUT_OF_MEMORY_HINT = ("lower the micro batch sizes (actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, "
+                      "actor_rollout_ref.{rollout,ref}.log_prob_micro_batch_size_per_gpu, "
+                      "critic.ppo_micro_batch_size_per_gpu) or offload more (fsdp_config.param_offload=true, "
+                      "fsdp_config.dynamic_offload.enabled=true)")
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -31,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
         return _report_errors([str(problem) for problem in error.problems])
+
+    import torch
 
     from trainer.errors import USER_ERRORS
     from trainer.loop import Trainer
@@ -64,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer.fit()
     except USER_ERRORS as error:
         return _report_errors([str(error)])
+    except torch.OutOfMemoryError as error:  # the trainer's own recovery (offload more, split) did not suffice
+        return _report_out_of_memory(error, reporter, telemetry)
     finally:
         if reporter is not None:
             reporter.close()
@@ -76,6 +89,19 @@ def _log_forwarder(telemetry):
     if telemetry is None:
         return None
     return lambda level, message: telemetry.send({"type": "log", "level": level, "message": message})
+
+
+def _report_out_of_memory(error: BaseException, reporter, telemetry) -> int:
+    """One ERROR line that says what to change, in the terminal, the run's log and the daemon's stream."""
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    message = f"out of memory, not recovered ({detail[:200]}): {OUT_OF_MEMORY_HINT}"
+    if reporter is not None:
+        reporter.logger.error(message)
+        reporter.close()  # the progress bar off the terminal before the line goes there
+    print(f"ERROR: {message}", file=sys.stderr, flush=True)
+    if telemetry is not None:
+        telemetry.send({"type": "log", "level": "error", "message": message})
+    return EXIT_OUT_OF_MEMORY
 
 
 def _report_errors(messages: Sequence[str]) -> int:

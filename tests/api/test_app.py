@@ -11,18 +11,20 @@ import json
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from websockets.asyncio.client import connect
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from api.app import create_app
 from api.hub import TelemetryHub
 from api.prometheus import TelemetryMetrics
 from api.schemas import SettingsRejectedError
-from trainer.config.live import LiveSettings, SettingsRejected, apply_change
+from daemon.settings import SettingsStore
+from trainer.config.live import LiveSettings, SettingsRejected
 
 TOKEN = "s3cret-token_for-tests"
 WRONG = "not-the-token"
@@ -32,30 +34,31 @@ PRIVATE_ROUTES = [("GET", "/v1/status"), ("GET", "/v1/metrics/latest"), ("GET", 
 
 
 class FakeControl:
-    """What the daemon's RunControl does, minus the daemon: live settings, and requests recorded."""
+    """What the daemon's RunControl does, minus the daemon and the trainer: live settings kept in the
+    daemon's SettingsStore, the changes it would forward, and requests recorded."""
 
-    def __init__(self) -> None:
-        self.values = LiveSettings()
-        self.version = 0
+    def __init__(self, audit_path: Path) -> None:
+        self.store = SettingsStore(LiveSettings(), audit_path=audit_path)
+        self.forwarded: list[dict] = []
         self.requests: list[str] = []
 
     def status(self) -> dict:
         return {"run": {"name": "fake", "state": "running"}, "progress": {"step": 5, "total_steps": 200}}
 
     def settings(self) -> dict:
-        return {"values": self.values.public(), "version": self.version, "acknowledged_version": self.version,
-                "applied_at_step": None, "settings": []}
+        return self.store.describe()
 
     def update_settings(self, change: dict) -> dict:
         self.requests.append("update_settings")
         try:
-            updated = apply_change(self.values, change)
+            update = self.store.update(change)
         except SettingsRejected as rejected:
             raise SettingsRejectedError(rejected.problems) from None
-        old, new = self.values.public(), updated.public()
-        self.values, self.version = updated, self.version + 1
-        return {"version": self.version, "old": {name: old[name] for name in change},
-                "new": {name: new[name] for name in change}, "values": new, "applies_at_step": 6, "status": "pending"}
+        if update.changed:
+            self.forwarded.append(self.store.down_message())
+        return {"version": update.version, "old": update.old, "new": update.new, "values": update.values,
+                "applies_at_step": 6 if update.changed else None,
+                "status": "pending" if update.changed else "unchanged"}
 
     async def request_checkpoint(self) -> dict:  # a coroutine: the app must await it
         self.requests.append("checkpoint")
@@ -82,24 +85,25 @@ class Served:
         return httpx.Client(base_url=self.url, headers=headers, trust_env=False, timeout=5, **kwargs)
 
 
-def build(**options) -> tuple[TelemetryHub, TelemetryMetrics, FakeControl, object]:
-    hub, registry, control = TelemetryHub(history_seconds=600), CollectorRegistry(), FakeControl()
+def build(run_dir: Path, **options) -> tuple[TelemetryHub, TelemetryMetrics, FakeControl, object]:
+    hub, registry = TelemetryHub(history_seconds=600), CollectorRegistry()
+    control = FakeControl(run_dir / "settings_audit.jsonl")
     metrics = TelemetryMetrics(registry, run="fake")
     app = create_app(hub=hub, registry=registry, control=control, token=TOKEN, **options)
     return hub, metrics, control, app
 
 
 @pytest.fixture(scope="module")
-def served(serve) -> Iterator[Served]:
-    hub, metrics, control, app = build()
+def served(serve, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    hub, metrics, control, app = build(tmp_path_factory.mktemp("run"))
     with serve(app) as url:
         yield Served(url, hub, metrics, control)
 
 
 @pytest.fixture(scope="module")
-def open_metrics(serve) -> Iterator[Served]:
+def open_metrics(serve, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """Bound beyond loopback (no Host check), /metrics public, one extra browser origin allowed."""
-    hub, metrics, control, app = build(public_metrics=True, bind_host="0.0.0.0",
+    hub, metrics, control, app = build(tmp_path_factory.mktemp("run"), public_metrics=True, bind_host="0.0.0.0",
                                        allowed_origins=["https://grafana.example.com"])
     with serve(app) as url:
         yield Served(url, hub, metrics, control)
@@ -179,8 +183,8 @@ def test_metrics_is_a_plain_route_with_prometheus_text(served: Served) -> None:
 # ------------------------------------------------------------------------------ latest and history
 
 
-def test_latest_is_empty_then_follows_the_newest_events(serve) -> None:
-    hub, _, _, app = build()
+def test_latest_is_empty_then_follows_the_newest_events(serve, tmp_path: Path) -> None:
+    hub, _, _, app = build(tmp_path)
     with serve(app) as url:
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, trust_env=False)
         assert client.get("/v1/metrics/latest").json() == {
@@ -261,12 +265,62 @@ def test_bad_settings_get_422_naming_every_field_and_change_nothing(served: Serv
     assert client.get("/v1/settings").json() == before
 
 
-def test_a_settings_body_that_is_not_an_object_is_refused(served: Served) -> None:
+def test_a_json_body_sent_as_curl_d_sends_it_is_read_as_json(served: Served) -> None:
+    """`curl -X PATCH -d '{...}'` labels the body application/x-www-form-urlencoded."""
     client = served.client()
-    before = client.get("/v1/settings").json()
-    assert client.patch("/v1/settings", json=[0.8]).status_code == 422
-    assert client.patch("/v1/settings", content=b"gpu_memory_threshold=0.8").status_code == 422
+    response = client.patch("/v1/settings", content=b'{"gpu_memory_threshold": 0.65}',
+                            headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 200, response.text
+    assert response.json()["new"] == {"gpu_memory_threshold": 0.65}
+    assert client.get("/v1/settings").json()["values"]["gpu_memory_threshold"] == 0.65
+    unlabelled = client.patch("/v1/settings", content=b'{"gpu_memory_threshold": 0.6}', headers={"Content-Type": ""})
+    assert unlabelled.status_code == 200 and unlabelled.json()["new"] == {"gpu_memory_threshold": 0.6}
+
+
+@pytest.mark.parametrize(("body", "content_type", "says"), [
+    (b"[0.8]", "application/json", "got a JSON array"),
+    (b"0.8", "application/x-www-form-urlencoded", "got a JSON number"),
+    (b'"gpu_memory_threshold=0.8"', "text/plain", "got a JSON string"),
+    (b"gpu_memory_threshold=0.8", "application/x-www-form-urlencoded", "this is not JSON"),
+    (b"", "application/json", "this is not JSON"),
+    (b'{"gpu_memory_threshold": 0.5', "application/json", "this is not JSON"),
+    (b"\xff\xfe{", "application/json", "this is not JSON"),
+])
+def test_a_settings_body_that_is_not_a_json_object_is_refused_naming_the_body(
+        served: Served, body: bytes, content_type: str, says: str) -> None:
+    client = served.client()
+    before, requests = client.get("/v1/settings").json(), list(served.control.requests)
+    response = client.patch("/v1/settings", content=body, headers={"Content-Type": content_type})
+    assert response.status_code == 422, response.text
+    [problem] = response.json()["detail"]
+    assert problem["loc"] == ["body"] and "must be a JSON object" in problem["msg"] and says in problem["msg"]
     assert client.get("/v1/settings").json() == before
+    assert served.control.requests == requests  # refused before it reached the run
+
+
+def test_the_openapi_doc_shows_the_settings_body_as_a_json_object(served: Served) -> None:
+    schema = served.client().get("/openapi.json").json()
+    body = schema["paths"]["/v1/settings"]["patch"]["requestBody"]
+    assert body["required"] is True
+    assert body["content"]["application/json"]["schema"]["type"] == "object"
+    assert body["content"]["application/json"]["schema"]["examples"] == [{"gpu_memory_threshold": 0.8}]
+
+
+def test_setting_the_value_in_effect_changes_nothing(served: Served) -> None:
+    client = served.client()
+    first = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.75}).json()
+    forwarded = len(served.control.forwarded)
+    again = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.75})
+    assert again.status_code == 200, again.text
+    body = again.json()
+    assert (body["version"], body["old"], body["new"]) == (first["version"], {}, {})
+    assert body["values"]["gpu_memory_threshold"] == 0.75 and "applies_at_step" in body
+    assert client.get("/v1/settings").json()["version"] == first["version"]
+    assert len(served.control.forwarded) == forwarded  # nothing for the trainer
+    # Of several settings, only those whose value changes are reported.
+    mixed = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.75, "log_level": "debug"}).json()
+    assert (mixed["version"], mixed["old"], mixed["new"]) == (first["version"] + 1, {"log_level": "info"},
+                                                              {"log_level": "debug"})
 
 
 def test_checkpoint_and_stop_reach_the_control(served: Served) -> None:
@@ -327,6 +381,25 @@ def test_stream_refuses_a_missing_or_wrong_token(served: Served) -> None:
         assert await refused_status(served.ws_url, subprotocols=[f"bearer.{WRONG}"]) == 403
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("since", ["abc", "-1", "1.5", "", "%20"])
+def test_stream_refuses_a_bad_since_saying_what_is_allowed(served: Served, since: str) -> None:
+    async def scenario() -> ConnectionClosed:
+        async with connect(f"{served.ws_url}?since={since}", additional_headers={"Authorization": f"Bearer {TOKEN}"},
+                           proxy=None) as websocket:
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(websocket.recv(), 5)
+        return closed.value
+
+    closed = asyncio.run(scenario())
+    assert closed.rcvd is not None and closed.rcvd.code == 4422
+    assert "since must be a whole number >= 0" in closed.rcvd.reason
+    assert not served.hub._subscriptions
+
+
+def test_stream_checks_the_token_before_since(served: Served) -> None:
+    assert asyncio.run(refused_status(f"{served.ws_url}?since=abc")) == 403
 
 
 def test_stream_refuses_foreign_origins_and_hosts(served: Served, open_metrics: Served) -> None:

@@ -272,3 +272,22 @@ def test_hub_feeds_offload_events_to_its_window() -> None:
     hub.publish("offload", {"copies": copies([10.0, 30.0]), "summary": None})
     assert hub.offload.summary()["copies"] == 2
     assert hub.offload.percentile(50) == pytest.approx(0.02)
+
+
+def test_the_window_counts_every_copy_and_times_the_sample() -> None:
+    window = OffloadWindow(clock=FakeClock())
+    # Four timed copies stand for 400 copies of 1 MB.
+    window.add(copies([1.0, 2.0, 3.0, 4.0]), [{"direction": "h2d", "group": "transformer", "copies": 400,
+                                              "bytes": 400_000_000}])
+    summary = window.summary()
+    assert summary["copies"] == 400
+    assert summary["copy_latency_p50_s"] == pytest.approx(0.0025)
+    assert summary["bandwidth_bytes_per_second"] == pytest.approx(4_000_000 / 0.010)
+
+
+def test_hub_feeds_offload_counts_to_its_window() -> None:
+    hub = TelemetryHub(history_seconds=60)
+    hub.publish("offload", {"copies": copies([10.0]), "counts": [{"direction": "h2d", "group": "norm",
+                                                                   "copies": 7, "bytes": 7}], "summary": None})
+    assert hub.offload.summary()["copies"] == 7
+

@@ -219,3 +219,53 @@ def test_the_exposition_passes_promtool() -> None:
                             timeout=30)
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
     assert result.stdout.decode().strip() == "" and result.stderr.decode().strip() == ""
+
+
+def test_the_exposition_is_rendered_again_only_after_a_change() -> None:
+    metrics, registry = fed_metrics()
+    first = metrics.exposition()
+    assert first == generate_latest(registry)
+    assert metrics.exposition() is first, "nothing changed: the same text, not a render"
+    changes = [
+        lambda: metrics.set_total_steps(300),
+        lambda: metrics.observe_gpu({**GPU_SAMPLE, "gpus": [{**GPU_SAMPLE["gpus"][0], "power_watts": 500.0}]}),
+        lambda: metrics.observe_host({**GPU_SAMPLE["host"], "cpu_ratio": 0.5}),
+        lambda: metrics.observe_step(3, {**STEP_METRICS, "timing_s/step": 0.9}),
+        lambda: metrics.observe_phase("gen"),
+        lambda: metrics.observe_offload([{"direction": "h2d", "group": "norm", "bytes": 10, "seconds": 0.001}], None),
+        lambda: metrics.count_restart("oom"),
+        lambda: metrics.set_setting("gpu_memory_threshold", 0.7),
+        lambda: metrics.count_setting_update("gpu_memory_threshold", "applied"),
+        lambda: metrics.set_nvml_up(False),
+        lambda: metrics.count_dropped("ipc", 1),
+    ]
+    for change in changes:
+        before = metrics.exposition()
+        change()
+        after = metrics.exposition()
+        assert after == generate_latest(registry) and after != before
+
+
+def test_every_public_method_that_changes_a_metric_marks_the_exposition_stale() -> None:
+    # A new method without @_changes would let /metrics serve old values until some other change.
+    methods = {name: value for name, value in vars(TelemetryMetrics).items()
+               if not name.startswith("_") and callable(value)}
+    unmarked = [name for name, method in methods.items() if name != "exposition" and not hasattr(method, "__wrapped__")]
+    public = list(methods)
+    assert public and unmarked == []
+
+
+def test_offload_counts_feed_the_copy_and_byte_counters_and_the_sample_the_histogram() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    metrics.observe_offload([{"direction": "h2d", "group": "transformer", "bytes": 1000, "seconds": 0.002}], None,
+                            [{"direction": "h2d", "group": "transformer", "copies": 16, "bytes": 16000}])
+    labels = {"direction": "h2d", "group": "transformer"}
+    assert value(registry, "verl_offload_copies_total", **labels) == 16
+    assert value(registry, "verl_offload_copied_bytes_total", **labels) == 16000
+    assert value(registry, "verl_offload_copy_duration_seconds_count", **labels) == 1
+    # Without counts (every copy timed), the timed copies are the count.
+    metrics.observe_offload([{"direction": "d2h", "group": "norm", "bytes": 10, "seconds": 0.001}] * 2, None)
+    assert value(registry, "verl_offload_copies_total", direction="d2h", group="norm") == 2
+    assert value(registry, "verl_offload_copied_bytes_total", direction="d2h", group="norm") == 20
+

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import grpo_headline, offload_bench, peak_timeline
+from benchmarks import grpo_headline, offload_bench, peak_timeline, telemetry_bench
 
 
 def test_the_headline_step_runs_its_quick_shape_on_the_cpu_with_the_profile(tmp_path, capsys):
@@ -92,3 +92,38 @@ def test_the_report_names_a_missing_file(tmp_path, capsys):
     assert offload_bench.main(["--report", str(tmp_path / "missing.json")]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("ERROR: --report") and "cannot read it (No such file or directory)" in error
+
+
+def test_the_telemetry_overhead_alternates_its_blocks_on_a_real_daemon(tmp_path, capsys):
+    out = tmp_path / "overhead.json"
+    assert telemetry_bench.main(["overhead", "--shape", "tiny", "--device", "cpu", "--block-steps", "1",
+                                 "--cycles", "1", "--warmup-steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {mode: figures["steps"] for mode, figures in result["modes"].items()} == {
+        "on": 2, "off": 2, "trainer": 2, "daemon": 2}
+    # The trainer's client sends only in its blocks: what it spends there is measured, elsewhere nothing.
+    assert result["modes"]["on"]["send_s"] > 0 and result["modes"]["trainer"]["send_s"] > 0
+    assert result["modes"]["off"]["send_s"] == 0 and result["modes"]["daemon"]["send_s"] == 0
+    assert set(result["cost"]) == {"on", "trainer", "daemon"} and result["dropped_messages"] == 0
+    assert "cost of on       vs off:" in capsys.readouterr().out
+    assert telemetry_bench.main(["--report", str(out)]) == 0
+
+
+def test_the_telemetry_api_load_times_every_request_of_a_real_run(tmp_path, capsys):
+    out = tmp_path / "api.json"
+    assert telemetry_bench.main(["api", "--window-s", "3", "--cycles", "1", "--rate", "40", "--clients", "4",
+                                 "--warmup-steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["errors"] == [] and result["ws_clients_ok"] == 4 and result["ws_messages"] > 0
+    assert {path: figures["requests"] for path, figures in result["endpoints"].items()} == {
+        "/metrics": 60, "/v1/status": 60}
+    assert 0 < result["endpoints"]["/metrics"]["p50_ms"] <= result["endpoints"]["/metrics"]["p99_ms"]
+    assert "/v1/status" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["api", "--rate", "0"], ["overhead", "--shape", "huge"], []])
+def test_the_telemetry_benchmark_refuses_bad_arguments_in_one_line(argv, capsys):
+    assert telemetry_bench.main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("ERROR: ") and "\n" not in error
+

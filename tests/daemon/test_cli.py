@@ -107,6 +107,9 @@ class FakeRun:
                                     status_code=422)
             old_values, new_values = self.settings.public(), new.public()
             changed = [name for name in new_values if new_values[name] != old_values[name]]
+            if not changed:  # as the daemon answers (daemon/service.py update_settings)
+                return {"version": self.version, "old": {}, "new": {}, "values": new_values,
+                        "applies_at_step": None, "status": "unchanged"}
             self.settings, self.version, self.changed_at = new, self.version + 1, time.monotonic()
             return {"version": self.version, "old": {name: old_values[name] for name in changed},
                     "new": {name: new_values[name] for name in changed}, "values": new_values,
@@ -250,6 +253,13 @@ def test_set_prints_old_and_new_and_waits_for_the_acknowledgement(run, capsys):
     assert "acknowledged by the trainer: in effect from step 46" in out
 
 
+def test_set_to_the_values_in_effect_says_so_and_waits_for_nothing(run, capsys):
+    run.ack_delay_s = None  # nothing will be acknowledged: a wait would time out
+    code, out, err = verl(capsys, "set", "gpu_memory_threshold=0.85", "--pid", PID)
+    assert code == 0, err
+    assert out.strip() == "nothing to change: the settings already have these values (settings version 3)"
+
+
 def test_set_reads_values_as_yaml_scalars(run, capsys):
     code, _, err = verl(capsys, "set", "min_transformer_layers_on_gpu=4", "log_level=debug",
                         "gpu_sample_interval_s=5e-1", "--pid", PID, "--wait", "0")
@@ -330,6 +340,50 @@ def test_a_pid_that_is_not_a_run_is_one_error(state, capsys):
     code, _, err = verl(capsys, "status", "--pid", "1")
     assert_user_error(code, err, "ERROR: pid 1 is not a verl run", "no verl run is going")
     assert len(err.splitlines()) == 2
+
+
+FAKE_VERL_TRAIN = """\
+import subprocess, sys, time
+trainer = subprocess.Popen(["sleep", "60"])
+print(trainer.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(("relation", "override"), [("daemon", "daemon.state_dir=elsewhere"),
+                                                    ("trainer", "daemon.state_dir=elsewhere"),
+                                                    ("daemon", "trainer.total_training_steps=3")])
+def test_a_run_whose_runtime_file_is_in_another_state_dir_says_so(state, tmp_path, capsys, relation, override):
+    """A live `verl train` (a stand-in with its command line) that keeps its runtime file elsewhere is not
+    called "not a verl run": the error says where it looked and the hint names --state-dir."""
+    script = tmp_path / "verl"
+    script.write_text(FAKE_VERL_TRAIN)
+    daemon = subprocess.Popen([sys.executable, str(script), "train", "--config", "run.yaml", override],
+                              cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    trainer = int(daemon.stdout.readline())
+    try:
+        pid = daemon.pid if relation == "daemon" else trainer
+        code, _, err = verl(capsys, "status", "--pid", str(pid))
+    finally:
+        psutil.Process(trainer).kill()
+        daemon.kill()
+        daemon.wait()
+    assert_user_error(code, err, f"ERROR: pid {pid} is ", "of a `verl train` run", str(state / "run"),
+                      "another state dir")
+    assert "not a verl run" not in err
+    if relation == "trainer":
+        assert f"a process under the daemon (pid {daemon.pid})" in err
+    if override.startswith("daemon.state_dir="):
+        assert f"HINT: its command line sets daemon.state_dir: pass --state-dir {tmp_path / 'elsewhere'}" in err
+    else:
+        assert "HINT: pass --state-dir DIR with the run's daemon.state_dir" in err
+
+
+def test_the_state_dir_help_claims_no_default_it_cannot_know(capsys):
+    assert cli.main(["status", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "the run's daemon.state_dir, else" not in help_text
+    assert "a run started with daemon.state_dir=DIR needs --state-dir DIR" in help_text
 
 
 def test_a_pid_of_no_process_is_one_error(state, capsys):

@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -92,6 +93,9 @@ def test_a_run_is_served_restarted_and_keeps_its_live_settings(tmp_path: Path, m
             rejected = await api.patch("/v1/settings", json={"gpu_memory_threshold": 1.5})
             assert rejected.status_code == 422
             await eventually(lambda: daemon.settings_store.acknowledged_version == 1, what="the acknowledgement")
+            # The value it already has: no new version, nothing sent down, nothing audited.
+            again = (await api.patch("/v1/settings", json={"gpu_memory_threshold": 0.5})).json()
+            assert again["version"] == 1 and again["new"] == {} and again["status"] == "unchanged"
 
             crash_file.touch()  # the fake trainer SIGKILLs itself at its next step
             await eventually(lambda: daemon.supervisor.restarts == 1, what="the restart")
@@ -147,6 +151,37 @@ def test_sigterm_stops_the_trainer_at_a_safe_point_and_the_daemon_exits_0(tmp_pa
     assert any(event["event"] == "down" and event["message"]["type"] == "stop" for event in events) or \
         any(event["event"] == "sigterm" for event in events)
     assert not runtime_file(daemon.state, daemon.pid).exists()
+
+
+@pytest.mark.parametrize("environment", ["unset", "same dir"])
+def test_the_printed_monitor_command_finds_a_run_in_a_state_dir_of_its_own(tmp_path: Path, monkeypatch, capsys,
+                                                                          environment: str) -> None:
+    """daemon.state_dir away from where `verl` looks by default: the start message's command says where."""
+    import daemon.cli as cli
+
+    state = tmp_path / "state"
+    if environment == "unset":
+        monkeypatch.delenv("VERL_STATE_DIR", raising=False)
+        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))  # the default is elsewhere
+    else:
+        monkeypatch.setenv("VERL_STATE_DIR", str(state))
+    daemon = make_daemon(tmp_path, monkeypatch, f"daemon.state_dir={state}", total_steps="100000", step_s="0.05")
+
+    async def scenario() -> tuple[int, str, int]:
+        run = asyncio.create_task(daemon.run())
+        await eventually(lambda: daemon.progress["step"] >= 1, what="a first step")
+        command = next(line.split("monitor: ", 1)[1] for line in daemon._out.getvalue().splitlines()
+                       if "monitor: " in line)
+        found = await asyncio.to_thread(cli.main, [*shlex.split(command)[1:], "--once", "--json"])
+        daemon.request_stop()
+        return await asyncio.wait_for(run, 30), command, found
+
+    code, command, found = asyncio.run(scenario())
+    assert code == 0
+    expected = f"verl monitor --pid {os.getpid()}"
+    assert command == (f"{expected} --state-dir {state}" if environment == "unset" else expected)
+    assert found == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["status"]["run"]["daemon_pid"] == os.getpid()
 
 
 def test_a_port_in_use_is_a_clear_error_and_no_trainer_starts(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -90,3 +90,21 @@ def test_describe_lists_every_setting_with_who_applies_it(store: SettingsStore) 
     assert by_name["gpu_memory_threshold"]["applied_by"] == "trainer"
     assert all(entry["description"] for entry in body["settings"])
     assert {"values", "version", "acknowledged_version", "applied_at_step"} <= body.keys()
+
+
+def test_asking_for_the_values_in_effect_makes_no_version_and_no_audit_line(store: SettingsStore) -> None:
+    first = store.update({"gpu_memory_threshold": 0.8})
+    again = store.update({"gpu_memory_threshold": 0.8})  # `verl set gpu_memory_threshold=0.8` twice
+    assert (again.version, again.old, again.new, again.changed) == (1, {}, {}, False)
+    assert again.values == first.values and store.version == 1
+    assert store.down_message()["version"] == 1
+    assert [line["result"] for line in audit(store)] == ["accepted"]
+
+
+def test_old_and_new_keep_only_the_settings_whose_value_changes(store: SettingsStore) -> None:
+    update = store.update({"gpu_memory_threshold": 0.85, "min_transformer_layers_on_gpu": 2})  # 0.85: the default
+    assert update.changed and update.version == 1
+    assert (update.old, update.new) == ({"min_transformer_layers_on_gpu": 0}, {"min_transformer_layers_on_gpu": 2})
+    [line] = audit(store)
+    assert (line["old"], line["new"]) == (update.old, update.new)
+    assert store.acknowledge(1, step=3).new == {"min_transformer_layers_on_gpu": 2}

@@ -9,9 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-from daemon.supervisor import RestartPolicy, Supervisor
+import pytest
+
+from daemon.supervisor import EXIT_OUT_OF_MEMORY, RestartPolicy, Supervisor, exit_reason
 
 FAKE_TRAINER = [sys.executable, str(Path(__file__).with_name("fake_trainer.py"))]
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 
 
 def fake_env(folder: Path, **settings: str) -> dict[str, str]:
@@ -72,6 +75,45 @@ def test_a_trainer_killed_by_a_signal_is_restarted_and_resumes(tmp_path: Path) -
     assert [(event["reason"], event["exit_code"]) for event in restarts] == [("signal", -9)]
     starts = [event["step"] for event in events(tmp_path) if event["event"] == "start"]
     assert starts == [0, 2]  # the restart resumed after the last step the first run completed
+
+
+@pytest.mark.parametrize(("returncode", "reason"), [(-9, "signal"), (-15, "signal"), (1, "crash"), (3, "crash"),
+                                                   (EXIT_OUT_OF_MEMORY, "oom")])
+def test_exit_reason_tells_out_of_memory_from_other_crashes(returncode: int, reason: str) -> None:
+    assert exit_reason(returncode) == reason
+
+
+def test_a_trainer_out_of_memory_is_restarted_and_counted_as_oom(tmp_path: Path) -> None:
+    code, supervisor, restarts = supervise(tmp_path, total_steps="3", crash=f"exit:{EXIT_OUT_OF_MEMORY}",
+                                           crash_at_step="2", crash_runs="1")
+    assert code == 0 and supervisor.state == "finished"
+    assert [(event["reason"], event["exit_code"]) for event in restarts] == [("oom", EXIT_OUT_OF_MEMORY)]
+    assert supervisor.restarts_by_reason == {"oom": 1}
+
+
+def test_the_real_trainer_exits_with_the_code_the_supervisor_counts_as_oom(tmp_path, monkeypatch, capsys) -> None:
+    """trainer/main.py and daemon/supervisor.py keep the code apart (the daemon has no torch): they must agree,
+    and an unrecovered torch out-of-memory error must end the trainer with it and one line saying what to do."""
+    import torch
+
+    import trainer.loop
+    import trainer.main
+    from trainer.config.ipc import ENV_SOCKET, ENV_TOKEN
+
+    class OutOfMemoryTrainer:
+        def __init__(self, *args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.delenv(ENV_SOCKET, raising=False)
+    monkeypatch.delenv(ENV_TOKEN, raising=False)
+    monkeypatch.setattr(trainer.loop, "Trainer", OutOfMemoryTrainer)
+    code = trainer.main.main(["--config", str(QUICKSTART), f"trainer.runs_dir={tmp_path}"])
+    assert code == trainer.main.EXIT_OUT_OF_MEMORY == EXIT_OUT_OF_MEMORY
+    assert exit_reason(code) == "oom"
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("ERROR: out of memory, not recovered (CUDA out of memory. "
+                                                     "Tried to allocate 2.00 GiB)"), errors
+    assert "ppo_micro_batch_size_per_gpu" in errors[0] and "param_offload=true" in errors[0]
 
 
 def test_exit_2_is_a_config_problem_and_is_not_restarted(tmp_path: Path) -> None:

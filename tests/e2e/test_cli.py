@@ -4,6 +4,10 @@ and one-line errors with exit code 2 for bad input."""
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -70,6 +74,55 @@ def test_sigterm_checkpoints_and_a_second_start_resumes(tmp_path):
     assert f"resumed from {checkpoint.relative_to(tmp_path)} at step {stopped_at}" in result.stderr + result.stdout
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, stopped_at + 3))
+
+
+ANSI_ESCAPE = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]")
+
+
+def _read_terminal(leader: int, timeout: float) -> bytes:
+    """What the program wrote to its terminal within `timeout` seconds (b"" once it has closed it)."""
+    ready, _, _ = select.select([leader], [], [], timeout)
+    if not ready:
+        return b""
+    try:
+        return os.read(leader, 65536)
+    except OSError:  # EIO: every process holding the terminal has exited
+        return b""
+
+
+def test_train_monitor_shows_the_live_view_and_ctrl_c_stops_the_run_with_a_checkpoint(tmp_path):
+    """`verl train --monitor` for real, in a pseudo-terminal: the view draws the run's steps; Ctrl-C (SIGINT to
+    the terminal's process group: the daemon and its trainer) checkpoints, stops and exits 0."""
+    leader, follower = pty.openpty()
+    env = {**os.environ, "VERL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "100", "LINES": "40",
+           "TERM": "xterm-256color"}
+    process = subprocess.Popen([str(VERL), "train", "--config", QUICKSTART, "--monitor", *SMALL,
+                                "trainer.total_training_steps=400"], cwd=tmp_path, env=env, stdin=follower,
+                               stdout=follower, stderr=follower, start_new_session=True)
+    os.close(follower)
+    screen = b""
+    try:
+        deadline = time.monotonic() + 90
+        while not re.search(rb"step +[1-9][0-9]*/400", ANSI_ESCAPE.sub(b"", screen)):
+            assert process.poll() is None and time.monotonic() < deadline, screen.decode(errors="replace")
+            screen += _read_terminal(leader, 0.2)
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        assert process.wait(timeout=60) == 0, screen.decode(errors="replace")
+        while chunk := _read_terminal(leader, 0.5):
+            screen += chunk
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        os.close(leader)
+    text = ANSI_ESCAPE.sub(b"", screen).decode(errors="replace")
+    assert "Traceback" not in text
+    assert "verl quickstart" in text and "restarts 0/3" in text  # the live view, not the plain progress lines
+    stopped = re.search(r"run quickstart stopped at step (\d+)", text)
+    assert stopped, text[-3000:]
+    step = int(stopped.group(1))
+    assert 1 <= step < 400
+    assert (tmp_path / "runs" / "quickstart" / "checkpoints" / f"global_step_{step}").is_dir()
 
 
 def _write_parquet(path: Path, table: dict) -> str:

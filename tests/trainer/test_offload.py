@@ -24,7 +24,7 @@ from trainer.offload import (
     format_bytes,
     offload_message,
 )
-from trainer.offload.copies import MAX_RECORDS_PER_DRAIN, CopyLog
+from trainer.offload.copies import MAX_RECORDS_PER_DRAIN, TIMED_COPIES_PER_DRAIN, CopyLog
 from trainer.offload.engine import storage_bytes
 
 TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
@@ -237,12 +237,23 @@ def test_the_summary_reports_each_groups_place_and_parameter_bytes():
     assert {row["role"] for row in summary} == {"actor"}
     lines = engine.summary_lines()
     assert f"Embedding: OFFLOADED to CPU ({expected['embedding'] / 1024:.2f} KiB)" in lines
-    assert any(line.startswith("Transformer (4 layers): on GPU") for line in lines)
-    assert lines[-2].startswith("GPU memory saved: ")
+    assert any(line.startswith("Transformer (4 layers): resident on the compute device, the CPU") for line in lines)
+    assert lines[-2].startswith("GPU memory saved on a GPU: ")
     host = engine.host_bytes()
     assert lines[-1] == (f"Host memory: {format_bytes(sum(host.values()))} ({format_bytes(host['arena'])} weights, "
                          f"{format_bytes(host['gradients'] + host['optimizer'])} more once it trains)")
     assert host["masters"] == 0  # no optimizer_offload: the arena holds the masters
+
+
+def test_a_cpu_run_summary_names_the_compute_device_and_keeps_the_placement_labels():
+    """On a CPU-only run the "gpu" placement is the compute device: the words say so, while the rows
+    (the /metrics `device` label the dashboards group by) keep the placement names."""
+    engine = offloaded(policy(), POLICIES["layered"])
+    lines = engine.summary_lines()
+    assert not [line for line in lines if "on GPU" in line or line.startswith("GPU memory saved:")], lines
+    assert "Norm: resident on the compute device, the CPU (" in "\n".join(lines)
+    assert "(this run computes on the CPU)" in lines[-2]
+    assert {row["device"] for row in engine.summary()} == {"cpu", "gpu"}
 
 
 def test_the_host_memory_line_names_fp32_masters_beside_a_bf16_arena():
@@ -401,6 +412,35 @@ def test_a_drain_is_bounded_and_folds_the_excess_per_direction_and_group():
     assert {(record["direction"], record["bytes"]) for record in records[4:]} == {("d2h", 300), ("h2d", 300)}
 
 
+def test_every_copy_is_counted_and_a_sample_is_timed_after_the_first_drain():
+    log = CopyLog(cuda=False, timed_per_drain=4)
+    for index in range(10):
+        log.timed("h2d" if index % 2 else "d2h", "transformer", 100, None, lambda: None)
+    assert len(log.drain()) == 10, "until the first drain every copy is timed"
+    assert sorted(log.drain_counts(), key=lambda row: row["direction"]) == [
+        {"direction": "d2h", "group": "transformer", "copies": 5, "bytes": 500},
+        {"direction": "h2d", "group": "transformer", "copies": 5, "bytes": 500}]
+    assert log.stride == 3  # 10 copies a drain, about 4 to time
+    done = []
+    for index in range(12):
+        log.timed("h2d" if index % 2 else "d2h", "transformer", 100, None, lambda index=index: done.append(index))
+    assert done == list(range(12)), "a copy that is not timed still runs"
+    timed = log.drain()
+    # One in three of each direction: both directions are sampled, whatever their interleaving.
+    assert sorted(record["direction"] for record in timed) == ["d2h", "d2h", "h2d", "h2d"]
+    assert sum(row["copies"] for row in log.drain_counts()) == 12 and log.drain_counts() == []
+    assert log.stride == 3  # a drain with no copies since the last one leaves the stride as it was
+
+
+def test_a_log_that_times_every_copy_keeps_doing_so():
+    log = CopyLog(cuda=False, timed_per_drain=None)
+    for _ in range(3):
+        for _ in range(50):
+            log.timed("h2d", "transformer", 1, None, lambda: None)
+        log.drain_counts()
+        assert len(log.drain()) == 50 and log.stride == 1
+
+
 def test_the_ipc_message_of_several_engines_stays_within_the_protocols_limit():
     engines = [offloaded(policy(), POLICIES["all_cpu"], role=role) for role in ("actor", "ref", "critic")]
     for engine in engines:
@@ -409,8 +449,17 @@ def test_the_ipc_message_of_several_engines_stays_within_the_protocols_limit():
     message = offload_message(engines, with_summary=True)
     assert len(encode(message)) < MAX_MESSAGE_BYTES
     assert sum(copy["bytes"] for copy in message["copies"]) == 3 * MAX_RECORDS_PER_DRAIN * 1000
+    assert message["counts"] == [{"direction": "h2d", "group": "transformer", "copies": 3 * MAX_RECORDS_PER_DRAIN,
+                                  "bytes": 3 * MAX_RECORDS_PER_DRAIN * 1000}]
     assert {row["role"] for row in message["summary"]} == {"actor", "ref", "critic"}
-    assert offload_message(engines, with_summary=False) == {"type": "offload", "copies": []}
+    assert offload_message(engines, with_summary=False) == {"type": "offload", "copies": [], "counts": []}
+    # From now on each engine times a sample: a step's worth of copies makes a small message.
+    for engine in engines:
+        for _ in range(MAX_RECORDS_PER_DRAIN):
+            engine.log.timed("h2d", "transformer", 1000, None, lambda: None)
+    message = offload_message(engines, with_summary=False)
+    assert 3 * TIMED_COPIES_PER_DRAIN // 2 <= len(message["copies"]) <= 3 * TIMED_COPIES_PER_DRAIN
+    assert message["counts"][0]["copies"] == 3 * MAX_RECORDS_PER_DRAIN
 
 
 @pytest.mark.parametrize("name", ["all_cpu", "layered", "optimizer_offload"])

@@ -11,8 +11,9 @@ Up, trainer -> daemon (``type`` and fields):
 - step: step, metrics (verl's names -> number or null), time
 - phase: step (the step in progress), phase (gen, reward, old_log_prob, ref, values, adv,
   update_critic, update_actor, save_checkpoint, validate, idle), time
-- offload: copies [{direction: h2d|d2h, group, bytes, seconds}], summary [{role, group, device,
-  bytes}] (summary only when it changes)
+- offload: copies [{direction: h2d|d2h, group, bytes, seconds}] (the copies timed since the last
+  offload message: a sample), counts [{direction, group, copies, bytes}] (every copy since the
+  last one), summary [{role, group, device, bytes}] (summary only when it changes)
 - log: level, message
 - settings_ack: version, step (the first step that runs with them), values
 - checkpoint: step, path

@@ -3,7 +3,8 @@
     engine = attach_offload(model, fsdp_config, device, role="actor")
     optimizer = engine.optimizer(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01)
     log(engine.summary_lines())                    # "Embedding: OFFLOADED to CPU (1.02 GiB)", ...
-    send({"type": "offload", "copies": engine.drain_copy_stats(), "summary": engine.summary()})
+    send({"type": "offload", "copies": engine.drain_copy_stats(), "counts": engine.drain_copy_counts(),
+          "summary": engine.summary()})
 """
 
 from __future__ import annotations
@@ -59,11 +60,19 @@ def offload_engine(model: nn.Module) -> OffloadEngine | None:
 
 
 def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool) -> dict:
-    """The IPC "offload" message (trainer/config/ipc.py) for all of a run's engines: the copies
+    """The IPC "offload" message (trainer/config/ipc.py) for all of a run's engines: the timed copies
     drained since the last call, at most MAX_RECORDS_PER_DRAIN of them in all (the rest folded per
-    direction and group), and the placement summary of every role when `with_summary`."""
+    direction and group), the count and bytes of every copy since the last call, and the placement
+    summary of every role when `with_summary`."""
     budget = MAX_RECORDS_PER_DRAIN // max(1, len(engines))
-    message = {"type": "offload", "copies": [copy for engine in engines for copy in engine.drain_copy_stats(budget)]}
+    counts: dict[tuple[str, str], dict] = {}
+    for engine in engines:
+        for row in engine.drain_copy_counts():
+            entry = counts.setdefault((row["direction"], row["group"]), {**row, "copies": 0, "bytes": 0})
+            entry["copies"] += row["copies"]
+            entry["bytes"] += row["bytes"]
+    message = {"type": "offload", "copies": [copy for engine in engines for copy in engine.drain_copy_stats(budget)],
+               "counts": list(counts.values())}
     if with_summary:
         message["summary"] = [row for engine in engines for row in engine.summary()]
     return message

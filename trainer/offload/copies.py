@@ -1,9 +1,13 @@
 """Host<->device copies: the copy streams, pinned host memory, and the log of every copy.
 
-Each copy is timed with a pair of CUDA events recorded around it on its own stream. The events
-are read only once they have completed (at drain time), so timing never makes the hot path wait.
-On a CPU-only machine the "device" is the CPU: a copy is a plain copy timed by the host clock,
-and the byte counts are the same as on a GPU.
+Every copy is counted (bytes and copies, per direction and group). A sample of them is timed with
+a pair of CUDA events recorded around it on its own stream: about TIMED_COPIES_PER_DRAIN between
+two drains (one in every `stride` copies of each direction and group, the stride set at each drain
+from the number of copies since the last). The events are read only once they have completed (at
+drain time), so timing never makes the hot path wait. The sample keeps telemetry's cost flat: a
+7B step makes thousands of copies, and reading and reporting every one cost 30 ms a step on an
+H200 host (benchmarks/telemetry_bench.py). On a CPU-only machine the "device" is the CPU: a copy
+is a plain copy timed by the host clock, and the byte counts are the same as on a GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ H2D, D2H = "h2d", "d2h"
 MAX_RECORDS_PER_DRAIN = 4096
 # Copies whose events nobody drains (no telemetry attached) are forgotten past this many.
 MAX_PENDING_RECORDS = 65536
+# About this many copies are timed between two drains (a drain comes once a training step).
+TIMED_COPIES_PER_DRAIN = 256
 
 
 def pinned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -68,32 +74,53 @@ class _Pending:
 
 
 class CopyLog:
-    """Every copy: direction, group, bytes, and (read lazily) its duration."""
+    """Every copy counted: direction, group, bytes; a sample of them timed (read lazily).
+
+    `timed_per_drain` None times every copy (benchmarks that add up copy times set it so).
+    """
 
     def __init__(self, cuda: bool, *, max_records: int = MAX_RECORDS_PER_DRAIN,
-                 clock: Callable[[], float] = time.perf_counter):
+                 timed_per_drain: int | None = TIMED_COPIES_PER_DRAIN, clock: Callable[[], float] = time.perf_counter):
         self.cuda = cuda
         self.max_records = max_records
+        self.timed_per_drain = timed_per_drain
+        self.stride = 1
+        """One copy in `stride` of each direction and group is timed (1 until the first drain)."""
         self.clock = clock
         self._pending: deque[_Pending] = deque(maxlen=MAX_PENDING_RECORDS)
         self._lock = threading.Lock()
         self.totals: dict[tuple[str, str], int] = {}
         self.counts: dict[tuple[str, str], int] = {}
+        self._counted: dict[tuple[str, str], list[int]] = {}  # [copies, bytes] since the last drain
 
     def timed(self, direction: str, group: str, nbytes: int, stream: torch.cuda.Stream | None,
               copy: Callable[[], None]) -> torch.cuda.Event | None:
-        """Run `copy` on `stream`, log it, and return the event that marks its end (None on CPU)."""
+        """Run `copy` on `stream`, count it (time it if sampled), and return the event that marks
+        its end (None on CPU)."""
         key = (direction, group)
         with self._lock:
             self.totals[key] = self.totals.get(key, 0) + nbytes
-            self.counts[key] = self.counts.get(key, 0) + 1
+            count = self.counts[key] = self.counts.get(key, 0) + 1
+            counted = self._counted.setdefault(key, [0, 0])
+            counted[0] += 1
+            counted[1] += nbytes
+            sampled = self.timed_per_drain is None or count % self.stride == 0
         if not self.cuda:
+            if not sampled:
+                copy()
+                return None
             started = self.clock()
             copy()
             self._pending.append(_Pending(direction, group, nbytes, None, None, self.clock() - started))
             return None
         # Fresh events (creating one costs about a microsecond): the end event also orders the
         # compute after the copy, so it must not be recorded again for another copy.
+        if not sampled:
+            end = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                copy()
+                end.record(stream)
+            return end
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record(stream)
@@ -102,8 +129,18 @@ class CopyLog:
         self._pending.append(_Pending(direction, group, nbytes, start, end))
         return end
 
+    def drain_counts(self) -> list[dict]:
+        """Every copy since the last call, [{direction, group, copies, bytes}]; sets the next stride."""
+        with self._lock:
+            counted, self._counted = self._counted, {}
+            copies = sum(copies for copies, _ in counted.values())
+            if self.timed_per_drain is not None and copies:  # (no copies: nothing to go by, the stride stays)
+                self.stride = max(1, -(-copies // self.timed_per_drain))
+        return [{"direction": direction, "group": group, "copies": copies, "bytes": nbytes}
+                for (direction, group), (copies, nbytes) in counted.items()]
+
     def drain(self, max_records: int | None = None) -> list[dict]:
-        """The copies completed since the last drain, oldest first; copies still in flight stay.
+        """The timed copies completed since the last drain, oldest first; copies still in flight stay.
 
         Past `max_records` (default: the log's), copies are folded into one record per
         (direction, group) holding their summed bytes and seconds.

@@ -314,12 +314,15 @@ class OffloadEngine:
         """The offload summary in words, e.g. "Embedding: OFFLOADED to CPU (1.02 GiB)"."""
         lines = []
         layers = sum(1 for unit in self.units if unit.group == "transformer")
+        # The "gpu" placement means "resident on the compute device": say which when that is not a GPU.
+        on_gpu = self.device.type == "cuda"
+        resident = "on GPU" if on_gpu else f"resident on the compute device, the {self.device.type.upper()}"
         for row in self.summary():
             title = TITLES[row["group"]] + (f" ({layers} layers)" if row["group"] == "transformer" else "")
             if row["group"] == "lm_head" and self.parts.tied:
                 lines.append(f"{title}: tied to the embedding")
                 continue
-            where = "OFFLOADED to CPU" if row["device"] == "cpu" else "on GPU"
+            where = "OFFLOADED to CPU" if row["device"] == "cpu" else resident
             lines.append(f"{title}: {where} ({format_bytes(row['bytes'])})")
         on_host = sum(entry.parameter.numel() for unit in self.units if unit.kind != RESIDENT
                       for entry in unit.entries if entry.parameter.requires_grad)
@@ -327,7 +330,9 @@ class OffloadEngine:
             where = "OFFLOADED to CPU" if self.optimizer_offload else "on CPU for the groups placed there"
             lines.append(f"Optimizer: {where} ({self.master_dtype_name} master weights and AdamW states, "
                          f"{format_bytes(3 * on_host * self.master_dtype.itemsize)})")
-        lines.append(f"GPU memory saved: {format_bytes(self.saved_gpu_bytes())}")
+        saved = format_bytes(self.saved_gpu_bytes())
+        lines.append(f"GPU memory saved: {saved}" if on_gpu
+                     else f"GPU memory saved on a GPU: {saved} (this run computes on the {self.device.type.upper()})")
         host = self.host_bytes()
         if sum(host.values()):
             pinned = " pinned" if self.streams.cuda else ""
@@ -397,8 +402,13 @@ class OffloadEngine:
         return sum(slot.data.numel() for slot in slots.values() if slot.data is not None)
 
     def drain_copy_stats(self, max_records: int | None = None) -> list[dict]:
-        """Copies completed since the last drain: [{direction, group, bytes, seconds}], bounded."""
+        """Timed copies completed since the last drain: [{direction, group, bytes, seconds}], bounded
+        (a sample: see CopyLog; drain_copy_counts has every copy)."""
         return self.log.drain(max_records)
+
+    def drain_copy_counts(self) -> list[dict]:
+        """Every copy since the last call: [{direction, group, copies, bytes}]."""
+        return self.log.drain_counts()
 
     def copied_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes copied so far per (direction, group)."""
