@@ -17,6 +17,10 @@ const LOG_LINES = 40;
 const RECONNECT_MAX_MS = 10000;
 
 const $ = (id) => document.getElementById(id);
+// Charts over steps: a trainer restarted from a checkpoint redoes the steps since, which replace the old ones.
+const STEP_CHARTS = ["reward", "kl", "loss", "throughput", "phases", "layers"];
+// Charts of the NVML samples: empty on a machine without a GPU.
+const GPU_CHARTS = ["gpu-util", "gpu-memory", "gpu-power", "gpu-pcie"];
 
 const page = {
   token: null,
@@ -100,9 +104,13 @@ function buildCharts() {
   chart("loss", {});
   chart("throughput", {});
   chart("phases", { ...seconds, yMin: 0 });
+  chart("layers", { yMin: 0 });
   const ratio = { x: "time", format: formatRatio, yMin: 0, yMax: 1 };
-  chart("gpu-util", { ...ratio, empty: "waiting for a GPU sample" });
-  chart("gpu-memory", { ...ratio, empty: "waiting for a GPU sample" });
+  const gpuSample = { x: "time", empty: "waiting for a GPU sample" };
+  chart("gpu-util", { ...ratio, ...gpuSample });
+  chart("gpu-memory", { ...ratio, ...gpuSample });
+  chart("gpu-power", { ...gpuSample, format: (value) => `${formatNumber(value)} W`, yMin: 0 });
+  chart("gpu-pcie", { ...gpuSample, format: (value) => `${formatBytes(value)}/s`, yMin: 0 });
   chart("offload-latency", { x: "time", ...seconds, yMin: 0, empty: "no offload copies yet" });
   chart("offload-bandwidth", { x: "time", format: (value) => `${formatBytes(value)}/s`, yMin: 0,
                                empty: "no offload copies yet" });
@@ -159,7 +167,7 @@ function onStep(data) {
   const { step, metrics } = data;
   if (page.lastStep !== null && step <= page.lastStep) {
     // After a restart the trainer redoes the steps since its checkpoint: they replace the old ones.
-    for (const each of ["reward", "kl", "loss", "throughput", "phases"]) page.charts[each].dropFrom(step);
+    for (const each of STEP_CHARTS) page.charts[each].dropFrom(step);
   }
   page.lastStep = step;
   const add = (name, series, key) => page.charts[name].add(series, step, metrics[key]);
@@ -169,6 +177,7 @@ function onStep(data) {
   add("loss", "pg_loss", "actor/pg_loss");
   add("loss", "vf_loss", "critic/vf_loss");
   add("throughput", "tokens/s", "perf/throughput");
+  add("layers", "on GPU", "offload/transformer_layers_on_gpu");
   for (const [key, value] of Object.entries(metrics)) {
     if (key.startsWith("timing_s/")) page.charts.phases.add(key.slice("timing_s/".length), step, value);
   }
@@ -182,10 +191,13 @@ function onGpu(data, time) {
     if (gpu.memory_total_bytes) {
       page.charts["gpu-memory"].add(`GPU ${gpu.index}`, time, gpu.memory_used_bytes / gpu.memory_total_bytes);
     }
+    page.charts["gpu-power"].add(`GPU ${gpu.index}`, time, gpu.power_watts);
+    // PCIe counters come on a slower cadence (null until the first one): add() skips what is missing.
+    page.charts["gpu-pcie"].add(`GPU ${gpu.index} tx`, time, gpu.pcie_tx_bytes_per_second);
+    page.charts["gpu-pcie"].add(`GPU ${gpu.index} rx`, time, gpu.pcie_rx_bytes_per_second);
   }
   if (!data.nvml && gpus.length === 0) {
-    page.charts["gpu-util"].setEmptyText("no GPU: NVML is not available");
-    page.charts["gpu-memory"].setEmptyText("no GPU: NVML is not available");
+    for (const name of GPU_CHARTS) page.charts[name].setEmptyText("no GPU: NVML is not available");
   }
   const host = data.host;
   if (host) {
@@ -304,6 +316,8 @@ function showSettingsState(state) {
     const tr = $("settings").querySelector(`tr[data-setting="${CSS.escape(name)}"]`);
     if (tr) tr.cells[1].textContent = formatValue(value);
   }
+  const minimum = (state.values || {}).min_transformer_layers_on_gpu;
+  if (minimum !== undefined) page.charts.layers.setLine("min_transformer_layers_on_gpu", minimum);
   const threshold = (state.values || {}).gpu_memory_threshold;
   if (threshold !== undefined && threshold !== page.threshold) {
     page.threshold = threshold;

@@ -2,7 +2,8 @@
 //
 // Written here rather than vendored: the page must load nothing from the network, and the few
 // features it needs (lines over step or time, reference lines, a legend with the latest values,
-// a point count for tests) take less code than a charting library's smallest build.
+// the point count and reference lines as data- attributes for tests) take less code than a
+// charting library's smallest build.
 
 export const PALETTE = ["#3b6fd8", "#e4572e", "#2a9d5c", "#a356c4", "#d4a017", "#17a2b8", "#c2185b", "#6d7b8d",
                         "#8c6d31", "#5e60ce"];
@@ -111,8 +112,10 @@ export class LineChart {
 
   // A dashed horizontal reference (e.g. the memory threshold); null removes it.
   setLine(name, value) {
+    if (this.lines.get(name) === (value ?? undefined)) return; // status polls repeat the same settings
     if (value === null || value === undefined) this.lines.delete(name);
     else this.lines.set(name, value);
+    this.canvas.dataset.lines = JSON.stringify(Object.fromEntries(this.lines)); // like data-points, for tests
     this.redraw();
   }
 

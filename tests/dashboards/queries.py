@@ -32,6 +32,9 @@ LABEL_VALUES = re.compile(r"^\s*label_values\((?P<selector>.+),\s*(?P<label>\w+)
 QUERY_RESULT = re.compile(r"^\s*query_result\((?P<expr>.+)\)\s*$", re.DOTALL)
 METRIC = re.compile(r"\bverl_[A-Za-z0-9_:]*")
 QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
+RANGE = re.compile(r"\[([^\[\]]+)\]")
+DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
+DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,19 @@ def expand(expr: str) -> str:
     for name, value in INTERVALS.items():
         expr = expr.replace(name, value)
     return VARIABLE.sub(".*", expr)
+
+
+def seconds(duration: str) -> float:
+    """A Prometheus duration ("15s", "1m", "1h30m") in seconds."""
+    parts = DURATION_PART.findall(duration)
+    if not parts or "".join(number + unit for number, unit in parts) != duration:
+        raise ValueError(f"not a Prometheus duration: {duration!r}")
+    return sum(float(number) * DURATION_UNITS[unit] for number, unit in parts)
+
+
+def range_windows(promql: str) -> list[str]:
+    """The windows of an expression's range selectors ("5m" of rate(x[5m])), subqueries left out."""
+    return [window for window in RANGE.findall(QUOTED.sub('""', promql)) if ":" not in window]
 
 
 def metric_names(promql: str) -> set[str]:

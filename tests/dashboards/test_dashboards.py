@@ -166,6 +166,25 @@ def test_live_setting_changes_are_annotations(overview) -> None:
     assert annotations[0]["enable"] and "{{setting}}" in annotations[0]["titleFormat"]
 
 
+def test_annotation_windows_overlap_from_one_step_to_the_next(dashboards) -> None:
+    """Grafana evaluates an annotation every `step` (a longer one over a wide time range). With a window of one step
+    ($__interval), a change that lands between the last scrape of one window and the first of the next is
+    in neither (the audit saw 2 annotations for 4 changes). $__rate_interval grows with the step and is at
+    least the step plus a scrape interval; tests/e2e/test_prometheus.py checks it on a real Prometheus."""
+    scrape = q.seconds(yaml.safe_load(q.SCRAPE_CONFIG.read_text(encoding="utf-8"))["global"]["scrape_interval"])
+    for name, dashboard in dashboards:
+        for annotation in dashboard["annotations"]["list"]:
+            if not annotation.get("expr"):
+                continue
+            where = f"{name}: annotation {annotation['name']!r}"
+            windows = q.range_windows(annotation["expr"])
+            assert windows, f"{where} reads no window of samples: it cannot mark a change"
+            for window in windows:
+                assert window in ("$__rate_interval", "${__rate_interval}"), f"{where}: [{window}] does not grow " \
+                                                                             "with the step: use $__rate_interval"
+                assert q.seconds(q.expand(window)) >= q.seconds(annotation["step"]) + scrape, where
+
+
 # ------------------------------------------------------------------------------------------ PromQL
 
 

@@ -1,6 +1,11 @@
 """The live page in headless Chromium (Debian's package) against a real `verl train` run, driven through the
 Chrome DevTools protocol: the URL `verl train` and `verl monitor --web` print opens it, its charts fill
-from the stream, the threshold form changes the run's setting, and without the token it shows nothing.
+from the stream (the run offloads the actor to the CPU, so the offload charts fill too), the threshold form
+changes the run's setting, and without the token it shows nothing.
+
+On this CPU-only machine the GPU charts stay empty (no NVML), and the transformer layers on the GPU do not
+move (dynamic offload needs a GPU to measure memory on): the layers chart shows the count the step metrics
+report, against the run's min_transformer_layers_on_gpu.
 
 A screenshot is kept as an artifact (its path is printed): $VERL_TEST_ARTIFACTS, else
 <tmp>/verl-test-artifacts/live_page.png.
@@ -26,8 +31,12 @@ import httpx
 import pytest
 import websockets
 
-VIEWPORT = {"width": 1400, "height": 1450}
-STEP_CHARTS = ("chart-reward", "chart-kl", "chart-loss", "chart-throughput", "chart-phases")
+from tests.e2e.runs import LiveRun, verl_train
+
+VIEWPORT = {"width": 1400, "height": 1850}
+STEP_CHARTS = ("chart-reward", "chart-kl", "chart-loss", "chart-throughput", "chart-phases", "chart-layers")
+OFFLOAD_CHARTS = ("chart-offload-latency", "chart-offload-bandwidth")
+MIN_LAYERS_ON_GPU = 1
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--no-default-browser-check",
                   # Keep timers and frames going in a tab the test is not looking at.
@@ -122,6 +131,17 @@ async def open_tab(devtools: str, url: str, target_id: str | None = None) -> Tab
 # -------------------------------------------------------------------------------------------- tests
 
 
+@pytest.fixture
+def live_run(tmp_path: Path) -> Iterator[LiveRun]:
+    """The e2e quickstart run with the actor's parameters on the CPU: its copies feed the offload charts
+    (on the CPU the engine times them with the host clock), and a minimum of layers for the layers chart."""
+    with verl_train(tmp_path, "trainer.total_training_steps=2000",
+                    "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                    f"actor_rollout_ref.actor.fsdp_config.dynamic_offload.min_transformer_layers_on_gpu="
+                    f"{MIN_LAYERS_ON_GPU}") as run:
+        yield run
+
+
 def test_the_printed_urls_open_the_live_page(live_run, tmp_path: Path, capsys) -> None:
     printed = re.search(r"^  page:\s+(\S+)$", live_run.output(), re.MULTILINE)
     assert printed, f"`verl train` printed no page URL:\n{live_run.output()}"
@@ -153,6 +173,7 @@ async def _drive_the_page(devtools: str, url: str, run) -> bytes:
         assert "quickstart" in await tab.evaluate("document.getElementById('run-name').textContent")
 
         await _charts_receive_data(tab)
+        await _offload_charts_receive_data(tab, run)
         await _the_form_changes_the_threshold(tab, run)
         await asyncio.sleep(1.0)  # a few more points and a settled frame for the picture
         await tab.call("Page.bringToFront")
@@ -174,6 +195,28 @@ async def _charts_receive_data(tab: Tab) -> None:
     assert int(await tab.evaluate("document.body.dataset.points")) >= sum(first.values())
 
 
+async def _offload_charts_receive_data(tab: Tab, run) -> None:
+    """The actor's copies fill the latency and bandwidth charts; the layers chart shows the step metric
+    against min_transformer_layers_on_gpu; the summary lists the actor's groups on the CPU."""
+    points = "(id => +(document.getElementById(id).dataset.points || 0))"
+    for chart in OFFLOAD_CHARTS:
+        await tab.wait_until(f"{points}('{chart}') >= 2", what=f"{chart} to fill with the run's copies")
+    legend = await tab.evaluate("document.getElementById('legend-offload-latency').textContent")
+    assert "p50" in legend and "p99" in legend, legend
+
+    # On the CPU the layers stay where they were placed: the count is the same at every step.
+    on_gpu = run.json("/v1/metrics/latest")["step"]["metrics"]["offload/transformer_layers_on_gpu"]
+    shown = await tab.evaluate("document.querySelector('#legend-layers b').textContent")
+    assert float(shown) == on_gpu
+    lines = json.loads(await tab.evaluate("document.getElementById('chart-layers').dataset.lines"))
+    assert lines == {"min_transformer_layers_on_gpu": MIN_LAYERS_ON_GPU}
+
+    cpu_groups = await tab.evaluate("[...document.querySelectorAll('#offload tbody tr')]"
+                                    ".filter(row => row.cells[2].textContent === 'cpu')"
+                                    ".map(row => row.cells[0].textContent)")
+    assert cpu_groups and set(cpu_groups) == {"actor"}, cpu_groups
+
+
 async def _the_form_changes_the_threshold(tab: Tab, run) -> None:
     submit = ("(value => { const input = document.getElementById('threshold-input'); input.value = value;"
               " document.getElementById('threshold-form').requestSubmit(); })")
@@ -193,6 +236,8 @@ async def _the_form_changes_the_threshold(tab: Tab, run) -> None:
                          what="the trainer's acknowledgement on the page")
     row = await tab.evaluate("document.querySelector('tr[data-setting=\"gpu_memory_threshold\"]').cells[1].textContent")
     assert row == "0.7"
+    lines = json.loads(await tab.evaluate("document.getElementById('chart-gpu-memory').dataset.lines"))
+    assert lines == {"threshold": 0.7}
 
 
 async def _without_the_token_it_shows_nothing(devtools: str, run) -> None:

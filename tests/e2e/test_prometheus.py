@@ -7,7 +7,10 @@ adds (LATER_METRICS in tests/dashboards/queries.py).
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -107,8 +110,11 @@ def test_prometheus_scrapes_a_real_run_and_runs_every_dashboard_query(live_run, 
     token_file = tmp_path / "verl-token"
     token_file.write_text(live_run.token, encoding="utf-8")
     with prometheus(tmp_path, scrape_config_for(live_run, token_file)) as url:
-        steps = live_run.wait(lambda: values(url, "verl_trainer_steps_total"), what="a scraped step counter")
-        assert len(steps) == 1 and steps[0] >= 1
+        started = time.time()
+        # The first scrapes may come before step 1 (a counter at 0): wait for a step, not for a scrape.
+        steps = live_run.wait(lambda: (found := values(url, "verl_trainer_steps_total")) and found[0] >= 1 and found,
+                              what="a scraped step counter of at least 1")
+        assert len(steps) == 1
         assert steps[0] <= live_run.step()  # the run's own counter, read after the scrape
         assert values(url, 'up{job="verl"}') == [1.0]
         run_info = query(url, "verl_run_info")["data"]["result"]
@@ -126,6 +132,59 @@ def test_prometheus_scrapes_a_real_run_and_runs_every_dashboard_query(live_run, 
             # Rates and quantiles fill once a few scrapes have landed: on a loaded machine that takes a while.
             live_run.wait(lambda promql=promql: values(url, promql), timeout=90,
                           what=f"panel {title!r} to show data for a running run: {promql}")
+        _annotations_mark_a_setting_change_and_a_restart(live_run, url, since=started)
+
+
+def _annotations_mark_a_setting_change_and_a_restart(run, url: str, *, since: float) -> None:
+    """`verl set` and a killed trainer each show as an annotation, even where Grafana's steps fall worst.
+
+    Grafana runs an annotation's expression as a range query over the dashboard's time span, one point per
+    `step`, starting at a multiple of the step. A change lands anywhere between two steps; the worst place
+    is between the last scrape of one step's window and the first of the next. The steps here are placed
+    so that one ends there: a window of one step misses the change (the audit's 2 annotations for 4 changes).
+    """
+    changed = run.verl("set", "gpu_memory_threshold=0.8", "--pid", str(run.process.pid))
+    assert changed.returncode == 0, changed.stderr
+    os.kill(run.runtime()["trainer_pids"][0], signal.SIGKILL)
+    annotations = {annotation["name"]: annotation for path in q.dashboard_files()
+                   for annotation in q.load(path)["annotations"]["list"]}
+    marked = {"Live setting changes": ('verl_setting_updates_total{setting="gpu_memory_threshold", '
+                                       'result="accepted"}', {"setting": "gpu_memory_threshold", "result": "accepted"}),
+              "Trainer restarts": ('verl_trainer_restarts_total{reason="signal"}', {"reason": "signal"})}
+    for name, (series, labels) in marked.items():
+        run.wait(lambda series=series: values(url, series) == [1.0], what=f"Prometheus to scrape {series} at 1")
+        before, after = _scrapes_around_the_change(url, series, since=since)
+        annotation = annotations[name]
+        window = q.seconds(q.INTERVALS["$__rate_interval"])
+        points = _annotation_points(url, annotation, labels, boundary=(before + after) / 2, since=since)
+        assert any(before < point <= after + window for point in points), \
+            f"annotation {name!r} misses {series} going to 1 between {before} and {after}: points at {points}"
+        # The steps sit where they should: the one-step window the dashboard had sees nothing there.
+        one_step = {**annotation, "expr": annotation["expr"].replace("$__rate_interval", "$__interval")}
+        assert _annotation_points(url, one_step, labels, boundary=(before + after) / 2, since=since) == []
+
+
+def _scrapes_around_the_change(url: str, series: str, *, since: float) -> tuple[float, float]:
+    """The times of the last scrape of `series` at 0 and of the first at 1."""
+    span = math.ceil(time.time() - since) + 5
+    [found] = query(url, f"{series}[{span}s]")["data"]["result"]
+    samples = [(float(when), float(value)) for when, value in found["values"]]
+    first = next(index for index, (_, value) in enumerate(samples) if value >= 1)
+    assert first > 0, f"{series} was never scraped at 0: the change is not an increase ({samples[:3]})"
+    return samples[first - 1][0], samples[first][0]
+
+
+def _annotation_points(url: str, annotation: dict, labels: dict, *, boundary: float, since: float) -> list[float]:
+    """The times at which Grafana would mark `annotation` for the series with `labels` (values above 0):
+    its expression as a range query from `since` on, at the annotation's step, one step ending at `boundary`."""
+    step = q.seconds(annotation["step"])
+    start = boundary - step * math.ceil((boundary - since) / step)
+    answer = httpx.get(url + "/api/v1/query_range", timeout=10, trust_env=False,
+                       params={"query": q.expand(annotation["expr"]), "start": start, "end": boundary + 4 * step,
+                               "step": step}).json()
+    assert answer["status"] == "success", answer
+    return [float(when) for found in answer["data"]["result"] if labels.items() <= found["metric"].items()
+            for when, value in found["values"] if float(value) > 0]
 
 
 def test_without_the_token_prometheus_scrapes_nothing(live_run, tmp_path: Path) -> None:
