@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 GIB = 1024**3
 OFFLOAD_COPY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                         1.0, 2.5, 5.0, 10.0)
+EXPOSITION_MAX_AGE_S = 0.25
+"""While metrics keep changing, /metrics is rendered at most this often (see TelemetryMetrics.exposition)."""
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 # Phases of an RL step (trainer.config.ipc's list); anything else is counted as "other".
@@ -89,10 +92,12 @@ class TelemetryMetrics:
     so `exposition()` can serve the same text until something changes.
     """
 
-    def __init__(self, registry: CollectorRegistry, *, run: str, project: str = "", config: str = ""):
+    def __init__(self, registry: CollectorRegistry, *, run: str, project: str = "", config: str = "",
+                 clock: Callable[[], float] = time.monotonic):
         self.registry = registry
         self._version = 0
-        self._exposition: tuple[int, bytes] | None = None
+        self._clock = clock
+        self._exposition: tuple[int, bytes, float] | None = None  # (version, text, when rendered)
         self._exposition_lock = threading.Lock()
         self._gpu_series: set[tuple[str, str]] = set()
         self._last_trainer_ooms = 0
@@ -109,17 +114,21 @@ class TelemetryMetrics:
                                ["source"], registry=registry)
 
     def exposition(self) -> bytes:
-        """The Prometheus text of every metric, rendered again only after a change.
+        """The Prometheus text of every metric, rendered again only after a change, and at most every
+        EXPOSITION_MAX_AGE_S while changes keep coming.
 
-        Rendering the whole registry costs about 2 ms of CPU (25 kB of text with the histograms), and
-        the metrics change a few times a second (a GPU sample, a phase, a step), so scrapers and
-        monitors polling faster than that get the text of the last change.
+        Rendering the whole registry costs about 2 ms of CPU (25 kB of text with the histograms). A
+        fast run changes a metric at every phase (tens of times a second for a small model), so
+        scrapers polling that fast would render at nearly every request: they get text at most a
+        quarter of a second old instead (Prometheus scrapes every 15 s).
         """
         with self._exposition_lock:
             version = self._version  # read before rendering: a change during the render makes it stale
-            if self._exposition is None or self._exposition[0] != version:
-                self._exposition = (version, generate_latest(self.registry))
-            return self._exposition[1]
+            now = self._clock()
+            cached = self._exposition
+            if cached is None or (cached[0] != version and now - cached[2] >= EXPOSITION_MAX_AGE_S):
+                self._exposition = cached = (version, generate_latest(self.registry), now)
+            return cached[1]
 
     # ------------------------------------------------------------------------------- definitions
 
@@ -152,7 +161,7 @@ class TelemetryMetrics:
     def _offload_metrics(self, registry: CollectorRegistry) -> None:
         self.offload_copy_seconds = Histogram(
             "verl_offload_copy_duration_seconds", "Duration of one offload copy, timed with CUDA events (a "
-            "sample of the copies: about 256 a training step; verl_offload_copies_total counts them all).",
+            "sample of the copies: about 64 a training step; verl_offload_copies_total counts them all).",
             ["direction", "group"], buckets=OFFLOAD_COPY_BUCKETS, registry=registry)
         self.offload_copied_bytes = Counter("verl_offload_copied_bytes", "Bytes copied by the offload engine.",
                                             ["direction", "group"], registry=registry)

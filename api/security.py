@@ -4,6 +4,7 @@ Origin of WebSocket handshakes (a browser page on another site must not read the
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import json
@@ -30,6 +31,7 @@ def token_matches(given: str | None, expected: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
 
 
+@functools.lru_cache(maxsize=256)  # every request asks about the same few Host values
 def is_loopback_host(host: str) -> bool:
     """localhost, 127.0.0.0/8 or ::1 (a host name or address, without port)."""
     host = host.strip().rstrip(".").lower()

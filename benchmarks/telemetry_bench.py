@@ -190,14 +190,15 @@ async def load_window(url: str, token: str, *, seconds: float, rate: float, clie
     await getter.open()
     followers = [asyncio.create_task(follow(index)) for index in range(clients)]
     await asyncio.sleep(1.0)  # every follower connected before the clock starts
-    loop = asyncio.get_running_loop()
+    # perf_counter, not the loop's clock: uvloop's counts whole milliseconds.
+    clock = time.perf_counter
     cpu_started = time.process_time()
-    started = loop.time()
+    started = clock()
     total = int(seconds * rate)
     requests: list[asyncio.Task] = []
 
     async def one(path: str, due: float) -> None:
-        lateness.append(loop.time() - due)
+        lateness.append(clock() - due)
         try:
             status = await getter.get(path)
         except (OSError, asyncio.IncompleteReadError, BenchError) as error:
@@ -206,16 +207,16 @@ async def load_window(url: str, token: str, *, seconds: float, rate: float, clie
         if status != 200:
             errors.append(f"{path}: HTTP {status}")
             return
-        latencies[path].append(loop.time() - due)
+        latencies[path].append(clock() - due)
 
     for index in range(total):
         due = started + index / rate
-        delay = due - loop.time()
+        delay = due - clock()
         if delay > 0:
             await asyncio.sleep(delay)
         requests.append(asyncio.create_task(one("/metrics" if index % 2 == 0 else "/v1/status", due)))
     await asyncio.gather(*requests)
-    elapsed = loop.time() - started
+    elapsed = clock() - started
     generator_cpu = time.process_time() - cpu_started
     stop.set()
     done = await asyncio.gather(*followers, return_exceptions=True)
@@ -304,8 +305,8 @@ def summarize_api(args: argparse.Namespace, windows: list[dict], spans: list[dic
     loaded_mean = statistics.fmean(steps["loaded"]) if steps["loaded"] else None
     return {
         "kind": "api", "machine": machine(),
-        "setup": {"config": "examples/quickstart.yaml", "rate_per_s": args.rate, "ws_clients": args.clients,
-                  "window_s": args.window_s, "cycles": args.cycles},
+        "setup": {"config": "examples/quickstart.yaml", "overrides": list(args.override), "rate_per_s": args.rate,
+                  "ws_clients": args.clients, "window_s": args.window_s, "cycles": args.cycles},
         "endpoints": endpoints,
         "achieved_rate_per_s": [round(window["achieved_rate"], 1) for window in loaded],
         "generator_lateness_p99_ms": [_ms(window["generator_lateness_p99_s"]) for window in loaded],
@@ -433,6 +434,9 @@ def trainer_side(args: argparse.Namespace) -> int:
     if client is None:
         raise BenchError("trainer-side runs under the daemon of `telemetry_bench.py overhead`")
     trainer = Trainer(config, log=print, telemetry=client)
+    # Every response runs to the full length, so every step has the same shape and step times
+    # compare (a random model's EOS comes at random, and the rollout's length with it).
+    trainer.rollout.generation_config.min_new_tokens = config.data.max_response_length
     client.hello(start_step=0, total_steps=trainer.total_steps)
     trainer.receive_initial_settings()
     control = open(os.environ[CONTROL_ENV], "w", buffering=1)  # noqa: SIM115 - open for the whole run
@@ -501,6 +505,7 @@ def summarize_overhead(args: argparse.Namespace, result: dict) -> dict:
             "steps": len(steps),
             "step_s": statistics.fmean(step["seconds"] for step in steps),
             "step_median_s": statistics.median(step["seconds"] for step in steps),
+            "step_stdev_s": statistics.stdev(step["seconds"] for step in steps) if len(steps) > 1 else 0.0,
             "seconds_per_token": statistics.fmean(step["seconds"] / step["tokens"] for step in steps if step["tokens"]),
             "phase_s": {name: statistics.fmean(step["phases"].get(name, 0.0) for step in steps) for name in phases},
             "send_s": statistics.fmean(step["send_s"] for step in steps),
@@ -514,6 +519,10 @@ def summarize_overhead(args: argparse.Namespace, result: dict) -> dict:
                   "pattern": " ".join(PATTERN)},
         "modes": modes,
         "cost": {mode: {"mean": figures["step_s"] / off["step_s"] - 1,
+                        # The standard error of that difference, from the steps' spread in both modes.
+                        "mean_error": math.hypot(figures["step_stdev_s"] / math.sqrt(figures["steps"]),
+                                                 off["step_stdev_s"] / math.sqrt(off["steps"])) / off["step_s"],
+                        "main_thread_s": figures["record_step_s"] - off["record_step_s"],
                         "median": figures["step_median_s"] / off["step_median_s"] - 1,
                         "per_token": figures["seconds_per_token"] / off["seconds_per_token"] - 1}
                  for mode, figures in modes.items() if mode != "off"},
@@ -528,7 +537,9 @@ def report(result: dict) -> str:
     machine_line = ", ".join(f"{key} {value}" for key, value in result["machine"].items())
     if result.get("kind") == "api":
         setup = result["setup"]
-        lines = [f"API under load: {setup['config']} running, {setup['ws_clients']} WebSocket clients, "
+        overrides = " ".join(setup.get("overrides") or [])
+        lines = [f"API under load: {setup['config']}{' ' + overrides if overrides else ''} running, "
+                 f"{setup['ws_clients']} WebSocket clients, "
                  f"{setup['rate_per_s']:g} requests/s (half /metrics, half /v1/status), "
                  f"{setup['cycles']} x {setup['window_s']:g} s loaded against as many quiet windows; {machine_line}",
                  f"{'endpoint':<12} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}"]
@@ -570,9 +581,12 @@ def report(result: dict) -> str:
             lines.append(f"{'  ' + phase + ' s':<22}" + "".join(f"{modes[name]['phase_s'].get(phase, 0.0):>10.4f}"
                                                                for name in names))
         for mode, figures in cost.items():
-            lines.append(f"cost of {mode:<8} vs off: {figures['mean'] * 100:+6.2f}% of the mean step, "
+            lines.append(f"cost of {mode:<8} vs off: {figures['mean'] * 100:+6.2f}% "
+                         f"± {figures['mean_error'] * 100:.2f}% of the mean step, "
                          f"{figures['median'] * 100:+6.2f}% of the median, "
-                         f"{figures['per_token'] * 100:+6.2f}% per token")
+                         f"{figures['per_token'] * 100:+6.2f}% per token; the trainer's thread spends "
+                         f"{figures['main_thread_s'] * 1e3:+.2f} ms a step recording it "
+                         f"({figures['main_thread_s'] / modes['off']['step_s'] * 100:+.2f}%)")
         lines.append(f"{result['dropped_messages']} telemetry messages dropped")
         return "\n".join(lines)
     raise BenchError("not a telemetry_bench result (no kind 'api' or 'overhead')")

@@ -113,6 +113,8 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
         self.observers = list(observers)
         self.log, self.warn = log, warn
+        if config.trainer.cpu_threads is not None:
+            torch.set_num_threads(config.trainer.cpu_threads)
         self.device = resolve_device(config.trainer.device)
         seed_everything(config.trainer.seed)
         self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.tokenizer_path

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.prometheus import GIB, TelemetryMetrics
+from api.prometheus import EXPOSITION_MAX_AGE_S, GIB, TelemetryMetrics
 
 # Sample names as they appear in the exposition (counters with _total, histograms by family name).
 DOCUMENTED = [
@@ -55,9 +56,10 @@ GPU_SAMPLE = {
 }
 
 
-def fed_metrics() -> tuple[TelemetryMetrics, CollectorRegistry]:
+def fed_metrics(clock=time.monotonic) -> tuple[TelemetryMetrics, CollectorRegistry]:
     registry = CollectorRegistry()
-    metrics = TelemetryMetrics(registry, run="gsm8k-ppo", project="verl-offload", config="/runs/a/config.yaml")
+    metrics = TelemetryMetrics(registry, run="gsm8k-ppo", project="verl-offload", config="/runs/a/config.yaml",
+                               clock=clock)
     metrics.set_total_steps(200)
     metrics.observe_gpu(GPU_SAMPLE)
     metrics.observe_step(1, STEP_METRICS)
@@ -222,7 +224,8 @@ def test_the_exposition_passes_promtool() -> None:
 
 
 def test_the_exposition_is_rendered_again_only_after_a_change() -> None:
-    metrics, registry = fed_metrics()
+    now = [0.0]
+    metrics, registry = fed_metrics(clock=lambda: now[0])
     first = metrics.exposition()
     assert first == generate_latest(registry)
     assert metrics.exposition() is first, "nothing changed: the same text, not a render"
@@ -242,8 +245,21 @@ def test_the_exposition_is_rendered_again_only_after_a_change() -> None:
     for change in changes:
         before = metrics.exposition()
         change()
+        now[0] += EXPOSITION_MAX_AGE_S
         after = metrics.exposition()
         assert after == generate_latest(registry) and after != before
+
+
+def test_while_metrics_keep_changing_the_exposition_is_rendered_at_most_every_quarter_second() -> None:
+    now = [100.0]
+    metrics, registry = fed_metrics(clock=lambda: now[0])
+    first = metrics.exposition()
+    metrics.observe_phase("gen")
+    now[0] += EXPOSITION_MAX_AGE_S / 2
+    assert metrics.exposition() is first, "changed, but rendered too recently: the last text"
+    now[0] += EXPOSITION_MAX_AGE_S / 2
+    fresh = metrics.exposition()
+    assert fresh != first and fresh == generate_latest(registry)
 
 
 def test_every_public_method_that_changes_a_metric_marks_the_exposition_stale() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainer.checkpoint import latest_checkpoint, list_checkpoints
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config
 from trainer.loop import RunSetupError, Trainer
 from trainer.rewards.manager import place_on_last_token
 
@@ -277,3 +277,14 @@ def test_a_run_with_bf16_gradients_on_the_host_trains(tmp_path):
     trainer.fit()
     rows = trainer.metrics_log.read()
     assert len(rows) == 2 and all(math.isfinite(row["actor/grad_norm"]) for row in rows)
+
+
+def test_cpu_threads_sets_the_trainers_thread_pool(tmp_path):
+    before = torch.get_num_threads()
+    try:
+        make_trainer(tmp_path, "trainer.cpu_threads=1")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match=r"trainer\.cpu_threads: got 0"):
+        load_config(None, ["trainer.cpu_threads=0"])

@@ -450,6 +450,8 @@ class TrainerConfig(Section):
     """A checkpoint directory (global_step_N) to resume from with resume_mode resume_path."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Compute device: auto takes the GPU when there is one."""
+    cpu_threads: int | None = Field(None, ge=1)
+    """Threads of the trainer's CPU work (torch intra-op); unset: one per core; cores - 1 leaves the daemon one."""
     seed: int = 1
     """Seed of model init, sampling and everything else random."""
     nnodes: int = Field(1, ge=1)

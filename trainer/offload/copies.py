@@ -29,7 +29,7 @@ MAX_RECORDS_PER_DRAIN = 4096
 # Copies whose events nobody drains (no telemetry attached) are forgotten past this many.
 MAX_PENDING_RECORDS = 65536
 # About this many copies are timed between two drains (a drain comes once a training step).
-TIMED_COPIES_PER_DRAIN = 256
+TIMED_COPIES_PER_DRAIN = 64
 
 
 def pinned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
