@@ -18,6 +18,7 @@ from websockets.exceptions import ConnectionClosedError, InvalidHandshake, Inval
 
 # Close code the server uses when it refuses a WebSocket after the handshake (token or Origin).
 _POLICY_VIOLATION = 1008
+_BAD_REQUEST = 4422  # api/app.py WS_CLOSE_BAD_REQUEST: a bad query parameter (since)
 
 
 class ApiError(Exception):
@@ -139,6 +140,9 @@ class ApiClient:
             if error.rcvd is not None and error.rcvd.code == _POLICY_VIOLATION:
                 raise Unauthorized(f"the daemon at {self.url} closed the stream: {error.rcvd.reason or 'policy'}",
                                    status=401) from None
+            if error.rcvd is not None and error.rcvd.code == _BAD_REQUEST:
+                raise ApiError(f"the daemon at {self.url} refused the stream: {error.rcvd.reason}",
+                               status=422) from None
             raise DaemonUnreachable(f"the stream from {self.url} broke off ({error})") from None
         except (OSError, InvalidHandshake, TimeoutError) as error:
             raise DaemonUnreachable(f"the daemon does not answer at {self.url} ({_describe(error)})") from None

@@ -20,6 +20,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from api.app import create_app
+from api.client import ApiClient, ApiError
 from api.hub import TelemetryHub
 from api.prometheus import TelemetryMetrics
 from api.schemas import SettingsRejectedError
@@ -396,6 +397,16 @@ def test_stream_refuses_a_bad_since_saying_what_is_allowed(served: Served, since
     assert closed.rcvd is not None and closed.rcvd.code == 4422
     assert "since must be a whole number >= 0" in closed.rcvd.reason
     assert not served.hub._subscriptions
+
+
+def test_the_monitors_client_reports_a_refused_since_as_a_422(served: Served) -> None:
+    async def first() -> dict:
+        async for event in ApiClient(served.url, TOKEN).stream(since=-1):
+            return event
+
+    with pytest.raises(ApiError, match="refused the stream: since must be a whole number >= 0") as refused:
+        asyncio.run(first())
+    assert refused.value.status == 422
 
 
 def test_stream_checks_the_token_before_since(served: Served) -> None:
