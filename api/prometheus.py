@@ -69,6 +69,9 @@ OOM_COUNT_KEY = "perf/num_ooms"
 OOM_RECOVERIES_KEY = "perf/oom_recoveries"
 # Dynamic offload (trainer/offload/dynamic.py): layers on the GPU after the step, moves during it.
 LAYERS_ON_GPU_KEY = "offload/transformer_layers_on_gpu"
+# The same for one model; the roles of the trainer's offload engines (a fixed set: they become labels).
+ROLE_LAYERS_ON_GPU_KEY = "offload/{role}/transformer_layers_on_gpu"
+OFFLOAD_ROLES = ("actor", "critic", "ref", "reward")
 MOVE_KEYS = {"to_cpu": "offload/moves_to_cpu", "to_gpu": "offload/moves_to_gpu"}
 
 
@@ -170,6 +173,10 @@ class TelemetryMetrics:
         self.offload_layers_on_gpu = Gauge("verl_offload_transformer_layers_on_gpu",
                                            "Transformer layers kept on the GPU between passes, all models together.",
                                            registry=registry)
+        self.offload_model_layers_on_gpu = Gauge(
+            "verl_offload_model_transformer_layers_on_gpu", "Transformer layers kept on the GPU between passes, by "
+            "model (actor, critic, ref, reward): min_transformer_layers_on_gpu applies to each.", ["role"],
+            registry=registry)
         self.offload_moves = Counter("verl_offload_moves", "Transformer layers moved by dynamic offload, by "
                                      "direction (to_cpu, to_gpu).", ["direction"], registry=registry)
         for direction in MOVE_KEYS:
@@ -308,6 +315,10 @@ class TelemetryMetrics:
         layers = _number(metrics.get(LAYERS_ON_GPU_KEY))
         if layers is not None:
             self.offload_layers_on_gpu.set(layers)
+        for role in OFFLOAD_ROLES:
+            layers = _number(metrics.get(ROLE_LAYERS_ON_GPU_KEY.format(role=role)))
+            if layers is not None:
+                self.offload_model_layers_on_gpu.labels(role).set(layers)
         for direction, key in MOVE_KEYS.items():
             moves = _number(metrics.get(key))
             if moves is not None and moves > 0:

@@ -411,12 +411,14 @@ class Trainer:
         return moved
 
     def _offload_step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Transformer layers on the GPU (all models), moves in this step and out-of-memory errors
-        recovered from."""
+        """Transformer layers on the GPU (all models, and each model's), moves in this step and
+        out-of-memory errors recovered from."""
         recovered = sum(metrics.pop(key, 0.0) for key in ("actor/oom_recoveries", "critic/oom_recoveries"))
         recovered += self.recovery.take()
         result = {"perf/oom_recoveries": recovered,
-                  "offload/transformer_layers_on_gpu": sum(engine.layers_on_gpu for engine in self.offload_engines)}
+                  "offload/transformer_layers_on_gpu": sum(engine.layers_on_gpu for engine in self.offload_engines),
+                  **{f"offload/{engine.role}/transformer_layers_on_gpu": engine.layers_on_gpu
+                     for engine in self.offload_engines}}
         moves = {direction: sum(engine.moves[direction] for engine in self.offload_engines)
                  for direction in ("to_cpu", "to_gpu")}
         for direction, total in moves.items():

@@ -177,9 +177,11 @@ function onStep(data) {
   add("loss", "pg_loss", "actor/pg_loss");
   add("loss", "vf_loss", "critic/vf_loss");
   add("throughput", "tokens/s", "perf/throughput");
-  add("layers", "on GPU", "offload/transformer_layers_on_gpu");
   for (const [key, value] of Object.entries(metrics)) {
     if (key.startsWith("timing_s/")) page.charts.phases.add(key.slice("timing_s/".length), step, value);
+    // One series per offloaded model (offload/<role>/transformer_layers_on_gpu): the minimum is per model.
+    const layers = /^offload\/([a-z_]+)\/transformer_layers_on_gpu$/.exec(key);
+    if (layers) page.charts.layers.add(layers[1], step, value);
   }
   showProgress(step, null);
 }

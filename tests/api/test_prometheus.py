@@ -28,6 +28,7 @@ DOCUMENTED = [
     "verl_setting_dynamic_offload_enabled", "verl_setting_gpu_sample_interval_seconds",
     "verl_setting_pcie_sample_interval_seconds", "verl_setting_updates_total", "verl_telemetry_nvml_up",
     "verl_telemetry_dropped_messages_total", "verl_run_info", "verl_offload_transformer_layers_on_gpu",
+    "verl_offload_model_transformer_layers_on_gpu",
     "verl_offload_moves_total", "verl_trainer_oom_recoveries_total", "verl_rollout_embedding_cache_hit_ratio",
 ]
 
@@ -182,9 +183,16 @@ def test_dynamic_offload_and_oom_recoveries_from_step_metrics() -> None:
                              "offload/moves_to_gpu": 0, "perf/oom_recoveries": 1})
     metrics.observe_step(2, {"offload/transformer_layers_on_gpu": 25, "offload/moves_to_cpu": 0,
                              "offload/moves_to_gpu": 1, "perf/oom_recoveries": 0,
+                             "offload/actor/transformer_layers_on_gpu": 20,
+                             "offload/critic/transformer_layers_on_gpu": 5,
+                             "offload/someone/transformer_layers_on_gpu": 9,
                              "rollout/embedding_cache_hit_ratio": 0.75})
     assert value(registry, "verl_rollout_embedding_cache_hit_ratio") == 0.75
     assert value(registry, "verl_offload_transformer_layers_on_gpu") == 25
+    assert value(registry, "verl_offload_model_transformer_layers_on_gpu", role="actor") == 20
+    assert value(registry, "verl_offload_model_transformer_layers_on_gpu", role="critic") == 5
+    assert value(registry, "verl_offload_model_transformer_layers_on_gpu", role="someone") is None, \
+        "only the known roles become label values"
     assert value(registry, "verl_offload_moves_total", direction="to_cpu") == 4
     assert value(registry, "verl_offload_moves_total", direction="to_gpu") == 1
     assert value(registry, "verl_trainer_oom_recoveries_total") == 1

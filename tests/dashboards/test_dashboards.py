@@ -126,7 +126,7 @@ def _panel_metrics(dashboard: dict) -> dict[str, set[str]]:
     ("Offload copy latency p50 / p99", {"verl_offload_copy_duration_seconds_bucket"}),
     ("Offload copy latency", {"verl_offload_copy_duration_seconds_bucket"}),
     ("Offload bandwidth", {"verl_offload_copied_bytes_total"}),
-    ("Transformer layers on GPU", {"verl_offload_transformer_layers_on_gpu"}),
+    ("Transformer layers on GPU", {"verl_offload_model_transformer_layers_on_gpu"}),
     ("Tokens per second", {"verl_trainer_throughput_tokens_per_second", "verl_trainer_tokens_total"}),
     ("Step phase durations", {"verl_trainer_step_phase_duration_seconds_sum",
                               "verl_trainer_step_phase_duration_seconds_count"}),

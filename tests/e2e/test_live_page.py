@@ -196,18 +196,20 @@ async def _charts_receive_data(tab: Tab) -> None:
 
 
 async def _offload_charts_receive_data(tab: Tab, run) -> None:
-    """The actor's copies fill the latency and bandwidth charts; the layers chart shows the step metric
-    against min_transformer_layers_on_gpu; the summary lists the actor's groups on the CPU."""
+    """The actor's copies fill the latency and bandwidth charts; the layers chart shows the actor's step
+    metric against min_transformer_layers_on_gpu; the summary lists the actor's groups on the CPU."""
     points = "(id => +(document.getElementById(id).dataset.points || 0))"
     for chart in OFFLOAD_CHARTS:
         await tab.wait_until(f"{points}('{chart}') >= 2", what=f"{chart} to fill with the run's copies")
     legend = await tab.evaluate("document.getElementById('legend-offload-latency').textContent")
     assert "p50" in legend and "p99" in legend, legend
 
-    # On the CPU the layers stay where they were placed: the count is the same at every step.
-    on_gpu = run.json("/v1/metrics/latest")["step"]["metrics"]["offload/transformer_layers_on_gpu"]
+    # On the CPU the layers stay where they were placed: the count is the same at every step. One
+    # series per offloaded model: here the actor's.
+    on_gpu = run.json("/v1/metrics/latest")["step"]["metrics"]["offload/actor/transformer_layers_on_gpu"]
     shown = await tab.evaluate("document.querySelector('#legend-layers b').textContent")
     assert float(shown) == on_gpu
+    assert "actor" in await tab.evaluate("document.getElementById('legend-layers').textContent")
     lines = json.loads(await tab.evaluate("document.getElementById('chart-layers').dataset.lines"))
     assert lines == {"min_transformer_layers_on_gpu": MIN_LAYERS_ON_GPU}
 
