@@ -347,7 +347,7 @@ def overhead_config(args: argparse.Namespace, work: Path):
         "actor_rollout_ref.actor.ppo_epochs=1", "data.max_response_length=32",
         "actor_rollout_ref.actor.fsdp_config.param_offload=true",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
-        f"actor_rollout_ref.model.override_config={shape}", f"critic.model.override_config={shape}",
+        f"actor_rollout_ref.model.override_config={shape}",
         *args.override,
     ]
     return load_config(QUICKSTART, overrides)

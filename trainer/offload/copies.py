@@ -91,7 +91,8 @@ class CopyLog:
         self._lock = threading.Lock()
         self.totals: dict[tuple[str, str], int] = {}
         self.counts: dict[tuple[str, str], int] = {}
-        self._counted: dict[tuple[str, str], list[int]] = {}  # [copies, bytes] since the last drain
+        self._counts_drained: dict[tuple[str, str], int] = {}  # `counts` and `totals` at the last drain_counts
+        self._totals_drained: dict[tuple[str, str], int] = {}
 
     def timed(self, direction: str, group: str, nbytes: int, stream: torch.cuda.Stream | None,
               copy: Callable[[], None]) -> torch.cuda.Event | None:
@@ -101,9 +102,6 @@ class CopyLog:
         with self._lock:
             self.totals[key] = self.totals.get(key, 0) + nbytes
             count = self.counts[key] = self.counts.get(key, 0) + 1
-            counted = self._counted.setdefault(key, [0, 0])
-            counted[0] += 1
-            counted[1] += nbytes
             sampled = self.timed_per_drain is None or count % self.stride == 0
         if not self.cuda:
             if not sampled:
@@ -132,12 +130,15 @@ class CopyLog:
     def drain_counts(self) -> list[dict]:
         """Every copy since the last call, [{direction, group, copies, bytes}]; sets the next stride."""
         with self._lock:
-            counted, self._counted = self._counted, {}
-            copies = sum(copies for copies, _ in counted.values())
-            if self.timed_per_drain is not None and copies:  # (no copies: nothing to go by, the stride stays)
-                self.stride = max(1, -(-copies // self.timed_per_drain))
-        return [{"direction": direction, "group": group, "copies": copies, "bytes": nbytes}
-                for (direction, group), (copies, nbytes) in counted.items()]
+            counts, totals = dict(self.counts), dict(self.totals)
+        rows = [{"direction": key[0], "group": key[1], "copies": count - self._counts_drained.get(key, 0),
+                 "bytes": totals[key] - self._totals_drained.get(key, 0)}
+                for key, count in counts.items() if count != self._counts_drained.get(key, 0)]
+        self._counts_drained, self._totals_drained = counts, totals
+        copies = sum(row["copies"] for row in rows)
+        if self.timed_per_drain is not None and copies:  # (no copies: nothing to go by, the stride stays)
+            self.stride = max(1, -(-copies // self.timed_per_drain))
+        return rows
 
     def drain(self, max_records: int | None = None) -> list[dict]:
         """The timed copies completed since the last drain, oldest first; copies still in flight stay.
