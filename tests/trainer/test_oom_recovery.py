@@ -83,8 +83,11 @@ def test_an_oom_splits_the_micro_batch_and_gives_the_uninterrupted_step(settings
     assert expected_metrics["oom_recoveries"] == [0.0]
     assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=1e-5)
     assert metrics["grad_norm"] == pytest.approx(expected_metrics["grad_norm"], rel=1e-5)
-    # Adam turns float-rounding differences of near-zero gradients into differences of up to ~1e-3 lr.
-    torch.testing.assert_close(weights, expected_weights, rtol=1e-4, atol=2e-5)
+    # Adam turns float-rounding differences of near-zero gradients into weight differences of a fraction of
+    # the lr (1e-2): the split micro-batch sums the same gradients in another order. Up to 2.8e-5 (one element
+    # in 16384) with the CPU kernels of a 2026-12 CI host; a dropped or doubled micro-batch moves weights by
+    # about the lr, and the loss and gradient norm above are checked to 1e-5.
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-4, atol=1e-4)
 
 
 def test_an_oom_with_layers_that_can_move_retries_the_same_micro_batch_with_fewer_on_the_gpu():
