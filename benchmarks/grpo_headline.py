@@ -136,17 +136,20 @@ class Profile:
 
     def _wrap_engine(self, engine) -> None:
         role = engine.role
-        submit = engine._submit
+        submit = engine.worker.submit
 
         def timed_submit(function, *args, inline=None):
             name = getattr(function, "__name__", None) or getattr(getattr(function, "func", None), "__name__", "task")
             return submit(self._timed(function, f"{role} worker {name}"), *args, inline=inline)
 
-        engine._submit = timed_submit
-        for method in ("_finish_backward", "wait_for_updates", "_land", "after_update"):
-            setattr(engine, method, self._timed(getattr(engine, method), f"{role} {method}"))
+        engine.worker.submit = timed_submit
+        for owner, method, name in ((engine.gradients, "finish", "finish_backward"),
+                                    (engine, "wait_for_updates", "wait_for_updates"),
+                                    (engine.gradients, "_land", "land"), (engine, "after_update", "after_update")):
+            setattr(owner, method, self._timed(getattr(owner, method), f"{role} {name}"))
         # A gradient waits here for room in the pinned staging ring (for the worker to land older ones).
-        engine._staging.take = self._timed(engine._staging.take, f"{role} staging ring take")
+        staging = engine.gradients.staging
+        staging.take = self._timed(staging.take, f"{role} staging ring take")
         profile = self
 
         class TimedEvent(threading.Event):

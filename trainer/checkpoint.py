@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
-from trainer.offload.engine import format_bytes, nested_tensors, storage_bytes
+from trainer.offload.layout import format_bytes, storage_bytes
+from trainer.offload.streamer import nested_tensors
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"

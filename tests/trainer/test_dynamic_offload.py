@@ -118,10 +118,10 @@ class SlotBudget:
     torch.OutOfMemoryError, as CUDA does; a slot's bytes come back when its tensor is freed."""
 
     def __init__(self, monkeypatch, cap: int):
-        from trainer.offload import engine as engine_module
+        from trainer.offload import units as units_module
 
         self.cap, self.live, self.peak = cap, 0, 0
-        allocate = engine_module.Slot.__init__
+        allocate = units_module.Slot.__init__
 
         def init(slot, nbytes, device):
             if self.live + nbytes > self.cap:
@@ -131,7 +131,7 @@ class SlotBudget:
             self.peak = max(self.peak, self.live)
             weakref.finalize(slot.data, self._free, nbytes)
 
-        monkeypatch.setattr(engine_module.Slot, "__init__", init)
+        monkeypatch.setattr(units_module.Slot, "__init__", init)
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes

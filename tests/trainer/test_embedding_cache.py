@@ -62,7 +62,7 @@ def test_the_cached_embedding_of_an_offloaded_model_gives_its_logits_before_and_
     ids = token_batch()
 
     def logits(cached: bool) -> torch.Tensor:
-        engine.embedding_cache = cache if cached else None
+        engine.rows.embedding_cache = cache if cached else None
         with torch.no_grad():
             return model(input_ids=ids).logits
 

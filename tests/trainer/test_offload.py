@@ -25,7 +25,7 @@ from trainer.offload import (
     offload_message,
 )
 from trainer.offload.copies import MAX_RECORDS_PER_DRAIN, TIMED_COPIES_PER_DRAIN, CopyLog
-from trainer.offload.engine import storage_bytes
+from trainer.offload.layout import storage_bytes
 
 TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
 FOUR_LAYERS = {"num_hidden_layers": 4}
@@ -333,7 +333,7 @@ def test_bf16_host_gradients_train_like_fp32_ones_to_bf16_tolerance():
     """offload_grad_dtype: bf16 keeps the CPU gradients of a bf16 model in bf16 beside fp32 masters."""
     expected_losses, expected_weights, _ = train(POLICIES["all_cpu_optimizer_offload"], dtype=torch.bfloat16)
     losses, weights, engine = train(BF16_HOST_GRADS, dtype=torch.bfloat16)
-    assert engine.grad_dtype == torch.bfloat16 and engine.master_dtype == torch.float32
+    assert engine.layout.dtypes.grad == torch.bfloat16 and engine.layout.dtypes.master == torch.float32
     master = next(unit for unit in engine.units if unit.group == "transformer").entries[0].parameter
     assert master.dtype == torch.float32
     assert losses == pytest.approx(expected_losses, rel=2e-2)

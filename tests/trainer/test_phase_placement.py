@@ -44,7 +44,7 @@ def test_rollout_keeps_head_and_embedding_on_the_device_and_gives_the_same_logit
             second = model(input_ids=ids).logits
         # One copy of each, whatever the number of forwards (decode steps).
         assert {group: h2d_bytes(engine, group) - before[group] for group in sizes} == sizes
-        assert engine._staged == {} and engine.phase == "training"
+        assert engine.staging.staged_groups == [] and engine.phase == "training"
         after = model(input_ids=ids).logits  # streamed again
     torch.testing.assert_close(first, expected, rtol=0, atol=0)
     torch.testing.assert_close(second, expected, rtol=0, atol=0)
@@ -64,14 +64,14 @@ def test_what_is_kept_follows_the_budget_head_first(budget, staged):
 
 def test_a_copy_that_runs_out_of_device_memory_is_not_kept_and_the_phase_streams(monkeypatch):
     engine = offloaded(policy(), LAYERED)
-    stage = engine._stage
+    stage = engine.staging._stage
 
     def head_only(unit):
         if unit.group == "embedding":
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         stage(unit)
 
-    monkeypatch.setattr(engine, "_stage", head_only)
+    monkeypatch.setattr(engine.staging, "_stage", head_only)
     with engine.placed_for("rollout") as kept:
         assert kept == ["lm_head"]
 
@@ -354,7 +354,7 @@ def test_a_cpu_run_has_no_gpu_to_keep_groups_on_and_says_nothing_about_it(tmp_pa
     logs = []
     trainer = Trainer(config, log=logs.append)
     trainer.fit()
-    assert trainer.offload_engines[0]._staged == {}
+    assert trainer.offload_engines[0].staging.staged_groups == []
     assert not any(line.startswith("per-phase placement") for line in logs)
 
 
@@ -373,7 +373,7 @@ def test_an_oom_in_a_rollout_that_keeps_groups_drops_them_and_retries_the_whole_
     attempts = []
 
     def generate_failing_once(prompt_ids, prompt_mask):
-        attempts.append((len(prompt_ids), sorted(engine._staged)))
+        attempts.append((len(prompt_ids), sorted(engine.staging.staged_groups)))
         if len(attempts) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return generate(prompt_ids, prompt_mask)

@@ -273,7 +273,7 @@ def test_a_run_with_bf16_gradients_on_the_host_trains(tmp_path):
                            f"{fsdp}.param_offload=true", f"{fsdp}.offload_grad_dtype=bf16",
                            "trainer.total_training_steps=2")
     engine = trainer.offload_engines[0]
-    assert engine.grad_dtype == torch.bfloat16 and engine.master_dtype == torch.float32
+    assert engine.layout.dtypes.grad == torch.bfloat16 and engine.layout.dtypes.master == torch.float32
     trainer.fit()
     rows = trainer.metrics_log.read()
     assert len(rows) == 2 and all(math.isfinite(row["actor/grad_norm"]) for row in rows)

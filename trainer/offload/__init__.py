@@ -16,8 +16,9 @@ from torch import nn
 
 from trainer.config import FSDPConfig
 from trainer.offload.copies import MAX_RECORDS_PER_DRAIN
-from trainer.offload.engine import HostMemoryError, OffloadEngine, OffloadOptions, format_bytes
+from trainer.offload.engine import OffloadEngine, OffloadOptions
 from trainer.offload.groups import GROUPS, UnsupportedModel
+from trainer.offload.layout import HostMemoryError, format_bytes
 from trainer.offload.optimizer import OffloadAdamW
 
 __all__ = ["GROUPS", "HostMemoryError", "OffloadAdamW", "OffloadEngine", "OffloadOptions", "UnsupportedModel",

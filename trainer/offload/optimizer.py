@@ -14,9 +14,14 @@ read-and-write pass over every fp32 gradient on the CPU, which costs more than t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from trainer.offload.engine import RESIDENT, UPDATE_SLICE_ELEMENTS, OffloadEngine, Unit
+from trainer.offload.units import UPDATE_SLICE_ELEMENTS, Unit
+
+if TYPE_CHECKING:
+    from trainer.offload.engine import OffloadEngine
 
 
 class OffloadAdamW(torch.optim.AdamW):
@@ -47,18 +52,16 @@ class OffloadAdamW(torch.optim.AdamW):
         engine = self.engine
         engine.wait_for_updates()
         grad_scale, self._grad_scale = self._grad_scale, None
-        on_device = [group for group, unit in zip(self.param_groups, self._units, strict=True) if unit.kind == RESIDENT]
+        on_device = [group for group, unit in zip(self.param_groups, self._units, strict=True) if not unit.offloaded]
         if on_device:
             self._step_groups(on_device, grad_scale)
         for group, unit in zip(self.param_groups, self._units, strict=True):
-            if unit.kind == RESIDENT:
+            if not unit.offloaded:
                 continue
             # A copy of the group: a scheduler changing the lr from now on applies to the next step.
             snapshot = dict(group)
             if engine.options.pipelined_update:
-                unit.ready.clear()
-                engine._update_tasks.append(engine._submit(self._update_unit, snapshot, unit, grad_scale,
-                                                           inline=False))
+                engine.submit_update(unit, self._update_unit, snapshot, unit, grad_scale)
             else:
                 self._update_unit(snapshot, unit, grad_scale)
         return None

@@ -1,0 +1,241 @@
+"""The pieces an offloaded model is made of: units, blocks, slots, and their per-pass state.
+
+- A *unit* is parameters placed, packed and moved together (the embedding, one transformer block,
+  the final norm, the head), of a `UnitKind`, placed on the GPU or the CPU (`Placement`).
+- A unit placed on the CPU lives in a host *arena* (layout.py packs them); it crosses the bus as
+  *blocks*: one contiguous byte range copied in one copy into a static device *slot* (a transformer
+  block is one block; a head in chunks is several).
+- What one forward and backward did to a unit is kept apart from its layout, in `UnitPass`; whether
+  the model is inside a backward, in `PassState`.
+
+No GPU is needed to build or test any of it (a slot on the CPU is a CPU buffer).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+from torch import nn
+
+from trainer.offload.groups import Entry
+
+ALIGNMENT = 256
+ROWS_PIECE = -1
+"""The "first element" UnitPass.landed records for an embedding's gradient rows (scattered over the table)."""
+UPDATE_SLICE_ELEMENTS = 1 << 25
+"""Elements of gradient the CPU update reads back in fp32 at a time when the host keeps them in bf16
+(offload_grad_dtype): a 128 MiB buffer, where a whole 7B embedding's would take 2.2 GB."""
+
+
+class UnitKind(StrEnum):
+    """How the engine runs a unit."""
+
+    RESIDENT = "resident"
+    """Parameters on the compute device; the engine does nothing."""
+    HOOKED = "hooked"
+    """A block swapped in around the unit's forward and backward (streamed, or a device copy)."""
+    ROWS = "rows"
+    """Embedding on the CPU: rows gathered on the CPU (and, when tied, the head streamed in chunks)."""
+    CHUNKS = "chunks"
+    """Output head on the CPU: streamed in row chunks."""
+
+
+class Placement(StrEnum):
+    """Where a unit lives between passes (the config's "gpu" means the compute device)."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def typed_view(buffer: torch.Tensor, offset: int, like: torch.Tensor | tuple[torch.Size, torch.dtype]) -> torch.Tensor:
+    """The tensor of `like`'s shape and dtype stored at byte `offset` of a uint8 buffer."""
+    shape, dtype = (like.shape, like.dtype) if isinstance(like, torch.Tensor) else like
+    nbytes = shape.numel() * dtype.itemsize
+    return buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def standalone(buffer: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor at byte `offset` of a uint8 host buffer, with a storage object of its own.
+
+    Registered parameters must not be views into a larger storage: safetensors' save_model (the
+    checkpoints) refuses them. This one aliases the same bytes, and keeps `buffer` alive.
+    """
+    nbytes = shape.numel() * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    window = memoryview(buffer.numpy())[offset:offset + nbytes]
+    return torch.frombuffer(window, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class Slot:
+    """A static device buffer that blocks are copied into."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.data: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # Copies write through an alias with a version counter of its own: autograd checks that
+        # tensors saved in forward were not modified since, and block i's weights saved in forward
+        # are legitimately replaced by block i + n's and fetched back before block i's backward.
+        self.writer: torch.Tensor | None = self.data.data
+        self.holder: Block | None = None
+        self.free_event: torch.cuda.Event | None = torch.cuda.Event() if device.type == "cuda" else None
+
+    def give_back(self) -> None:
+        """Drop the device memory (the slot cannot be used afterwards)."""
+        self.data = self.writer = self.holder = None
+
+
+@dataclass(eq=False)
+class Block:
+    """A byte range of a unit's arena that crosses the bus in one copy, into one slot."""
+
+    unit: Unit
+    source: torch.Tensor
+    slot: Slot
+    streamed: bool
+    ring: int = 0
+    """Which slot ring the block's slot belongs to."""
+    lookahead: int = 1
+    """Blocks of this block's slot ring that may be fetched ahead of the one in use."""
+    rows: tuple[int, int] | None = None
+    """For a chunk of the head: the weight rows it holds."""
+    position: int = -1
+    acquired: bool = False
+    fetched_event: torch.cuda.Event | None = None
+    fetched_version: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel()
+
+
+@dataclass
+class UnitPass:
+    """What the current forward and backward pass did to one unit (reset as a backward begins)."""
+
+    swapped: bool = False
+    """Its modules hold the compute parameters (between its forward's pre- and post-hook)."""
+    fresh: bool = True
+    """The masters had no gradient when this backward began: a piece's first write is a copy."""
+    landed: set[tuple[int, int]] = field(default_factory=set)
+    """(entry index, first element) of the gradient pieces sent this pass, ROWS_PIECE for an
+    embedding's rows: a piece sent again (the head's chunks when its forward ran twice before one
+    backward) is added, not copied over."""
+    accumulated: int = 0
+    """Compute parameters whose gradient autograd finished this pass."""
+
+    def begin(self, *, fresh: bool) -> None:
+        self.fresh = fresh
+        self.landed.clear()
+        self.accumulated = 0
+
+    def landed_entries(self) -> set[int]:
+        """The entries some gradient piece was sent to this pass."""
+        return {index for index, _ in self.landed}
+
+
+@dataclass(eq=False)
+class Unit:
+    """Parameters placed, packed and moved together: the embedding, one transformer block, the norm, the head."""
+
+    name: str
+    group: str
+    entries: list[Entry]
+    kind: UnitKind
+    placement: Placement
+    # The arena layout (set by `pack`).
+    offsets: list[int] = field(default_factory=list)
+    nbytes: int = 0
+    arena: torch.Tensor | None = None
+    masters: list[torch.Tensor] = field(default_factory=list)
+    master_is_arena: bool = True
+    grad_views: list[torch.Tensor] | None = None
+    """The host gradient of each entry (allocated at the unit's first gradient)."""
+    grad_pinned: bool = False
+    # On the device (set by the streamer).
+    compute_params: list[nn.Parameter] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    # The masters and the arena copy the device reads.
+    version: int = 0
+    """Bumped whenever the arena's content changes (an update, an in-place edit of the masters)."""
+    master_version: int = 0
+    ready: threading.Event = field(default_factory=threading.Event)
+    """Set while no optimizer update of the unit runs."""
+    grads_after_update: str | None = None
+    """What zero_grad asked for while the unit's update was still running: "none" or "zero"."""
+    passing: UnitPass = field(default_factory=UnitPass)
+
+    def __post_init__(self) -> None:
+        self.ready.set()
+
+    @property
+    def trainable(self) -> bool:
+        return any(entry.parameter.requires_grad for entry in self.entries)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(entry.parameter.numel() * entry.parameter.element_size() for entry in self.entries)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the engine keeps a host arena for it (every unit but the resident ones)."""
+        return self.kind != UnitKind.RESIDENT
+
+    def arena_view(self, index: int) -> torch.Tensor:
+        assert self.arena is not None, f"{self.name} has no host arena"
+        return typed_view(self.arena, self.offsets[index], self.compute_like[index])
+
+    def index_of(self, parameter: nn.Parameter) -> int:
+        return next(index for index, entry in enumerate(self.entries) if entry.parameter is parameter)
+
+    @functools.cached_property
+    def compute_like(self) -> list[tuple[torch.Size, torch.dtype]]:
+        return [(entry.parameter.shape, entry.parameter.dtype) for entry in self.entries]
+
+    def settled(self) -> None:
+        """Wait for the unit's optimizer update, then pick up any in-place change of its masters."""
+        self.ready.wait()
+        self.sync_masters()
+
+    def sync_masters(self) -> None:
+        """Pick up an in-place change of the masters (load_state_dict, a manual edit) before a copy."""
+        version = self.masters_version()
+        if version == self.master_version:
+            return
+        self._masters_to_arena()
+        self.master_version = version
+        self.version += 1
+
+    def after_update(self) -> None:
+        """The optimizer changed the masters in place: refresh the arena the device copies from."""
+        self._masters_to_arena()
+        self.master_version = self.masters_version()
+        self.version += 1
+
+    def masters_version(self) -> int:
+        return sum(entry.parameter._version for entry in self.entries)
+
+    def _masters_to_arena(self) -> None:
+        if not self.master_is_arena:
+            for index, master in enumerate(self.masters):
+                self.arena_view(index).copy_(master)
+
+
+@dataclass
+class PassState:
+    """Whether the engine's model is inside a backward pass (its hooks turn prefetch around)."""
+
+    in_backward: bool = False
+    """Autograd runs a backward through the model (a forward now is gradient checkpointing's recompute)."""
+    backward_active: bool = False
+    """A backward began and its end-of-backward callback is queued."""
+
+    def end(self) -> None:
+        self.in_backward = self.backward_active = False
