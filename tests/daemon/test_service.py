@@ -115,7 +115,9 @@ def test_a_run_is_served_restarted_and_keeps_its_live_settings(tmp_path: Path, m
     first_message = runs[second_start + 1]["message"]
     assert first_message["type"] == "settings" and first_message["version"] == 1
     assert first_message["values"]["gpu_memory_threshold"] == 0.5
-    assert [line["result"] for line in audit(daemon)] == ["accepted", "rejected", "applied", "applied"]
+    # The trainer may acknowledge version 1 before or after the rejected change is audited (a loaded host).
+    results = [line["result"] for line in audit(daemon)]
+    assert results[0] == "accepted" and sorted(results[1:3]) == ["applied", "rejected"] and results[3:] == ["applied"]
 
     assert seen["status"]["restarts"]["total"] == 1 and seen["status"]["restarts"]["by_reason"]["signal"] == 1
     assert seen["status"]["settings"]["values"]["gpu_memory_threshold"] == 0.5

@@ -76,7 +76,8 @@ def test_live_pieces_never_overlap_and_stay_aligned_inside_the_region():
                 task.finished = True
         nbytes = generator.choice([0, 1, 63, 64, 200, 1000, 2048, 4096])
         view, task = take(staging, nbytes)
-        start, end, _ = staging._pieces[-1]  # what the piece holds: its bytes rounded up to the alignment
+        piece = staging._pieces[-1]  # what the piece holds: its bytes rounded up to the alignment
+        start, end = piece.start, piece.end
         assert view.numel() == nbytes and (nbytes == 0 or offset(staging, view) == start)
         assert start % 64 == 0 and nbytes <= end - start <= max(nbytes, 1) + 63 and end <= 4096
         wraps += bool(live) and start < live[-1][0]

@@ -17,7 +17,9 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy
 import torch
@@ -53,7 +55,7 @@ def pinned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
     # The tensor's storage holds `memory` through the memoryview, and so does every view of it:
     # the memory is unregistered only once nothing can reach it any more, just before it is freed.
     weakref.finalize(memory, _unregister, pointer)
-    return torch.frombuffer(memoryview(memory)[start:start + nbytes], dtype=torch.uint8)
+    return torch.frombuffer(memory.data[start:start + nbytes], dtype=torch.uint8)
 
 
 def _unregister(pointer: int) -> None:
@@ -95,7 +97,7 @@ class CopyLog:
         self._totals_drained: dict[tuple[str, str], int] = {}
 
     def timed(self, direction: str, group: str, nbytes: int, stream: torch.cuda.Stream | None,
-              copy: Callable[[], None]) -> torch.cuda.Event | None:
+              copy: Callable[[], object]) -> torch.cuda.Event | None:
         """Run `copy` on `stream`, count it (time it if sampled), and return the event that marks
         its end (None on CPU)."""
         key = (direction, group)
@@ -127,31 +129,33 @@ class CopyLog:
         self._pending.append(_Pending(direction, group, nbytes, start, end))
         return end
 
-    def drain_counts(self) -> list[dict]:
+    def drain_counts(self) -> list[dict[str, Any]]:
         """Every copy since the last call, [{direction, group, copies, bytes}]; sets the next stride."""
         with self._lock:
             counts, totals = dict(self.counts), dict(self.totals)
-        rows = [{"direction": key[0], "group": key[1], "copies": count - self._counts_drained.get(key, 0),
-                 "bytes": totals[key] - self._totals_drained.get(key, 0)}
-                for key, count in counts.items() if count != self._counts_drained.get(key, 0)]
+        rows: list[dict[str, Any]] = [
+            {"direction": key[0], "group": key[1], "copies": count - self._counts_drained.get(key, 0),
+             "bytes": totals[key] - self._totals_drained.get(key, 0)}
+            for key, count in counts.items() if count != self._counts_drained.get(key, 0)]
         self._counts_drained, self._totals_drained = counts, totals
-        copies = sum(row["copies"] for row in rows)
+        copies = sum(int(row["copies"]) for row in rows)
         if self.timed_per_drain is not None and copies:  # (no copies: nothing to go by, the stride stays)
             self.stride = max(1, -(-copies // self.timed_per_drain))
         return rows
 
-    def drain(self, max_records: int | None = None) -> list[dict]:
+    def drain(self, max_records: int | None = None) -> list[dict[str, Any]]:
         """The timed copies completed since the last drain, oldest first; copies still in flight stay.
 
         Past `max_records` (default: the log's), copies are folded into one record per
         (direction, group) holding their summed bytes and seconds.
         """
         limit = self.max_records if max_records is None else max_records
-        records: list[dict] = []
-        folded: dict[tuple[str, str], dict] = {}
+        records: list[dict[str, Any]] = []
+        folded: dict[tuple[str, str], dict[str, Any]] = {}
         while self._pending:
             pending = self._pending[0]
             if pending.seconds is None:
+                assert pending.start is not None and pending.end is not None
                 if not pending.end.query():
                     break
                 pending.seconds = pending.start.elapsed_time(pending.end) / 1e3
@@ -192,8 +196,9 @@ class CopyStreams:
         return event
 
     def compute_waits(self, event: torch.cuda.Event | None) -> None:
-        if event is not None:
-            self.compute().wait_event(event)
+        stream = self.compute()
+        if event is not None and stream is not None:
+            stream.wait_event(event)
 
     @staticmethod
     def stream_waits(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
@@ -201,9 +206,18 @@ class CopyStreams:
             stream.wait_event(event)
 
     def synchronize(self) -> None:
-        if self.cuda:
-            self.h2d.synchronize()
-            self.d2h.synchronize()
+        for stream in (self.h2d, self.d2h):
+            if stream is not None:
+                stream.synchronize()
+
+
+@dataclass
+class _Piece:
+    """A reserved range of the staging region, and the task that lands what it holds."""
+
+    start: int
+    end: int
+    task: Future[Any] | None = None
 
 
 class StagingRing:
@@ -227,7 +241,7 @@ class StagingRing:
         """Every piece starts at a multiple of this many bytes (the region's start is page-aligned)."""
         self._allocate = allocate
         self._region: torch.Tensor | None = None
-        self._pieces: deque[list] = deque()  # [start, end, task or None], oldest first
+        self._pieces: deque[_Piece] = deque()  # oldest first
         self._next = 0
         self.waits = 0
         """How many takes waited for the worker (a full region)."""
@@ -236,7 +250,7 @@ class StagingRing:
         if nbytes > self.capacity - self.capacity % self.alignment:
             raise ValueError(f"a staged gradient piece of {nbytes} bytes is larger than the staging "
                              f"region ({self.capacity} bytes)")
-        if self._pieces and self._pieces[-1][2] is None:
+        if self._pieces and self._pieces[-1].task is None:
             raise RuntimeError("StagingRing.take: the piece taken before has no task holding it")
         if self._region is None:
             self._region = self._allocate(self.capacity)
@@ -244,22 +258,24 @@ class StagingRing:
         reserved = max(-(-nbytes // self.alignment) * self.alignment, self.alignment)
         while (start := self._free_start(reserved)) is None:
             self.waits += 1
-            self._pieces.popleft()[2].exception()
-        self._pieces.append([start, start + reserved, None])
+            oldest = self._pieces.popleft().task
+            assert oldest is not None
+            oldest.exception()
+        self._pieces.append(_Piece(start, start + reserved))
         self._next = start + reserved
         return self._region[start:start + nbytes]
 
-    def hold_until(self, task) -> None:
+    def hold_until(self, task: Future[Any]) -> None:
         """The piece taken last stays reserved until `task` is done."""
-        self._pieces[-1][2] = task
+        self._pieces[-1].task = task
 
     def _free_start(self, nbytes: int) -> int | None:
         """Where a piece of `nbytes` fits now, or None while the region is full."""
-        while self._pieces and self._pieces[0][2] is not None and self._pieces[0][2].done():
+        while self._pieces and (task := self._pieces[0].task) is not None and task.done():
             self._pieces.popleft()
         if not self._pieces:
             return 0
-        oldest = self._pieces[0][0]
+        oldest = self._pieces[0].start
         if self._next > oldest:
             # Free: from the newest piece's end to the region's end, then from its start to the oldest.
             if self.capacity - self._next >= nbytes:

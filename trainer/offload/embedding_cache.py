@@ -64,6 +64,7 @@ class EmbeddingCache:
         self.counts = torch.zeros(0, dtype=torch.long)  # no longer needed
 
     def _refresh(self) -> None:
+        assert self.rows is not None and self.tokens is not None
         self.rows.copy_(self.weight().index_select(0, self.tokens))
         self._rows_version = self.version()
 
@@ -77,6 +78,7 @@ class EmbeddingCache:
             return rows.view(*ids.shape, -1)
         if self._rows_version != self.version():
             self._refresh()
+        assert self.rows is not None and self.slot_of is not None
         slots = self.slot_of[flat.to(self.device)]
         hit = slots >= 0
         out = torch.empty((flat.numel(), self.rows.shape[1]), dtype=self.rows.dtype, device=self.device)

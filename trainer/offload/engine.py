@@ -19,7 +19,6 @@ optimizer states live on the CPU and a compute copy stays on the GPU). Every cop
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -300,22 +299,28 @@ class OffloadEngine:
         return self.layers.set_transformer_layers_on_gpu(count)
 
 
-@functools.cache
-def _compute_placement_class(model_class: type) -> type:
+_COMPUTE_PLACEMENT_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _compute_placement_class(model_class: type[nn.Module]) -> type[nn.Module]:
     """The model's class, reporting the compute device and dtype whatever its masters' placement.
 
     HF code places new tensors on `model.device` (the first parameter's device) and casts to
-    `model.dtype`; with the embedding on the CPU or fp32 masters those would be wrong.
+    `model.dtype`; with the embedding on the CPU or fp32 masters those would be wrong. One such class
+    per model class (a model placed twice, or two of one class, share it).
     """
-    return type(model_class.__name__, (model_class,), {
-        "__module__": model_class.__module__,
-        "__qualname__": model_class.__qualname__,
-        "device": property(lambda self: self._offload_compute_device),
-        "dtype": property(lambda self: self._offload_compute_dtype),
-    })
+    if model_class not in _COMPUTE_PLACEMENT_CLASSES:
+        _COMPUTE_PLACEMENT_CLASSES[model_class] = type(model_class.__name__, (model_class,), {
+            "__module__": model_class.__module__,
+            "__qualname__": model_class.__qualname__,
+            "device": property(lambda self: self._offload_compute_device),
+            "dtype": property(lambda self: self._offload_compute_dtype),
+        })
+    return _COMPUTE_PLACEMENT_CLASSES[model_class]
 
 
 def _present_compute_placement(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    model._offload_compute_device = device
-    model._offload_compute_dtype = dtype
+    # object.__setattr__: nn.Module's own would register a tensor-typed attribute differently.
+    object.__setattr__(model, "_offload_compute_device", device)
+    object.__setattr__(model, "_offload_compute_dtype", dtype)
     model.__class__ = _compute_placement_class(type(model))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -12,12 +13,12 @@ class PostBackward(torch.autograd.Function):
     that is once every kernel of the block's backward that reads the block's weights is queued."""
 
     @staticmethod
-    def forward(ctx, callback: Callable[[], None], *inputs: torch.Tensor):
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.callback = callback
         return inputs
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.callback()
         return (None, *grads)
 
@@ -30,13 +31,13 @@ class GatheredRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, gather: Callable[[], torch.Tensor],
-                on_grad: Callable[[torch.Tensor], None]):
+    def forward(ctx: Any, anchor: torch.Tensor, gather: Callable[[], torch.Tensor],
+                on_grad: Callable[[torch.Tensor], None]) -> torch.Tensor:
         ctx.on_grad = on_grad
         return gather()
 
     @staticmethod
-    def backward(ctx, grad_rows: torch.Tensor):
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[None, None, None]:
         ctx.on_grad(grad_rows)
         return None, None, None
 
@@ -49,13 +50,39 @@ class StreamedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, streamer) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, streamer: ChunkedLinear) -> torch.Tensor:
         ctx.streamer = streamer
         ctx.save_for_backward(x)
         return streamer.forward(x)
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (x,) = ctx.saved_tensors
         grad_input = ctx.streamer.backward(x, grad_output, input_needs_grad=ctx.needs_input_grad[0])
         return grad_input, None, None
+
+
+class ChunkedLinear(Protocol):
+    """What StreamedLinear runs: the forward and backward of y = x W^T with W streamed."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, *,
+                 input_needs_grad: bool) -> torch.Tensor | None: ...
+
+
+# torch.autograd.Function.apply is unannotated: these give the engine typed calls.
+def post_backward(callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    result: tuple[torch.Tensor, ...] = PostBackward.apply(callback, *inputs)  # type: ignore[no-untyped-call]
+    return result
+
+
+def gathered_rows(anchor: torch.Tensor, gather: Callable[[], torch.Tensor],
+                  on_grad: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    result: torch.Tensor = GatheredRows.apply(anchor, gather, on_grad)  # type: ignore[no-untyped-call]
+    return result
+
+
+def streamed_linear(x: torch.Tensor, anchor: torch.Tensor, streamer: ChunkedLinear) -> torch.Tensor:
+    result: torch.Tensor = StreamedLinear.apply(x, anchor, streamer)  # type: ignore[no-untyped-call]
+    return result

@@ -246,9 +246,8 @@ class GradientPath:
         compute stream, which now runs after the copy (what record_stream would do, without its
         cost). The wait is free unless the copies fall behind the backward pass.
         """
-        queue, limit = self._in_flight, self.options.grads_in_flight
-        if head:
-            queue, limit = self._head_in_flight, self.options.head_grads_in_flight
+        queue = self._head_in_flight if head else self._in_flight
+        limit = self.options.head_grads_in_flight if head else self.options.grads_in_flight
         queue.append((end, tensors))
         while limit is not None and len(queue) > limit:
             oldest, _ = queue.popleft()

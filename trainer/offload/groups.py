@@ -42,10 +42,28 @@ class ModelParts:
     tied: bool
     """The head's weight is the embedding's weight (tie_word_embeddings)."""
 
+    @property
+    def embedding_weight(self) -> nn.Parameter:
+        return _weight(self.embedding)
+
+    @property
+    def head_weight(self) -> nn.Parameter:
+        if self.head is None:
+            raise UnsupportedModel("the model has no output head")
+        return _weight(self.head)
+
+
+def _weight(module: nn.Module) -> nn.Parameter:
+    weight = module.weight
+    if not isinstance(weight, nn.Parameter):
+        raise UnsupportedModel(f"{type(module).__name__} has no weight parameter")
+    return weight
+
 
 def find_parts(model: nn.Module, layer_classes: Sequence[str] | None = None) -> ModelParts:
     """The embedding, decoder blocks, final norm and head of a HF decoder model."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    input_embeddings = getattr(model, "get_input_embeddings", None)
+    embedding = input_embeddings() if input_embeddings is not None else None
     if embedding is None:
         raise UnsupportedModel(f"{type(model).__name__} has no input embedding (get_input_embeddings())")
     classes = set(layer_classes or getattr(model, "_no_split_modules", None) or ())
@@ -59,7 +77,8 @@ def find_parts(model: nn.Module, layer_classes: Sequence[str] | None = None) -> 
     base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
     norm = next((getattr(base, name) for name in _NORM_NAMES if isinstance(getattr(base, name, None), nn.Module)),
                 None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if output_embeddings is not None else None
     if head is None:
         head = next((getattr(model, name) for name in _HEAD_NAMES if isinstance(getattr(model, name, None), nn.Module)),
                     None)

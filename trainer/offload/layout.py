@@ -98,9 +98,7 @@ class Layout:
 
     def staged_weight_index(self, unit: Unit) -> int:
         """The entry a no-grad phase may copy whole to the device: the head's weight, or the embedding's."""
-        module = self.parts.head if unit.kind == UnitKind.CHUNKS else self.parts.embedding
-        assert module is not None
-        return unit.index_of(module.weight)
+        return unit.index_of(self.parts.head_weight if unit.kind == UnitKind.CHUNKS else self.parts.embedding_weight)
 
     def stageable_bytes(self) -> dict[str, int]:
         """The CPU-resident groups a no-grad phase may copy whole to the device, with their device

@@ -14,7 +14,7 @@ read-and-write pass over every fp32 gradient on the CPU, which costs more than t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,7 +46,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self.slice_elements = UPDATE_SLICE_ELEMENTS
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("OffloadAdamW.step takes no closure")
         engine = self.engine
@@ -66,7 +66,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._update_unit(snapshot, unit, grad_scale)
         return None
 
-    def _update_unit(self, group: dict, unit: Unit, grad_scale: torch.Tensor | None) -> None:
+    def _update_unit(self, group: dict[str, Any], unit: Unit, grad_scale: torch.Tensor | None) -> None:
         try:
             if any(parameter.grad is not None and parameter.grad.dtype != parameter.dtype
                    for parameter in group["params"]):
@@ -81,7 +81,7 @@ class OffloadAdamW(torch.optim.AdamW):
                     unit.grads_after_update = None
                 unit.ready.set()
 
-    def _step_narrow_grads(self, group: dict, grad_scale: torch.Tensor | None) -> None:
+    def _step_narrow_grads(self, group: dict[str, Any], grad_scale: torch.Tensor | None) -> None:
         """The fused AdamW step of one group whose host gradients are bf16 beside fp32 masters
         (offload_grad_dtype), which the kernel wants in the masters' dtype: each gradient is read back
         in fp32 a slice at a time into one reused buffer (only the engine's worker runs updates).
@@ -117,13 +117,13 @@ class OffloadAdamW(torch.optim.AdamW):
                                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                                     eps=group["eps"], maximize=False, grad_scale=grad_scale, found_inf=None)
 
-    def _step_groups(self, groups: list[dict], grad_scale: torch.Tensor | None = None) -> None:
+    def _step_groups(self, groups: list[dict[str, Any]], grad_scale: torch.Tensor | None = None) -> None:
         """torch's AdamW step over some of the groups: a view of this optimizer sharing its state."""
         view = object.__new__(torch.optim.AdamW)
         view.__dict__.update(self.__dict__)
         view.param_groups = groups
         if grad_scale is not None:
-            view.grad_scale = grad_scale  # the fused kernels divide the gradients by it
+            view.grad_scale = grad_scale  # type: ignore[attr-defined]  # the fused kernels divide the gradients by it
         torch.optim.AdamW.step(view)
 
     @torch.no_grad()
@@ -179,7 +179,7 @@ class OffloadAdamW(torch.optim.AdamW):
             self._clear_grads(group["params"], set_to_none)
 
     @staticmethod
-    def _clear_grads(parameters, set_to_none: bool) -> None:
+    def _clear_grads(parameters: list[torch.Tensor], set_to_none: bool) -> None:
         for parameter in parameters:
             if parameter.grad is None:
                 continue
@@ -192,10 +192,10 @@ class OffloadAdamW(torch.optim.AdamW):
         """Block until the CPU updates of the last step have landed."""
         self.engine.wait_for_updates()
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         self.engine.wait_for_updates()
         return super().state_dict()
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.engine.wait_for_updates()
         super().load_state_dict(state_dict)

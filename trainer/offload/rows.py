@@ -10,14 +10,13 @@ gradient goes back chunk by chunk, so neither ever exists whole on the device.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 from torch.nn import functional as F
 
 from trainer.offload.copies import D2H, H2D, CopyLog, CopyStreams
 from trainer.offload.embedding_cache import EmbeddingCache
-from trainer.offload.functions import GatheredRows, StreamedLinear
+from trainer.offload.functions import gathered_rows, streamed_linear
 from trainer.offload.gradients import GradientPath
 from trainer.offload.layout import Layout
 from trainer.offload.placement import PhaseStaging
@@ -51,7 +50,7 @@ class RowsAndChunks:
         unit = self.layout.unit_of_kind(UnitKind.ROWS)
         if unit is None:
             return None
-        index = unit.index_of(self.layout.parts.embedding.weight)
+        index = unit.index_of(self.layout.parts.embedding_weight)
         self.embedding_cache = EmbeddingCache(lambda: unit.arena_view(index), lambda: unit.version, self.device,
                                               cache_size=cache_size, warmup_steps=warmup_steps)
         return self.embedding_cache
@@ -59,11 +58,13 @@ class RowsAndChunks:
     # ------------------------------------------------------------------------- embedding rows
 
     def _embedding_forward(self, unit: Unit, input_ids: torch.Tensor) -> torch.Tensor:
-        module = self.layout.parts.embedding
-        tracked = torch.is_grad_enabled() and module.weight.requires_grad
+        parts = self.layout.parts
+        embedding_weight = parts.embedding_weight
+        padding: int | None = getattr(parts.embedding, "padding_idx", None)  # an nn.Embedding (layout.gathers_rows)
+        tracked = torch.is_grad_enabled() and embedding_weight.requires_grad
         staged = None if tracked else self.staging.staged_copy(unit)
         if staged is not None:
-            rows = F.embedding(input_ids.to(self.device), staged, module.padding_idx)
+            rows = F.embedding(input_ids.to(self.device), staged, padding)
             self.streamer.prefetch(-1, +1)
             return rows
         unit.settled()
@@ -75,16 +76,15 @@ class RowsAndChunks:
         # F.embedding, whose backward sums each token's gradient (in fp32 on CUDA, rounded once, as an
         # embedding kept on the device does), so only those rows' gradients come back.
         tokens, inverse = torch.unique(input_ids.to("cpu").reshape(-1), return_inverse=True)
-        padding = module.padding_idx
         padding_row = None
         if padding is not None and bool((tokens == padding).any()):
             padding_row = int(torch.searchsorted(tokens, padding))
-        weight = unit.arena_view(unit.index_of(module.weight))
+        weight = unit.arena_view(unit.index_of(embedding_weight))
         inverse = inverse.view(input_ids.shape)
         gather = functools.partial(self._gather, unit, weight, tokens)
         positions = inverse.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else inverse
         if tracked:
-            rows = GatheredRows.apply(module.weight, gather, functools.partial(self._rows_backward, unit, tokens))
+            rows = gathered_rows(embedding_weight, gather, functools.partial(self._rows_backward, unit, tokens))
         else:
             rows = gather()
         self.streamer.prefetch(-1, +1)
@@ -109,7 +109,7 @@ class RowsAndChunks:
         gradients.enter_backward()
         gradients.ensure_grad_arena(unit)
         assert unit.grad_views is not None
-        index = unit.index_of(self.layout.parts.embedding.weight)
+        index = unit.index_of(self.layout.parts.embedding_weight)
         first_write = unit.passing.fresh and index not in unit.passing.landed_entries()
         zero_first = first_write and self.layout.parts.tied
         unit.passing.landed.add((index, ROWS_PIECE))
@@ -148,11 +148,9 @@ class RowsAndChunks:
     # ---------------------------------------------------------------------------- head chunks
 
     def _head_forward(self, unit: Unit, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.layout.parts.head
-        assert head is not None
-        if torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
-            output: torch.Tensor = StreamedLinear.apply(hidden, head.weight, HeadStreamer(self, unit))
-            return output
+        weight = self.layout.parts.head_weight
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return streamed_linear(hidden, weight, HeadStreamer(self, unit))
         staged = self.staging.staged_copy(unit)
         if staged is not None:
             return F.linear(hidden, staged)
@@ -164,9 +162,7 @@ class HeadStreamer:
 
     def __init__(self, owner: RowsAndChunks, unit: Unit):
         self.owner, self.unit = owner, unit
-        head = owner.layout.parts.head
-        assert head is not None
-        self.weight = head.weight
+        self.weight = owner.layout.parts.head_weight
 
     def _chunk(self, block: Block) -> torch.Tensor:
         assert block.rows is not None and block.slot.data is not None
@@ -189,7 +185,8 @@ class HeadStreamer:
             streamer.release(block)
         return out.view(*hidden.shape[:-1], out.shape[-1])
 
-    def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, *, input_needs_grad: bool) -> Any:
+    def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, *,
+                 input_needs_grad: bool) -> torch.Tensor | None:
         streamer, gradients = self.owner.streamer, self.owner.gradients
         gradients.enter_backward()
         flat = hidden.reshape(-1, hidden.shape[-1])

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from trainer.offload.copies import H2D, CopyLog, CopyStreams
-from trainer.offload.functions import PostBackward
+from trainer.offload.functions import post_backward
 from trainer.offload.layout import Layout
 from trainer.offload.units import Block, PassState, Placement, Slot, Unit, UnitKind, typed_view
 
@@ -70,10 +70,10 @@ class Streamer:
         self.renumber()
 
     def _chunk_blocks(self, unit: Unit, ring: int) -> list[Block]:
-        head = self.layout.parts.head
-        assert head is not None and unit.arena is not None
-        weight_index = unit.index_of(head.weight)
-        rows, width = head.weight.shape
+        weight = self.layout.parts.head_weight
+        assert unit.arena is not None
+        weight_index = unit.index_of(weight)
+        rows, width = weight.shape
         row_bytes = width * self.layout.dtypes.compute.itemsize
         per_chunk = max(1, min(rows, self.options.head_chunk_bytes // row_bytes))
         if per_chunk >= 128:
@@ -100,10 +100,11 @@ class Streamer:
     def _compute_param(self, slot: Slot, unit: Unit, index: int) -> nn.Parameter:
         master = unit.entries[index].parameter
         assert slot.data is not None
-        parameter = nn.Parameter(typed_view(slot.data, unit.offsets[index], unit.compute_like[index]))
+        parameter = nn.Parameter(typed_view(slot.data, unit.offsets[index], unit.compute_like[index]),
+                                 requires_grad=master.requires_grad)
         # Registered while it requires grad; it stays for when the master is unfrozen later.
         parameter.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, unit))
-        return parameter.requires_grad_(master.requires_grad)
+        return parameter
 
     def renumber(self) -> None:
         """Collect the units' blocks in forward order (the prefetch walks them by position)."""
@@ -176,7 +177,7 @@ class Streamer:
         if not positions:
             return None
         tensors = [args[key] if where == "args" else kwargs[key] for where, key in positions]
-        wrapped = PostBackward.apply(functools.partial(self.release_unit, unit), *tensors)
+        wrapped = post_backward(functools.partial(self.release_unit, unit), *tensors)
         new_args, new_kwargs = list(args), dict(kwargs)
         for (where, key), tensor in zip(positions, wrapped, strict=True):
             if where == "args":

@@ -71,7 +71,7 @@ def standalone(buffer: torch.Tensor, offset: int, shape: torch.Size, dtype: torc
     nbytes = shape.numel() * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    window = memoryview(buffer.numpy())[offset:offset + nbytes]
+    window = buffer.numpy().data[offset:offset + nbytes]
     return torch.frombuffer(window, dtype=torch.uint8).view(dtype).view(shape)
 
 
