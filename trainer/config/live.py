@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 from trainer.config.schema import LogLevel, RunConfig
 
@@ -108,7 +109,7 @@ def _describe(error: Mapping[str, Any]) -> SettingProblem:
     return SettingProblem(name, f"got {error.get('input')!r}: {error['msg'].lower()}{allowed}")
 
 
-def _allowed(field) -> str:
+def _allowed(field: FieldInfo) -> str:
     bounds = []
     for constraint in field.metadata:
         for attribute, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
@@ -117,5 +118,6 @@ def _allowed(field) -> str:
                 bounds.append(f"{symbol} {value}")
     if not bounds:
         return ""  # pydantic's message already lists the choices or names the type
-    kind = {float: "a number", int: "an integer"}.get(field.annotation, str(field.annotation))
+    kinds: dict[Any, str] = {float: "a number", int: "an integer"}
+    kind = kinds.get(field.annotation, str(field.annotation))
     return f"; allowed: {kind} {' and '.join(bounds)}"

@@ -26,6 +26,7 @@ import annotated_types
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-qwen2",)
@@ -104,11 +105,12 @@ class Section(BaseModel):
 
         Pydantic's lax mode would read `true` as 1 for a number; a boolean given for a number is a mistake.
         """
-        annotation = cls.model_fields[info.field_name].annotation
+        field = cls.model_fields[info.field_name or ""]  # "*" validators always run for a field
+        annotation = field.annotation
         if value is None and _section_type(annotation) is not None:
             return {}
         if isinstance(value, bool) and _number_type(annotation):
-            allowed = _describe_allowed(annotation, cls.model_fields[info.field_name])
+            allowed = _describe_allowed(annotation, field)
             raise ValueError(f"got {_show(value)}, a boolean; allowed: {allowed}")
         return value
 
@@ -161,7 +163,7 @@ class FSDPConfig(Section):
 
     def placement(self, group: str) -> Placement:
         """Where a module group lives once param_offload and offload_policy are combined."""
-        explicit = getattr(self.offload_policy, group)
+        explicit: Placement | None = getattr(self.offload_policy, group)
         if explicit is not None:
             return explicit
         return "cpu" if self.param_offload else "gpu"
@@ -573,7 +575,7 @@ class ConfigError(Exception):
         super().__init__("\n".join(str(problem) for problem in self.problems))
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> RunConfig:
     """Read a YAML file, apply ``key.path=value`` overrides, validate, resolve derived defaults.
 
     Raises ConfigError naming every problem at once.
@@ -1026,8 +1028,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> ConfigProblem | None:
         field = section.model_fields.get(part) if section is not None else None
         # An unknown key is left for pydantic, which reports it with a suggestion; a free-form dict
         # (override_config) takes any key below it.
-        is_setting = field is not None and _section_type(field.annotation) is None
-        if is_setting and not _is_mapping(field.annotation):
+        if field is not None and _section_type(field.annotation) is None and not _is_mapping(field.annotation):
             return ConfigProblem(prefix, f"got the override {key}=..., but {prefix} is a setting, not a "
                                  f"section; allowed: {prefix}=<{_describe_allowed(field.annotation, field)}>")
         section = _section_type(field.annotation) if field is not None else None
@@ -1066,7 +1067,7 @@ _WHY_WRONG = {
 }
 
 
-def _describe_pydantic_error(error: dict[str, Any]) -> ConfigProblem:
+def _describe_pydantic_error(error: ErrorDetails) -> ConfigProblem:
     location = list(error["loc"])
     path = _dotted(location)
     kind = error["type"]
