@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic.fields import FieldInfo
 
 from trainer.config import (
     ConfigError,
@@ -17,7 +18,9 @@ from trainer.config import (
     dump_config,
     inactive_settings,
     load_config,
+    validate_config,
 )
+from trainer.config.live import SETTING_NAMES, LiveSettings, SettingsRejected, apply_change, initial_live_settings
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -242,22 +245,168 @@ def test_bf16_gradients_of_a_frozen_model_are_a_warning_not_an_error() -> None:
     assert len(inactive_settings(config)) == 1
 
 
-def test_dynamic_offload_levels_of_other_models_follow_the_actor() -> None:
-    config = load_config(None, ["actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold=0.7",
-                                "critic.fsdp_config.dynamic_offload.gpu_memory_threshold=0.7",  # the same: fine
-                                "critic.fsdp_config.dynamic_offload.min_transformer_layers_on_gpu=3"])
-    notes = inactive_settings(config)
-    assert len(notes) == 1, notes
-    assert notes[0].startswith("critic.fsdp_config.dynamic_offload.min_transformer_layers_on_gpu is set, but every "
-                               "model follows actor_rollout_ref.actor.fsdp_config.dynamic_offload.")
-
-
 def test_settings_left_at_their_defaults_on_a_model_not_built_are_silent() -> None:
     # Written out explicitly (as a resolved config is), but equal to the defaults: nothing to say.
     config = load_config(None, [*GRPO_WITHOUT_KL, "critic.fsdp_config.param_offload=false",
-                                "actor_rollout_ref.ref.fsdp_config.dynamic_offload.gpu_memory_threshold=0.85",
+                                "actor_rollout_ref.ref.fsdp_config.dynamic_offload.enabled=false",
                                 "reward_model.model.fsdp_config.optimizer_offload=false"])
     assert inactive_settings(config) == []
+
+
+# --------------------------------------------------------------------------- dynamic offload's levels
+
+MODEL_FSDP_PREFIXES = ["actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
+                       "critic.fsdp_config", "reward_model.model.fsdp_config"]
+
+
+def test_the_threshold_and_the_layer_minimum_are_run_wide() -> None:
+    config = load_config(None, ["dynamic_offload.gpu_memory_threshold=0.7",
+                                "dynamic_offload.min_transformer_layers_on_gpu=3",
+                                "critic.fsdp_config.dynamic_offload.enabled=true"])
+    assert (config.dynamic_offload.gpu_memory_threshold, config.dynamic_offload.min_transformer_layers_on_gpu) == (
+        0.7, 3)
+    assert list(type(config.critic.fsdp_config.dynamic_offload).model_fields) == ["enabled"]
+    assert (load_config().dynamic_offload.gpu_memory_threshold,
+            load_config().dynamic_offload.min_transformer_layers_on_gpu) == (0.85, 0)
+
+
+@pytest.mark.parametrize("prefix", MODEL_FSDP_PREFIXES)
+@pytest.mark.parametrize(("key", "value", "what"), [
+    ("gpu_memory_threshold", "0.8", "the threshold is run-wide now"),
+    ("min_transformer_layers_on_gpu", "2", "the layer minimum is run-wide now"),
+])
+def test_a_level_under_a_model_says_where_it_lives_now(prefix: str, key: str, value: str, what: str) -> None:
+    [problem] = problems_of(None, [f"{prefix}.dynamic_offload.{key}={value}"])
+    assert problem.path == f"{prefix}.dynamic_offload.{key}"
+    assert problem.message.startswith(f"got {value}, but {what} (")
+    assert f"set dynamic_offload.{key} instead; allowed: enabled" in problem.message
+
+
+def test_an_old_config_file_gets_every_moved_key_and_keeps_enabled(tmp_path: Path) -> None:
+    old = write(tmp_path / "old.yaml", """
+actor_rollout_ref:
+  actor:
+    fsdp_config:
+      dynamic_offload: {enabled: true, gpu_memory_threshold: 0.85, min_transformer_layers_on_gpu: 4}
+critic:
+  fsdp_config:
+    dynamic_offload: {enabled: true, gpu_memory_threshold: 0.85}
+""")
+    assert [str(problem) for problem in problems_of(old)] == [
+        "actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold: got 0.85, but the threshold is "
+        "run-wide now (GPU memory in use is one number for all models): set dynamic_offload.gpu_memory_threshold "
+        "instead; allowed: enabled",
+        "actor_rollout_ref.actor.fsdp_config.dynamic_offload.min_transformer_layers_on_gpu: got 4, but the layer "
+        "minimum is run-wide now (it applies to each dynamically offloaded model): set "
+        "dynamic_offload.min_transformer_layers_on_gpu instead; allowed: enabled",
+        "critic.fsdp_config.dynamic_offload.gpu_memory_threshold: got 0.85, but the threshold is run-wide now (GPU "
+        "memory in use is one number for all models): set dynamic_offload.gpu_memory_threshold instead; allowed: "
+        "enabled"]
+    enabled_only = write(tmp_path / "new.yaml", "actor_rollout_ref:\n  actor:\n    fsdp_config:\n"
+                         "      dynamic_offload: {enabled: true}\n")
+    assert load_config(enabled_only).actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
+
+
+def test_enabling_dynamic_offload_run_wide_says_it_is_per_model() -> None:
+    [problem] = problems_of(None, ["dynamic_offload.enabled=true"])
+    assert problem.path == "dynamic_offload.enabled"
+    assert "enabled per model" in problem.message
+    assert "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true" in problem.message
+
+
+# ----------------------------------------------------------------------------------- live settings
+
+# Each live setting that a config sets too, by its config key.
+CONFIG_KEY_OF_LIVE_SETTING = {
+    "gpu_memory_threshold": "dynamic_offload.gpu_memory_threshold",
+    "min_transformer_layers_on_gpu": "dynamic_offload.min_transformer_layers_on_gpu",
+    "gpu_sample_interval_s": "telemetry.gpu_sample_interval_s",
+    "pcie_sample_interval_s": "telemetry.pcie_sample_interval_s",
+    "log_level": "daemon.log_level",
+}
+
+
+def config_field(dotted: str) -> FieldInfo:
+    section: type[Section] = RunConfig
+    *parents, name = dotted.split(".")
+    for parent in parents:
+        section = section.model_fields[parent].annotation
+    return section.model_fields[name]
+
+
+def live_field(name: str) -> FieldInfo:
+    return next(field for key, field in LiveSettings.model_fields.items() if (field.alias or key) == name)
+
+
+def test_every_live_setting_but_the_switch_is_a_config_key() -> None:
+    assert set(SETTING_NAMES) == {*CONFIG_KEY_OF_LIVE_SETTING, "dynamic_offload.enabled"}
+
+
+@pytest.mark.parametrize("setting", CONFIG_KEY_OF_LIVE_SETTING)
+def test_a_live_setting_has_its_config_keys_bounds_default_and_docstring(setting: str) -> None:
+    configured, live = config_field(CONFIG_KEY_OF_LIVE_SETTING[setting]), live_field(setting)
+    assert live.annotation == configured.annotation
+    # The same constraint objects, not equal copies: one definition of each bound.
+    assert len(live.metadata) == len(configured.metadata)
+    assert all(ours is theirs for ours, theirs in zip(live.metadata, configured.metadata, strict=True))
+    assert (live.default, live.description) == (configured.default, configured.description)
+
+
+@pytest.mark.parametrize(("setting", "value", "accepted"), [
+    ("gpu_memory_threshold", 0.0, False), ("gpu_memory_threshold", 1e-9, True), ("gpu_memory_threshold", 1.0, True),
+    ("gpu_memory_threshold", 1.0001, False), ("gpu_memory_threshold", -0.5, False),
+    ("min_transformer_layers_on_gpu", -1, False), ("min_transformer_layers_on_gpu", 0, True),
+    ("min_transformer_layers_on_gpu", 12, True), ("min_transformer_layers_on_gpu", 1.5, False),
+    ("gpu_sample_interval_s", 0.049, False), ("gpu_sample_interval_s", 0.05, True),
+    ("gpu_sample_interval_s", 60.0, True), ("gpu_sample_interval_s", 60.5, False),
+    ("pcie_sample_interval_s", 0.5, False), ("pcie_sample_interval_s", 1.0, True),
+    ("pcie_sample_interval_s", 600.0, True), ("pcie_sample_interval_s", 601.0, False),
+    ("log_level", "debug", True), ("log_level", "verbose", False), ("log_level", "ERROR", False),
+])
+def test_the_config_and_the_live_settings_accept_the_same_values(setting: str, value: object, accepted: bool) -> None:
+    section, key = CONFIG_KEY_OF_LIVE_SETTING[setting].split(".")
+    raw = {section: {key: value},  # a layer minimum with no model to apply to would be an ignored key
+           "actor_rollout_ref": {"actor": {"fsdp_config": {"dynamic_offload": {"enabled": True}}}}}
+    try:
+        validate_config(raw)
+        by_config = True
+    except ConfigError as error:
+        assert [problem.path for problem in error.problems] == [f"{section}.{key}"]
+        by_config = False
+    try:
+        apply_change(LiveSettings(), {setting: value})
+        live = True
+    except SettingsRejected as error:
+        assert [problem.setting for problem in error.problems] == [setting]
+        live = False
+    assert (by_config, live) == (accepted, accepted)
+
+
+def test_the_live_settings_start_from_the_run_wide_section_and_the_telemetry_and_daemon_ones() -> None:
+    assert initial_live_settings(load_config()) == LiveSettings()  # the defaults agree
+    config = load_config(None, ["dynamic_offload.gpu_memory_threshold=0.7",
+                                "dynamic_offload.min_transformer_layers_on_gpu=3",
+                                "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
+                                "telemetry.gpu_sample_interval_s=2", "telemetry.pcie_sample_interval_s=30",
+                                "daemon.log_level=debug"])
+    assert initial_live_settings(config).public() == {
+        "gpu_memory_threshold": 0.7, "min_transformer_layers_on_gpu": 3, "dynamic_offload.enabled": True,
+        "gpu_sample_interval_s": 2.0, "pcie_sample_interval_s": 30.0, "log_level": "debug"}
+
+
+@pytest.mark.parametrize(("enabled_on", "builds_it"), [
+    ("actor_rollout_ref.actor", []),
+    ("critic", []),  # PPO with GAE: the critic is built
+    ("actor_rollout_ref.ref", ["actor_rollout_ref.actor.use_kl_loss=true"]),
+    ("reward_model.model", ["reward_model.enable=true", "reward_model.model.path={model}"]),
+])
+def test_dynamic_offload_starts_switched_on_when_any_model_enables_it(
+        model_dir: Path, enabled_on: str, builds_it: list[str]) -> None:
+    """Whichever model enables it: a run where only the critic did once started with dynamic offload paused."""
+    overrides = [override.replace("{model}", str(model_dir)) for override in builds_it]
+    assert not initial_live_settings(load_config(None, overrides)).dynamic_offload_enabled
+    config = load_config(None, [*overrides, f"{enabled_on}.fsdp_config.dynamic_offload.enabled=true"])
+    assert initial_live_settings(config).dynamic_offload_enabled
 
 
 @pytest.mark.parametrize("example", ["quickstart.yaml", "grpo.yaml"])
@@ -283,10 +432,10 @@ BAD_CONFIGS = [
      "actor_rollout_ref.rollout.temprature", "did you mean 'temperature'?"),
     ("unknown section", "trainers:\n  total_epochs: 2\n", [],
      "trainers", "unknown section 'trainers' (did you mean 'trainer'?)"),
-    ("threshold above 1", None,
-     ["actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold=1.5"],
-     "actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold",
-     "got 1.5, out of range; allowed: a number > 0 and <= 1"),
+    ("threshold above 1", None, ["dynamic_offload.gpu_memory_threshold=1.5"],
+     "dynamic_offload.gpu_memory_threshold", "got 1.5, out of range; allowed: a number > 0 and <= 1"),
+    ("negative layer minimum", None, ["dynamic_offload.min_transformer_layers_on_gpu=-1"],
+     "dynamic_offload.min_transformer_layers_on_gpu", "got -1, out of range; allowed: an integer >= 0"),
     ("top_p of 0", None, ["actor_rollout_ref.rollout.top_p=0"],
      "actor_rollout_ref.rollout.top_p", "> 0 and <= 1"),
     ("clip_ratio_low of 1", None, ["actor_rollout_ref.actor.clip_ratio_low=1.0"],
@@ -483,6 +632,9 @@ def test_the_7b_example_validates_once_its_paths_are_filled_in(model_dir: Path, 
     assert config.actor_rollout_ref.actor.fsdp_config.optimizer_offload
     assert config.critic.fsdp_config.optimizer_offload
     assert config.actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
+    assert config.critic.fsdp_config.dynamic_offload.enabled
+    assert (config.dynamic_offload.gpu_memory_threshold, config.dynamic_offload.min_transformer_layers_on_gpu) == (
+        0.85, 4)
     assert (config.data.max_prompt_length, config.data.max_response_length) == (512, 1024)
     assert config.algorithm.use_kl_in_reward, "the KL penalty is what the offloaded reference is for"
     # Every key of the example does something: no start-up warning.

@@ -230,8 +230,8 @@ def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
 
     config = load_config(None, [
         *TINY, "actor_rollout_ref.model.override_config={num_hidden_layers: 3, hidden_size: 32, intermediate_size: 64}",
-        "actor_rollout_ref.actor.fsdp_config.dynamic_offload={enabled: true, gpu_memory_threshold: 0.9, "
-        "min_transformer_layers_on_gpu: 1}",
+        "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
+        "dynamic_offload={gpu_memory_threshold: 0.9, min_transformer_layers_on_gpu: 1}",
         "trainer.total_training_steps=3", f"trainer.runs_dir={tmp_path}"])
     logs = []
     link = FakeDaemonLink()
@@ -255,3 +255,25 @@ def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
     # 10 GB over the threshold and layers of a few KiB: all it may move go at once, down to the minimum.
     assert [line for line in logs if line.startswith("dynamic offload")] == [
         "dynamic offload: 2 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [actor]"]
+
+
+def test_a_run_where_only_the_critic_enables_dynamic_offload_moves_the_critics_layers(tmp_path):
+    """The live switch starts on when any model enables dynamic offload: it once followed the actor's section,
+    so a run where only the critic enabled it started paused and never moved a layer."""
+    from tests.trainer.test_training import TINY, FakeDaemonLink
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    config = load_config(None, [
+        *TINY, "critic.model.override_config={num_hidden_layers: 3, hidden_size: 32, intermediate_size: 64}",
+        "critic.fsdp_config.dynamic_offload.enabled=true",
+        "dynamic_offload={gpu_memory_threshold: 0.9, min_transformer_layers_on_gpu: 1}",
+        "trainer.total_training_steps=2", f"trainer.runs_dir={tmp_path}"])
+    logs = []
+    link = FakeDaemonLink()
+    trainer = Trainer(config, log=logs.append, telemetry=link, memory_probe=Probe(0.8))
+    trainer.observers.append(ThresholdChange(trainer, link, after_step=1, threshold=0.7))
+    trainer.fit()
+    assert [row["offload/critic/transformer_layers_on_gpu"] for row in trainer.metrics_log.read()] == [3, 1]
+    assert [line for line in logs if line.startswith("dynamic offload")] == [
+        "dynamic offload: 2 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [critic]"]

@@ -20,7 +20,7 @@ import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import annotated_types
 import yaml
@@ -39,12 +39,20 @@ LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-me
 # maps them, and a test keeps this list equal to the estimators it knows.
 KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 
+# The values a config sets and the live settings (trainer.config.live.LiveSettings) may change while the run goes
+# on: each bound is written here once, and both the schema and the live settings take these types.
+MemoryThreshold = Annotated[float, Field(gt=0.0, le=1.0)]
+LayerMinimum = Annotated[int, Field(ge=0)]
+GpuSampleInterval = Annotated[float, Field(ge=0.05, le=60.0)]
+PcieSampleInterval = Annotated[float, Field(ge=1.0, le=600.0)]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
 
 # ------------------------------------------------------------------------------ field helpers
 # Used by the validators below (defaults are validated as the classes are defined) and by the messages.
 
 
-def _describe_allowed(annotation: Any, field: FieldInfo | None) -> str:
+def describe_allowed(annotation: Any, field: FieldInfo | None) -> str:
     """What a field takes, in words: "an integer >= 1", "a number > 0 and <= 1", "'gae' or 'grpo'"."""
     annotation = _unwrap_optional(annotation)
     if typing.get_origin(annotation) is Literal:
@@ -110,7 +118,7 @@ class Section(BaseModel):
         if value is None and _section_type(annotation) is not None:
             return {}
         if isinstance(value, bool) and _number_type(annotation):
-            allowed = _describe_allowed(annotation, field)
+            allowed = describe_allowed(annotation, field)
             raise ValueError(f"got {_show(value)}, a boolean; allowed: {allowed}")
         return value
 
@@ -130,12 +138,27 @@ class OffloadPolicy(Section):
 
 
 class DynamicOffload(Section):
+    """Per model: whether dynamic offload may move this model's transformer layers.
+
+    How far it moves them is run-wide (the top-level dynamic_offload section, DynamicOffloadConfig).
+    """
+
     enabled: bool = False
-    """Move transformer layers to the CPU while GPU memory in use is above the threshold."""
-    gpu_memory_threshold: float = Field(0.85, gt=0.0, le=1.0)
-    """Fraction of GPU memory in use (0 to 1] above which layers move off the GPU."""
-    min_transformer_layers_on_gpu: int = Field(0, ge=0)
-    """Never keep fewer transformer layers than this on the GPU."""
+    """Let dynamic offload move this model's transformer layers to the CPU (at dynamic_offload's levels)."""
+
+
+class DynamicOffloadConfig(Section):
+    """The run-wide levels of dynamic offload (the top-level dynamic_offload section), for every model whose
+    fsdp_config.dynamic_offload.enabled is true. Both are live settings too (`verl set`, PATCH /v1/settings).
+
+    Run-wide, with no per-model copy: the device memory in use is one number for the whole GPU, whichever
+    model's layers fill it, and all of a run's models share that one budget.
+    """
+
+    gpu_memory_threshold: MemoryThreshold = 0.85
+    """Fraction of GPU memory in use (0 to 1] above which transformer layers move off the GPU."""
+    min_transformer_layers_on_gpu: LayerMinimum = 0
+    """Fewest transformer layers each dynamically offloaded model keeps on the GPU."""
 
 
 class WrapPolicy(Section):
@@ -153,7 +176,7 @@ class FSDPConfig(Section):
     offload_policy: OffloadPolicy = OffloadPolicy()
     """Placement of each module group: embedding, lm_head, transformer, norm."""
     dynamic_offload: DynamicOffload = DynamicOffload()
-    """Move transformer layers off the GPU under memory pressure."""
+    """Whether this model's transformer layers move off the GPU under memory pressure (levels: dynamic_offload)."""
     wrap_policy: WrapPolicy = WrapPolicy()
     """How the model is split into units for sharding and offload."""
     model_dtype: Literal["fp32", "bf16"] = "fp32"
@@ -474,9 +497,6 @@ class TrainerConfig(Section):
         return Path(self.runs_dir) / self.experiment_name
 
 
-LogLevel = Literal["debug", "info", "warning", "error"]
-
-
 class TelemetryConfig(Section):
     host: str = "127.0.0.1"
     """Address the API binds; anything but loopback exposes it beyond this machine (token still needed)."""
@@ -484,9 +504,9 @@ class TelemetryConfig(Section):
     """API port; 0 picks a free one (printed at start and kept in the runtime file)."""
     public_metrics: bool = False
     """Serve /metrics without the token, for a Prometheus that cannot send it."""
-    gpu_sample_interval_s: float = Field(1.0, ge=0.05, le=60.0)
+    gpu_sample_interval_s: GpuSampleInterval = 1.0
     """Seconds between GPU samples (utilization, memory, power, temperature)."""
-    pcie_sample_interval_s: float = Field(10.0, ge=1.0, le=600.0)
+    pcie_sample_interval_s: PcieSampleInterval = 10.0
     """Seconds between PCIe throughput samples (each NVML call blocks ~20 ms)."""
     history_seconds: int = Field(900, ge=10, le=86400)
     """How far back the daemon keeps samples for monitors that attach late."""
@@ -506,7 +526,7 @@ class DaemonConfig(Section):
     state_dir: str | None = None
     """Where runtime files live; unset uses $VERL_STATE_DIR, else $XDG_STATE_HOME/verl, else ~/.local/state/verl."""
     log_level: LogLevel = "info"
-    """Least severe log lines kept by the daemon and the trainer (a live setting too)."""
+    """Least severe log lines kept by the daemon and the trainer."""
 
 
 class RunConfig(Section):
@@ -526,6 +546,8 @@ class RunConfig(Section):
     """Prompts and lengths."""
     trainer: TrainerConfig = TrainerConfig()
     """Length of the run, checkpoints, device."""
+    dynamic_offload: DynamicOffloadConfig = DynamicOffloadConfig()
+    """Run-wide threshold and layer minimum of dynamic offload (which models it moves: their fsdp_config)."""
     telemetry: TelemetryConfig = TelemetryConfig()
     """The daemon's API: address, token use, sampling."""
     daemon: DaemonConfig = DaemonConfig()
@@ -644,7 +666,6 @@ def inactive_settings(config: RunConfig) -> list[str]:
                          "it has no effect")
     notes += _settings_of_models_not_built(config)
     notes += _training_settings_of_frozen_models(config)
-    notes += _dynamic_offload_settings_not_followed(config)
     actor = config.actor_rollout_ref.actor
     if actor.sequence_parallel_offload:
         notes.append("actor_rollout_ref.actor.sequence_parallel_offload is set, but sequence parallelism "
@@ -710,24 +731,6 @@ def _training_settings_of_frozen_models(config: RunConfig) -> list[str]:
             if getattr(fsdp, key) != getattr(default, key):
                 notes.append(f"{FSDP_PREFIX[role]}.{key} is set, but {what} is frozen (no gradients, no "
                              "optimizer): it has no effect")
-    return notes
-
-
-def _dynamic_offload_settings_not_followed(config: RunConfig) -> list[str]:
-    """Every model's dynamic offload follows one threshold and one layer minimum: the actor's, which are live
-    settings. Another model's own values are moot, unless they say the same."""
-    actor = config.actor_rollout_ref.actor.fsdp_config.dynamic_offload
-    default = DynamicOffload()
-    notes = []
-    for role, fsdp in config.fsdp_configs().items():
-        if role == "actor":
-            continue
-        for key in ("gpu_memory_threshold", "min_transformer_layers_on_gpu"):
-            value = getattr(fsdp.dynamic_offload, key)
-            if value not in (getattr(default, key), getattr(actor, key)):
-                notes.append(f"{FSDP_PREFIX[role]}.dynamic_offload.{key} is set, but every model follows "
-                             f"actor_rollout_ref.actor.fsdp_config.dynamic_offload.{key} (a live setting): "
-                             "it has no effect")
     return notes
 
 
@@ -1030,7 +1033,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> ConfigProblem | None:
         # (override_config) takes any key below it.
         if field is not None and _section_type(field.annotation) is None and not _is_mapping(field.annotation):
             return ConfigProblem(prefix, f"got the override {key}=..., but {prefix} is a setting, not a "
-                                 f"section; allowed: {prefix}=<{_describe_allowed(field.annotation, field)}>")
+                                 f"section; allowed: {prefix}=<{describe_allowed(field.annotation, field)}>")
         section = _section_type(field.annotation) if field is not None else None
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
@@ -1074,7 +1077,7 @@ def _describe_pydantic_error(error: ErrorDetails) -> ConfigProblem:
     given = error.get("input")
     field = _field_at(location)
     if kind == "extra_forbidden":
-        return ConfigProblem(path, _unknown_key(location))
+        return ConfigProblem(path, _moved_key(location, given) or _unknown_key(location))
     if kind == "missing":
         return ConfigProblem(path, "is missing")
     if kind == "value_error":  # the validators in this module write whole "got ...; allowed: ..." messages
@@ -1093,7 +1096,7 @@ def _describe_pydantic_error(error: ErrorDetails) -> ConfigProblem:
     why = _WHY_WRONG.get(kind)
     if why is None:
         return ConfigProblem(path, f"got {_show(given)}; {error['msg']}")
-    return ConfigProblem(path, f"got {_show(given)}, {why}; allowed: {_describe_allowed(annotation, field)}")
+    return ConfigProblem(path, f"got {_show(given)}, {why}; allowed: {describe_allowed(annotation, field)}")
 
 
 def _dotted(location: Sequence[Any]) -> str:
@@ -1104,6 +1107,31 @@ def _dotted(location: Sequence[Any]) -> str:
         else:
             text += ("." if text else "") + str(part)
     return text
+
+
+# Keys a section does not have (any more) that are set elsewhere: (that section, the key) -> why, and where.
+# The levels of dynamic offload were per model until they became run-wide.
+_MOVED_KEYS: dict[tuple[type[Section], str], str] = {
+    (DynamicOffload, "gpu_memory_threshold"):
+        "the threshold is run-wide now (GPU memory in use is one number for all models): "
+        "set dynamic_offload.gpu_memory_threshold instead",
+    (DynamicOffload, "min_transformer_layers_on_gpu"):
+        "the layer minimum is run-wide now (it applies to each dynamically offloaded model): "
+        "set dynamic_offload.min_transformer_layers_on_gpu instead",
+    (DynamicOffloadConfig, "enabled"):
+        "dynamic offload is enabled per model (which models' layers may move): set it in each model's "
+        "fsdp_config instead, e.g. actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
+}
+
+
+def _moved_key(location: Sequence[Any], given: Any) -> str | None:
+    """Where an unknown key that its section used to have is set now; None for any other unknown key."""
+    parent = _field_at(location[:-1]) if len(location) > 1 else None
+    section = _section_type(parent.annotation) if parent is not None else None
+    if section is None or (section, str(location[-1])) not in _MOVED_KEYS:
+        return None
+    return (f"got {_show(given)}, but {_MOVED_KEYS[section, str(location[-1])]}; "
+            f"allowed: {', '.join(section.model_fields)}")
 
 
 def _unknown_key(location: Sequence[Any]) -> str:
