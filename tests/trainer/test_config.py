@@ -16,7 +16,6 @@ from trainer.config import (
     RunConfig,
     Section,
     dump_config,
-    inactive_settings,
     load_config,
     validate_config,
 )
@@ -160,69 +159,74 @@ def test_dump_then_load_gives_the_same_config(tmp_path: Path, source: str) -> No
     assert dump_config(reloaded) == dumped
 
 
-# ------------------------------------------------------------------------------- inactive settings
-
-
-def test_a_default_config_has_no_inactive_settings() -> None:
-    assert inactive_settings(load_config()) == []
-
-
-@pytest.mark.parametrize(("override", "named_key"), [
-    ("actor_rollout_ref.actor.sequence_parallel_offload=true", "actor_rollout_ref.actor.sequence_parallel_offload"),
-])
-def test_inactive_settings_name_the_key_that_was_set(override: str, named_key: str) -> None:
-    notes = inactive_settings(load_config(None, [override]))
-    assert len(notes) == 1
-    assert notes[0].startswith(named_key)
+# ------------------------------------------------------------------------ keys the run would ignore
 
 
 def test_offload_placement_is_active_now_that_the_engine_exists() -> None:
-    config = load_config(None, ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
-                                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
-                                "critic.fsdp_config.offload_policy.embedding=cpu"])
-    assert inactive_settings(config) == []
+    load_config(None, ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                       "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                       "critic.fsdp_config.offload_policy.embedding=cpu"])
 
 
-def test_dynamic_offload_and_the_embedding_cache_are_active_now() -> None:
+def test_dynamic_offload_the_embedding_cache_and_the_block_classes_are_active() -> None:
+    # The offload engine finds a model's blocks by wrap_policy.transformer_layer_cls_to_wrap: not an ignored key.
     config = load_config(None, ["actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
                                 "critic.fsdp_config.dynamic_offload.enabled=true",
-                                "actor_rollout_ref.rollout.embedding_cache.enabled=true"])
-    assert inactive_settings(config) == []
+                                "dynamic_offload.min_transformer_layers_on_gpu=2",
+                                "actor_rollout_ref.rollout.embedding_cache.enabled=true",
+                                "critic.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"])
+    assert config.critic.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap == ["Qwen2DecoderLayer"]
 
 
 # GRPO without KL terms builds neither a critic nor a reference; reward_model.enable is false by default.
 GRPO_WITHOUT_KL = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"]
 
 
-@pytest.mark.parametrize(("overrides", "named_key", "reason"), [
+@pytest.mark.parametrize(("overrides", "keys", "phrase"), [
     ([*GRPO_WITHOUT_KL, "critic.fsdp_config.dynamic_offload.enabled=true"],
-     "critic.fsdp_config sets dynamic_offload.enabled", "trains no critic"),
+     ["critic.fsdp_config.dynamic_offload.enabled"], "this run trains no critic (critic.enable is unset, and "
+     "algorithm.adv_estimator=grpo needs none)"),
     (["critic.enable=false", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
       "critic.fsdp_config.param_offload=true", "critic.fsdp_config.optimizer_offload=true"],
-     "critic.fsdp_config sets param_offload, optimizer_offload", "trains no critic"),
+     ["critic.fsdp_config.param_offload", "critic.fsdp_config.optimizer_offload"],
+     "trains no critic (critic.enable is false)"),
     ([*GRPO_WITHOUT_KL, "actor_rollout_ref.ref.fsdp_config.offload_policy.transformer=cpu"],
-     "actor_rollout_ref.ref.fsdp_config sets offload_policy.transformer", "builds no reference policy"),
+     ["actor_rollout_ref.ref.fsdp_config.offload_policy.transformer"], "builds no reference policy"),
     (["actor_rollout_ref.ref.fsdp_config.param_offload=true"],  # PPO, but no KL term either
-     "actor_rollout_ref.ref.fsdp_config sets param_offload", "builds no reference policy"),
+     ["actor_rollout_ref.ref.fsdp_config.param_offload"], "builds no reference policy"),
     (["reward_model.model.fsdp_config.param_offload=true"],
-     "reward_model.model.fsdp_config sets param_offload", "builds no reward model"),
+     ["reward_model.model.fsdp_config.param_offload"], "builds no reward model"),
+    (["actor_rollout_ref.actor.sequence_parallel_offload=true"],
+     ["actor_rollout_ref.actor.sequence_parallel_offload"], "sequence parallelism is not built yet"),
+    (["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=1000"],
+     ["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"], "only single-device runs exist yet"),
+    (["dynamic_offload.min_transformer_layers_on_gpu=4"],
+     ["dynamic_offload.min_transformer_layers_on_gpu"], "no model this run builds has "
+     "fsdp_config.dynamic_offload.enabled: true"),
 ])
-def test_offload_settings_of_a_model_the_run_does_not_build_warn(
-        overrides: list[str], named_key: str, reason: str) -> None:
-    notes = inactive_settings(load_config(None, overrides))
-    assert len(notes) == 1, notes
-    assert notes[0].startswith(named_key)
-    assert reason in notes[0] and "no effect" in notes[0]
+def test_a_key_the_run_would_ignore_is_an_error(overrides: list[str], keys: list[str], phrase: str) -> None:
+    problems = problems_of(None, overrides)
+    assert [problem.path for problem in problems] == keys
+    for problem in problems:
+        assert phrase in problem.message
+        assert "it would have no effect; allowed: the default (" in problem.message
 
 
-def test_the_same_settings_are_active_on_a_model_the_run_builds() -> None:
+def test_an_ignored_key_says_how_to_make_it_count() -> None:
+    [problem] = problems_of(None, ["reward_model.model.fsdp_config.offload_policy.embedding=cpu"])
+    assert str(problem) == (
+        "reward_model.model.fsdp_config.offload_policy.embedding: got 'cpu', but this run builds no reward model "
+        "(reward_model.enable is false): it would have no effect; allowed: the default (null; leave the key out), "
+        "or set reward_model.enable=true")
+
+
+def test_the_same_keys_are_active_on_a_model_the_run_builds() -> None:
     config = load_config(None, ["actor_rollout_ref.actor.use_kl_loss=true",
                                 "actor_rollout_ref.ref.fsdp_config.param_offload=true",
                                 "actor_rollout_ref.ref.fsdp_config.offload_policy.transformer=gpu",
                                 "critic.fsdp_config.param_offload=true",
                                 "critic.fsdp_config.dynamic_offload.enabled=true"])
     assert config.use_reference and config.use_critic
-    assert inactive_settings(config) == []
 
 
 @pytest.mark.parametrize("key", ["optimizer_offload=true", "offload_grad_dtype=bf16"])
@@ -230,27 +234,32 @@ def test_the_same_settings_are_active_on_a_model_the_run_builds() -> None:
     ("actor_rollout_ref.ref.fsdp_config", "actor_rollout_ref.actor.use_kl_loss=true", "the reference policy"),
     ("reward_model.model.fsdp_config", "reward_model.enable=true", "the reward model"),
 ])
-def test_optimizer_settings_of_a_frozen_model_warn(model_dir: Path, prefix: str, enable: str, what: str,
-                                                     key: str) -> None:
-    config = load_config(None, [enable, f"reward_model.model.path={model_dir}", f"{prefix}.{key}"])
-    notes = inactive_settings(config)
-    assert notes == [f"{prefix}.{key.partition('=')[0]} is set, but {what} is frozen (no gradients, no optimizer): "
-                     "it has no effect"]
+def test_optimizer_settings_of_a_frozen_model_are_errors(model_dir: Path, prefix: str, enable: str, what: str,
+                                                         key: str) -> None:
+    name, _, value = key.partition("=")
+    default = "false" if name == "optimizer_offload" else "'fp32'"
+    problems = problems_of(None, [enable, f"reward_model.model.path={model_dir}", f"{prefix}.{key}"])
+    # Only this one: the check that bf16 host gradients sit beside fp32 masters has no gradients to judge.
+    assert [str(problem) for problem in problems] == [
+        f"{prefix}.{name}: got {value if value == 'true' else repr(value)}, but {what} is frozen (no gradients, "
+        f"no optimizer): it would have no effect; allowed: the default ({default}; leave the key out)"]
 
 
-def test_bf16_gradients_of_a_frozen_model_are_a_warning_not_an_error() -> None:
-    """The check that bf16 host gradients sit beside fp32 masters makes no sense where there are no gradients."""
-    config = load_config(None, ["actor_rollout_ref.actor.use_kl_loss=true",
-                                "actor_rollout_ref.ref.fsdp_config.offload_grad_dtype=bf16"])
-    assert len(inactive_settings(config)) == 1
-
-
-def test_settings_left_at_their_defaults_on_a_model_not_built_are_silent() -> None:
+def test_keys_left_at_their_defaults_on_a_model_not_built_are_fine(tmp_path: Path) -> None:
     # Written out explicitly (as a resolved config is), but equal to the defaults: nothing to say.
     config = load_config(None, [*GRPO_WITHOUT_KL, "critic.fsdp_config.param_offload=false",
                                 "actor_rollout_ref.ref.fsdp_config.dynamic_offload.enabled=false",
-                                "reward_model.model.fsdp_config.optimizer_offload=false"])
-    assert inactive_settings(config) == []
+                                "reward_model.model.fsdp_config.optimizer_offload=false",
+                                "dynamic_offload.min_transformer_layers_on_gpu=0"])
+    assert load_config(write(tmp_path / "resolved.yaml", dump_config(config))) == config
+
+
+def test_ignored_keys_are_reported_with_the_other_problems() -> None:
+    problems = problems_of(None, ["algorithm.adv_estimator=grpo", "critic.fsdp_config.param_offload=true",
+                                  "data.train_batch_size=100", "dynamic_offload.min_transformer_layers_on_gpu=1"])
+    assert [problem.path for problem in problems] == [
+        "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.n",
+        "critic.fsdp_config.param_offload", "dynamic_offload.min_transformer_layers_on_gpu"]
 
 
 # --------------------------------------------------------------------------- dynamic offload's levels
@@ -410,8 +419,8 @@ def test_dynamic_offload_starts_switched_on_when_any_model_enables_it(
 
 
 @pytest.mark.parametrize("example", ["quickstart.yaml", "grpo.yaml"])
-def test_the_runnable_examples_start_without_warnings(example: str) -> None:
-    assert inactive_settings(load_config(EXAMPLES / example)) == []
+def test_the_runnable_examples_load(example: str) -> None:
+    load_config(EXAMPLES / example)
 
 
 # ------------------------------------------------------------------------------------- bad configs
@@ -637,8 +646,6 @@ def test_the_7b_example_validates_once_its_paths_are_filled_in(model_dir: Path, 
         0.85, 4)
     assert (config.data.max_prompt_length, config.data.max_response_length) == (512, 1024)
     assert config.algorithm.use_kl_in_reward, "the KL penalty is what the offloaded reference is for"
-    # Every key of the example does something: no start-up warning.
-    assert inactive_settings(config) == []
 
 
 def test_the_schema_documents_every_field() -> None:

@@ -26,7 +26,6 @@ from trainer.config.schema import (
     TrainerConfig,
     check_semantics,
     dump_config,
-    inactive_settings,
     load_config,
     resolve_defaults,
     validate_config,
@@ -36,7 +35,6 @@ __all__ = [
     "BUILTIN_DATASETS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "DATA_FILE_SUFFIXES", "ActorConfig",
     "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError", "ConfigProblem", "CriticConfig", "DaemonConfig",
     "DataConfig", "DynamicOffloadConfig", "FSDPConfig", "LogLevel", "ModelConfig", "OptimConfig", "RolloutConfig",
-    "RunConfig", "Section", "TelemetryConfig", "TrainerConfig", "check_semantics", "dump_config", "inactive_settings",
-    "load_config",
+    "RunConfig", "Section", "TelemetryConfig", "TrainerConfig", "check_semantics", "dump_config", "load_config",
     "resolve_defaults", "validate_config",
 ]

@@ -653,26 +653,6 @@ def dump_config(config: RunConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
 
-def inactive_settings(config: RunConfig) -> list[str]:
-    """Accepted keys that have no effect on this run: each one gets a warning at start.
-
-    Only keys set away from their defaults are named, so a default config starts without a warning.
-    """
-    notes = []
-    for role, fsdp in config.fsdp_configs().items():
-        prefix = FSDP_PREFIX[role]
-        if fsdp.wrap_policy.transformer_layer_cls_to_wrap or fsdp.wrap_policy.min_num_params:
-            notes.append(f"{prefix}.wrap_policy is set, but only single-device runs exist yet: "
-                         "it has no effect")
-    notes += _settings_of_models_not_built(config)
-    notes += _training_settings_of_frozen_models(config)
-    actor = config.actor_rollout_ref.actor
-    if actor.sequence_parallel_offload:
-        notes.append("actor_rollout_ref.actor.sequence_parallel_offload is set, but sequence parallelism "
-                     "is not built yet")
-    return notes
-
-
 FSDP_PREFIX = {
     "actor": "actor_rollout_ref.actor.fsdp_config",
     "ref": "actor_rollout_ref.ref.fsdp_config",
@@ -690,48 +670,16 @@ def _fsdp_configs_by_role(config: RunConfig) -> dict[str, FSDPConfig]:
             "critic": config.critic.fsdp_config, "reward_model": config.reward_model.model.fsdp_config}
 
 
-def _keys_changed(section: Section, default: Section, prefix: str = "") -> list[str]:
-    """Dotted names of the leaves of `section` whose value differs from `default`'s."""
+def _keys_changed(section: Section, default: Section, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted name, value, default) of each leaf of `section` whose value differs from `default`'s."""
     changed = []
     for name in type(section).model_fields:
         value, default_value = getattr(section, name), getattr(default, name)
         if isinstance(value, Section):
             changed += _keys_changed(value, default_value, f"{prefix}{name}.")
         elif value != default_value:
-            changed.append(prefix + name)
+            changed.append((prefix + name, value, default_value))
     return changed
-
-
-def _settings_of_models_not_built(config: RunConfig) -> list[str]:
-    built = config.fsdp_configs()
-    why = {
-        "ref": "builds no reference policy (neither actor_rollout_ref.actor.use_kl_loss nor "
-               "algorithm.use_kl_in_reward is true)",
-        "critic": f"trains no critic (critic.enable is false; algorithm.adv_estimator="
-                  f"{config.algorithm.adv_estimator})",
-        "reward_model": "builds no reward model (reward_model.enable is false)",
-    }
-    notes = []
-    for role, fsdp in _fsdp_configs_by_role(config).items():
-        changed = _keys_changed(fsdp, FSDPConfig())
-        if role not in built and changed:
-            notes.append(f"{FSDP_PREFIX[role]} sets {', '.join(changed)}, but this run {why[role]}: "
-                         f"{'it has' if len(changed) == 1 else 'they have'} no effect")
-    return notes
-
-
-def _training_settings_of_frozen_models(config: RunConfig) -> list[str]:
-    notes = []
-    default = FSDPConfig()
-    for role, fsdp in config.fsdp_configs().items():
-        if role not in FROZEN_ROLES:
-            continue
-        what = "the reference policy" if role == "ref" else "the reward model"
-        for key in _TRAINING_ONLY_KEYS:
-            if getattr(fsdp, key) != getattr(default, key):
-                notes.append(f"{FSDP_PREFIX[role]}.{key} is set, but {what} is frozen (no gradients, no "
-                             "optimizer): it has no effect")
-    return notes
 
 
 # ------------------------------------------------------------------------------ semantic checks
@@ -750,14 +698,90 @@ def _check_files(config: RunConfig) -> list[ConfigProblem]:
 def _check_consistency(config: RunConfig) -> list[ConfigProblem]:
     """Checks of how fields fit together: they only make sense once every field is the user's own."""
     return (_check_batch_sizes(config) + _check_algorithm(config) + _check_devices(config)
-            + _check_offload(config))
+            + _check_offload(config) + _check_ignored_keys(config))
+
+
+def _check_ignored_keys(config: RunConfig) -> list[ConfigProblem]:
+    """Keys that this run would not act on: an error, not a warning, since whoever reads the config would
+    believe them. Only keys set away from their defaults are named, so a default config is clean, and so is
+    a resolved one (every default written out)."""
+    return (_settings_of_models_not_built(config) + _training_settings_of_frozen_models(config)
+            + _settings_not_built_yet(config) + _layer_minimum_without_dynamic_offload(config))
+
+
+def _ignored(key: str, value: Any, default: Any, why: str, remedy: str = "") -> ConfigProblem:
+    """A key set to `value` that the run would not act on, `why`, and what to do instead of setting it."""
+    return ConfigProblem(key, f"got {_show(value)}, but {why}: it would have no effect; allowed: the default "
+                         f"({_show(default)}; leave the key out){remedy}")
+
+
+def _settings_of_models_not_built(config: RunConfig) -> list[ConfigProblem]:
+    critic = ("critic.enable is false" if config.critic.enable is False else
+              f"critic.enable is unset, and algorithm.adv_estimator={config.algorithm.adv_estimator} needs none")
+    not_built = {
+        "ref": ("this run builds no reference policy (neither actor_rollout_ref.actor.use_kl_loss nor "
+                "algorithm.use_kl_in_reward is true)", ", or set one of them to true to build it"),
+        "critic": (f"this run trains no critic ({critic})", ", or set critic.enable=true"),
+        "reward_model": ("this run builds no reward model (reward_model.enable is false)",
+                         ", or set reward_model.enable=true"),
+    }
+    built = config.fsdp_configs()
+    problems = []
+    for role, fsdp in _fsdp_configs_by_role(config).items():
+        if role not in built:
+            why, remedy = not_built[role]
+            problems += [_ignored(f"{FSDP_PREFIX[role]}.{key}", value, default, why, remedy)
+                         for key, value, default in _keys_changed(fsdp, FSDPConfig())]
+    return problems
+
+
+def _training_settings_of_frozen_models(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    default = FSDPConfig()
+    for role, fsdp in config.fsdp_configs().items():
+        if role not in FROZEN_ROLES:
+            continue
+        what = "the reference policy" if role == "ref" else "the reward model"
+        for key in _TRAINING_ONLY_KEYS:
+            if getattr(fsdp, key) != getattr(default, key):
+                problems.append(_ignored(f"{FSDP_PREFIX[role]}.{key}", getattr(fsdp, key), getattr(default, key),
+                                         f"{what} is frozen (no gradients, no optimizer)"))
+    return problems
+
+
+def _settings_not_built_yet(config: RunConfig) -> list[ConfigProblem]:
+    """Keys of features that need several GPUs, while only single-device runs exist. (wrap_policy's
+    transformer_layer_cls_to_wrap is not one: the offload engine finds a model's blocks by it.)"""
+    problems = []
+    default = WrapPolicy().min_num_params
+    for role, fsdp in config.fsdp_configs().items():
+        if fsdp.wrap_policy.min_num_params != default:
+            problems.append(_ignored(f"{FSDP_PREFIX[role]}.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params,
+                                     default, "wrapping by size shapes sharding over several GPUs, and only "
+                                     "single-device runs exist yet"))
+    if config.actor_rollout_ref.actor.sequence_parallel_offload:
+        problems.append(_ignored("actor_rollout_ref.actor.sequence_parallel_offload", True, False,
+                                 "sequence parallelism is not built yet (it needs several GPUs)"))
+    return problems
+
+
+def _layer_minimum_without_dynamic_offload(config: RunConfig) -> list[ConfigProblem]:
+    """The layer minimum bounds dynamic offload only (the threshold also bounds per-phase placement)."""
+    minimum, default = config.dynamic_offload.min_transformer_layers_on_gpu, DynamicOffloadConfig()
+    if minimum == default.min_transformer_layers_on_gpu or any(
+            fsdp.dynamic_offload.enabled for fsdp in config.fsdp_configs().values()):
+        return []
+    return [_ignored("dynamic_offload.min_transformer_layers_on_gpu", minimum, default.min_transformer_layers_on_gpu,
+                     "no model this run builds has fsdp_config.dynamic_offload.enabled: true",
+                     ", or enable dynamic offload on a model, e.g. "
+                     "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true")]
 
 
 def _check_offload(config: RunConfig) -> list[ConfigProblem]:
     problems = []
     for role, fsdp in config.fsdp_configs().items():
         if role in FROZEN_ROLES:
-            continue  # no gradients at all: inactive_settings warns instead
+            continue  # no gradients at all: _training_settings_of_frozen_models names the key
         if fsdp.offload_grad_dtype == "bf16" and not (fsdp.optimizer_offload and fsdp.model_dtype == "bf16"):
             problems.append(ConfigProblem(
                 f"{FSDP_PREFIX[role]}.offload_grad_dtype",
