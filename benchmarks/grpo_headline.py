@@ -221,7 +221,7 @@ def overrides(args, reward_dir: Path, runs_dir: Path) -> list[str]:
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.optim.lr=1e-6",
         f"{fsdp}.model_dtype=bf16", f"{fsdp}.optimizer_offload=true", f"{fsdp}.offload_grad_dtype=bf16",
         f"{fsdp}.offload_policy={{embedding: cpu, lm_head: cpu}}",
-        f"{fsdp}.dynamic_offload={{enabled: true, gpu_memory_threshold: {args.threshold}}}",
+        f"{fsdp}.dynamic_offload.enabled=true", f"dynamic_offload.gpu_memory_threshold={args.threshold}",
         "actor_rollout_ref.ref.fsdp_config.model_dtype=bf16",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
         "reward_model.enable=true", f"reward_model.model.path={reward_dir}",

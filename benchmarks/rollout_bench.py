@@ -304,7 +304,7 @@ class Bench:
 
         fsdp = FSDPConfig.model_validate({
             "offload_policy": {"embedding": "cpu", "lm_head": "cpu"},
-            "dynamic_offload": {"enabled": True, "gpu_memory_threshold": THRESHOLD, "min_transformer_layers_on_gpu": 0},
+            "dynamic_offload": {"enabled": True},  # at THRESHOLD and no layer minimum: the settings below
         })
         probe = device_memory_probe(self.device)  # under the cap: (bytes this process holds, the cap)
         layer_bytes = _parameter_bytes(model.model.layers[0])

@@ -34,7 +34,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     # Import after argument parsing so --help is instant, and config errors show before torch loads.
-    from trainer.config import ConfigError, inactive_settings, load_config
+    from trainer.config import ConfigError, load_config
 
     try:
         config = load_config(args.config, args.overrides)
@@ -59,8 +59,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer.log, trainer.warn = reporter.info, reporter.warning
         trainer.observers.append(reporter)
         trainer.settings_listeners.append(lambda settings: reporter.set_level(settings.log_level))
-        for note in inactive_settings(config):
-            reporter.warning(note)
         for engine in trainer.offload_engines:
             for line in engine.summary_lines():
                 reporter.info(f"{engine.role}: {line}")

@@ -283,7 +283,7 @@ def test_a_rejected_setting_names_every_bad_field_and_changes_nothing(run, capsy
     assert_user_error(code, err, "nothing was changed")
     errors = [line for line in err.splitlines() if line.startswith("ERROR: ")]
     assert len(errors) == 2
-    assert errors[0].startswith("ERROR: gpu_memory_threshold: got 1.5") and "<= 1.0" in errors[0]
+    assert errors[0].startswith("ERROR: gpu_memory_threshold: got 1.5") and "a number > 0 and <= 1" in errors[0]
     assert errors[1].startswith("ERROR: min_transformer_layers_on_gpu: got -1")
     assert run.version == 3 and run.settings == LiveSettings()
     assert out == ""

@@ -130,9 +130,9 @@ def _write_parquet(path: Path, table: dict) -> str:
     return str(path)
 
 
-BAD_INPUTS = ["wrong type", "unknown key", "out of range", "bad choice", "missing model", "not a model dir",
-              "missing data file", "unknown data format", "no prompt column", "not parquet",
-              "reward function missing", "mini-batch", "grpo n", "malformed override", "broken yaml"]
+BAD_INPUTS = ["wrong type", "unknown key", "out of range", "moved key", "ignored key", "bad choice",
+              "missing model", "not a model dir", "missing data file", "unknown data format", "no prompt column",
+              "not parquet", "reward function missing", "mini-batch", "grpo n", "malformed override", "broken yaml"]
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
@@ -148,8 +148,10 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "wrong type": (["data.train_batch_size=abc"], "data.train_batch_size"),
         "unknown key": (["actor_rollout_ref.actor.optm.lr=1"], "did you mean 'optim'"),
-        "out of range": (["actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold=1.5"],
-                         "gpu_memory_threshold"),
+        "out of range": (["dynamic_offload.gpu_memory_threshold=1.5"], "dynamic_offload.gpu_memory_threshold"),
+        "moved key": (["actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold=0.8"],
+                      "set dynamic_offload.gpu_memory_threshold instead"),
+        "ignored key": (["reward_model.model.fsdp_config.param_offload=true"], "builds no reward model"),
         "bad choice": (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator"),
         "missing model": (["actor_rollout_ref.model.path=/nonexistent/model"], "actor_rollout_ref.model.path"),
         "not a model dir": ([f"actor_rollout_ref.model.path={not_a_model}"], "config.json"),

@@ -137,8 +137,8 @@ def live_run(tmp_path: Path) -> Iterator[LiveRun]:
     (on the CPU the engine times them with the host clock), and a minimum of layers for the layers chart."""
     with verl_train(tmp_path, "trainer.total_training_steps=2000",
                     "actor_rollout_ref.actor.fsdp_config.param_offload=true",
-                    f"actor_rollout_ref.actor.fsdp_config.dynamic_offload.min_transformer_layers_on_gpu="
-                    f"{MIN_LAYERS_ON_GPU}") as run:
+                    "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
+                    f"dynamic_offload.min_transformer_layers_on_gpu={MIN_LAYERS_ON_GPU}") as run:
         yield run
 
 

@@ -223,22 +223,36 @@ class ThresholdChange:
             self.link.inbox.append({"type": "settings", "version": 2, "values": values})
 
 
-def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
+# The keys that give a model 3 transformer layers and dynamic offload.
+SHAPE_AND_DYNAMIC_OFFLOAD = {
+    "actor": ("actor_rollout_ref.model.override_config", "actor_rollout_ref.actor.fsdp_config"),
+    "critic": ("critic.model.override_config", "critic.fsdp_config"),
+}
+
+
+def trainer_whose_threshold_drops(tmp_path, role: str, steps: int):
+    """A tiny PPO run where only `role` has dynamic offload (3 transformer layers, at least 1 on the GPU) on a
+    probed GPU 80% in use; after step 1 the daemon lowers the live threshold from 0.9 to 0.7."""
     from tests.trainer.test_training import TINY, FakeDaemonLink
     from trainer.config import load_config
     from trainer.loop import Trainer
 
+    shape, fsdp = SHAPE_AND_DYNAMIC_OFFLOAD[role]
     config = load_config(None, [
-        *TINY, "actor_rollout_ref.model.override_config={num_hidden_layers: 3, hidden_size: 32, intermediate_size: 64}",
-        "actor_rollout_ref.actor.fsdp_config.dynamic_offload={enabled: true, gpu_memory_threshold: 0.9, "
-        "min_transformer_layers_on_gpu: 1}",
-        "trainer.total_training_steps=3", f"trainer.runs_dir={tmp_path}"])
-    logs = []
+        *TINY, f"{shape}={{num_hidden_layers: 3, hidden_size: 32, intermediate_size: 64}}",
+        f"{fsdp}.dynamic_offload.enabled=true",
+        "dynamic_offload={gpu_memory_threshold: 0.9, min_transformer_layers_on_gpu: 1}",
+        f"trainer.total_training_steps={steps}", f"trainer.runs_dir={tmp_path}"])
+    logs: list[str] = []
     link = FakeDaemonLink()
     trainer = Trainer(config, log=logs.append, telemetry=link, memory_probe=Probe(0.8))
-    engine = trainer.dynamic_offload[0].engine
-
     trainer.observers.append(ThresholdChange(trainer, link, after_step=1, threshold=0.7))
+    return trainer, logs
+
+
+def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
+    trainer, logs = trainer_whose_threshold_drops(tmp_path, "actor", steps=3)
+    engine = trainer.dynamic_offload[0].engine
     trainer.fit()
     rows = trainer.metrics_log.read()
     others = sum(other.layers_on_gpu for other in trainer.offload_engines if other is not engine)
@@ -255,3 +269,13 @@ def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
     # 10 GB over the threshold and layers of a few KiB: all it may move go at once, down to the minimum.
     assert [line for line in logs if line.startswith("dynamic offload")] == [
         "dynamic offload: 2 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [actor]"]
+
+
+def test_a_run_where_only_the_critic_enables_dynamic_offload_moves_the_critics_layers(tmp_path):
+    """The live switch starts on when any model enables dynamic offload: it once followed the actor's section,
+    so a run where only the critic enabled it started paused and never moved a layer."""
+    trainer, logs = trainer_whose_threshold_drops(tmp_path, "critic", steps=2)
+    trainer.fit()
+    assert [row["offload/critic/transformer_layers_on_gpu"] for row in trainer.metrics_log.read()] == [3, 1]
+    assert [line for line in logs if line.startswith("dynamic offload")] == [
+        "dynamic offload: 2 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [critic]"]

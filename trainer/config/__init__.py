@@ -14,6 +14,7 @@ from trainer.config.schema import (
     CriticConfig,
     DaemonConfig,
     DataConfig,
+    DynamicOffloadConfig,
     FSDPConfig,
     LogLevel,
     ModelConfig,
@@ -25,7 +26,6 @@ from trainer.config.schema import (
     TrainerConfig,
     check_semantics,
     dump_config,
-    inactive_settings,
     load_config,
     resolve_defaults,
     validate_config,
@@ -34,7 +34,7 @@ from trainer.config.schema import (
 __all__ = [
     "BUILTIN_DATASETS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "DATA_FILE_SUFFIXES", "ActorConfig",
     "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError", "ConfigProblem", "CriticConfig", "DaemonConfig",
-    "DataConfig", "FSDPConfig", "LogLevel", "ModelConfig", "OptimConfig", "RolloutConfig", "RunConfig", "Section",
-    "TelemetryConfig", "TrainerConfig", "check_semantics", "dump_config", "inactive_settings", "load_config",
+    "DataConfig", "DynamicOffloadConfig", "FSDPConfig", "LogLevel", "ModelConfig", "OptimConfig", "RolloutConfig",
+    "RunConfig", "Section", "TelemetryConfig", "TrainerConfig", "check_semantics", "dump_config", "load_config",
     "resolve_defaults", "validate_config",
 ]

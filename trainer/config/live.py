@@ -3,7 +3,9 @@
 The daemon validates a change (all or nothing), keeps the current values, forwards them to the
 trainer and re-sends them after a trainer restart; the trainer applies them at its next safe
 point and acknowledges with the step. Names are what ``PATCH /v1/settings`` and ``verl set``
-take; ``dynamic_offload.enabled`` keeps the config's dotted name.
+take. The threshold and the layer minimum start from the config's run-wide ``dynamic_offload``
+section; ``dynamic_offload.enabled`` is the one switch over every model whose
+``fsdp_config.dynamic_offload.enabled`` is true.
 """
 
 from __future__ import annotations
@@ -13,28 +15,46 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
-from trainer.config.schema import LogLevel, RunConfig
+from trainer.config.schema import (
+    DaemonConfig,
+    DynamicOffloadConfig,
+    GpuSampleInterval,
+    LayerMinimum,
+    LogLevel,
+    MemoryThreshold,
+    PcieSampleInterval,
+    RunConfig,
+    Section,
+    TelemetryConfig,
+    describe_allowed,
+)
+
+
+def _as_configured(section: type[Section], name: str) -> Any:
+    """The config field's default and docstring: a live setting that a config sets states neither again."""
+    field = section.model_fields[name]
+    return Field(field.default, description=field.description)
 
 
 class LiveSettings(BaseModel):
-    """The current value of every live setting."""
+    """The current value of every live setting.
+
+    The types (and so the bounds) are the config's own; the defaults and descriptions too, but for the one
+    setting that only exists live (dynamic_offload.enabled).
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True,
                               use_attribute_docstrings=True)
 
-    gpu_memory_threshold: float = Field(0.85, gt=0.0, le=1.0)
-    """Fraction of GPU memory in use above which dynamic offload moves layers to the CPU."""
-    min_transformer_layers_on_gpu: int = Field(0, ge=0)
-    """Never keep fewer transformer layers on the GPU."""
+    gpu_memory_threshold: MemoryThreshold = _as_configured(DynamicOffloadConfig, "gpu_memory_threshold")
+    min_transformer_layers_on_gpu: LayerMinimum = _as_configured(DynamicOffloadConfig, "min_transformer_layers_on_gpu")
     dynamic_offload_enabled: bool = Field(False, alias="dynamic_offload.enabled")
-    """Whether dynamic offload may move layers at all."""
-    gpu_sample_interval_s: float = Field(1.0, ge=0.05, le=60.0)
-    """Seconds between GPU samples."""
-    pcie_sample_interval_s: float = Field(10.0, ge=1.0, le=600.0)
-    """Seconds between PCIe throughput samples."""
-    log_level: LogLevel = "info"
-    """Least severe log lines kept."""
+    """Pauses (false) or resumes every dynamically offloaded model; starts true when any model enables it."""
+    gpu_sample_interval_s: GpuSampleInterval = _as_configured(TelemetryConfig, "gpu_sample_interval_s")
+    pcie_sample_interval_s: PcieSampleInterval = _as_configured(TelemetryConfig, "pcie_sample_interval_s")
+    log_level: LogLevel = _as_configured(DaemonConfig, "log_level")
 
     def public(self) -> dict[str, Any]:
         """Values under their public names, as the API shows them."""
@@ -73,12 +93,12 @@ class SettingsRejected(ValueError):
 
 
 def initial_live_settings(config: RunConfig) -> LiveSettings:
-    """The run's starting values, from the actor's dynamic_offload and the telemetry/daemon sections."""
-    dynamic = config.actor_rollout_ref.actor.fsdp_config.dynamic_offload
+    """The run's starting values, from the dynamic_offload, telemetry and daemon sections; dynamic offload
+    starts switched on when any model the run builds enables it."""
     return LiveSettings.model_validate({
-        "gpu_memory_threshold": dynamic.gpu_memory_threshold,
-        "min_transformer_layers_on_gpu": dynamic.min_transformer_layers_on_gpu,
-        "dynamic_offload.enabled": dynamic.enabled,
+        "gpu_memory_threshold": config.dynamic_offload.gpu_memory_threshold,
+        "min_transformer_layers_on_gpu": config.dynamic_offload.min_transformer_layers_on_gpu,
+        "dynamic_offload.enabled": any(fsdp.dynamic_offload.enabled for fsdp in config.fsdp_configs().values()),
         "gpu_sample_interval_s": config.telemetry.gpu_sample_interval_s,
         "pcie_sample_interval_s": config.telemetry.pcie_sample_interval_s,
         "log_level": config.daemon.log_level,
@@ -108,14 +128,7 @@ def _describe(error: Mapping[str, Any]) -> SettingProblem:
     return SettingProblem(name, f"got {error.get('input')!r}: {error['msg'].lower()}{allowed}")
 
 
-def _allowed(field) -> str:
-    bounds = []
-    for constraint in field.metadata:
-        for attribute, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
-            value = getattr(constraint, attribute, None)
-            if value is not None:
-                bounds.append(f"{symbol} {value}")
-    if not bounds:
-        return ""  # pydantic's message already lists the choices or names the type
-    kind = {float: "a number", int: "an integer"}.get(field.annotation, str(field.annotation))
-    return f"; allowed: {kind} {' and '.join(bounds)}"
+def _allowed(field: FieldInfo) -> str:
+    if not field.metadata:
+        return ""  # no bounds: pydantic's message already lists the choices or names the type
+    return f"; allowed: {describe_allowed(field.annotation, field)}"

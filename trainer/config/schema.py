@@ -20,12 +20,13 @@ import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import annotated_types
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-qwen2",)
@@ -38,12 +39,20 @@ LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-me
 # maps them, and a test keeps this list equal to the estimators it knows.
 KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 
+# The values a config sets and the live settings (trainer.config.live.LiveSettings) may change while the run goes
+# on: each bound is written here once, and both the schema and the live settings take these types.
+MemoryThreshold = Annotated[float, Field(gt=0.0, le=1.0)]
+LayerMinimum = Annotated[int, Field(ge=0)]
+GpuSampleInterval = Annotated[float, Field(ge=0.05, le=60.0)]
+PcieSampleInterval = Annotated[float, Field(ge=1.0, le=600.0)]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
 
 # ------------------------------------------------------------------------------ field helpers
 # Used by the validators below (defaults are validated as the classes are defined) and by the messages.
 
 
-def _describe_allowed(annotation: Any, field: FieldInfo | None) -> str:
+def describe_allowed(annotation: Any, field: FieldInfo | None) -> str:
     """What a field takes, in words: "an integer >= 1", "a number > 0 and <= 1", "'gae' or 'grpo'"."""
     annotation = _unwrap_optional(annotation)
     if typing.get_origin(annotation) is Literal:
@@ -104,11 +113,12 @@ class Section(BaseModel):
 
         Pydantic's lax mode would read `true` as 1 for a number; a boolean given for a number is a mistake.
         """
-        annotation = cls.model_fields[info.field_name].annotation
+        field = cls.model_fields[info.field_name or ""]  # "*" validators always run for a field
+        annotation = field.annotation
         if value is None and _section_type(annotation) is not None:
             return {}
         if isinstance(value, bool) and _number_type(annotation):
-            allowed = _describe_allowed(annotation, cls.model_fields[info.field_name])
+            allowed = describe_allowed(annotation, field)
             raise ValueError(f"got {_show(value)}, a boolean; allowed: {allowed}")
         return value
 
@@ -128,12 +138,27 @@ class OffloadPolicy(Section):
 
 
 class DynamicOffload(Section):
+    """Per model: whether dynamic offload may move this model's transformer layers.
+
+    How far it moves them is run-wide (the top-level dynamic_offload section, DynamicOffloadConfig).
+    """
+
     enabled: bool = False
-    """Move transformer layers to the CPU while GPU memory in use is above the threshold."""
-    gpu_memory_threshold: float = Field(0.85, gt=0.0, le=1.0)
-    """Fraction of GPU memory in use (0 to 1] above which layers move off the GPU."""
-    min_transformer_layers_on_gpu: int = Field(0, ge=0)
-    """Never keep fewer transformer layers than this on the GPU."""
+    """Let dynamic offload move this model's transformer layers to the CPU (at dynamic_offload's levels)."""
+
+
+class DynamicOffloadConfig(Section):
+    """The run-wide levels of dynamic offload (the top-level dynamic_offload section), for every model whose
+    fsdp_config.dynamic_offload.enabled is true. Both are live settings too (`verl set`, PATCH /v1/settings).
+
+    Run-wide, with no per-model copy: the device memory in use is one number for the whole GPU, whichever
+    model's layers fill it, and all of a run's models share that one budget.
+    """
+
+    gpu_memory_threshold: MemoryThreshold = 0.85
+    """Fraction of GPU memory in use (0 to 1] above which transformer layers move off the GPU."""
+    min_transformer_layers_on_gpu: LayerMinimum = 0
+    """Fewest transformer layers each dynamically offloaded model keeps on the GPU."""
 
 
 class WrapPolicy(Section):
@@ -151,7 +176,7 @@ class FSDPConfig(Section):
     offload_policy: OffloadPolicy = OffloadPolicy()
     """Placement of each module group: embedding, lm_head, transformer, norm."""
     dynamic_offload: DynamicOffload = DynamicOffload()
-    """Move transformer layers off the GPU under memory pressure."""
+    """Whether this model's transformer layers move off the GPU under memory pressure (levels: dynamic_offload)."""
     wrap_policy: WrapPolicy = WrapPolicy()
     """How the model is split into units for sharding and offload."""
     model_dtype: Literal["fp32", "bf16"] = "fp32"
@@ -161,7 +186,7 @@ class FSDPConfig(Section):
 
     def placement(self, group: str) -> Placement:
         """Where a module group lives once param_offload and offload_policy are combined."""
-        explicit = getattr(self.offload_policy, group)
+        explicit: Placement | None = getattr(self.offload_policy, group)
         if explicit is not None:
             return explicit
         return "cpu" if self.param_offload else "gpu"
@@ -472,9 +497,6 @@ class TrainerConfig(Section):
         return Path(self.runs_dir) / self.experiment_name
 
 
-LogLevel = Literal["debug", "info", "warning", "error"]
-
-
 class TelemetryConfig(Section):
     host: str = "127.0.0.1"
     """Address the API binds; anything but loopback exposes it beyond this machine (token still needed)."""
@@ -482,9 +504,9 @@ class TelemetryConfig(Section):
     """API port; 0 picks a free one (printed at start and kept in the runtime file)."""
     public_metrics: bool = False
     """Serve /metrics without the token, for a Prometheus that cannot send it."""
-    gpu_sample_interval_s: float = Field(1.0, ge=0.05, le=60.0)
+    gpu_sample_interval_s: GpuSampleInterval = 1.0
     """Seconds between GPU samples (utilization, memory, power, temperature)."""
-    pcie_sample_interval_s: float = Field(10.0, ge=1.0, le=600.0)
+    pcie_sample_interval_s: PcieSampleInterval = 10.0
     """Seconds between PCIe throughput samples (each NVML call blocks ~20 ms)."""
     history_seconds: int = Field(900, ge=10, le=86400)
     """How far back the daemon keeps samples for monitors that attach late."""
@@ -504,7 +526,7 @@ class DaemonConfig(Section):
     state_dir: str | None = None
     """Where runtime files live; unset uses $VERL_STATE_DIR, else $XDG_STATE_HOME/verl, else ~/.local/state/verl."""
     log_level: LogLevel = "info"
-    """Least severe log lines kept by the daemon and the trainer (a live setting too)."""
+    """Least severe log lines kept by the daemon and the trainer."""
 
 
 class RunConfig(Section):
@@ -524,6 +546,8 @@ class RunConfig(Section):
     """Prompts and lengths."""
     trainer: TrainerConfig = TrainerConfig()
     """Length of the run, checkpoints, device."""
+    dynamic_offload: DynamicOffloadConfig = DynamicOffloadConfig()
+    """Run-wide threshold and layer minimum of dynamic offload (which models it moves: their fsdp_config)."""
     telemetry: TelemetryConfig = TelemetryConfig()
     """The daemon's API: address, token use, sampling."""
     daemon: DaemonConfig = DaemonConfig()
@@ -573,7 +597,7 @@ class ConfigError(Exception):
         super().__init__("\n".join(str(problem) for problem in self.problems))
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> RunConfig:
     """Read a YAML file, apply ``key.path=value`` overrides, validate, resolve derived defaults.
 
     Raises ConfigError naming every problem at once.
@@ -629,27 +653,6 @@ def dump_config(config: RunConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
 
-def inactive_settings(config: RunConfig) -> list[str]:
-    """Accepted keys that have no effect on this run: each one gets a warning at start.
-
-    Only keys set away from their defaults are named, so a default config starts without a warning.
-    """
-    notes = []
-    for role, fsdp in config.fsdp_configs().items():
-        prefix = FSDP_PREFIX[role]
-        if fsdp.wrap_policy.transformer_layer_cls_to_wrap or fsdp.wrap_policy.min_num_params:
-            notes.append(f"{prefix}.wrap_policy is set, but only single-device runs exist yet: "
-                         "it has no effect")
-    notes += _settings_of_models_not_built(config)
-    notes += _training_settings_of_frozen_models(config)
-    notes += _dynamic_offload_settings_not_followed(config)
-    actor = config.actor_rollout_ref.actor
-    if actor.sequence_parallel_offload:
-        notes.append("actor_rollout_ref.actor.sequence_parallel_offload is set, but sequence parallelism "
-                     "is not built yet")
-    return notes
-
-
 FSDP_PREFIX = {
     "actor": "actor_rollout_ref.actor.fsdp_config",
     "ref": "actor_rollout_ref.ref.fsdp_config",
@@ -667,66 +670,16 @@ def _fsdp_configs_by_role(config: RunConfig) -> dict[str, FSDPConfig]:
             "critic": config.critic.fsdp_config, "reward_model": config.reward_model.model.fsdp_config}
 
 
-def _keys_changed(section: Section, default: Section, prefix: str = "") -> list[str]:
-    """Dotted names of the leaves of `section` whose value differs from `default`'s."""
+def _keys_changed(section: Section, default: Section, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted name, value, default) of each leaf of `section` whose value differs from `default`'s."""
     changed = []
     for name in type(section).model_fields:
         value, default_value = getattr(section, name), getattr(default, name)
         if isinstance(value, Section):
             changed += _keys_changed(value, default_value, f"{prefix}{name}.")
         elif value != default_value:
-            changed.append(prefix + name)
+            changed.append((prefix + name, value, default_value))
     return changed
-
-
-def _settings_of_models_not_built(config: RunConfig) -> list[str]:
-    built = config.fsdp_configs()
-    why = {
-        "ref": "builds no reference policy (neither actor_rollout_ref.actor.use_kl_loss nor "
-               "algorithm.use_kl_in_reward is true)",
-        "critic": f"trains no critic (critic.enable is false; algorithm.adv_estimator="
-                  f"{config.algorithm.adv_estimator})",
-        "reward_model": "builds no reward model (reward_model.enable is false)",
-    }
-    notes = []
-    for role, fsdp in _fsdp_configs_by_role(config).items():
-        changed = _keys_changed(fsdp, FSDPConfig())
-        if role not in built and changed:
-            notes.append(f"{FSDP_PREFIX[role]} sets {', '.join(changed)}, but this run {why[role]}: "
-                         f"{'it has' if len(changed) == 1 else 'they have'} no effect")
-    return notes
-
-
-def _training_settings_of_frozen_models(config: RunConfig) -> list[str]:
-    notes = []
-    default = FSDPConfig()
-    for role, fsdp in config.fsdp_configs().items():
-        if role not in FROZEN_ROLES:
-            continue
-        what = "the reference policy" if role == "ref" else "the reward model"
-        for key in _TRAINING_ONLY_KEYS:
-            if getattr(fsdp, key) != getattr(default, key):
-                notes.append(f"{FSDP_PREFIX[role]}.{key} is set, but {what} is frozen (no gradients, no "
-                             "optimizer): it has no effect")
-    return notes
-
-
-def _dynamic_offload_settings_not_followed(config: RunConfig) -> list[str]:
-    """Every model's dynamic offload follows one threshold and one layer minimum: the actor's, which are live
-    settings. Another model's own values are moot, unless they say the same."""
-    actor = config.actor_rollout_ref.actor.fsdp_config.dynamic_offload
-    default = DynamicOffload()
-    notes = []
-    for role, fsdp in config.fsdp_configs().items():
-        if role == "actor":
-            continue
-        for key in ("gpu_memory_threshold", "min_transformer_layers_on_gpu"):
-            value = getattr(fsdp.dynamic_offload, key)
-            if value not in (getattr(default, key), getattr(actor, key)):
-                notes.append(f"{FSDP_PREFIX[role]}.dynamic_offload.{key} is set, but every model follows "
-                             f"actor_rollout_ref.actor.fsdp_config.dynamic_offload.{key} (a live setting): "
-                             "it has no effect")
-    return notes
 
 
 # ------------------------------------------------------------------------------ semantic checks
@@ -745,14 +698,90 @@ def _check_files(config: RunConfig) -> list[ConfigProblem]:
 def _check_consistency(config: RunConfig) -> list[ConfigProblem]:
     """Checks of how fields fit together: they only make sense once every field is the user's own."""
     return (_check_batch_sizes(config) + _check_algorithm(config) + _check_devices(config)
-            + _check_offload(config))
+            + _check_offload(config) + _check_ignored_keys(config))
+
+
+def _check_ignored_keys(config: RunConfig) -> list[ConfigProblem]:
+    """Keys that this run would not act on: an error, not a warning, since whoever reads the config would
+    believe them. Only keys set away from their defaults are named, so a default config is clean, and so is
+    a resolved one (every default written out)."""
+    return (_settings_of_models_not_built(config) + _training_settings_of_frozen_models(config)
+            + _settings_not_built_yet(config) + _layer_minimum_without_dynamic_offload(config))
+
+
+def _ignored(key: str, value: Any, default: Any, why: str, remedy: str = "") -> ConfigProblem:
+    """A key set to `value` that the run would not act on, `why`, and what to do instead of setting it."""
+    return ConfigProblem(key, f"got {_show(value)}, but {why}: it would have no effect; allowed: the default "
+                         f"({_show(default)}; leave the key out){remedy}")
+
+
+def _settings_of_models_not_built(config: RunConfig) -> list[ConfigProblem]:
+    critic = ("critic.enable is false" if config.critic.enable is False else
+              f"critic.enable is unset, and algorithm.adv_estimator={config.algorithm.adv_estimator} needs none")
+    not_built = {
+        "ref": ("this run builds no reference policy (neither actor_rollout_ref.actor.use_kl_loss nor "
+                "algorithm.use_kl_in_reward is true)", ", or set one of them to true to build it"),
+        "critic": (f"this run trains no critic ({critic})", ", or set critic.enable=true"),
+        "reward_model": ("this run builds no reward model (reward_model.enable is false)",
+                         ", or set reward_model.enable=true"),
+    }
+    built = config.fsdp_configs()
+    problems = []
+    for role, fsdp in _fsdp_configs_by_role(config).items():
+        if role not in built:
+            why, remedy = not_built[role]
+            problems += [_ignored(f"{FSDP_PREFIX[role]}.{key}", value, default, why, remedy)
+                         for key, value, default in _keys_changed(fsdp, FSDPConfig())]
+    return problems
+
+
+def _training_settings_of_frozen_models(config: RunConfig) -> list[ConfigProblem]:
+    problems = []
+    default = FSDPConfig()
+    for role, fsdp in config.fsdp_configs().items():
+        if role not in FROZEN_ROLES:
+            continue
+        what = "the reference policy" if role == "ref" else "the reward model"
+        for key in _TRAINING_ONLY_KEYS:
+            if getattr(fsdp, key) != getattr(default, key):
+                problems.append(_ignored(f"{FSDP_PREFIX[role]}.{key}", getattr(fsdp, key), getattr(default, key),
+                                         f"{what} is frozen (no gradients, no optimizer)"))
+    return problems
+
+
+def _settings_not_built_yet(config: RunConfig) -> list[ConfigProblem]:
+    """Keys of features that need several GPUs, while only single-device runs exist. (wrap_policy's
+    transformer_layer_cls_to_wrap is not one: the offload engine finds a model's blocks by it.)"""
+    problems = []
+    default = WrapPolicy().min_num_params
+    for role, fsdp in config.fsdp_configs().items():
+        if fsdp.wrap_policy.min_num_params != default:
+            problems.append(_ignored(f"{FSDP_PREFIX[role]}.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params,
+                                     default, "wrapping by size shapes sharding over several GPUs, and only "
+                                     "single-device runs exist yet"))
+    if config.actor_rollout_ref.actor.sequence_parallel_offload:
+        problems.append(_ignored("actor_rollout_ref.actor.sequence_parallel_offload", True, False,
+                                 "sequence parallelism is not built yet (it needs several GPUs)"))
+    return problems
+
+
+def _layer_minimum_without_dynamic_offload(config: RunConfig) -> list[ConfigProblem]:
+    """The layer minimum bounds dynamic offload only (the threshold also bounds per-phase placement)."""
+    minimum, default = config.dynamic_offload.min_transformer_layers_on_gpu, DynamicOffloadConfig()
+    if minimum == default.min_transformer_layers_on_gpu or any(
+            fsdp.dynamic_offload.enabled for fsdp in config.fsdp_configs().values()):
+        return []
+    return [_ignored("dynamic_offload.min_transformer_layers_on_gpu", minimum, default.min_transformer_layers_on_gpu,
+                     "no model this run builds has fsdp_config.dynamic_offload.enabled: true",
+                     ", or enable dynamic offload on a model, e.g. "
+                     "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true")]
 
 
 def _check_offload(config: RunConfig) -> list[ConfigProblem]:
     problems = []
     for role, fsdp in config.fsdp_configs().items():
         if role in FROZEN_ROLES:
-            continue  # no gradients at all: inactive_settings warns instead
+            continue  # no gradients at all: _training_settings_of_frozen_models names the key
         if fsdp.offload_grad_dtype == "bf16" and not (fsdp.optimizer_offload and fsdp.model_dtype == "bf16"):
             problems.append(ConfigProblem(
                 f"{FSDP_PREFIX[role]}.offload_grad_dtype",
@@ -1026,10 +1055,9 @@ def _apply_override(raw: dict[str, Any], override: str) -> ConfigProblem | None:
         field = section.model_fields.get(part) if section is not None else None
         # An unknown key is left for pydantic, which reports it with a suggestion; a free-form dict
         # (override_config) takes any key below it.
-        is_setting = field is not None and _section_type(field.annotation) is None
-        if is_setting and not _is_mapping(field.annotation):
+        if field is not None and _section_type(field.annotation) is None and not _is_mapping(field.annotation):
             return ConfigProblem(prefix, f"got the override {key}=..., but {prefix} is a setting, not a "
-                                 f"section; allowed: {prefix}=<{_describe_allowed(field.annotation, field)}>")
+                                 f"section; allowed: {prefix}=<{describe_allowed(field.annotation, field)}>")
         section = _section_type(field.annotation) if field is not None else None
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
@@ -1066,14 +1094,14 @@ _WHY_WRONG = {
 }
 
 
-def _describe_pydantic_error(error: dict[str, Any]) -> ConfigProblem:
+def _describe_pydantic_error(error: ErrorDetails) -> ConfigProblem:
     location = list(error["loc"])
     path = _dotted(location)
     kind = error["type"]
     given = error.get("input")
     field = _field_at(location)
     if kind == "extra_forbidden":
-        return ConfigProblem(path, _unknown_key(location))
+        return ConfigProblem(path, _moved_key(location, given) or _unknown_key(location))
     if kind == "missing":
         return ConfigProblem(path, "is missing")
     if kind == "value_error":  # the validators in this module write whole "got ...; allowed: ..." messages
@@ -1092,7 +1120,7 @@ def _describe_pydantic_error(error: dict[str, Any]) -> ConfigProblem:
     why = _WHY_WRONG.get(kind)
     if why is None:
         return ConfigProblem(path, f"got {_show(given)}; {error['msg']}")
-    return ConfigProblem(path, f"got {_show(given)}, {why}; allowed: {_describe_allowed(annotation, field)}")
+    return ConfigProblem(path, f"got {_show(given)}, {why}; allowed: {describe_allowed(annotation, field)}")
 
 
 def _dotted(location: Sequence[Any]) -> str:
@@ -1103,6 +1131,31 @@ def _dotted(location: Sequence[Any]) -> str:
         else:
             text += ("." if text else "") + str(part)
     return text
+
+
+# Keys a section does not have (any more) that are set elsewhere: (that section, the key) -> why, and where.
+# The levels of dynamic offload were per model until they became run-wide.
+_MOVED_KEYS: dict[tuple[type[Section], str], str] = {
+    (DynamicOffload, "gpu_memory_threshold"):
+        "the threshold is run-wide now (GPU memory in use is one number for all models): "
+        "set dynamic_offload.gpu_memory_threshold instead",
+    (DynamicOffload, "min_transformer_layers_on_gpu"):
+        "the layer minimum is run-wide now (it applies to each dynamically offloaded model): "
+        "set dynamic_offload.min_transformer_layers_on_gpu instead",
+    (DynamicOffloadConfig, "enabled"):
+        "dynamic offload is enabled per model (which models' layers may move): set it in each model's "
+        "fsdp_config instead, e.g. actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
+}
+
+
+def _moved_key(location: Sequence[Any], given: Any) -> str | None:
+    """Where an unknown key that its section used to have is set now; None for any other unknown key."""
+    parent = _field_at(location[:-1]) if len(location) > 1 else None
+    section = _section_type(parent.annotation) if parent is not None else None
+    if section is None or (section, str(location[-1])) not in _MOVED_KEYS:
+        return None
+    return (f"got {_show(given)}, but {_MOVED_KEYS[section, str(location[-1])]}; "
+            f"allowed: {', '.join(section.model_fields)}")
 
 
 def _unknown_key(location: Sequence[Any]) -> str:
