@@ -100,10 +100,10 @@ class Streamer:
     def _compute_param(self, slot: Slot, unit: Unit, index: int) -> nn.Parameter:
         master = unit.entries[index].parameter
         assert slot.data is not None
-        parameter = nn.Parameter(typed_view(slot.data, unit.offsets[index], unit.compute_like[index]),
-                                 requires_grad=master.requires_grad)
+        parameter = nn.Parameter(typed_view(slot.data, unit.offsets[index], unit.compute_like[index]))
         # Registered while it requires grad; it stays for when the master is unfrozen later.
         parameter.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, unit))
+        parameter.requires_grad_(master.requires_grad)
         return parameter
 
     def renumber(self) -> None:
