@@ -1,0 +1,326 @@
+"""Whole training steps of the real trainer: all on the GPU, offloaded under a memory cap, and the actor
+on FSDP2's CPUOffloadPolicy, on the same shapes, data and seed (issue 14's measure).
+
+    python benchmarks/e2e_bench.py --shape headline --out r.json   # 7B GRPO + reference + 1.5B reward model, 40 GiB cap
+    python benchmarks/e2e_bench.py --shape ppo3b --out r.json      # 3B-class PPO with a critic, 12 GiB cap
+    python benchmarks/e2e_bench.py --shape quick --device cpu      # the smoke shape the test suite runs
+    python benchmarks/e2e_bench.py --report r.json                 # print a saved run's table again
+
+Each variant runs in a process of its own (a fresh CUDA context and allocator, and a cap that cannot leak
+into the next one) through `Trainer.fit`, what `verl train`'s trainer process runs. Steps after the first
+are the steady state (the first allocates the optimizer states and warms CUDA up); their mean is reported:
+each phase's seconds (verl's timing_s/*) as a ratio against the all-GPU run, the bytes copied each way per
+step against the PCIe floor (bytes / the pinned bandwidth measured in the same process), and the
+transformer layers moved per step.
+
+Variants: `all_gpu` (every group and the optimizer on the GPU, bf16, no cap: where it fits), `offload`
+(the shape's offload settings under the cap) and `fsdp2` (the actor under torch's fully_shard with
+CPUOffloadPolicy on a one-GPU mesh, the other models on the GPU, under the cap: the trainer has no FSDP2
+path yet, so the benchmark places the actor itself; GPU only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.grpo_headline import QUICK_ACTOR, QUICK_REWARD, REWARD_SHAPE, StepsOnly, flow, save_reward_model  # noqa: E402
+from benchmarks.offload_bench import GIB, SHAPE, machine  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = ("all_gpu", "offload", "fsdp2")
+QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
+               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+"""Qwen2.5-3B's shape (tied embeddings)."""
+OFFLOADED = {"model_dtype": "bf16", "optimizer_offload": True, "offload_grad_dtype": "bf16",
+             "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}, "dynamic_offload": {"enabled": True}}
+"""The offload settings of a trained model (actor, critic) in the `offload` variant."""
+
+
+def _actor_shape(shape: str) -> dict[str, Any]:
+    if shape == "headline":
+        return {key: SHAPE[key] for key in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                            "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                            "tie_word_embeddings")}
+    return QWEN_3B if shape == "ppo3b" else QUICK_ACTOR
+
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "headline": {"cap_gib": 40.0, "algorithm": "grpo", "prompts": 8, "n": 4, "response_length": 128,
+                 "reference": True, "reward_model": True},
+    "ppo3b": {"cap_gib": 12.0, "algorithm": "gae", "prompts": 16, "n": 1, "response_length": 128,
+              "reference": False, "reward_model": False},
+    "quick": {"cap_gib": 0.0, "algorithm": "gae", "prompts": 4, "n": 2, "response_length": 8,
+              "reference": True, "reward_model": True},
+}
+
+
+def fsdp_overrides(prefix: str, settings: dict[str, Any]) -> list[str]:
+    return [f"{prefix}.{key}={flow(value) if isinstance(value, dict) else str(value).lower()}"
+            for key, value in settings.items()]
+
+
+def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir: Path | None,
+              steps: int) -> list[str]:
+    spec = SHAPES[shape]
+    actor = "actor_rollout_ref.actor.fsdp_config"
+    trained = OFFLOADED if variant == "offload" else {"model_dtype": "bf16"}
+    plain = {"model_dtype": "bf16"}
+    rows = [
+        f"algorithm.adv_estimator={spec['algorithm']}", "algorithm.use_kl_in_reward=false",
+        "data.train_files=[builtin:counting]", f"data.train_batch_size={spec['prompts']}",
+        "data.max_prompt_length=16", f"data.max_response_length={spec['response_length']}",
+        "actor_rollout_ref.model.path=builtin:tiny-qwen2",
+        f"actor_rollout_ref.model.override_config={flow(_actor_shape(shape))}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        f"actor_rollout_ref.rollout.n={spec['n']}", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={spec['prompts']}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-6",
+        f"actor_rollout_ref.actor.use_kl_loss={str(spec['reference']).lower()}",
+        *fsdp_overrides(actor, trained if variant != "fsdp2" else plain),
+        "dynamic_offload.gpu_memory_threshold=0.9",
+        f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", f"trainer.device={device}",
+        f"trainer.runs_dir={runs_dir}", f"trainer.experiment_name=e2e-{shape}-{variant}",
+    ]
+    if spec["reference"]:
+        rows += [*fsdp_overrides("actor_rollout_ref.ref.fsdp_config", plain),
+                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"]
+    if spec["algorithm"] == "gae":
+        rows += ["critic.enable=true", "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-5",
+                 *fsdp_overrides("critic.fsdp_config", OFFLOADED if variant == "offload" else plain)]
+    else:
+        rows.append("critic.enable=false")
+    if reward_dir is not None:
+        rows += ["reward_model.enable=true", f"reward_model.model.path={reward_dir}",
+                 "reward_model.model.fsdp_config.model_dtype=bf16", "reward_model.micro_batch_size_per_gpu=8"]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ child
+
+
+def pinned_bandwidth(device: torch.device) -> dict[str, float]:
+    """Host-to-device and device-to-host GB/s of a 1 GiB pinned copy (the floor's denominator)."""
+    if device.type != "cuda":
+        return {"h2d": float("nan"), "d2h": float("nan")}
+    host = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(GIB, dtype=torch.uint8, device=device)
+    result = {}
+    for direction, copy in (("h2d", lambda: target.copy_(host, non_blocking=True)),
+                            ("d2h", lambda: host.copy_(target, non_blocking=True))):
+        copy()
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(3):
+            copy()
+        torch.cuda.synchronize(device)
+        result[direction] = 3 * GIB / (time.perf_counter() - started) / 1e9
+    return result
+
+
+def place_actor_on_fsdp2(device: torch.device) -> None:
+    """The `fsdp2` variant: the memory manager hands the actor to fully_shard with CPUOffloadPolicy."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from trainer.memory import MemoryManager
+
+    import trainer.loop
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device)
+
+    class FSDP2Actor(MemoryManager):
+        def place(self, model, fsdp_config, role):
+            if role != "actor":
+                return super().place(model, fsdp_config, role)
+            policy = CPUOffloadPolicy(pin_memory=True)
+            for layer in model.model.layers:
+                fully_shard(layer, offload_policy=policy)
+            fully_shard(model, offload_policy=policy)
+            return model
+
+    trainer.loop.MemoryManager = FSDP2Actor
+
+
+def run_variant(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    spec = SHAPES[args.shape]
+    capped = device.type == "cuda" and args.variant != "all_gpu" and spec["cap_gib"] > 0
+    result: dict[str, Any] = {"variant": args.variant, "cap_gib": spec["cap_gib"] if capped else None,
+                              "bandwidth_gbps": pinned_bandwidth(device)}
+    from trainer.config import load_config
+
+    with tempfile.TemporaryDirectory(dir=args.scratch, prefix="e2e_bench_") as scratch:
+        reward_dir = None
+        if spec["reward_model"]:
+            reward_dir = Path(scratch) / "reward_model"
+            save_reward_model(reward_dir, QUICK_REWARD if args.shape == "quick" else REWARD_SHAPE, args.device)
+        if capped:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(spec["cap_gib"] * GIB / total, device)
+        if args.variant == "fsdp2":
+            place_actor_on_fsdp2(device)
+        config = load_config(None, overrides(args.shape, args.variant, args.device, Path(scratch) / "runs",
+                                             reward_dir, args.steps))
+        logs: list[str] = []
+        trainer = StepsOnly(config, log=logs.append, warn=logs.append)
+        copied: list[dict[str, int]] = []
+        observer = CopiedPerStep(trainer, copied)
+        trainer.observers.append(observer)
+        trainer.fit()
+        rows = trainer.metrics_log.read()
+    steady = rows[1:] or rows
+    result.update(
+        steps=len(rows),
+        phases_s={key.removeprefix("timing_s/"): statistics.fmean(row[key] for row in steady)
+                  for key in rows[-1] if key.startswith("timing_s/")},
+        copied_bytes_per_step={direction: statistics.fmean(step[direction] for step in copied[1:] or copied)
+                               for direction in ("h2d", "d2h")} if copied else {"h2d": 0, "d2h": 0},
+        layer_moves_per_step=statistics.fmean(row.get("offload/moves_to_cpu", 0) + row.get("offload/moves_to_gpu", 0)
+                                              for row in steady),
+        peak_gpu_gib=max(row.get("perf/max_memory_allocated_gb", 0.0) for row in rows),
+        oom_recoveries=sum(row.get("perf/oom_recoveries", 0) for row in rows),
+        losses=[row.get("actor/pg_loss") for row in rows],
+        log=[line for line in logs if line.startswith(("dynamic offload", "per-phase placement", "out of GPU"))][-20:],
+    )
+    return result
+
+
+class CopiedPerStep:
+    """Bytes the offload engines copied each way during each step (an observer of the trainer)."""
+
+    def __init__(self, trainer: Any, copied: list[dict[str, int]]):
+        self.trainer, self.copied = trainer, copied
+        self._last = {"h2d": 0, "d2h": 0}
+
+    def _totals(self) -> dict[str, int]:
+        totals = {"h2d": 0, "d2h": 0}
+        for engine in self.trainer.memory.engines:
+            for (direction, _), nbytes in engine.copied_bytes().items():
+                totals[direction] += nbytes
+        return totals
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        totals = self._totals()
+        self.copied.append({direction: totals[direction] - self._last[direction] for direction in totals})
+        self._last = totals
+
+
+# ----------------------------------------------------------------------------------------- parent
+
+
+def run_shape(args: argparse.Namespace) -> dict[str, Any]:
+    variants = [variant for variant in args.variants if variant != "fsdp2" or args.device == "cuda"]
+    result: dict[str, Any] = {**(machine() if args.device == "cuda" else {}), "shape": args.shape,
+                              "spec": SHAPES[args.shape], "steps": args.steps, "variants": {}}
+    for variant in variants:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+            out = Path(handle.name)
+        command = [sys.executable, __file__, "--child", "--variant", variant, "--shape", args.shape,
+                   "--device", args.device, "--steps", str(args.steps), "--scratch", str(args.scratch),
+                   "--out", str(out)]
+        print(f"[{variant}]", flush=True)
+        started = time.perf_counter()
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        if completed.returncode != 0:
+            result["variants"][variant] = {"error": (completed.stderr or completed.stdout).strip()[-2000:]}
+        else:
+            result["variants"][variant] = json.loads(out.read_text())
+        result["variants"][variant]["wall_s"] = time.perf_counter() - started
+        out.unlink(missing_ok=True)
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    """Each phase's seconds per variant and the ratio to all-GPU; copies against the PCIe floor; moves."""
+    variants = result["variants"]
+    base = variants.get("all_gpu", {}).get("phases_s", {})
+    header = f"{result.get('gpu', 'CPU')}, shape {result['shape']} {result['spec']}, steps {result['steps']}"
+    lines = [header, f"{'phase':<16}" + "".join(f"{name:>22}" for name in variants)]
+    phases = sorted({phase for run in variants.values() for phase in run.get("phases_s", {})},
+                    key=lambda phase: (phase != "step", phase))
+    for phase in phases:
+        cells = []
+        for run in variants.values():
+            seconds = run.get("phases_s", {}).get(phase)
+            ratio = f" ({seconds / base[phase]:.2f}x)" if seconds is not None and base.get(phase) else ""
+            cells.append(f"{seconds:.3f} s{ratio}" if seconds is not None else "-")
+        lines.append(f"{phase:<16}" + "".join(f"{cell:>22}" for cell in cells))
+    for name, run in variants.items():
+        if "error" in run:
+            lines.append(f"{name}: FAILED: {run['error'].splitlines()[-1] if run['error'] else '?'}")
+            continue
+        copied, bandwidth = run["copied_bytes_per_step"], run["bandwidth_gbps"]
+        floor = sum(copied[direction] / 1e9 / bandwidth[direction] for direction in ("h2d", "d2h")
+                    if bandwidth[direction] == bandwidth[direction] and copied[direction])
+        lines.append(f"{name}: H2D {copied['h2d'] / 1e9:.2f} GB, D2H {copied['d2h'] / 1e9:.2f} GB a step "
+                     f"(PCIe floor {floor:.3f} s at {bandwidth['h2d']:.1f}/{bandwidth['d2h']:.1f} GB/s); "
+                     f"layer moves a step {run['layer_moves_per_step']:.1f}; peak GPU {run['peak_gpu_gib']:.1f} GiB; "
+                     f"OOMs recovered {run['oom_recoveries']:.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="headline", choices=sorted(SHAPES))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)} (fsdp2 needs a GPU)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--steps", type=int, default=3, help="steps per variant; the first is not counted (3)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a variant may take (900)")
+    parser.add_argument("--scratch", type=Path, default=Path.cwd(), help="a directory on disk for models and runs")
+    parser.add_argument("--out", type=Path, help="write the result as JSON here (default: benchmarks/results/)")
+    parser.add_argument("--report", type=Path, help="print the table of a saved result and exit")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.report is not None:
+        try:
+            print(table(json.loads(args.report.read_text())))
+        except (OSError, ValueError, KeyError) as error:
+            print(f"ERROR: {args.report} is not an e2e_bench result: {error}", file=sys.stderr)
+            return 2
+        return 0
+    args.variants = [variant.strip() for variant in args.variants.split(",") if variant.strip()]
+    unknown = [variant for variant in args.variants if variant not in VARIANTS]
+    if unknown or not args.variants:
+        print(f"ERROR: --variants: unknown {', '.join(unknown) or '(none given)'}; allowed: {', '.join(VARIANTS)}",
+              file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("ERROR: --device cuda, but no CUDA GPU is visible; use --device cpu --shape quick", file=sys.stderr)
+        return 2
+    if args.steps < 2:
+        print(f"ERROR: --steps must be at least 2 (the first is not counted), got {args.steps}", file=sys.stderr)
+        return 2
+    if args.child:
+        args.out.write_text(json.dumps(run_variant(args)))
+        return 0
+    result = run_shape(args)
+    out = args.out or RESULTS / f"e2e-{args.shape}-{time.strftime('%Y-%m-%dT%H%M')}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(table(result))
+    print(f"results: {out}")
+    return 0 if all("error" not in run for run in result["variants"].values()) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
