@@ -30,6 +30,7 @@ from trainer.config import FSDPConfig, RunConfig, dump_config
 from trainer.config.live import LiveSettings, initial_live_settings
 from trainer.config.schema import FSDP_PREFIX
 from trainer.data import PromptRecord, PromptSampler, load_records
+from trainer.errors import RunSetupError
 from trainer.metrics import (
     MetricsLog,
     StepTimer,
@@ -78,10 +79,6 @@ class TelemetryLink(Protocol):
 CONFIG_ROLE = {"reward": "reward_model"}  # the engine's role name -> the config's
 HOST_MARGIN_BYTES = 2 << 30
 """Host memory a run leaves free beside what its offload placements need (the process, data, staging)."""
-
-
-class RunSetupError(Exception):
-    """The run cannot start as configured; the message names the setting to change."""
 
 
 def resolve_device(name: str) -> torch.device:
