@@ -13,6 +13,28 @@ from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import response_logits, run_updates
 
 
+class Memory:
+    """One model's side of the memory manager, as its worker sees it (workers.recovery.WorkerMemory):
+    the failed passes of `engine` (when there is one) are released, and `relieve` relieves memory
+    (None: nothing can be freed). Counts the recoveries reported to it."""
+
+    def __init__(self, engine=None, relieve=None):
+        self.engine, self.relieve, self.recoveries = engine, relieve, 0
+
+    def safe_point(self) -> None:
+        pass
+
+    def release(self) -> None:
+        if self.engine is not None:
+            self.engine.abandon_pass()
+
+    def relieve_memory(self) -> bool:
+        return self.relieve() if self.relieve is not None else False
+
+    def count_recoveries(self, count: int) -> None:
+        self.recoveries += count
+
+
 def rollout_batch(sequences: int = 8) -> RolloutBatch:
     generator = torch.Generator().manual_seed(3)
     return RolloutBatch(
@@ -65,7 +87,7 @@ def update(settings: dict | None, *, fail_on: int | None = None, where: str = "b
     loss = Loss(model, fail_on, where)
     metrics = run_updates(model, optimizer, rollout_batch(), loss, mini_batch_size=4, micro_batch_size=2, epochs=1,
                           grad_clip=1.0, shuffle_generator=None,
-                          relieve_memory=relieve(engine) if relieve is not None else None)
+                          memory=Memory(engine, relieve(engine) if relieve is not None else None))
     if engine is not None:
         engine.wait_for_updates()
     weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
@@ -110,4 +132,4 @@ def test_an_oom_on_a_single_sequence_with_nothing_to_move_ends_the_update():
 
     with pytest.raises(torch.OutOfMemoryError):
         run_updates(model, optimizer, rollout_batch(), always_out_of_memory, mini_batch_size=4, micro_batch_size=2,
-                    epochs=1, grad_clip=1.0, shuffle_generator=None)
+                    epochs=1, grad_clip=1.0, shuffle_generator=None, memory=Memory())
