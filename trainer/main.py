@@ -61,9 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer.settings_listeners.append(lambda settings: reporter.set_level(settings.log_level))
         for note in inactive_settings(config):
             reporter.warning(note)
-        for engine in trainer.offload_engines:
-            for line in engine.summary_lines():
-                reporter.info(f"{engine.role}: {line}")
+        for line in trainer.memory.summary_lines():
+            reporter.info(line)
         reporter.info(f"run directory {run_dir}; device {trainer.device}; {trainer.total_steps} steps")
         trainer.install_signal_handlers()
         trainer.resume()
