@@ -8,7 +8,8 @@ the RL step:
 - placement in two stages: each model is placed as it is built (`place`: its offload policy, its
   transformer layers streamed at first when they move dynamically), then, once every model is
   placed, what stays on the GPU is decided for all of them together (`finish_placement`). That is
-  the one place where placement across models is decided: today first come, first fitted;
+  the one place where placement across models is decided (today: first placed, first fitted), as
+  `placed_for` is for each phase and `safe_point` while the run goes on;
 - per-phase placement (`placed_for`): a phase of the step keeps a model's CPU-resident head and
   embedding on the GPU within the room below the live GPU memory threshold;
 - run time: safe points (the dynamic-offload controllers), relief after an out-of-memory error,
