@@ -135,9 +135,9 @@ def place_actor_on_fsdp2(device: torch.device) -> None:
     """The `fsdp2` variant: the memory manager hands the actor to fully_shard with CPUOffloadPolicy."""
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-    from trainer.memory import MemoryManager
 
     import trainer.loop
+    from trainer.memory import MemoryManager
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

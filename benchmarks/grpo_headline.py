@@ -98,7 +98,7 @@ class Profile:
             original_phase(name)
 
         trainer._phase = on_phase
-        for engine in trainer.offload_engines:
+        for engine in trainer.memory.engines:
             self._wrap_engine(engine)
         optimizer = trainer.actor.optimizer
         for method in ("clip_grad_norm_", "step", "zero_grad", "_step_narrow_grads", "_step_groups"):
@@ -274,9 +274,9 @@ def run(args) -> dict:
         phases_s={key.removeprefix("timing_s/"): value for key, value in last.items() if key.startswith("timing_s/")},
         peak_gpu_gib=last["perf/max_memory_allocated_gb"], peak_host_gib=rss.peak / GIB,
         layers_on_gpu={engine.role: [engine.layers_on_gpu, len(engine.transformer_units)]
-                       for engine in trainer.offload_engines},
+                       for engine in trainer.memory.engines},
         oom_recoveries=sum(row.get("perf/oom_recoveries", 0) for row in rows),
-        summary=[f"{engine.role}: {line}" for engine in trainer.offload_engines for line in engine.summary_lines()],
+        summary=trainer.memory.summary_lines(),
         profile=profile.report() if profile is not None else None,
         log=[line for line in logs if line.startswith(("dynamic offload", "per-phase placement", "out of GPU memory"))],
     )

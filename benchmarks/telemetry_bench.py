@@ -459,7 +459,7 @@ def trainer_side(args: argparse.Namespace) -> int:
         steps = []
         for _ in range(count):
             trainer.handle_control_messages()
-            trainer.offload_safe_point()
+            trainer.memory.safe_point()
             records = [trainer.records[index] for index in trainer.sampler.next_batch()]
             if trainer.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -2,10 +2,14 @@
 
 from trainer.checkpoint import CheckpointError
 from trainer.data import DataError
-from trainer.loop import RunSetupError
 from trainer.models import ModelLoadError
 from trainer.rewards import CustomRewardError, UnknownDataSource
 from trainer.rollout.prompts import PromptTooLong
+
+
+class RunSetupError(Exception):
+    """The run cannot start as configured; the message names the setting to change."""
+
 
 USER_ERRORS = (CheckpointError, DataError, ModelLoadError, CustomRewardError, UnknownDataSource, PromptTooLong,
                RunSetupError)

@@ -6,15 +6,13 @@ log-probs, values, advantages, critic update, actor update.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-import psutil
 import torch
 
 from trainer.algorithms import apply_kl_penalty, build_kl_controller, get_advantage_estimator
@@ -26,10 +24,11 @@ from trainer.checkpoint import (
     remove_partial_checkpoints,
     save_checkpoint,
 )
-from trainer.config import FSDPConfig, RunConfig, dump_config
+from trainer.config import RunConfig, dump_config
 from trainer.config.live import LiveSettings, initial_live_settings
-from trainer.config.schema import FSDP_PREFIX
 from trainer.data import PromptRecord, PromptSampler, load_records
+from trainer.errors import RunSetupError
+from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
 from trainer.metrics import (
     MetricsLog,
     StepTimer,
@@ -39,22 +38,8 @@ from trainer.metrics import (
     throughput_metrics,
 )
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
-from trainer.offload import (
-    HostMemoryError,
-    OffloadEngine,
-    attach_offload,
-    format_bytes,
-    offload_engine,
-    offload_message,
-)
-from trainer.offload.dynamic import (
-    DynamicLayers,
-    DynamicOffloadController,
-    MemoryProbe,
-    device_memory_probe,
-    layers_that_fit,
-)
-from trainer.offload.embedding_cache import EmbeddingCache
+from trainer.offload import OffloadEngine, offload_message
+from trainer.offload.dynamic import MemoryProbe
 from trainer.randomness import rng_state, seed_everything, set_rng_state
 from trainer.reporting import StepObserver
 from trainer.rewards import resolve_compute_score
@@ -64,7 +49,7 @@ from trainer.rollout.hf_rollout import HFRollout
 from trainer.rollout.prompts import encode_prompts
 from trainer.workers.actor import Actor, compute_log_probs
 from trainer.workers.critic import Critic
-from trainer.workers.recovery import Recovery, run_in_pieces
+from trainer.workers.recovery import run_in_pieces
 
 
 class TelemetryLink(Protocol):
@@ -73,15 +58,6 @@ class TelemetryLink(Protocol):
     def send(self, message: dict) -> None: ...
 
     def poll(self) -> list[dict]: ...
-
-
-CONFIG_ROLE = {"reward": "reward_model"}  # the engine's role name -> the config's
-HOST_MARGIN_BYTES = 2 << 30
-"""Host memory a run leaves free beside what its offload placements need (the process, data, staging)."""
-
-
-class RunSetupError(Exception):
-    """The run cannot start as configured; the message names the setting to change."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -128,30 +104,20 @@ class Trainer:
         except ValueError as error:
             raise RunSetupError(str(error)) from None
         self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
-        self.offload_engines: list[OffloadEngine] = []
-        # Engines whose transformer layers move with memory pressure, each with its controller. All of
-        # them follow the live settings (initialised from the actor's dynamic_offload section).
-        self.dynamic_offload: list[DynamicLayers] = []
-        self.memory_probe = memory_probe or (device_memory_probe(self.device) if self.device.type == "cuda"
-                                             else None)
-        self._moves_reported = {"to_cpu": 0, "to_gpu": 0}
-        self.host_available = host_available or (lambda: psutil.virtual_memory().available)
-        self._host_pending = 0  # host bytes placed engines will allocate once they train
-        # Out-of-memory errors recovered from in the no-grad phases (the updates count their own).
-        self.recovery = Recovery(relieve_memory=self.relieve_memory)
-        self._staged_logged: dict[tuple[str, str], tuple[str, ...]] = {}
+        # Every model's placement; dynamic offload follows the live settings (initialised from the
+        # actor's dynamic_offload section). The log and warnings go where self.log and self.warn point.
+        self.memory = MemoryManager(self.device, settings=lambda: self.live_settings,
+                                    probe=memory_probe or default_memory_probe(self.device),
+                                    host_available=host_available or host_memory_available,
+                                    log=lambda message: self.log(message), warn=lambda message: self.warn(message))
         self._build_models()
         self.reward_fn = self._build_reward()
-        self._fit_dynamic_layers()
-        self.embedding_cache = self._build_embedding_cache()
-        for worker in (self.actor, self.critic):
-            if worker is not None:
-                worker.safe_point, worker.relieve_memory = self.offload_safe_point, self.relieve_memory
-                worker.recovery = self.recovery
-        if isinstance(self.reward_fn, ModelReward):
-            self.reward_fn.recovery = self.recovery
+        self.memory.finish_placement()
         # Dynamic offload acts between decode chunks too.
-        self.rollout.safe_point = self.offload_safe_point if self.dynamic_offload else None
+        self.rollout = HFRollout(self.actor.model, self.tokenizer, config.actor_rollout_ref.rollout,
+                                 config.data.max_response_length,
+                                 safe_point=self.memory.safe_point if self.memory.moves_layers else None)
+        self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
         self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -178,17 +144,16 @@ class Trainer:
                                trust_remote_code=model_config.trust_remote_code)
 
         actor_config = config.actor_rollout_ref.actor
-        actor_model = self._place(policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
-                                  actor_config.fsdp_config, "actor")
+        actor_model = self.memory.place(policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
+                                        actor_config.fsdp_config, "actor")
         self.actor = Actor(actor_model,
                            actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
                            log_prob_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
-                           total_steps=self.total_steps, seed=seed)
-        self.rollout = HFRollout(self.actor.model, self.tokenizer, rollout, config.data.max_response_length)
+                           total_steps=self.total_steps, seed=seed, memory=self.memory.for_role("actor"))
         self.reference = None
         if config.use_reference:
             reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
-            self.reference = self._place(reference, config.actor_rollout_ref.ref.fsdp_config, "ref")
+            self.reference = self.memory.place(reference, config.actor_rollout_ref.ref.fsdp_config, "ref")
         self.critic = None
         if config.use_critic:
             critic = config.critic
@@ -196,68 +161,9 @@ class Trainer:
                                 seed=seed, override_config=critic.model.override_config or model_config.override_config,
                                 gradient_checkpointing=critic.model.enable_gradient_checkpointing,
                                 trust_remote_code=critic.model.trust_remote_code)
-            self.critic = Critic(self._place(model, critic.fsdp_config, "critic"), critic, rollout_n=rollout.n,
+            self.critic = Critic(self.memory.place(model, critic.fsdp_config, "critic"), critic, rollout_n=rollout.n,
                                  forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
-                                 total_steps=self.total_steps)
-
-    def _place(self, model: torch.nn.Module, fsdp_config: FSDPConfig, role: str) -> torch.nn.Module:
-        """Put each module group where the policy says (the engine streams the CPU-resident ones).
-
-        With dynamic offload its transformer layers start streamed; once every model is placed
-        they come to the GPU as far as they fit (`_fit_dynamic_layers`), so a model the GPU cannot
-        hold whole still starts, and the models placed after it still find their room."""
-        dynamic = fsdp_config.dynamic_offload
-        layers_on_gpu = 0 if dynamic.enabled and self.memory_probe is not None else None
-        budget = self.host_available() - self._host_pending - HOST_MARGIN_BYTES
-        try:
-            engine = attach_offload(model, fsdp_config, self.device, role=role, layers_on_gpu=layers_on_gpu,
-                                    host_budget=budget)
-        except HostMemoryError as error:
-            key = FSDP_PREFIX[CONFIG_ROLE.get(role, role)]
-            raise RunSetupError(f"{error} (keeping {format_bytes(HOST_MARGIN_BYTES)} free): place fewer groups on the "
-                                f"CPU ({key}.param_offload, .offload_policy, .optimizer_offload), keep their "
-                                f"gradients in bf16 ({key}.offload_grad_dtype) or use a machine with more memory"
-                                ) from None
-        host = engine.host_bytes()
-        self._host_pending += host["gradients"] + host["optimizer"]
-        self.offload_engines.append(engine)
-        if dynamic.enabled and self.memory_probe is not None:
-            controller = DynamicOffloadController(self.memory_probe, lambda: self.live_settings)
-            self.dynamic_offload.append(DynamicLayers(engine, controller, log=self.log))
-        elif dynamic.enabled:
-            self.warn(f"dynamic offload of the {role} needs a GPU to measure memory on; on {self.device} its "
-                      "transformer layers stay where the offload policy puts them")
-        return model
-
-    def _fit_dynamic_layers(self) -> None:
-        """Bring each dynamic model's transformer layers to the GPU as far as they fit below the
-        threshold, leaving room for the groups its rollout keeps there (per-phase placement)."""
-        for dynamic in self.dynamic_offload:
-            engine = dynamic.engine
-            if engine.placements["transformer"] != "gpu":
-                continue  # placed on the CPU: dynamic offload only ever takes layers off the GPU
-            total = len(engine.transformer_units)
-            fit = layers_that_fit(self.memory_probe, threshold=self.live_settings.gpu_memory_threshold,
-                                  layer_bytes=engine.layer_bytes, total_layers=total,
-                                  reserve_bytes=sum(engine.stageable_bytes().values()))
-            engine.set_transformer_layers_on_gpu(fit)
-            engine.moves = {"to_cpu": 0, "to_gpu": 0}  # where it starts, not a move
-            if engine.layers_on_gpu < total:
-                self.log(f"dynamic offload: the {engine.role} starts with {engine.layers_on_gpu} of {total} "
-                         f"transformer layers on the GPU (GPU memory threshold "
-                         f"{self.live_settings.gpu_memory_threshold})")
-
-    def _build_embedding_cache(self) -> EmbeddingCache | None:
-        settings = self.config.actor_rollout_ref.rollout.embedding_cache
-        if not settings.enabled:
-            return None
-        cache = offload_engine(self.actor.model).enable_embedding_cache(cache_size=settings.cache_size,
-                                                                        warmup_steps=settings.warmup_steps)
-        if cache is None:
-            self.warn("actor_rollout_ref.rollout.embedding_cache.enabled is set, but the actor's embedding is on "
-                      "the GPU: there is nothing to cache; set actor_rollout_ref.actor.fsdp_config."
-                      "offload_policy.embedding=cpu to use it")
-        return cache
+                                 total_steps=self.total_steps, memory=self.memory.for_role("critic"))
 
     def _build_reward(self) -> RewardFunction:
         config = self.config
@@ -268,9 +174,10 @@ class Trainer:
         tokenizer = load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code)
         model = load_reward_model(network.path, tokenizer, dtype=torch_dtype(network.fsdp_config.model_dtype),
                                   seed=config.trainer.seed, trust_remote_code=network.trust_remote_code)
-        return ModelReward(self._place(model, network.fsdp_config, "reward"), self.tokenizer, tokenizer,
+        return ModelReward(self.memory.place(model, network.fsdp_config, "reward"), self.tokenizer, tokenizer,
                            micro_batch_size=config.reward_model.micro_batch_size_per_gpu,
-                           max_length=config.data.max_prompt_length + config.data.max_response_length)
+                           max_length=config.data.max_prompt_length + config.data.max_response_length,
+                           memory=self.memory.for_role("reward"))
 
     # -------------------------------------------------------------------------------------- loop
 
@@ -290,7 +197,7 @@ class Trainer:
             self._checkpoint_requested = False
             if self.step >= self.total_steps or self.stop_requested.is_set():
                 break
-            self.offload_safe_point()
+            self.memory.safe_point()
             records = [self.records[index] for index in self.sampler.next_batch()]
             metrics = self.train_step(records)
             self.step += 1
@@ -320,111 +227,37 @@ class Trainer:
         with timer.phase("step"):
             with timer.phase("gen"):
                 batch = self.generate(records)
-                if self.embedding_cache is not None:
-                    self.embedding_cache.end_step()
-            with timer.phase("reward"), self.placed_for("scoring", getattr(self.reward_fn, "model", None)):
+                self.memory.end_rollout()
+            with timer.phase("reward"), self.memory.placed_for("scoring", "reward"):
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
-            with timer.phase("old_log_prob"), self.placed_for("scoring", self.actor.model):
+            with timer.phase("old_log_prob"), self.memory.placed_for("scoring", "actor"):
                 batch.old_log_probs = self.actor.compute_log_probs(batch)
             if self.reference is not None:
-                with timer.phase("ref"), self.placed_for("scoring", self.reference):
+                with timer.phase("ref"), self.memory.placed_for("scoring", "ref"):
                     batch.ref_log_probs = self._reference_log_probs(batch)
             if self.critic is not None:
-                with timer.phase("values"), self.placed_for("scoring", self.critic.model):
+                with timer.phase("values"), self.memory.placed_for("scoring", "critic"):
                     batch.values = self.critic.compute_values(batch)
             with timer.phase("adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.critic is not None:
-                with timer.phase("update_critic"), self.placed_for("training", self.critic.model):
+                with timer.phase("update_critic"), self.memory.placed_for("training", "critic"):
                     metrics.update(reduce_metrics(self.critic.update(batch)))
-            with timer.phase("update_actor"), self.placed_for("training", self.actor.model):
+            with timer.phase("update_actor"), self.memory.placed_for("training", "actor"):
                 metrics.update(reduce_metrics(self.actor.update(batch)))
         metrics.update(timer.metrics())
         metrics.update(data_metrics(batch, response_length=self.config.data.max_response_length,
                                     prompt_length=self.config.data.max_prompt_length))
         metrics.update(throughput_metrics(batch, timer.seconds["step"]))
         metrics.update(memory_metrics(self.device))
-        metrics.update(self._offload_step_metrics(metrics))
-        hit_ratio = self.embedding_cache.take_hit_ratio() if self.embedding_cache is not None else None
-        if hit_ratio is not None:
-            metrics["rollout/embedding_cache_hit_ratio"] = hit_ratio
+        metrics.update(self.memory.step_metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
 
-    # -------------------------------------------------------------------------- dynamic offload
-
-    def offload_safe_point(self) -> None:
-        """Between steps, micro-batches and decode chunks (nothing in flight): move transformer
-        layers as the memory in use and the live settings say."""
-        for dynamic in self.dynamic_offload:
-            dynamic.safe_point()
-
-    @contextlib.contextmanager
-    def placed_for(self, phase: str, model: torch.nn.Module | None) -> Iterator[None]:
-        """Run a phase with `model`'s groups placed for it (OffloadEngine.placed_for) within the
-        memory budget: below the live GPU memory threshold, counting what is in use now."""
-        engine = offload_engine(model) if model is not None else None
-        if engine is None or not engine.stageable_bytes() or self.memory_probe is None:
-            yield  # nothing on the CPU to keep, or no GPU to keep it on
-            return
-        used, total = self.memory_probe()
-        budget = int(self.live_settings.gpu_memory_threshold * total) - used
-        with engine.placed_for(phase, budget_bytes=budget) as staged:
-            self._log_staged(engine, phase, staged)
-            yield
-
-    def _log_staged(self, engine: OffloadEngine, phase: str, staged: list[str]) -> None:
-        """Say which groups a phase copies to the GPU, when that changes (not at every step)."""
-        key = (engine.role, phase)
-        if self._staged_logged.get(key) == tuple(staged):
-            return
-        self._staged_logged[key] = tuple(staged)
-        if staged:
-            sizes = engine.stageable_bytes()
-            self.log(f"per-phase placement: {phase} keeps the {engine.role}'s {' and '.join(staged)} on the GPU "
-                     f"({format_bytes(sum(sizes[group] for group in staged))})")
-        else:
-            self.log(f"per-phase placement: {phase} streams the {engine.role}'s CPU-resident groups (no room below "
-                     f"the GPU memory threshold {self.live_settings.gpu_memory_threshold} to keep them on the GPU)")
-
-    def relieve_memory(self) -> bool:
-        """After a CUDA out-of-memory error: move half the layers above the minimum to the CPU, else
-        drop the groups a phase keeps on the GPU (they stream for the rest of it). False when
-        nothing could be freed (then the micro-batch is split instead)."""
-        minimum = self.live_settings.min_transformer_layers_on_gpu
-        moved = False
-        for engine in (dynamic.engine for dynamic in self.dynamic_offload):
-            spare = engine.layers_on_gpu - minimum
-            if spare > 0 and self.live_settings.dynamic_offload_enabled:
-                engine.set_transformer_layers_on_gpu(engine.layers_on_gpu - max(1, spare // 2))
-                self.log(f"out of GPU memory: {engine.role} keeps {engine.layers_on_gpu} transformer layers "
-                         "on GPU, retrying")
-                moved = True
-        if moved:
-            return True
-        for engine in self.offload_engines:
-            dropped = engine.drop_kept()
-            if dropped:
-                self.log(f"out of GPU memory: the {engine.role}'s {' and '.join(dropped)} stream for the rest of "
-                         f"the {engine.phase} phase, retrying")
-                moved = True
-        return moved
-
-    def _offload_step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Transformer layers on the GPU (all models, and each model's), moves in this step and
-        out-of-memory errors recovered from."""
-        recovered = sum(metrics.pop(key, 0.0) for key in ("actor/oom_recoveries", "critic/oom_recoveries"))
-        recovered += self.recovery.take()
-        result = {"perf/oom_recoveries": recovered,
-                  "offload/transformer_layers_on_gpu": sum(engine.layers_on_gpu for engine in self.offload_engines),
-                  **{f"offload/{engine.role}/transformer_layers_on_gpu": engine.layers_on_gpu
-                     for engine in self.offload_engines}}
-        moves = {direction: sum(engine.moves[direction] for engine in self.offload_engines)
-                 for direction in ("to_cpu", "to_gpu")}
-        for direction, total in moves.items():
-            result[f"offload/moves_{direction}"] = total - self._moves_reported[direction]
-        self._moves_reported = moves
-        return result
+    @property
+    def offload_engines(self) -> list[OffloadEngine]:
+        """Every model's offload engine: the telemetry's offload message reports their copies."""
+        return self.memory.engines
 
     # ------------------------------------------------------------------------------------ phases
 
@@ -437,12 +270,12 @@ class Trainer:
                                                  max_length=self.config.data.max_prompt_length,
                                                  truncation=self.config.data.truncation)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
-        rollout = rollout or self.rollout
-        with self.placed_for("rollout", rollout.model):
+        rollout = rollout or self.rollout  # either samples with the actor's weights
+        with self.memory.placed_for("rollout", "actor"):
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
                                                                          prompt_mask[first:first + count]),
-                                   len(repeated), len(repeated), recovery=self.recovery, models=[rollout.model])
+                                   len(repeated), len(repeated), memory=self.memory.for_role("actor"))
         response_ids = torch.cat([ids for ids, _ in pieces])
         response_mask = torch.cat([mask for _, mask in pieces])
         group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
@@ -453,7 +286,7 @@ class Trainer:
         return compute_log_probs(self.reference, batch,
                                  micro_batch_size=self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
                                  temperature=self.config.actor_rollout_ref.rollout.temperature,
-                                 recovery=self.recovery)
+                                 memory=self.memory.for_role("ref"))
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (less the KL penalty when it is in the reward), then advantages and returns."""

@@ -59,9 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer.log, trainer.warn = reporter.info, reporter.warning
         trainer.observers.append(reporter)
         trainer.settings_listeners.append(lambda settings: reporter.set_level(settings.log_level))
-        for engine in trainer.offload_engines:
-            for line in engine.summary_lines():
-                reporter.info(f"{engine.role}: {line}")
+        for line in trainer.memory.summary_lines():
+            reporter.info(line)
         reporter.info(f"run directory {run_dir}; device {trainer.device}; {trainer.total_steps} steps")
         trainer.install_signal_handlers()
         trainer.resume()

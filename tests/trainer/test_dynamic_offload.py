@@ -252,16 +252,16 @@ def trainer_whose_threshold_drops(tmp_path, role: str, steps: int):
 
 def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
     trainer, logs = trainer_whose_threshold_drops(tmp_path, "actor", steps=3)
-    engine = trainer.dynamic_offload[0].engine
+    [engine] = trainer.memory.dynamic_engines
     trainer.fit()
     rows = trainer.metrics_log.read()
-    others = sum(other.layers_on_gpu for other in trainer.offload_engines if other is not engine)
+    others = sum(other.layers_on_gpu for other in trainer.memory.engines if other is not engine)
     assert [row["offload/transformer_layers_on_gpu"] - others for row in rows] == [3, 1, 1]
     # Each model's own count too: the actor's is the one that moved.
     assert [row[f"offload/{engine.role}/transformer_layers_on_gpu"] for row in rows] == [3, 1, 1]
     assert {key for key in rows[0] if key.endswith("/transformer_layers_on_gpu")} == {
         "offload/transformer_layers_on_gpu", *(f"offload/{other.role}/transformer_layers_on_gpu"
-                                               for other in trainer.offload_engines)}
+                                               for other in trainer.memory.engines)}
     assert [row["offload/moves_to_cpu"] for row in rows] == [0, 2, 0]
     assert [row["offload/moves_to_gpu"] for row in rows] == [0, 0, 0]
     assert all(row["perf/oom_recoveries"] == 0 for row in rows)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.trainer.test_offload_gpu import CUDA, MEDIUM, SMALL, TOKENIZER, place, policy
-from tests.trainer.test_oom_recovery import Loss, rollout_batch
+from tests.trainer.test_oom_recovery import Loss, Memory, rollout_batch
 from trainer.workers.optimization import run_updates
 
 pytestmark = pytest.mark.gpu
@@ -91,8 +91,8 @@ def test_a_real_cuda_oom_in_the_backward_is_recovered(relieve):
         metrics = run_updates(
             model, optimizer, rollout_batch(), RealOutOfMemory(model, fail_on), mini_batch_size=4, micro_batch_size=2,
             epochs=1, grad_clip=1.0, shuffle_generator=None,
-            relieve_memory=(lambda engine=engine: engine.set_transformer_layers_on_gpu(2) != (0, 0)) if relieve
-            else None)
+            memory=Memory(engine, (lambda engine=engine: engine.set_transformer_layers_on_gpu(2) != (0, 0)) if relieve
+                          else None))
         engine.wait_for_updates()
         results.append((metrics, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}))
     (expected, expected_weights), (metrics, weights) = results

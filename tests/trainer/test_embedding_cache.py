@@ -91,7 +91,7 @@ def test_a_run_with_the_cache_gives_the_same_results_and_reports_its_hit_ratio(t
     plain.fit()
     cached = make_trainer(tmp_path, *layered, "actor_rollout_ref.rollout.embedding_cache={enabled: true, "
                           "cache_size: 16, warmup_steps: 1}", name="cached")
-    assert cached.embedding_cache is not None
+    assert cached.memory.embedding_cache is not None
     cached.fit()
     ratios = [row["rollout/embedding_cache_hit_ratio"] for row in cached.metrics_log.read()]
     assert len(ratios) == 2 and all(0 < ratio <= 1 for ratio in ratios)

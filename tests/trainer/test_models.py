@@ -247,14 +247,15 @@ def test_a_run_scored_by_a_reward_model(tokenizer, saved_policy, saved_reward_mo
 
 def test_a_reward_model_micro_batch_out_of_memory_is_split_and_scores_the_same(tokenizer, saved_policy,
                                                                                saved_reward_model, tmp_path):
-    from trainer.workers.recovery import Recovery
+    from tests.trainer.test_oom_recovery import Memory
 
     directory, _ = saved_policy
     trainer = Trainer(load_config(None, run_overrides(directory, tmp_path, steps=1)), log=lambda *_: None)
     batch = trainer.generate([trainer.records[index] for index in trainer.sampler.next_batch()])
     reward_tokenizer = load_tokenizer(str(saved_reward_model))
     reward_model = load_reward_model(str(saved_reward_model), reward_tokenizer, dtype=torch.float32, seed=0)
-    reward = ModelReward(reward_model, tokenizer, reward_tokenizer, micro_batch_size=4, max_length=14)
+    memory = Memory()
+    reward = ModelReward(reward_model, tokenizer, reward_tokenizer, micro_batch_size=4, max_length=14, memory=memory)
     expected = reward(batch)
     sizes = []
 
@@ -264,12 +265,11 @@ def test_a_reward_model_micro_batch_out_of_memory_is_split_and_scores_the_same(t
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     handle = reward_model.register_forward_pre_hook(fail_on_the_second_micro_batch, with_kwargs=True)
-    reward.recovery = Recovery()
     try:
         scores = reward(batch)
     finally:
         handle.remove()
-    assert sizes == [4, 4, 2, 2] and reward.recovery.count == 1
+    assert sizes == [4, 4, 2, 2] and memory.recoveries == 1
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
 
 

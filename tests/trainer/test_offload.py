@@ -349,8 +349,7 @@ def test_a_placement_that_does_not_fit_in_host_memory_says_so_before_allocating(
                                               rf"\(arena {size}, gradients {size}, optimizer {size}\) and "
                                               rf"{re.escape(format_bytes(weights + 1024))} is available$"):
         attach_offload(model, FSDPConfig(param_offload=True), "cpu", role="actor", host_budget=1024)
-    assert all(parameter.device.type == "cpu" and not hasattr(model, "_offload_engine")
-               for parameter in model.parameters())
+    assert all(parameter.device.type == "cpu" for parameter in model.parameters()) and not model._forward_pre_hooks
 
 
 def test_copies_are_counted_per_direction_and_group_with_their_bytes():

@@ -1,6 +1,7 @@
 """A CUDA out-of-memory error in a micro-batch does not end the update: the failed attempt's
 gradients are dropped, memory is relieved or the micro-batch split, and the result is the step's
-without the error. On the CPU the error is injected (torch.OutOfMemoryError, as CUDA raises it)."""
+without the error; and the retry helper that the update and the no-grad phases share. On the CPU
+the error is injected (torch.OutOfMemoryError, as CUDA raises it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,29 @@ from tests.trainer.test_offload import TOKENIZER, offloaded, policy
 from trainer.algorithms import log_probs_from_logits
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import response_logits, run_updates
+from trainer.workers.recovery import Piece, retry_out_of_memory, split_into_pieces
+
+
+class Memory:
+    """One model's side of the memory manager, as its worker sees it (workers.recovery.WorkerMemory):
+    the failed passes of `engine` (when there is one) are released, and `relieve` relieves memory
+    (None: nothing can be freed). Counts the recoveries reported to it."""
+
+    def __init__(self, engine=None, relieve=None):
+        self.engine, self.relieve, self.recoveries = engine, relieve, 0
+
+    def safe_point(self) -> None:
+        pass
+
+    def release(self) -> None:
+        if self.engine is not None:
+            self.engine.abandon_pass()
+
+    def relieve_memory(self) -> bool:
+        return self.relieve() if self.relieve is not None else False
+
+    def count_recoveries(self, count: int) -> None:
+        self.recoveries += count
 
 
 def rollout_batch(sequences: int = 8) -> RolloutBatch:
@@ -65,7 +89,7 @@ def update(settings: dict | None, *, fail_on: int | None = None, where: str = "b
     loss = Loss(model, fail_on, where)
     metrics = run_updates(model, optimizer, rollout_batch(), loss, mini_batch_size=4, micro_batch_size=2, epochs=1,
                           grad_clip=1.0, shuffle_generator=None,
-                          relieve_memory=relieve(engine) if relieve is not None else None)
+                          memory=Memory(engine, relieve(engine) if relieve is not None else None))
     if engine is not None:
         engine.wait_for_updates()
     weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
@@ -113,4 +137,64 @@ def test_an_oom_on_a_single_sequence_with_nothing_to_move_ends_the_update():
 
     with pytest.raises(torch.OutOfMemoryError):
         run_updates(model, optimizer, rollout_batch(), always_out_of_memory, mini_batch_size=4, micro_batch_size=2,
-                    epochs=1, grad_clip=1.0, shuffle_generator=None)
+                    epochs=1, grad_clip=1.0, shuffle_generator=None, memory=Memory())
+
+
+# ------------------------------------------------------------------------------ the retry helper
+
+
+class Relief:
+    """Records what the retry helper asks for, in order; relieves memory as `relieves` says."""
+
+    def __init__(self, events: list, relieves: bool = False):
+        self.events, self.relieves = events, relieves
+
+    def release(self) -> None:
+        self.events.append("release")
+
+    def relieve_memory(self) -> bool:
+        self.events.append("relieve")
+        return self.relieves
+
+
+def failing_once_on(first: int, count: int, events: list):
+    """A run of pieces (recorded in `events`) that runs out of memory once, on piece (first, count)."""
+    failed = []
+
+    def run(piece: Piece) -> int:
+        events.append((piece.first, piece.count))
+        if (piece.first, piece.count) == (first, count) and not failed:
+            failed.append(piece)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return piece.first
+
+    return run
+
+
+def test_the_retry_helper_keeps_the_pieces_done_unless_a_discard_voids_them():
+    events = []
+    kept = retry_out_of_memory(failing_once_on(2, 2, events), split_into_pieces(6, 2), Relief(events))
+    assert events == [(0, 2), (2, 2), "release", "relieve", (2, 1), (3, 1), (4, 2)]
+    assert [(piece.first, piece.origin, result) for piece, result in kept.done] == [
+        (0, 0, 0), (2, 1, 2), (3, 1, 3), (4, 2, 4)]
+    assert kept.recoveries == 1
+    # Accumulating pieces (gradients): the discard comes after the release, and every piece is redone.
+    events = []
+    redone = retry_out_of_memory(failing_once_on(2, 2, events), split_into_pieces(6, 2), Relief(events),
+                                 discard=lambda: events.append("discard"))
+    assert events == [(0, 2), (2, 2), "release", "discard", "relieve", (0, 2), (2, 1), (3, 1), (4, 2)]
+    assert [piece.first for piece, _ in redone.done] == [0, 2, 3, 4] and redone.recoveries == 1
+    # Memory relieved: the same pieces again, unsplit.
+    events = []
+    relieved = retry_out_of_memory(failing_once_on(2, 2, events), split_into_pieces(6, 2), Relief(events, True))
+    assert events == [(0, 2), (2, 2), "release", "relieve", (2, 2), (4, 2)] and relieved.recoveries == 1
+
+
+def test_one_item_that_fails_with_nothing_freed_ends_it_with_the_message_asked_for():
+    def never(piece: Piece) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    with pytest.raises(torch.OutOfMemoryError, match="single sequence"):
+        retry_out_of_memory(never, split_into_pieces(1, 1), Relief([]))
+    with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory \(injected\)$"):
+        retry_out_of_memory(never, split_into_pieces(1, 1), Relief([]), single_item_error=None)

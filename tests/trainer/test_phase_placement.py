@@ -9,13 +9,13 @@ import torch
 from transformers import StoppingCriteriaList
 
 from tests.trainer.test_offload import offloaded, policy, token_batch
-from tests.trainer.test_oom_recovery import rollout_batch
+from tests.trainer.test_oom_recovery import Memory, rollout_batch
 from trainer.offload import OffloadOptions
 from trainer.offload.copies import H2D
 from trainer.offload.dynamic import layers_that_fit
 from trainer.rollout.hf_rollout import SafePoints
 from trainer.workers.actor import compute_log_probs
-from trainer.workers.recovery import Recovery, run_in_pieces
+from trainer.workers.recovery import run_in_pieces
 
 LAYERED = {"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}
 
@@ -231,14 +231,14 @@ def test_pieces_are_retried_after_relief_or_split_and_keep_their_order():
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return list(range(first, first + count))
 
-    recovery = Recovery()
-    assert run_in_pieces(run, 8, 8, recovery=recovery) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert recovery.take() == 1 and recovery.count == 0
+    memory = Memory()
+    assert run_in_pieces(run, 8, 8, memory=memory) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert memory.recoveries == 1
     failures.add((0, 8))
     relieved = []
-    recovery = Recovery(relieve_memory=lambda: relieved.append(1) or True)
-    assert run_in_pieces(run, 8, 8, recovery=recovery) == [list(range(8))]
-    assert relieved == [1] and recovery.count == 1
+    memory = Memory(relieve=lambda: relieved.append(1) or True)
+    assert run_in_pieces(run, 8, 8, memory=memory) == [list(range(8))]
+    assert relieved == [1] and memory.recoveries == 1
 
 
 def test_one_item_that_does_not_fit_with_nothing_to_move_raises_and_without_recovery_the_error_passes():
@@ -246,9 +246,9 @@ def test_one_item_that_does_not_fit_with_nothing_to_move_raises_and_without_reco
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     with pytest.raises(torch.OutOfMemoryError, match="single sequence"):
-        run_in_pieces(never, 2, 2, recovery=Recovery(relieve_memory=lambda: False))
+        run_in_pieces(never, 2, 2, memory=Memory(relieve=lambda: False))
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
-        run_in_pieces(never, 2, 2, recovery=None)
+        run_in_pieces(never, 2, 2, memory=None)
 
 
 def test_log_probs_after_an_oom_in_a_micro_batch_equal_the_uninterrupted_ones():
@@ -264,12 +264,12 @@ def test_log_probs_after_an_oom_in_a_micro_batch_equal_the_uninterrupted_ones():
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     handle = model.model.layers[2].register_forward_pre_hook(fail_once)
-    recovery = Recovery()
+    memory = Memory(engine)
     try:
-        got = compute_log_probs(model, batch, micro_batch_size=4, temperature=1.0, recovery=recovery)
+        got = compute_log_probs(model, batch, micro_batch_size=4, temperature=1.0, memory=memory)
     finally:
         handle.remove()
-    assert recovery.count == 1
+    assert memory.recoveries == 1
     assert not any(block.acquired for block in engine.blocks)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
@@ -296,7 +296,7 @@ def test_the_trainer_places_groups_per_phase_within_the_threshold_and_recovers_a
     logs = []
     probe = Probe(used=0, total=10**9)
     trainer = Trainer(config, log=logs.append, memory_probe=probe)
-    engine = trainer.offload_engines[0]
+    engine = trainer.memory.engine("actor")
     phases = []
     original = engine.placed_for
 
@@ -354,7 +354,7 @@ def test_a_cpu_run_has_no_gpu_to_keep_groups_on_and_says_nothing_about_it(tmp_pa
     logs = []
     trainer = Trainer(config, log=logs.append)
     trainer.fit()
-    assert trainer.offload_engines[0].staging.staged_groups == []
+    assert trainer.memory.engine("actor").staging.staged_groups == []
     assert not any(line.startswith("per-phase placement") for line in logs)
 
 
@@ -368,7 +368,7 @@ def test_an_oom_in_a_rollout_that_keeps_groups_drops_them_and_retries_the_whole_
         "trainer.total_training_steps=1", f"trainer.runs_dir={tmp_path}"])
     logs = []
     trainer = Trainer(config, log=logs.append, memory_probe=Probe(used=0, total=10**9))
-    engine = trainer.offload_engines[0]
+    engine = trainer.memory.engine("actor")
     generate = trainer.rollout.generate
     attempts = []
 
@@ -392,6 +392,7 @@ def test_dynamic_layers_come_to_the_gpu_once_every_model_is_placed_leaving_room_
     from tests.trainer.test_training import TINY
     from trainer.config import load_config
     from trainer.loop import Trainer
+    from trainer.memory import MemoryManager
 
     fsdp = "actor_rollout_ref.actor.fsdp_config"
     config = load_config(None, [
@@ -409,17 +410,17 @@ def test_dynamic_layers_come_to_the_gpu_once_every_model_is_placed_leaving_room_
             return 0, int((sizes["kept"] + 1.5 * sizes["layer"]) / 0.85)
 
     logs = []
-    original = Trainer._fit_dynamic_layers
+    original = MemoryManager.finish_placement
 
-    def fit_with_sizes(trainer):
-        engine = trainer.dynamic_offload[0].engine
-        assert engine.layers_on_gpu == 0 and len(trainer.offload_engines) == 2  # the critic is placed too
+    def fit_with_sizes(memory):
+        [engine] = memory.dynamic_engines
+        assert engine.layers_on_gpu == 0 and len(memory.engines) == 2  # the critic is placed too
         sizes.update(kept=sum(engine.stageable_bytes().values()), layer=engine.layer_bytes)
-        original(trainer)
+        original(memory)
 
-    monkeypatch.setattr(Trainer, "_fit_dynamic_layers", fit_with_sizes)
+    monkeypatch.setattr(MemoryManager, "finish_placement", fit_with_sizes)
     trainer = Trainer(config, log=logs.append, memory_probe=SizedProbe())
-    engine = trainer.dynamic_offload[0].engine
+    [engine] = trainer.memory.dynamic_engines
     assert engine.layers_on_gpu == 1 and engine.moves == {"to_cpu": 0, "to_gpu": 0}
     assert "dynamic offload: the actor starts with 1 of 3 transformer layers on the GPU (GPU memory threshold " \
            "0.85)" in logs

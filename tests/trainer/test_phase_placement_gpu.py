@@ -91,7 +91,7 @@ def test_under_a_memory_cap_the_all_gpu_run_fails_and_the_dynamic_one_completes(
     dynamic = "fsdp_config.dynamic_offload.enabled=true"
     trainer = capped_trainer(tmp_path, "dynamic", f"actor_rollout_ref.actor.{dynamic}", f"critic.{dynamic}",
                              "dynamic_offload.gpu_memory_threshold=0.85")
-    engines = [layers.engine for layers in trainer.dynamic_offload]
+    engines = trainer.memory.dynamic_engines
     assert len(engines) == 2
     started = [engine.layers_on_gpu for engine in engines]
     assert 0 < sum(started) < 16  # some on the GPU, not all

@@ -272,7 +272,7 @@ def test_a_run_with_bf16_gradients_on_the_host_trains(tmp_path):
     trainer = make_trainer(tmp_path, f"{fsdp}.model_dtype=bf16", f"{fsdp}.optimizer_offload=true",
                            f"{fsdp}.param_offload=true", f"{fsdp}.offload_grad_dtype=bf16",
                            "trainer.total_training_steps=2")
-    engine = trainer.offload_engines[0]
+    engine = trainer.memory.engine("actor")
     assert engine.layout.dtypes.grad == torch.bfloat16 and engine.layout.dtypes.master == torch.float32
     trainer.fit()
     rows = trainer.metrics_log.read()

@@ -22,7 +22,7 @@ from trainer.offload.layout import HostMemoryError, format_bytes
 from trainer.offload.optimizer import OffloadAdamW
 
 __all__ = ["GROUPS", "HostMemoryError", "OffloadAdamW", "OffloadEngine", "OffloadOptions", "UnsupportedModel",
-           "attach_offload", "format_bytes", "offload_engine", "offload_message"]
+           "attach_offload", "format_bytes", "offload_message"]
 
 
 def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.device | str, *, role: str,
@@ -38,7 +38,7 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
     that back), a placement that would need more host memory (OffloadEngine.host_bytes) raises
     HostMemoryError before allocating any.
     """
-    engine = OffloadEngine(
+    return OffloadEngine(
         model,
         {group: fsdp_config.placement(group) for group in GROUPS},
         torch.device(device),
@@ -51,13 +51,6 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
         host_budget=host_budget,
         host_grad_dtype=torch.bfloat16 if fsdp_config.offload_grad_dtype == "bf16" else None,
     )
-    model._offload_engine = engine
-    return engine
-
-
-def offload_engine(model: nn.Module) -> OffloadEngine | None:
-    """The engine attached to `model`, if any."""
-    return getattr(model, "_offload_engine", None)
 
 
 def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool) -> dict:

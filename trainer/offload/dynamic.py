@@ -1,8 +1,9 @@
 """Dynamic offload: how many transformer layers stay on the GPU, decided from device memory in use.
 
 Pure decision logic: the memory probe and the settings are passed in, so tests drive it with numbers.
-The trainer asks it at safe points only (between steps and micro-batches: no forward or backward in
-flight) and hands the decision to the engine (OffloadEngine.set_transformer_layers_on_gpu).
+The run's memory manager (trainer/memory.py) asks it at safe points only (between steps, micro-batches
+and decode chunks: no forward or backward in flight) and hands the decision to the engine
+(OffloadEngine.set_transformer_layers_on_gpu).
 
     controller = DynamicOffloadController(probe, settings=lambda: trainer.live_settings)
     decision = controller.decide(layers_on_gpu=engine.layers_on_gpu, total_layers=len(engine.transformer_units))
@@ -15,9 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from trainer.offload.engine import OffloadEngine
 
 MemoryProbe = Callable[[], tuple[int, int]]
 """Returns (bytes in use, bytes in all) of the compute device."""
@@ -128,11 +132,12 @@ class DynamicOffloadController:
 
 
 class DynamicLayers:
-    """One engine's transformer layers under a controller: `safe_point()` is what the trainer (and
-    the rollout, between decode chunks) calls where nothing is in flight."""
+    """One engine's transformer layers under a controller: `safe_point()` is what the memory manager
+    calls where nothing is in flight."""
 
-    def __init__(self, engine, controller: DynamicOffloadController, *, log: Callable[[str], None] | None = None):
-        self.engine = engine  # an OffloadEngine (not imported: the engine module imports this one's users)
+    def __init__(self, engine: OffloadEngine, controller: DynamicOffloadController, *,
+                 log: Callable[[str], None] | None = None):
+        self.engine = engine
         self.controller = controller
         self.log = log
 

@@ -10,7 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer.rewards.custom import as_float_score
 from trainer.rollout.batch import RolloutBatch
-from trainer.workers.recovery import Recovery, run_in_pieces
+from trainer.workers.recovery import WorkerMemory, run_in_pieces
 
 ScoreFunction = Callable[[str, str, Any, dict | None], Any]
 
@@ -55,13 +55,14 @@ class ModelReward:
     """A sequence classifier scores the prompt and response, re-tokenized with its own tokenizer."""
 
     def __init__(self, model: PreTrainedModel, policy_tokenizer: PreTrainedTokenizerBase,
-                 reward_tokenizer: PreTrainedTokenizerBase, *, micro_batch_size: int, max_length: int):
+                 reward_tokenizer: PreTrainedTokenizerBase, *, micro_batch_size: int, max_length: int,
+                 memory: WorkerMemory | None = None):
         self.model = model
         self.policy_tokenizer = policy_tokenizer
         self.reward_tokenizer = reward_tokenizer
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
-        self.recovery: Recovery | None = None  # set by the trainer: out-of-memory errors retried or split
+        self.memory = memory  # the memory manager's, for this model: out-of-memory errors retried or split
 
     def _texts(self, batch: RolloutBatch) -> list[str]:
         responses = decode_responses(batch, self.policy_tokenizer)
@@ -90,5 +91,4 @@ class ModelReward:
                                 attention_mask=encoded["attention_mask"].to(device))
             return output.logits[:, 0].float()
 
-        return torch.cat(run_in_pieces(score, len(texts), self.micro_batch_size, recovery=self.recovery,
-                                       models=[self.model]))
+        return torch.cat(run_in_pieces(score, len(texts), self.micro_batch_size, memory=self.memory))

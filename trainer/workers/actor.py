@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from transformers import PreTrainedModel
 
@@ -18,14 +16,15 @@ from trainer.algorithms import (
 from trainer.config import ActorConfig
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
-from trainer.workers.recovery import Recovery, run_in_pieces
+from trainer.workers.recovery import WorkerMemory, run_in_pieces
 
 
 @torch.no_grad()
 def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
-                      temperature: float, recovery: Recovery | None = None) -> torch.Tensor:
+                      temperature: float, memory: WorkerMemory | None = None) -> torch.Tensor:
     """[B, R] log-probs of the sampled responses under `model` at the sampling temperature; with
-    `recovery`, a micro-batch that runs out of device memory is retried or split."""
+    `memory` (the memory manager's, for `model`), a micro-batch that runs out of device memory is
+    retried or split."""
 
     def score(first: int, count: int) -> torch.Tensor:
         micro_batch = batch.select(torch.arange(first, first + count))
@@ -35,7 +34,7 @@ def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batc
     was_training = model.training
     model.eval()
     try:
-        parts = run_in_pieces(score, len(batch), micro_batch_size, recovery=recovery, models=[model])
+        parts = run_in_pieces(score, len(batch), micro_batch_size, memory=memory)
     finally:
         model.train(was_training)
     return torch.cat(parts) * batch.response_mask
@@ -45,23 +44,23 @@ class Actor:
     """Owns the policy's weights, optimizer and learning-rate schedule."""
 
     def __init__(self, model: PreTrainedModel, config: ActorConfig, *, temperature: float, rollout_n: int,
-                 log_prob_micro_batch_size: int, total_steps: int, seed: int):
+                 log_prob_micro_batch_size: int, total_steps: int, seed: int, memory: WorkerMemory | None = None):
         self.model = model
-        # Set by the trainer: dynamic offload between micro-batches, and relief after an out-of-memory error.
-        self.safe_point: Callable[[], None] | None = None
-        self.relieve_memory: Callable[[], bool] | None = None
-        self.recovery: Recovery | None = None
+        # The memory manager's side for this model: its optimizer, dynamic offload between
+        # micro-batches and relief after an out-of-memory error. None: plain AdamW, errors propagate.
+        self.memory = memory
         self.config = config
         self.temperature = temperature
         self.rollout_n = rollout_n
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
-        self.optimizer = build_optimizer(model, config.optim)
+        self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
+                          else build_optimizer(model, config.optim))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.shuffle_generator = torch.Generator().manual_seed(seed) if config.shuffle else None
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
-                                 temperature=self.temperature, recovery=self.recovery)
+                                 temperature=self.temperature, memory=self.memory)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""
@@ -72,9 +71,11 @@ class Actor:
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,
             shuffle_generator=self.shuffle_generator,
-            safe_point=self.safe_point,
-            relieve_memory=self.relieve_memory,
+            memory=self.memory,
         )
+        recovered = metrics.pop("oom_recoveries")
+        if self.memory is not None:
+            self.memory.count_recoveries(int(sum(recovered)))
         metrics = {f"actor/{key}": values for key, values in metrics.items()}
         metrics["actor/lr"] = [self.scheduler.get_last_lr()[0]]
         self.scheduler.step()

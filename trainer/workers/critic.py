@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from transformers import PreTrainedModel
 
@@ -11,23 +9,23 @@ from trainer.algorithms import compute_value_loss
 from trainer.config import CriticConfig
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
-from trainer.workers.recovery import Recovery, run_in_pieces
+from trainer.workers.recovery import WorkerMemory, run_in_pieces
 
 
 class Critic:
     """Owns the critic's weights, optimizer and schedule."""
 
     def __init__(self, model: PreTrainedModel, config: CriticConfig, *, rollout_n: int,
-                 forward_micro_batch_size: int, total_steps: int):
+                 forward_micro_batch_size: int, total_steps: int, memory: WorkerMemory | None = None):
         self.model = model
-        # Set by the trainer: dynamic offload between micro-batches, and relief after an out-of-memory error.
-        self.safe_point: Callable[[], None] | None = None
-        self.relieve_memory: Callable[[], bool] | None = None
-        self.recovery: Recovery | None = None
+        # The memory manager's side for this model: its optimizer, dynamic offload between
+        # micro-batches and relief after an out-of-memory error. None: plain AdamW, errors propagate.
+        self.memory = memory
         self.config = config
         self.rollout_n = rollout_n
         self.forward_micro_batch_size = forward_micro_batch_size
-        self.optimizer = build_optimizer(model, config.optim)
+        self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
+                          else build_optimizer(model, config.optim))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
@@ -41,8 +39,7 @@ class Critic:
         self.model.eval()
         try:
             parts = run_in_pieces(lambda first, count: self._values(batch.select(torch.arange(first, first + count))),
-                                  len(batch), self.forward_micro_batch_size, recovery=self.recovery,
-                                  models=[self.model])
+                                  len(batch), self.forward_micro_batch_size, memory=self.memory)
             return torch.cat(parts)
         finally:
             self.model.train(was_training)
@@ -55,9 +52,11 @@ class Critic:
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,
             shuffle_generator=None,
-            safe_point=self.safe_point,
-            relieve_memory=self.relieve_memory,
+            memory=self.memory,
         )
+        recovered = metrics.pop("oom_recoveries")
+        if self.memory is not None:
+            self.memory.count_recoveries(int(sum(recovered)))
         metrics = {f"critic/{key}": values for key, values in metrics.items()}
         metrics["critic/lr"] = [self.scheduler.get_last_lr()[0]]
         self.scheduler.step()

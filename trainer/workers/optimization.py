@@ -11,9 +11,9 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.config import OptimConfig
-from trainer.offload import offload_engine
+from trainer.offload import OffloadEngine
 from trainer.rollout.batch import RolloutBatch
-from trainer.workers.recovery import release
+from trainer.workers.recovery import Piece, WorkerMemory, retry_out_of_memory, split_into_pieces
 
 LossFn = Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -32,8 +32,9 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor
     return output.logits[:, prompt_length - 1: prompt_length - 1 + response_length]
 
 
-def build_optimizer(model: PreTrainedModel, config: OptimConfig) -> torch.optim.AdamW:
-    engine = offload_engine(model)
+def build_optimizer(model: PreTrainedModel, config: OptimConfig,
+                    engine: OffloadEngine | None = None) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters; `engine`'s when the model has one."""
     if engine is not None:
         # Per-layer parameter groups, and the update on the CPU when optimizer_offload is set.
         return engine.optimizer(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
@@ -75,15 +76,15 @@ def run_updates(
     epochs: int,
     grad_clip: float,
     shuffle_generator: torch.Generator | None,
-    safe_point: Callable[[], None] | None = None,
-    relieve_memory: Callable[[], bool] | None = None,
+    memory: WorkerMemory | None = None,
 ) -> dict[str, list[float]]:
     """PPO's inner loop: `epochs` passes, one optimizer step per mini-batch of `mini_batch_size`
     sequences, gradients accumulated over micro-batches. Returns every micro-batch's metrics, and
     "oom_recoveries": the CUDA out-of-memory errors it recovered from.
 
-    `safe_point` runs before each micro-batch (nothing in flight: dynamic offload may move layers);
-    `relieve_memory` frees device memory after an out-of-memory error, True if it could.
+    With `memory` (the run's memory manager, for this model), a safe point comes before each
+    micro-batch (nothing in flight: dynamic offload may move layers) and an out-of-memory error is
+    recovered from (`accumulate_gradients`); without it, the error propagates.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
     recoveries = 0
@@ -94,7 +95,7 @@ def run_updates(
         for mini_batch in batch.select(order).split(mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
             micro_metrics, recovered = accumulate_gradients(model, optimizer, mini_batch, loss_fn, micro_batch_size,
-                                                            safe_point=safe_point, relieve_memory=relieve_memory)
+                                                            memory=memory)
             recoveries += recovered
             for key, values in micro_metrics.items():
                 metrics[key].extend(values)
@@ -120,60 +121,43 @@ def accumulate_gradients(
     loss_fn: LossFn,
     micro_batch_size: int,
     *,
-    safe_point: Callable[[], None] | None = None,
-    relieve_memory: Callable[[], bool] | None = None,
+    memory: WorkerMemory | None = None,
 ) -> tuple[dict[str, list[float]], int]:
     """The gradient of the mini-batch's mean loss, summed over micro-batches; their metrics, and the
     out-of-memory errors recovered from.
 
-    A CUDA out-of-memory error in a micro-batch does not end the run. A backward that failed half-way
-    has already added to some gradients, so the whole mini-batch's are dropped and it is redone: with
-    the same micro-batches once `relieve_memory` freed memory (the same result), otherwise with the
-    failed micro-batch split in two (the same result for losses that are means over sequences; its
-    metrics are merged back into one entry, weighted by size).
+    A CUDA out-of-memory error in a micro-batch does not end the run (recovery.retry_out_of_memory).
+    A backward that failed half-way has already added to some gradients, so the whole mini-batch's
+    are dropped and it is redone: with the same micro-batches once memory was relieved (the same
+    result), otherwise with the failed micro-batch split in two (the same result for losses that are
+    means over sequences; its metrics are merged back into one entry, weighted by size). One
+    sequence that does not fit with nothing left to free raises the CUDA error.
     """
-    # Each piece: (first sequence, sequences, the micro-batch it came from).
-    pieces = [(start, min(micro_batch_size, len(mini_batch) - start), number)
-              for number, start in enumerate(range(0, len(mini_batch), micro_batch_size))]
-    recoveries = 0
-    while True:
-        done: list[tuple[int, int, dict[str, float]]] = []
-        try:
-            for first, size, origin in pieces:
-                if safe_point is not None:
-                    safe_point()
-                micro_batch = mini_batch.select(torch.arange(first, first + size))
-                loss, micro_metrics = loss_fn(micro_batch)
-                # Weight each micro-batch by its share of the mini-batch: the sum is the mini-batch mean.
-                (loss * (size / len(mini_batch))).backward()
-                done.append((origin, size, micro_metrics))
-            return _merge_pieces(done), recoveries
-        except torch.OutOfMemoryError:
-            failed = len(done)
-            del done
-            _discard_attempt(model, optimizer)
-            if relieve_memory is not None and relieve_memory():
-                recoveries += 1
-                continue
-            first, size, origin = pieces[failed]
-            if size == 1:
-                raise  # one sequence does not fit and nothing more can move off the device
-            half = size // 2
-            pieces[failed:failed + 1] = [(first, half, origin), (first + half, size - half, origin)]
-            recoveries += 1
+
+    def backward(piece: Piece) -> dict[str, float]:
+        if memory is not None:
+            memory.safe_point()
+        micro_batch = mini_batch.select(torch.arange(piece.first, piece.first + piece.count))
+        loss, micro_metrics = loss_fn(micro_batch)
+        # Weight each micro-batch by its share of the mini-batch: the sum is the mini-batch mean.
+        (loss * (piece.count / len(mini_batch))).backward()
+        return micro_metrics
+
+    def discard() -> None:
+        """Drop a failed attempt's gradients (its pass released first: it may still land some)."""
+        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+
+    retried = retry_out_of_memory(backward, split_into_pieces(len(mini_batch), micro_batch_size), memory,
+                                  discard=discard, single_item_error=None)
+    return _merge_pieces(retried.done), retried.recoveries
 
 
-def _discard_attempt(model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
-    """Drop a failed attempt's gradients and whatever its forward or backward still held."""
-    release([model])  # first: the abandoned pass may still land gradients until then
-    optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-
-
-def _merge_pieces(done: list[tuple[int, int, dict[str, float]]]) -> dict[str, list[float]]:
+def _merge_pieces(done: list[tuple[Piece, dict[str, float]]]) -> dict[str, list[float]]:
     """One entry per original micro-batch: a split one's halves averaged, weighted by size."""
     merged: dict[int, tuple[int, dict[str, float]]] = {}
-    for origin, size, values in done:
+    for piece, values in done:
+        origin, size = piece.origin, piece.count
         if origin not in merged:
             merged[origin] = (size, dict(values))
             continue

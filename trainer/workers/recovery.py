@@ -1,81 +1,146 @@
-"""Out-of-memory recovery for the no-grad phases (rollout, log-probs, values): a CUDA out-of-memory
-error in a piece of the batch does not end the run. The piece is retried once memory was relieved
-(dynamic offload moved layers to the CPU), or split in two. The update has its own loop
-(optimization.accumulate_gradients): a failed backward has already added to gradients.
+"""Out-of-memory recovery: a CUDA out-of-memory error in a piece of a batch does not end the run.
 
-    recovery = Recovery(relieve_memory=trainer.relieve_memory)
+One helper, `retry_out_of_memory`, serves the two kinds of work that split a batch into pieces:
+
+- the no-grad phases (rollout, log-probs, values, the reward model), through `run_in_pieces`: the
+  pieces are independent, so the ones done are kept and only the failed one runs again;
+- the update's gradient accumulation (optimization.accumulate_gradients): a backward that failed
+  half-way has already added to some gradients, so its `discard` drops them and every piece of the
+  mini-batch runs again (the same result: see there).
+
+After an error the failed pass is released, memory is relieved (dynamic offload moves layers to the
+CPU, else a phase's kept groups stream from then on) and the same pieces run again; when nothing
+could be freed, the failed piece is split in two. Workers get what they need for this from the run's
+memory manager (trainer/memory.py) as a `WorkerMemory`, when they are built:
+
     parts = run_in_pieces(lambda first, count: score(batch[first:first + count]), len(batch), 16,
-                          recovery=recovery, models=[model])
-    metrics["perf/oom_recoveries"] += recovery.take()
+                          memory=memory)     # the recoveries are counted on `memory`
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
-from torch import nn
+from transformers import PreTrainedModel
 
-from trainer.offload import offload_engine
+from trainer.config import OptimConfig
 
 T = TypeVar("T")
 
+SINGLE_SEQUENCE_MESSAGE = ("CUDA out of memory on a single sequence, with no layer left to move to the CPU: lower "
+                           "the response length or raise the memory budget")
+
+
+class OutOfMemoryRelief(Protocol):
+    """What recovery asks of the memory manager, for the model whose pass ran out of memory."""
+
+    def release(self) -> None:
+        """Forget the model's failed pass and give the cached device memory back."""
+        ...
+
+    def relieve_memory(self) -> bool:
+        """Free device memory for the next attempt; True if anything could be freed."""
+        ...
+
+
+class WorkerMemory(OutOfMemoryRelief, Protocol):
+    """One model's side of the run's memory manager (trainer.memory.ModelMemory): what the actor,
+    critic and reward model are built with."""
+
+    def safe_point(self) -> None:
+        """Nothing is in flight (between micro-batches): dynamic offload may move layers."""
+        ...
+
+    def count_recoveries(self, count: int) -> None:
+        """`count` out-of-memory errors were recovered from (the step's perf/oom_recoveries)."""
+        ...
+
+    def build_optimizer(self, model: PreTrainedModel, config: OptimConfig) -> torch.optim.Optimizer:
+        """The model's AdamW: the offload engine's when it has one (per-layer groups, the update
+        where optimizer_offload puts it)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Items [first, first + count) of a batch; `origin` numbers the piece it was split from."""
+
+    first: int
+    count: int
+    origin: int
+
+
+def split_into_pieces(total: int, size: int) -> list[Piece]:
+    """Consecutive pieces of at most `size` of `total` items, each its own origin."""
+    return [Piece(first, min(size, total - first), number) for number, first in enumerate(range(0, total, size))]
+
 
 @dataclass
-class Recovery:
-    """How to relieve memory, and the errors recovered from since the last `take`."""
+class Retried(Generic[T]):
+    """The pieces `retry_out_of_memory` ran, in order, each with its result; and how many
+    out-of-memory errors it recovered from on the way."""
 
-    relieve_memory: Callable[[], bool] | None = None
-    """Frees device memory (moves layers to the CPU); True if it could."""
-    count: int = 0
-
-    def take(self) -> int:
-        count, self.count = self.count, 0
-        return count
+    done: list[tuple[Piece, T]]
+    recoveries: int
 
 
-def run_in_pieces(run: Callable[[int, int], T], total: int, size: int, *, recovery: Recovery | None,
-                  models: Sequence[nn.Module] = ()) -> list[T]:
-    """`run(first, count)` over consecutive pieces of at most `size` of `total` items, in order.
+def retry_out_of_memory(run: Callable[[Piece], T], pieces: Sequence[Piece], relief: OutOfMemoryRelief | None, *,
+                        discard: Callable[[], None] | None = None,
+                        single_item_error: str | None = SINGLE_SEQUENCE_MESSAGE) -> Retried[T]:
+    """`run` every piece in order, recovering from CUDA out-of-memory errors.
 
-    On a CUDA out-of-memory error the pieces already done are kept (nothing accumulates across
-    them), the failed pass of `models` is abandoned, and the failed piece is retried once memory
-    was relieved, or split in two; one item that still does not fit raises. Without `recovery`
-    the error propagates.
+    After an error, once its frames (and the tensors they hold) are gone: `relief.release()`
+    forgets the failed pass; `discard`, when given, drops what the pieces done so far left behind
+    (accumulated gradients), and they are all run again; then, if `relief.relieve_memory()` freed
+    memory, the same pieces run again, otherwise the failed piece is split in two (each half keeps
+    its origin). Each of these counts as one recovery. A piece of one item that fails with nothing
+    freed ends it: an OutOfMemoryError saying `single_item_error`, or with None the CUDA error
+    itself. Without `relief` the error propagates at once.
     """
-    pieces = [(first, min(size, total - first)) for first in range(0, total, size)]
-    results: list[T] = []
-    while len(results) < len(pieces):
-        first, count = pieces[len(results)]
-        failed = False
+    pieces = list(pieces)
+    done: list[tuple[Piece, T]] = []
+    recoveries = 0
+    while len(done) < len(pieces):
+        piece = pieces[len(done)]
         try:
-            results.append(run(first, count))
-        except torch.OutOfMemoryError:
-            if recovery is None or count == 1 and recovery.relieve_memory is None:
+            result = run(piece)
+        except torch.OutOfMemoryError as error:
+            if relief is None:
                 raise
-            failed = True
-        if not failed:
+            # Without its traceback the error no longer holds the failed pass's frames and tensors.
+            failure = error.with_traceback(None)
+        else:
+            done.append((piece, result))
             continue
-        # Out of the except block: the error's frames (and the tensors they hold) are gone now.
-        release(models)
-        recovery.count += 1
-        if recovery.relieve_memory is not None and recovery.relieve_memory():
+        failed = len(done)
+        relief.release()  # first: an abandoned backward may still land gradients until then
+        if discard is not None:
+            discard()
+            done = []
+        if relief.relieve_memory():
+            recoveries += 1
             continue
-        if count == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory on a single sequence, with no layer left to move "
-                                         "to the CPU: lower the response length or raise the memory budget")
-        half = count // 2
-        pieces[len(results):len(results) + 1] = [(first, half), (first + half, count - half)]
-    return results
+        if piece.count == 1:
+            if single_item_error is None:
+                raise failure
+            raise torch.OutOfMemoryError(single_item_error)
+        half = piece.count // 2
+        pieces[failed:failed + 1] = [Piece(piece.first, half, piece.origin),
+                                     Piece(piece.first + half, piece.count - half, piece.origin)]
+        recoveries += 1
+    return Retried(done, recoveries)
 
 
-def release(models: Sequence[nn.Module]) -> None:
-    """Forget the passes of `models` that raised and give the cached device memory back."""
-    for model in models:
-        engine = offload_engine(model)
-        if engine is not None:
-            engine.abandon_pass()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def run_in_pieces(run: Callable[[int, int], T], total: int, size: int, *, memory: WorkerMemory | None) -> list[T]:
+    """`run(first, count)` over consecutive pieces of at most `size` of `total` items, in order, for a
+    no-grad phase: a piece that runs out of device memory is retried once memory was relieved, or
+    split; the pieces done are kept (nothing accumulates across them). Without `memory` the error
+    propagates."""
+    retried = retry_out_of_memory(lambda piece: run(piece.first, piece.count), split_into_pieces(total, size),
+                                  memory)
+    if memory is not None:
+        memory.count_recoveries(retried.recoveries)
+    return [result for _, result in retried.done]

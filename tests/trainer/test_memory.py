@@ -1,0 +1,221 @@
+"""The memory manager on the CPU, with real offload engines (the CPU plays the device) and a fake
+device memory probe: the host budget, fitting dynamic layers once every model is placed, per-phase
+placement, relief after an out-of-memory error, and the step metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.test_offload import TOKENIZER, policy
+from trainer.config import ActorConfig, FSDPConfig, OptimConfig
+from trainer.config.live import LiveSettings
+from trainer.data import PromptRecord
+from trainer.errors import RunSetupError
+from trainer.memory import HOST_MARGIN_BYTES, MemoryManager
+from trainer.offload import OffloadAdamW, format_bytes
+from trainer.rollout.batch import RolloutBatch
+from trainer.workers.actor import Actor, compute_log_probs
+
+DYNAMIC = {"dynamic_offload": {"enabled": True}}
+LAYERED = {"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}
+THRESHOLD = 0.85
+
+
+class Device:
+    """A device's memory as the probe reads it: `base` bytes in use, plus the transformer layers the
+    watched engines keep on it; `total` bytes in all."""
+
+    def __init__(self, total: int = 10**12, base: int = 0):
+        self.total, self.base, self.engines = total, base, []
+
+    def __call__(self) -> tuple[int, int]:
+        layers = sum(engine.layers_on_gpu * engine.layer_bytes for engine in self.engines)
+        return self.base + layers, self.total
+
+
+class Run:
+    """A memory manager with its fakes: live settings the test may change, the log it writes."""
+
+    def __init__(self, probe=None, host_available=lambda: 1 << 50, **settings):
+        self.settings = LiveSettings.model_validate({"dynamic_offload.enabled": True,
+                                                     "gpu_memory_threshold": THRESHOLD, **settings})
+        self.logs: list[str] = []
+        self.memory = MemoryManager(torch.device("cpu"), settings=lambda: self.settings, probe=probe,
+                                    host_available=host_available, log=self.logs.append, warn=self.logs.append)
+
+    def place(self, role: str, settings: dict):
+        model = self.memory.place(policy(), FSDPConfig.model_validate(settings), role)
+        return model, self.memory.engine(role)
+
+
+def two_responses() -> RolloutBatch:
+    generator = torch.Generator().manual_seed(0)
+    return RolloutBatch(prompt_ids=torch.randint(3, len(TOKENIZER), (2, 4), generator=generator),
+                        prompt_mask=torch.ones(2, 4, dtype=torch.long),
+                        response_ids=torch.randint(3, len(TOKENIZER), (2, 3), generator=generator),
+                        response_mask=torch.ones(2, 3), group_index=torch.arange(2),
+                        records=[PromptRecord(prompt="p", data_source="test")] * 2)
+
+
+def test_a_placement_counts_what_the_models_placed_before_it_will_need_on_the_host():
+    probe_run = Run()
+    _, engine = probe_run.place("actor", {"param_offload": True})
+    host = engine.host_bytes()
+    later = host["gradients"] + host["optimizer"]  # allocated once the actor trains
+    # Room for the actor's placement, with half of its later needs to spare; not for a second one.
+    run = Run(host_available=lambda: HOST_MARGIN_BYTES + later + later // 2)
+    run.place("actor", {"param_offload": True})
+    with pytest.raises(RunSetupError) as error:
+        run.place("critic", {"param_offload": True})
+    message = str(error.value)
+    assert message.startswith("the critic's offload placement needs ")
+    assert message.endswith("(keeping 2.00 GiB free): place fewer groups on the CPU (critic.fsdp_config."
+                            "param_offload, .offload_policy, .optimizer_offload), keep their gradients in bf16 "
+                            "(critic.fsdp_config.offload_grad_dtype) or use a machine with more memory")
+    assert [engine.role for engine in run.memory.engines] == ["actor"]
+
+
+def test_dynamic_layers_come_to_the_gpu_once_every_model_is_placed_first_placed_first_fitted():
+    device = Device()
+    run = Run(probe=device)
+    _, actor = run.place("actor", DYNAMIC)
+    _, critic = run.place("critic", DYNAMIC)
+    assert (actor.layers_on_gpu, critic.layers_on_gpu) == (0, 0)  # streamed while the models are placed
+    assert run.memory.dynamic_engines == [actor, critic] and run.memory.moves_layers
+    # Below the threshold: room for five and a half layers.
+    device.total, device.engines = int(5.5 * actor.layer_bytes / THRESHOLD), run.memory.engines
+    run.memory.finish_placement()
+    assert (actor.layers_on_gpu, critic.layers_on_gpu) == (4, 1)
+    assert actor.moves == critic.moves == {"to_cpu": 0, "to_gpu": 0}  # where they start, not moves
+    assert run.logs == ["dynamic offload: the critic starts with 1 of 4 transformer layers on the GPU "
+                        f"(GPU memory threshold {THRESHOLD})"]
+
+
+def test_without_a_gpu_to_measure_dynamic_layers_stay_where_the_policy_puts_them_and_it_says_so():
+    run = Run(probe=None)
+    _, engine = run.place("actor", DYNAMIC)
+    run.memory.finish_placement()
+    assert engine.layers_on_gpu == 4 and not run.memory.moves_layers
+    assert run.logs == ["dynamic offload of the actor needs a GPU to measure memory on; on cpu its transformer "
+                        "layers stay where the offload policy puts them"]
+
+
+def test_a_phase_keeps_groups_within_the_room_below_the_threshold_and_says_so_when_that_changes():
+    device = Device(total=10**9, base=10**8)
+    run = Run(probe=device)
+    _, engine = run.place("actor", LAYERED)
+    budgets = []
+    original = engine.placed_for
+
+    def spy(phase, *, budget_bytes=None):
+        budgets.append((phase, budget_bytes))
+        return original(phase, budget_bytes=budget_bytes)
+
+    engine.placed_for = spy
+    for _ in range(2):
+        with run.memory.placed_for("rollout", "actor"):
+            assert sorted(engine.staging.staged_groups) == ["embedding", "lm_head"]
+    device.base = device.total
+    with run.memory.placed_for("rollout", "actor"):
+        assert engine.staging.staged_groups == []
+    with run.memory.placed_for("scoring", "reward"):  # no reward model: nothing to place
+        pass
+    room = int(THRESHOLD * 10**9)
+    assert budgets == [("rollout", room - 10**8)] * 2 + [("rollout", room - 10**9)]
+    kept = format_bytes(sum(engine.stageable_bytes().values()))
+    assert run.logs == [
+        f"per-phase placement: rollout keeps the actor's lm_head and embedding on the GPU ({kept})",
+        "per-phase placement: rollout streams the actor's CPU-resident groups (no room below the GPU memory "
+        f"threshold {THRESHOLD} to keep them on the GPU)"]
+
+
+def test_relief_moves_half_the_layers_above_the_minimum_first_then_drops_the_kept_groups():
+    run = Run(probe=Device(), min_transformer_layers_on_gpu=0)
+    _, engine = run.place("actor", {**LAYERED, **DYNAMIC})
+    run.memory.finish_placement()
+    relieved = []
+    with run.memory.placed_for("rollout", "actor"):
+        while run.memory.relieve_memory():
+            relieved.append((engine.layers_on_gpu, sorted(engine.staging.staged_groups)))
+    kept = ["embedding", "lm_head"]
+    assert relieved == [(2, kept), (1, kept), (0, kept), (0, [])]
+    assert [line for line in run.logs if line.startswith("out of GPU memory")] == [
+        "out of GPU memory: actor keeps 2 transformer layers on GPU, retrying",
+        "out of GPU memory: actor keeps 1 transformer layers on GPU, retrying",
+        "out of GPU memory: actor keeps 0 transformer layers on GPU, retrying",
+        "out of GPU memory: the actor's lm_head and embedding stream for the rest of the rollout phase, retrying"]
+
+
+def test_relief_respects_the_live_minimum_and_moves_no_layer_while_dynamic_offload_is_off():
+    run = Run(probe=Device(), min_transformer_layers_on_gpu=3)
+    _, engine = run.place("actor", {**LAYERED, **DYNAMIC})
+    run.memory.finish_placement()
+    assert run.memory.relieve_memory() and engine.layers_on_gpu == 3
+    assert not run.memory.relieve_memory()  # at the minimum, and no phase keeps groups
+    run.settings = run.settings.model_copy(update={"min_transformer_layers_on_gpu": 0,
+                                                   "dynamic_offload_enabled": False})
+    with run.memory.placed_for("scoring", "actor"):
+        assert run.memory.relieve_memory() and engine.layers_on_gpu == 3 and engine.staging.staged_groups == []
+        assert not run.memory.relieve_memory()
+
+
+def test_the_step_metrics_report_layers_moves_and_recoveries_since_the_last_step():
+    run = Run(probe=Device())
+    _, actor = run.place("actor", DYNAMIC)
+    _, reference = run.place("ref", {})
+    run.memory.finish_placement()
+    layers = {"offload/actor/transformer_layers_on_gpu": 4, "offload/ref/transformer_layers_on_gpu": 4}
+    assert run.memory.step_metrics() == {"perf/oom_recoveries": 0.0, "offload/transformer_layers_on_gpu": 8,
+                                         **layers, "offload/moves_to_cpu": 0, "offload/moves_to_gpu": 0}
+    actor.set_transformer_layers_on_gpu(1)
+    run.memory.count_recoveries(2)
+    run.memory.for_role("ref").count_recoveries(1)
+    second = run.memory.step_metrics()
+    assert second["perf/oom_recoveries"] == 3.0 and second["offload/moves_to_cpu"] == 3
+    assert second["offload/transformer_layers_on_gpu"] == 5 and second["offload/actor/transformer_layers_on_gpu"] == 1
+    actor.set_transformer_layers_on_gpu(3)
+    third = run.memory.step_metrics()
+    assert (third["perf/oom_recoveries"], third["offload/moves_to_cpu"], third["offload/moves_to_gpu"]) == (0, 0, 2)
+
+
+def test_each_role_gets_its_engines_optimizer_and_its_recoveries_reach_the_step_metrics():
+    run = Run()
+    model, engine = run.place("actor", {"param_offload": True})
+    assert isinstance(run.memory.for_role("actor").build_optimizer(model, OptimConfig()), OffloadAdamW)
+    plain = run.memory.for_role("critic").build_optimizer(policy(), OptimConfig())  # no critic placed
+    assert type(plain) is torch.optim.AdamW
+    batch = two_responses()
+    failures = iter([True])
+
+    def fail_once(module, args):
+        if next(failures, False):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    handle = model.model.layers[1].register_forward_pre_hook(fail_once)
+    try:
+        compute_log_probs(model, batch, micro_batch_size=2, temperature=1.0, memory=run.memory.for_role("actor"))
+    finally:
+        handle.remove()
+    assert not any(block.acquired for block in engine.blocks)  # the failed pass was released
+    assert run.memory.step_metrics()["perf/oom_recoveries"] == 1
+
+
+def test_an_update_reports_its_recoveries_to_the_manager_not_in_its_own_metrics():
+    run = Run()
+    model = run.memory.place(policy(), FSDPConfig(), "actor")
+    actor = Actor(model, ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2), temperature=1.0,
+                  rollout_n=1, log_prob_micro_batch_size=2, total_steps=1, seed=1, memory=run.memory.for_role("actor"))
+    batch = two_responses()
+    batch.old_log_probs = actor.compute_log_probs(batch)
+    batch.advantages = torch.ones(2, 3)
+    failures = iter([True])
+
+    def fail_once(module, args):
+        if module.training and next(failures, False):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    model.model.layers[0].register_forward_pre_hook(fail_once)
+    metrics = actor.update(batch)
+    assert len(metrics["actor/pg_loss"]) == 1 and not any("oom" in key for key in metrics)
+    assert run.memory.step_metrics()["perf/oom_recoveries"] == 1

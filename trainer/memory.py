@@ -1,0 +1,313 @@
+"""Where each of a run's models lives, and how that changes while the run goes on.
+
+`MemoryManager` owns the placement of every model of the run, so that the trainer only orchestrates
+the RL step:
+
+- the host budget: each model's offload placement must fit in the host memory left by the ones
+  placed before it (with a margin for the process), or the run stops at start naming the settings;
+- placement in two stages: each model is placed as it is built (`place`: its offload policy, its
+  transformer layers streamed at first when they move dynamically), then, once every model is
+  placed, what stays on the GPU is decided for all of them together (`finish_placement`). That is
+  the one place where placement across models is decided (today: first placed, first fitted), as
+  `placed_for` is for each phase and `safe_point` while the run goes on;
+- per-phase placement (`placed_for`): a phase of the step keeps a model's CPU-resident head and
+  embedding on the GPU within the room below the live GPU memory threshold;
+- run time: safe points (the dynamic-offload controllers), relief after an out-of-memory error,
+  and the step metrics of all that (layers on the GPU, their moves, the errors recovered from);
+- the embedding cache of the actor's rollout.
+
+Workers get one model's side of it (`for_role`, a workers.recovery.WorkerMemory) when they are
+built. Its dependencies (the device's memory probe, the host's free memory, the live settings, the
+log) are passed in, so tests build it with fakes:
+
+    memory = MemoryManager(device, settings=lambda: live_settings, probe=probe, host_available=free)
+    model = memory.place(model, fsdp_config, "actor")
+    actor = Actor(model, ..., memory=memory.for_role("actor"))
+    memory.finish_placement()                  # every model placed
+    with memory.placed_for("scoring", "actor"):
+        ...
+    metrics.update(memory.step_metrics())
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Literal, TypeVar
+
+import psutil
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from trainer.config import FSDPConfig, OptimConfig
+from trainer.config.schema import FSDP_PREFIX
+from trainer.config.schema import EmbeddingCache as EmbeddingCacheConfig
+from trainer.errors import RunSetupError
+from trainer.offload import HostMemoryError, OffloadEngine, attach_offload, format_bytes
+from trainer.offload.dynamic import (
+    DynamicLayers,
+    DynamicOffloadController,
+    DynamicSettings,
+    MemoryProbe,
+    device_memory_probe,
+    layers_that_fit,
+)
+from trainer.offload.embedding_cache import EmbeddingCache
+from trainer.workers.optimization import build_optimizer
+
+Role = Literal["actor", "ref", "critic", "reward"]
+"""A model of the run, as the offload engine and the metrics name it."""
+
+CONFIG_ROLE = {"reward": "reward_model"}  # the engine's role name -> the config's
+HOST_MARGIN_BYTES = 2 << 30
+"""Host memory a run leaves free beside what its offload placements need (the process, data, staging)."""
+
+Model = TypeVar("Model", bound=nn.Module)
+
+
+def host_memory_available() -> int:
+    """Host memory free now, as the kernel counts it (what the host budget starts from)."""
+    return int(psutil.virtual_memory().available)
+
+
+def default_memory_probe(device: torch.device) -> MemoryProbe | None:
+    """The device's memory probe; None on a CPU, which has no device memory of its own to watch."""
+    return device_memory_probe(device) if device.type == "cuda" else None
+
+
+class MemoryManager:
+    """Places the run's models and keeps them within the device's memory while the run goes on."""
+
+    def __init__(self, device: torch.device, *, settings: Callable[[], DynamicSettings],
+                 probe: MemoryProbe | None, host_available: Callable[[], int],
+                 log: Callable[[str], None] = print, warn: Callable[[str], None] = print):
+        self.device = device
+        self.settings = settings  # read at each use: a live change acts at the next one
+        self.probe = probe  # None without a GPU: nothing to measure, no dynamic or per-phase placement
+        self.host_available = host_available
+        self.log, self.warn = log, warn
+        self._engines: dict[str, OffloadEngine] = {}  # by role, in placement order
+        # Engines whose transformer layers move with memory pressure, each with its controller.
+        self._dynamic: list[DynamicLayers] = []
+        self._host_pending = 0  # host bytes placed engines will allocate once they train
+        self._staged_logged: dict[tuple[str, str], tuple[str, ...]] = {}
+        self._moves_reported = {"to_cpu": 0, "to_gpu": 0}
+        self._recoveries = 0  # out-of-memory errors recovered from since the last step's metrics
+        self._roles: dict[str, ModelMemory] = {}
+        self.embedding_cache: EmbeddingCache | None = None
+
+    # --------------------------------------------------------------------------------- placement
+
+    @property
+    def engines(self) -> list[OffloadEngine]:
+        """Every placed model's offload engine, in placement order (the telemetry reads them)."""
+        return list(self._engines.values())
+
+    @property
+    def dynamic_engines(self) -> list[OffloadEngine]:
+        """The engines whose transformer layers move with memory pressure."""
+        return [dynamic.engine for dynamic in self._dynamic]
+
+    def engine(self, role: Role) -> OffloadEngine | None:
+        """The engine of the model placed as `role`; None when there is none."""
+        return self._engines.get(role)
+
+    def place(self, model: Model, fsdp_config: FSDPConfig, role: Role) -> Model:
+        """Put each module group where the policy says (the engine streams the CPU-resident ones).
+
+        With dynamic offload its transformer layers start streamed; once every model is placed
+        they come to the GPU as far as they fit (`finish_placement`), so a model the GPU cannot
+        hold whole still starts, and the models placed after it still find their room."""
+        dynamic = fsdp_config.dynamic_offload
+        layers_on_gpu = 0 if dynamic.enabled and self.probe is not None else None
+        budget = self.host_available() - self._host_pending - HOST_MARGIN_BYTES
+        try:
+            engine = attach_offload(model, fsdp_config, self.device, role=role, layers_on_gpu=layers_on_gpu,
+                                    host_budget=budget)
+        except HostMemoryError as error:
+            key = FSDP_PREFIX[CONFIG_ROLE.get(role, role)]
+            raise RunSetupError(f"{error} (keeping {format_bytes(HOST_MARGIN_BYTES)} free): place fewer groups on the "
+                                f"CPU ({key}.param_offload, .offload_policy, .optimizer_offload), keep their "
+                                f"gradients in bf16 ({key}.offload_grad_dtype) or use a machine with more memory"
+                                ) from None
+        host = engine.host_bytes()
+        self._host_pending += host["gradients"] + host["optimizer"]
+        self._engines[role] = engine
+        if dynamic.enabled and self.probe is not None:
+            controller = DynamicOffloadController(self.probe, self.settings)
+            self._dynamic.append(DynamicLayers(engine, controller, log=self.log))
+        elif dynamic.enabled:
+            self.warn(f"dynamic offload of the {role} needs a GPU to measure memory on; on {self.device} its "
+                      "transformer layers stay where the offload policy puts them")
+        return model
+
+    def finish_placement(self) -> None:
+        """Once every model is placed: bring each dynamic model's transformer layers to the GPU as
+        far as they fit below the threshold, in placement order, leaving room for the groups its
+        rollout keeps there (per-phase placement)."""
+        probe = self.probe
+        if probe is None:
+            return  # no GPU to measure: no layer moves dynamically (`place`)
+        for dynamic in self._dynamic:
+            engine = dynamic.engine
+            if engine.placements["transformer"] != "gpu":
+                continue  # placed on the CPU: dynamic offload only ever takes layers off the GPU
+            total = len(engine.transformer_units)
+            fit = layers_that_fit(probe, threshold=self.settings().gpu_memory_threshold,
+                                  layer_bytes=engine.layer_bytes, total_layers=total,
+                                  reserve_bytes=sum(engine.stageable_bytes().values()))
+            engine.set_transformer_layers_on_gpu(fit)
+            engine.moves = {"to_cpu": 0, "to_gpu": 0}  # where it starts, not a move
+            if engine.layers_on_gpu < total:
+                self.log(f"dynamic offload: the {engine.role} starts with {engine.layers_on_gpu} of {total} "
+                         f"transformer layers on the GPU (GPU memory threshold "
+                         f"{self.settings().gpu_memory_threshold})")
+
+    def enable_embedding_cache(self, settings: EmbeddingCacheConfig) -> EmbeddingCache | None:
+        """The device cache of the actor's most frequent embedding rows, when the config asks for
+        one and the embedding is on the CPU (else there is nothing to cache: a warning says so)."""
+        engine = self._engines.get("actor")
+        if not settings.enabled or engine is None:
+            return None
+        self.embedding_cache = engine.enable_embedding_cache(cache_size=settings.cache_size,
+                                                             warmup_steps=settings.warmup_steps)
+        if self.embedding_cache is None:
+            self.warn("actor_rollout_ref.rollout.embedding_cache.enabled is set, but the actor's embedding is on "
+                      "the GPU: there is nothing to cache; set actor_rollout_ref.actor.fsdp_config."
+                      "offload_policy.embedding=cpu to use it")
+        return self.embedding_cache
+
+    def for_role(self, role: Role) -> ModelMemory:
+        """The side of the manager that the worker of the model placed as `role` is built with."""
+        return self._roles.setdefault(role, ModelMemory(self, role))
+
+    def summary_lines(self) -> list[str]:
+        """The offload summary of every model, each line after its role ("actor: Embedding: ...")."""
+        return [f"{engine.role}: {line}" for engine in self._engines.values() for line in engine.summary_lines()]
+
+    @property
+    def moves_layers(self) -> bool:
+        """Whether any model's transformer layers move with memory pressure (safe points matter)."""
+        return bool(self._dynamic)
+
+    # --------------------------------------------------------------------------------- per phase
+
+    @contextlib.contextmanager
+    def placed_for(self, phase: str, role: Role) -> Iterator[None]:
+        """Run a phase with the groups of the model placed as `role` placed for it
+        (OffloadEngine.placed_for) within the memory budget: below the live GPU memory threshold,
+        counting what is in use now. No model of that role: nothing to place."""
+        engine = self._engines.get(role)
+        if engine is None or not engine.stageable_bytes() or self.probe is None:
+            yield  # nothing on the CPU to keep, or no GPU to keep it on
+            return
+        used, total = self.probe()
+        budget = int(self.settings().gpu_memory_threshold * total) - used
+        with engine.placed_for(phase, budget_bytes=budget) as staged:
+            self._log_staged(engine, phase, staged)
+            yield
+
+    def _log_staged(self, engine: OffloadEngine, phase: str, staged: list[str]) -> None:
+        """Say which groups a phase copies to the GPU, when that changes (not at every step)."""
+        key = (engine.role, phase)
+        if self._staged_logged.get(key) == tuple(staged):
+            return
+        self._staged_logged[key] = tuple(staged)
+        if staged:
+            sizes = engine.stageable_bytes()
+            self.log(f"per-phase placement: {phase} keeps the {engine.role}'s {' and '.join(staged)} on the GPU "
+                     f"({format_bytes(sum(sizes[group] for group in staged))})")
+        else:
+            self.log(f"per-phase placement: {phase} streams the {engine.role}'s CPU-resident groups (no room below "
+                     f"the GPU memory threshold {self.settings().gpu_memory_threshold} to keep them on the GPU)")
+
+    # ---------------------------------------------------------------------------------- run time
+
+    def safe_point(self) -> None:
+        """Between steps, micro-batches and decode chunks (nothing in flight): move transformer
+        layers as the memory in use and the live settings say."""
+        for dynamic in self._dynamic:
+            dynamic.safe_point()
+
+    def relieve_memory(self) -> bool:
+        """After a CUDA out-of-memory error: move half the layers above the minimum to the CPU, else
+        drop the groups a phase keeps on the GPU (they stream for the rest of it). False when
+        nothing could be freed (then the micro-batch is split instead)."""
+        settings = self.settings()
+        minimum = settings.min_transformer_layers_on_gpu
+        moved = False
+        for engine in self.dynamic_engines:
+            spare = engine.layers_on_gpu - minimum
+            if spare > 0 and settings.dynamic_offload_enabled:
+                engine.set_transformer_layers_on_gpu(engine.layers_on_gpu - max(1, spare // 2))
+                self.log(f"out of GPU memory: {engine.role} keeps {engine.layers_on_gpu} transformer layers "
+                         "on GPU, retrying")
+                moved = True
+        if moved:
+            return True
+        for engine in self._engines.values():
+            dropped = engine.drop_kept()
+            if dropped:
+                self.log(f"out of GPU memory: the {engine.role}'s {' and '.join(dropped)} stream for the rest of "
+                         f"the {engine.phase} phase, retrying")
+                moved = True
+        return moved
+
+    def release(self, role: Role) -> None:
+        """Forget the failed pass of the model placed as `role` and give the cached device memory back."""
+        engine = self._engines.get(role)
+        if engine is not None:
+            engine.abandon_pass()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def count_recoveries(self, count: int) -> None:
+        """Out-of-memory errors recovered from, reported in the next step's metrics."""
+        self._recoveries += count
+
+    def end_rollout(self) -> None:
+        """After each step's rollout: the embedding cache counts its warm-up, and fills once warm."""
+        if self.embedding_cache is not None:
+            self.embedding_cache.end_step()
+
+    def step_metrics(self) -> dict[str, float]:
+        """Out-of-memory errors recovered from, transformer layers on the GPU (all models, and each
+        model's) and their moves, since the last call; the embedding cache's hit ratio."""
+        engines = self._engines.values()
+        result = {"perf/oom_recoveries": float(self._recoveries),
+                  "offload/transformer_layers_on_gpu": sum(engine.layers_on_gpu for engine in engines),
+                  **{f"offload/{engine.role}/transformer_layers_on_gpu": engine.layers_on_gpu for engine in engines}}
+        self._recoveries = 0
+        moves = {direction: sum(engine.moves[direction] for engine in engines) for direction in ("to_cpu", "to_gpu")}
+        for direction, total in moves.items():
+            result[f"offload/moves_{direction}"] = total - self._moves_reported[direction]
+        self._moves_reported = moves
+        hit_ratio = self.embedding_cache.take_hit_ratio() if self.embedding_cache is not None else None
+        if hit_ratio is not None:
+            result["rollout/embedding_cache_hit_ratio"] = hit_ratio
+        return result
+
+
+class ModelMemory:
+    """One model's side of the memory manager (a workers.recovery.WorkerMemory): what its worker
+    needs, without knowing the other models or the engines."""
+
+    def __init__(self, manager: MemoryManager, role: Role):
+        self.manager = manager
+        self.role = role
+
+    def safe_point(self) -> None:
+        self.manager.safe_point()  # every model's layers: the memory in use is the device's
+
+    def relieve_memory(self) -> bool:
+        return self.manager.relieve_memory()
+
+    def release(self) -> None:
+        self.manager.release(self.role)
+
+    def count_recoveries(self, count: int) -> None:
+        self.manager.count_recoveries(count)
+
+    def build_optimizer(self, model: PreTrainedModel, config: OptimConfig) -> torch.optim.Optimizer:
+        return build_optimizer(model, config, self.manager.engine(self.role))
