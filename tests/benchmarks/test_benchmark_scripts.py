@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import grpo_headline, offload_bench, peak_timeline, telemetry_bench
+from benchmarks import e2e_bench, grpo_headline, offload_bench, peak_timeline, telemetry_bench
 
 
 def test_the_headline_step_runs_its_quick_shape_on_the_cpu_with_the_profile(tmp_path, capsys):
@@ -127,3 +127,23 @@ def test_the_telemetry_benchmark_refuses_bad_arguments_in_one_line(argv, capsys)
     error = capsys.readouterr().err.strip()
     assert error.startswith("ERROR: ") and "\n" not in error
 
+
+
+def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_the_variants(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--out", str(out),
+                           "--scratch", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["variants"]) == {"all_gpu", "offload"}  # fsdp2 needs a GPU
+    offloaded, resident = result["variants"]["offload"], result["variants"]["all_gpu"]
+    assert {"step", "gen", "update_actor", "update_critic", "ref", "reward"} <= set(offloaded["phases_s"])
+    assert offloaded["copied_bytes_per_step"]["h2d"] > 0 and resident["copied_bytes_per_step"]["h2d"] == 0
+    printed = capsys.readouterr().out
+    assert "update_actor" in printed and "x)" in printed and "layer moves a step" in printed
+    assert e2e_bench.main(["--report", str(out)]) == 0
+
+
+def test_the_whole_step_benchmark_refuses_an_unknown_variant_in_one_line(capsys):
+    assert e2e_bench.main(["--variants", "all_gpu,nonsense", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("ERROR: --variants: unknown nonsense") and "\n" not in error
