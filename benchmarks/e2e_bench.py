@@ -226,25 +226,36 @@ class CopiedPerStep:
 # ----------------------------------------------------------------------------------------- parent
 
 
-def run_shape(args: argparse.Namespace) -> dict[str, Any]:
+def run_shape(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Each variant in a process of its own; the result is written to `out` after each (a run cut short
+    keeps what it measured)."""
     variants = [variant for variant in args.variants if variant != "fsdp2" or args.device == "cuda"]
     result: dict[str, Any] = {**(machine() if args.device == "cuda" else {}), "shape": args.shape,
                               "spec": SHAPES[args.shape], "steps": args.steps, "variants": {}}
     for variant in variants:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-            out = Path(handle.name)
+            child_out = Path(handle.name)
         command = [sys.executable, __file__, "--child", "--variant", variant, "--shape", args.shape,
                    "--device", args.device, "--steps", str(args.steps), "--scratch", str(args.scratch),
-                   "--out", str(out)]
+                   "--out", str(child_out)]
         print(f"[{variant}]", flush=True)
         started = time.perf_counter()
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        if completed.returncode != 0:
-            result["variants"][variant] = {"error": (completed.stderr or completed.stdout).strip()[-2000:]}
+        try:
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            result["variants"][variant] = {"error": f"did not finish within --timeout {args.timeout:.0f} s"}
         else:
-            result["variants"][variant] = json.loads(out.read_text())
+            result["variants"][variant] = _child_result(completed, child_out)
         result["variants"][variant]["wall_s"] = time.perf_counter() - started
-        out.unlink(missing_ok=True)
+        child_out.unlink(missing_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _child_result(completed: subprocess.CompletedProcess[str], child_out: Path) -> dict[str, Any]:
+    if completed.returncode != 0:
+        return {"error": (completed.stderr or completed.stdout).strip()[-2000:]}
+    result: dict[str, Any] = json.loads(child_out.read_text())
     return result
 
 
@@ -313,9 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         args.out.write_text(json.dumps(run_variant(args)))
         return 0
-    result = run_shape(args)
     out = args.out or RESULTS / f"e2e-{args.shape}-{time.strftime('%Y-%m-%dT%H%M')}.json"
-    out.write_text(json.dumps(result, indent=2))
+    result = run_shape(args, out)
     print(table(result))
     print(f"results: {out}")
     return 0 if all("error" not in run for run in result["variants"].values()) else 1

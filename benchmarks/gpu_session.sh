@@ -8,6 +8,8 @@
 #   benchmarks/gpu_session.sh headline     # grpo_headline.py under a 40 GiB cap          (~4 min)
 #   benchmarks/gpu_session.sh uncapped     # grpo_headline.py without the cap             (~4 min)
 #   benchmarks/gpu_session.sh telemetry    # telemetry_bench.py overhead, small and tiny  (~4 min)
+#   benchmarks/gpu_session.sh e2e-headline # e2e_bench.py: 7B GRPO whole steps, all-GPU vs offloaded at 40 GiB
+#   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
 #
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: pydantic and the rest installed from wheels first, see .library/device).
@@ -38,7 +40,13 @@ case "${1:-}" in
       timeout 280 python3 benchmarks/telemetry_bench.py overhead --shape $shape --cycles 3 --out "$out/telemetry-$shape.json" 2>&1 \
         | tee "$out/telemetry-$shape.txt" | tail -8
     done ;;
+  e2e-headline)
+    timeout 590 python3 benchmarks/e2e_bench.py --shape headline --variants ${VARIANTS:-all_gpu,offload} \
+      --out "$out/e2e-headline.json" 2>&1 | tee "$out/e2e-headline.txt" | tail -30 ;;
+  e2e-ppo3b)
+    timeout 590 python3 benchmarks/e2e_bench.py --shape ppo3b --variants ${VARIANTS:-all_gpu,offload,fsdp2} \
+      --out "$out/e2e-ppo3b.json" 2>&1 | tee "$out/e2e-ppo3b.txt" | tail -30 ;;
   *)
-    echo "usage: $0 tests|rollout|offload|headline|uncapped|telemetry" >&2
+    echo "usage: $0 tests|rollout|offload|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b" >&2
     exit 2 ;;
 esac
