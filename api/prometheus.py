@@ -11,10 +11,12 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from trainer.config.messages import OffloadMessage, Phase
 
 GIB = 1024**3
 OFFLOAD_COPY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -338,31 +340,25 @@ class TelemetryMetrics:
         self.total_steps.set(total_steps)
 
     @_changes
-    def observe_phase(self, phase: str) -> None:
+    def observe_phase(self, phase: Phase) -> None:
         current = _phase_label(phase)
         for name in (*PHASES, OTHER):
             self.phase.labels(name).set(1 if name == current else 0)
 
     @_changes
-    def observe_offload(self, copies: Iterable[Mapping[str, Any]], summary: Iterable[Mapping[str, Any]] | None,
-                        counts: Iterable[Mapping[str, Any]] | None = None) -> None:
-        """Timed copies [{direction, group, bytes, seconds}]; counts [{direction, group, copies, bytes}] of all
-        the copies they were sampled from (None: the timed copies are all of them); summary [{role, group,
-        device, bytes}] replaces the last."""
-        copies = list(copies)
-        for copy in copies:
-            self.offload_copy_seconds.labels(str(copy["direction"]), str(copy["group"])).observe(float(copy["seconds"]))
-        if counts is None:
-            counts = [{**copy, "copies": 1} for copy in copies]
-        for row in counts:
-            labels = (str(row["direction"]), str(row["group"]))
-            self.offload_copied_bytes.labels(*labels).inc(int(row["bytes"]))
-            self.offload_copies.labels(*labels).inc(int(row["copies"]))
-        if summary is not None:
+    def observe_offload(self, offload: OffloadMessage) -> None:
+        """The timed copies into the latency histogram, the counts of every copy into the counters; a
+        summary replaces the last one."""
+        for copy in offload.copies:
+            self.offload_copy_seconds.labels(copy.direction.value, copy.group.value).observe(copy.seconds)
+        for count in offload.counts:
+            labels = (count.direction.value, count.group.value)
+            self.offload_copied_bytes.labels(*labels).inc(count.bytes)
+            self.offload_copies.labels(*labels).inc(count.copies)
+        if offload.summary is not None:
             self.offload_group_bytes.clear()
-            for entry in summary:
-                self.offload_group_bytes.labels(str(entry["role"]), str(entry["group"]),
-                                                str(entry["device"])).set(int(entry["bytes"]))
+            for row in offload.summary:
+                self.offload_group_bytes.labels(row.role.value, row.group.value, row.device).set(row.bytes)
 
     @_changes
     def count_restart(self, reason: str) -> None:

@@ -28,6 +28,18 @@ from trainer.checkpoint import (
 )
 from trainer.config import FSDPConfig, RunConfig, dump_config
 from trainer.config.live import LiveSettings, initial_live_settings
+from trainer.config.messages import (
+    CheckpointMessage,
+    CheckpointNowMessage,
+    DownMessage,
+    Phase,
+    PhaseMessage,
+    SettingsAckMessage,
+    SettingsMessage,
+    StepMessage,
+    StopMessage,
+    UpMessage,
+)
 from trainer.config.schema import FSDP_PREFIX
 from trainer.data import PromptRecord, PromptSampler, load_records
 from trainer.metrics import (
@@ -70,9 +82,9 @@ from trainer.workers.recovery import Recovery, run_in_pieces
 class TelemetryLink(Protocol):
     """The trainer's side of the daemon connection (trainer/telemetry.py): never blocks."""
 
-    def send(self, message: dict) -> None: ...
+    def send(self, message: UpMessage) -> None: ...
 
-    def poll(self) -> list[dict]: ...
+    def poll(self) -> list[DownMessage]: ...
 
 
 CONFIG_ROLE = {"reward": "reward_model"}  # the engine's role name -> the config's
@@ -305,7 +317,7 @@ class Trainer:
     def _record_step(self, metrics: dict[str, float]) -> None:
         """metrics.jsonl, the daemon and every observer (the console) get the step's metrics."""
         self.metrics_log.append(self.step, metrics)
-        self._send({"type": "step", "step": self.step, "metrics": metrics, "time": time.time()})
+        self._send(StepMessage(step=self.step, metrics=metrics))
         if self.telemetry is not None:
             # The placement summary goes with the first report of each trainer process.
             self._send(offload_message(self.offload_engines, with_summary=not self._summary_sent))
@@ -518,7 +530,7 @@ class Trainer:
                                keep=self.config.trainer.max_ckpt_to_keep)
         self._saved_at = self.step
         self.log(f"checkpoint saved: {path}")
-        self._send({"type": "checkpoint", "step": self.step, "path": str(path)})
+        self._send(CheckpointMessage(step=self.step, path=str(path)))
         return path
 
     def resume(self) -> None:
@@ -573,32 +585,31 @@ class Trainer:
             messages = self.telemetry.poll()
             for message in messages:
                 self._dispatch(message)
-            if any(message["type"] == "settings" for message in messages):
+            if any(isinstance(message, SettingsMessage) for message in messages):
                 return True
             time.sleep(0.01)
         return False
 
-    def _dispatch(self, message: dict) -> None:
-        if message["type"] == "settings":
-            self.apply_live_settings(message["version"], message["values"])
-        elif message["type"] == "checkpoint_now":
+    def _dispatch(self, message: DownMessage) -> None:
+        if isinstance(message, SettingsMessage):
+            self.apply_live_settings(message.version, message.values)
+        elif isinstance(message, CheckpointNowMessage):
             self._checkpoint_requested = True
-        elif message["type"] == "stop":
+        elif isinstance(message, StopMessage):
             self.request_stop()
 
-    def apply_live_settings(self, version: int, values: dict) -> None:
+    def apply_live_settings(self, version: int, values: LiveSettings) -> None:
         """Take the daemon's settings from the next step on, and acknowledge with that step."""
-        self.live_settings = LiveSettings.model_validate(values)
+        self.live_settings = values
         for listener in self.settings_listeners:
             listener(self.live_settings)
-        self._send({"type": "settings_ack", "version": version, "step": self.step + 1,
-                    "values": self.live_settings.public()})
+        self._send(SettingsAckMessage(version=version, step=self.step + 1, values=self.live_settings))
 
     def _phase(self, name: str) -> None:
-        if name != "step":
-            self._send({"type": "phase", "step": self.step + 1, "phase": name, "time": time.time()})
+        if name != "step":  # the timer's whole-step span, not a phase
+            self._send(PhaseMessage(step=self.step + 1, phase=Phase(name)))
 
-    def _send(self, message: dict) -> None:
+    def _send(self, message: UpMessage) -> None:
         if self.telemetry is not None:
             self.telemetry.send(message)
 

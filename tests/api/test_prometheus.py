@@ -12,6 +12,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.prometheus import EXPOSITION_MAX_AGE_S, GIB, TelemetryMetrics
+from trainer.config.messages import (
+    CopyCount,
+    CopySample,
+    OffloadMessage,
+    OffloadSummaryRow,
+    Phase,
+)
 
 # Sample names as they appear in the exposition (counters with _total, histograms by family name).
 DOCUMENTED = [
@@ -65,12 +72,14 @@ def fed_metrics(clock=time.monotonic) -> tuple[TelemetryMetrics, CollectorRegist
     metrics.observe_gpu(GPU_SAMPLE)
     metrics.observe_step(1, STEP_METRICS)
     metrics.observe_step(2, {**STEP_METRICS, "timing_s/step": 0.8, "perf/num_ooms": 1})
-    metrics.observe_phase("update_actor")
-    metrics.observe_offload(
-        [{"direction": "h2d", "group": "transformer", "bytes": 400_000_000, "seconds": 0.0081},
-         {"direction": "d2h", "group": "embedding", "bytes": 1_000_000, "seconds": 0.00005}],
-        [{"role": "actor", "group": "embedding", "device": "cpu", "bytes": 272_000_000},
-         {"role": "actor", "group": "transformer", "device": "gpu", "bytes": 14_000_000_000}])
+    metrics.observe_phase(Phase.UPDATE_ACTOR)
+    metrics.observe_offload(OffloadMessage(
+        copies=[CopySample(direction="h2d", group="transformer", bytes=400_000_000, seconds=0.0081),
+                CopySample(direction="d2h", group="embedding", bytes=1_000_000, seconds=0.00005)],
+        counts=[CopyCount(direction="h2d", group="transformer", copies=1, bytes=400_000_000),
+                CopyCount(direction="d2h", group="embedding", copies=1, bytes=1_000_000)],
+        summary=[OffloadSummaryRow(role="actor", group="embedding", device="cpu", bytes=272_000_000),
+                 OffloadSummaryRow(role="actor", group="transformer", device="gpu", bytes=14_000_000_000)]))
     metrics.count_restart("crash")
     for name, value in {"gpu_memory_threshold": 0.8, "min_transformer_layers_on_gpu": 4,
                         "dynamic_offload.enabled": True, "gpu_sample_interval_s": 1.0, "pcie_sample_interval_s": 10.0,
@@ -242,8 +251,10 @@ def test_the_exposition_is_rendered_again_only_after_a_change() -> None:
         lambda: metrics.observe_gpu({**GPU_SAMPLE, "gpus": [{**GPU_SAMPLE["gpus"][0], "power_watts": 500.0}]}),
         lambda: metrics.observe_host({**GPU_SAMPLE["host"], "cpu_ratio": 0.5}),
         lambda: metrics.observe_step(3, {**STEP_METRICS, "timing_s/step": 0.9}),
-        lambda: metrics.observe_phase("gen"),
-        lambda: metrics.observe_offload([{"direction": "h2d", "group": "norm", "bytes": 10, "seconds": 0.001}], None),
+        lambda: metrics.observe_phase(Phase.GEN),
+        lambda: metrics.observe_offload(OffloadMessage(
+            copies=[CopySample(direction="h2d", group="norm", bytes=10, seconds=0.001)],
+            counts=[CopyCount(direction="h2d", group="norm", copies=1, bytes=10)])),
         lambda: metrics.count_restart("oom"),
         lambda: metrics.set_setting("gpu_memory_threshold", 0.7),
         lambda: metrics.count_setting_update("gpu_memory_threshold", "applied"),
@@ -262,7 +273,7 @@ def test_while_metrics_keep_changing_the_exposition_is_rendered_at_most_every_qu
     now = [100.0]
     metrics, registry = fed_metrics(clock=lambda: now[0])
     first = metrics.exposition()
-    metrics.observe_phase("gen")
+    metrics.observe_phase(Phase.GEN)
     now[0] += EXPOSITION_MAX_AGE_S / 2
     assert metrics.exposition() is first, "changed, but rendered too recently: the last text"
     now[0] += EXPOSITION_MAX_AGE_S / 2
@@ -282,14 +293,18 @@ def test_every_public_method_that_changes_a_metric_marks_the_exposition_stale() 
 def test_offload_counts_feed_the_copy_and_byte_counters_and_the_sample_the_histogram() -> None:
     registry = CollectorRegistry()
     metrics = TelemetryMetrics(registry, run="r")
-    metrics.observe_offload([{"direction": "h2d", "group": "transformer", "bytes": 1000, "seconds": 0.002}], None,
-                            [{"direction": "h2d", "group": "transformer", "copies": 16, "bytes": 16000}])
+    metrics.observe_offload(OffloadMessage(
+        copies=[CopySample(direction="h2d", group="transformer", bytes=1000, seconds=0.002)],
+        counts=[CopyCount(direction="h2d", group="transformer", copies=16, bytes=16000)]))
     labels = {"direction": "h2d", "group": "transformer"}
     assert value(registry, "verl_offload_copies_total", **labels) == 16
     assert value(registry, "verl_offload_copied_bytes_total", **labels) == 16000
     assert value(registry, "verl_offload_copy_duration_seconds_count", **labels) == 1
-    # Without counts (every copy timed), the timed copies are the count.
-    metrics.observe_offload([{"direction": "d2h", "group": "norm", "bytes": 10, "seconds": 0.001}] * 2, None)
+    # A step without a timed copy of a group still counts its copies.
+    metrics.observe_offload(OffloadMessage(copies=[], counts=[CopyCount(direction="d2h", group="norm", copies=2,
+                                                                        bytes=20)]))
     assert value(registry, "verl_offload_copies_total", direction="d2h", group="norm") == 2
     assert value(registry, "verl_offload_copied_bytes_total", direction="d2h", group="norm") == 20
+    assert value(registry, "verl_offload_copy_duration_seconds_count", direction="d2h", group="norm") is None
+
 
