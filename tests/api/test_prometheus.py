@@ -6,19 +6,25 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from typing import get_args
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.prometheus import EXPOSITION_MAX_AGE_S, GIB, TelemetryMetrics
+from trainer.config.live import SETTING_NAMES
 from trainer.config.messages import (
     CopyCount,
     CopySample,
+    Direction,
+    Group,
     OffloadMessage,
     OffloadSummaryRow,
     Phase,
+    Role,
 )
+from trainer.config.schema import LogLevel
 
 # Sample names as they appear in the exposition (counters with _total, histograms by family name).
 DOCUMENTED = [
@@ -102,6 +108,11 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None
     return samples(registry).get((name, tuple(sorted(labels.items()))))
 
 
+def labels_of(registry: CollectorRegistry, name: str, label: str) -> set[str]:
+    """The values `label` takes in the series of sample `name`."""
+    return {dict(labels)[label] for sample, labels in samples(registry) if sample == name}
+
+
 def test_every_documented_metric_is_exposed_with_help_text() -> None:
     _, registry = fed_metrics()
     text = generate_latest(registry).decode()
@@ -128,8 +139,10 @@ def test_step_metrics_become_counters_gauges_and_histograms_in_base_units() -> N
     assert value(registry, "verl_trainer_step_duration_seconds_sum") == pytest.approx(4.0)
     assert value(registry, "verl_trainer_step_duration_seconds_bucket", le="1.0") == 1
     assert value(registry, "verl_trainer_step_phase_duration_seconds_sum", phase="gen") == pytest.approx(3.8)
-    # An unknown phase does not become a new label value; the step itself is not a phase.
-    assert value(registry, "verl_trainer_step_phase_duration_seconds_count", phase="other") == 2
+    # An unknown phase does not become a label value (the trainer sends none: see the label-set tests);
+    # the step itself is not a phase.
+    phases = labels_of(registry, "verl_trainer_step_phase_duration_seconds_count", "phase")
+    assert "some_new_phase" not in phases and "other" not in phases
     assert value(registry, "verl_trainer_step_phase_duration_seconds_count", phase="step") is None
     assert value(registry, "verl_trainer_oom_total") == 1
 
@@ -308,3 +321,45 @@ def test_offload_counts_feed_the_copy_and_byte_counters_and_the_sample_the_histo
     assert value(registry, "verl_offload_copy_duration_seconds_count", direction="d2h", group="norm") is None
 
 
+
+# -------------------------------------------------------------- label sets come from the message enums
+
+
+def test_the_phase_labels_are_the_phases_the_trainer_sends() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    every_phase = {phase.value for phase in Phase}
+    assert labels_of(registry, "verl_trainer_phase", "phase") == every_phase, "declared from the start"
+    metrics.observe_step(1, {f"timing_s/{phase}": 0.1 for phase in (*every_phase, "step", "validate", "idle")})
+    assert labels_of(registry, "verl_trainer_step_phase_duration_seconds_count", "phase") == every_phase
+    for phase in Phase:
+        metrics.observe_phase(phase)
+        assert value(registry, "verl_trainer_phase", phase=phase.value) == 1
+        assert sum(value(registry, "verl_trainer_phase", phase=other) for other in every_phase) == 1
+
+
+def test_the_offload_labels_are_the_directions_groups_and_roles_of_the_messages() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    metrics.observe_offload(OffloadMessage(
+        copies=[CopySample(direction=direction, group=group, bytes=1, seconds=0.001)
+                for direction in Direction for group in Group],
+        counts=[CopyCount(direction=direction, group=group, copies=1, bytes=1)
+                for direction in Direction for group in Group],
+        summary=[OffloadSummaryRow(role=role, group=group, device="cpu", bytes=1) for role in Role for group in Group]))
+    directions, groups = {direction.value for direction in Direction}, {group.value for group in Group}
+    for name in ("verl_offload_copy_duration_seconds_count", "verl_offload_copies_total",
+                 "verl_offload_copied_bytes_total"):
+        assert labels_of(registry, name, "direction") == directions, name
+        assert labels_of(registry, name, "group") == groups, name
+    assert labels_of(registry, "verl_offload_group_bytes", "role") == {role.value for role in Role}
+    assert labels_of(registry, "verl_offload_group_bytes", "group") == groups
+    metrics.observe_step(1, {f"offload/{role}/transformer_layers_on_gpu": 2 for role in Role})
+    assert labels_of(registry, "verl_offload_model_transformer_layers_on_gpu", "role") == {role.value for role in Role}
+
+
+def test_the_setting_labels_are_the_live_settings_and_log_levels() -> None:
+    registry = CollectorRegistry()
+    TelemetryMetrics(registry, run="r").set_setting("log_level", "info")
+    assert labels_of(registry, "verl_setting_updates_total", "setting") == {*SETTING_NAMES, "unknown"}
+    assert labels_of(registry, "verl_setting_log_level", "level") == set(get_args(LogLevel))
