@@ -355,9 +355,7 @@ class Daemon:
             case SettingsAckMessage():
                 self._on_settings_ack(connection, message)
             case CheckpointMessage():
-                self.hub.publish("log", {"level": "info", "message": f"checkpoint saved at step {message.step}: "
-                                         f"{message.path}", "source": "trainer",
-                                         "checkpoint": {"step": message.step, "path": message.path}})
+                self._on_checkpoint(message)
             case DroppedMessage():
                 self.dropped_messages += message.count
                 self.metrics.count_dropped("trainer", message.count)
@@ -391,6 +389,10 @@ class Daemon:
         log.info("trainer pid %s runs settings version %s from step %s", connection.pid, message.version,
                  message.step)
         self.hub.publish("settings", self.settings_store.state())
+
+    def _on_checkpoint(self, message: CheckpointMessage) -> None:
+        self.hub.publish("log", {"level": "info", "message": f"checkpoint saved at step {message.step}: {message.path}",
+                                 "source": "trainer", "checkpoint": {"step": message.step, "path": message.path}})
 
     def _invalid_message(self, connection: TrainerConnection, problem: str) -> None:
         self.dropped_messages += 1
