@@ -37,6 +37,7 @@ test: venv tools
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.websockets import WebSocketDisconnect
 
 from api.advisor import SUSTAINED_WINDOW_S, advise
-from api.hub import Subscription, TelemetryHub, json_safe
+from api.hub import Subscription, TelemetryHub
 from api.schemas import (
     EVENT_KINDS,
     ErrorBody,
@@ -32,9 +32,12 @@ from api.schemas import (
     HintsBody,
     HistoryBody,
     LatestBody,
+    OffloadSummary,
     RunControl,
+    SettingsBody,
     SettingsRejectedError,
     SettingsUpdateBody,
+    StepSnapshot,
     ValidationErrorBody,
 )
 from api.security import (
@@ -45,6 +48,7 @@ from api.security import (
     token_matches,
     websocket_token,
 )
+from trainer.config.messages import RunStatus, StepMessage
 
 UNAUTHORIZED = {401: {"model": ErrorBody, "description": "Missing or wrong token."}}
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -116,7 +120,7 @@ def _add_metrics_routes(router: APIRouter, exposition: Callable[[], bytes]) -> N
 
 def _add_telemetry_routes(router: APIRouter, hub: TelemetryHub) -> None:
     @router.get("/v1/metrics/latest", response_model=LatestBody, tags=["metrics"])
-    def latest() -> dict:
+    def latest() -> LatestBody:
         """The newest step metrics and GPU sample, and offload copies of the last minute."""
         return _latest_body(hub)
 
@@ -144,25 +148,25 @@ def _add_telemetry_routes(router: APIRouter, hub: TelemetryHub) -> None:
         return Response(body, media_type="application/json")
 
 
-def _latest_body(hub: TelemetryHub) -> dict:
+def _latest_body(hub: TelemetryHub) -> LatestBody:
+    """The newest step and GPU sample (NaN and infinities go out as null: the response's serializer)."""
     step, gpu = hub.latest("step"), hub.latest("gpu")
-    return json_safe({
-        "seq": hub.last_seq,
-        "step": ({"step": step.data.get("step"), "time": step.time, "metrics": step.data.get("metrics") or {}}
-                 if step else None),
-        "gpu": gpu.data if gpu else None,
-        "offload": hub.offload.summary(),
-    })
+    snapshot = None
+    if step is not None and isinstance(step.data, StepMessage):
+        snapshot = StepSnapshot(step=step.data.step, time=step.time, metrics=step.data.metrics)
+    return LatestBody(seq=hub.last_seq, step=snapshot,
+                      gpu=gpu.data if gpu is not None and isinstance(gpu.data, dict) else None,
+                      offload=OffloadSummary.model_validate(hub.offload.summary()))
 
 
 def _add_control_routes(router: APIRouter, control: RunControl) -> None:
-    @router.get("/v1/status", tags=["run"])
-    async def run_status() -> dict:
+    @router.get("/v1/status", response_model=RunStatus, tags=["run"])
+    async def run_status() -> RunStatus:
         """The run: state, pids, progress, restarts, live settings, telemetry health, offload placement."""
         return await _call(control.status)
 
-    @router.get("/v1/settings", tags=["settings"])
-    async def get_settings() -> dict:
+    @router.get("/v1/settings", response_model=SettingsBody, tags=["settings"])
+    async def get_settings() -> SettingsBody:
         """Every live setting: value, who applies it, what it does; version and acknowledged version."""
         return await _call(control.settings)
 
@@ -194,8 +198,10 @@ def _add_hints_route(router: APIRouter, hub: TelemetryHub, control: RunControl) 
         now = hub.clock()
         recent_gpu = [event.as_dict() for event in hub.since(0, kinds=("gpu",))
                       if event.time >= now - SUSTAINED_WINDOW_S]
-        snapshot = {"time": now, "status": await _call(control.status), "latest": _latest_body(hub),
-                    "history": recent_gpu}
+        # The advisor reads the same JSON documents the monitor fetches over HTTP.
+        status: RunStatus = await _call(control.status)
+        snapshot = {"time": now, "status": status.model_dump(mode="json", by_alias=True),
+                    "latest": _latest_body(hub).model_dump(mode="json"), "history": recent_gpu}
         return {"time": now, "hints": advise(snapshot)}
 
 

@@ -21,7 +21,18 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
+from trainer.config.messages import CopyCount, CopySample, OffloadMessage, StepMessage, to_json
+
 OFFLOAD_WINDOW_SECONDS = 60.0
+
+MESSAGE_ENVELOPE = {"data": {"type", "time"}}
+"""The fields of a trainer's message that its event leaves out (see Event.to_json)."""
+
+EventData = BaseModel | dict[str, Any]
+"""What an event carries: the trainer's message as the daemon received it (step, phase, offload), a
+model the daemon built (settings, status), or a plain dict (GPU samples, logs, restarts)."""
 
 
 @dataclass(frozen=True)
@@ -31,10 +42,12 @@ class Event:
     seq: int
     time: float
     kind: str
-    data: dict[str, Any] = field(hash=False)
+    data: EventData = field(hash=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"seq": self.seq, "time": self.time, "kind": self.kind, "data": self.data}
+        """The event as plain data, exactly as a client decodes it from `to_json`."""
+        decoded: dict[str, Any] = json.loads(self._json)
+        return decoded
 
     def to_json(self) -> str:
         """The event as a JSON object (NaN and infinities become null: JSON has neither)."""
@@ -44,29 +57,18 @@ class Event:
     def _json(self) -> str:
         # Encoded once, however many stream clients receive it (50 followers of a fast run made the
         # encoding the daemon's largest cost). An event's data is not changed after it is published.
-        try:
-            return json.dumps(self.as_dict(), allow_nan=False, separators=(",", ":"))
-        except ValueError:
-            return json.dumps(json_safe(self.as_dict()), separators=(",", ":"))
-
-
-def json_safe(value: Any) -> Any:
-    """`value` with NaN and infinities (which JSON lacks) replaced by None, in nested dicts and lists too."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    return value
+        # A trainer's message goes out without its `type` (the event's kind says it) and its `time`
+        # (the event's own time is when the daemon received it).
+        exclude = MESSAGE_ENVELOPE if isinstance(self.data, BaseModel) else None
+        return to_json({"seq": self.seq, "time": self.time, "kind": self.kind, "data": self.data},
+                       exclude=exclude).decode()
 
 
 class OffloadWindow:
     """Offload copies of the last `window_seconds`: latency percentiles and copy bandwidth.
 
-    A copy is a dict {direction, group, bytes, seconds} as the trainer reports it (CUDA-event timed).
-    The trainer times a sample of its copies and counts all of them: percentiles and bandwidth come
-    from the sample, the number of copies from the counts ({direction, group, copies, bytes}).
+    The trainer times a sample of its copies (CopySample, CUDA-event timed) and counts all of them
+    (CopyCount): percentiles and bandwidth come from the sample, the number of copies from the counts.
     """
 
     def __init__(self, *, window_seconds: float = OFFLOAD_WINDOW_SECONDS, clock: Callable[[], float] = time.time):
@@ -76,13 +78,13 @@ class OffloadWindow:
         self._copies: collections.deque[tuple[float, float, int]] = collections.deque()  # (time, seconds, bytes)
         self._counted: collections.deque[tuple[float, int]] = collections.deque()  # (time, copies)
 
-    def add(self, copies: Iterable[dict[str, Any]], counts: Iterable[dict[str, Any]] | None = None) -> None:
+    def add(self, copies: Iterable[CopySample], counts: Iterable[CopyCount] | None = None) -> None:
         """Timed `copies`; `counts` of every copy they were sampled from (None: the copies are all of them)."""
         now = self._clock()
         with self._lock:
             before = len(self._copies)
-            self._copies.extend((now, float(copy["seconds"]), int(copy["bytes"])) for copy in copies)
-            counted = len(self._copies) - before if counts is None else sum(int(row["copies"]) for row in counts)
+            self._copies.extend((now, copy.seconds, copy.bytes) for copy in copies)
+            counted = len(self._copies) - before if counts is None else sum(count.copies for count in counts)
             self._counted.append((now, counted))
             self._prune(now)
 
@@ -158,7 +160,7 @@ class TelemetryHub:
             self._prune(self.clock())
             return self._history[0].seq if self._history else self._last_seq + 1
 
-    def publish(self, kind: str, data: dict[str, Any]) -> Event:
+    def publish(self, kind: str, data: EventData) -> Event:
         with self._lock:
             self._last_seq += 1
             event = Event(self._last_seq, self.clock(), kind, data)
@@ -166,8 +168,8 @@ class TelemetryHub:
             self._latest[kind] = event
             self._prune(event.time)
             subscriptions = list(self._subscriptions)
-        if kind == "offload":
-            self.offload.add(data.get("copies") or (), data.get("counts"))
+        if isinstance(data, OffloadMessage):
+            self.offload.add(data.copies, data.counts)
         for subscription in subscriptions:
             subscription._offer(event)
         return event
@@ -183,7 +185,8 @@ class TelemetryHub:
         if kinds is not None:
             events = [event for event in events if event.kind in kinds]
         if keys is not None:
-            events = [_only_keys(event, keys) if event.kind == "step" else event for event in events]
+            events = [_only_keys(event, event.data, keys) if isinstance(event.data, StepMessage) else event
+                      for event in events]
         return events
 
     def latest(self, kind: str) -> Event | None:
@@ -231,10 +234,9 @@ class TelemetryHub:
             history.popleft()
 
 
-def _only_keys(event: Event, keys: Collection[str]) -> Event:
-    metrics = event.data.get("metrics") or {}
-    data = {**event.data, "metrics": {key: value for key, value in metrics.items() if key in keys}}
-    return Event(event.seq, event.time, event.kind, data)
+def _only_keys(event: Event, step: StepMessage, keys: Collection[str]) -> Event:
+    metrics = {key: value for key, value in step.metrics.items() if key in keys}
+    return Event(event.seq, event.time, event.kind, step.model_copy(update={"metrics": metrics}))
 
 
 class Subscription:

@@ -2,7 +2,9 @@
 
 Names follow Prometheus conventions: base units in the name (_seconds, _bytes, _ratio from 0 to 1),
 _total on counters, histograms for latencies, labels of bounded cardinality (free-form values from the
-trainer or a user are mapped to a fixed set before they become labels).
+trainer or a user are mapped to a fixed set before they become labels). Labels that name a phase, a
+copy direction, a module group or a model take their values from the enums of the trainer's messages
+(trainer/config/messages.py), so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from trainer.config.messages import OffloadMessage, Phase, Role
+from trainer.config.schema import LogLevel
 
 GIB = 1024**3
 OFFLOAD_COPY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -23,13 +28,10 @@ EXPOSITION_MAX_AGE_S = 0.25
 """While metrics keep changing, /metrics is rendered at most this often (see TelemetryMetrics.exposition)."""
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
-# Phases of an RL step (trainer.config.ipc's list); anything else is counted as "other".
-PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
-          "save_checkpoint", "validate", "idle")
-OTHER = "other"
+PHASES = tuple(phase.value for phase in Phase)
 RESTART_REASONS = ("crash", "signal", "oom", "exit")
 UPDATE_RESULTS = ("accepted", "rejected", "applied")
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 # Live setting -> (metric suffix, help). log_level is a state set of its own (verl_setting_log_level).
 SETTING_GAUGES = {
     "gpu_memory_threshold": ("gpu_memory_threshold_ratio",
@@ -69,9 +71,9 @@ OOM_COUNT_KEY = "perf/num_ooms"
 OOM_RECOVERIES_KEY = "perf/oom_recoveries"
 # Dynamic offload (trainer/offload/dynamic.py): layers on the GPU after the step, moves during it.
 LAYERS_ON_GPU_KEY = "offload/transformer_layers_on_gpu"
-# The same for one model; the roles of the trainer's offload engines (a fixed set: they become labels).
+# The same for one model, for each role of the trainer's offload engines (a fixed set: they become labels).
 ROLE_LAYERS_ON_GPU_KEY = "offload/{role}/transformer_layers_on_gpu"
-OFFLOAD_ROLES = ("actor", "critic", "ref", "reward")
+OFFLOAD_ROLES = tuple(role.value for role in Role)
 MOVE_KEYS = {"to_cpu": "offload/moves_to_cpu", "to_gpu": "offload/moves_to_gpu"}
 
 
@@ -193,8 +195,8 @@ class TelemetryMetrics:
         self.tokens = Counter("verl_trainer_tokens", "Tokens processed: rollout = response tokens generated, "
                               "train = prompt + response tokens trained on.", ["phase"], registry=registry)
         self.phase_seconds = Histogram("verl_trainer_step_phase_duration_seconds",
-                                       "Wall time of each phase of a step.", ["phase"], buckets=STEP_BUCKETS,
-                                       registry=registry)
+                                       "Wall time of each phase of a step (timing_s/<phase> of its metrics).",
+                                       ["phase"], buckets=STEP_BUCKETS, registry=registry)
         self.step_seconds = Histogram("verl_trainer_step_duration_seconds", "Wall time of a whole step.",
                                       buckets=STEP_BUCKETS, registry=registry)
         self.step_gauges = {key: Gauge(name, help_text, registry=registry)
@@ -210,7 +212,7 @@ class TelemetryMetrics:
                            registry=registry)
         for reason in RESTART_REASONS:
             self.restarts.labels(reason)
-        for phase in (*PHASES, OTHER):
+        for phase in PHASES:
             self.phase.labels(phase).set(0)
 
     def _setting_metrics(self, registry: CollectorRegistry) -> None:
@@ -297,10 +299,11 @@ class TelemetryMetrics:
             seconds = _number(value)
             if seconds is None or not key.startswith(PHASE_SECONDS_PREFIX) or seconds < 0:
                 continue
+            phase = key.removeprefix(PHASE_SECONDS_PREFIX)
             if key == STEP_SECONDS_KEY:
                 self.step_seconds.observe(seconds)
-            else:
-                self.phase_seconds.labels(_phase_label(key.removeprefix(PHASE_SECONDS_PREFIX))).observe(seconds)
+            elif phase in PHASES:  # the trainer times its phases only: anything else is no label value
+                self.phase_seconds.labels(phase).observe(seconds)
         for phase, key in (("train", TRAIN_TOKENS_KEY), ("rollout", ROLLOUT_TOKENS_KEY)):
             tokens = _number(metrics.get(key))
             if tokens is not None and tokens >= 0:
@@ -338,31 +341,24 @@ class TelemetryMetrics:
         self.total_steps.set(total_steps)
 
     @_changes
-    def observe_phase(self, phase: str) -> None:
-        current = _phase_label(phase)
-        for name in (*PHASES, OTHER):
-            self.phase.labels(name).set(1 if name == current else 0)
+    def observe_phase(self, phase: Phase) -> None:
+        for name in PHASES:
+            self.phase.labels(name).set(1 if name == phase else 0)
 
     @_changes
-    def observe_offload(self, copies: Iterable[Mapping[str, Any]], summary: Iterable[Mapping[str, Any]] | None,
-                        counts: Iterable[Mapping[str, Any]] | None = None) -> None:
-        """Timed copies [{direction, group, bytes, seconds}]; counts [{direction, group, copies, bytes}] of all
-        the copies they were sampled from (None: the timed copies are all of them); summary [{role, group,
-        device, bytes}] replaces the last."""
-        copies = list(copies)
-        for copy in copies:
-            self.offload_copy_seconds.labels(str(copy["direction"]), str(copy["group"])).observe(float(copy["seconds"]))
-        if counts is None:
-            counts = [{**copy, "copies": 1} for copy in copies]
-        for row in counts:
-            labels = (str(row["direction"]), str(row["group"]))
-            self.offload_copied_bytes.labels(*labels).inc(int(row["bytes"]))
-            self.offload_copies.labels(*labels).inc(int(row["copies"]))
-        if summary is not None:
+    def observe_offload(self, offload: OffloadMessage) -> None:
+        """The timed copies into the latency histogram, the counts of every copy into the counters; a
+        summary replaces the last one."""
+        for copy in offload.copies:
+            self.offload_copy_seconds.labels(copy.direction.value, copy.group.value).observe(copy.seconds)
+        for count in offload.counts:
+            labels = (count.direction.value, count.group.value)
+            self.offload_copied_bytes.labels(*labels).inc(count.bytes)
+            self.offload_copies.labels(*labels).inc(count.copies)
+        if offload.summary is not None:
             self.offload_group_bytes.clear()
-            for entry in summary:
-                self.offload_group_bytes.labels(str(entry["role"]), str(entry["group"]),
-                                                str(entry["device"])).set(int(entry["bytes"]))
+            for row in offload.summary:
+                self.offload_group_bytes.labels(row.role.value, row.group.value, row.device).set(row.bytes)
 
     @_changes
     def count_restart(self, reason: str) -> None:
@@ -399,10 +395,6 @@ class TelemetryMetrics:
     def count_dropped(self, source: str, n: int) -> None:
         if n > 0:
             self.dropped.labels(source).inc(n)
-
-
-def _phase_label(phase: str) -> str:
-    return phase if phase in PHASES else OTHER
 
 
 def _number(value: Any) -> float | None:

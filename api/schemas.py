@@ -1,15 +1,17 @@
 """What the API promises: the control surface the daemon implements, and the bodies the routes send.
 
-The daemon's own documents (status, settings) are passed through verbatim: the models below describe
-them for OpenAPI and for readers, the app does not re-validate them on every request.
+The run's status (RunStatus) and the live settings' state are models of trainer/config/messages.py:
+the daemon builds them from what the trainer reports and the routes send them as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
+
+from trainer.config.messages import RunStatus, SettingsState
 
 EVENT_KINDS = ("gpu", "step", "phase", "offload", "settings", "restart", "log", "status")
 """Kinds of event the hub carries (a subscriber may also receive "gap", see api.hub.Subscription)."""
@@ -23,10 +25,10 @@ class RunControl(Protocol):
     what it returns.
     """
 
-    def status(self) -> dict:
-        """The GET /v1/status body (shape in issue3_spec.md), returned verbatim."""
+    def status(self) -> RunStatus:
+        """The GET /v1/status body."""
 
-    def settings(self) -> dict:
+    def settings(self) -> SettingsBody:
         """The GET /v1/settings body."""
 
     def update_settings(self, change: dict) -> dict:
@@ -115,6 +117,22 @@ class SettingsUpdateBody(BaseModel):
     applies_at_step: int | None = Field(description="The first step that runs with the change (null: no change).")
     status: str = Field(description="'pending' until the trainer acknowledges the version; 'unchanged' when "
                                     "nothing changed.")
+
+
+class SettingInfo(BaseModel):
+    """One live setting as GET /v1/settings shows it."""
+
+    name: str = Field(description="Its public name, as PATCH /v1/settings and `verl set` take it.")
+    value: Any
+    applied_by: Literal["trainer", "daemon", "both"] = Field(description="Who acts on a change: the trainer "
+                                                                         "at its next safe point, the daemon at once.")
+    description: str
+
+
+class SettingsBody(SettingsState):
+    """GET /v1/settings: the settings' state and, per setting, who applies it and what it does."""
+
+    settings: list[SettingInfo]
 
 
 class ValidationProblem(BaseModel):

@@ -426,6 +426,7 @@ def trainer_side(args: argparse.Namespace) -> int:
     import torch
 
     from trainer.config import load_config
+    from trainer.config.messages import UpMessage
     from trainer.loop import Trainer
     from trainer.telemetry import TelemetryClient
 
@@ -445,7 +446,7 @@ def trainer_side(args: argparse.Namespace) -> int:
     sent = [0.0]
     send = client.send
 
-    def timed_send(message: dict) -> None:
+    def timed_send(message: UpMessage) -> None:
         started = time.perf_counter()
         send(message)
         sent[0] += time.perf_counter() - started

@@ -2,9 +2,11 @@
 
 The socket lives in the 0700 runtime directory and is itself mode 0600; the first line of a
 connection must be a ``hello`` with the run's token and protocol version, else the connection
-is closed. After that, each line is handed to the daemon's handler; down messages
-(settings, checkpoint_now, stop) go to every connected trainer without waiting: a trainer that
-stops reading is disconnected rather than allowed to stall the daemon.
+is closed. After that, each line is decoded into its message model (trainer/config/messages.py)
+and handed to the daemon's handler; a line that is no message goes to the invalid-line handler
+instead, and the connection carries on. Down messages (settings, checkpoint_now, stop) go to every
+connected trainer without waiting: a trainer that stops reading is disconnected rather than
+allowed to stall the daemon.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from trainer.config.ipc import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, UP_TYPES, ProtocolError, decode, encode
+from trainer.config.ipc import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ProtocolError, decode_up, encode
+from trainer.config.messages import DownMessage, HelloMessage, UpMessage
 
 log = logging.getLogger("verl.daemon.ipc")
 
@@ -29,14 +31,14 @@ MAX_SOCKET_PATH_BYTES = 107
 class TrainerConnection:
     """One authenticated trainer process: its hello and a way to send it down messages."""
 
-    def __init__(self, hello: dict[str, Any], writer: asyncio.StreamWriter, max_buffered_bytes: int):
+    def __init__(self, hello: HelloMessage, writer: asyncio.StreamWriter, max_buffered_bytes: int):
         self.hello = hello
-        self.pid: int | None = hello.get("pid") if isinstance(hello.get("pid"), int) else None
-        self.rank: int = hello.get("rank") if isinstance(hello.get("rank"), int) else 0
+        self.pid = hello.pid
+        self.rank = hello.rank
         self._writer = writer
         self._max_buffered_bytes = max_buffered_bytes
 
-    def send(self, message: dict[str, Any]) -> bool:
+    def send(self, message: DownMessage) -> bool:
         """Queue a down message on the socket; False (and the connection closed) when the trainer is not reading."""
         if self._writer.is_closing():
             return False
@@ -61,7 +63,7 @@ class IpcServer:
 
     def __init__(self, path: Path, token: str, *,
                  on_hello: Callable[[TrainerConnection], None],
-                 on_message: Callable[[TrainerConnection, dict[str, Any]], None],
+                 on_message: Callable[[TrainerConnection, UpMessage], None],
                  on_disconnect: Callable[[TrainerConnection], None] = lambda connection: None,
                  on_invalid: Callable[[TrainerConnection, str], None] = lambda connection, problem: None,
                  hello_timeout_s: float = 10.0, max_buffered_bytes: int = 1 << 20):
@@ -101,7 +103,7 @@ class IpcServer:
     def connections(self) -> list[TrainerConnection]:
         return list(self._connections)
 
-    def send(self, message: dict[str, Any]) -> int:
+    def send(self, message: DownMessage) -> int:
         """Send a down message to every connected trainer; how many it reached."""
         return sum(connection.send(message) for connection in list(self._connections))
 
@@ -128,19 +130,21 @@ class IpcServer:
             self._tasks.discard(task)
             writer.close()
 
-    async def _authenticate(self, reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    async def _authenticate(self, reader: asyncio.StreamReader) -> HelloMessage | None:
         try:
             line = await asyncio.wait_for(reader.readline(), self._hello_timeout_s)
-            hello = decode(line, ("hello",))
+            hello = decode_up(line)
         except (TimeoutError, ValueError, ConnectionError) as error:  # ProtocolError is a ValueError
             log.warning("IPC connection refused: no hello (%s)", error or "timed out")
             return None
-        token = hello.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode("utf-8"), self._token):
-            log.warning("IPC connection refused: wrong token (pid %s)", hello.get("pid"))
+        if not isinstance(hello, HelloMessage):
+            log.warning("IPC connection refused: the first line is a %s message, not a hello", hello.type)
             return None
-        if hello.get("protocol") != PROTOCOL_VERSION:
-            log.warning("IPC connection refused: protocol %r, expected %d", hello.get("protocol"), PROTOCOL_VERSION)
+        if not hmac.compare_digest(hello.token.encode("utf-8"), self._token):
+            log.warning("IPC connection refused: wrong token (pid %s)", hello.pid)
+            return None
+        if hello.protocol != PROTOCOL_VERSION:
+            log.warning("IPC connection refused: protocol %r, expected %d", hello.protocol, PROTOCOL_VERSION)
             return None
         return hello
 
@@ -154,14 +158,14 @@ class IpcServer:
             if not line:
                 return
             try:
-                message = decode(line, UP_TYPES)
+                message = decode_up(line)
             except ProtocolError as error:
                 self._on_invalid(connection, str(error))
                 continue
-            if message["type"] == "hello":
+            if isinstance(message, HelloMessage):
                 self._on_invalid(connection, "a second hello on one connection")
                 continue
             try:
                 self._on_message(connection, message)
             except Exception:  # a handler's bug must not cut the trainer off
-                log.exception("IPC handler failed on a %s message", message["type"])
+                log.exception("IPC handler failed on a %s message", message.type)

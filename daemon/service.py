@@ -40,7 +40,7 @@ from api.app import create_app
 from api.client import page_url
 from api.hub import TelemetryHub
 from api.prometheus import TelemetryMetrics
-from api.schemas import SettingsRejectedError
+from api.schemas import SettingsBody, SettingsRejectedError
 from daemon.gpu import GpuSampler
 from daemon.ipc import MAX_SOCKET_PATH_BYTES, IpcServer, TrainerConnection
 from daemon.runtime import (
@@ -56,6 +56,27 @@ from daemon.supervisor import EXIT_OUT_OF_MEMORY, EXIT_USAGE, RestartPolicy, Sup
 from trainer.config import RunConfig
 from trainer.config.ipc import ENV_SOCKET, ENV_TOKEN
 from trainer.config.live import SettingsRejected, initial_live_settings
+from trainer.config.messages import (
+    CheckpointMessage,
+    CheckpointNowMessage,
+    DownMessage,
+    DroppedMessage,
+    HelloMessage,
+    LogMessage,
+    OffloadMessage,
+    OffloadPlacement,
+    OffloadSummaryRow,
+    PhaseMessage,
+    Progress,
+    Restarts,
+    RunInfo,
+    RunStatus,
+    SettingsAckMessage,
+    StepMessage,
+    StopMessage,
+    TelemetryHealth,
+    UpMessage,
+)
 
 log = logging.getLogger("verl.daemon")
 
@@ -125,16 +146,16 @@ class Daemon:
             stop_timeout_s=config.daemon.stop_timeout_s,
             output=self.run_dir / "logs" / "trainer.out" if monitor else None,
             on_started=self._trainer_started, on_exited=self._trainer_exited, on_restart=self._trainer_restarting,
-            on_state=self._state_changed, request_trainer_stop=lambda: self._send_down({"type": "stop"}))
+            on_state=self._state_changed, request_trainer_stop=lambda: self._send_down(StopMessage()))
         self._nvml = nvml
         self.sampler: GpuSampler | None = None
         self.ipc: IpcServer | None = None
         self.url = ""
         self.started_at = time.time()
-        self.progress: dict[str, Any] = {"step": 0, "total_steps": config.trainer.total_training_steps,
-                                         "phase": None, "phase_since": None}
+        self.progress = Progress(step=0, total_steps=config.trainer.total_training_steps, phase=None,
+                                 phase_since=None)
         self._phase_step: int | None = None  # the step the latest phase message is part of
-        self.offload_summary: list[dict[str, Any]] = []
+        self.offload_summary: list[OffloadSummaryRow] = []
         self.dropped_messages = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._api: _ApiServer | None = None
@@ -252,24 +273,24 @@ class Daemon:
 
     # --------------------------------------------------------------------- RunControl (the API's calls)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RunStatus:
         supervisor = self.supervisor
-        return {
-            "run": {"name": self.name, "project": self.config.trainer.project_name, "run_dir": str(self.run_dir),
-                    "config_path": str(self.config_path), "daemon_pid": self.pid, "trainer_pids": supervisor.pids,
-                    "state": supervisor.state, "started_at": self.started_at,
-                    "uptime_s": time.time() - self.started_at, "url": self.url},
-            "progress": dict(self.progress),
-            "restarts": {"total": supervisor.restarts, "max": self.config.daemon.max_restarts,
-                         "by_reason": {reason: supervisor.restarts_by_reason[reason] for reason in
-                                       sorted({*RESTART_REASONS, *supervisor.restarts_by_reason})}},
-            "settings": self.settings_store.state(),
-            "telemetry": {"nvml": self.sampler is not None and self.sampler.nvml_up,
-                          "dropped_messages": self.dropped_messages},
-            "offload": {"summary": list(self.offload_summary)},
-        }
+        return RunStatus(
+            run=RunInfo(name=self.name, project=self.config.trainer.project_name, run_dir=str(self.run_dir),
+                        config_path=str(self.config_path), daemon_pid=self.pid, trainer_pids=supervisor.pids,
+                        state=supervisor.state, started_at=self.started_at, uptime_s=time.time() - self.started_at,
+                        url=self.url),
+            progress=self.progress,
+            restarts=Restarts(total=supervisor.restarts, max=self.config.daemon.max_restarts,
+                              by_reason={reason: supervisor.restarts_by_reason[reason] for reason in
+                                         sorted({*RESTART_REASONS, *supervisor.restarts_by_reason})}),
+            settings=self.settings_store.state(),
+            telemetry=TelemetryHealth(nvml=self.sampler is not None and self.sampler.nvml_up,
+                                      dropped_messages=self.dropped_messages),
+            offload=OffloadPlacement(summary=self.offload_summary),
+        )
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> SettingsBody:
         return self.settings_store.describe()
 
     def update_settings(self, change: dict, *, source: str = "api") -> dict[str, Any]:
@@ -295,7 +316,7 @@ class Daemon:
                 "applies_at_step": self._next_safe_step(), "status": "pending"}
 
     def request_checkpoint(self) -> dict[str, Any]:
-        reached = self._send_down({"type": "checkpoint_now"})
+        reached = self._send_down(CheckpointNowMessage())
         log.info("checkpoint requested%s", "" if reached else " but no trainer is connected")
         return {"status": "requested" if reached else "no_trainer",
                 "detail": "the trainer saves a checkpoint at its next safe point" if reached
@@ -311,72 +332,67 @@ class Daemon:
     def _trainer_hello(self, connection: TrainerConnection) -> None:
         hello = connection.hello
         log.info("trainer pid %s connected (rank %d, step %s of %s)", connection.pid, connection.rank,
-                 hello.get("start_step"), hello.get("total_steps"))
+                 hello.start_step, hello.total_steps)
         if connection.rank == 0:
-            if isinstance(hello.get("start_step"), int):
-                self.progress["step"] = hello["start_step"]
-            if isinstance(hello.get("total_steps"), int):
-                self.progress["total_steps"] = hello["total_steps"]
-                self.metrics.set_total_steps(hello["total_steps"])
+            self.progress = self.progress.model_copy(update={"step": hello.start_step,
+                                                             "total_steps": hello.total_steps})
+            self.metrics.set_total_steps(hello.total_steps)
         # The current values, every time: a change made before a restart holds in the new trainer.
         connection.send(self.settings_store.down_message())
         self.supervisor.trainer_connected()
 
-    def _trainer_message(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
-        handler = getattr(self, f"_on_{message['type']}", None)
-        if handler is None:
-            return
-        try:
-            handler(connection, message)
-        except (KeyError, TypeError, ValueError) as error:
-            self._invalid_message(connection, f"bad {message['type']} message: {error!r}")
+    def _trainer_message(self, connection: TrainerConnection, message: UpMessage) -> None:
+        """One decoded message (daemon/ipc.py refused the malformed ones and never passes a hello here)."""
+        match message:
+            case StepMessage():
+                self._on_step(connection, message)
+            case PhaseMessage():
+                self._on_phase(connection, message)
+            case OffloadMessage():
+                self._on_offload(message)
+            case LogMessage():
+                self.hub.publish("log", {"level": message.level, "message": message.message, "source": "trainer"})
+            case SettingsAckMessage():
+                self._on_settings_ack(connection, message)
+            case CheckpointMessage():
+                self._on_checkpoint(message)
+            case DroppedMessage():
+                self.dropped_messages += message.count
+                self.metrics.count_dropped("trainer", message.count)
+            case HelloMessage():
+                pass  # only ever the first line, which the IPC server reads itself
 
-    def _on_step(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
-        step, metrics = message["step"], message.get("metrics") or {}
-        if not isinstance(step, int) or not isinstance(metrics, dict):
-            raise ValueError("step must be an integer and metrics an object")
+    def _on_step(self, connection: TrainerConnection, message: StepMessage) -> None:
         if connection.rank == 0:
-            self.progress["step"] = step
-        self.hub.publish("step", {"step": step, "metrics": metrics})
-        self.metrics.observe_step(step, metrics)
+            self.progress = self.progress.model_copy(update={"step": message.step})
+        self.hub.publish("step", message)
+        self.metrics.observe_step(message.step, message.metrics)
 
-    def _on_phase(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
-        phase = str(message["phase"])
+    def _on_phase(self, connection: TrainerConnection, message: PhaseMessage) -> None:
         if connection.rank == 0:
-            self.progress.update(phase=phase, phase_since=time.time())
-            self._phase_step = message.get("step")
-        self.hub.publish("phase", {"step": message.get("step"), "phase": phase})
-        self.metrics.observe_phase(phase)
+            self.progress = self.progress.model_copy(update={"phase": message.phase, "phase_since": time.time()})
+            self._phase_step = message.step
+        self.hub.publish("phase", message)
+        self.metrics.observe_phase(message.phase)
 
-    def _on_offload(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
-        copies, counts, summary = message.get("copies") or [], message.get("counts"), message.get("summary")
-        self.metrics.observe_offload(copies, summary, counts)
-        if summary is not None:
-            self.offload_summary = list(summary)
-        self.hub.publish("offload", {"copies": copies, "counts": counts, "summary": summary})
+    def _on_offload(self, message: OffloadMessage) -> None:
+        self.metrics.observe_offload(message)
+        if message.summary is not None:
+            self.offload_summary = message.summary
+        self.hub.publish("offload", message)
 
-    def _on_log(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
-        level = str(message.get("level", "info")).lower()
-        self.hub.publish("log", {"level": level, "message": str(message.get("message", "")), "source": "trainer"})
-
-    def _on_settings_ack(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
-        version, step = message["version"], message.get("step")
-        change = self.settings_store.acknowledge(version, step)
+    def _on_settings_ack(self, connection: TrainerConnection, message: SettingsAckMessage) -> None:
+        change = self.settings_store.acknowledge(message.version, message.step)
         if change is not None:
             for name in change.new:
                 self.metrics.count_setting_update(name, "applied")
-        log.info("trainer pid %s runs settings version %s from step %s", connection.pid, version, step)
+        log.info("trainer pid %s runs settings version %s from step %s", connection.pid, message.version,
+                 message.step)
         self.hub.publish("settings", self.settings_store.state())
 
-    def _on_checkpoint(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
-        step, path = message["step"], message.get("path")
-        self.hub.publish("log", {"level": "info", "message": f"checkpoint saved at step {step}: {path}",
-                                 "source": "trainer", "checkpoint": {"step": step, "path": path}})
-
-    def _on_dropped(self, connection: TrainerConnection, message: dict[str, Any]) -> None:
-        count = int(message["count"])
-        self.dropped_messages += count
-        self.metrics.count_dropped("trainer", count)
+    def _on_checkpoint(self, message: CheckpointMessage) -> None:
+        self.hub.publish("log", {"level": "info", "message": f"checkpoint saved at step {message.step}: {message.path}",
+                                 "source": "trainer", "checkpoint": {"step": message.step, "path": message.path}})
 
     def _invalid_message(self, connection: TrainerConnection, problem: str) -> None:
         self.dropped_messages += 1
@@ -386,7 +402,7 @@ class Daemon:
     def _trainer_disconnected(self, connection: TrainerConnection) -> None:
         log.info("trainer pid %s disconnected", connection.pid)
         if connection.rank == 0:
-            self.progress.update(phase=None, phase_since=None)
+            self.progress = self.progress.model_copy(update={"phase": None, "phase_since": None})
             self._phase_step = None
 
     # --------------------------------------------------------------------------- supervisor events
@@ -421,7 +437,7 @@ class Daemon:
     def _publish_status(self) -> None:
         self.hub.publish("status", self.status())
 
-    def _send_down(self, message: dict[str, Any]) -> bool:
+    def _send_down(self, message: DownMessage) -> bool:
         """Send to the connected trainer(s); safe from any thread. Whether a trainer was connected."""
         if self.ipc is None:
             return False
@@ -443,8 +459,8 @@ class Daemon:
     def _next_safe_step(self) -> int:
         """The first step a change can run in: the next one, or the one after when a step is under way."""
         progress = self.progress
-        in_step = progress["phase"] not in (None, "idle") and self._phase_step == progress["step"] + 1
-        return progress["step"] + (2 if in_step else 1)
+        in_step = progress.phase is not None and self._phase_step == progress.step + 1
+        return progress.step + (2 if in_step else 1)
 
     def _socket_path(self) -> Path:
         path = runtime_dir(self.state) / f"{self.pid}.sock"
@@ -502,7 +518,7 @@ class Daemon:
         logs = self.run_dir / "logs"
         if supervisor.state == "finished":
             print(f"run {self.name} {'stopped' if supervisor.stopping else 'finished'} at step "
-                  f"{self.progress['step']}", file=sys.stderr)
+                  f"{self.progress.step}", file=sys.stderr)
         elif supervisor.last_exit_code == EXIT_USAGE:
             print(f"ERROR: the trainer stopped on a problem with the config, data or models (exit code 2)\n"
                   f"HINT: see its ERROR lines in {logs / 'trainer.out'}", file=sys.stderr)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from api.schemas import SettingInfo, SettingsBody
 from trainer.config.live import (
     APPLIED_BY,
     SETTING_NAMES,
@@ -25,6 +26,7 @@ from trainer.config.live import (
     SettingsRejected,
     apply_change,
 )
+from trainer.config.messages import SettingsMessage, SettingsState
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,14 @@ class SettingsStore:
                          "result": "accepted"})
             return result
 
-    def acknowledge(self, version: int, step: int | None) -> SettingsUpdate | None:
+    def acknowledge(self, version: int, step: int) -> SettingsUpdate | None:
         """The trainer runs `version` from `step` on; returns that version's change when it was news."""
         with self._lock:
-            if not isinstance(version, int) or version > self.version:
+            if version > self.version:
                 return None
             news = version > self.acknowledged_version
             self.acknowledged_version = max(self.acknowledged_version, version)
-            self.applied_at_step = step if isinstance(step, int) else self.applied_at_step
+            self.applied_at_step = step
             change = self._changes.get(version)
             if change is not None:
                 # Logged on every acknowledgement, so a re-application after a trainer restart shows too.
@@ -110,24 +112,25 @@ class SettingsStore:
                              "result": "applied", "step": step})
             return change if news else None
 
-    def down_message(self) -> dict[str, Any]:
+    def down_message(self) -> SettingsMessage:
         """The IPC message that brings a trainer up to date."""
         with self._lock:
-            return {"type": "settings", "version": self.version, "values": self._values.public()}
+            return SettingsMessage(version=self.version, values=self._values)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> SettingsState:
         """The "settings" event data and the settings part of /v1/status."""
         with self._lock:
-            return {"version": self.version, "values": self._values.public(),
-                    "acknowledged_version": self.acknowledged_version, "applied_at_step": self.applied_at_step}
+            return SettingsState(version=self.version, values=self._values,
+                                 acknowledged_version=self.acknowledged_version, applied_at_step=self.applied_at_step)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> SettingsBody:
         """GET /v1/settings: the state plus, per setting, who applies it and what it means."""
         state = self.state()
+        values = state.values.public()
         fields = {field.alias or name: field for name, field in LiveSettings.model_fields.items()}
-        state["settings"] = [{"name": name, "value": state["values"][name], "applied_by": APPLIED_BY[name],
-                              "description": fields[name].description or ""} for name in SETTING_NAMES]
-        return state
+        return SettingsBody(**dict(state), settings=[
+            SettingInfo(name=name, value=values[name], applied_by=APPLIED_BY[name],
+                        description=fields[name].description or "") for name in SETTING_NAMES])
 
     def _audit(self, entry: dict[str, Any]) -> None:
         self.audit_path.parent.mkdir(parents=True, exist_ok=True)

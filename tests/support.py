@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import uvicorn
 from fastapi import FastAPI
+
+from trainer.config.live import LiveSettings
+from trainer.config.messages import (
+    OffloadPlacement,
+    OffloadSummaryRow,
+    Progress,
+    Restarts,
+    RunInfo,
+    RunState,
+    RunStatus,
+    SettingsState,
+    TelemetryHealth,
+)
 
 
 @contextmanager
@@ -28,3 +41,18 @@ def serve_app(app: FastAPI) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def run_status(*, name: str = "fake", state: RunState = "running", step: int = 5, total_steps: int = 200,
+               summary: Sequence[OffloadSummaryRow] = ()) -> RunStatus:
+    """A whole /v1/status body for fake daemons: a running run with nothing else to report."""
+    return RunStatus(
+        run=RunInfo(name=name, project="verl", run_dir=f"runs/{name}", config_path=f"runs/{name}/config.yaml",
+                    daemon_pid=4242, trainer_pids=[4243], state=state, started_at=1.0, uptime_s=60.0,
+                    url="http://127.0.0.1:1"),
+        progress=Progress(step=step, total_steps=total_steps, phase=None, phase_since=None),
+        restarts=Restarts(total=0, max=3, by_reason={}),
+        settings=SettingsState(version=0, values=LiveSettings(), acknowledged_version=0, applied_at_step=None),
+        telemetry=TelemetryHealth(nvml=False, dropped_messages=0),
+        offload=OffloadPlacement(summary=list(summary)),
+    )

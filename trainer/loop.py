@@ -26,6 +26,19 @@ from trainer.checkpoint import (
 )
 from trainer.config import RunConfig, dump_config
 from trainer.config.live import LiveSettings, initial_live_settings
+from trainer.config.messages import (
+    CheckpointMessage,
+    CheckpointNowMessage,
+    DownMessage,
+    Phase,
+    PhaseMessage,
+    Role,
+    SettingsAckMessage,
+    SettingsMessage,
+    StepMessage,
+    StopMessage,
+    UpMessage,
+)
 from trainer.data import PromptRecord, PromptSampler, load_records
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
@@ -55,9 +68,9 @@ from trainer.workers.recovery import run_in_pieces
 class TelemetryLink(Protocol):
     """The trainer's side of the daemon connection (trainer/telemetry.py): never blocks."""
 
-    def send(self, message: dict) -> None: ...
+    def send(self, message: UpMessage) -> None: ...
 
-    def poll(self) -> list[dict]: ...
+    def poll(self) -> list[DownMessage]: ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -145,15 +158,15 @@ class Trainer:
 
         actor_config = config.actor_rollout_ref.actor
         actor_model = self.memory.place(policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
-                                        actor_config.fsdp_config, "actor")
+                                        actor_config.fsdp_config, Role.ACTOR)
         self.actor = Actor(actor_model,
                            actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
                            log_prob_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
-                           total_steps=self.total_steps, seed=seed, memory=self.memory.for_role("actor"))
+                           total_steps=self.total_steps, seed=seed, memory=self.memory.for_role(Role.ACTOR))
         self.reference = None
         if config.use_reference:
             reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
-            self.reference = self.memory.place(reference, config.actor_rollout_ref.ref.fsdp_config, "ref")
+            self.reference = self.memory.place(reference, config.actor_rollout_ref.ref.fsdp_config, Role.REF)
         self.critic = None
         if config.use_critic:
             critic = config.critic
@@ -161,9 +174,9 @@ class Trainer:
                                 seed=seed, override_config=critic.model.override_config or model_config.override_config,
                                 gradient_checkpointing=critic.model.enable_gradient_checkpointing,
                                 trust_remote_code=critic.model.trust_remote_code)
-            self.critic = Critic(self.memory.place(model, critic.fsdp_config, "critic"), critic, rollout_n=rollout.n,
+            self.critic = Critic(self.memory.place(model, critic.fsdp_config, Role.CRITIC), critic, rollout_n=rollout.n,
                                  forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
-                                 total_steps=self.total_steps, memory=self.memory.for_role("critic"))
+                                 total_steps=self.total_steps, memory=self.memory.for_role(Role.CRITIC))
 
     def _build_reward(self) -> RewardFunction:
         config = self.config
@@ -174,10 +187,10 @@ class Trainer:
         tokenizer = load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code)
         model = load_reward_model(network.path, tokenizer, dtype=torch_dtype(network.fsdp_config.model_dtype),
                                   seed=config.trainer.seed, trust_remote_code=network.trust_remote_code)
-        return ModelReward(self.memory.place(model, network.fsdp_config, "reward"), self.tokenizer, tokenizer,
+        return ModelReward(self.memory.place(model, network.fsdp_config, Role.REWARD), self.tokenizer, tokenizer,
                            micro_batch_size=config.reward_model.micro_batch_size_per_gpu,
                            max_length=config.data.max_prompt_length + config.data.max_response_length,
-                           memory=self.memory.for_role("reward"))
+                           memory=self.memory.for_role(Role.REWARD))
 
     # -------------------------------------------------------------------------------------- loop
 
@@ -212,7 +225,7 @@ class Trainer:
     def _record_step(self, metrics: dict[str, float]) -> None:
         """metrics.jsonl, the daemon and every observer (the console) get the step's metrics."""
         self.metrics_log.append(self.step, metrics)
-        self._send({"type": "step", "step": self.step, "metrics": metrics, "time": time.time()})
+        self._send(StepMessage(step=self.step, metrics=metrics))
         if self.telemetry is not None:
             # The placement summary goes with the first report of each trainer process.
             self._send(offload_message(self.offload_engines, with_summary=not self._summary_sent))
@@ -228,22 +241,22 @@ class Trainer:
             with timer.phase("gen"):
                 batch = self.generate(records)
                 self.memory.end_rollout()
-            with timer.phase("reward"), self.memory.placed_for("scoring", "reward"):
+            with timer.phase("reward"), self.memory.placed_for("scoring", Role.REWARD):
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
-            with timer.phase("old_log_prob"), self.memory.placed_for("scoring", "actor"):
+            with timer.phase("old_log_prob"), self.memory.placed_for("scoring", Role.ACTOR):
                 batch.old_log_probs = self.actor.compute_log_probs(batch)
             if self.reference is not None:
-                with timer.phase("ref"), self.memory.placed_for("scoring", "ref"):
+                with timer.phase("ref"), self.memory.placed_for("scoring", Role.REF):
                     batch.ref_log_probs = self._reference_log_probs(batch)
             if self.critic is not None:
-                with timer.phase("values"), self.memory.placed_for("scoring", "critic"):
+                with timer.phase("values"), self.memory.placed_for("scoring", Role.CRITIC):
                     batch.values = self.critic.compute_values(batch)
             with timer.phase("adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.critic is not None:
-                with timer.phase("update_critic"), self.memory.placed_for("training", "critic"):
+                with timer.phase("update_critic"), self.memory.placed_for("training", Role.CRITIC):
                     metrics.update(reduce_metrics(self.critic.update(batch)))
-            with timer.phase("update_actor"), self.memory.placed_for("training", "actor"):
+            with timer.phase("update_actor"), self.memory.placed_for("training", Role.ACTOR):
                 metrics.update(reduce_metrics(self.actor.update(batch)))
         metrics.update(timer.metrics())
         metrics.update(data_metrics(batch, response_length=self.config.data.max_response_length,
@@ -271,11 +284,11 @@ class Trainer:
                                                  truncation=self.config.data.truncation)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         rollout = rollout or self.rollout  # either samples with the actor's weights
-        with self.memory.placed_for("rollout", "actor"):
+        with self.memory.placed_for("rollout", Role.ACTOR):
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
                                                                          prompt_mask[first:first + count]),
-                                   len(repeated), len(repeated), memory=self.memory.for_role("actor"))
+                                   len(repeated), len(repeated), memory=self.memory.for_role(Role.ACTOR))
         response_ids = torch.cat([ids for ids, _ in pieces])
         response_mask = torch.cat([mask for _, mask in pieces])
         group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
@@ -286,7 +299,7 @@ class Trainer:
         return compute_log_probs(self.reference, batch,
                                  micro_batch_size=self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
                                  temperature=self.config.actor_rollout_ref.rollout.temperature,
-                                 memory=self.memory.for_role("ref"))
+                                 memory=self.memory.for_role(Role.REF))
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (less the KL penalty when it is in the reward), then advantages and returns."""
@@ -351,7 +364,7 @@ class Trainer:
                                keep=self.config.trainer.max_ckpt_to_keep)
         self._saved_at = self.step
         self.log(f"checkpoint saved: {path}")
-        self._send({"type": "checkpoint", "step": self.step, "path": str(path)})
+        self._send(CheckpointMessage(step=self.step, path=str(path)))
         return path
 
     def resume(self) -> None:
@@ -406,32 +419,31 @@ class Trainer:
             messages = self.telemetry.poll()
             for message in messages:
                 self._dispatch(message)
-            if any(message["type"] == "settings" for message in messages):
+            if any(isinstance(message, SettingsMessage) for message in messages):
                 return True
             time.sleep(0.01)
         return False
 
-    def _dispatch(self, message: dict) -> None:
-        if message["type"] == "settings":
-            self.apply_live_settings(message["version"], message["values"])
-        elif message["type"] == "checkpoint_now":
+    def _dispatch(self, message: DownMessage) -> None:
+        if isinstance(message, SettingsMessage):
+            self.apply_live_settings(message.version, message.values)
+        elif isinstance(message, CheckpointNowMessage):
             self._checkpoint_requested = True
-        elif message["type"] == "stop":
+        elif isinstance(message, StopMessage):
             self.request_stop()
 
-    def apply_live_settings(self, version: int, values: dict) -> None:
+    def apply_live_settings(self, version: int, values: LiveSettings) -> None:
         """Take the daemon's settings from the next step on, and acknowledge with that step."""
-        self.live_settings = LiveSettings.model_validate(values)
+        self.live_settings = values
         for listener in self.settings_listeners:
             listener(self.live_settings)
-        self._send({"type": "settings_ack", "version": version, "step": self.step + 1,
-                    "values": self.live_settings.public()})
+        self._send(SettingsAckMessage(version=version, step=self.step + 1, values=self.live_settings))
 
     def _phase(self, name: str) -> None:
-        if name != "step":
-            self._send({"type": "phase", "step": self.step + 1, "phase": name, "time": time.time()})
+        if name != "step":  # the timer's whole-step span, not a phase
+            self._send(PhaseMessage(step=self.step + 1, phase=Phase(name)))
 
-    def _send(self, message: dict) -> None:
+    def _send(self, message: UpMessage) -> None:
         if self.telemetry is not None:
             self.telemetry.send(message)
 

@@ -85,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _log_forwarder(telemetry):
     if telemetry is None:
         return None
-    return lambda level, message: telemetry.send({"type": "log", "level": level, "message": message})
+    from trainer.config.messages import LogMessage
+
+    return lambda level, message: telemetry.send(LogMessage(level=level, message=message))
 
 
 def _report_out_of_memory(error: BaseException, reporter, telemetry) -> int:
@@ -97,7 +99,9 @@ def _report_out_of_memory(error: BaseException, reporter, telemetry) -> int:
         reporter.close()  # the progress bar off the terminal before the line goes there
     print(f"ERROR: {message}", file=sys.stderr, flush=True)
     if telemetry is not None:
-        telemetry.send({"type": "log", "level": "error", "message": message})
+        from trainer.config.messages import LogMessage
+
+        telemetry.send(LogMessage(level="error", message=message))
     return EXIT_OUT_OF_MEMORY
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import psutil
 import torch
@@ -41,6 +41,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from trainer.config import FSDPConfig, OptimConfig
+from trainer.config.messages import Role
 from trainer.config.schema import FSDP_PREFIX
 from trainer.config.schema import EmbeddingCache as EmbeddingCacheConfig
 from trainer.errors import RunSetupError
@@ -55,9 +56,6 @@ from trainer.offload.dynamic import (
 )
 from trainer.offload.embedding_cache import EmbeddingCache
 from trainer.workers.optimization import build_optimizer
-
-Role = Literal["actor", "ref", "critic", "reward"]
-"""A model of the run, as the offload engine and the metrics name it."""
 
 CONFIG_ROLE = {"reward": "reward_model"}  # the engine's role name -> the config's
 HOST_MARGIN_BYTES = 2 << 30

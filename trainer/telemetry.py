@@ -5,22 +5,22 @@ Usage in the trainer (rank 0)::
     client = TelemetryClient.from_env()          # None when not started by a daemon
     if client is not None:
         client.hello(start_step=trainer.step, total_steps=trainer.total_steps, run_dir=str(run_dir))
-        client.send({"type": "phase", "step": step + 1, "phase": "gen"})
-        client.send({"type": "step", "step": step, "metrics": metrics})
+        client.send(PhaseMessage(step=step + 1, phase=Phase.GEN))
+        client.send(StepMessage(step=step, metrics=metrics))
         for message in client.poll():            # at a safe point, between steps
-            ...                                  # "settings", "checkpoint_now" or "stop"
+            ...                                  # SettingsMessage, CheckpointNowMessage or StopMessage
         client.close()                           # flushes what is queued (at most `timeout` s)
 
 ``send`` only encodes the message and puts it on a bounded queue (a few microseconds); a
 background thread writes the queue to the daemon's Unix socket. When the daemon is absent,
 slow or gone, messages are dropped and counted (``dropped``), the count is reported to the
-daemon with a ``dropped`` message once it is reachable again, and the thread reconnects
-quietly (hello again, with the latest step sent as ``start_step``). ``poll`` returns the down
-messages received since the last poll, oldest first, without waiting. The message types and
-fields are those of trainer/config/ipc.py; ``time`` is filled in when a message lacks it.
+daemon with a DroppedMessage once it is reachable again, and the thread reconnects quietly
+(hello again, with the latest step sent as ``start_step``). ``poll`` returns the down messages
+received since the last poll, oldest first, without waiting. The messages are the models of
+trainer/config/messages.py (each stamps its ``time`` when it is built).
 
-Only the standard library and trainer.config.ipc: this module is imported before torch work
-starts and must cost nothing when telemetry is off.
+Only the standard library, pydantic and trainer.config: this module is imported before torch
+work starts and must cost nothing when telemetry is off.
 """
 
 from __future__ import annotations
@@ -30,20 +30,19 @@ import queue
 import socket
 import sys
 import threading
-import time
 from collections import deque
 from typing import Any
 
 from trainer.config.ipc import (
-    DOWN_TYPES,
     ENV_SOCKET,
     ENV_TOKEN,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     ProtocolError,
-    decode,
+    decode_down,
     encode,
 )
+from trainer.config.messages import DownMessage, DroppedMessage, HelloMessage, StepMessage, UpMessage
 
 
 class TelemetryClient:
@@ -60,7 +59,7 @@ class TelemetryClient:
         if start_step is not None and total_steps is not None:
             self._hello_ready.set()
         self._queue: queue.Queue[bytes] = queue.Queue(maxsize=queue_size)
-        self._received: deque[dict[str, Any]] = deque()
+        self._received: deque[DownMessage] = deque()
         self._reconnect_interval_s = reconnect_interval_s
         self._send_timeout_s = send_timeout_s
         self._lock = threading.Lock()  # guards the drop counters and the current socket
@@ -70,7 +69,6 @@ class TelemetryClient:
         self._socket: socket.socket | None = None
         self._connected = threading.Event()
         self._closing = threading.Event()
-        self._warned_unencodable = False
         self._writer = threading.Thread(target=self._write_loop, name="verl-telemetry", daemon=True)
         self._writer.start()
 
@@ -99,26 +97,20 @@ class TelemetryClient:
         self._hello_fields.update(updates)
         self._hello_ready.set()
 
-    def send(self, message: dict[str, Any]) -> None:
-        """Queue one up message; returns at once. Dropped (and counted) when the queue is full."""
-        if "time" not in message and message.get("type") != "hello":
-            message = {**message, "time": time.time()}
-        if message.get("type") == "step" and isinstance(message.get("step"), int):
-            self._last_step = message["step"]
+    def send(self, message: UpMessage) -> None:
+        """Queue one up message; returns at once. Dropped (and counted) when the queue is full.
+
+        A model always encodes (it was validated when built), so the trainer thread pays only for
+        the encoding, in pydantic's compiled serializer.
+        """
+        if isinstance(message, StepMessage):
+            self._last_step = message.step
         try:
-            line = encode(message)
-        except (TypeError, ValueError) as error:
-            self._count_dropped(1)
-            if not self._warned_unencodable:
-                self._warned_unencodable = True
-                print(f"WARNING: telemetry message dropped, not JSON-encodable: {error}", file=sys.stderr)
-            return
-        try:
-            self._queue.put_nowait(line)
+            self._queue.put_nowait(encode(message))
         except queue.Full:
             self._count_dropped(1)
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[DownMessage]:
         """Down messages (settings, checkpoint_now, stop) received since the last poll, oldest first."""
         messages = []
         while self._received:
@@ -167,9 +159,9 @@ class TelemetryClient:
         connection.settimeout(self._send_timeout_s)
         fields = self._hello_fields
         start_step = fields["start_step"] if self._last_step is None else self._last_step
-        hello = encode({"type": "hello", "protocol": PROTOCOL_VERSION, "token": self._token, "pid": os.getpid(),
-                        "rank": fields["rank"], "run_dir": fields["run_dir"], "start_step": start_step,
-                        "total_steps": fields["total_steps"]})
+        hello = encode(HelloMessage(protocol=PROTOCOL_VERSION, token=self._token, pid=os.getpid(),
+                                    rank=fields["rank"], run_dir=fields["run_dir"], start_step=start_step,
+                                    total_steps=fields["total_steps"]))
         try:
             connection.connect(self.socket_path)
             connection.sendall(hello)
@@ -212,9 +204,9 @@ class TelemetryClient:
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
                 try:
-                    self._received.append(decode(line, DOWN_TYPES))
-                except ProtocolError:
-                    continue
+                    self._received.append(decode_down(line))
+                except ProtocolError as error:  # the trainer goes on with what it has; say why it ignores this
+                    print(f"WARNING: ignored a message from the daemon: {error}", file=sys.stderr)
             if len(buffer) > MAX_MESSAGE_BYTES:
                 break
         self._disconnect(connection)
@@ -256,7 +248,7 @@ class TelemetryClient:
             count, self._dropped_unreported = self._dropped_unreported, 0
         if not count:
             return
-        report = encode({"type": "dropped", "count": count, "time": time.time()})
+        report = encode(DroppedMessage(count=count))
         if not self._write(report, count_failure=False):
             with self._lock:  # not lost: the next report carries it
                 self._dropped_unreported += count

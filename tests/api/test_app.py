@@ -23,9 +23,19 @@ from api.app import create_app
 from api.client import ApiClient, ApiError
 from api.hub import TelemetryHub
 from api.prometheus import TelemetryMetrics
-from api.schemas import SettingsRejectedError
+from api.schemas import SettingsBody, SettingsRejectedError
 from daemon.settings import SettingsStore
+from tests.support import run_status
 from trainer.config.live import LiveSettings, SettingsRejected
+from trainer.config.messages import (
+    CopyCount,
+    CopySample,
+    OffloadMessage,
+    PhaseMessage,
+    RunStatus,
+    SettingsMessage,
+    StepMessage,
+)
 
 TOKEN = "s3cret-token_for-tests"
 WRONG = "not-the-token"
@@ -40,13 +50,13 @@ class FakeControl:
 
     def __init__(self, audit_path: Path) -> None:
         self.store = SettingsStore(LiveSettings(), audit_path=audit_path)
-        self.forwarded: list[dict] = []
+        self.forwarded: list[SettingsMessage] = []
         self.requests: list[str] = []
 
-    def status(self) -> dict:
-        return {"run": {"name": "fake", "state": "running"}, "progress": {"step": 5, "total_steps": 200}}
+    def status(self) -> RunStatus:
+        return run_status(name="fake", step=5, total_steps=200)
 
-    def settings(self) -> dict:
+    def settings(self) -> SettingsBody:
         return self.store.describe()
 
     def update_settings(self, change: dict) -> dict:
@@ -192,11 +202,12 @@ def test_latest_is_empty_then_follows_the_newest_events(serve, tmp_path: Path) -
             "seq": 0, "step": None, "gpu": None,
             "offload": {"copy_latency_p50_s": None, "copy_latency_p99_s": None, "bandwidth_bytes_per_second": None,
                         "copies": 0}}
-        hub.publish("step", {"step": 1, "metrics": {"actor/pg_loss": 0.5}})
-        hub.publish("step", {"step": 2, "metrics": {"actor/pg_loss": 0.25, "critic/score/mean": float("nan")}})
+        hub.publish("step", StepMessage(step=1, metrics={"actor/pg_loss": 0.5}))
+        hub.publish("step", StepMessage(step=2, metrics={"actor/pg_loss": 0.25, "critic/score/mean": float("nan")}))
         hub.publish("gpu", {"nvml": False, "gpus": [], "host": {"cpu_ratio": 0.5}})
-        hub.publish("offload", {"copies": [{"direction": "h2d", "group": "transformer", "bytes": 8, "seconds": 0.004}],
-                                "summary": None})
+        hub.publish("offload", OffloadMessage(
+            copies=[CopySample(direction="h2d", group="transformer", bytes=8, seconds=0.004)],
+            counts=[CopyCount(direction="h2d", group="transformer", copies=1, bytes=8)]))
         latest = client.get("/v1/metrics/latest").json()
     assert latest["seq"] == 4
     assert latest["step"]["step"] == 2
@@ -207,9 +218,9 @@ def test_latest_is_empty_then_follows_the_newest_events(serve, tmp_path: Path) -
 
 def test_history_filters_by_since_keys_and_kinds(served: Served) -> None:
     start = served.hub.last_seq
-    served.hub.publish("step", {"step": 1, "metrics": {"actor/pg_loss": 0.5, "timing_s/step": 2.0, "x/y": 1}})
+    served.hub.publish("step", StepMessage(step=1, metrics={"actor/pg_loss": 0.5, "timing_s/step": 2.0, "x/y": 1}))
     served.hub.publish("gpu", {"nvml": False, "gpus": []})
-    served.hub.publish("phase", {"step": 2, "phase": "gen"})
+    served.hub.publish("phase", PhaseMessage(step=2, phase="gen"))
     client = served.client()
 
     body = client.get("/v1/metrics/history", params={"since": start}).json()
@@ -343,7 +354,7 @@ def test_stream_replays_then_sends_live_events_and_resumes_from_a_seq(served: Se
     hub = served.hub
     start = hub.last_seq
     for step in (1, 2, 3):
-        hub.publish("step", {"step": step, "metrics": {"actor/pg_loss": 0.1}})
+        hub.publish("step", StepMessage(step=step, metrics={"actor/pg_loss": 0.1}))
 
     async def scenario() -> None:
         headers = {"Authorization": f"Bearer {TOKEN}"}

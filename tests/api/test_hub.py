@@ -12,6 +12,7 @@ import time
 import pytest
 
 from api.hub import Event, OffloadWindow, TelemetryHub
+from trainer.config.messages import CopyCount, CopySample, OffloadMessage, PhaseMessage, StepMessage
 
 
 class FakeClock:
@@ -22,8 +23,9 @@ class FakeClock:
         return self.now
 
 
-def step_data(step: int) -> dict:
-    return {"step": step, "metrics": {"actor/pg_loss": 0.1 * step, "timing_s/step": 2.0, "perf/throughput": 900.0}}
+def step_data(step: int) -> StepMessage:
+    return StepMessage(step=step, metrics={"actor/pg_loss": 0.1 * step, "timing_s/step": 2.0,
+                                           "perf/throughput": 900.0})
 
 
 async def take(events, count: int, timeout: float = 5.0) -> list[Event]:
@@ -44,20 +46,20 @@ def test_events_are_numbered_in_order_and_since_returns_the_later_ones() -> None
     assert [event.seq for event in hub.since()] == [1, 2, 3, 4, 5]
     assert [event.seq for event in hub.since(3)] == [4, 5]
     assert hub.since(5) == [] and hub.since(99) == []
-    assert hub.last_seq == 5 and hub.latest("step").data["step"] == 5
+    assert hub.last_seq == 5 and hub.latest("step").data.step == 5
 
 
 def test_kinds_and_keys_filter_without_touching_the_stored_events() -> None:
     hub = TelemetryHub(history_seconds=60)
     hub.publish("gpu", {"nvml": False, "gpus": [], "host": {"cpu_ratio": 0.5}})
     hub.publish("step", step_data(1))
-    hub.publish("phase", {"step": 1, "phase": "gen"})
+    hub.publish("phase", PhaseMessage(step=1, phase="gen"))
 
     assert [event.kind for event in hub.since(kinds={"step", "phase"})] == ["step", "phase"]
     filtered = hub.since(keys={"actor/pg_loss", "not/there"})
-    assert filtered[1].data == {"step": 1, "metrics": {"actor/pg_loss": 0.1}}
+    assert (filtered[1].data.step, filtered[1].data.metrics) == (1, {"actor/pg_loss": 0.1})
     assert filtered[0].data == {"nvml": False, "gpus": [], "host": {"cpu_ratio": 0.5}}  # other kinds unfiltered
-    assert set(hub.since()[1].data["metrics"]) == {"actor/pg_loss", "timing_s/step", "perf/throughput"}
+    assert set(hub.since()[1].data.metrics) == {"actor/pg_loss", "timing_s/step", "perf/throughput"}
 
 
 def test_history_drops_events_beyond_max_events() -> None:
@@ -79,7 +81,7 @@ def test_history_drops_events_older_than_history_seconds_but_latest_remembers() 
     assert [event.kind for event in hub.since()] == ["gpu"]
     clock.now += 5
     assert hub.since() == []
-    assert hub.latest("step").data["step"] == 1  # the run's last step still shows between steps
+    assert hub.latest("step").data.step == 1  # the run's last step still shows between steps
 
 
 def test_publish_is_safe_from_many_threads() -> None:
@@ -115,7 +117,7 @@ def test_subscriber_gets_the_replay_then_live_events() -> None:
             hub.publish("step", step_data(step))
         async with hub.subscribe(since=1) as events:
             assert [event.seq for event in await take(events, 2)] == [2, 3]
-            hub.publish("phase", {"step": 4, "phase": "gen"})
+            hub.publish("phase", PhaseMessage(step=4, phase="gen"))
             live = await take(events, 1)
             assert (live[0].seq, live[0].kind) == (4, "phase")
 
@@ -233,8 +235,8 @@ def test_a_closed_subscription_stops_receiving() -> None:
 # ---------------------------------------------------------------------------------- offload window
 
 
-def copies(durations_ms: list[float], size: int = 1_000_000) -> list[dict]:
-    return [{"direction": "h2d", "group": "transformer", "bytes": size, "seconds": ms / 1000} for ms in durations_ms]
+def copies(durations_ms: list[float], size: int = 1_000_000) -> list[CopySample]:
+    return [CopySample(direction="h2d", group="transformer", bytes=size, seconds=ms / 1000) for ms in durations_ms]
 
 
 def test_offload_window_percentiles_and_bandwidth_on_known_samples() -> None:
@@ -269,7 +271,8 @@ def test_offload_window_forgets_copies_older_than_a_minute() -> None:
 
 def test_hub_feeds_offload_events_to_its_window() -> None:
     hub = TelemetryHub(history_seconds=60)
-    hub.publish("offload", {"copies": copies([10.0, 30.0]), "summary": None})
+    hub.publish("offload", OffloadMessage(copies=copies([10.0, 30.0]),
+                                          counts=[CopyCount(direction="h2d", group="transformer", copies=2, bytes=2)]))
     assert hub.offload.summary()["copies"] == 2
     assert hub.offload.percentile(50) == pytest.approx(0.02)
 
@@ -277,8 +280,8 @@ def test_hub_feeds_offload_events_to_its_window() -> None:
 def test_the_window_counts_every_copy_and_times_the_sample() -> None:
     window = OffloadWindow(clock=FakeClock())
     # Four timed copies stand for 400 copies of 1 MB.
-    window.add(copies([1.0, 2.0, 3.0, 4.0]), [{"direction": "h2d", "group": "transformer", "copies": 400,
-                                              "bytes": 400_000_000}])
+    window.add(copies([1.0, 2.0, 3.0, 4.0]), [CopyCount(direction="h2d", group="transformer", copies=400,
+                                                        bytes=400_000_000)])
     summary = window.summary()
     assert summary["copies"] == 400
     assert summary["copy_latency_p50_s"] == pytest.approx(0.0025)
@@ -287,7 +290,7 @@ def test_the_window_counts_every_copy_and_times_the_sample() -> None:
 
 def test_hub_feeds_offload_counts_to_its_window() -> None:
     hub = TelemetryHub(history_seconds=60)
-    hub.publish("offload", {"copies": copies([10.0]), "counts": [{"direction": "h2d", "group": "norm",
-                                                                   "copies": 7, "bytes": 7}], "summary": None})
+    hub.publish("offload", OffloadMessage(copies=copies([10.0]),
+                                          counts=[CopyCount(direction="h2d", group="norm", copies=7, bytes=7)]))
     assert hub.offload.summary()["copies"] == 7
 

@@ -23,6 +23,10 @@ from prometheus_client import CollectorRegistry
 from api.app import STATIC_DIR, create_app
 from api.client import page_url
 from api.hub import TelemetryHub
+from api.schemas import SettingsBody
+from tests.support import run_status
+from trainer.config.live import LiveSettings
+from trainer.config.messages import CopyCount, CopySample, OffloadMessage, OffloadSummaryRow, RunStatus
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "page-token_for-tests"
@@ -39,15 +43,14 @@ class Clock:
 
 class FakeControl:
     def __init__(self) -> None:
-        self.offload_summary: list[dict] = []
+        self.offload_summary: list[OffloadSummaryRow] = []
 
-    def status(self) -> dict:
-        return {"run": {"name": RUN_NAME, "state": "running"}, "progress": {"step": 5, "total_steps": 200},
-                "offload": {"summary": self.offload_summary}}
+    def status(self) -> RunStatus:
+        return run_status(name=RUN_NAME, step=5, total_steps=200, summary=self.offload_summary)
 
-    def settings(self) -> dict:
-        return {"values": {"gpu_memory_threshold": 0.85}, "version": 0, "acknowledged_version": 0,
-                "applied_at_step": None, "settings": []}
+    def settings(self) -> SettingsBody:
+        return SettingsBody(values=LiveSettings(), version=0, acknowledged_version=0, applied_at_step=None,
+                            settings=[])
 
     def update_settings(self, change: dict) -> dict:
         raise AssertionError("the page tests change no settings")
@@ -169,14 +172,15 @@ def test_hints_are_empty_when_nothing_looks_wrong(served: Served) -> None:
 
 
 def test_slow_offload_copies_give_a_hint(served: Served) -> None:
-    served.hub.publish("offload", {"copies": [{"direction": "h2d", "group": "transformer", "bytes": 1 << 26,
-                                               "seconds": 0.120}] * 20, "summary": None})
+    served.hub.publish("offload", OffloadMessage(
+        copies=[CopySample(direction="h2d", group="transformer", bytes=1 << 26, seconds=0.120)] * 20,
+        counts=[CopyCount(direction="h2d", group="transformer", copies=20, bytes=20 << 26)]))
     hints = served.client().get("/v1/hints").json()["hints"]
     assert len(hints) == 1 and "p99 120 ms" in hints[0]
 
 
 def test_a_minute_of_an_idle_gpu_with_offload_says_over_offloaded(served: Served) -> None:
-    served.control.offload_summary = [{"role": "actor", "group": "transformer", "device": "cpu", "bytes": 1 << 30}]
+    served.control.offload_summary = [OffloadSummaryRow(role="actor", group="transformer", device="cpu", bytes=1 << 30)]
     for _ in range(40):
         served.hub.publish("gpu", {"nvml": True, "gpus": [{"index": 0, "utilization_ratio": 0.3,
                                                            "memory_used_bytes": 10, "memory_total_bytes": 100}]})

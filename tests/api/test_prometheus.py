@@ -6,12 +6,25 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from typing import get_args
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.prometheus import EXPOSITION_MAX_AGE_S, GIB, TelemetryMetrics
+from trainer.config.live import SETTING_NAMES
+from trainer.config.messages import (
+    CopyCount,
+    CopySample,
+    Direction,
+    Group,
+    OffloadMessage,
+    OffloadSummaryRow,
+    Phase,
+    Role,
+)
+from trainer.config.schema import LogLevel
 
 # Sample names as they appear in the exposition (counters with _total, histograms by family name).
 DOCUMENTED = [
@@ -65,12 +78,14 @@ def fed_metrics(clock=time.monotonic) -> tuple[TelemetryMetrics, CollectorRegist
     metrics.observe_gpu(GPU_SAMPLE)
     metrics.observe_step(1, STEP_METRICS)
     metrics.observe_step(2, {**STEP_METRICS, "timing_s/step": 0.8, "perf/num_ooms": 1})
-    metrics.observe_phase("update_actor")
-    metrics.observe_offload(
-        [{"direction": "h2d", "group": "transformer", "bytes": 400_000_000, "seconds": 0.0081},
-         {"direction": "d2h", "group": "embedding", "bytes": 1_000_000, "seconds": 0.00005}],
-        [{"role": "actor", "group": "embedding", "device": "cpu", "bytes": 272_000_000},
-         {"role": "actor", "group": "transformer", "device": "gpu", "bytes": 14_000_000_000}])
+    metrics.observe_phase(Phase.UPDATE_ACTOR)
+    metrics.observe_offload(OffloadMessage(
+        copies=[CopySample(direction="h2d", group="transformer", bytes=400_000_000, seconds=0.0081),
+                CopySample(direction="d2h", group="embedding", bytes=1_000_000, seconds=0.00005)],
+        counts=[CopyCount(direction="h2d", group="transformer", copies=1, bytes=400_000_000),
+                CopyCount(direction="d2h", group="embedding", copies=1, bytes=1_000_000)],
+        summary=[OffloadSummaryRow(role="actor", group="embedding", device="cpu", bytes=272_000_000),
+                 OffloadSummaryRow(role="actor", group="transformer", device="gpu", bytes=14_000_000_000)]))
     metrics.count_restart("crash")
     for name, value in {"gpu_memory_threshold": 0.8, "min_transformer_layers_on_gpu": 4,
                         "dynamic_offload.enabled": True, "gpu_sample_interval_s": 1.0, "pcie_sample_interval_s": 10.0,
@@ -91,6 +106,11 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
     return samples(registry).get((name, tuple(sorted(labels.items()))))
+
+
+def labels_of(registry: CollectorRegistry, name: str, label: str) -> set[str]:
+    """The values `label` takes in the series of sample `name`."""
+    return {dict(labels)[label] for sample, labels in samples(registry) if sample == name}
 
 
 def test_every_documented_metric_is_exposed_with_help_text() -> None:
@@ -119,8 +139,10 @@ def test_step_metrics_become_counters_gauges_and_histograms_in_base_units() -> N
     assert value(registry, "verl_trainer_step_duration_seconds_sum") == pytest.approx(4.0)
     assert value(registry, "verl_trainer_step_duration_seconds_bucket", le="1.0") == 1
     assert value(registry, "verl_trainer_step_phase_duration_seconds_sum", phase="gen") == pytest.approx(3.8)
-    # An unknown phase does not become a new label value; the step itself is not a phase.
-    assert value(registry, "verl_trainer_step_phase_duration_seconds_count", phase="other") == 2
+    # An unknown phase does not become a label value (the trainer sends none: see the label-set tests);
+    # the step itself is not a phase.
+    phases = labels_of(registry, "verl_trainer_step_phase_duration_seconds_count", "phase")
+    assert "some_new_phase" not in phases and "other" not in phases
     assert value(registry, "verl_trainer_step_phase_duration_seconds_count", phase="step") is None
     assert value(registry, "verl_trainer_oom_total") == 1
 
@@ -242,8 +264,10 @@ def test_the_exposition_is_rendered_again_only_after_a_change() -> None:
         lambda: metrics.observe_gpu({**GPU_SAMPLE, "gpus": [{**GPU_SAMPLE["gpus"][0], "power_watts": 500.0}]}),
         lambda: metrics.observe_host({**GPU_SAMPLE["host"], "cpu_ratio": 0.5}),
         lambda: metrics.observe_step(3, {**STEP_METRICS, "timing_s/step": 0.9}),
-        lambda: metrics.observe_phase("gen"),
-        lambda: metrics.observe_offload([{"direction": "h2d", "group": "norm", "bytes": 10, "seconds": 0.001}], None),
+        lambda: metrics.observe_phase(Phase.GEN),
+        lambda: metrics.observe_offload(OffloadMessage(
+            copies=[CopySample(direction="h2d", group="norm", bytes=10, seconds=0.001)],
+            counts=[CopyCount(direction="h2d", group="norm", copies=1, bytes=10)])),
         lambda: metrics.count_restart("oom"),
         lambda: metrics.set_setting("gpu_memory_threshold", 0.7),
         lambda: metrics.count_setting_update("gpu_memory_threshold", "applied"),
@@ -262,7 +286,7 @@ def test_while_metrics_keep_changing_the_exposition_is_rendered_at_most_every_qu
     now = [100.0]
     metrics, registry = fed_metrics(clock=lambda: now[0])
     first = metrics.exposition()
-    metrics.observe_phase("gen")
+    metrics.observe_phase(Phase.GEN)
     now[0] += EXPOSITION_MAX_AGE_S / 2
     assert metrics.exposition() is first, "changed, but rendered too recently: the last text"
     now[0] += EXPOSITION_MAX_AGE_S / 2
@@ -282,14 +306,60 @@ def test_every_public_method_that_changes_a_metric_marks_the_exposition_stale() 
 def test_offload_counts_feed_the_copy_and_byte_counters_and_the_sample_the_histogram() -> None:
     registry = CollectorRegistry()
     metrics = TelemetryMetrics(registry, run="r")
-    metrics.observe_offload([{"direction": "h2d", "group": "transformer", "bytes": 1000, "seconds": 0.002}], None,
-                            [{"direction": "h2d", "group": "transformer", "copies": 16, "bytes": 16000}])
+    metrics.observe_offload(OffloadMessage(
+        copies=[CopySample(direction="h2d", group="transformer", bytes=1000, seconds=0.002)],
+        counts=[CopyCount(direction="h2d", group="transformer", copies=16, bytes=16000)]))
     labels = {"direction": "h2d", "group": "transformer"}
     assert value(registry, "verl_offload_copies_total", **labels) == 16
     assert value(registry, "verl_offload_copied_bytes_total", **labels) == 16000
     assert value(registry, "verl_offload_copy_duration_seconds_count", **labels) == 1
-    # Without counts (every copy timed), the timed copies are the count.
-    metrics.observe_offload([{"direction": "d2h", "group": "norm", "bytes": 10, "seconds": 0.001}] * 2, None)
+    # A step without a timed copy of a group still counts its copies.
+    metrics.observe_offload(OffloadMessage(copies=[], counts=[CopyCount(direction="d2h", group="norm", copies=2,
+                                                                        bytes=20)]))
     assert value(registry, "verl_offload_copies_total", direction="d2h", group="norm") == 2
     assert value(registry, "verl_offload_copied_bytes_total", direction="d2h", group="norm") == 20
+    assert value(registry, "verl_offload_copy_duration_seconds_count", direction="d2h", group="norm") is None
 
+
+
+# -------------------------------------------------------------- label sets come from the message enums
+
+
+def test_the_phase_labels_are_the_phases_the_trainer_sends() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    every_phase = {phase.value for phase in Phase}
+    assert labels_of(registry, "verl_trainer_phase", "phase") == every_phase, "declared from the start"
+    metrics.observe_step(1, {f"timing_s/{phase}": 0.1 for phase in (*every_phase, "step", "validate", "idle")})
+    assert labels_of(registry, "verl_trainer_step_phase_duration_seconds_count", "phase") == every_phase
+    for phase in Phase:
+        metrics.observe_phase(phase)
+        assert value(registry, "verl_trainer_phase", phase=phase.value) == 1
+        assert sum(value(registry, "verl_trainer_phase", phase=other) for other in every_phase) == 1
+
+
+def test_the_offload_labels_are_the_directions_groups_and_roles_of_the_messages() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    metrics.observe_offload(OffloadMessage(
+        copies=[CopySample(direction=direction, group=group, bytes=1, seconds=0.001)
+                for direction in Direction for group in Group],
+        counts=[CopyCount(direction=direction, group=group, copies=1, bytes=1)
+                for direction in Direction for group in Group],
+        summary=[OffloadSummaryRow(role=role, group=group, device="cpu", bytes=1) for role in Role for group in Group]))
+    directions, groups = {direction.value for direction in Direction}, {group.value for group in Group}
+    for name in ("verl_offload_copy_duration_seconds_count", "verl_offload_copies_total",
+                 "verl_offload_copied_bytes_total"):
+        assert labels_of(registry, name, "direction") == directions, name
+        assert labels_of(registry, name, "group") == groups, name
+    assert labels_of(registry, "verl_offload_group_bytes", "role") == {role.value for role in Role}
+    assert labels_of(registry, "verl_offload_group_bytes", "group") == groups
+    metrics.observe_step(1, {f"offload/{role}/transformer_layers_on_gpu": 2 for role in Role})
+    assert labels_of(registry, "verl_offload_model_transformer_layers_on_gpu", "role") == {role.value for role in Role}
+
+
+def test_the_setting_labels_are_the_live_settings_and_log_levels() -> None:
+    registry = CollectorRegistry()
+    TelemetryMetrics(registry, run="r").set_setting("log_level", "info")
+    assert labels_of(registry, "verl_setting_updates_total", "setting") == {*SETTING_NAMES, "unknown"}
+    assert labels_of(registry, "verl_setting_log_level", "level") == set(get_args(LogLevel))

@@ -27,6 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for trainer.telemetry
 
+from trainer.config.messages import (  # noqa: E402
+    CheckpointMessage,
+    Phase,
+    PhaseMessage,
+    SettingsAckMessage,
+    SettingsMessage,
+    StepMessage,
+    StopMessage,
+)
 from trainer.telemetry import TelemetryClient  # noqa: E402
 
 FOLDER = Path(os.environ["FAKE_DIR"])
@@ -78,11 +87,10 @@ def main() -> int:
 
     def safe_point(next_step: int) -> None:
         for message in client.poll() if client is not None else []:
-            record("down", message=message)
-            if message["type"] == "settings":
-                client.send({"type": "settings_ack", "version": message["version"], "step": next_step,
-                             "values": message["values"]})
-            elif message["type"] == "stop" and not ignore_stop:
+            record("down", message=message.model_dump(mode="json", by_alias=True))
+            if isinstance(message, SettingsMessage):
+                client.send(SettingsAckMessage(version=message.version, step=next_step, values=message.values))
+            elif isinstance(message, StopMessage) and not ignore_stop:
                 stop["requested"] = True
 
     while step < total:
@@ -90,7 +98,7 @@ def main() -> int:
         if stop["requested"]:
             break
         if client is not None:
-            client.send({"type": "phase", "step": step + 1, "phase": "gen"})
+            client.send(PhaseMessage(step=step + 1, phase=Phase.GEN))
         time.sleep(step_s)
         if crash_file is not None and crash_file.exists():
             crash_file.unlink()
@@ -100,11 +108,10 @@ def main() -> int:
         step += 1
         PROGRESS.write_text(str(step))
         if client is not None:
-            client.send({"type": "step", "step": step, "metrics": {"critic/score/mean": step / total,
-                                                                   "timing_s/step": step_s}})
+            client.send(StepMessage(step=step, metrics={"critic/score/mean": step / total, "timing_s/step": step_s}))
     safe_point(step + 1)
     if client is not None:
-        client.send({"type": "checkpoint", "step": step, "path": str(PROGRESS)})
+        client.send(CheckpointMessage(step=step, path=str(PROGRESS)))
         client.close()
     record("exit", step=step, stopped=stop["requested"])
     return 0

@@ -14,6 +14,8 @@ import pytest
 
 from daemon.ipc import IpcServer
 from trainer.config.ipc import PROTOCOL_VERSION
+from trainer.config.live import LiveSettings
+from trainer.config.messages import CheckpointNowMessage, DroppedMessage, SettingsMessage, StepMessage
 from trainer.telemetry import TelemetryClient
 
 TOKEN = "the-token"
@@ -126,14 +128,26 @@ def test_messages_are_dispatched_bad_lines_skipped_and_down_messages_delivered(s
             writer.write(b'{"type": "step", "step": 1, "metrics": {"actor/pg_loss": 0.5}}\n')
             writer.write(b'{"type": "made_up"}\n')
             writer.write(b"{broken\n")
+            writer.write(b'{"type": "step", "step": 1}\n')  # a field missing
+            writer.write(b'{"type": "phase", "step": "two", "phase": "gen"}\n')  # a field of the wrong type
+            writer.write(hello())
             writer.write(b'{"type": "phase", "step": 2, "phase": "gen"}\n')
             await writer.drain()
             await eventually(lambda: len(recorder.messages) == 2)
             assert [connection.pid for connection in recorder.hellos] == [77]
-            assert [message["type"] for message in recorder.messages] == ["step", "phase"]
-            assert recorder.messages[0]["metrics"] == {"actor/pg_loss": 0.5}
-            assert len(recorder.invalid) == 2
-            assert server.send({"type": "checkpoint_now"}) == 1
+            assert [message.type for message in recorder.messages] == ["step", "phase"]
+            assert recorder.messages[0].metrics == {"actor/pg_loss": 0.5}
+            # Each bad line is skipped with what is wrong with it; the connection carries on.
+            assert recorder.invalid == [
+                "not a message of this protocol: input tag 'made_up' found using 'type' does not match any of the "
+                "expected tags: 'hello', 'step', 'phase', 'offload', 'log', 'settings_ack', 'checkpoint', 'dropped'",
+                "not a JSON line (invalid JSON: key must be a string at line 1 column 2)",
+                "bad step message: metrics: field required",
+                "bad phase message: step: input should be a valid integer, unable to parse string as an integer, "
+                "got 'two'",
+                "a second hello on one connection"]
+            assert len(server.connections) == 1 and recorder.disconnects == []
+            assert server.send(CheckpointNowMessage()) == 1
             line = await asyncio.wait_for(reader.readline(), 3.0)
             assert json.loads(line) == {"type": "checkpoint_now"}
             writer.close()
@@ -155,28 +169,29 @@ def test_the_real_client_talks_to_the_server_and_reconnects_after_a_daemon_resta
                                  reconnect_interval_s=0.05)
         try:
             await eventually(lambda: recorder.hellos)
-            assert recorder.hellos[0].hello["start_step"] == 0
-            client.send({"type": "step", "step": 1, "metrics": {"actor/pg_loss": 0.25}})
+            assert recorder.hellos[0].hello.start_step == 0
+            sent = StepMessage(step=1, metrics={"actor/pg_loss": 0.25})
+            client.send(sent)
             await eventually(lambda: recorder.messages)
-            assert recorder.messages[0]["metrics"] == {"actor/pg_loss": 0.25}
-            assert "time" in recorder.messages[0]  # filled in by the client
-            server.send({"type": "settings", "version": 1, "values": {"gpu_memory_threshold": 0.5}})
+            assert recorder.messages == [sent]  # its time too: stamped when the trainer built it
+            settings = SettingsMessage(version=1, values=LiveSettings(gpu_memory_threshold=0.5))
+            server.send(settings)
             await eventually(lambda: client._received)
-            assert client.poll() == [{"type": "settings", "version": 1, "values": {"gpu_memory_threshold": 0.5}}]
+            assert client.poll() == [settings]
             assert client.poll() == []
 
             await server.close()  # the daemon goes away...
             await eventually(lambda: not client.connected)
             for step in range(2, 6):
-                client.send({"type": "step", "step": step, "metrics": {}})
+                client.send(StepMessage(step=step, metrics={}))
             await eventually(lambda: client.dropped >= 4)
             server = recorder.server(socket_path)  # ...and comes back
             await server.start()
             await eventually(lambda: len(recorder.hellos) == 2)
-            assert recorder.hellos[1].hello["start_step"] == 5  # the latest step it sent
-            client.send({"type": "step", "step": 6, "metrics": {}})
-            await eventually(lambda: recorder.messages[-1].get("step") == 6)
-            dropped = [message["count"] for message in recorder.messages if message["type"] == "dropped"]
+            assert recorder.hellos[1].hello.start_step == 5  # the latest step it sent
+            client.send(StepMessage(step=6, metrics={}))
+            await eventually(lambda: getattr(recorder.messages[-1], "step", None) == 6)
+            dropped = [message.count for message in recorder.messages if isinstance(message, DroppedMessage)]
             assert sum(dropped) == client.dropped
         finally:
             client.close(timeout=1.0)

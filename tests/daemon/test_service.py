@@ -82,7 +82,7 @@ def test_a_run_is_served_restarted_and_keeps_its_live_settings(tmp_path: Path, m
             async def status() -> dict:
                 return (await api.get("/v1/status")).json()
 
-            await eventually(lambda: daemon.progress["step"] >= 1, what="a first step")
+            await eventually(lambda: daemon.progress.step >= 1, what="a first step")
             assert (await status())["run"]["state"] == "running"
             patched = await api.patch("/v1/settings", json={"gpu_memory_threshold": 0.5})
             assert patched.status_code == 200, patched.text
@@ -130,7 +130,7 @@ def test_a_run_is_served_restarted_and_keeps_its_live_settings(tmp_path: Path, m
     assert metric(text, 'verl_setting_updates_total{result="applied",setting="gpu_memory_threshold"}') == 1.0
     assert metric(text, "verl_telemetry_nvml_up") == 0.0
 
-    steps = {event.data["step"] for event in daemon.hub.since(0, kinds=["step"])}
+    steps = {event.data.step for event in daemon.hub.since(0, kinds=["step"])}
     assert steps == set(range(1, 26))
     kinds = {event.kind for event in daemon.hub.since(0)}
     assert {"gpu", "step", "phase", "settings", "restart", "status", "log"} <= kinds
@@ -142,7 +142,7 @@ def test_sigterm_stops_the_trainer_at_a_safe_point_and_the_daemon_exits_0(tmp_pa
 
     async def scenario() -> int:
         run = asyncio.create_task(daemon.run())
-        await eventually(lambda: daemon.progress["step"] >= 2, what="two steps")
+        await eventually(lambda: daemon.progress.step >= 2, what="two steps")
         os.kill(os.getpid(), signal.SIGTERM)
         return await asyncio.wait_for(run, 30)
 
@@ -171,7 +171,7 @@ def test_the_printed_monitor_command_finds_a_run_in_a_state_dir_of_its_own(tmp_p
 
     async def scenario() -> tuple[int, str, int]:
         run = asyncio.create_task(daemon.run())
-        await eventually(lambda: daemon.progress["step"] >= 1, what="a first step")
+        await eventually(lambda: daemon.progress.step >= 1, what="a first step")
         command = next(line.split("monitor: ", 1)[1] for line in daemon._out.getvalue().splitlines()
                        if "monitor: " in line)
         found = await asyncio.to_thread(cli.main, [*shlex.split(command)[1:], "--once", "--json"])

@@ -9,6 +9,7 @@ import pytest
 
 from daemon.settings import SettingsStore
 from trainer.config.live import LiveSettings, SettingsRejected
+from trainer.config.messages import SettingsMessage, SettingsState
 
 AUDIT_KEYS = {"time", "version", "old", "new", "source", "result"}
 
@@ -61,11 +62,10 @@ def test_a_change_with_any_bad_entry_changes_nothing(store: SettingsStore, chang
 def test_acknowledgement_records_the_step_once_per_version_and_audits_every_application(
         store: SettingsStore) -> None:
     store.update({"gpu_memory_threshold": 0.6})
-    assert store.state()["acknowledged_version"] == 0
+    assert store.state().acknowledged_version == 0
     change = store.acknowledge(1, step=7)
     assert change is not None and change.new == {"gpu_memory_threshold": 0.6}
-    assert store.state() == {"version": 1, "values": store.values.public(), "acknowledged_version": 1,
-                             "applied_at_step": 7}
+    assert store.state() == SettingsState(version=1, values=store.values, acknowledged_version=1, applied_at_step=7)
     assert store.acknowledge(1, step=12) is None  # a restarted trainer applying it again: not news...
     assert store.applied_at_step == 12
     applied = [line for line in audit(store) if line["result"] == "applied"]
@@ -75,21 +75,21 @@ def test_acknowledgement_records_the_step_once_per_version_and_audits_every_appl
 
 
 def test_the_down_message_carries_the_current_version_and_every_value(store: SettingsStore) -> None:
-    assert store.down_message() == {"type": "settings", "version": 0, "values": LiveSettings().public()}
+    assert store.down_message() == SettingsMessage(version=0, values=LiveSettings())
     store.update({"log_level": "debug"})
     message = store.down_message()
-    assert message["version"] == 1 and message["values"]["log_level"] == "debug"
+    assert message.version == 1 and message.values.log_level == "debug"
 
 
 def test_describe_lists_every_setting_with_who_applies_it(store: SettingsStore) -> None:
     body = store.describe()
-    names = [entry["name"] for entry in body["settings"]]
+    names = [entry.name for entry in body.settings]
     assert names == list(LiveSettings().public())
-    by_name = {entry["name"]: entry for entry in body["settings"]}
-    assert by_name["gpu_sample_interval_s"]["applied_by"] == "daemon"
-    assert by_name["gpu_memory_threshold"]["applied_by"] == "trainer"
-    assert all(entry["description"] for entry in body["settings"])
-    assert {"values", "version", "acknowledged_version", "applied_at_step"} <= body.keys()
+    by_name = {entry.name: entry for entry in body.settings}
+    assert by_name["gpu_sample_interval_s"].applied_by == "daemon"
+    assert by_name["gpu_memory_threshold"].applied_by == "trainer"
+    assert all(entry.description for entry in body.settings)
+    assert (body.values, body.version, body.acknowledged_version, body.applied_at_step) == (store.values, 0, 0, None)
 
 
 def test_asking_for_the_values_in_effect_makes_no_version_and_no_audit_line(store: SettingsStore) -> None:
@@ -97,7 +97,7 @@ def test_asking_for_the_values_in_effect_makes_no_version_and_no_audit_line(stor
     again = store.update({"gpu_memory_threshold": 0.8})  # `verl set gpu_memory_threshold=0.8` twice
     assert (again.version, again.old, again.new, again.changed) == (1, {}, {}, False)
     assert again.values == first.values and store.version == 1
-    assert store.down_message()["version"] == 1
+    assert store.down_message().version == 1
     assert [line["result"] for line in audit(store)] == ["accepted"]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config.ipc import ENV_SOCKET, ENV_TOKEN
+from trainer.config.messages import LogMessage, StepMessage
 from trainer.telemetry import TelemetryClient
 
 
@@ -22,10 +23,13 @@ def wait_until(condition, timeout: float = 5.0) -> None:
 
 
 def timed_sends(client: TelemetryClient, count: int, payload: str = "") -> list[float]:
+    """How long each of `count` sends took: step messages, or log lines of `payload` when one is given."""
     durations = []
     for step in range(count):
+        message = LogMessage(level="info", message=payload) if payload else StepMessage(
+            step=step, metrics={"actor/pg_loss": 0.1})
         started = time.perf_counter()
-        client.send({"type": "step", "step": step, "metrics": {"actor/pg_loss": 0.1, "note": payload}})
+        client.send(message)
         durations.append(time.perf_counter() - started)
     return durations
 
@@ -83,7 +87,7 @@ def test_messages_wait_for_hello_then_flow(tmp_path: Path) -> None:
     listener.listen(1)
     listener.settimeout(5)
     client = TelemetryClient(str(path), "token")
-    client.send({"type": "log", "level": "info", "message": "before hello"})
+    client.send(LogMessage(level="info", message="before hello"))
     time.sleep(0.2)
     assert not client.connected  # no hello fields yet: it must not connect
     client.hello(start_step=4, total_steps=9, run_dir="runs/x")
@@ -116,7 +120,7 @@ def test_non_finite_metrics_go_out_as_null(tmp_path: Path, value: float) -> None
     listener.listen(1)
     listener.settimeout(5)
     client = TelemetryClient(str(path), "token", start_step=0, total_steps=1)
-    client.send({"type": "step", "step": 1, "metrics": {"actor/pg_loss": value}})
+    client.send(StepMessage(step=1, metrics={"actor/pg_loss": value}))
     connection, _ = listener.accept()
     connection.settimeout(5)
     received = b""

@@ -11,6 +11,7 @@ import torch
 
 from tests.trainer.test_offload import POLICIES, offloaded, policy, token_batch, train
 from trainer.config.live import LiveSettings
+from trainer.config.messages import SettingsMessage
 from trainer.offload.dynamic import DynamicOffloadController
 
 GB = 10**9
@@ -220,7 +221,7 @@ class ThresholdChange:
     def on_step(self, step, metrics):
         if step == self.after_step:
             values = {**self.trainer.live_settings.public(), "gpu_memory_threshold": self.threshold}
-            self.link.inbox.append({"type": "settings", "version": 2, "values": values})
+            self.link.inbox.append(SettingsMessage(version=2, values=LiveSettings.model_validate(values)))
 
 
 # The keys that give a model 3 transformer layers and dynamic offload.

@@ -13,6 +13,7 @@ from trainer.algorithms import compute_value_loss, kl_penalty, log_probs_from_lo
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import FSDPConfig
 from trainer.config.ipc import MAX_MESSAGE_BYTES, encode
+from trainer.config.messages import CopyCount
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer
 from trainer.offload import (
     GROUPS,
@@ -447,18 +448,19 @@ def test_the_ipc_message_of_several_engines_stays_within_the_protocols_limit():
             engine.log.timed("h2d", "transformer", 1000, None, lambda: None)
     message = offload_message(engines, with_summary=True)
     assert len(encode(message)) < MAX_MESSAGE_BYTES
-    assert sum(copy["bytes"] for copy in message["copies"]) == 3 * MAX_RECORDS_PER_DRAIN * 1000
-    assert message["counts"] == [{"direction": "h2d", "group": "transformer", "copies": 3 * MAX_RECORDS_PER_DRAIN,
-                                  "bytes": 3 * MAX_RECORDS_PER_DRAIN * 1000}]
-    assert {row["role"] for row in message["summary"]} == {"actor", "ref", "critic"}
-    assert offload_message(engines, with_summary=False) == {"type": "offload", "copies": [], "counts": []}
+    assert sum(copy.bytes for copy in message.copies) == 3 * MAX_RECORDS_PER_DRAIN * 1000
+    assert message.counts == [CopyCount(direction="h2d", group="transformer", copies=3 * MAX_RECORDS_PER_DRAIN,
+                                        bytes=3 * MAX_RECORDS_PER_DRAIN * 1000)]
+    assert {row.role for row in message.summary} == {"actor", "ref", "critic"}
+    empty = offload_message(engines, with_summary=False)
+    assert (empty.copies, empty.counts, empty.summary) == ([], [], None)
     # From now on each engine times a sample: a step's worth of copies makes a small message.
     for engine in engines:
         for _ in range(MAX_RECORDS_PER_DRAIN):
             engine.log.timed("h2d", "transformer", 1000, None, lambda: None)
     message = offload_message(engines, with_summary=False)
-    assert 3 * TIMED_COPIES_PER_DRAIN // 2 <= len(message["copies"]) <= 3 * TIMED_COPIES_PER_DRAIN
-    assert message["counts"][0]["copies"] == 3 * MAX_RECORDS_PER_DRAIN
+    assert 3 * TIMED_COPIES_PER_DRAIN // 2 <= len(message.copies) <= 3 * TIMED_COPIES_PER_DRAIN
+    assert message.counts[0].copies == 3 * MAX_RECORDS_PER_DRAIN
 
 
 @pytest.mark.parametrize("name", ["all_cpu", "layered", "optimizer_offload"])

@@ -6,12 +6,25 @@ import json
 import math
 import re
 import shutil
+from typing import TypeVar
 
 import pytest
 import torch
 
 from trainer.checkpoint import latest_checkpoint, list_checkpoints
 from trainer.config import ConfigError, load_config
+from trainer.config.live import LiveSettings
+from trainer.config.messages import (
+    CheckpointMessage,
+    CheckpointNowMessage,
+    DownMessage,
+    PhaseMessage,
+    SettingsAckMessage,
+    SettingsMessage,
+    StepMessage,
+    StopMessage,
+    UpMessage,
+)
 from trainer.loop import RunSetupError, Trainer
 from trainer.rewards.manager import place_on_last_token
 
@@ -176,22 +189,25 @@ def test_adaptive_kl_in_reward_moves_the_coefficient(tmp_path):
     assert all(row["critic/rewards/mean"] <= row["critic/score/mean"] + 1e-6 for row in rows)
 
 
+Sent = TypeVar("Sent")
+
+
 class FakeDaemonLink:
     """Stands in for trainer/telemetry.py: records what the trainer sends, hands it queued commands."""
 
     def __init__(self):
-        self.sent: list[dict] = []
-        self.inbox: list[dict] = []
+        self.sent: list[UpMessage] = []
+        self.inbox: list[DownMessage] = []
 
-    def send(self, message: dict) -> None:
+    def send(self, message: UpMessage) -> None:
         self.sent.append(message)
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> list[DownMessage]:
         messages, self.inbox = self.inbox, []
         return messages
 
-    def of_type(self, kind: str) -> list[dict]:
-        return [message for message in self.sent if message["type"] == kind]
+    def of_type(self, kind: type[Sent]) -> list[Sent]:
+        return [message for message in self.sent if isinstance(message, kind)]
 
 
 def test_live_settings_apply_at_the_next_step_and_are_acknowledged(tmp_path):
@@ -205,16 +221,16 @@ def test_live_settings_apply_at_the_next_step_and_are_acknowledged(tmp_path):
         def on_step(self, step, metrics):
             if step == 1:
                 values = {**trainer.live_settings.public(), "gpu_memory_threshold": 0.6}
-                link.inbox.append({"type": "settings", "version": 4, "values": values})
+                link.inbox.append(SettingsMessage(version=4, values=LiveSettings.model_validate(values)))
 
     trainer.observers.append(ChangeAfterStepOne())
     trainer.fit()
-    assert link.of_type("settings_ack") == [
-        {"type": "settings_ack", "version": 4, "step": 2, "values": trainer.live_settings.public()}]
+    [ack] = link.of_type(SettingsAckMessage)
+    assert (ack.version, ack.step, ack.values) == (4, 2, trainer.live_settings)
     assert trainer.live_settings.gpu_memory_threshold == 0.6
     assert [settings.gpu_memory_threshold for settings in applied] == [0.6]
-    assert [message["step"] for message in link.of_type("step")] == [1, 2, 3]
-    phases = [message["phase"] for message in link.of_type("phase") if message["step"] == 1]
+    assert [message.step for message in link.of_type(StepMessage)] == [1, 2, 3]
+    phases = [message.phase for message in link.of_type(PhaseMessage) if message.step == 1]
     assert phases[:3] == ["gen", "reward", "old_log_prob"] and phases[-1] == "update_actor"
 
 
@@ -226,16 +242,16 @@ def test_checkpoint_now_and_stop_from_the_daemon(tmp_path):
     class Commands:
         def on_step(self, step, metrics):
             if step == 1:
-                link.inbox.append({"type": "checkpoint_now"})
+                link.inbox.append(CheckpointNowMessage())
             if step == 3:
-                link.inbox.append({"type": "stop"})
+                link.inbox.append(StopMessage())
 
     trainer.observers.append(Commands())
     trainer.fit()
     # Both are taken at the safe point after the step they arrive in: a checkpoint of step 1 at once,
     # and one of step 3 on the way out.
     assert [step for step, _ in list_checkpoints(trainer.run_dir)] == [1, 3]
-    assert [message["step"] for message in link.of_type("checkpoint")] == [1, 3]
+    assert [message.step for message in link.of_type(CheckpointMessage)] == [1, 3]
     assert trainer.step == 3
 
 
@@ -244,9 +260,9 @@ def test_settings_sent_before_the_first_step_hold_from_step_one(tmp_path):
     trainer = make_trainer(tmp_path, "trainer.total_training_steps=1")
     trainer.telemetry = link
     values = {**trainer.live_settings.public(), "min_transformer_layers_on_gpu": 3}
-    link.inbox.append({"type": "settings", "version": 2, "values": values})
+    link.inbox.append(SettingsMessage(version=2, values=LiveSettings.model_validate(values)))
     assert trainer.receive_initial_settings(timeout_s=1.0)
-    assert link.of_type("settings_ack")[0]["step"] == 1
+    assert link.of_type(SettingsAckMessage)[0].step == 1
     assert trainer.live_settings.min_transformer_layers_on_gpu == 3
     assert not trainer.receive_initial_settings(timeout_s=0.05)
 

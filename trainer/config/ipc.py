@@ -1,4 +1,4 @@
-"""The messages between a trainer process and its daemon (no torch: both sides import it).
+"""How a trainer process and its daemon talk (no torch: both sides import it).
 
 Transport: a Unix stream socket whose path the daemon passes in ``VERL_IPC_SOCKET``; one JSON
 object per line (UTF-8, at most MAX_MESSAGE_BYTES). The connection is authenticated: the
@@ -6,84 +6,80 @@ socket file is mode 0600 and the first line must be a ``hello`` carrying ``VERL_
 anything else closes the connection. The trainer never waits on the daemon: messages it cannot
 send at once are dropped and counted.
 
-Up, trainer -> daemon (``type`` and fields):
-- hello: protocol, token, pid, rank, run_dir, start_step, total_steps
-- step: step, metrics (verl's names -> number or null), time
-- phase: step (the step in progress), phase (gen, reward, old_log_prob, ref, values, adv,
-  update_critic, update_actor, save_checkpoint, validate, idle), time
-- offload: copies [{direction: h2d|d2h, group, bytes, seconds}] (the copies timed since the last
-  offload message: a sample), counts [{direction, group, copies, bytes}] (every copy since the
-  last one), summary [{role, group, device, bytes}] (summary only when it changes)
-- log: level, message
-- settings_ack: version, step (the first step that runs with them), values
-- checkpoint: step, path
-- dropped: count (messages the client dropped since the last report)
-
-Down, daemon -> trainer:
-- settings: version, values (every live setting, by public name)
-- checkpoint_now: (no fields) save a checkpoint at the next safe point
-- stop: (no fields) checkpoint at the next safe point and exit 0
+The messages, every type and field, are the models of trainer/config/messages.py: `UpMessage`
+(trainer -> daemon) and `DownMessage` (daemon -> trainer). `encode` writes one of them as a line;
+`decode_up` and `decode_down` read a line back into its model, or raise ProtocolError saying
+what is wrong with it.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from typing import TypeVar
+
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails
+
+from trainer.config.messages import DOWN_MESSAGES, UP_MESSAGES, DownMessage, UpMessage, to_json
 
 PROTOCOL_VERSION = 1
 ENV_SOCKET = "VERL_IPC_SOCKET"
 ENV_TOKEN = "VERL_IPC_TOKEN"
 MAX_MESSAGE_BYTES = 1 << 20
+MAX_PROBLEMS_SHOWN = 3
+"""A ProtocolError names at most this many bad fields of one line."""
 
-UP_TYPES = ("hello", "step", "phase", "offload", "log", "settings_ack", "checkpoint", "dropped")
-DOWN_TYPES = ("settings", "checkpoint_now", "stop")
+Decoded = TypeVar("Decoded")
 
 
 class ProtocolError(ValueError):
-    """A line that is not a message of this protocol."""
+    """A line that is not a message of this protocol; the text says why."""
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    """One message as a JSON line; NaN and infinities become null (JSON has neither)."""
-    return (json.dumps(message, allow_nan=False, default=_jsonable, separators=(",", ":"))
-            .encode("utf-8") + b"\n") if _finite(message) else encode(_nulls(message))
+def encode(message: UpMessage | DownMessage) -> bytes:
+    """One message as a JSON line (NaN and infinities as null: see messages.to_json)."""
+    return to_json(message) + b"\n"
 
 
-def decode(line: bytes, allowed_types: tuple[str, ...]) -> dict[str, Any]:
-    """Parse one line; ProtocolError unless it is a JSON object with an allowed ``type``."""
+def decode_up(line: bytes) -> UpMessage:
+    """A trainer's line as its message; ProtocolError unless it is one."""
+    return _decode(line, UP_MESSAGES)
+
+
+def decode_down(line: bytes) -> DownMessage:
+    """A daemon's line as its message; ProtocolError unless it is one."""
+    return _decode(line, DOWN_MESSAGES)
+
+
+def _decode(line: bytes, messages: TypeAdapter[Decoded]) -> Decoded:
     if len(line) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(line)} bytes, over the {MAX_MESSAGE_BYTES}-byte limit")
     try:
-        message = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ProtocolError(f"not a JSON line: {error}") from None
-    if not isinstance(message, dict) or message.get("type") not in allowed_types:
-        raise ProtocolError(f"unknown message type {message.get('type') if isinstance(message, dict) else None!r}")
-    return message
+        return messages.validate_json(line)
+    except ValidationError as error:
+        raise ProtocolError(_describe(error.errors(include_url=False))) from None
 
 
-def _finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return value == value and value not in (float("inf"), float("-inf"))
-    if isinstance(value, dict):
-        return all(_finite(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return all(_finite(item) for item in value)
-    return True
+def _describe(problems: list[ErrorDetails]) -> str:
+    """pydantic's findings as one line: what kind of line it was and each bad field with its value."""
+    first = problems[0]
+    if first["type"] == "json_invalid":
+        return f"not a JSON line ({_uncapitalized(first['msg'])})"
+    if first["type"] in ("union_tag_invalid", "union_tag_not_found", "dict_type", "model_type"):
+        return f"not a message of this protocol: {_uncapitalized(first['msg'])}"
+    kind = first["loc"][0]  # the discriminated union puts the message's type first
+    fields = "; ".join(_field_problem(problem) for problem in problems[:MAX_PROBLEMS_SHOWN])
+    more = len(problems) - MAX_PROBLEMS_SHOWN
+    return f"bad {kind} message: {fields}" + (f" (and {more} more)" if more > 0 else "")
 
 
-def _nulls(value: Any) -> Any:
-    if isinstance(value, float) and not _finite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _nulls(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_nulls(item) for item in value]
-    return value
+def _field_problem(problem: ErrorDetails) -> str:
+    """E.g. "copies.0.direction: input should be 'h2d' or 'd2h', got 'sideways'"."""
+    field = ".".join(str(part) for part in problem["loc"][1:]) or "message"
+    if problem["type"] == "missing":
+        return f"{field}: {_uncapitalized(problem['msg'])}"
+    given = repr(problem["input"])
+    return f"{field}: {_uncapitalized(problem['msg'])}, got {given[:60] + '...' if len(given) > 60 else given}"
 
 
-def _jsonable(value: Any) -> Any:
-    # numpy scalars and the like: anything with .item() becomes a plain number.
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+def _uncapitalized(text: str) -> str:
+    return text[:1].lower() + text[1:]

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-GROUPS = ("embedding", "transformer", "norm", "lm_head")
+from trainer.config.messages import Group
+
+# The groups offload_policy places; the names are the wire's (one source: trainer.config.messages.Group).
+GROUPS: tuple[str, ...] = tuple(group.value for group in Group if group is not Group.OTHER)
 TITLES = {"embedding": "Embedding", "transformer": "Transformer", "norm": "Norm", "lm_head": "LM head",
           "other": "Other parameters"}
 _NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm")

@@ -1,0 +1,336 @@
+"""Every message between a trainer process and its daemon, and the /v1/status body: one model each.
+
+The trainer builds these models and its telemetry client encodes them (trainer/telemetry.py); the
+daemon decodes each line into one of them (daemon/ipc.py) and hands the typed object on to the hub,
+the Prometheus metrics and the REST API (api/). The transport (socket, hello, line limit) is
+described in trainer/config/ipc.py; this module is the protocol's field list.
+
+Up, trainer -> daemon (`UpMessage`, told apart by ``type``): HelloMessage, StepMessage,
+PhaseMessage, OffloadMessage, LogMessage, SettingsAckMessage, CheckpointMessage, DroppedMessage.
+Down, daemon -> trainer (`DownMessage`): SettingsMessage, CheckpointNowMessage, StopMessage.
+
+On the wire each message is one JSON object whose keys are the field names below (settings values
+under their public names, e.g. ``dynamic_offload.enabled``). Numbers that JSON cannot hold (NaN,
+infinities) go out as null: see `to_json`, which the daemon's event stream uses too. Unknown fields
+are refused, so a change of fields is a change of PROTOCOL_VERSION.
+
+Torch-free: the daemon and the API import it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from time import time as epoch_seconds
+from typing import Annotated, Any, Literal
+
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from trainer.config.live import LiveSettings
+from trainer.config.schema import LogLevel, Placement
+
+
+def to_json(value: Any, *, exclude: dict[str, set[str]] | None = None) -> bytes:
+    """`value` (models, dicts, lists, numbers, strings) as compact JSON in UTF-8, less the nested
+    keys in `exclude` ({key: {nested keys}}, as pydantic takes it).
+
+    NaN and infinities become null: JSON has neither, and a reader in another language would
+    refuse the whole line for one of them. pydantic's serializer does this while it writes (no
+    second walk over the data), also for values nested in plain dicts; settings values come out
+    under their public names (aliases).
+    """
+    return pydantic_core.to_json(value, by_alias=True, inf_nan_mode="null", exclude=exclude)
+
+
+# ------------------------------------------------------------------------------------ the names
+
+
+class Phase(StrEnum):
+    """What the trainer is doing: the phases of an RL step in the order a step runs them
+    (trainer/loop.py's train_step; ref, values and update_critic only with those models), and
+    saving a checkpoint. Each step phase is also timed, as the step metric ``timing_s/<phase>``."""
+
+    GEN = "gen"
+    REWARD = "reward"
+    OLD_LOG_PROB = "old_log_prob"
+    REF = "ref"
+    VALUES = "values"
+    ADV = "adv"
+    UPDATE_CRITIC = "update_critic"
+    UPDATE_ACTOR = "update_actor"
+    SAVE_CHECKPOINT = "save_checkpoint"
+
+
+class Direction(StrEnum):
+    """Which way an offload copy went."""
+
+    H2D = "h2d"
+    """Host to device: a group coming to the GPU for a pass."""
+    D2H = "d2h"
+    """Device to host: gradients (or layers moved by dynamic offload) going back."""
+
+
+class Group(StrEnum):
+    """The module groups that offload_policy places (trainer/offload/groups.py), in model order,
+    and ``other``: parameters in none of them, which always stay on the compute device."""
+
+    EMBEDDING = "embedding"
+    TRANSFORMER = "transformer"
+    NORM = "norm"
+    LM_HEAD = "lm_head"
+    OTHER = "other"
+
+
+class Role(StrEnum):
+    """The models of a run that the offload engine places (bounded: they become metric labels)."""
+
+    ACTOR = "actor"
+    CRITIC = "critic"
+    REF = "ref"
+    REWARD = "reward"
+
+
+RunState = Literal["starting", "running", "restarting", "stopping", "finished", "failed"]
+"""The supervisor's state of the run (daemon/supervisor.py)."""
+
+
+class Message(BaseModel):
+    """A part of the protocol: unknown fields refused, never changed once built (the daemon's hub
+    encodes an event once for all its subscribers)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+# ----------------------------------------------------------------------------- offload records
+
+
+class CopySample(Message):
+    """One timed host<->device copy (CUDA events; the host clock on a CPU-only machine). The
+    trainer times a sample of its copies: see CopyCount for all of them."""
+
+    direction: Direction
+    group: Group
+    bytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+    """Time the copy took on its stream (several copies folded into one record: their sum)."""
+
+
+class CopyCount(Message):
+    """Every copy of one direction and group since the previous offload message."""
+
+    direction: Direction
+    group: Group
+    copies: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+
+
+class OffloadSummaryRow(Message):
+    """Where one module group of one model lives, and its parameters' size."""
+
+    role: Role
+    group: Group
+    device: Placement
+    bytes: int = Field(ge=0)
+
+
+# ----------------------------------------------------------------------------------- up messages
+
+
+class HelloMessage(Message):
+    """The first line of every connection; anything else, or a wrong token or protocol, closes it."""
+
+    type: Literal["hello"] = "hello"
+    protocol: int
+    """PROTOCOL_VERSION of the trainer's side."""
+    token: str
+    """VERL_IPC_TOKEN, as the daemon put it in the trainer's environment."""
+    pid: int
+    rank: int = Field(ge=0)
+    run_dir: str
+    start_step: int = Field(ge=0)
+    """The last step completed (after a reconnect: the last one reported)."""
+    total_steps: int = Field(ge=0)
+
+
+class StepMessage(Message):
+    """A completed step and its metrics."""
+
+    type: Literal["step"] = "step"
+    step: int = Field(ge=0)
+    metrics: dict[str, float | None]
+    """verl's names (actor/pg_loss, timing_s/gen, ...) -> number; null for NaN and infinities."""
+    time: float = Field(default_factory=epoch_seconds)
+
+
+class PhaseMessage(Message):
+    """The trainer entered a phase."""
+
+    type: Literal["phase"] = "phase"
+    step: int = Field(ge=0)
+    """The step in progress (one more than the last completed)."""
+    phase: Phase
+    time: float = Field(default_factory=epoch_seconds)
+
+
+class OffloadMessage(Message):
+    """The offload engines' copies since the previous offload message (one a step)."""
+
+    type: Literal["offload"] = "offload"
+    copies: list[CopySample]
+    """A sample of the copies, timed (at most MAX_RECORDS_PER_DRAIN of trainer/offload/copies.py)."""
+    counts: list[CopyCount]
+    """Every copy, counted."""
+    summary: list[OffloadSummaryRow] | None = None
+    """Every model's placement; sent with a trainer process's first offload message, else null."""
+    time: float = Field(default_factory=epoch_seconds)
+
+
+class LogMessage(Message):
+    """A line of the trainer's log, for the daemon's stream."""
+
+    type: Literal["log"] = "log"
+    level: LogLevel
+    message: str
+    time: float = Field(default_factory=epoch_seconds)
+
+
+class SettingsAckMessage(Message):
+    """The trainer runs settings `version` from `step` on."""
+
+    type: Literal["settings_ack"] = "settings_ack"
+    version: int = Field(ge=0)
+    step: int = Field(ge=0)
+    """The first step that runs with them."""
+    values: LiveSettings
+    time: float = Field(default_factory=epoch_seconds)
+
+
+class CheckpointMessage(Message):
+    """A checkpoint was saved."""
+
+    type: Literal["checkpoint"] = "checkpoint"
+    step: int = Field(ge=0)
+    path: str
+    time: float = Field(default_factory=epoch_seconds)
+
+
+class DroppedMessage(Message):
+    """Messages the trainer's client dropped (daemon absent or slow) since its last report."""
+
+    type: Literal["dropped"] = "dropped"
+    count: int = Field(ge=1)
+    time: float = Field(default_factory=epoch_seconds)
+
+
+UpMessage = Annotated[HelloMessage | StepMessage | PhaseMessage | OffloadMessage | LogMessage | SettingsAckMessage
+                      | CheckpointMessage | DroppedMessage, Field(discriminator="type")]
+"""Any message from a trainer to its daemon."""
+
+# --------------------------------------------------------------------------------- down messages
+
+
+class SettingsMessage(Message):
+    """Every live setting's current value: the trainer applies them at its next safe point and
+    acknowledges (SettingsAckMessage). Sent after each hello too, so a change outlives a restart."""
+
+    type: Literal["settings"] = "settings"
+    version: int = Field(ge=0)
+    values: LiveSettings
+
+
+class CheckpointNowMessage(Message):
+    """Save a checkpoint at the next safe point."""
+
+    type: Literal["checkpoint_now"] = "checkpoint_now"
+
+
+class StopMessage(Message):
+    """Save a checkpoint at the next safe point and exit 0."""
+
+    type: Literal["stop"] = "stop"
+
+
+DownMessage = Annotated[SettingsMessage | CheckpointNowMessage | StopMessage, Field(discriminator="type")]
+"""Any message from the daemon to a trainer."""
+
+UP_MESSAGES: TypeAdapter[UpMessage] = TypeAdapter(UpMessage)
+DOWN_MESSAGES: TypeAdapter[DownMessage] = TypeAdapter(DownMessage)
+
+# --------------------------------------------------------------------------- the /v1/status body
+
+
+class RunInfo(Message):
+    """Which run this is and where to find it."""
+
+    name: str
+    project: str
+    run_dir: str
+    config_path: str
+    daemon_pid: int
+    trainer_pids: list[int]
+    state: RunState
+    started_at: float
+    """When the daemon started (epoch seconds)."""
+    uptime_s: float
+    url: str
+    """The API's base URL."""
+
+
+class Progress(Message):
+    """How far the run is, as the rank-0 trainer last reported."""
+
+    step: int = Field(ge=0)
+    """The last completed step."""
+    total_steps: int | None = Field(ge=0)
+    """The step the run is to reach (null: not yet known, before the trainer's first hello)."""
+    phase: Phase | None
+    """The phase in progress; null while no trainer is connected."""
+    phase_since: float | None
+    """When that phase began (epoch seconds, the daemon's clock)."""
+
+
+class Restarts(Message):
+    """Trainer restarts so far, and how many the daemon allows."""
+
+    total: int = Field(ge=0)
+    max: int = Field(ge=0)
+    """daemon.max_restarts."""
+    by_reason: dict[str, int]
+    """crash, signal, oom, ... -> count."""
+
+
+class SettingsState(Message):
+    """The live settings: the current version and whether the trainer runs it yet."""
+
+    version: int = Field(ge=0)
+    values: LiveSettings
+    acknowledged_version: int = Field(ge=0)
+    """The newest version the trainer has acknowledged."""
+    applied_at_step: int | None
+    """The step from which the trainer runs the acknowledged version (null: not yet known)."""
+
+
+class TelemetryHealth(Message):
+    """Whether the daemon's telemetry sees everything."""
+
+    nvml: bool
+    """NVML answers: GPU metrics are live."""
+    dropped_messages: int = Field(ge=0)
+    """Trainer messages lost so far (dropped by the trainer's client, or refused as malformed)."""
+
+
+class OffloadPlacement(Message):
+    """Where each model's module groups live (empty until the trainer's first offload message)."""
+
+    summary: list[OffloadSummaryRow]
+
+
+class RunStatus(Message):
+    """The GET /v1/status body."""
+
+    run: RunInfo
+    progress: Progress
+    restarts: Restarts
+    settings: SettingsState
+    telemetry: TelemetryHealth
+    offload: OffloadPlacement
