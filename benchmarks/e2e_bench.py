@@ -180,7 +180,14 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         config = load_config(None, overrides(args.shape, args.variant, args.device, Path(scratch) / "runs",
                                              reward_dir, args.steps))
         logs: list[str] = []
-        trainer = StepsOnly(config, log=logs.append, warn=logs.append)
+
+        def log(line: str) -> None:  # kept for the result, and on stderr: the variant's log file
+            logs.append(line)
+            print(line, file=sys.stderr, flush=True)
+
+        started = time.perf_counter()
+        trainer = StepsOnly(config, log=log, warn=log)
+        log(f"e2e_bench: {args.variant} built in {time.perf_counter() - started:.1f} s")
         copied: list[dict[str, int]] = []
         observer = CopiedPerStep(trainer, copied)
         trainer.observers.append(observer)
@@ -218,6 +225,8 @@ class CopiedPerStep:
         return totals
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        print(f"e2e_bench: step {step} took {metrics.get('timing_s/step', float('nan')):.2f} s", file=sys.stderr,
+              flush=True)
         totals = self._totals()
         self.copied.append({direction: totals[direction] - self._last[direction] for direction in totals})
         self._last = totals
@@ -240,22 +249,24 @@ def run_shape(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                    "--out", str(child_out)]
         print(f"[{variant}]", flush=True)
         started = time.perf_counter()
-        try:
-            completed = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            result["variants"][variant] = {"error": f"did not finish within --timeout {args.timeout:.0f} s"}
+        log_path = out.with_name(f"{out.stem}-{variant}.log")
+        with log_path.open("w") as log_file:
+            try:
+                completed = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                completed = None
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+        if completed is None:
+            result["variants"][variant] = {"error": "\n".join([*tail, f"did not finish within --timeout "
+                                                                       f"{args.timeout:.0f} s (log: {log_path})"])}
+        elif completed.returncode != 0:
+            result["variants"][variant] = {"error": "\n".join([*tail, f"exit code {completed.returncode}"])}
         else:
-            result["variants"][variant] = _child_result(completed, child_out)
+            loaded: dict[str, Any] = json.loads(child_out.read_text())
+            result["variants"][variant] = loaded
         result["variants"][variant]["wall_s"] = time.perf_counter() - started
         child_out.unlink(missing_ok=True)
         out.write_text(json.dumps(result, indent=2))
-    return result
-
-
-def _child_result(completed: subprocess.CompletedProcess[str], child_out: Path) -> dict[str, Any]:
-    if completed.returncode != 0:
-        return {"error": (completed.stderr or completed.stdout).strip()[-2000:]}
-    result: dict[str, Any] = json.loads(child_out.read_text())
     return result
 
 
@@ -276,7 +287,7 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{phase:<16}" + "".join(f"{cell:>22}" for cell in cells))
     for name, run in variants.items():
         if "error" in run:
-            lines.append(f"{name}: FAILED: {run['error'].splitlines()[-1] if run['error'] else '?'}")
+            lines.append(f"{name}: FAILED: {' | '.join(run['error'].splitlines()[-3:]) or '?'}")
             continue
         copied, bandwidth = run["copied_bytes_per_step"], run["bandwidth_gbps"]
         floor = sum(copied[direction] / 1e9 / bandwidth[direction] for direction in ("h2d", "d2h")
