@@ -294,12 +294,7 @@ class Bench:
         """The engine under the cap: the layers that fit stay on the GPU, the rest stream; the head and
         embedding are staged while the budget under the threshold allows; the decode loop calls the
         dynamic-offload controller every 8 tokens."""
-        from trainer.offload.dynamic import (
-            DynamicLayers,
-            DynamicOffloadController,
-            device_memory_probe,
-            layers_that_fit,
-        )
+        from trainer.offload.dynamic import ModelLayers, device_memory_probe, layers_that_fit, plan_layers
         from trainer.rollout.hf_rollout import SafePoints
 
         fsdp = FSDPConfig.model_validate({
@@ -320,8 +315,16 @@ class Bench:
                 decisions.append(line)
                 print(f"  {line}", flush=True)
 
-            dynamic = DynamicLayers(engine, DynamicOffloadController(probe, lambda: settings), log=log)
-            stopping = StoppingCriteriaList([SafePoints(dynamic.safe_point, every=8)])
+            def safe_point() -> None:  # what the memory manager does between decode chunks
+                used, total = probe()
+                layers = ModelLayers("actor", engine.layers_on_gpu, len(engine.transformer_units), engine.layer_bytes)
+                for decision in plan_layers([layers], used=used, total=total, settings=settings,
+                                            bring_back=False).values():
+                    engine.set_transformer_layers_on_gpu(decision.layers_on_gpu)
+                    torch.cuda.empty_cache()
+                    log(f"{decision.describe()} [actor]")
+
+            stopping = StoppingCriteriaList([SafePoints(safe_point, every=8)])
             release()  # the probe counts the allocator's cached blocks
             used, allowed = probe()
             budget = max(0, int(THRESHOLD * allowed) - used)

@@ -47,12 +47,15 @@ from trainer.config.schema import EmbeddingCache as EmbeddingCacheConfig
 from trainer.errors import RunSetupError
 from trainer.offload import HostMemoryError, OffloadEngine, attach_offload, format_bytes
 from trainer.offload.dynamic import (
-    DynamicLayers,
-    DynamicOffloadController,
+    Decision,
     DynamicSettings,
     MemoryProbe,
+    ModelLayers,
+    PeakProbe,
     device_memory_probe,
+    device_peak_probe,
     layers_that_fit,
+    plan_layers,
 )
 from trainer.offload.embedding_cache import EmbeddingCache
 from trainer.workers.optimization import build_optimizer
@@ -74,20 +77,31 @@ def default_memory_probe(device: torch.device) -> MemoryProbe | None:
     return device_memory_probe(device) if device.type == "cuda" else None
 
 
+def _default_peak_probe(device: torch.device, probe: MemoryProbe | None) -> PeakProbe:
+    if probe is None:
+        return lambda: 0
+    if device.type == "cuda":
+        return device_peak_probe(device, probe)
+    return lambda: probe()[0]  # an injected probe (tests): what it says is in use now
+
+
 class MemoryManager:
     """Places the run's models and keeps them within the device's memory while the run goes on."""
 
     def __init__(self, device: torch.device, *, settings: Callable[[], DynamicSettings],
                  probe: MemoryProbe | None, host_available: Callable[[], int],
-                 log: Callable[[str], None] = print, warn: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, warn: Callable[[str], None] = print,
+                 peak_probe: PeakProbe | None = None):
         self.device = device
         self.settings = settings  # read at each use: a live change acts at the next one
         self.probe = probe  # None without a GPU: nothing to measure, no dynamic or per-phase placement
+        # The step's peak in use, as the probe counts (by default, on a GPU: the allocator's peak reserve).
+        self.peak_probe: PeakProbe = peak_probe or _default_peak_probe(device, probe)
         self.host_available = host_available
         self.log, self.warn = log, warn
         self._engines: dict[str, OffloadEngine] = {}  # by role, in placement order
-        # Engines whose transformer layers move with memory pressure, each with its controller.
-        self._dynamic: list[DynamicLayers] = []
+        # Engines whose transformer layers move with memory pressure (plan_layers decides for all of them).
+        self._dynamic: list[OffloadEngine] = []
         self._host_pending = 0  # host bytes placed engines will allocate once they train
         self._staged_logged: dict[tuple[str, str], tuple[str, ...]] = {}
         self._moves_reported = {"to_cpu": 0, "to_gpu": 0}
@@ -105,7 +119,7 @@ class MemoryManager:
     @property
     def dynamic_engines(self) -> list[OffloadEngine]:
         """The engines whose transformer layers move with memory pressure."""
-        return [dynamic.engine for dynamic in self._dynamic]
+        return list(self._dynamic)
 
     def engine(self, role: Role) -> OffloadEngine | None:
         """The engine of the model placed as `role`; None when there is none."""
@@ -133,8 +147,7 @@ class MemoryManager:
         self._host_pending += host["gradients"] + host["optimizer"]
         self._engines[role] = engine
         if dynamic.enabled and self.probe is not None:
-            controller = DynamicOffloadController(self.probe, self.settings)
-            self._dynamic.append(DynamicLayers(engine, controller, log=self.log))
+            self._dynamic.append(engine)
         elif dynamic.enabled:
             self.warn(f"dynamic offload of the {role} needs a GPU to measure memory on; on {self.device} its "
                       "transformer layers stay where the offload policy puts them")
@@ -147,8 +160,7 @@ class MemoryManager:
         probe = self.probe
         if probe is None:
             return  # no GPU to measure: no layer moves dynamically (`place`)
-        for dynamic in self._dynamic:
-            engine = dynamic.engine
+        for engine in self._dynamic:
             if engine.placements["transformer"] != "gpu":
                 continue  # placed on the CPU: dynamic offload only ever takes layers off the GPU
             total = len(engine.transformer_units)
@@ -223,10 +235,35 @@ class MemoryManager:
     # ---------------------------------------------------------------------------------- run time
 
     def safe_point(self) -> None:
-        """Between steps, micro-batches and decode chunks (nothing in flight): move transformer
-        layers as the memory in use and the live settings say."""
-        for dynamic in self._dynamic:
-            dynamic.safe_point()
+        """Between micro-batches and decode chunks, and before a step (nothing in flight): move
+        transformer layers off the GPU while the memory in use is over the live threshold. None comes
+        back here: the memory in use between two passes is not the step's peak (end_step)."""
+        if self._dynamic and self.probe is not None:
+            used, total = self.probe()
+            self._move_layers(plan_layers(self._layers(), used=used, total=total, settings=self.settings(),
+                                          bring_back=False))
+
+    def end_step(self) -> None:
+        """At the end of a step, before its peak memory statistics are reset (memory_metrics): place
+        the layers for the step's peak, bringing back as many as fit below the threshold less the
+        hysteresis, or moving enough off to get under it. A step whose peak lies between the two
+        moves nothing: that is where the placement settles."""
+        if self._dynamic and self.probe is not None:
+            _, total = self.probe()
+            self._move_layers(plan_layers(self._layers(), used=self.peak_probe(), total=total,
+                                          settings=self.settings(), bring_back=True))
+
+    def _layers(self) -> list[ModelLayers]:
+        return [ModelLayers(engine.role, engine.layers_on_gpu, len(engine.transformer_units), engine.layer_bytes)
+                for engine in self._dynamic]
+
+    def _move_layers(self, decisions: dict[str, Decision]) -> None:
+        for role, decision in decisions.items():
+            engine = self._engines[role]
+            engine.set_transformer_layers_on_gpu(decision.layers_on_gpu)
+            if decision.layers_on_gpu < decision.previous and engine.device.type == "cuda":
+                torch.cuda.empty_cache()  # give the freed slots back, so the next reading sees them gone
+            self.log(f"{decision.describe()} [{role}]")
 
     def relieve_memory(self) -> bool:
         """After a CUDA out-of-memory error: move half the layers above the minimum to the CPU, else

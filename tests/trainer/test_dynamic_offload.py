@@ -12,7 +12,7 @@ import torch
 from tests.trainer.test_offload import POLICIES, offloaded, policy, token_batch, train
 from trainer.config.live import LiveSettings
 from trainer.config.messages import SettingsMessage
-from trainer.offload.dynamic import DynamicOffloadController
+from trainer.offload.dynamic import ModelLayers, plan_layers
 
 GB = 10**9
 
@@ -27,70 +27,94 @@ class Probe:
         return int(self.usage * 100 * GB), 100 * GB
 
 
-def controller(probe: Probe, **settings) -> tuple[DynamicOffloadController, dict]:
-    current = {"settings": LiveSettings.model_validate({"dynamic_offload.enabled": True, **settings})}
-    return DynamicOffloadController(probe, lambda: current["settings"]), current
+def settings(**values) -> LiveSettings:
+    return LiveSettings.model_validate({"dynamic_offload.enabled": True, **values})
 
 
-def run(control: DynamicOffloadController, probe: Probe, usages, *, layers: int, total: int = 28,
-        layer_bytes: int = 0) -> list[int]:
-    """Layers on the GPU after each decision, for a sequence of usages."""
-    history = []
-    for usage in usages:
-        probe.usage = usage
-        decision = control.decide(layers_on_gpu=layers, total_layers=total, layer_bytes=layer_bytes)
-        if decision is not None:
-            layers = decision.layers_on_gpu
-        history.append(layers)
-    return history
+def layers(role: str = "actor", on_gpu: int = 28, total: int = 28, layer_bytes: int = 0) -> ModelLayers:
+    return ModelLayers(role, on_gpu, total, layer_bytes)
 
 
-def test_rising_usage_moves_layers_out_and_falling_usage_brings_them_back_one_at_a_time():
-    probe = Probe()
-    control, _ = controller(probe, gpu_memory_threshold=0.85)
-    assert run(control, probe, [0.5, 0.86, 0.9, 0.84, 0.7, 0.7], layers=28) == [28, 27, 26, 26, 27, 28]
+def plan(models, usage: float, *, bring_back: bool, **values) -> dict[str, int]:
+    """The new layers on the GPU per model, for memory in use `usage` of a 100 GB device."""
+    decisions = plan_layers(models, used=int(usage * 100 * GB), total=100 * GB, settings=settings(**values),
+                            bring_back=bring_back)
+    return {role: decision.layers_on_gpu for role, decision in decisions.items()}
 
 
 def test_enough_layers_move_to_get_under_the_threshold_at_once():
-    probe = Probe(0.91)
-    control, _ = controller(probe, gpu_memory_threshold=0.85)
-    decision = control.decide(layers_on_gpu=28, total_layers=28, layer_bytes=int(1.5 * GB))
+    decisions = plan_layers([layers(layer_bytes=int(1.5 * GB))], used=91 * GB, total=100 * GB,
+                            settings=settings(gpu_memory_threshold=0.85), bring_back=False)
     # 6 GB over the threshold, 1.5 GB a layer: four layers.
-    assert decision.layers_on_gpu == 24
-    assert decision.describe().startswith("dynamic offload: 4 layers to CPU (GPU memory 0.91 > threshold 0.85")
+    assert decisions["actor"].layers_on_gpu == 24
+    assert decisions["actor"].describe().startswith(
+        "dynamic offload: 4 layers to CPU (GPU memory 0.91 > threshold 0.85")
+    # Layers of unknown size: one at a time.
+    assert plan([layers()], 0.9, bring_back=False, gpu_memory_threshold=0.85) == {"actor": 27}
+
+
+def test_layers_come_back_only_at_a_step_end_and_as_many_as_fit_below_the_margin_at_once():
+    model = layers(on_gpu=10, layer_bytes=4 * GB)
+    # Between micro-batches and decode chunks the memory in use is not the step's peak: nothing comes back.
+    assert plan([model], 0.5, bring_back=False, gpu_memory_threshold=0.85) == {}
+    # At a step's end, from its peak of 50 GB: 30 GB below 0.85 - 0.05, seven 4 GB layers.
+    assert plan([model], 0.5, bring_back=True, gpu_memory_threshold=0.85) == {"actor": 17}
+    assert plan([layers(on_gpu=26, layer_bytes=4 * GB)], 0.5, bring_back=True) == {"actor": 28}  # all there are
+
+
+def test_the_placement_settles_and_then_moves_nothing():
+    """A step's peak is what the rest of the step holds plus its layers on the GPU: from any start the
+    layers reach a placement within two steps and stay there."""
+    for start in (0, 5, 28):
+        model, moves = layers(on_gpu=start, layer_bytes=2 * GB), []
+        for _ in range(8):
+            peak = 30 * GB + model.layers_on_gpu * model.layer_bytes
+            decision = plan_layers([model], used=peak, total=100 * GB, settings=settings(gpu_memory_threshold=0.85),
+                                   bring_back=True).get("actor")
+            moves.append(decision.moved if decision else 0)
+            if decision:
+                model = layers(on_gpu=decision.layers_on_gpu, layer_bytes=2 * GB)
+        assert moves[2:] == [0] * 6, (start, moves)
+        # Settled with the peak in the band where nothing moves: at most the threshold, and less than a
+        # layer below the margin (0.85 - 0.05) that brings layers back.
+        assert 80 - 2 < 30 + 2 * model.layers_on_gpu <= 85, (start, model.layers_on_gpu)
 
 
 def test_hysteresis_keeps_layers_where_they_are_just_below_the_threshold():
-    probe = Probe()
-    control, _ = controller(probe, gpu_memory_threshold=0.85)
-    # Between threshold - 0.05 and the threshold nothing moves, however often it is asked.
-    assert run(control, probe, [0.86, 0.82, 0.84, 0.81, 0.83], layers=10) == [9, 9, 9, 9, 9]
-    # A layer that would push usage back above the margin stays out.
-    assert run(control, probe, [0.75, 0.75], layers=9, layer_bytes=6 * GB) == [9, 9]
-    assert run(control, probe, [0.75], layers=9, layer_bytes=4 * GB) == [10]
+    model = layers(on_gpu=10, layer_bytes=GB)
+    for usage in (0.82, 0.84, 0.81, 0.849):
+        assert plan([model], usage, bring_back=True, gpu_memory_threshold=0.85) == {}
+    # A layer that would push the peak above the margin stays out.
+    assert plan([layers(on_gpu=9, layer_bytes=6 * GB)], 0.75, bring_back=True) == {}
+    assert plan([layers(on_gpu=9, layer_bytes=4 * GB)], 0.75, bring_back=True) == {"actor": 10}
 
 
 def test_never_below_the_minimum_and_a_raised_minimum_brings_layers_back():
-    probe = Probe()
-    control, current = controller(probe, gpu_memory_threshold=0.5, min_transformer_layers_on_gpu=3)
-    assert run(control, probe, [0.99] * 6, layers=6, layer_bytes=GB) == [3, 3, 3, 3, 3, 3]
-    current["settings"] = current["settings"].model_copy(update={"min_transformer_layers_on_gpu": 5})
-    assert run(control, probe, [0.99], layers=3) == [5]
+    model = layers(on_gpu=6, total=6, layer_bytes=GB)
+    assert plan([model], 0.99, bring_back=False, gpu_memory_threshold=0.5, min_transformer_layers_on_gpu=3) == {
+        "actor": 3}
+    assert plan([layers(on_gpu=3, total=6)], 0.99, bring_back=False, min_transformer_layers_on_gpu=5) == {"actor": 5}
 
 
 def test_a_live_threshold_change_acts_at_the_next_decision():
-    probe = Probe(0.8)
-    control, current = controller(probe, gpu_memory_threshold=0.85)
-    assert run(control, probe, [0.8], layers=28) == [28]
-    current["settings"] = current["settings"].model_copy(update={"gpu_memory_threshold": 0.6})
-    assert run(control, probe, [0.8], layers=28, layer_bytes=5 * GB) == [24]
+    model = layers(layer_bytes=5 * GB)
+    assert plan([model], 0.8, bring_back=True, gpu_memory_threshold=0.85) == {}
+    assert plan([model], 0.8, bring_back=False, gpu_memory_threshold=0.6) == {"actor": 24}
 
 
 def test_disabled_never_moves():
-    probe = Probe(0.99)
-    control, current = controller(probe, gpu_memory_threshold=0.5)
-    current["settings"] = current["settings"].model_copy(update={"dynamic_offload_enabled": False})
-    assert run(control, probe, [0.99, 0.1], layers=28) == [28, 28]
+    for usage in (0.99, 0.1):
+        assert plan([layers(on_gpu=10)], usage, bring_back=True, gpu_memory_threshold=0.5,
+                    **{"dynamic_offload.enabled": False}) == {}
+
+
+def test_layers_leave_the_least_used_model_first_and_come_back_to_the_most_used_first():
+    models = [layers("actor", 10, 10, GB), layers("critic", 10, 10, GB), layers("ref", 3, 10, GB)]
+    # 5 GB over: the reference (used once a step) gives its 3, then the critic 2; the actor keeps all.
+    assert plan(models, 0.9, bring_back=False, gpu_memory_threshold=0.85) == {"ref": 0, "critic": 8}
+    models = [layers("actor", 4, 10, GB), layers("critic", 4, 10, GB), layers("ref", 0, 10, GB)]
+    # 9 GB of room below the margin: the actor's six first, then three of the critic's.
+    assert plan(models, 0.71, bring_back=True, gpu_memory_threshold=0.85) == {"actor": 10, "critic": 7}
 
 
 # ------------------------------------------------------------------------------------ the engine

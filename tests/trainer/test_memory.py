@@ -219,3 +219,40 @@ def test_an_update_reports_its_recoveries_to_the_manager_not_in_its_own_metrics(
     metrics = actor.update(batch)
     assert len(metrics["actor/pg_loss"]) == 1 and not any("oom" in key for key in metrics)
     assert run.memory.step_metrics()["perf/oom_recoveries"] == 1
+
+
+class StepPeaks(Device):
+    """A step's memory as the peak probe reads it: the rollout holds `rollout` bytes, the update `update`
+    (more), each with the layers on the GPU; between passes only `base`."""
+
+    def __init__(self, total: int, base: int, update: int):
+        super().__init__(total=total, base=base)
+        self.update = update
+
+    def peak(self) -> int:
+        return self.update + sum(engine.layers_on_gpu * engine.layer_bytes for engine in self.engines)
+
+
+def test_the_layers_settle_on_the_steps_peak_and_no_layer_moves_at_steady_state():
+    """Issue 14: the old controller brought a layer back at every decode chunk (the rollout needs less
+    than the update) and sent it out again in the update, three moves a step. Now safe points only move
+    layers off, and layers come back at a step's end for its peak, as many as fit at once."""
+    _, probe_model = Run().place("actor", DYNAMIC)  # for one layer's size
+    layer = probe_model.layer_bytes
+    device = StepPeaks(total=100 * layer, base=40 * layer, update=82 * layer)  # the update needs 42 more
+    run = Run(probe=device)
+    run.memory.peak_probe = device.peak
+    _, actor = run.place("actor", DYNAMIC)
+    device.engines.append(actor)
+    run.memory.finish_placement()
+    assert actor.layers_on_gpu == 4  # the layers fit between passes
+    moves = []
+    for _ in range(5):
+        for _ in range(3):  # the decode chunks and micro-batches of a step: below the threshold, nothing moves
+            run.memory.safe_point()
+        run.memory.end_step()
+        metrics = run.memory.step_metrics()
+        moves.append(metrics["offload/moves_to_cpu"] + metrics["offload/moves_to_gpu"])
+    # 82 + 4 layers is one over 85 at the first step's peak: one goes off, and then nothing moves.
+    assert actor.layers_on_gpu == 3 and moves == [1, 0, 0, 0, 0]
+    assert run.logs[-1] == "dynamic offload: 1 layer to CPU (GPU memory 0.86 > threshold 0.85; 3 on GPU) [actor]"

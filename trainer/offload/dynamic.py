@@ -1,30 +1,34 @@
-"""Dynamic offload: how many transformer layers stay on the GPU, decided from device memory in use.
+"""Dynamic offload: how many transformer layers of each model stay on the GPU, decided from device memory.
 
-Pure decision logic: the memory probe and the settings are passed in, so tests drive it with numbers.
-The run's memory manager (trainer/memory.py) asks it at safe points only (between steps, micro-batches
-and decode chunks: no forward or backward in flight) and hands the decision to the engine
-(OffloadEngine.set_transformer_layers_on_gpu).
+Pure decision logic (`plan_layers`): the memory in use, the settings and the models' layers are passed
+in, so tests drive it with numbers. The run's memory manager (trainer/memory.py) asks it at safe points
+(no forward or backward in flight) and hands each decision to the engines
+(OffloadEngine.set_transformer_layers_on_gpu). It settles instead of following the memory in use:
 
-    controller = DynamicOffloadController(probe, settings=lambda: trainer.live_settings)
-    decision = controller.decide(layers_on_gpu=engine.layers_on_gpu, total_layers=len(engine.transformer_units))
-    if decision is not None:
-        engine.set_transformer_layers_on_gpu(decision.layers_on_gpu)
+- Layers come back only at the end of a step, from the step's peak: as many as fit below the threshold
+  less the hysteresis, at once. Between micro-batches and decode chunks the memory in use is not the
+  step's peak (a rollout uses less than an update), so a layer brought back there went out again at
+  the next update: the controller moved layers three times a step and never settled (issue 14).
+- Layers leave the GPU at any safe point where the memory in use is over the threshold, enough to get
+  under it, from the models used least often per step first (the reference and the reward model once
+  a step, the critic twice, the actor at every decoded token), and come back in the opposite order.
+- At steady state (a step's peak between the threshold less the hysteresis and the threshold) nothing
+  moves; a move follows a change of the live settings, of the workload, or an out-of-memory error.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from trainer.offload.engine import OffloadEngine
-
 MemoryProbe = Callable[[], tuple[int, int]]
 """Returns (bytes in use, bytes in all) of the compute device."""
+PeakProbe = Callable[[], int]
+"""Returns the most bytes in use since the device's peak statistics were last reset (each step's end)."""
 
 HYSTERESIS = 0.05
 """Layers come back only once usage is this far below the threshold: a move that frees exactly
@@ -80,6 +84,19 @@ def device_memory_probe(device: torch.device) -> MemoryProbe:
     return probe
 
 
+def device_peak_probe(device: torch.device, probe: MemoryProbe) -> PeakProbe:
+    """The peak of what `probe` counts since the allocator's peak statistics were reset (memory_metrics
+    resets them at each step's end): the allocator's peak reserve, plus what the probe counts besides
+    the allocator now (the CUDA context, other processes; nothing under a per-process cap)."""
+
+    def peak() -> int:
+        used, _ = probe()
+        besides = max(0, used - torch.cuda.memory_reserved(device))
+        return int(torch.cuda.max_memory_reserved(device)) + besides
+
+    return peak
+
+
 def layers_that_fit(probe: MemoryProbe, *, threshold: float, layer_bytes: int, total_layers: int,
                     reserve_bytes: int = 0) -> int:
     """How many transformer layers of `layer_bytes` fit on the device now, below `threshold` of its
@@ -92,65 +109,73 @@ def layers_that_fit(probe: MemoryProbe, *, threshold: float, layer_bytes: int, t
     return max(0, min(total_layers, int(room // layer_bytes)))
 
 
-class DynamicOffloadController:
-    """Decides, at each safe point, how many transformer layers stay on the GPU."""
-
-    def __init__(self, probe: MemoryProbe, settings: Callable[[], DynamicSettings], *,
-                 hysteresis: float = HYSTERESIS):
-        self.probe = probe
-        self.settings = settings
-        self.hysteresis = hysteresis
-
-    def decide(self, *, layers_on_gpu: int, total_layers: int, layer_bytes: int = 0) -> Decision | None:
-        """The new number of layers on the GPU, or None to leave them as they are.
-
-        Above the threshold: enough layers (of `layer_bytes` each, when known) to get under it, at
-        least one, never below the minimum. Below threshold - hysteresis (with the layer back): one layer
-        back. Settings are
-        read on every call, so a live change acts at the next safe point.
-        """
-        settings = self.settings()
-        minimum = min(settings.min_transformer_layers_on_gpu, total_layers)
-        if not settings.dynamic_offload_enabled:
-            return None
-        used, total = self.probe()
-        usage = used / total if total else 0.0
-        threshold = settings.gpu_memory_threshold
-        target = layers_on_gpu
-        if layers_on_gpu < minimum:
-            target = minimum  # a raised minimum brings layers back whatever the usage
-        elif usage > threshold and layers_on_gpu > minimum:
-            excess = used - threshold * total
-            needed = math.ceil(excess / layer_bytes) if layer_bytes > 0 else 1
-            target = max(minimum, layers_on_gpu - max(1, needed))
-        elif layers_on_gpu < total_layers and usage + layer_bytes / max(total, 1) < threshold - self.hysteresis:
-            # Only when the layer fits below the margin too: otherwise it would go out again next time.
-            target = layers_on_gpu + 1
-        if target == layers_on_gpu:
-            return None
-        return Decision(target, layers_on_gpu, usage, threshold)
+USE_ORDER = ("actor", "critic", "ref", "reward")
+"""The models by how often a step runs their transformer layers, most first: the actor at every decoded
+token of the rollout and in its update, the critic in values and its update, the reference and the
+reward model once a step. Layers leave the GPU from the end of this order and come back from its start."""
 
 
-class DynamicLayers:
-    """One engine's transformer layers under a controller: `safe_point()` is what the memory manager
-    calls where nothing is in flight."""
+@dataclass(frozen=True)
+class ModelLayers:
+    """One dynamically offloaded model as the planner sees it."""
 
-    def __init__(self, engine: OffloadEngine, controller: DynamicOffloadController, *,
-                 log: Callable[[str], None] | None = None):
-        self.engine = engine
-        self.controller = controller
-        self.log = log
+    role: str
+    layers_on_gpu: int
+    total_layers: int
+    layer_bytes: int
+    """Device bytes of one transformer layer (what moving one frees or takes)."""
 
-    def safe_point(self) -> Decision | None:
-        """Decide and move; returns the decision acted on, if any."""
-        engine = self.engine
-        decision = self.controller.decide(layers_on_gpu=engine.layers_on_gpu,
-                                          total_layers=len(engine.transformer_units), layer_bytes=engine.layer_bytes)
-        if decision is None:
-            return None
-        engine.set_transformer_layers_on_gpu(decision.layers_on_gpu)
-        if decision.layers_on_gpu < decision.previous and engine.device.type == "cuda":
-            torch.cuda.empty_cache()  # give the freed slots back, so the next reading sees them gone
-        if self.log is not None:
-            self.log(f"{decision.describe()} [{engine.role}]")
-        return decision
+
+def plan_layers(models: Sequence[ModelLayers], *, used: int, total: int, settings: DynamicSettings,
+                bring_back: bool, hysteresis: float = HYSTERESIS) -> dict[str, Decision]:
+    """The models whose layers on the GPU should change, and to what.
+
+    `used` is the device memory in use (at the end of a step: the step's peak) of `total`. Over the
+    threshold: layers leave the GPU, from the least used model first, never below the minimum, enough to
+    get under it (at least one). With `bring_back` (the end of a step) and the peak below the threshold
+    less the hysteresis: as many layers as fit below that margin come back, most used model first. A
+    raised minimum brings layers back whatever the usage. Settings are read on every call, so a live
+    change acts at the next safe point.
+    """
+    if not settings.dynamic_offload_enabled or total <= 0:
+        return {}
+    threshold = settings.gpu_memory_threshold
+    counts = {model.role: model.layers_on_gpu for model in models}
+    for model in models:
+        floor = min(settings.min_transformer_layers_on_gpu, model.total_layers)
+        if counts[model.role] < floor:
+            used += (floor - counts[model.role]) * model.layer_bytes
+            counts[model.role] = floor
+    ordered = sorted(models, key=lambda model: USE_ORDER.index(model.role) if model.role in USE_ORDER else 0)
+    if used > threshold * total:
+        _take_off(reversed(ordered), counts, used - threshold * total, settings.min_transformer_layers_on_gpu)
+    elif bring_back:
+        _bring_back(ordered, counts, (threshold - hysteresis) * total - used)
+    usage = used / total
+    return {model.role: Decision(counts[model.role], model.layers_on_gpu, usage, threshold)
+            for model in models if counts[model.role] != model.layers_on_gpu}
+
+
+def _take_off(models: Iterable[ModelLayers], counts: dict[str, int], excess: float, minimum: int) -> None:
+    for model in models:
+        spare = counts[model.role] - min(minimum, model.total_layers)
+        if spare <= 0:
+            continue
+        needed = math.ceil(excess / model.layer_bytes) if model.layer_bytes > 0 else 1
+        moved = min(spare, max(1, needed))
+        counts[model.role] -= moved
+        excess -= moved * max(model.layer_bytes, 1)
+        if excess <= 0:
+            return
+
+
+def _bring_back(models: Iterable[ModelLayers], counts: dict[str, int], room: float) -> None:
+    for model in models:
+        missing = model.total_layers - counts[model.role]
+        if missing <= 0:
+            continue
+        fits = missing if model.layer_bytes <= 0 else min(missing, int(room // model.layer_bytes))
+        if fits <= 0:
+            return  # the most used model's layer does not fit: no less used one goes before it
+        counts[model.role] += fits
+        room -= fits * model.layer_bytes
