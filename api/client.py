@@ -16,6 +16,8 @@ import httpx
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError, InvalidHandshake, InvalidStatus
 
+from trainer.config.messages import RunStatus
+
 # Close code the server uses when it refuses a WebSocket after the handshake (token or Origin).
 _POLICY_VIOLATION = 1008
 _BAD_REQUEST = 4422  # api/app.py WS_CLOSE_BAD_REQUEST: a bad query parameter (since)
@@ -68,8 +70,8 @@ class ApiClient:
 
     # ------------------------------------------------------------------------------------- REST
 
-    def status(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/status")
+    def status(self) -> RunStatus:
+        return RunStatus.model_validate(self._request("GET", "/v1/status"))
 
     def latest(self) -> dict[str, Any]:
         return self._request("GET", "/v1/metrics/latest")

@@ -14,14 +14,31 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 from fastapi import FastAPI, HTTPException, Request, WebSocket
 from fastapi.responses import JSONResponse
 from rich.console import Console
 
+from api.advisor import Snapshot
 from api.client import ApiClient, ApiError, DaemonUnreachable, Unauthorized
 from api.monitor import MonitorFeed, render, run_monitor, sparkline
 from tests.support import serve_app as serve
+from trainer.config.live import LiveSettings
+from trainer.config.messages import (
+    Group,
+    OffloadPlacement,
+    OffloadSummaryRow,
+    Phase,
+    Progress,
+    Restarts,
+    Role,
+    RunInfo,
+    RunState,
+    RunStatus,
+    SettingsState,
+    TelemetryHealth,
+)
 
 TOKEN = "test-token"
 NOW = 1_700_000_000.0
@@ -42,18 +59,19 @@ def gpu_data(utilization: float = 0.93, used: float = 120 * GIB) -> dict:
                      "daemon_rss_bytes": 80 * 2**20, "trainer_rss_bytes": 3.2 * GIB}}
 
 
-def status_body(state: str = "running") -> dict:
-    return {"run": {"name": "quickstart", "project": "verl", "run_dir": "runs/quickstart",
-                    "config_path": "runs/quickstart/config.yaml", "daemon_pid": 4242, "trainer_pids": [4243],
-                    "state": state, "started_at": NOW - 754, "uptime_s": 754.0, "url": "http://127.0.0.1:41234"},
-            "progress": {"step": 45, "total_steps": 200, "phase": "update_actor", "phase_since": NOW - 3},
-            "restarts": {"total": 1, "max": 3, "by_reason": {"crash": 1, "oom": 0}},
-            "settings": {"values": {"gpu_memory_threshold": 0.8, "min_transformer_layers_on_gpu": 4,
-                                    "dynamic_offload.enabled": True, "gpu_sample_interval_s": 1.0,
-                                    "pcie_sample_interval_s": 10.0, "log_level": "info"},
-                         "version": 3, "acknowledged_version": 3, "applied_at_step": 12},
-            "telemetry": {"nvml": True, "dropped_messages": 0},
-            "offload": {"summary": [{"role": "actor", "group": "transformer", "device": "cpu", "bytes": 2 * GIB}]}}
+def run_status(state: RunState = "running") -> RunStatus:
+    settings = LiveSettings(gpu_memory_threshold=0.8, min_transformer_layers_on_gpu=4, dynamic_offload_enabled=True,
+                            gpu_sample_interval_s=1.0, pcie_sample_interval_s=10.0, log_level="info")
+    return RunStatus(
+        run=RunInfo(name="quickstart", project="verl", run_dir="runs/quickstart",
+                    config_path="runs/quickstart/config.yaml", daemon_pid=4242, trainer_pids=[4243], state=state,
+                    started_at=NOW - 754, uptime_s=754.0, url="http://127.0.0.1:41234"),
+        progress=Progress(step=45, total_steps=200, phase=Phase.UPDATE_ACTOR, phase_since=NOW - 3),
+        restarts=Restarts(total=1, max=3, by_reason={"crash": 1, "oom": 0}),
+        settings=SettingsState(values=settings, version=3, acknowledged_version=3, applied_at_step=12),
+        telemetry=TelemetryHealth(nvml=True, dropped_messages=0),
+        offload=OffloadPlacement(summary=[OffloadSummaryRow(role=Role.ACTOR, group=Group.TRANSFORMER, device="cpu",
+                                                            bytes=2 * GIB)]))
 
 
 def latest_body(p99_s: float = 0.083) -> dict:
@@ -74,11 +92,11 @@ def gpu_event(seq: int, time_s: float, utilization: float = 0.93) -> dict:
     return {"seq": seq, "time": time_s, "kind": "gpu", "data": gpu_data(utilization)}
 
 
-def snapshot(**changes) -> dict:
+def snapshot(**changes) -> Snapshot:
     """A run at step 45 of 200, one GPU busy at 93%, slow offload copies (p99 83 ms)."""
     history = ([gpu_event(seq, NOW - 60 + seq) for seq in range(1, 61)]
                + [step_event(100 + step, step, NOW - 90 + 2 * step, 0.01 * step) for step in range(1, 46)])
-    return {"time": NOW, "status": status_body(), "latest": latest_body(), "history": history} | changes
+    return Snapshot(time=NOW, status=run_status(), latest=latest_body(), history=history) | changes
 
 
 # ------------------------------------------------------------------------------------ a fake daemon
@@ -107,11 +125,11 @@ class FakeDaemon:
             return await call_next(request)
 
         @app.get("/v1/status")
-        def status():
+        def status() -> RunStatus:
             if self.broken:
                 raise HTTPException(500, "boom")
             state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
-            return status_body(state)
+            return run_status(state)
 
         @app.get("/v1/metrics/latest")
         def latest():
@@ -160,7 +178,7 @@ def free_port() -> int:
 def test_the_client_sends_the_token_and_passes_the_history_filters(daemon):
     fake, url = daemon
     with ApiClient(url, TOKEN) as client:
-        assert client.status()["progress"]["total_steps"] == 200
+        assert client.status() == run_status()
         assert client.latest()["offload"]["copies"] == 1234
         assert client.history(since=7, keys=["actor/pg_loss", "perf/throughput"], kinds=["gpu", "step"]) == {
             "events": [], "last_seq": 0}
@@ -222,7 +240,7 @@ def test_the_feed_fetches_the_history_once_then_only_what_is_new(daemon):
         first = feed.poll()
         # A GPU sample older than the advisor's minute is dropped; the steps stay.
         assert [event["seq"] for event in first["history"]] == [2, 3, 4]
-        assert first["status"]["run"]["state"] == "running" and first["latest"] == fake.latest
+        assert first["status"] == run_status() and first["latest"] == fake.latest
 
         # The trainer crashed after step 2, resumed from its step-1 checkpoint and redid step 2.
         fake.events.append(step_event(5, 2, NOW + 5, 0.25))
@@ -239,7 +257,7 @@ def test_the_feed_fetches_the_history_once_then_only_what_is_new(daemon):
 # -------------------------------------------------------------------------------------------- view
 
 
-def rendered(snap: dict, width: int = 100) -> str:
+def rendered(snap: Snapshot, width: int = 100) -> str:
     console = Console(record=True, width=width, file=io.StringIO())
     console.print(render(snap))
     return console.export_text()
@@ -272,9 +290,10 @@ def test_the_view_fits_an_80_by_24_terminal():
 
 
 def test_the_view_before_any_sample_says_what_is_missing():
-    status = status_body("starting")
-    status["progress"] = {"step": 0, "total_steps": 200, "phase": None, "phase_since": None}
-    status["settings"]["acknowledged_version"] = 2
+    status = run_status("starting")
+    status = status.model_copy(update={
+        "progress": Progress(step=0, total_steps=200, phase=None, phase_since=None),
+        "settings": status.settings.model_copy(update={"acknowledged_version": 2})})
     latest = {"seq": 0, "step": None, "gpu": {"nvml": False, "gpus": [], "host": gpu_data()["host"]},
               "offload": {"copy_latency_p50_s": None, "copy_latency_p99_s": None,
                           "bandwidth_bytes_per_second": None, "copies": 0}}
@@ -301,6 +320,8 @@ def test_once_json_prints_status_latest_and_hints(daemon):
         assert run_monitor(client, once=True, as_json=True, console=Console(file=output)) == 0
     snapshot_printed = json.loads(output.getvalue())
     assert snapshot_printed.keys() == {"time", "status", "latest", "hints"}
+    served = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, trust_env=False).json()
+    assert snapshot_printed["status"] == served, "the status as the daemon sent it"
     assert snapshot_printed["status"]["progress"]["step"] == 45
     assert snapshot_printed["latest"] == fake.latest
     assert len(snapshot_printed["hints"]) == 1 and "p99 83 ms" in snapshot_printed["hints"][0]
