@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from rich.console import Console
 
 from api.advisor import Snapshot
-from api.client import ApiClient, ApiError, DaemonUnreachable, Unauthorized
+from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized
 from api.monitor import MonitorFeed, render, run_monitor, sparkline
 from tests.support import serve_app as serve
 from trainer.config.live import LiveSettings
@@ -108,6 +108,7 @@ class FakeDaemon:
     def __init__(self):
         self.states = ["running"]  # one per status request; the last one stays
         self.broken = False  # answer 500 to the status request
+        self.missing: tuple[str, str] | None = None  # (section, field) left out of the status, as another version
         self.latest = latest_body()
         self.events: list[dict] = []
         self.requests: list[tuple[str, dict[str, str]]] = []
@@ -125,11 +126,15 @@ class FakeDaemon:
             return await call_next(request)
 
         @app.get("/v1/status")
-        def status() -> RunStatus:
+        def status() -> dict:
             if self.broken:
                 raise HTTPException(500, "boom")
             state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
-            return run_status(state)
+            body = run_status(state).model_dump(mode="json", by_alias=True)
+            if self.missing:
+                section, field = self.missing
+                del body[section][field]
+            return body
 
         @app.get("/v1/metrics/latest")
         def latest():
@@ -195,6 +200,16 @@ def test_a_wrong_token_is_unauthorized_and_a_server_error_names_the_route(daemon
     fake.broken = True
     with ApiClient(url, TOKEN) as client, pytest.raises(ApiError, match="GET /v1/status failed with HTTP 500: boom"):
         client.status()
+
+
+def test_a_status_this_client_cannot_read_is_one_line_naming_the_field(daemon):
+    fake, url = daemon
+    fake.missing = ("progress", "total_steps")
+    with ApiClient(url, TOKEN) as client, pytest.raises(IncompatibleDaemon) as unreadable:
+        client.status()
+    assert isinstance(unreadable.value, ApiError)
+    assert unreadable.value.lines() == [f"the daemon at {url} answered GET /v1/status with a body this verl cannot "
+                                        "read: progress.total_steps: field required"]
 
 
 def test_nothing_listening_is_daemon_unreachable():

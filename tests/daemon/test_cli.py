@@ -62,6 +62,7 @@ class FakeRun:
         self.on_stop = lambda: None
         self.phase_since = time.time() - 2
         self.url = ""  # where the test serves it
+        self.missing: tuple[str, str] | None = None  # (section, field) left out of the status, as another version
         self.app = self._build_app()
 
     def settings_body(self) -> dict:
@@ -92,8 +93,12 @@ class FakeRun:
             return await call_next(request)
 
         @app.get("/v1/status")
-        def status() -> RunStatus:
-            return self.status()
+        def status() -> dict:
+            body = self.status().model_dump(mode="json", by_alias=True)
+            if self.missing:
+                section, field = self.missing
+                del body[section][field]
+            return body
 
         @app.get("/v1/metrics/latest")
         def latest():
@@ -206,6 +211,15 @@ def test_status_json_is_the_api_body(run, capsys):
     assert body == httpx.get(f"{run.url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"},
                              trust_env=False).json()
     assert body["run"]["daemon_pid"] == os.getpid()
+
+
+@pytest.mark.parametrize("command", ["status", "monitor"])
+def test_a_status_of_another_version_is_one_error_naming_the_field(run, capsys, command):
+    run.missing = ("run", "url")
+    code, out, err = verl(capsys, command, "--pid", PID, "--once" if command == "monitor" else "--json")
+    assert_user_error(code, err, "GET /v1/status with a body this verl cannot read: run.url: field required",
+                      "HINT: the daemon likely runs another verl version")
+    assert len(err.splitlines()) == 2 and out == ""
 
 
 def orphan_sleep() -> int:
