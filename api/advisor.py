@@ -1,7 +1,7 @@
 """Hints from the field's experience with offloaded training, read off one monitor snapshot.
 
 A pure function: `advise(snapshot)` looks at the snapshot the monitor builds (a `Snapshot`: the
-run's status as its typed model, the latest values and recent events as the API's JSON) and returns
+run's status and latest values as the API's models, recent events as its JSON) and returns
 sentences for a user, most urgent first; no hint means nothing looks wrong.
 
 Only "gpu" events of the last SUSTAINED_WINDOW_S seconds count for the GPU hints, so a short
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from statistics import fmean
 from typing import Any, TypedDict
 
-from api.client import dig
+from api.schemas import LatestBody
 from trainer.config.messages import RunStatus
 
 # Copies slower than this are bound by host memory or the PCIe link, not by the GPU.
@@ -36,8 +36,8 @@ class Snapshot(TypedDict):
     """When it was taken (epoch seconds)."""
     status: RunStatus
     """GET /v1/status."""
-    latest: Mapping[str, Any]
-    """GET /v1/metrics/latest, as JSON."""
+    latest: LatestBody
+    """GET /v1/metrics/latest."""
     history: Sequence[Mapping[str, Any]]
     """Recent events {"seq", "time", "kind", "data"}, oldest first."""
 
@@ -45,7 +45,7 @@ class Snapshot(TypedDict):
 def advise(snapshot: Snapshot) -> list[str]:
     """The hints that apply to this snapshot (empty when nothing looks wrong)."""
     hints = []
-    p99 = dig(snapshot["latest"], "offload", "copy_latency_p99_s")
+    p99 = snapshot["latest"].offload.copy_latency_p99_s
     if p99 is not None and p99 > OFFLOAD_P99_LIMIT_S:
         hints.append(f"offload copies are slow (p99 {p99 * 1e3:.0f} ms > {OFFLOAD_P99_LIMIT_S * 1e3:.0f} ms): "
                      "CPU/PCIe bandwidth bound; use a coarser offload granularity (fewer, larger copies) "

@@ -198,10 +198,9 @@ def _add_hints_route(router: APIRouter, hub: TelemetryHub, control: RunControl) 
         now = hub.clock()
         recent_gpu = [event.as_dict() for event in hub.since(0, kinds=("gpu",))
                       if event.time >= now - SUSTAINED_WINDOW_S]
-        # The advisor reads what the monitor fetches over HTTP: the status model, the latest values' JSON.
+        # The advisor reads what the monitor fetches over HTTP: the same models, the same events.
         status: RunStatus = await _call(control.status)
-        snapshot = Snapshot(time=now, status=status, latest=_latest_body(hub).model_dump(mode="json"),
-                            history=recent_gpu)
+        snapshot = Snapshot(time=now, status=status, latest=_latest_body(hub), history=recent_gpu)
         return {"time": now, "hints": advise(snapshot)}
 
 

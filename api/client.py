@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError, InvalidHandshake, InvalidStatus
 
+from api.schemas import LatestBody
 from trainer.config.messages import RunStatus
 
 # Close code the server uses when it refuses a WebSocket after the handshake (token or Origin).
@@ -81,8 +82,8 @@ class ApiClient:
     def status(self) -> RunStatus:
         return self._parse(RunStatus, "GET", "/v1/status")
 
-    def latest(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/metrics/latest")
+    def latest(self) -> LatestBody:
+        return self._parse(LatestBody, "GET", "/v1/metrics/latest")
 
     def history(self, since: int = 0, keys: Iterable[str] | None = None,
                 kinds: Iterable[str] | None = None) -> dict[str, Any]:
@@ -205,14 +206,3 @@ def _problems(response: httpx.Response) -> list[tuple[str, str]]:
         message = item.get("msg", str(item)) if isinstance(item, dict) else str(item)
         problems.append((".".join(location) or "body", message))
     return problems
-
-
-def dig(body: Mapping[str, Any] | None, *path: str) -> Any:
-    """A nested field of an API answer, or None where any part of the path is missing or null
-    (the shapes hold nulls until the first sample or step arrives)."""
-    value: Any = body
-    for key in path:
-        if not isinstance(value, Mapping):
-            return None
-        value = value.get(key)
-    return value

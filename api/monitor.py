@@ -24,7 +24,8 @@ from rich.table import Table
 from rich.text import Text
 
 from api.advisor import SUSTAINED_WINDOW_S, Snapshot, advise
-from api.client import ApiClient, DaemonUnreachable, dig
+from api.client import ApiClient, DaemonUnreachable
+from api.schemas import OffloadSummary, StepSnapshot
 from trainer.config.messages import Progress, Restarts, RunStatus, SettingsState
 
 # (label, verl metric key) of the trend lines, in the order shown.
@@ -79,9 +80,9 @@ class MonitorFeed:
 
 
 def snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
-    """What `verl monitor --once --json` prints: status (as /v1/status sends it), latest values and hints."""
+    """What `verl monitor --once --json` prints: status and latest values (as the API sends them) and hints."""
     return {"time": snapshot["time"], "status": snapshot["status"].model_dump(mode="json", by_alias=True),
-            "latest": snapshot["latest"], "hints": advise(snapshot)}
+            "latest": snapshot["latest"].model_dump(mode="json"), "hints": advise(snapshot)}
 
 
 def run_monitor(client: ApiClient, *, once: bool, as_json: bool, refresh_s: float = 1.0,
@@ -146,11 +147,11 @@ def render(snapshot: Snapshot, *, note: str | None = None) -> RenderableType:
         rows.add_row(Text("!", style="red"), Text(note, style="red"))
     rows.add_row("step", _progress(status.progress))
     rows.add_row("phase", _phase(status, snapshot["time"]))
-    for label, line in _gpu_lines(latest.get("gpu"), _events(snapshot, "gpu")):
+    for label, line in _gpu_lines(latest.gpu, _events(snapshot, "gpu")):
         rows.add_row(label, line)
-    rows.add_row("host", _host(dig(latest, "gpu", "host")))
-    rows.add_row("offload", _offload(latest.get("offload")))
-    rows.add_row("speed", _speed(latest.get("step")))
+    rows.add_row("host", _host(latest.gpu.get("host") if latest.gpu else None))
+    rows.add_row("offload", _offload(latest.offload))
+    rows.add_row("speed", _speed(latest.step))
     for label, line in _trends(_events(snapshot, "step")):
         rows.add_row(label, line)
     rows.add_row("settings", _settings(status.settings))
@@ -225,20 +226,20 @@ def _host(host: Mapping | None) -> Text:
     return Text("  ".join(parts))
 
 
-def _offload(offload: Mapping | None) -> Text:
-    if not offload or not offload.get("copies"):
+def _offload(offload: OffloadSummary) -> Text:
+    if not offload.copies:
         return Text("no copies in the last minute", style="dim")
-    p99 = offload.get("copy_latency_p99_s")
-    text = Text(f"p50 {_milliseconds(offload.get('copy_latency_p50_s'))}  ")
+    p99 = offload.copy_latency_p99_s
+    text = Text(f"p50 {_milliseconds(offload.copy_latency_p50_s)}  ")
     text.append(f"p99 {_milliseconds(p99)}", style="red" if p99 is not None and p99 > 0.050 else "")
-    text.append(f"  {_rate(offload.get('bandwidth_bytes_per_second'))}  {offload['copies']:,} copies/min")
+    text.append(f"  {_rate(offload.bandwidth_bytes_per_second)}  {offload.copies:,} copies/min")
     return text
 
 
-def _speed(step: Mapping | None) -> Text:
-    if not step:
+def _speed(step: StepSnapshot | None) -> Text:
+    if step is None:
         return Text("waiting for the first step", style="dim")
-    metrics = step.get("metrics") or {}
+    metrics = step.metrics
     parts = [f"{_number(metrics.get('timing_s/step'))} s/step",
              f"{_number(metrics.get('perf/throughput'), ',.0f')} tokens/s"]
     phases = sorted(((key.removeprefix("timing_s/"), value) for key, value in metrics.items()

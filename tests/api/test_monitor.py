@@ -23,6 +23,7 @@ from rich.console import Console
 from api.advisor import Snapshot
 from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized
 from api.monitor import MonitorFeed, render, run_monitor, sparkline
+from api.schemas import LatestBody, OffloadSummary, StepSnapshot
 from tests.support import serve_app as serve
 from trainer.config.live import LiveSettings
 from trainer.config.messages import (
@@ -74,12 +75,12 @@ def run_status(state: RunState = "running") -> RunStatus:
                                                             bytes=2 * GIB)]))
 
 
-def latest_body(p99_s: float = 0.083) -> dict:
+def latest_body(p99_s: float = 0.083) -> LatestBody:
     metrics = {"timing_s/step": 2.31, "timing_s/gen": 1.2, "timing_s/update_actor": 0.8, "timing_s/reward": 0.01,
                "perf/throughput": 1234.4, "critic/score/mean": 0.45, "actor/ppo_kl": 0.0045, "actor/pg_loss": -0.12}
-    return {"seq": 300, "step": {"step": 45, "time": NOW - 1, "metrics": metrics}, "gpu": gpu_data(),
-            "offload": {"copy_latency_p50_s": 0.0012, "copy_latency_p99_s": p99_s,
-                        "bandwidth_bytes_per_second": 12.3e9, "copies": 1234}}
+    return LatestBody(seq=300, step=StepSnapshot(step=45, time=NOW - 1, metrics=metrics), gpu=gpu_data(),
+                      offload=OffloadSummary(copy_latency_p50_s=0.0012, copy_latency_p99_s=p99_s,
+                                             bandwidth_bytes_per_second=12.3e9, copies=1234))
 
 
 def step_event(seq: int, step: int, time_s: float, score: float) -> dict:
@@ -137,8 +138,8 @@ class FakeDaemon:
             return body
 
         @app.get("/v1/metrics/latest")
-        def latest():
-            return self.latest
+        def latest() -> dict:
+            return self.latest.model_dump(mode="json")
 
         @app.get("/v1/metrics/history")
         def history(since: int = 0):
@@ -184,7 +185,7 @@ def test_the_client_sends_the_token_and_passes_the_history_filters(daemon):
     fake, url = daemon
     with ApiClient(url, TOKEN) as client:
         assert client.status() == run_status()
-        assert client.latest()["offload"]["copies"] == 1234
+        assert client.latest() == latest_body()
         assert client.history(since=7, keys=["actor/pg_loss", "perf/throughput"], kinds=["gpu", "step"]) == {
             "events": [], "last_seq": 0}
         assert client.checkpoint() == {"requested": True}
@@ -309,9 +310,9 @@ def test_the_view_before_any_sample_says_what_is_missing():
     status = status.model_copy(update={
         "progress": Progress(step=0, total_steps=200, phase=None, phase_since=None),
         "settings": status.settings.model_copy(update={"acknowledged_version": 2})})
-    latest = {"seq": 0, "step": None, "gpu": {"nvml": False, "gpus": [], "host": gpu_data()["host"]},
-              "offload": {"copy_latency_p50_s": None, "copy_latency_p99_s": None,
-                          "bandwidth_bytes_per_second": None, "copies": 0}}
+    latest = LatestBody(seq=0, step=None, gpu={"nvml": False, "gpus": [], "host": gpu_data()["host"]},
+                        offload=OffloadSummary(copy_latency_p50_s=None, copy_latency_p99_s=None,
+                                               bandwidth_bytes_per_second=None, copies=0))
     text = rendered(snapshot(status=status, latest=latest, history=[]))
     for figure in ["starting", "0/200", "NVML unavailable", "waiting for the first step", "no copies",
                    "v3 pending: the trainer has v2", "hints    none", "CPU 50%"]:
@@ -335,10 +336,11 @@ def test_once_json_prints_status_latest_and_hints(daemon):
         assert run_monitor(client, once=True, as_json=True, console=Console(file=output)) == 0
     snapshot_printed = json.loads(output.getvalue())
     assert snapshot_printed.keys() == {"time", "status", "latest", "hints"}
-    served = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, trust_env=False).json()
-    assert snapshot_printed["status"] == served, "the status as the daemon sent it"
+    for name, path in [("status", "/v1/status"), ("latest", "/v1/metrics/latest")]:
+        served = httpx.get(url + path, headers={"Authorization": f"Bearer {TOKEN}"}, trust_env=False).json()
+        assert snapshot_printed[name] == served, f"{path} as the daemon sent it"
     assert snapshot_printed["status"]["progress"]["step"] == 45
-    assert snapshot_printed["latest"] == fake.latest
+    assert snapshot_printed["latest"]["offload"]["copies"] == 1234
     assert len(snapshot_printed["hints"]) == 1 and "p99 83 ms" in snapshot_printed["hints"][0]
 
 
