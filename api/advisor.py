@@ -1,13 +1,8 @@
 """Hints from the field's experience with offloaded training, read off one monitor snapshot.
 
-A pure function: `advise(snapshot)` looks at the snapshot the monitor builds and returns
-sentences for a user, most urgent first; no hint means nothing looks wrong. The snapshot is a
-dict of the API's JSON shapes:
-
-    {"time": now (epoch seconds),
-     "status": GET /v1/status,
-     "latest": GET /v1/metrics/latest,
-     "history": [recent events {"seq", "time", "kind", "data"}, oldest first]}
+A pure function: `advise(snapshot)` looks at the snapshot the monitor builds (a `Snapshot`: the
+run's status and latest values as the API's models, recent events as its JSON) and returns
+sentences for a user, most urgent first; no hint means nothing looks wrong.
 
 Only "gpu" events of the last SUSTAINED_WINDOW_S seconds count for the GPU hints, so a short
 dip (a checkpoint save, a slow reward call) says nothing.
@@ -17,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from statistics import fmean
-from typing import Any
+from typing import Any, TypedDict
 
-from api.client import dig
+from api.schemas import LatestBody
+from trainer.config.messages import RunStatus
 
 # Copies slower than this are bound by host memory or the PCIe link, not by the GPU.
 OFFLOAD_P99_LIMIT_S = 0.050
@@ -33,10 +29,23 @@ MEMORY_NEAR_FULL = 0.95
 MEMORY_JUMP = 0.10
 
 
-def advise(snapshot: Mapping[str, Any]) -> list[str]:
+class Snapshot(TypedDict):
+    """The run at one moment: what the monitor polls (api/monitor.py MonitorFeed) and /v1/hints gathers."""
+
+    time: float
+    """When it was taken (epoch seconds)."""
+    status: RunStatus
+    """GET /v1/status."""
+    latest: LatestBody
+    """GET /v1/metrics/latest."""
+    history: Sequence[Mapping[str, Any]]
+    """Recent events {"seq", "time", "kind", "data"}, oldest first."""
+
+
+def advise(snapshot: Snapshot) -> list[str]:
     """The hints that apply to this snapshot (empty when nothing looks wrong)."""
     hints = []
-    p99 = dig(snapshot, "latest", "offload", "copy_latency_p99_s")
+    p99 = snapshot["latest"].offload.copy_latency_p99_s
     if p99 is not None and p99 > OFFLOAD_P99_LIMIT_S:
         hints.append(f"offload copies are slow (p99 {p99 * 1e3:.0f} ms > {OFFLOAD_P99_LIMIT_S * 1e3:.0f} ms): "
                      "CPU/PCIe bandwidth bound; use a coarser offload granularity (fewer, larger copies) "
@@ -76,7 +85,7 @@ def _memory_spike(samples: list[tuple[float, dict]]) -> str | None:
     return None
 
 
-def _gpu_samples(snapshot: Mapping[str, Any]) -> dict[int, list[tuple[float, dict]]]:
+def _gpu_samples(snapshot: Snapshot) -> dict[int, list[tuple[float, dict]]]:
     """(time, GPU data) per GPU index from the gpu events of the window, oldest first."""
     since = snapshot["time"] - SUSTAINED_WINDOW_S
     per_gpu: dict[int, list[tuple[float, dict]]] = {}
@@ -89,18 +98,18 @@ def _gpu_samples(snapshot: Mapping[str, Any]) -> dict[int, list[tuple[float, dic
     return per_gpu
 
 
-def _events(snapshot: Mapping[str, Any], kind: str) -> Sequence[Mapping[str, Any]]:
-    return [event for event in snapshot.get("history") or [] if event["kind"] == kind]
+def _events(snapshot: Snapshot, kind: str) -> Sequence[Mapping[str, Any]]:
+    return [event for event in snapshot["history"] if event["kind"] == kind]
 
 
-def _training(snapshot: Mapping[str, Any]) -> bool:
+def _training(snapshot: Snapshot) -> bool:
     """GPU load means something only while the trainer runs (not while it starts, restarts or stops)."""
-    return dig(snapshot, "status", "run", "state") == "running"
+    return snapshot["status"].run.state == "running"
 
 
-def _anything_offloaded(snapshot: Mapping[str, Any]) -> bool:
+def _anything_offloaded(snapshot: Snapshot) -> bool:
     """Whether any module group lives on the CPU; unknown (no summary yet) counts as yes."""
-    summary = dig(snapshot, "status", "offload", "summary")
+    summary = snapshot["status"].offload.summary
     if not summary:
         return True
-    return any(group.get("device") == "cpu" for group in summary)
+    return any(row.device == "cpu" for row in summary)

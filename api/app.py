@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.websockets import WebSocketDisconnect
 
-from api.advisor import SUSTAINED_WINDOW_S, advise
+from api.advisor import SUSTAINED_WINDOW_S, Snapshot, advise
 from api.hub import Subscription, TelemetryHub
 from api.schemas import (
     EVENT_KINDS,
@@ -198,10 +198,9 @@ def _add_hints_route(router: APIRouter, hub: TelemetryHub, control: RunControl) 
         now = hub.clock()
         recent_gpu = [event.as_dict() for event in hub.since(0, kinds=("gpu",))
                       if event.time >= now - SUSTAINED_WINDOW_S]
-        # The advisor reads the same JSON documents the monitor fetches over HTTP.
+        # The advisor reads what the monitor fetches over HTTP: the same models, the same events.
         status: RunStatus = await _call(control.status)
-        snapshot = {"time": now, "status": status.model_dump(mode="json", by_alias=True),
-                    "latest": _latest_body(hub).model_dump(mode="json"), "history": recent_gpu}
+        snapshot = Snapshot(time=now, status=status, latest=_latest_body(hub), history=recent_gpu)
         return {"time": now, "hints": advise(snapshot)}
 
 

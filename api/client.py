@@ -2,23 +2,30 @@
 
 REST over httpx, the live stream over websockets; the token goes in the Authorization header
 (never in a URL, where it would end up in logs). Every failure is an ApiError whose message can
-be shown to a user as is; DaemonUnreachable and Unauthorized tell the two common causes apart.
+be shown to a user as is; DaemonUnreachable and Unauthorized tell the two common causes apart,
+and IncompatibleDaemon a body this client cannot read (a daemon of another verl version).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
+from pydantic import BaseModel, ValidationError
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError, InvalidHandshake, InvalidStatus
+
+from api.schemas import LatestBody
+from trainer.config.messages import RunStatus
 
 # Close code the server uses when it refuses a WebSocket after the handshake (token or Origin).
 _POLICY_VIOLATION = 1008
 _BAD_REQUEST = 4422  # api/app.py WS_CLOSE_BAD_REQUEST: a bad query parameter (since)
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class ApiError(Exception):
@@ -47,6 +54,10 @@ class Unauthorized(ApiError):
     """The daemon refused the token (401, or a WebSocket closed for policy)."""
 
 
+class IncompatibleDaemon(ApiError):
+    """The daemon answered with a body that does not fit this client's model of it (another verl version)."""
+
+
 class ApiClient:
     """Calls of one daemon's REST API and stream; use as a context manager or call close()."""
 
@@ -68,11 +79,11 @@ class ApiClient:
 
     # ------------------------------------------------------------------------------------- REST
 
-    def status(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/status")
+    def status(self) -> RunStatus:
+        return self._parse(RunStatus, "GET", "/v1/status")
 
-    def latest(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/metrics/latest")
+    def latest(self) -> LatestBody:
+        return self._parse(LatestBody, "GET", "/v1/metrics/latest")
 
     def history(self, since: int = 0, keys: Iterable[str] | None = None,
                 kinds: Iterable[str] | None = None) -> dict[str, Any]:
@@ -96,6 +107,18 @@ class ApiClient:
 
     def stop(self) -> dict[str, Any]:
         return self._request("POST", "/v1/stop")
+
+    def _parse(self, model: type[Body], method: str, path: str) -> Body:
+        """The answer to a request as `model`; one that does not fit is an IncompatibleDaemon naming the
+        first field that does not (a user needs the line, not pydantic's report)."""
+        try:
+            return model.model_validate(self._request(method, path))
+        except ValidationError as error:
+            problems = error.errors()
+            field = ".".join(str(part) for part in problems[0]["loc"]) or "body"
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise IncompatibleDaemon(f"the daemon at {self.url} answered {method} {path} with a body this verl "
+                                     f"cannot read: {field}: {problems[0]['msg'].lower()}{more}") from None
 
     def _request(self, method: str, path: str, **kwargs) -> dict[str, Any]:
         try:
@@ -183,14 +206,3 @@ def _problems(response: httpx.Response) -> list[tuple[str, str]]:
         message = item.get("msg", str(item)) if isinstance(item, dict) else str(item)
         problems.append((".".join(location) or "body", message))
     return problems
-
-
-def dig(body: Mapping[str, Any] | None, *path: str) -> Any:
-    """A nested field of an API answer, or None where any part of the path is missing or null
-    (the shapes hold nulls until the first sample or step arrives)."""
-    value: Any = body
-    for key in path:
-        if not isinstance(value, Mapping):
-            return None
-        value = value.get(key)
-    return value

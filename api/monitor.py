@@ -23,8 +23,10 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from api.advisor import SUSTAINED_WINDOW_S, advise
-from api.client import ApiClient, DaemonUnreachable, dig
+from api.advisor import SUSTAINED_WINDOW_S, Snapshot, advise
+from api.client import ApiClient, DaemonUnreachable
+from api.schemas import OffloadSummary, StepSnapshot
+from trainer.config.messages import Progress, Restarts, RunStatus, SettingsState
 
 # (label, verl metric key) of the trend lines, in the order shown.
 TRENDS = (("reward", "critic/score/mean"), ("KL", "actor/ppo_kl"), ("loss", "actor/pg_loss"),
@@ -41,8 +43,7 @@ BLOCKS = "▁▂▃▄▅▆▇█"
 
 
 class MonitorFeed:
-    """Polls one daemon and keeps the recent history; each poll() returns a fresh snapshot
-    (the advisor's shape: {"time", "status", "latest", "history"})."""
+    """Polls one daemon and keeps the recent history; each poll() returns a fresh snapshot."""
 
     def __init__(self, client: ApiClient, *, clock: Callable[[], float] = time.time,
                  window_s: float = SUSTAINED_WINDOW_S, max_steps: int = MAX_STEPS):
@@ -54,7 +55,7 @@ class MonitorFeed:
         self._gpu_events: list[dict] = []
         self._step_events: list[dict] = []
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self) -> Snapshot:
         status = self._client.status()
         latest = self._client.latest()
         history = self._client.history(since=self._last_seq, keys=TREND_KEYS, kinds=("gpu", "step"))
@@ -68,7 +69,7 @@ class MonitorFeed:
         self._gpu_events = [event for event in self._gpu_events if event["time"] >= now - self._window_s]
         self._step_events = self._step_events[-self._max_steps:]
         events = sorted(self._gpu_events + self._step_events, key=lambda event: event["seq"])
-        return {"time": now, "status": status, "latest": latest, "history": events}
+        return Snapshot(time=now, status=status, latest=latest, history=events)
 
     def _add_step(self, event: dict) -> None:
         # After a crash the trainer redoes the steps after its checkpoint: the redone step replaces
@@ -78,10 +79,10 @@ class MonitorFeed:
         self._step_events.append(event)
 
 
-def snapshot_json(snapshot: Mapping[str, Any]) -> dict[str, Any]:
-    """What `verl monitor --once --json` prints: status, latest values and hints."""
-    return {"time": snapshot["time"], "status": snapshot["status"], "latest": snapshot["latest"],
-            "hints": advise(snapshot)}
+def snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
+    """What `verl monitor --once --json` prints: status and latest values (as the API sends them) and hints."""
+    return {"time": snapshot["time"], "status": snapshot["status"].model_dump(mode="json", by_alias=True),
+            "latest": snapshot["latest"].model_dump(mode="json"), "hints": advise(snapshot)}
 
 
 def run_monitor(client: ApiClient, *, once: bool, as_json: bool, refresh_s: float = 1.0,
@@ -120,7 +121,7 @@ def _watch(feed: MonitorFeed, console: Console, refresh_s: float, stop: threadin
                     farewell = "the daemon stopped answering: the run has ended or was stopped"
                     break
                 live.update(render(snapshot, note=note), refresh=True)
-                state = dig(snapshot, "status", "run", "state")
+                state = snapshot["status"].run.state
                 if state in ENDED_STATES:
                     farewell = f"the run has {state}"
                     break
@@ -136,7 +137,7 @@ def _watch(feed: MonitorFeed, console: Console, refresh_s: float, stop: threadin
 # ------------------------------------------------------------------------------------- the view
 
 
-def render(snapshot: Mapping[str, Any], *, note: str | None = None) -> RenderableType:
+def render(snapshot: Snapshot, *, note: str | None = None) -> RenderableType:
     """One screen: progress, GPUs, host, offload, step, trends, settings and hints."""
     status, latest = snapshot["status"], snapshot["latest"]
     rows = Table.grid(padding=(0, 1), expand=True)
@@ -144,29 +145,28 @@ def render(snapshot: Mapping[str, Any], *, note: str | None = None) -> Renderabl
     rows.add_column(ratio=1)
     if note:
         rows.add_row(Text("!", style="red"), Text(note, style="red"))
-    rows.add_row("step", _progress(status))
+    rows.add_row("step", _progress(status.progress))
     rows.add_row("phase", _phase(status, snapshot["time"]))
-    for label, line in _gpu_lines(latest.get("gpu"), _events(snapshot, "gpu")):
+    for label, line in _gpu_lines(latest.gpu, _events(snapshot, "gpu")):
         rows.add_row(label, line)
-    rows.add_row("host", _host(dig(latest, "gpu", "host")))
-    rows.add_row("offload", _offload(latest.get("offload")))
-    rows.add_row("speed", _speed(latest.get("step")))
+    rows.add_row("host", _host(latest.gpu.get("host") if latest.gpu else None))
+    rows.add_row("offload", _offload(latest.offload))
+    rows.add_row("speed", _speed(latest.step))
     for label, line in _trends(_events(snapshot, "step")):
         rows.add_row(label, line)
-    rows.add_row("settings", _settings(status.get("settings")))
+    rows.add_row("settings", _settings(status.settings))
     hints = advise(snapshot)
     rows.add_row("hints", Group(*(Text(f"• {hint}", style="yellow") for hint in hints))
                  if hints else Text("none", style="dim"))
-    run = status.get("run") or {}
-    state = run.get("state", "?")
-    state_style = {"running": "green", "failed": "red", "restarting": "yellow"}.get(state, "cyan")
-    title = Text.assemble(("verl ", "bold"), (f"{run.get('name', '?')} · ", ""), (state, state_style))
-    subtitle = f"pid {run.get('daemon_pid', '?')} · up {_clock_time(run.get('uptime_s'))} · {run.get('url', '')}"
+    run = status.run
+    state_style = {"running": "green", "failed": "red", "restarting": "yellow"}.get(run.state, "cyan")
+    title = Text.assemble(("verl ", "bold"), (f"{run.name} · ", ""), (run.state, state_style))
+    subtitle = f"pid {run.daemon_pid} · up {_clock_time(run.uptime_s)} · {run.url}"
     return Panel(rows, title=title, subtitle=subtitle, padding=(0, 1))
 
 
-def _progress(status: Mapping) -> RenderableType:
-    step, total = dig(status, "progress", "step") or 0, dig(status, "progress", "total_steps")
+def _progress(progress: Progress) -> RenderableType:
+    step, total = progress.step, progress.total_steps
     if not total:
         return Text(f"{step}")
     line = Table.grid(padding=(0, 1), expand=True)
@@ -177,16 +177,14 @@ def _progress(status: Mapping) -> RenderableType:
     return line
 
 
-def _phase(status: Mapping, now: float) -> Text:
-    phase, since = dig(status, "progress", "phase"), dig(status, "progress", "phase_since")
+def _phase(status: RunStatus, now: float) -> Text:
+    phase, since = status.progress.phase, status.progress.phase_since
     text = Text(phase or "-", style="cyan")
     if phase and since is not None:
         text.append(f" for {_seconds(max(0.0, now - since))}")
-    total, limit = dig(status, "restarts", "total") or 0, dig(status, "restarts", "max")
-    text.append(f" · restarts {total}/{limit}" if limit is not None else f" · restarts {total}",
-                style="red" if total else "")
-    reasons = ", ".join(f"{reason} {count}" for reason, count in (dig(status, "restarts", "by_reason") or {}).items()
-                        if count)
+    restarts = status.restarts
+    text.append(f" · restarts {restarts.total}/{restarts.max}", style="red" if restarts.total else "")
+    reasons = _reasons(restarts)
     if reasons:
         text.append(f" ({reasons})")
     return text
@@ -228,20 +226,20 @@ def _host(host: Mapping | None) -> Text:
     return Text("  ".join(parts))
 
 
-def _offload(offload: Mapping | None) -> Text:
-    if not offload or not offload.get("copies"):
+def _offload(offload: OffloadSummary) -> Text:
+    if not offload.copies:
         return Text("no copies in the last minute", style="dim")
-    p99 = offload.get("copy_latency_p99_s")
-    text = Text(f"p50 {_milliseconds(offload.get('copy_latency_p50_s'))}  ")
+    p99 = offload.copy_latency_p99_s
+    text = Text(f"p50 {_milliseconds(offload.copy_latency_p50_s)}  ")
     text.append(f"p99 {_milliseconds(p99)}", style="red" if p99 is not None and p99 > 0.050 else "")
-    text.append(f"  {_rate(offload.get('bandwidth_bytes_per_second'))}  {offload['copies']:,} copies/min")
+    text.append(f"  {_rate(offload.bandwidth_bytes_per_second)}  {offload.copies:,} copies/min")
     return text
 
 
-def _speed(step: Mapping | None) -> Text:
-    if not step:
+def _speed(step: StepSnapshot | None) -> Text:
+    if step is None:
         return Text("waiting for the first step", style="dim")
-    metrics = step.get("metrics") or {}
+    metrics = step.metrics
     parts = [f"{_number(metrics.get('timing_s/step'))} s/step",
              f"{_number(metrics.get('perf/throughput'), ',.0f')} tokens/s"]
     phases = sorted(((key.removeprefix("timing_s/"), value) for key, value in metrics.items()
@@ -266,50 +264,50 @@ def _trends(steps: Sequence[Mapping]) -> list[tuple[str, Text]]:
     return lines
 
 
-def _settings(settings: Mapping | None) -> Text:
-    if not settings:
-        return Text("unknown", style="dim")
+def _settings(settings: SettingsState) -> Text:
     acknowledgement = _acknowledgement(settings)
-    text = Text(f"v{settings.get('version')} {acknowledgement}",
+    text = Text(f"v{settings.version} {acknowledgement}",
                 style="yellow" if acknowledgement.startswith("pending") else "green")
-    for name, value in (settings.get("values") or {}).items():
+    for name, value in settings.values.public().items():
         text.append(f"  {name}={format_value(value)}")
     return text
 
 
-def _events(snapshot: Mapping[str, Any], kind: str) -> list[Mapping]:
-    return [event for event in snapshot.get("history") or [] if event["kind"] == kind]
+def _events(snapshot: Snapshot, kind: str) -> list[Mapping]:
+    return [event for event in snapshot["history"] if event["kind"] == kind]
 
 
-def describe_status(status: Mapping[str, Any]) -> list[str]:
+def describe_status(status: RunStatus) -> list[str]:
     """GET /v1/status as a few plain lines (`verl status`): what runs, where, how far, with what settings."""
-    run, progress = status.get("run") or {}, status.get("progress") or {}
-    step, total = progress.get("step"), progress.get("total_steps")
-    trainers = ", ".join(str(pid) for pid in run.get("trainer_pids") or []) or "none"
-    lines = [f"{run.get('name')}: {run.get('state')}, step {step}/{total}"
-             + (f" (phase {progress['phase']})" if progress.get("phase") else "")
-             + f", up {_clock_time(run.get('uptime_s'))}",
-             f"daemon pid {run.get('daemon_pid')}, trainer pid {trainers}; API {run.get('url')}",
-             f"run dir {run.get('run_dir')}"]
-    restarts = status.get("restarts") or {}
-    reasons = ", ".join(f"{reason} {count}" for reason, count in (restarts.get("by_reason") or {}).items() if count)
-    lines.append(f"restarts {restarts.get('total', 0)} of at most {restarts.get('max')}"
+    run, progress = status.run, status.progress
+    trainers = ", ".join(str(pid) for pid in run.trainer_pids) or "none"
+    lines = [f"{run.name}: {run.state}, step {progress.step}/{progress.total_steps}"
+             + (f" (phase {progress.phase})" if progress.phase else "")
+             + f", up {_clock_time(run.uptime_s)}",
+             f"daemon pid {run.daemon_pid}, trainer pid {trainers}; API {run.url}",
+             f"run dir {run.run_dir}"]
+    reasons = _reasons(status.restarts)
+    lines.append(f"restarts {status.restarts.total} of at most {status.restarts.max}"
                  + (f" ({reasons})" if reasons else ""))
-    settings = status.get("settings") or {}
-    values = ", ".join(f"{name}={format_value(value)}" for name, value in (settings.get("values") or {}).items())
-    lines.append(f"settings v{settings.get('version')} ({_acknowledgement(settings)}): {values}")
-    telemetry = status.get("telemetry") or {}
-    lines.append(f"telemetry: NVML {'available' if telemetry.get('nvml') else 'unavailable'}, "
-                 f"{telemetry.get('dropped_messages', 0)} messages dropped")
+    settings = status.settings
+    values = ", ".join(f"{name}={format_value(value)}" for name, value in settings.values.public().items())
+    lines.append(f"settings v{settings.version} ({_acknowledgement(settings)}): {values}")
+    telemetry = status.telemetry
+    lines.append(f"telemetry: NVML {'available' if telemetry.nvml else 'unavailable'}, "
+                 f"{telemetry.dropped_messages} messages dropped")
     return lines
 
 
-def _acknowledgement(settings: Mapping[str, Any]) -> str:
-    version, acknowledged = settings.get("version"), settings.get("acknowledged_version")
-    if version is not None and acknowledged is not None and acknowledged >= version:
-        applied = settings.get("applied_at_step")
+def _reasons(restarts: Restarts) -> str:
+    """The restarts' causes that occurred, with their counts: "crash 1, oom 2"."""
+    return ", ".join(f"{reason} {count}" for reason, count in restarts.by_reason.items() if count)
+
+
+def _acknowledgement(settings: SettingsState) -> str:
+    if settings.acknowledged_version >= settings.version:
+        applied = settings.applied_at_step
         return "in effect" + (f" from step {applied}" if applied is not None else "")
-    return f"pending: the trainer has v{acknowledged}"
+    return f"pending: the trainer has v{settings.acknowledged_version}"
 
 
 # ---------------------------------------------------------------------------------- formatting

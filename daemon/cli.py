@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 import yaml
 
-from api.client import ApiClient, ApiError, DaemonUnreachable, Unauthorized, dig, page_url
+from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized, page_url
 from api.monitor import describe_status, format_value, run_monitor
 from daemon.runtime import RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
 from trainer.config import ConfigError, RunConfig, dump_config, load_config
@@ -180,8 +180,9 @@ def monitor_command(args: argparse.Namespace) -> int:
 
 def status_command(args: argparse.Namespace) -> int:
     with connect(args.pid, args.state_dir) as (_, client):
-        body = client.status()
-    print(json.dumps(body, indent=2) if args.json else "\n".join(describe_status(body)))
+        status = client.status()
+    print(json.dumps(status.model_dump(mode="json", by_alias=True), indent=2) if args.json
+          else "\n".join(describe_status(status)))
     return 0
 
 
@@ -249,6 +250,10 @@ def connect(pid: int, configured_state_dir: str | None = None) -> Iterator[tuple
                              f"the token in {runtime_file(state, info.pid)} is not this daemon's: the file is "
                              "left from an older run; delete it, then use the pid the running `verl train` "
                              "printed") from None
+        except IncompatibleDaemon as error:
+            raise UsageError(f"run {info.name} (daemon pid {info.pid}): {error}",
+                             "the daemon likely runs another verl version than this command: use the `verl` of "
+                             "the environment that started the run") from None
         except ApiError as error:
             raise UsageError(error.lines(), f"see {info.run_dir}/logs/daemon.log") from None
 
@@ -308,7 +313,7 @@ def _wait_for_exit(pid: int, client: ApiClient) -> int | None:
     last_step = None
     while True:
         try:
-            last_step = dig(client.status(), "progress", "step")
+            last_step = client.status().progress.step
         except ApiError:
             pass  # it is shutting down its API: keep waiting for the process
         try:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from api.advisor import advise
+from api.advisor import Snapshot, advise
+from api.schemas import LatestBody, OffloadSummary
+from tests.support import run_status
+from trainer.config.messages import Group, OffloadSummaryRow, Role, RunState
 
 NOW = 1_700_000_000.0
 TOTAL = 80 * 2**30
@@ -22,15 +25,14 @@ def gpu_samples(utilization, used_fraction=0.5, *, seconds: int = 60, gpus: int 
                  for index in range(gpus)]}} for i in range(seconds)]
 
 
-def make_snapshot(*, history=(), p99_s=0.004, state="running", offloaded=True) -> dict:
-    summary = [{"role": "actor", "group": "transformer", "device": "cpu" if offloaded else "gpu", "bytes": 1},
-               {"role": "actor", "group": "lm_head", "device": "gpu", "bytes": 1}]
-    return {"time": NOW,
-            "status": {"run": {"state": state}, "offload": {"summary": summary}},
-            "latest": {"seq": 1, "step": None, "gpu": None,
-                       "offload": {"copy_latency_p50_s": 0.002, "copy_latency_p99_s": p99_s,
-                                   "bandwidth_bytes_per_second": 20e9, "copies": 100}},
-            "history": list(history)}
+def make_snapshot(*, history=(), p99_s=0.004, state: RunState = "running", offloaded=True) -> Snapshot:
+    summary = [OffloadSummaryRow(role=Role.ACTOR, group=Group.TRANSFORMER, device="cpu" if offloaded else "gpu",
+                                 bytes=1),
+               OffloadSummaryRow(role=Role.ACTOR, group=Group.LM_HEAD, device="gpu", bytes=1)]
+    latest = LatestBody(seq=1, step=None, gpu=None,
+                        offload=OffloadSummary(copy_latency_p50_s=0.002, copy_latency_p99_s=p99_s,
+                                               bandwidth_bytes_per_second=20e9, copies=100))
+    return Snapshot(time=NOW, status=run_status(state=state, summary=summary), latest=latest, history=list(history))
 
 
 def test_a_healthy_run_gets_no_hint():
@@ -38,8 +40,10 @@ def test_a_healthy_run_gets_no_hint():
 
 
 def test_an_empty_snapshot_gets_no_hint():
-    empty = {"time": NOW, "status": {}, "latest": {"seq": 0, "step": None, "gpu": None, "offload": None},
-             "history": []}
+    nothing_copied = OffloadSummary(copy_latency_p50_s=None, copy_latency_p99_s=None,
+                                    bandwidth_bytes_per_second=None, copies=0)
+    empty = Snapshot(time=NOW, status=run_status(step=0),
+                     latest=LatestBody(seq=0, step=None, gpu=None, offload=nothing_copied), history=[])
     assert advise(empty) == []
 
 

@@ -14,14 +14,32 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 from fastapi import FastAPI, HTTPException, Request, WebSocket
 from fastapi.responses import JSONResponse
 from rich.console import Console
 
-from api.client import ApiClient, ApiError, DaemonUnreachable, Unauthorized
+from api.advisor import Snapshot
+from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized
 from api.monitor import MonitorFeed, render, run_monitor, sparkline
+from api.schemas import LatestBody, OffloadSummary, StepSnapshot
 from tests.support import serve_app as serve
+from trainer.config.live import LiveSettings
+from trainer.config.messages import (
+    Group,
+    OffloadPlacement,
+    OffloadSummaryRow,
+    Phase,
+    Progress,
+    Restarts,
+    Role,
+    RunInfo,
+    RunState,
+    RunStatus,
+    SettingsState,
+    TelemetryHealth,
+)
 
 TOKEN = "test-token"
 NOW = 1_700_000_000.0
@@ -42,26 +60,27 @@ def gpu_data(utilization: float = 0.93, used: float = 120 * GIB) -> dict:
                      "daemon_rss_bytes": 80 * 2**20, "trainer_rss_bytes": 3.2 * GIB}}
 
 
-def status_body(state: str = "running") -> dict:
-    return {"run": {"name": "quickstart", "project": "verl", "run_dir": "runs/quickstart",
-                    "config_path": "runs/quickstart/config.yaml", "daemon_pid": 4242, "trainer_pids": [4243],
-                    "state": state, "started_at": NOW - 754, "uptime_s": 754.0, "url": "http://127.0.0.1:41234"},
-            "progress": {"step": 45, "total_steps": 200, "phase": "update_actor", "phase_since": NOW - 3},
-            "restarts": {"total": 1, "max": 3, "by_reason": {"crash": 1, "oom": 0}},
-            "settings": {"values": {"gpu_memory_threshold": 0.8, "min_transformer_layers_on_gpu": 4,
-                                    "dynamic_offload.enabled": True, "gpu_sample_interval_s": 1.0,
-                                    "pcie_sample_interval_s": 10.0, "log_level": "info"},
-                         "version": 3, "acknowledged_version": 3, "applied_at_step": 12},
-            "telemetry": {"nvml": True, "dropped_messages": 0},
-            "offload": {"summary": [{"role": "actor", "group": "transformer", "device": "cpu", "bytes": 2 * GIB}]}}
+def run_status(state: RunState = "running") -> RunStatus:
+    settings = LiveSettings(gpu_memory_threshold=0.8, min_transformer_layers_on_gpu=4, dynamic_offload_enabled=True,
+                            gpu_sample_interval_s=1.0, pcie_sample_interval_s=10.0, log_level="info")
+    return RunStatus(
+        run=RunInfo(name="quickstart", project="verl", run_dir="runs/quickstart",
+                    config_path="runs/quickstart/config.yaml", daemon_pid=4242, trainer_pids=[4243], state=state,
+                    started_at=NOW - 754, uptime_s=754.0, url="http://127.0.0.1:41234"),
+        progress=Progress(step=45, total_steps=200, phase=Phase.UPDATE_ACTOR, phase_since=NOW - 3),
+        restarts=Restarts(total=1, max=3, by_reason={"crash": 1, "oom": 0}),
+        settings=SettingsState(values=settings, version=3, acknowledged_version=3, applied_at_step=12),
+        telemetry=TelemetryHealth(nvml=True, dropped_messages=0),
+        offload=OffloadPlacement(summary=[OffloadSummaryRow(role=Role.ACTOR, group=Group.TRANSFORMER, device="cpu",
+                                                            bytes=2 * GIB)]))
 
 
-def latest_body(p99_s: float = 0.083) -> dict:
+def latest_body(p99_s: float = 0.083) -> LatestBody:
     metrics = {"timing_s/step": 2.31, "timing_s/gen": 1.2, "timing_s/update_actor": 0.8, "timing_s/reward": 0.01,
                "perf/throughput": 1234.4, "critic/score/mean": 0.45, "actor/ppo_kl": 0.0045, "actor/pg_loss": -0.12}
-    return {"seq": 300, "step": {"step": 45, "time": NOW - 1, "metrics": metrics}, "gpu": gpu_data(),
-            "offload": {"copy_latency_p50_s": 0.0012, "copy_latency_p99_s": p99_s,
-                        "bandwidth_bytes_per_second": 12.3e9, "copies": 1234}}
+    return LatestBody(seq=300, step=StepSnapshot(step=45, time=NOW - 1, metrics=metrics), gpu=gpu_data(),
+                      offload=OffloadSummary(copy_latency_p50_s=0.0012, copy_latency_p99_s=p99_s,
+                                             bandwidth_bytes_per_second=12.3e9, copies=1234))
 
 
 def step_event(seq: int, step: int, time_s: float, score: float) -> dict:
@@ -74,11 +93,11 @@ def gpu_event(seq: int, time_s: float, utilization: float = 0.93) -> dict:
     return {"seq": seq, "time": time_s, "kind": "gpu", "data": gpu_data(utilization)}
 
 
-def snapshot(**changes) -> dict:
+def snapshot(**changes) -> Snapshot:
     """A run at step 45 of 200, one GPU busy at 93%, slow offload copies (p99 83 ms)."""
     history = ([gpu_event(seq, NOW - 60 + seq) for seq in range(1, 61)]
                + [step_event(100 + step, step, NOW - 90 + 2 * step, 0.01 * step) for step in range(1, 46)])
-    return {"time": NOW, "status": status_body(), "latest": latest_body(), "history": history} | changes
+    return Snapshot(time=NOW, status=run_status(), latest=latest_body(), history=history) | changes
 
 
 # ------------------------------------------------------------------------------------ a fake daemon
@@ -90,6 +109,7 @@ class FakeDaemon:
     def __init__(self):
         self.states = ["running"]  # one per status request; the last one stays
         self.broken = False  # answer 500 to the status request
+        self.missing: tuple[str, str] | None = None  # (section, field) left out of the status, as another version
         self.latest = latest_body()
         self.events: list[dict] = []
         self.requests: list[tuple[str, dict[str, str]]] = []
@@ -107,15 +127,19 @@ class FakeDaemon:
             return await call_next(request)
 
         @app.get("/v1/status")
-        def status():
+        def status() -> dict:
             if self.broken:
                 raise HTTPException(500, "boom")
             state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
-            return status_body(state)
+            body = run_status(state).model_dump(mode="json", by_alias=True)
+            if self.missing:
+                section, field = self.missing
+                del body[section][field]
+            return body
 
         @app.get("/v1/metrics/latest")
-        def latest():
-            return self.latest
+        def latest() -> dict:
+            return self.latest.model_dump(mode="json")
 
         @app.get("/v1/metrics/history")
         def history(since: int = 0):
@@ -160,8 +184,8 @@ def free_port() -> int:
 def test_the_client_sends_the_token_and_passes_the_history_filters(daemon):
     fake, url = daemon
     with ApiClient(url, TOKEN) as client:
-        assert client.status()["progress"]["total_steps"] == 200
-        assert client.latest()["offload"]["copies"] == 1234
+        assert client.status() == run_status()
+        assert client.latest() == latest_body()
         assert client.history(since=7, keys=["actor/pg_loss", "perf/throughput"], kinds=["gpu", "step"]) == {
             "events": [], "last_seq": 0}
         assert client.checkpoint() == {"requested": True}
@@ -177,6 +201,16 @@ def test_a_wrong_token_is_unauthorized_and_a_server_error_names_the_route(daemon
     fake.broken = True
     with ApiClient(url, TOKEN) as client, pytest.raises(ApiError, match="GET /v1/status failed with HTTP 500: boom"):
         client.status()
+
+
+def test_a_status_this_client_cannot_read_is_one_line_naming_the_field(daemon):
+    fake, url = daemon
+    fake.missing = ("progress", "total_steps")
+    with ApiClient(url, TOKEN) as client, pytest.raises(IncompatibleDaemon) as unreadable:
+        client.status()
+    assert isinstance(unreadable.value, ApiError)
+    assert unreadable.value.lines() == [f"the daemon at {url} answered GET /v1/status with a body this verl cannot "
+                                        "read: progress.total_steps: field required"]
 
 
 def test_nothing_listening_is_daemon_unreachable():
@@ -222,7 +256,7 @@ def test_the_feed_fetches_the_history_once_then_only_what_is_new(daemon):
         first = feed.poll()
         # A GPU sample older than the advisor's minute is dropped; the steps stay.
         assert [event["seq"] for event in first["history"]] == [2, 3, 4]
-        assert first["status"]["run"]["state"] == "running" and first["latest"] == fake.latest
+        assert first["status"] == run_status() and first["latest"] == fake.latest
 
         # The trainer crashed after step 2, resumed from its step-1 checkpoint and redid step 2.
         fake.events.append(step_event(5, 2, NOW + 5, 0.25))
@@ -239,7 +273,7 @@ def test_the_feed_fetches_the_history_once_then_only_what_is_new(daemon):
 # -------------------------------------------------------------------------------------------- view
 
 
-def rendered(snap: dict, width: int = 100) -> str:
+def rendered(snap: Snapshot, width: int = 100) -> str:
     console = Console(record=True, width=width, file=io.StringIO())
     console.print(render(snap))
     return console.export_text()
@@ -272,12 +306,13 @@ def test_the_view_fits_an_80_by_24_terminal():
 
 
 def test_the_view_before_any_sample_says_what_is_missing():
-    status = status_body("starting")
-    status["progress"] = {"step": 0, "total_steps": 200, "phase": None, "phase_since": None}
-    status["settings"]["acknowledged_version"] = 2
-    latest = {"seq": 0, "step": None, "gpu": {"nvml": False, "gpus": [], "host": gpu_data()["host"]},
-              "offload": {"copy_latency_p50_s": None, "copy_latency_p99_s": None,
-                          "bandwidth_bytes_per_second": None, "copies": 0}}
+    status = run_status("starting")
+    status = status.model_copy(update={
+        "progress": Progress(step=0, total_steps=200, phase=None, phase_since=None),
+        "settings": status.settings.model_copy(update={"acknowledged_version": 2})})
+    latest = LatestBody(seq=0, step=None, gpu={"nvml": False, "gpus": [], "host": gpu_data()["host"]},
+                        offload=OffloadSummary(copy_latency_p50_s=None, copy_latency_p99_s=None,
+                                               bandwidth_bytes_per_second=None, copies=0))
     text = rendered(snapshot(status=status, latest=latest, history=[]))
     for figure in ["starting", "0/200", "NVML unavailable", "waiting for the first step", "no copies",
                    "v3 pending: the trainer has v2", "hints    none", "CPU 50%"]:
@@ -301,8 +336,11 @@ def test_once_json_prints_status_latest_and_hints(daemon):
         assert run_monitor(client, once=True, as_json=True, console=Console(file=output)) == 0
     snapshot_printed = json.loads(output.getvalue())
     assert snapshot_printed.keys() == {"time", "status", "latest", "hints"}
+    for name, path in [("status", "/v1/status"), ("latest", "/v1/metrics/latest")]:
+        served = httpx.get(url + path, headers={"Authorization": f"Bearer {TOKEN}"}, trust_env=False).json()
+        assert snapshot_printed[name] == served, f"{path} as the daemon sent it"
     assert snapshot_printed["status"]["progress"]["step"] == 45
-    assert snapshot_printed["latest"] == fake.latest
+    assert snapshot_printed["latest"]["offload"]["copies"] == 1234
     assert len(snapshot_printed["hints"]) == 1 and "p99 83 ms" in snapshot_printed["hints"][0]
 
 

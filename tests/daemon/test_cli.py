@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from fastapi import FastAPI, Request
@@ -30,6 +31,16 @@ import daemon.cli as cli
 from daemon.runtime import RuntimeInfo, runtime_file, write_runtime_file
 from tests.support import serve_app as serve
 from trainer.config.live import LiveSettings, SettingsRejected, apply_change
+from trainer.config.messages import (
+    OffloadPlacement,
+    Phase,
+    Progress,
+    Restarts,
+    RunInfo,
+    RunStatus,
+    SettingsState,
+    TelemetryHealth,
+)
 
 TOKEN = "test-token"
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +60,9 @@ class FakeRun:
         self.patches: list[dict] = []
         self.stops = 0
         self.on_stop = lambda: None
+        self.phase_since = time.time() - 2
+        self.url = ""  # where the test serves it
+        self.missing: tuple[str, str] | None = None  # (section, field) left out of the status, as another version
         self.app = self._build_app()
 
     def settings_body(self) -> dict:
@@ -58,15 +72,16 @@ class FakeRun:
         return {"values": self.settings.public(), "version": self.version,
                 "acknowledged_version": self.acknowledged, "applied_at_step": self.applied_at_step}
 
-    def status_body(self) -> dict:
-        return {"run": {"name": "quickstart", "project": "verl", "run_dir": "runs/quickstart",
-                        "config_path": "runs/quickstart/config.yaml", "daemon_pid": os.getpid(),
-                        "trainer_pids": [4243], "state": "running", "started_at": 1.0, "uptime_s": 3725.0,
-                        "url": "http://127.0.0.1:1"},
-                "progress": {"step": 45, "total_steps": 200, "phase": "gen", "phase_since": time.time() - 2},
-                "restarts": {"total": 1, "max": 3, "by_reason": {"crash": 1, "signal": 0}},
-                "settings": self.settings_body(), "telemetry": {"nvml": False, "dropped_messages": 7},
-                "offload": {"summary": []}}
+    def status(self) -> RunStatus:
+        return RunStatus(
+            run=RunInfo(name="quickstart", project="verl", run_dir="runs/quickstart",
+                        config_path="runs/quickstart/config.yaml", daemon_pid=os.getpid(), trainer_pids=[4243],
+                        state="running", started_at=1.0, uptime_s=3725.0, url="http://127.0.0.1:1"),
+            progress=Progress(step=45, total_steps=200, phase=Phase.GEN, phase_since=self.phase_since),
+            restarts=Restarts(total=1, max=3, by_reason={"crash": 1, "signal": 0}),
+            settings=SettingsState.model_validate(self.settings_body()),
+            telemetry=TelemetryHealth(nvml=False, dropped_messages=7),
+            offload=OffloadPlacement(summary=[]))
 
     def _build_app(self) -> FastAPI:
         app = FastAPI()
@@ -78,8 +93,12 @@ class FakeRun:
             return await call_next(request)
 
         @app.get("/v1/status")
-        def status():
-            return self.status_body()
+        def status() -> dict:
+            body = self.status().model_dump(mode="json", by_alias=True)
+            if self.missing:
+                section, field = self.missing
+                del body[section][field]
+            return body
 
         @app.get("/v1/metrics/latest")
         def latest():
@@ -141,6 +160,7 @@ def run(state, tmp_path) -> Iterator[FakeRun]:
     """A fake daemon whose runtime file names this test process as the daemon."""
     fake = FakeRun()
     with serve(fake.app) as url:
+        fake.url = url
         write_runtime_file(state, runtime_info(os.getpid(), url, tmp_path))
         yield fake
 
@@ -188,8 +208,18 @@ def test_status_json_is_the_api_body(run, capsys):
     code, out, _ = verl(capsys, "status", "--pid", PID, "--json")
     assert code == 0
     body = json.loads(out)
-    assert body["progress"] == {**run.status_body()["progress"], "phase_since": body["progress"]["phase_since"]}
+    assert body == httpx.get(f"{run.url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"},
+                             trust_env=False).json()
     assert body["run"]["daemon_pid"] == os.getpid()
+
+
+@pytest.mark.parametrize("command", ["status", "monitor"])
+def test_a_status_of_another_version_is_one_error_naming_the_field(run, capsys, command):
+    run.missing = ("run", "url")
+    code, out, err = verl(capsys, command, "--pid", PID, "--once" if command == "monitor" else "--json")
+    assert_user_error(code, err, "GET /v1/status with a body this verl cannot read: run.url: field required",
+                      "HINT: the daemon likely runs another verl version")
+    assert len(err.splitlines()) == 2 and out == ""
 
 
 def orphan_sleep() -> int:
