@@ -47,6 +47,7 @@ from trainer.config.schema import EmbeddingCache as EmbeddingCacheConfig
 from trainer.errors import RunSetupError
 from trainer.offload import HostMemoryError, OffloadEngine, attach_offload, format_bytes
 from trainer.offload.dynamic import (
+    HYSTERESIS,
     Decision,
     DynamicSettings,
     MemoryProbe,
@@ -207,11 +208,76 @@ class MemoryManager:
     def placed_for(self, phase: str, role: Role) -> Iterator[None]:
         """Run a phase with the groups of the model placed as `role` placed for it
         (OffloadEngine.placed_for) within the memory budget: below the live GPU memory threshold,
-        counting what is in use now. No model of that role: nothing to place."""
+        counting what is in use now. No model of that role: nothing to place. A rollout first gives
+        the room of the other models' dynamic layers to the rolling model's (`_layers_for_rollout`)."""
         engine = self._engines.get(role)
-        if engine is None or not engine.stageable_bytes() or self.probe is None:
-            yield  # nothing on the CPU to keep, or no GPU to keep it on
+        layers = self._layers_for_rollout(role) if phase == "rollout" else contextlib.nullcontext()
+        with layers:
+            if engine is None or not engine.stageable_bytes() or self.probe is None:
+                yield  # nothing on the CPU to keep, or no GPU to keep it on
+                return
+            with self._staged_within_budget(engine, phase):
+                yield
+
+    @contextlib.contextmanager
+    def _layers_for_rollout(self, role: Role) -> Iterator[None]:
+        """While the rollout decodes, the rolling model's streamed layers cross the bus at every token,
+        and the other models' are not used at all: those go off the GPU (down to the live minimum) and
+        the rolling model's come on as far as they fit below the threshold less the hysteresis, leaving
+        room for the head and embedding its rollout keeps. Measured on an H200 (benchmarks/README.md,
+        e2e_bench ppo3b): 20 of the actor's 36 layers streamed at 128 tokens cost 7 of a 17 s step,
+        while the critic held its layers; moving them costs one copy each way (a few GB: tens of ms).
+        Afterwards every model gets its layers back; the swap is not counted as a dynamic-offload move."""
+        rolling = self._engines.get(role)
+        settings = self.settings()
+        if (rolling is None or rolling not in self._dynamic or self.probe is None
+                or not settings.dynamic_offload_enabled):
+            yield
             return
+        saved = {engine: engine.layers_on_gpu for engine in self._dynamic}
+        self._uncounted(lambda: self._swap_layers_in(rolling, settings))
+        try:
+            yield
+        finally:
+            def restore() -> None:
+                for engine in sorted(saved, key=lambda engine: engine is not rolling):  # free room, then take it
+                    engine.set_transformer_layers_on_gpu(saved[engine])
+
+            self._uncounted(restore)
+
+    def _uncounted(self, move: Callable[[], None]) -> None:
+        """Run `move` without counting its layer moves as dynamic offload's (the step metrics' moves)."""
+        counted = {engine: dict(engine.moves) for engine in self._dynamic}
+        move()
+        for engine, moves in counted.items():
+            engine.moves = moves
+
+    def _swap_layers_in(self, rolling: OffloadEngine, settings: DynamicSettings) -> None:
+        for engine in self._dynamic:
+            if engine is not rolling:
+                engine.set_transformer_layers_on_gpu(min(engine.layers_on_gpu, settings.min_transformer_layers_on_gpu))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        assert self.probe is not None
+        used, total = self.probe()
+        room = (settings.gpu_memory_threshold - HYSTERESIS) * total - used - sum(rolling.stageable_bytes().values())
+        fit = int(room // rolling.layer_bytes) if rolling.layer_bytes > 0 else len(rolling.transformer_units)
+        wanted = min(len(rolling.transformer_units), rolling.layers_on_gpu + max(0, fit))
+        if wanted != rolling.layers_on_gpu:
+            rolling.set_transformer_layers_on_gpu(wanted)
+        key = (rolling.role, "rollout layers")
+        placed = tuple(engine.layers_on_gpu for engine in self._dynamic)
+        if self._staged_logged.get(key) != placed:
+            self._staged_logged[key] = placed
+            others = [engine.role for engine in self._dynamic if engine is not rolling]
+            self.log(f"per-phase placement: rollout keeps {rolling.layers_on_gpu} of the {rolling.role}'s "
+                     f"{len(rolling.transformer_units)} transformer layers on the GPU"
+                     + (f" (in the room of {' and '.join(f'the {other}' + chr(39) + 's' for other in others)} "
+                        "layers, which the rollout does not use)" if others else ""))
+
+    @contextlib.contextmanager
+    def _staged_within_budget(self, engine: OffloadEngine, phase: str) -> Iterator[None]:
+        assert self.probe is not None
         used, total = self.probe()
         budget = int(self.settings().gpu_memory_threshold * total) - used
         with engine.placed_for(phase, budget_bytes=budget) as staged:

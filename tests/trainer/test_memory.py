@@ -256,3 +256,35 @@ def test_the_layers_settle_on_the_steps_peak_and_no_layer_moves_at_steady_state(
     # 82 + 4 layers is one over 85 at the first step's peak: one goes off, and then nothing moves.
     assert actor.layers_on_gpu == 3 and moves == [1, 0, 0, 0, 0]
     assert run.logs[-1] == "dynamic offload: 1 layer to CPU (GPU memory 0.86 > threshold 0.85; 3 on GPU) [actor]"
+
+
+def test_a_rollout_takes_the_room_of_the_models_it_does_not_use_and_gives_it_back():
+    """Issue 14: the critic held its layers through the rollout while the actor streamed 20 of its 36 at every
+    decoded token. During the rollout the critic's dynamic layers leave (down to the live minimum) and the
+    actor's come on as far as they fit; afterwards each model has its own again, and the swap is not
+    counted as a dynamic-offload move."""
+    _, sizing = Run().place("actor", DYNAMIC)
+    layer = sizing.layer_bytes
+    device = Device(total=10 * layer, base=2 * layer)
+    run = Run(probe=device, min_transformer_layers_on_gpu=1)
+    _, actor = run.place("actor", DYNAMIC)
+    _, critic = run.place("critic", DYNAMIC)
+    device.engines += [actor, critic]
+    actor.set_transformer_layers_on_gpu(2)
+    critic.set_transformer_layers_on_gpu(4)
+    before = run.memory.step_metrics()
+    with run.memory.placed_for("rollout", "actor"):
+        # 10 layers of room at 0.85 - 0.05 of 10: 8 less the base 2 and the critic's 1 kept: the actor's 4 all fit.
+        assert (actor.layers_on_gpu, critic.layers_on_gpu) == (4, 1)
+    assert (actor.layers_on_gpu, critic.layers_on_gpu) == (2, 4)
+    metrics = run.memory.step_metrics()
+    assert before["offload/moves_to_gpu"] == 6  # the placement by hand above
+    assert metrics["offload/moves_to_cpu"] == metrics["offload/moves_to_gpu"] == 0
+    assert ("per-phase placement: rollout keeps 4 of the actor's 4 transformer layers on the GPU (in the room of "
+            "the critic's layers, which the rollout does not use)") in run.logs
+    # Scoring and training place no layers; a paused dynamic offload swaps nothing.
+    with run.memory.placed_for("scoring", "actor"):
+        assert (actor.layers_on_gpu, critic.layers_on_gpu) == (2, 4)
+    run.settings = run.settings.model_copy(update={"dynamic_offload_enabled": False})
+    with run.memory.placed_for("rollout", "actor"):
+        assert (actor.layers_on_gpu, critic.layers_on_gpu) == (2, 4)
