@@ -412,3 +412,7 @@ class ModelMemory:
 
     def build_optimizer(self, model: PreTrainedModel, config: OptimConfig) -> torch.optim.Optimizer:
         return build_optimizer(model, config, self.manager.engine(self.role))
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        engine = self.manager.engine(self.role)
+        return engine.accumulating() if engine is not None else contextlib.nullcontext()

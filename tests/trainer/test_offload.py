@@ -3,6 +3,7 @@ host arena and a device slot, and offloaded runs must give the numbers of reside
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 
@@ -525,3 +526,43 @@ def test_a_model_without_recognisable_blocks_is_refused_with_the_setting_to_chan
         attach_offload(model, FSDPConfig.model_validate(
             {"param_offload": True, "wrap_policy": {"transformer_layer_cls_to_wrap": ["NoSuchBlock"]}}),
             "cpu", role="actor")
+
+
+def _mini_batch_gradients(settings: dict, *, accumulating: bool, move_between: int | None = None):
+    """The masters' gradients after two micro-batches' backward passes, and the D2H copies of the
+    transformer group they took; `move_between` layers on the GPU between the two (dynamic offload)."""
+    model = policy().train()
+    engine = offloaded(model, settings)
+    context = engine.accumulating() if accumulating else contextlib.nullcontext()
+    with context:
+        for half in token_batch(rows=4).split(2):
+            (model(input_ids=half, labels=half).loss / 2).backward()
+            if move_between is not None:
+                engine.set_transformer_layers_on_gpu(move_between)
+                move_between = None
+    grads = {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
+    return grads, engine.copy_counts().get(("d2h", "transformer"), 0), engine
+
+
+@pytest.mark.parametrize("settings", [POLICIES["optimizer_offload"], {"dynamic_offload": {"enabled": True}}],
+                         ids=["optimizer_offload", "dynamic_layers"])
+def test_a_mini_batch_sends_the_gradients_of_device_kept_blocks_home_once(settings):
+    """Issue 14: each micro-batch sent every gradient to the host, which added them up there. Blocks kept in
+    device slots of their own now add them up on the device and send them once a mini-batch: the same sums,
+    half the copies for two micro-batches."""
+    expected, per_micro_batch, _ = _mini_batch_gradients(settings, accumulating=False)
+    grads, once, engine = _mini_batch_gradients(settings, accumulating=True)
+    assert grads.keys() == expected.keys() and len(grads) == sum(1 for _ in policy().parameters())
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected[name], rtol=0, atol=0, msg=name)
+    assert once > 0 and per_micro_batch == 2 * once
+    assert not any(compute.grad is not None for unit in engine.units for compute in unit.compute_params)
+
+
+def test_a_layer_that_moves_between_micro_batches_takes_its_device_gradient_home_first():
+    settings = {"dynamic_offload": {"enabled": True}}
+    expected, _, _ = _mini_batch_gradients(settings, accumulating=False)
+    grads, _, engine = _mini_batch_gradients(settings, accumulating=True, move_between=1)
+    assert engine.layers_on_gpu == 1
+    for name in expected:
+        torch.testing.assert_close(grads[name], expected[name], rtol=0, atol=0, msg=name)

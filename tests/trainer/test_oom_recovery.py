@@ -5,6 +5,8 @@ the error is injected (torch.OutOfMemoryError, as CUDA raises it)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,6 +37,9 @@ class Memory:
 
     def count_recoveries(self, count: int) -> None:
         self.recoveries += count
+
+    def accumulating(self):
+        return self.engine.accumulating() if self.engine is not None else contextlib.nullcontext()
 
 
 def rollout_batch(sequences: int = 8) -> RolloutBatch:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -295,8 +295,32 @@ class OffloadEngine:
         return self.layers.layers_on_gpu
 
     def set_transformer_layers_on_gpu(self, count: int) -> tuple[int, int]:
-        """Keep the first `count` transformer blocks on the device (LayerMover); the blocks moved."""
+        """Keep the first `count` transformer blocks on the device (LayerMover); the blocks moved.
+        Gradients a block still holds on the device land first: its slot may go."""
+        if count != self.layers.layers_on_gpu:
+            self.gradients.send_deferred()
         return self.layers.set_transformer_layers_on_gpu(count)
+
+    # ------------------------------------------------------------------------------ gradients
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """The backward passes of one mini-batch's micro-batches: the gradients of blocks kept in device
+        slots of their own (dynamic offload's layers on the GPU; units on the GPU whose masters live on
+        the host) add up on the device and go to the host once, when the context ends, instead of once
+        a micro-batch (issue 14: every micro-batch sent all its gradients home and the host added them
+        up). Only where the host keeps gradients in the compute dtype (a bf16 model with
+        offload_grad_dtype bf16, or fp32 throughout): the sum is then the same; fp32 host gradients of a
+        bf16 model still add up on the host, in fp32. A context left by an error drops what it held."""
+        self.gradients.defer = self.layout.dtypes.grad == self.layout.dtypes.compute
+        try:
+            yield
+        except BaseException:
+            self.gradients.defer = False
+            self.abandon_pass()
+            raise
+        self.gradients.defer = False
+        self.gradients.send_deferred()
 
 
 _COMPUTE_PLACEMENT_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}

@@ -70,6 +70,10 @@ class GradientPath:
         self._in_flight: InFlight = deque()
         self._head_in_flight: InFlight = deque()
         self._tasks: list[Future[Any]] = []
+        self.defer = False
+        """Gradients of blocks in device slots of their own stay on the device until `send_deferred`
+        (OffloadEngine.accumulating sets it for the micro-batches of one mini-batch)."""
+        self._deferred: list[Unit] = []  # units whose compute parameters hold gradients not sent yet
         # Pinned memory for gradients the worker adds or converts (sized at the first use).
         self.staging = StagingRing(0, functools.partial(pinned_empty, device=device), ALIGNMENT)
 
@@ -92,8 +96,13 @@ class GradientPath:
                 self.run_on_worker(unit.grad_views[0].zero_)
 
     def on_grad_accumulated(self, unit: Unit, parameter: nn.Parameter) -> None:
-        """A compute parameter's gradient is complete; the unit's go to the host once all of them are."""
+        """A compute parameter's gradient is complete; the unit's go to the host once all of them are,
+        unless they add up on the device until the mini-batch ends (`keeps_on_device`)."""
         self.enter_backward()
+        if self.keeps_on_device(unit):
+            if unit not in self._deferred:
+                self._deferred.append(unit)
+            return
         unit.passing.accumulated += 1
         if unit.passing.accumulated == sum(compute.requires_grad for compute in unit.compute_params):
             self._flush_accumulated(unit)
@@ -112,6 +121,23 @@ class GradientPath:
                 compute.grad = None
         if pieces:
             self.send(unit, pieces)
+
+    def keeps_on_device(self, unit: Unit) -> bool:
+        """While deferring: a hooked unit in a device slot of its own (a layer dynamic offload keeps on the
+        GPU, or a unit on the GPU with its masters on the host). Its compute parameters outlive the pass,
+        so autograd adds each micro-batch's gradient into theirs, on the device."""
+        return self.defer and unit.kind == UnitKind.HOOKED and bool(unit.blocks) and not unit.blocks[0].streamed
+
+    def send_deferred(self) -> None:
+        """Send the gradients the device added up (one copy per tensor for the whole mini-batch) and
+        wait until they have landed in the masters' .grad, as at the end of a backward."""
+        units, self._deferred = self._deferred, []
+        if not units:
+            return
+        for unit in units:
+            unit.passing.begin(fresh=all(entry.parameter.grad is None for entry in unit.entries))
+            self._flush_accumulated(unit)
+        self.finish()
 
     def finish(self) -> None:
         """After the blocks were released: wait for every copy and landing, then point each master's
@@ -138,6 +164,7 @@ class GradientPath:
                 compute.grad = None
             unit.passing.landed.clear()
             unit.passing.accumulated = 0
+        self._deferred.clear()  # their compute gradients are dropped above
         self._in_flight.clear()
         self._head_in_flight.clear()
         tasks, self._tasks = self._tasks, []

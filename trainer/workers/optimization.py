@@ -3,6 +3,7 @@ and the mini-batch / micro-batch loop with gradient accumulation."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -148,8 +149,9 @@ def accumulate_gradients(
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
 
-    retried = retry_out_of_memory(backward, split_into_pieces(len(mini_batch), micro_batch_size), memory,
-                                  discard=discard, single_item_error=None)
+    with memory.accumulating() if memory is not None else contextlib.nullcontext():
+        retried = retry_out_of_memory(backward, split_into_pieces(len(mini_batch), micro_batch_size), memory,
+                                      discard=discard, single_item_error=None)
     return _merge_pieces(retried.done), retried.recoveries
 
 

@@ -19,6 +19,7 @@ memory manager (trainer/memory.py) as a `WorkerMemory`, when they are built:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -61,6 +62,11 @@ class WorkerMemory(OutOfMemoryRelief, Protocol):
     def build_optimizer(self, model: PreTrainedModel, config: OptimConfig) -> torch.optim.Optimizer:
         """The model's AdamW: the offload engine's when it has one (per-layer groups, the update
         where optimizer_offload puts it)."""
+        ...
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        """Around the micro-batches of one mini-batch: gradients the device can keep add up there and
+        go to the host once (OffloadEngine.accumulating)."""
         ...
 
 
