@@ -235,9 +235,9 @@ class CopiedPerStep:
 # ----------------------------------------------------------------------------------------- parent
 
 
-def run_shape(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_shape(args: argparse.Namespace, out: Path, logs: Path) -> dict[str, Any]:
     """Each variant in a process of its own; the result is written to `out` after each (a run cut short
-    keeps what it measured)."""
+    keeps what it measured), each variant's output to a log in `logs`."""
     variants = [variant for variant in args.variants if variant != "fsdp2" or args.device == "cuda"]
     result: dict[str, Any] = {**(machine() if args.device == "cuda" else {}), "shape": args.shape,
                               "spec": SHAPES[args.shape], "steps": args.steps, "variants": {}}
@@ -249,7 +249,7 @@ def run_shape(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                    "--out", str(child_out)]
         print(f"[{variant}]", flush=True)
         started = time.perf_counter()
-        log_path = out.with_name(f"{out.stem}-{variant}.log")
+        log_path = logs / f"{out.stem}-{variant}.log"
         with log_path.open("w") as log_file:
             try:
                 completed = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(run_variant(args)))
         return 0
     out = args.out or RESULTS / f"e2e-{args.shape}-{time.strftime('%Y-%m-%dT%H%M')}.json"
-    result = run_shape(args, out)
+    # Beside a result the user names; in the scratch directory for one kept under benchmarks/results.
+    result = run_shape(args, out, out.parent if args.out is not None else args.scratch)
     print(table(result))
     print(f"results: {out}")
     return 0 if all("error" not in run for run in result["variants"].values()) else 1
