@@ -57,6 +57,7 @@ from trainer.offload.dynamic import (
     device_peak_probe,
     layers_that_fit,
     plan_layers,
+    relieve_layers,
 )
 from trainer.offload.embedding_cache import EmbeddingCache
 from trainer.workers.optimization import build_optimizer
@@ -332,21 +333,21 @@ class MemoryManager:
             self.log(f"{decision.describe()} [{role}]")
 
     def relieve_memory(self) -> bool:
-        """After a CUDA out-of-memory error: move half the layers above the minimum to the CPU, else
-        drop the groups a phase keeps on the GPU (they stream for the rest of it). False when
+        """After a CUDA out-of-memory error: move layers worth half of what every model keeps above the
+        minimum to the CPU, from the least used model first (dynamic.relieve_layers: an OOM in the
+        critic's update no longer halves the actor's layers, which the rollout reads at every token),
+        else drop the groups a phase keeps on the GPU (they stream for the rest of it). False when
         nothing could be freed (then the micro-batch is split instead)."""
         settings = self.settings()
-        minimum = settings.min_transformer_layers_on_gpu
-        moved = False
-        for engine in self.dynamic_engines:
-            spare = engine.layers_on_gpu - minimum
-            if spare > 0 and settings.dynamic_offload_enabled:
-                engine.set_transformer_layers_on_gpu(engine.layers_on_gpu - max(1, spare // 2))
-                self.log(f"out of GPU memory: {engine.role} keeps {engine.layers_on_gpu} transformer layers "
-                         "on GPU, retrying")
-                moved = True
-        if moved:
+        relieved = relieve_layers(self._layers(), settings.min_transformer_layers_on_gpu) \
+            if settings.dynamic_offload_enabled else {}
+        for role, count in relieved.items():
+            engine = self._engines[role]
+            engine.set_transformer_layers_on_gpu(count)
+            self.log(f"out of GPU memory: {role} keeps {engine.layers_on_gpu} transformer layers on GPU, retrying")
+        if relieved:
             return True
+        moved = False
         for engine in self._engines.values():
             dropped = engine.drop_kept()
             if dropped:

@@ -288,3 +288,18 @@ def test_a_rollout_takes_the_room_of_the_models_it_does_not_use_and_gives_it_bac
     run.settings = run.settings.model_copy(update={"dynamic_offload_enabled": False})
     with run.memory.placed_for("rollout", "actor"):
         assert (actor.layers_on_gpu, critic.layers_on_gpu) == (2, 4)
+
+
+def test_relief_takes_the_layers_of_the_least_used_model_first():
+    run = Run(probe=Device(), min_transformer_layers_on_gpu=0)
+    _, actor = run.place("actor", DYNAMIC)
+    _, critic = run.place("critic", DYNAMIC)
+    run.memory.finish_placement()
+    assert (actor.layers_on_gpu, critic.layers_on_gpu) == (4, 4)
+    # Half of the 8 layers above the minimum: all four of the critic's, none of the actor's (which the rollout
+    # reads at every decoded token); then half of the actor's four.
+    assert run.memory.relieve_memory() and (actor.layers_on_gpu, critic.layers_on_gpu) == (4, 0)
+    assert run.memory.relieve_memory() and (actor.layers_on_gpu, critic.layers_on_gpu) == (2, 0)
+    assert [line for line in run.logs if line.startswith("out of GPU memory")] == [
+        "out of GPU memory: critic keeps 0 transformer layers on GPU, retrying",
+        "out of GPU memory: actor keeps 2 transformer layers on GPU, retrying"]

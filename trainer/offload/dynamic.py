@@ -146,7 +146,7 @@ def plan_layers(models: Sequence[ModelLayers], *, used: int, total: int, setting
         if counts[model.role] < floor:
             used += (floor - counts[model.role]) * model.layer_bytes
             counts[model.role] = floor
-    ordered = sorted(models, key=lambda model: USE_ORDER.index(model.role) if model.role in USE_ORDER else 0)
+    ordered = _by_use(models)
     if used > threshold * total:
         _take_off(reversed(ordered), counts, used - threshold * total, settings.min_transformer_layers_on_gpu)
     elif bring_back:
@@ -154,6 +154,24 @@ def plan_layers(models: Sequence[ModelLayers], *, used: int, total: int, setting
     usage = used / total
     return {model.role: Decision(counts[model.role], model.layers_on_gpu, usage, threshold)
             for model in models if counts[model.role] != model.layers_on_gpu}
+
+
+def relieve_layers(models: Sequence[ModelLayers], minimum: int) -> dict[str, int]:
+    """After an out-of-memory error: layers worth half the bytes all models keep on the GPU above the
+    minimum leave it (at least one layer), from the least used model first. The new layers on the GPU of
+    the models that change; none when every model is at its minimum."""
+    spare = sum(max(0, model.layers_on_gpu - min(minimum, model.total_layers)) * max(model.layer_bytes, 1)
+                for model in models)
+    if spare == 0:
+        return {}
+    counts = {model.role: model.layers_on_gpu for model in models}
+    _take_off(reversed(_by_use(models)), counts, spare / 2, minimum)
+    return {model.role: counts[model.role] for model in models if counts[model.role] != model.layers_on_gpu}
+
+
+def _by_use(models: Sequence[ModelLayers]) -> list[ModelLayers]:
+    """Most used first (USE_ORDER); a role it does not name counts as the most used."""
+    return sorted(models, key=lambda model: USE_ORDER.index(model.role) if model.role in USE_ORDER else 0)
 
 
 def _take_off(models: Iterable[ModelLayers], counts: dict[str, int], excess: float, minimum: int) -> None:
