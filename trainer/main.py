@@ -10,6 +10,7 @@ to change); any other non-zero code is a crash.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +23,19 @@ OUT_OF_MEMORY_HINT = ("lower the micro batch sizes (actor_rollout_ref.actor.ppo_
                       "actor_rollout_ref.{rollout,ref}.log_prob_micro_batch_size_per_gpu, "
                       "critic.ppo_micro_batch_size_per_gpu) or offload more (fsdp_config.param_offload=true, "
                       "fsdp_config.dynamic_offload.enabled=true)")
+
+
+ALLOCATOR_DEFAULTS = "expandable_segments:True"
+"""The CUDA caching allocator's settings a run starts with unless PYTORCH_CUDA_ALLOC_CONF says otherwise:
+segments that grow in place, so that blocks freed by moving layers and by a phase's activations join
+up instead of leaving fragments the next phase cannot use (a run near its memory threshold otherwise
+keeps failing and retrying allocations)."""
+
+
+def use_allocator_defaults() -> None:
+    """Set ALLOCATOR_DEFAULTS before CUDA starts, where the user has not set the allocator."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_DEFAULTS
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -41,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         return _report_errors([str(problem) for problem in error.problems])
 
+    use_allocator_defaults()
     import torch
 
     from trainer.errors import USER_ERRORS
