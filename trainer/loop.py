@@ -262,8 +262,7 @@ class Trainer:
         metrics.update(data_metrics(batch, response_length=self.config.data.max_response_length,
                                     prompt_length=self.config.data.max_prompt_length))
         metrics.update(throughput_metrics(batch, timer.seconds["step"]))
-        self.memory.end_step()  # placed for this step's peak, before memory_metrics resets it
-        metrics.update(memory_metrics(self.device))
+        metrics.update(memory_metrics(self.device, peaks=self.memory.step_peaks()))
         metrics.update(self.memory.step_metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics

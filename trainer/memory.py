@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import psutil
@@ -47,14 +48,16 @@ from trainer.config.schema import EmbeddingCache as EmbeddingCacheConfig
 from trainer.errors import RunSetupError
 from trainer.offload import HostMemoryError, OffloadEngine, attach_offload, format_bytes
 from trainer.offload.dynamic import (
-    HYSTERESIS,
     Decision,
+    DevicePeakMeter,
     DynamicSettings,
     MemoryProbe,
     ModelLayers,
-    PeakProbe,
+    PeakMeter,
+    PhasePlanner,
+    PlacedPhase,
+    ProbePeakMeter,
     device_memory_probe,
-    device_peak_probe,
     layers_that_fit,
     plan_layers,
     relieve_layers,
@@ -79,12 +82,28 @@ def default_memory_probe(device: torch.device) -> MemoryProbe | None:
     return device_memory_probe(device) if device.type == "cuda" else None
 
 
-def _default_peak_probe(device: torch.device, probe: MemoryProbe | None) -> PeakProbe:
+def _default_meter(device: torch.device, probe: MemoryProbe | None) -> PeakMeter | None:
     if probe is None:
-        return lambda: 0
+        return None
     if device.type == "cuda":
-        return device_peak_probe(device, probe)
-    return lambda: probe()[0]  # an injected probe (tests): what it says is in use now
+        return DevicePeakMeter(device, probe)
+    return ProbePeakMeter(probe)  # an injected probe (tests): what it says is in use, at each reading
+
+
+@dataclass
+class _RunningPhase:
+    """The phase whose working memory is being measured: its plan's key, its model, and what was in
+    use when it started (or after the last relief)."""
+
+    key: str
+    engine: OffloadEngine
+    training: bool
+    start: int
+    total: int
+
+    def gradient_bytes(self) -> int:
+        """The running model's layer gradients on the device in a training phase (layer_cost counts them)."""
+        return self.engine.layers_on_gpu * self.engine.layer_bytes if self.training else 0
 
 
 class MemoryManager:
@@ -93,12 +112,15 @@ class MemoryManager:
     def __init__(self, device: torch.device, *, settings: Callable[[], DynamicSettings],
                  probe: MemoryProbe | None, host_available: Callable[[], int],
                  log: Callable[[str], None] = print, warn: Callable[[str], None] = print,
-                 peak_probe: PeakProbe | None = None):
+                 meter: PeakMeter | None = None):
         self.device = device
         self.settings = settings  # read at each use: a live change acts at the next one
         self.probe = probe  # None without a GPU: nothing to measure, no dynamic or per-phase placement
-        # The step's peak in use, as the probe counts (by default, on a GPU: the allocator's peak reserve).
-        self.peak_probe: PeakProbe = peak_probe or _default_peak_probe(device, probe)
+        # Each phase's peak in use, as the probe counts (on a GPU: the allocator's peak allocated bytes).
+        self.meter = meter or _default_meter(device, probe)
+        self.planner = PhasePlanner()  # what each phase of a step keeps on the GPU (dynamic layers)
+        self._running: _RunningPhase | None = None
+        self._swapped = 0  # layers a phase's unchanged plan brought to the GPU, since the last step's metrics
         self.host_available = host_available
         self.log, self.warn = log, warn
         self._engines: dict[str, OffloadEngine] = {}  # by role, in placement order
@@ -207,13 +229,12 @@ class MemoryManager:
 
     @contextlib.contextmanager
     def placed_for(self, phase: str, role: Role) -> Iterator[None]:
-        """Run a phase with the groups of the model placed as `role` placed for it
-        (OffloadEngine.placed_for) within the memory budget: below the live GPU memory threshold,
-        counting what is in use now. No model of that role: nothing to place. A rollout first gives
-        the room of the other models' dynamic layers to the rolling model's (`_layers_for_rollout`)."""
+        """Run a phase with the model placed as `role` placed for it: its dynamic layers and the
+        other models' as the phase planner decides (`_layers_for_phase`), then its CPU-resident head
+        and embedding kept on the GPU within the room left below the live threshold
+        (OffloadEngine.placed_for). No model of that role: nothing to place."""
         engine = self._engines.get(role)
-        layers = self._layers_for_rollout(role) if phase == "rollout" else contextlib.nullcontext()
-        with layers:
+        with self._layers_for_phase(phase, role):
             if engine is None or not engine.stageable_bytes() or self.probe is None:
                 yield  # nothing on the CPU to keep, or no GPU to keep it on
                 return
@@ -221,60 +242,56 @@ class MemoryManager:
                 yield
 
     @contextlib.contextmanager
-    def _layers_for_rollout(self, role: Role) -> Iterator[None]:
-        """While the rollout decodes, the rolling model's streamed layers cross the bus at every token,
-        and the other models' are not used at all: those go off the GPU (down to the live minimum) and
-        the rolling model's come on as far as they fit below the threshold less the hysteresis, leaving
-        room for the head and embedding its rollout keeps. Measured on an H200 (benchmarks/README.md,
-        e2e_bench ppo3b): 20 of the actor's 36 layers streamed at 128 tokens cost 7 of a 17 s step,
-        while the critic held its layers; moving them costs one copy each way (a few GB: tens of ms).
-        Afterwards every model gets its layers back; the swap is not counted as a dynamic-offload move."""
-        rolling = self._engines.get(role)
+    def _layers_for_phase(self, phase: str, role: Role) -> Iterator[None]:
+        """Place every dynamic model's layers for the phase (dynamic.PhasePlanner: the running model
+        takes the room of the ones the phase does not run, less the phase's learned working memory),
+        and learn the phase's working memory from its peak. Nothing moves while dynamic offload is
+        paused, or when the running model's layers do not move dynamically."""
+        running = self._engines.get(role)
         settings = self.settings()
-        if (rolling is None or rolling not in self._dynamic or self.probe is None
+        if (running is None or running not in self._dynamic or self.probe is None or self.meter is None
                 or not settings.dynamic_offload_enabled):
             yield
             return
-        saved = {engine: engine.layers_on_gpu for engine in self._dynamic}
-        self._uncounted(lambda: self._swap_layers_in(rolling, settings))
+        key = f"{phase}/{role}"
+        training = phase == "training"
+        used, total = self.probe()
+        placed = self.planner.plan(key, role, self._layers(), used=used, total=total, settings=settings,
+                                   reserve=sum(running.stageable_bytes().values()), training=training)
+        self._place_layers(key, placed)
+        measured = _RunningPhase(key, running, training, start=self.probe()[0], total=total)
+        self._running = measured
+        self.meter.reset()
         try:
             yield
         finally:
-            def restore() -> None:
-                for engine in sorted(saved, key=lambda engine: engine is not rolling):  # free room, then take it
-                    engine.set_transformer_layers_on_gpu(saved[engine])
+            self._running = None
+        # Only a phase that completed: its peak is what it needed (a failed one raised past here).
+        self.planner.learn(key, max(0, self.meter.peak() - measured.start - measured.gradient_bytes()))
 
-            self._uncounted(restore)
-
-    def _uncounted(self, move: Callable[[], None]) -> None:
-        """Run `move` without counting its layer moves as dynamic offload's (the step metrics' moves)."""
-        counted = {engine: dict(engine.moves) for engine in self._dynamic}
-        move()
-        for engine, moves in counted.items():
+    def _place_layers(self, key: str, placed: PlacedPhase) -> None:
+        """Apply a phase's plan, freeing room before taking it. A new plan is a dynamic-offload move (the
+        step metrics' moves) and is logged; the same plan as last time is the phase's placement, counted
+        as `offload/phase_swaps` (the layers it copied to the GPU)."""
+        engines = sorted(self._dynamic, key=lambda engine: placed.counts[engine.role] >= engine.layers_on_gpu)
+        before = {engine: dict(engine.moves) for engine in self._dynamic}
+        for engine in engines:
+            if placed.counts[engine.role] != engine.layers_on_gpu:
+                engine.set_transformer_layers_on_gpu(placed.counts[engine.role])
+        if self.device.type == "cuda" and any(engine.moves["to_cpu"] != before[engine]["to_cpu"]
+                                              for engine in self._dynamic):
+            torch.cuda.empty_cache()  # give the freed slots back (another process may want them)
+        if placed.new:
+            self.log(f"placement plan: {self.planner.describe(key)}")
+            return
+        for engine, moves in before.items():
+            self._swapped += engine.moves["to_gpu"] - moves["to_gpu"]
             engine.moves = moves
 
-    def _swap_layers_in(self, rolling: OffloadEngine, settings: DynamicSettings) -> None:
-        for engine in self._dynamic:
-            if engine is not rolling:
-                engine.set_transformer_layers_on_gpu(min(engine.layers_on_gpu, settings.min_transformer_layers_on_gpu))
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        assert self.probe is not None
-        used, total = self.probe()
-        room = (settings.gpu_memory_threshold - HYSTERESIS) * total - used - sum(rolling.stageable_bytes().values())
-        fit = int(room // rolling.layer_bytes) if rolling.layer_bytes > 0 else len(rolling.transformer_units)
-        wanted = min(len(rolling.transformer_units), rolling.layers_on_gpu + max(0, fit))
-        if wanted != rolling.layers_on_gpu:
-            rolling.set_transformer_layers_on_gpu(wanted)
-        key = (rolling.role, "rollout layers")
-        placed = tuple(engine.layers_on_gpu for engine in self._dynamic)
-        if self._staged_logged.get(key) != placed:
-            self._staged_logged[key] = placed
-            others = [engine.role for engine in self._dynamic if engine is not rolling]
-            self.log(f"per-phase placement: rollout keeps {rolling.layers_on_gpu} of the {rolling.role}'s "
-                     f"{len(rolling.transformer_units)} transformer layers on the GPU"
-                     + (f" (in the room of {' and '.join(f'the {other}' + chr(39) + 's' for other in others)} "
-                        "layers, which the rollout does not use)" if others else ""))
+    def plan_lines(self) -> list[str]:
+        """Each phase's plan (the layers every dynamic model keeps on the GPU for it, and the working
+        memory it was planned for), in the order the phases first ran."""
+        return [self.planner.describe(key) for key in self.planner.plans]
 
     @contextlib.contextmanager
     def _staged_within_budget(self, engine: OffloadEngine, phase: str) -> Iterator[None]:
@@ -304,21 +321,16 @@ class MemoryManager:
     def safe_point(self) -> None:
         """Between micro-batches and decode chunks, and before a step (nothing in flight): move
         transformer layers off the GPU while the memory in use is over the live threshold. None comes
-        back here: the memory in use between two passes is not the step's peak (end_step)."""
+        back here: the memory in use between two passes is not the phase's peak; each phase's plan
+        brings layers to the GPU (`placed_for`)."""
         if self._dynamic and self.probe is not None:
             used, total = self.probe()
-            self._move_layers(plan_layers(self._layers(), used=used, total=total, settings=self.settings(),
-                                          bring_back=False))
+            self._move_layers(plan_layers(self._layers(), used=used, total=total, settings=self.settings()))
 
-    def end_step(self) -> None:
-        """At the end of a step, before its peak memory statistics are reset (memory_metrics): place
-        the layers for the step's peak, bringing back as many as fit below the threshold less the
-        hysteresis, or moving enough off to get under it. A step whose peak lies between the two
-        moves nothing: that is where the placement settles."""
-        if self._dynamic and self.probe is not None:
-            _, total = self.probe()
-            self._move_layers(plan_layers(self._layers(), used=self.peak_probe(), total=total,
-                                          settings=self.settings(), bring_back=True))
+    def step_peaks(self) -> tuple[int, int] | None:
+        """The step's peak allocated and reserved device bytes across the phases' resets of the peak
+        statistics (the step's perf/max_memory_* metrics); None where the device's own statistics say it."""
+        return self.meter.step_peaks() if isinstance(self.meter, DevicePeakMeter) else None
 
     def _layers(self) -> list[ModelLayers]:
         return [ModelLayers(engine.role, engine.layers_on_gpu, len(engine.transformer_units), engine.layer_bytes)
@@ -339,12 +351,19 @@ class MemoryManager:
         else drop the groups a phase keeps on the GPU (they stream for the rest of it). False when
         nothing could be freed (then the micro-batch is split instead)."""
         settings = self.settings()
+        running = self._running
+        if running is not None:
+            # The phase needed more than was free at its start: what it is learned to need.
+            self.planner.learn(running.key, running.total - running.start - running.gradient_bytes())
         relieved = relieve_layers(self._layers(), settings.min_transformer_layers_on_gpu) \
             if settings.dynamic_offload_enabled else {}
         for role, count in relieved.items():
             engine = self._engines[role]
             engine.set_transformer_layers_on_gpu(count)
             self.log(f"out of GPU memory: {role} keeps {engine.layers_on_gpu} transformer layers on GPU, retrying")
+        if running is not None and self.probe is not None and self.meter is not None:
+            running.start = self.probe()[0]  # the retry's peak is measured from here
+            self.meter.reset()
         if relieved:
             return True
         moved = False
@@ -385,6 +404,8 @@ class MemoryManager:
         for direction, total in moves.items():
             result[f"offload/moves_{direction}"] = total - self._moves_reported[direction]
         self._moves_reported = moves
+        result["offload/phase_swaps"] = self._swapped
+        self._swapped = 0
         hit_ratio = self.embedding_cache.take_hit_ratio() if self.embedding_cache is not None else None
         if hit_ratio is not None:
             result["rollout/embedding_cache_hit_ratio"] = hit_ratio

@@ -57,14 +57,17 @@ def data_metrics(batch: RolloutBatch, *, response_length: int, prompt_length: in
     return metrics
 
 
-def memory_metrics(device: torch.device) -> dict[str, float]:
-    """Peak accelerator memory this step, and the process's resident memory, in GiB (verl's keys)."""
+def memory_metrics(device: torch.device, peaks: tuple[int, int] | None = None) -> dict[str, float]:
+    """Peak accelerator memory this step, and the process's resident memory, in GiB (verl's keys).
+    `peaks`: the step's peak (allocated, reserved) bytes where something reset the device's peak
+    statistics during the step (the memory manager does at each phase, MemoryManager.step_peaks)."""
     gib = 1024**3
     allocated = reserved = 0.0
     out_of_memory_errors = 0
     if device.type == "cuda":
-        allocated = torch.cuda.max_memory_allocated(device) / gib
-        reserved = torch.cuda.max_memory_reserved(device) / gib
+        if peaks is None:
+            peaks = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        allocated, reserved = peaks[0] / gib, peaks[1] / gib
         # Cumulative over the process: the daemon turns it into verl_trainer_oom_total across restarts.
         out_of_memory_errors = torch.cuda.memory_stats(device).get("num_ooms", 0)
         torch.cuda.reset_peak_memory_stats(device)

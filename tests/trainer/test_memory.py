@@ -167,7 +167,8 @@ def test_the_step_metrics_report_layers_moves_and_recoveries_since_the_last_step
     run.memory.finish_placement()
     layers = {"offload/actor/transformer_layers_on_gpu": 4, "offload/ref/transformer_layers_on_gpu": 4}
     assert run.memory.step_metrics() == {"perf/oom_recoveries": 0.0, "offload/transformer_layers_on_gpu": 8,
-                                         **layers, "offload/moves_to_cpu": 0, "offload/moves_to_gpu": 0}
+                                         **layers, "offload/moves_to_cpu": 0, "offload/moves_to_gpu": 0,
+                                         "offload/phase_swaps": 0}
     actor.set_transformer_layers_on_gpu(1)
     run.memory.count_recoveries(2)
     run.memory.for_role("ref").count_recoveries(1)
@@ -221,73 +222,82 @@ def test_an_update_reports_its_recoveries_to_the_manager_not_in_its_own_metrics(
     assert run.memory.step_metrics()["perf/oom_recoveries"] == 1
 
 
-class StepPeaks(Device):
-    """A step's memory as the peak probe reads it: the rollout holds `rollout` bytes, the update `update`
-    (more), each with the layers on the GPU; between passes only `base`."""
+class PhaseMeter:
+    """The peak meter of a fake device: what it has in use plus what the running phase allocates besides
+    its layers (`working`, which the test sets inside the phase)."""
 
-    def __init__(self, total: int, base: int, update: int):
-        super().__init__(total=total, base=base)
-        self.update = update
+    def __init__(self, device: Device):
+        self.device, self.working = device, 0
+
+    def reset(self) -> None:
+        self.working = 0
 
     def peak(self) -> int:
-        return self.update + sum(engine.layers_on_gpu * engine.layer_bytes for engine in self.engines)
+        return self.device()[0] + self.working
 
 
-def test_the_layers_settle_on_the_steps_peak_and_no_layer_moves_at_steady_state():
-    """Issue 14: the old controller brought a layer back at every decode chunk (the rollout needs less
-    than the update) and sent it out again in the update, three moves a step. Now safe points only move
-    layers off, and layers come back at a step's end for its peak, as many as fit at once."""
-    _, probe_model = Run().place("actor", DYNAMIC)  # for one layer's size
-    layer = probe_model.layer_bytes
-    device = StepPeaks(total=100 * layer, base=40 * layer, update=82 * layer)  # the update needs 42 more
-    run = Run(probe=device)
-    run.memory.peak_probe = device.peak
-    _, actor = run.place("actor", DYNAMIC)
-    device.engines.append(actor)
-    run.memory.finish_placement()
-    assert actor.layers_on_gpu == 4  # the layers fit between passes
-    moves = []
-    for _ in range(5):
-        for _ in range(3):  # the decode chunks and micro-batches of a step: below the threshold, nothing moves
-            run.memory.safe_point()
-        run.memory.end_step()
-        metrics = run.memory.step_metrics()
-        moves.append(metrics["offload/moves_to_cpu"] + metrics["offload/moves_to_gpu"])
-    # 82 + 4 layers is one over 85 at the first step's peak: one goes off, and then nothing moves.
-    assert actor.layers_on_gpu == 3 and moves == [1, 0, 0, 0, 0]
-    assert run.logs[-1] == "dynamic offload: 1 layer to CPU (GPU memory 0.86 > threshold 0.85; 3 on GPU) [actor]"
-
-
-def test_a_rollout_takes_the_room_of_the_models_it_does_not_use_and_gives_it_back():
-    """Issue 14: the critic held its layers through the rollout while the actor streamed 20 of its 36 at every
-    decoded token. During the rollout the critic's dynamic layers leave (down to the live minimum) and the
-    actor's come on as far as they fit; afterwards each model has its own again, and the swap is not
-    counted as a dynamic-offload move."""
+def phase_run(layers_each: int = 4, total_layers: int = 20, base_layers: int = 2, **settings):
+    """An actor and a critic whose layers move dynamically on a device of `total_layers` layers' bytes."""
     _, sizing = Run().place("actor", DYNAMIC)
     layer = sizing.layer_bytes
-    device = Device(total=10 * layer, base=2 * layer)
-    run = Run(probe=device, min_transformer_layers_on_gpu=1)
+    device = Device(total=total_layers * layer, base=base_layers * layer)
+    run = Run(probe=device, **settings)
+    meter = PhaseMeter(device)
+    run.memory.meter = meter
     _, actor = run.place("actor", DYNAMIC)
     _, critic = run.place("critic", DYNAMIC)
     device.engines += [actor, critic]
-    actor.set_transformer_layers_on_gpu(2)
-    critic.set_transformer_layers_on_gpu(4)
-    before = run.memory.step_metrics()
+    actor.set_transformer_layers_on_gpu(layers_each)
+    critic.set_transformer_layers_on_gpu(layers_each)
+    run.memory.step_metrics()  # the placement by hand above is not a step's move
+    return run, actor, critic, meter, layer
+
+
+def test_a_phase_takes_the_room_of_the_models_it_does_not_run_and_then_places_the_same_every_step():
+    """Issue 14: the critic held its layers through the rollout while the actor streamed 20 of its 36 at every
+    decoded token. The rollout's first run frees the critic's layers (down to the live minimum) and learns what it
+    needs; from the second on the actor has every layer that fits. The same plan each step is the phase's
+    placement (offload/phase_swaps), not a dynamic-offload move."""
+    run, actor, critic, meter, layer = phase_run(total_layers=14, min_transformer_layers_on_gpu=1)
+    moves, swaps = [], []
+    for _ in range(4):
+        with run.memory.placed_for("rollout", "actor"):
+            rollout = (actor.layers_on_gpu, critic.layers_on_gpu)
+            meter.working = 3 * layer  # the KV cache and activations
+        with run.memory.placed_for("training", "critic"):
+            training = (actor.layers_on_gpu, critic.layers_on_gpu)
+            meter.working = 2 * layer + critic.layers_on_gpu * layer  # activations, and the layers' gradients
+        metrics = run.memory.step_metrics()
+        moves.append(metrics["offload/moves_to_cpu"] + metrics["offload/moves_to_gpu"])
+        swaps.append(metrics["offload/phase_swaps"])
+    # The first step frees the room of the model a phase does not run; the second plans: below 0.85 - 0.02 of 14
+    # layers (11.6), the rollout's 2 besides + 3 working + the critic's 1 leave the actor all its 4; the critic's
+    # training, 2 besides + 2 working + the actor's 1 (the minimum), 3 of its layers at twice their size
+    # (gradients). From then on the same plans: no move, and the 5 layers they bring to the GPU are swaps.
+    assert rollout == (4, 1) and training == (1, 3)
+    assert moves == [6, 5, 0, 0] and swaps == [0, 3, 5, 5], (moves, swaps)
+    assert ("placement plan: rollout/actor: actor 4, critic 1 layers on the GPU (working memory not yet learned)"
+            in run.logs)
+    assert run.memory.plan_lines()[0].startswith("rollout/actor: actor 4, critic 1 layers on the GPU")
+
+
+def test_a_phase_that_runs_out_of_memory_learns_it_and_plans_for_it_next_time():
+    run, actor, critic, meter, layer = phase_run(min_transformer_layers_on_gpu=0)
     with run.memory.placed_for("rollout", "actor"):
-        # 10 layers of room at 0.85 - 0.05 of 10: 8 less the base 2 and the critic's 1 kept: the actor's 4 all fit.
-        assert (actor.layers_on_gpu, critic.layers_on_gpu) == (4, 1)
-    assert (actor.layers_on_gpu, critic.layers_on_gpu) == (2, 4)
-    metrics = run.memory.step_metrics()
-    assert before["offload/moves_to_gpu"] == 6  # the placement by hand above
-    assert metrics["offload/moves_to_cpu"] == metrics["offload/moves_to_gpu"] == 0
-    assert ("per-phase placement: rollout keeps 4 of the actor's 4 transformer layers on the GPU (in the room of "
-            "the critic's layers, which the rollout does not use)") in run.logs
-    # Scoring and training place no layers; a paused dynamic offload swaps nothing.
-    with run.memory.placed_for("scoring", "actor"):
-        assert (actor.layers_on_gpu, critic.layers_on_gpu) == (2, 4)
+        meter.working = layer
+    with run.memory.placed_for("rollout", "actor"):  # learned: 1 layer besides; the actor keeps its 4
+        assert (actor.layers_on_gpu, critic.layers_on_gpu) == (4, 0)
+        # An out-of-memory error: the phase needed more than the 14 layers' bytes free at its start.
+        assert run.memory.relieve_memory()
+        meter.working = layer
+    with run.memory.placed_for("rollout", "actor"):
+        # It is planned for what was free then: 0.83 x 20 - 2 - 14 leaves no whole layer for the actor.
+        assert (actor.layers_on_gpu, critic.layers_on_gpu) == (0, 0)
+    # A paused dynamic offload places nothing.
     run.settings = run.settings.model_copy(update={"dynamic_offload_enabled": False})
+    actor.set_transformer_layers_on_gpu(3)
     with run.memory.placed_for("rollout", "actor"):
-        assert (actor.layers_on_gpu, critic.layers_on_gpu) == (2, 4)
+        assert (actor.layers_on_gpu, critic.layers_on_gpu) == (3, 0)
 
 
 def test_relief_takes_the_layers_of_the_least_used_model_first():

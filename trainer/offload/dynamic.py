@@ -1,19 +1,27 @@
 """Dynamic offload: how many transformer layers of each model stay on the GPU, decided from device memory.
 
-Pure decision logic (`plan_layers`): the memory in use, the settings and the models' layers are passed
-in, so tests drive it with numbers. The run's memory manager (trainer/memory.py) asks it at safe points
-(no forward or backward in flight) and hands each decision to the engines
-(OffloadEngine.set_transformer_layers_on_gpu). It settles instead of following the memory in use:
+Pure decision logic: the memory in use, the settings and the models' layers are passed in, so tests
+drive it with numbers. The run's memory manager (trainer/memory.py) asks it and hands each decision to
+the engines (OffloadEngine.set_transformer_layers_on_gpu). Two deciders:
 
-- Layers come back only at the end of a step, from the step's peak: as many as fit below the threshold
-  less the hysteresis, at once. Between micro-batches and decode chunks the memory in use is not the
-  step's peak (a rollout uses less than an update), so a layer brought back there went out again at
-  the next update: the controller moved layers three times a step and never settled (issue 14).
-- Layers leave the GPU at any safe point where the memory in use is over the threshold, enough to get
-  under it, from the models used least often per step first (the reference and the reward model once
-  a step, the critic twice, the actor at every decoded token), and come back in the opposite order.
-- At steady state (a step's peak between the threshold less the hysteresis and the threshold) nothing
-  moves; a move follows a change of the live settings, of the workload, or an out-of-memory error.
+- `PhasePlanner`, at the start of each phase of a step (the rollout, each model's scoring and update):
+  the model the phase runs gets the room below the threshold, less what the phase needs besides the
+  layers (its working memory: activations, the KV cache, logits, gradients), which the planner learns
+  from the phase's peak the first time it runs (and raises after an out-of-memory error, or when a
+  longer workload needs more). It takes that room from the models the phase does not run, least used
+  first (the reference and the reward model once a step, the critic twice, the actor at every decoded
+  token): a layer streamed in a decode crosses the bus at every token, a layer of an idle model not at
+  all, and a layer that leaves the GPU costs nothing (the host arena holds every layer). A phase keeps
+  its last plan while it fits below the threshold, so at steady state each phase places the same
+  layers every step and the controller changes nothing: its plan changes only with the live settings,
+  the workload, or an out-of-memory error. Measured on an H200 (benchmarks/README.md, e2e_bench ppo3b):
+  the actor streamed 20 of its 36 layers at each of 128 decoded tokens, 390 GB a step, while the
+  critic held its layers.
+- `plan_layers`, at safe points (between micro-batches and decode chunks, no pass in flight): while
+  the memory in use is over the threshold, enough layers leave the GPU to get under it, from the least
+  used model first. Layers never come back there (the memory in use between two passes is not the
+  phase's peak: the old controller brought a layer back at every decode chunk and sent it off again in
+  the update, three moves a step, and never settled; issue 14).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from trainer.offload.layout import format_bytes
 
 MemoryProbe = Callable[[], tuple[int, int]]
 """Returns (bytes in use, bytes in all) of the compute device."""
@@ -67,34 +77,83 @@ class Decision:
 
 
 def device_memory_probe(device: torch.device) -> MemoryProbe:
-    """(used, total) of a CUDA device as the driver sees it (the caching allocator's reserve counts).
+    """(used, total) of a CUDA device: the bytes the tensors of this process hold (the caching
+    allocator's allocated bytes), plus what the device holds outside this process's allocator (the
+    CUDA context, other processes), of the device's memory.
 
-    Under a per-process cap (torch.cuda.set_per_process_memory_fraction) the budget is this
-    process's: (bytes its allocator holds, the cap); the driver's view would not see the cap."""
+    Allocated, not reserved: under a cap the allocator's reserve grows towards the cap whatever the
+    layers (cached, fragmented blocks of the rollout's growing KV cache; it frees them before it fails),
+    so a controller judging the reserve moved layers off at every step and never settled (issue 14,
+    measured on an H200: 6.5 moves a step). The threshold's margin below 1 covers fragmentation.
+    Under a per-process cap (torch.cuda.set_per_process_memory_fraction) the budget is the cap and
+    nothing outside the allocator counts (the driver's view would not see the cap)."""
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capacity = torch.cuda.get_device_properties(index).total_memory
 
     def probe() -> tuple[int, int]:
-        free, total = torch.cuda.mem_get_info(device)
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        allocated = torch.cuda.memory_allocated(device)
         fraction = torch.cuda.get_per_process_memory_fraction(index) if hasattr(
             torch.cuda, "get_per_process_memory_fraction") else 1.0
         if fraction < 1.0:
-            return torch.cuda.memory_reserved(device), int(total * fraction)
-        return total - free, total
+            return allocated, int(capacity * fraction)  # no driver call: safe points come every few tokens
+        free, total = torch.cuda.mem_get_info(device)
+        besides = max(0, total - free - torch.cuda.memory_reserved(device))
+        return allocated + besides, total
 
     return probe
 
 
-def device_peak_probe(device: torch.device, probe: MemoryProbe) -> PeakProbe:
-    """The peak of what `probe` counts since the allocator's peak statistics were reset (memory_metrics
-    resets them at each step's end): the allocator's peak reserve, plus what the probe counts besides
-    the allocator now (the CUDA context, other processes; nothing under a per-process cap)."""
+class PeakMeter(Protocol):
+    """The most device memory in use since the last reset, as the memory probe counts it."""
 
-    def peak() -> int:
-        used, _ = probe()
-        besides = max(0, used - torch.cuda.memory_reserved(device))
-        return int(torch.cuda.max_memory_reserved(device)) + besides
+    def reset(self) -> None: ...
 
-    return peak
+    def peak(self) -> int: ...
+
+
+class DevicePeakMeter:
+    """A CUDA device's peak since the last reset: the allocator's peak allocated bytes, plus what the
+    probe counts besides the allocator now (the CUDA context, other processes; nothing under a
+    per-process cap). The memory manager resets it at each phase's start, to learn that phase's peak;
+    `step_peaks` keeps the step's peaks across those resets for the step's memory metrics."""
+
+    def __init__(self, device: torch.device, probe: MemoryProbe):
+        self.device, self.probe = device, probe
+        self._allocated = self._reserved = 0
+
+    def reset(self) -> None:
+        self._allocated = max(self._allocated, torch.cuda.max_memory_allocated(self.device))
+        self._reserved = max(self._reserved, torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        used, _ = self.probe()
+        besides = max(0, used - torch.cuda.memory_allocated(self.device))
+        return int(torch.cuda.max_memory_allocated(self.device)) + besides
+
+    def step_peaks(self) -> tuple[int, int]:
+        """The peak allocated and reserved bytes since the last call (the step's), across resets."""
+        self.reset()
+        peaks = self._allocated, self._reserved
+        self._allocated = self._reserved = 0
+        return peaks
+
+
+class ProbePeakMeter:
+    """The peak of an injected probe (tests, a CPU run): what it says is in use, sampled at each
+    reading and reset."""
+
+    def __init__(self, probe: MemoryProbe):
+        self.probe = probe
+        self._peak = 0
+
+    def reset(self) -> None:
+        self._peak = self.probe()[0]
+
+    def peak(self) -> int:
+        self._peak = max(self._peak, self.probe()[0])
+        return self._peak
 
 
 def layers_that_fit(probe: MemoryProbe, *, threshold: float, layer_bytes: int, total_layers: int,
@@ -126,34 +185,36 @@ class ModelLayers:
     """Device bytes of one transformer layer (what moving one frees or takes)."""
 
 
-def plan_layers(models: Sequence[ModelLayers], *, used: int, total: int, settings: DynamicSettings,
-                bring_back: bool, hysteresis: float = HYSTERESIS) -> dict[str, Decision]:
-    """The models whose layers on the GPU should change, and to what.
+def plan_layers(models: Sequence[ModelLayers], *, used: int, total: int,
+                settings: DynamicSettings) -> dict[str, Decision]:
+    """The models whose layers on the GPU should change at a safe point, and to what.
 
-    `used` is the device memory in use (at the end of a step: the step's peak) of `total`. Over the
-    threshold: layers leave the GPU, from the least used model first, never below the minimum, enough to
-    get under it (at least one). With `bring_back` (the end of a step) and the peak below the threshold
-    less the hysteresis: as many layers as fit below that margin come back, most used model first. A
-    raised minimum brings layers back whatever the usage. Settings are read on every call, so a live
-    change acts at the next safe point.
+    `used` is the device memory in use of `total`. Over the threshold: layers leave the GPU, from the
+    least used model first, never below the minimum, enough to get under it (at least one). A raised
+    minimum brings layers back whatever the usage. Settings are read on every call, so a live change
+    acts at the next safe point.
     """
     if not settings.dynamic_offload_enabled or total <= 0:
         return {}
     threshold = settings.gpu_memory_threshold
     counts = {model.role: model.layers_on_gpu for model in models}
-    for model in models:
-        floor = min(settings.min_transformer_layers_on_gpu, model.total_layers)
-        if counts[model.role] < floor:
-            used += (floor - counts[model.role]) * model.layer_bytes
-            counts[model.role] = floor
-    ordered = _by_use(models)
+    used += _raise_to_minimum(models, counts, settings.min_transformer_layers_on_gpu)
     if used > threshold * total:
-        _take_off(reversed(ordered), counts, used - threshold * total, settings.min_transformer_layers_on_gpu)
-    elif bring_back:
-        _bring_back(ordered, counts, (threshold - hysteresis) * total - used)
+        _take_off(reversed(_by_use(models)), counts, used - threshold * total, settings.min_transformer_layers_on_gpu)
     usage = used / total
     return {model.role: Decision(counts[model.role], model.layers_on_gpu, usage, threshold)
             for model in models if counts[model.role] != model.layers_on_gpu}
+
+
+def _raise_to_minimum(models: Sequence[ModelLayers], counts: dict[str, int], minimum: int) -> int:
+    """Bring every model up to the live minimum; the bytes that takes."""
+    added = 0
+    for model in models:
+        floor = min(minimum, model.total_layers)
+        if counts[model.role] < floor:
+            added += (floor - counts[model.role]) * model.layer_bytes
+            counts[model.role] = floor
+    return added
 
 
 def relieve_layers(models: Sequence[ModelLayers], minimum: int) -> dict[str, int]:
@@ -187,13 +248,112 @@ def _take_off(models: Iterable[ModelLayers], counts: dict[str, int], excess: flo
             return
 
 
-def _bring_back(models: Iterable[ModelLayers], counts: dict[str, int], room: float) -> None:
-    for model in models:
-        missing = model.total_layers - counts[model.role]
-        if missing <= 0:
-            continue
-        fits = missing if model.layer_bytes <= 0 else min(missing, int(room // model.layer_bytes))
-        if fits <= 0:
-            return  # the most used model's layer does not fit: no less used one goes before it
-        counts[model.role] += fits
-        room -= fits * model.layer_bytes
+PLAN_MARGIN = 0.02
+"""A phase plans its layers this far below the threshold, and keeps that plan while it fits below the
+threshold itself: the memory in use at a phase's start varies a little from step to step (the batch's
+lengths), and a plan made to the threshold exactly would change by a layer every few steps."""
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """The layers on the GPU of every dynamic model that a phase last placed, for a threshold; whether
+    the phase's working memory was known then (a first run's plan is kept for one run only)."""
+
+    counts: dict[str, int]
+    threshold: float
+    learned: bool
+
+
+@dataclass(frozen=True)
+class PlacedPhase:
+    """What `PhasePlanner.plan` decided: each model's layers on the GPU, and whether that plan is new
+    (a changed plan is a dynamic-offload move; the same plan as last step is not)."""
+
+    counts: dict[str, int]
+    new: bool
+
+
+class PhasePlanner:
+    """Places every dynamic model's layers for each phase of a step, from what the phase is learned to
+    need besides them (see the module's docstring)."""
+
+    def __init__(self, margin: float = PLAN_MARGIN):
+        self.margin = margin
+        self.working: dict[str, int] = {}
+        """Per phase: the most bytes it needed above what was in use at its start, its running model's
+        layer gradients left out (`layer_cost` counts them)."""
+        self.plans: dict[str, PhasePlan] = {}
+
+    def plan(self, phase: str, running: str, models: Sequence[ModelLayers], *, used: int, total: int,
+             settings: DynamicSettings, reserve: int = 0, training: bool = False) -> PlacedPhase:
+        """The layers on the GPU of each of `models` for `phase`, which runs the model `running`; `used`
+        of `total` bytes are in use now, `reserve` more will be (the groups the phase keeps on the GPU).
+        In a training phase each of the running model's layers on the GPU also holds its gradients."""
+        counts = {model.role: model.layers_on_gpu for model in models}
+        if not settings.dynamic_offload_enabled or total <= 0:
+            return PlacedPhase(counts, new=False)
+        threshold, minimum = settings.gpu_memory_threshold, settings.min_transformer_layers_on_gpu
+        used += _raise_to_minimum(models, counts, minimum)
+        by_role = {model.role: model for model in models}
+        run = by_role[running]
+        cost = layer_cost(run, training)
+        working = self.working.get(phase)
+        last = self.plans.get(phase)
+        if (last is not None and last.learned and last.threshold == threshold
+                and set(last.counts) == set(counts)):
+            moved = sum((last.counts[role] - counts[role]) * by_role[role].layer_bytes for role in counts)
+            peak = (used + moved + (cost - run.layer_bytes) * last.counts[running] + reserve + (working or 0))
+            floors = all(last.counts[role] >= min(minimum, by_role[role].total_layers) for role in counts)
+            if peak <= threshold * total and floors:
+                return PlacedPhase(dict(last.counts), new=False)  # the plan still fits: keep it (steady state)
+        others = [model for model in _by_use(models) if model.role != running]
+        # Room for the running model's layers: below the threshold less the margin, less the rest.
+        room = (threshold - self.margin) * total - (used - counts[running] * run.layer_bytes) - reserve - (working or 0)
+        if working is None:
+            # The phase's first run: what it needs is not known. The models it does not run give their
+            # layers (down to the minimum) and the running model keeps what it has; its peak is learned.
+            for model in others:
+                room += (counts[model.role] - min(minimum, model.total_layers)) * model.layer_bytes
+                counts[model.role] = min(counts[model.role], min(minimum, model.total_layers))
+            fits = counts[running]
+        else:
+            short = run.total_layers * cost - room
+            for model in reversed(others):
+                if short <= 0:
+                    break
+                spare = counts[model.role] - min(minimum, model.total_layers)
+                if spare <= 0:
+                    continue
+                taken = min(spare, math.ceil(short / model.layer_bytes) if model.layer_bytes > 0 else spare)
+                counts[model.role] -= taken
+                room += taken * model.layer_bytes
+                short -= taken * model.layer_bytes
+            fits = run.total_layers
+        if cost > 0:
+            fits = min(fits, int(max(room, 0) // cost))
+        counts[running] = max(min(minimum, run.total_layers), min(run.total_layers, fits))
+        new = last is None or last.counts != counts
+        self.plans[phase] = PhasePlan(dict(counts), threshold, learned=working is not None)
+        return PlacedPhase(counts, new=new)
+
+    def learn(self, phase: str, working: int) -> None:
+        """`phase` needed `working` bytes above what was in use at its start (its peak); a phase that
+        needs more than it was planned for plans again at its next start."""
+        self.working[phase] = max(self.working.get(phase, 0), int(working))
+
+    def describe(self, phase: str) -> str:
+        """The plan of a phase, for the log and /v1/status: "rollout/actor: actor 36, critic 4 layers on the
+        GPU (working memory 1.20 GiB)"."""
+        plan = self.plans.get(phase)
+        if plan is None:
+            return f"{phase}: not run yet"
+        placed = ", ".join(f"{role} {count}" for role, count in plan.counts.items())
+        working = self.working.get(phase)
+        learned = format_bytes(working) if working is not None else "not yet learned"
+        return f"{phase}: {placed} layers on the GPU (working memory {learned})"
+
+
+def layer_cost(model: ModelLayers, training: bool) -> int:
+    """Device bytes one of a model's layers on the GPU takes in a phase: its weights, and in a training
+    phase its gradients too (they add up on the device, OffloadEngine.accumulating)."""
+    return model.layer_bytes * (2 if training else 1)
