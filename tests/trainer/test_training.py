@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 from typing import TypeVar
@@ -304,3 +305,19 @@ def test_cpu_threads_sets_the_trainers_thread_pool(tmp_path):
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match=r"trainer\.cpu_threads: got 0"):
         load_config(None, ["trainer.cpu_threads=0"])
+
+
+def test_the_trainer_process_starts_cuda_with_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
+    from trainer.main import ALLOCATOR_DEFAULTS, use_allocator_defaults
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    use_allocator_defaults()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOCATOR_DEFAULTS == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    use_allocator_defaults()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    use_allocator_defaults()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
