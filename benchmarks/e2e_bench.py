@@ -8,7 +8,8 @@ on FSDP2's CPUOffloadPolicy, on the same shapes, data and seed (issue 14's measu
 
 Each variant runs in a process of its own (a fresh CUDA context and allocator, and a cap that cannot leak
 into the next one) through `Trainer.fit`, what `verl train`'s trainer process runs. Steps after the first
-are the steady state (the first allocates the optimizer states and warms CUDA up); their mean is reported:
+`--warmup` (2: the first allocates the optimizer states, warms CUDA up and learns what each phase needs;
+the second places the layers for it) are the steady state; their mean is reported:
 each phase's seconds (verl's timing_s/*) as a ratio against the all-GPU run, the bytes copied each way per
 step against the PCIe floor (bytes / the pinned bandwidth measured in the same process), and the
 transformer layers moved per step.
@@ -33,14 +34,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.main import use_allocator_defaults  # noqa: E402
+
+use_allocator_defaults()  # as `verl train`'s trainer process does, before CUDA starts
+
+import torch  # noqa: E402
 
 from benchmarks.grpo_headline import QUICK_ACTOR, QUICK_REWARD, REWARD_SHAPE, StepsOnly, flow, save_reward_model  # noqa: E402
 from benchmarks.offload_bench import GIB, SHAPE, machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer_layers_on_gpu", "perf/max_memory",
+             "perf/oom_recoveries")
+"""The metrics of each step a result keeps (besides the steady state's means)."""
 VARIANTS = ("all_gpu", "offload", "fsdp2")
 QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
@@ -48,6 +56,9 @@ QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, 
 OFFLOADED = {"model_dtype": "bf16", "optimizer_offload": True, "offload_grad_dtype": "bf16",
              "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}, "dynamic_offload": {"enabled": True}}
 """The offload settings of a trained model (actor, critic) in the `offload` variant."""
+FROZEN_OFFLOADED = {"model_dtype": "bf16", "dynamic_offload": {"enabled": True}}
+"""The reference's and the reward model's in the `offload` variant: their layers give the GPU to the
+models the other phases run (they run once a step)."""
 
 
 def _actor_shape(shape: str) -> dict[str, Any]:
@@ -79,6 +90,9 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir:
     actor = "actor_rollout_ref.actor.fsdp_config"
     trained = OFFLOADED if variant == "offload" else {"model_dtype": "bf16"}
     plain = {"model_dtype": "bf16"}
+    # The reference's and the reward model's settings. The headline's stay on the GPU: their host arenas (15 GB
+    # pinned for the 7B reference) would not fit beside the actor's 118 GiB on the H200 machine's 125 GiB host.
+    frozen = FROZEN_OFFLOADED if variant == "offload" and shape != "headline" else plain
     rows = [
         f"algorithm.adv_estimator={spec['algorithm']}", "algorithm.use_kl_in_reward=false",
         "data.train_files=[builtin:counting]", f"data.train_batch_size={spec['prompts']}",
@@ -96,7 +110,7 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir:
         f"trainer.runs_dir={runs_dir}", f"trainer.experiment_name=e2e-{shape}-{variant}",
     ]
     if spec["reference"]:
-        rows += [*fsdp_overrides("actor_rollout_ref.ref.fsdp_config", plain),
+        rows += [*fsdp_overrides("actor_rollout_ref.ref.fsdp_config", frozen),
                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"]
     if spec["algorithm"] == "gae":
         rows += ["critic.enable=true", "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-5",
@@ -105,7 +119,8 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir:
         rows.append("critic.enable=false")
     if reward_dir is not None:
         rows += ["reward_model.enable=true", f"reward_model.model.path={reward_dir}",
-                 "reward_model.model.fsdp_config.model_dtype=bf16", "reward_model.micro_batch_size_per_gpu=8"]
+                 *fsdp_overrides("reward_model.model.fsdp_config", frozen),
+                 "reward_model.micro_batch_size_per_gpu=8"]
     return rows
 
 
@@ -193,21 +208,44 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         trainer.observers.append(observer)
         trainer.fit()
         rows = trainer.metrics_log.read()
-    steady = rows[1:] or rows
+    per_step = [{key: row[key] for key in row if key.startswith(STEP_KEYS)} | copies
+                for row, copies in zip(rows, copied, strict=True)]
     result.update(
         steps=len(rows),
-        phases_s={key.removeprefix("timing_s/"): statistics.fmean(row[key] for row in steady)
-                  for key in rows[-1] if key.startswith("timing_s/")},
-        copied_bytes_per_step={direction: statistics.fmean(step[direction] for step in copied[1:] or copied)
-                               for direction in ("h2d", "d2h")} if copied else {"h2d": 0, "d2h": 0},
-        layer_moves_per_step=statistics.fmean(row.get("offload/moves_to_cpu", 0) + row.get("offload/moves_to_gpu", 0)
-                                              for row in steady),
+        **steady_state(per_step, args.warmup),
         peak_gpu_gib=max(row.get("perf/max_memory_allocated_gb", 0.0) for row in rows),
         oom_recoveries=sum(row.get("perf/oom_recoveries", 0) for row in rows),
         losses=[row.get("actor/pg_loss") for row in rows],
-        log=[line for line in logs if line.startswith(("dynamic offload", "per-phase placement", "out of GPU"))][-20:],
+        per_step=per_step,
+        plans=trainer.memory.plan_lines(),
+        log=[line for line in logs if line.startswith(("dynamic offload", "per-phase placement", "out of GPU",
+                                                        "placement plan"))][-30:],
     )
     return result
+
+
+def steady_state(per_step: list[dict[str, float]], warmup: int) -> dict[str, Any]:
+    """The means over the steps after the first `warmup` (all of them when there are no more): each phase's
+    seconds, the bytes copied each way, the layer moves and the phases' planned swaps."""
+    steady = per_step[warmup:] or per_step
+    return {
+        "warmup": warmup,
+        "phases_s": {key.removeprefix("timing_s/"): statistics.fmean(row[key] for row in steady)
+                     for key in steady[-1] if key.startswith("timing_s/")},
+        "copied_bytes_per_step": {direction: statistics.fmean(row.get(direction, 0) for row in steady)
+                                  for direction in ("h2d", "d2h")},
+        "layer_moves_per_step": statistics.fmean(row.get("offload/moves_to_cpu", 0) + row.get("offload/moves_to_gpu", 0)
+                                                 for row in steady),
+        "phase_swaps_per_step": statistics.fmean(row.get("offload/phase_swaps", 0) for row in steady),
+    }
+
+
+def with_warmup(result: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """A saved result's steady state again, with `warmup` steps not counted (from each variant's per_step;
+    a result written before per_step was kept is returned as it is)."""
+    variants = {name: run | steady_state(run["per_step"], warmup) if run.get("per_step") else run
+                for name, run in result["variants"].items()}
+    return result | {"variants": variants, "warmup": warmup}
 
 
 class CopiedPerStep:
@@ -225,11 +263,18 @@ class CopiedPerStep:
         return totals
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        print(f"e2e_bench: step {step} took {metrics.get('timing_s/step', float('nan')):.2f} s", file=sys.stderr,
-              flush=True)
         totals = self._totals()
         self.copied.append({direction: totals[direction] - self._last[direction] for direction in totals})
         self._last = totals
+        phases = " ".join(f"{key.removeprefix('timing_s/')} {value:.2f}" for key, value in metrics.items()
+                          if key.startswith("timing_s/") and key != "timing_s/step")
+        print(f"e2e_bench: step {step} took {metrics.get('timing_s/step', float('nan')):.2f} s ({phases}); "
+              f"H2D {self.copied[-1]['h2d'] / 1e9:.1f} GB, D2H {self.copied[-1]['d2h'] / 1e9:.1f} GB; layers on the "
+              f"GPU {metrics.get('offload/transformer_layers_on_gpu', 0):.0f}, moves "
+              f"{metrics.get('offload/moves_to_cpu', 0) + metrics.get('offload/moves_to_gpu', 0):.0f}, phase swaps "
+              f"{metrics.get('offload/phase_swaps', 0):.0f}; peak {metrics.get('perf/max_memory_allocated_gb', 0):.1f} "
+              f"GiB allocated, {metrics.get('perf/max_memory_reserved_gb', 0):.1f} reserved; OOMs recovered "
+              f"{metrics.get('perf/oom_recoveries', 0):.0f}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------- parent
@@ -240,12 +285,14 @@ def run_shape(args: argparse.Namespace, out: Path, logs: Path) -> dict[str, Any]
     keeps what it measured), each variant's output to a log in `logs`."""
     variants = [variant for variant in args.variants if variant != "fsdp2" or args.device == "cuda"]
     result: dict[str, Any] = {**(machine() if args.device == "cuda" else {}), "shape": args.shape,
-                              "spec": SHAPES[args.shape], "steps": args.steps, "variants": {}}
+                              "spec": SHAPES[args.shape], "steps": args.steps, "warmup": args.warmup,
+                              "variants": {}}
     for variant in variants:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
             child_out = Path(handle.name)
         command = [sys.executable, __file__, "--child", "--variant", variant, "--shape", args.shape,
-                   "--device", args.device, "--steps", str(args.steps), "--scratch", str(args.scratch),
+                   "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--scratch", str(args.scratch),
                    "--out", str(child_out)]
         print(f"[{variant}]", flush=True)
         started = time.perf_counter()
@@ -274,7 +321,8 @@ def table(result: dict[str, Any]) -> str:
     """Each phase's seconds per variant and the ratio to all-GPU; copies against the PCIe floor; moves."""
     variants = result["variants"]
     base = variants.get("all_gpu", {}).get("phases_s", {})
-    header = f"{result.get('gpu', 'CPU')}, shape {result['shape']} {result['spec']}, steps {result['steps']}"
+    header = (f"{result.get('gpu', 'CPU')}, shape {result['shape']} {result['spec']}, steps {result['steps']}"
+              f" (the first {result.get('warmup', 1)} not counted)")
     lines = [header, f"{'phase':<16}" + "".join(f"{name:>22}" for name in variants)]
     phases = sorted({phase for run in variants.values() for phase in run.get("phases_s", {})},
                     key=lambda phase: (phase != "step", phase))
@@ -294,7 +342,8 @@ def table(result: dict[str, Any]) -> str:
                     if bandwidth[direction] == bandwidth[direction] and copied[direction])
         lines.append(f"{name}: H2D {copied['h2d'] / 1e9:.2f} GB, D2H {copied['d2h'] / 1e9:.2f} GB a step "
                      f"(PCIe floor {floor:.3f} s at {bandwidth['h2d']:.1f}/{bandwidth['d2h']:.1f} GB/s); "
-                     f"layer moves a step {run['layer_moves_per_step']:.1f}; peak GPU {run['peak_gpu_gib']:.1f} GiB; "
+                     f"layer moves a step {run['layer_moves_per_step']:.1f} (phase swaps "
+                     f"{run.get('phase_swaps_per_step', 0):.1f}); peak GPU {run['peak_gpu_gib']:.1f} GiB; "
                      f"OOMs recovered {run['oom_recoveries']:.0f}")
     return "\n".join(lines)
 
@@ -305,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)} (fsdp2 needs a GPU)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--steps", type=int, default=3, help="steps per variant; the first is not counted (3)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per variant (4)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="first steps not counted (2: the first allocates the optimizer states and learns what "
+                             "each phase needs, the second places the layers for it); with --report, recounts a "
+                             "saved result without them")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a variant may take (900)")
     parser.add_argument("--scratch", type=Path, default=Path.cwd(), help="a directory on disk for models and runs")
     parser.add_argument("--out", type=Path, help="write the result as JSON here (default: benchmarks/results/)")
@@ -315,11 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report is not None:
         try:
-            print(table(json.loads(args.report.read_text())))
+            saved = json.loads(args.report.read_text())
+            print(table(with_warmup(saved, args.warmup) if args.warmup is not None else saved))
         except (OSError, ValueError, KeyError) as error:
             print(f"ERROR: {args.report} is not an e2e_bench result: {error}", file=sys.stderr)
             return 2
         return 0
+    args.warmup = 2 if args.warmup is None else args.warmup
     args.variants = [variant.strip() for variant in args.variants.split(",") if variant.strip()]
     unknown = [variant for variant in args.variants if variant not in VARIANTS]
     if unknown or not args.variants:
@@ -329,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("ERROR: --device cuda, but no CUDA GPU is visible; use --device cpu --shape quick", file=sys.stderr)
         return 2
-    if args.steps < 2:
-        print(f"ERROR: --steps must be at least 2 (the first is not counted), got {args.steps}", file=sys.stderr)
+    if args.warmup < 0 or args.steps <= args.warmup:
+        print(f"ERROR: --steps must be more than --warmup ({args.warmup}, the steps not counted), got {args.steps}",
+              file=sys.stderr)
         return 2
     if args.child:
         args.out.write_text(json.dumps(run_variant(args)))

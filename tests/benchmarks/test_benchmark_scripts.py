@@ -131,7 +131,7 @@ def test_the_telemetry_benchmark_refuses_bad_arguments_in_one_line(argv, capsys)
 
 def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_the_variants(tmp_path, capsys):
     out = tmp_path / "e2e.json"
-    assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--out", str(out),
+    assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--out", str(out),
                            "--scratch", str(tmp_path)]) == 0
     result = json.loads(out.read_text())
     assert set(result["variants"]) == {"all_gpu", "offload"}  # fsdp2 needs a GPU
@@ -140,7 +140,14 @@ def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_t
     assert offloaded["copied_bytes_per_step"]["h2d"] > 0 and resident["copied_bytes_per_step"]["h2d"] == 0
     printed = capsys.readouterr().out
     assert "update_actor" in printed and "x)" in printed and "layer moves a step" in printed
+    assert len(offloaded["per_step"]) == 2 and "placement plan" not in printed  # a CPU run plans no layers
     assert e2e_bench.main(["--report", str(out)]) == 0
+    assert "(the first 1 not counted)" in capsys.readouterr().out
+    # Counted again from each step's metrics, with no warm-up: the means of both steps.
+    assert e2e_bench.main(["--report", str(out), "--warmup", "0"]) == 0
+    assert "(the first 0 not counted)" in capsys.readouterr().out
+    assert e2e_bench.with_warmup(result, 0)["variants"]["offload"]["phases_s"]["step"] == pytest.approx(
+        sum(row["timing_s/step"] for row in offloaded["per_step"]) / 2)
 
 
 def test_the_whole_step_benchmark_refuses_an_unknown_variant_in_one_line(capsys):
