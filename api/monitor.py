@@ -26,7 +26,7 @@ from rich.text import Text
 from api.advisor import SUSTAINED_WINDOW_S, Snapshot, advise
 from api.client import ApiClient, DaemonUnreachable
 from api.schemas import OffloadSummary, StepSnapshot
-from trainer.config.messages import Progress, Restarts, RunStatus, SettingsState
+from trainer.config.messages import PhasePlanRow, Progress, Restarts, RunStatus, SettingsState
 
 # (label, verl metric key) of the trend lines, in the order shown.
 TRENDS = (("reward", "critic/score/mean"), ("KL", "actor/ppo_kl"), ("loss", "actor/pg_loss"),
@@ -295,7 +295,16 @@ def describe_status(status: RunStatus) -> list[str]:
     telemetry = status.telemetry
     lines.append(f"telemetry: NVML {'available' if telemetry.nvml else 'unavailable'}, "
                  f"{telemetry.dropped_messages} messages dropped")
+    lines += [f"placement plan: {describe_plan(plan)}" for plan in status.offload.plans]
     return lines
+
+
+def describe_plan(plan: PhasePlanRow) -> str:
+    """One phase's plan of the dynamic layers: "rollout/actor: actor 36, critic 0 layers on the GPU (working
+    memory 0.71 GiB, threshold 0.9)"."""
+    layers = ", ".join(f"{role} {count}" for role, count in plan.layers_on_gpu.items())
+    working = f"{plan.working_bytes / 2**30:.2f} GiB" if plan.working_bytes is not None else "not yet learned"
+    return f"{plan.phase}: {layers} layers on the GPU (working memory {working}, threshold {plan.threshold:g})"
 
 
 def _reasons(restarts: Restarts) -> str:

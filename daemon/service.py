@@ -67,6 +67,7 @@ from trainer.config.messages import (
     OffloadPlacement,
     OffloadSummaryRow,
     PhaseMessage,
+    PhasePlanRow,
     Progress,
     Restarts,
     RunInfo,
@@ -156,6 +157,7 @@ class Daemon:
                                  phase_since=None)
         self._phase_step: int | None = None  # the step the latest phase message is part of
         self.offload_summary: list[OffloadSummaryRow] = []
+        self.offload_plans: list[PhasePlanRow] = []
         self.dropped_messages = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._api: _ApiServer | None = None
@@ -287,7 +289,7 @@ class Daemon:
             settings=self.settings_store.state(),
             telemetry=TelemetryHealth(nvml=self.sampler is not None and self.sampler.nvml_up,
                                       dropped_messages=self.dropped_messages),
-            offload=OffloadPlacement(summary=self.offload_summary),
+            offload=OffloadPlacement(summary=self.offload_summary, plans=self.offload_plans),
         )
 
     def settings(self) -> SettingsBody:
@@ -379,6 +381,8 @@ class Daemon:
         self.metrics.observe_offload(message)
         if message.summary is not None:
             self.offload_summary = message.summary
+        if message.plans is not None:
+            self.offload_plans = message.plans
         self.hub.publish("offload", message)
 
     def _on_settings_ack(self, connection: TrainerConnection, message: SettingsAckMessage) -> None:

@@ -228,7 +228,8 @@ class Trainer:
         self._send(StepMessage(step=self.step, metrics=metrics))
         if self.telemetry is not None:
             # The placement summary goes with the first report of each trainer process.
-            self._send(offload_message(self.offload_engines, with_summary=not self._summary_sent))
+            self._send(offload_message(self.offload_engines, with_summary=not self._summary_sent,
+                                       plans=self.memory.plan_rows()))
             self._summary_sent = True
         for observer in self.observers:
             observer.on_step(self.step, metrics)

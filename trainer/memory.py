@@ -48,6 +48,7 @@ from trainer.config.schema import EmbeddingCache as EmbeddingCacheConfig
 from trainer.errors import RunSetupError
 from trainer.offload import HostMemoryError, OffloadEngine, attach_offload, format_bytes
 from trainer.offload.dynamic import (
+    USE_ORDER,
     Decision,
     DevicePeakMeter,
     DynamicSettings,
@@ -217,8 +218,18 @@ class MemoryManager:
         return self._roles.setdefault(role, ModelMemory(self, role))
 
     def summary_lines(self) -> list[str]:
-        """The offload summary of every model, each line after its role ("actor: Embedding: ...")."""
-        return [f"{engine.role}: {line}" for engine in self._engines.values() for line in engine.summary_lines()]
+        """The offload summary of every model, each line after its role ("actor: Embedding: ..."), and with
+        dynamic offload how the phases will place the layers."""
+        lines = [f"{engine.role}: {line}" for engine in self._engines.values() for line in engine.summary_lines()]
+        if self._dynamic:
+            layers = ", ".join(f"{engine.role} {engine.layers_on_gpu} of {len(engine.transformer_units)}"
+                               for engine in self._dynamic)
+            order = ", ".join(role for role in reversed(USE_ORDER) if role in self._engines)
+            lines.append(f"dynamic offload: transformer layers on the GPU now: {layers}. Each phase of a step "
+                         "gives them to the model it runs, less what the phase needs besides them, taken from the "
+                         f"models it does not run in this order: {order}; the first step learns what each phase "
+                         "needs, the next places for it (\"placement plan\" lines, GET /v1/status)")
+        return lines
 
     @property
     def moves_layers(self) -> bool:
@@ -287,6 +298,10 @@ class MemoryManager:
         for engine, moves in before.items():
             self._swapped += engine.moves["to_gpu"] - moves["to_gpu"]
             engine.moves = moves
+
+    def plan_rows(self) -> list[dict[str, object]] | None:
+        """Each phase's plan as the offload message's rows; None when no model's layers move dynamically."""
+        return self.planner.rows() if self._dynamic else None
 
     def plan_lines(self) -> list[str]:
         """Each phase's plan (the layers every dynamic model keeps on the GPU for it, and the working

@@ -22,7 +22,7 @@ from rich.console import Console
 
 from api.advisor import Snapshot
 from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized
-from api.monitor import MonitorFeed, render, run_monitor, sparkline
+from api.monitor import MonitorFeed, describe_status, render, run_monitor, sparkline
 from api.schemas import LatestBody, OffloadSummary, StepSnapshot
 from tests.support import serve_app as serve
 from trainer.config.live import LiveSettings
@@ -31,6 +31,7 @@ from trainer.config.messages import (
     OffloadPlacement,
     OffloadSummaryRow,
     Phase,
+    PhasePlanRow,
     Progress,
     Restarts,
     Role,
@@ -443,3 +444,17 @@ def test_ctrl_c_closes_the_live_view_and_leaves_the_run_alone(daemon, ctrl_c_rai
         done.set()
     assert console.file.getvalue().rstrip().endswith("monitor closed; the run goes on")
     assert not any(path in ("/v1/stop", "/v1/checkpoint") for path, _ in fake.requests)
+
+
+def test_the_status_lines_show_how_each_phase_places_the_dynamic_layers():
+    status = run_status()
+    assert not any(line.startswith("placement plan") for line in describe_status(status))  # none yet
+    plans = [PhasePlanRow(phase="rollout/actor", layers_on_gpu={"actor": 36, "critic": 0}, working_bytes=3 << 29,
+                          threshold=0.9),
+             PhasePlanRow(phase="training/critic", layers_on_gpu={"actor": 0, "critic": 15}, working_bytes=None,
+                          threshold=0.9)]
+    status = status.model_copy(update={"offload": OffloadPlacement(summary=[], plans=plans)})
+    assert describe_status(status)[-2:] == [
+        "placement plan: rollout/actor: actor 36, critic 0 layers on the GPU (working memory 1.50 GiB, threshold 0.9)",
+        "placement plan: training/critic: actor 0, critic 15 layers on the GPU (working memory not yet learned, "
+        "threshold 0.9)"]

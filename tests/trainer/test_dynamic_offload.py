@@ -11,7 +11,7 @@ import torch
 
 from tests.trainer.test_offload import POLICIES, offloaded, policy, token_batch, train
 from trainer.config.live import LiveSettings
-from trainer.config.messages import SettingsMessage
+from trainer.config.messages import OffloadMessage, SettingsMessage
 from trainer.offload.dynamic import ModelLayers, PhasePlanner, plan_layers
 
 GB = 10**9
@@ -379,6 +379,11 @@ def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
     # 10 GB over the threshold and layers of a few KiB: all it may move go at once, down to the minimum.
     assert [line for line in logs if line.startswith("dynamic offload")] == [
         "dynamic offload: 2 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [actor]"]
+    # Each offload message carries the phases' plans, for /v1/status.
+    plans = trainer.telemetry.of_type(OffloadMessage)[-1].plans
+    assert [plan.phase for plan in plans] == ["rollout/actor", "scoring/actor", "training/actor"]
+    assert all(plan.layers_on_gpu == {"actor": 1} and plan.threshold == 0.7 and plan.working_bytes is not None
+               for plan in plans), plans
 
 
 def test_a_run_where_only_the_critic_enables_dynamic_offload_moves_the_critics_layers(tmp_path):

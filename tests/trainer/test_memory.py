@@ -279,6 +279,12 @@ def test_a_phase_takes_the_room_of_the_models_it_does_not_run_and_then_places_th
     assert ("placement plan: rollout/actor: actor 4, critic 1 layers on the GPU (working memory not yet learned)"
             in run.logs)
     assert run.memory.plan_lines()[0].startswith("rollout/actor: actor 4, critic 1 layers on the GPU")
+    assert run.memory.plan_rows()[0] == {"phase": "rollout/actor", "layers_on_gpu": {"actor": 4, "critic": 1},
+                                         "working_bytes": 3 * layer, "threshold": THRESHOLD}
+    assert run.memory.summary_lines()[-1].startswith(
+        "dynamic offload: transformer layers on the GPU now: actor 1 of 4, critic 3 of 4. Each phase of a step "
+        "gives them to the model it runs, less what the phase needs besides them, taken from the models it does "
+        "not run in this order: critic, actor;")
 
 
 def test_a_phase_that_runs_out_of_memory_learns_it_and_plans_for_it_next_time():

@@ -133,6 +133,21 @@ class OffloadSummaryRow(Message):
     bytes: int = Field(ge=0)
 
 
+class PhasePlanRow(Message):
+    """How one phase of a step places the dynamically offloaded models' layers (the phase planner of
+    trainer/offload/dynamic.py), and what for."""
+
+    phase: str
+    """The phase and the model it runs: "rollout/actor", "training/critic", "scoring/ref", ..."""
+    layers_on_gpu: dict[str, int]
+    """Each dynamically offloaded model's transformer layers on the GPU during the phase, by role."""
+    working_bytes: int | None = Field(ge=0)
+    """What the phase needs on the GPU besides those layers, learned from its peak (null: not learned
+    yet, the phase has not completed a run)."""
+    threshold: float
+    """The GPU memory threshold the plan was made for."""
+
+
 # ----------------------------------------------------------------------------------- up messages
 
 
@@ -182,6 +197,8 @@ class OffloadMessage(Message):
     """Every copy, counted."""
     summary: list[OffloadSummaryRow] | None = None
     """Every model's placement; sent with a trainer process's first offload message, else null."""
+    plans: list[PhasePlanRow] | None = None
+    """Every phase's plan of the dynamic layers so far (null: no model's layers move dynamically)."""
     time: float = Field(default_factory=epoch_seconds)
 
 
@@ -320,9 +337,11 @@ class TelemetryHealth(Message):
 
 
 class OffloadPlacement(Message):
-    """Where each model's module groups live (empty until the trainer's first offload message)."""
+    """Where each model's module groups live (empty until the trainer's first offload message), and how
+    each phase places the dynamically offloaded layers (empty until a phase has run, or without them)."""
 
     summary: list[OffloadSummaryRow]
+    plans: list[PhasePlanRow] = []
 
 
 class RunStatus(Message):

@@ -53,11 +53,12 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
     )
 
 
-def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool) -> OffloadMessage:
+def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool,
+                    plans: Sequence[dict[str, object]] | None = None) -> OffloadMessage:
     """The OffloadMessage for all of a run's engines: the timed copies drained since the last call,
     at most MAX_RECORDS_PER_DRAIN of them in all (the rest folded per direction and group), the count
-    and bytes of every copy since the last call, and the placement summary of every role when
-    `with_summary`.
+    and bytes of every copy since the last call, the placement summary of every role when
+    `with_summary`, and the phases' `plans` of the dynamic layers (MemoryManager.plan_rows) when given.
 
     The engines report plain rows; they become the message's models here, validated in one call
     (pydantic's compiled validator: about 30% cheaper than building each row's model in Python).
@@ -76,4 +77,5 @@ def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool) -> 
         "copies": [copy for engine in engines for copy in engine.drain_copy_stats(budget)],
         "counts": list(counts.values()),
         "summary": [row for engine in engines for row in engine.summary()] if with_summary else None,
+        "plans": list(plans) if plans is not None else None,
     })

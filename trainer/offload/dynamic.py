@@ -341,6 +341,12 @@ class PhasePlanner:
         needs more than it was planned for plans again at its next start."""
         self.working[phase] = max(self.working.get(phase, 0), int(working))
 
+    def rows(self) -> list[dict[str, object]]:
+        """Every phase's plan, in the order the phases first ran, as the offload message's rows
+        (messages.PhasePlanRow)."""
+        return [{"phase": phase, "layers_on_gpu": dict(plan.counts), "working_bytes": self.working.get(phase),
+                 "threshold": plan.threshold} for phase, plan in self.plans.items()]
+
     def describe(self, phase: str) -> str:
         """The plan of a phase, for the log and /v1/status: "rollout/actor: actor 36, critic 4 layers on the
         GPU (working memory 1.20 GiB)"."""
