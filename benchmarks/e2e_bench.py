@@ -42,12 +42,20 @@ use_allocator_defaults()  # as `verl train`'s trainer process does, before CUDA 
 
 import torch  # noqa: E402
 
-from benchmarks.grpo_headline import QUICK_ACTOR, QUICK_REWARD, REWARD_SHAPE, StepsOnly, flow, save_reward_model  # noqa: E402
+from benchmarks.grpo_headline import (  # noqa: E402
+    QUICK_ACTOR,
+    QUICK_REWARD,
+    REWARD_SHAPE,
+    Profile,
+    StepsOnly,
+    flow,
+    save_reward_model,
+)
 from benchmarks.offload_bench import GIB, SHAPE, machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer_layers_on_gpu", "perf/max_memory",
-             "perf/oom_recoveries")
+             "perf/oom_recoveries", "response_length/")
 """The metrics of each step a result keeps (besides the steady state's means)."""
 VARIANTS = ("all_gpu", "offload", "fsdp2")
 QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
@@ -206,6 +214,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         copied: list[dict[str, int]] = []
         observer = CopiedPerStep(trainer, copied)
         trainer.observers.append(observer)
+        profile = Profile(trainer) if args.profile else None
         trainer.fit()
         rows = trainer.metrics_log.read()
     per_step = [{key: row[key] for key in row if key.startswith(STEP_KEYS)} | copies
@@ -218,6 +227,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         losses=[row.get("actor/pg_loss") for row in rows],
         per_step=per_step,
         plans=trainer.memory.plan_lines(),
+        profile=profile.report() if profile is not None else None,
         log=[line for line in logs if line.startswith(("dynamic offload", "per-phase placement", "out of GPU",
                                                         "placement plan"))][-30:],
     )
@@ -292,7 +302,7 @@ def run_shape(args: argparse.Namespace, out: Path, logs: Path) -> dict[str, Any]
             child_out = Path(handle.name)
         command = [sys.executable, __file__, "--child", "--variant", variant, "--shape", args.shape,
                    "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--scratch", str(args.scratch),
+                   "--scratch", str(args.scratch), *(["--profile"] if args.profile else []),
                    "--out", str(child_out)]
         print(f"[{variant}]", flush=True)
         started = time.perf_counter()
@@ -345,6 +355,14 @@ def table(result: dict[str, Any]) -> str:
                      f"layer moves a step {run['layer_moves_per_step']:.1f} (phase swaps "
                      f"{run.get('phase_swaps_per_step', 0):.1f}); peak GPU {run['peak_gpu_gib']:.1f} GiB; "
                      f"OOMs recovered {run['oom_recoveries']:.0f}")
+    for name, run in variants.items():
+        profile = run.get("profile") or {}
+        if profile:
+            step = max(profile, key=int)
+            lines.append(f"{name} profile of step {step} (seconds; --profile):")
+            for phase, table_ in profile[step].items():
+                largest = sorted(table_.items(), key=lambda item: -item[1])[:6]
+                lines.append(f"  {phase}: " + "; ".join(f"{key} {value:g}" for key, value in largest))
     return "\n".join(lines)
 
 
@@ -363,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", type=Path, default=Path.cwd(), help="a directory on disk for models and runs")
     parser.add_argument("--out", type=Path, help="write the result as JSON here (default: benchmarks/results/)")
     parser.add_argument("--report", type=Path, help="print the table of a saved result and exit")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time, per step and phase, the engines' worker tasks (gradient landing, the CPU "
+                             "AdamW), the waits for them, the optimizer's calls and the decode's ms per token")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -42,10 +42,10 @@ case "${1:-}" in
     done ;;
   e2e-headline)
     timeout 590 python3 benchmarks/e2e_bench.py --shape headline --variants ${VARIANTS:-all_gpu,offload} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
-      --out "$out/e2e-headline.json" 2>&1 | tee "$out/e2e-headline.txt" | tail -30 ;;
+      --out "$out/e2e-headline.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-headline.txt" | tail -30 ;;
   e2e-ppo3b)
     timeout 590 python3 benchmarks/e2e_bench.py --shape ppo3b --variants ${VARIANTS:-all_gpu,offload,fsdp2} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
-      --out "$out/e2e-ppo3b.json" 2>&1 | tee "$out/e2e-ppo3b.txt" | tail -30 ;;
+      --out "$out/e2e-ppo3b.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b.txt" | tail -30 ;;
   *)
     echo "usage: $0 tests|rollout|offload|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b" >&2
     exit 2 ;;

@@ -132,7 +132,7 @@ def test_the_telemetry_benchmark_refuses_bad_arguments_in_one_line(argv, capsys)
 def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_the_variants(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--out", str(out),
-                           "--scratch", str(tmp_path)]) == 0
+                           "--scratch", str(tmp_path), "--profile"]) == 0
     result = json.loads(out.read_text())
     assert set(result["variants"]) == {"all_gpu", "offload"}  # fsdp2 needs a GPU
     offloaded, resident = result["variants"]["offload"], result["variants"]["all_gpu"]
@@ -141,6 +141,9 @@ def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_t
     printed = capsys.readouterr().out
     assert "update_actor" in printed and "x)" in printed and "layer moves a step" in printed
     assert len(offloaded["per_step"]) == 2 and "placement plan" not in printed  # a CPU run plans no layers
+    # The CPU update of the actor runs on the engine's worker, timed in the phase it ran in.
+    assert any("actor worker _update_unit" in table for phases in offloaded["profile"].values()
+               for table in phases.values()) and "offload profile of step 2" in printed
     assert e2e_bench.main(["--report", str(out)]) == 0
     assert "(the first 1 not counted)" in capsys.readouterr().out
     # Counted again from each step's metrics, with no warm-up: the means of both steps.
