@@ -427,3 +427,21 @@ def test_build_kl_controller_by_type():
     assert adaptive.value == 0.1
     with pytest.raises(ValueError, match="unknown KL controller type 'pid'; allowed: fixed, adaptive"):
         build_kl_controller("pid", kl_coef=0.1, target_kl=6.0, horizon=100)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scaled_logits_are_the_float32_quotient_with_one_copy_at_most_and_the_same_gradients(dtype, temperature):
+    from trainer.algorithms import scaled_logits
+
+    weights = torch.randn(6, 4, dtype=dtype, requires_grad=True)
+    hidden = torch.randn(3, 6, dtype=dtype)
+    logits = hidden @ weights  # the model's own output: its backward reads only `hidden`
+    before = logits.detach().clone()
+    scaled = scaled_logits(logits, temperature)
+    assert scaled.dtype == torch.float32
+    torch.testing.assert_close(scaled, before.float() / temperature, rtol=0, atol=0)
+    assert torch.equal(logits.detach(), before)  # the model's tensor is left as it was
+    (gradient,) = torch.autograd.grad((scaled * torch.arange(4.0)).sum(), weights)
+    reference = torch.autograd.grad(((hidden @ weights).float() / temperature * torch.arange(4.0)).sum(), weights)[0]
+    torch.testing.assert_close(gradient, reference, rtol=0, atol=0)

@@ -321,3 +321,37 @@ def test_the_trainer_process_starts_cuda_with_expandable_segments_unless_the_use
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
     use_allocator_defaults()
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.01])
+def test_the_actor_loss_takes_the_entropy_gradient_only_with_an_entropy_bonus(entropy_coeff):
+    """Without a bonus the entropy is a metric: no graph (its float32 softmax is not kept for the backward),
+    and the gradient is the policy loss's alone."""
+    from tests.trainer.test_memory import two_responses
+    from tests.trainer.test_offload import policy
+    from trainer.config import ActorConfig
+    from trainer.workers.actor import Actor
+
+    model = policy()
+    actor = Actor(model, ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2,
+                                     entropy_coeff=entropy_coeff), temperature=0.8, rollout_n=1,
+                  log_prob_micro_batch_size=2, total_steps=1, seed=1)
+    batch = two_responses()
+    batch.old_log_probs = actor.compute_log_probs(batch) + 0.1
+    batch.advantages = torch.linspace(-1, 1, 6).reshape(2, 3)
+    loss, metrics = actor._loss(batch)
+    gradients = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    from trainer.algorithms import compute_policy_loss, log_probs_from_logits, scaled_logits
+    from trainer.workers.optimization import response_logits
+
+    log_probs = log_probs_from_logits(scaled_logits(response_logits(model, batch), 0.8), batch.response_ids)
+    config = actor.config
+    low, high = config.clip_range
+    policy_loss = compute_policy_loss(batch.old_log_probs, log_probs, batch.advantages, batch.response_mask,
+                                      clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=config.clip_ratio_c,
+                                      loss_agg_mode=config.loss_agg_mode).loss
+    expected = torch.autograd.grad(policy_loss, list(model.parameters()), allow_unused=True)
+    same = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(gradients, expected, strict=True))
+    assert same == (entropy_coeff == 0.0)
+    assert metrics["entropy"] > 0

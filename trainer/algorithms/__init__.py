@@ -20,6 +20,7 @@ from trainer.algorithms.functional import (
     masked_mean,
     masked_var,
     masked_whiten,
+    scaled_logits,
 )
 from trainer.algorithms.kl_control import (
     KL_CONTROLLER_TYPES,
@@ -51,6 +52,7 @@ __all__ = [
     "get_advantage_estimator",
     "kl_penalty",
     "log_probs_from_logits",
+    "scaled_logits",
     "masked_mean",
     "masked_var",
     "masked_whiten",

@@ -330,6 +330,19 @@ def actor_loss(
 # ------------------------------------------------------------------------------- logits and KL
 
 
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in float32, with one float32 copy of ``[..., V]`` at most: the division
+    happens in place on the upcast copy, and not at all at temperature 1 (``x / 1.0`` is a second full
+    copy: 0.6 GB for 8 x 128 tokens of a 152k vocabulary). Logits that are float32 already are divided
+    out of place: they may be the model's own output, which its backward may need."""
+    scaled = logits.float()
+    if temperature == 1.0:
+        return scaled
+    if scaled is logits:
+        return scaled / temperature
+    return scaled.div_(temperature)  # the upcast's backward keeps nothing: in place is safe
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim: ``[..., V] -> [...]``.
 
