@@ -394,3 +394,72 @@ def test_a_run_where_only_the_critic_enables_dynamic_offload_moves_the_critics_l
     assert [row["offload/critic/transformer_layers_on_gpu"] for row in trainer.metrics_log.read()] == [3, 1]
     assert [line for line in logs if line.startswith("dynamic offload")] == [
         "dynamic offload: 2 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [critic]"]
+
+
+class LayerProbe:
+    """A device that holds `base` bytes and the transformer layers the run's dynamic engines keep on it, of
+    `total` (set once the run is built, from its layers' size)."""
+
+    def __init__(self):
+        self.base, self.total, self.engines = 0, 1 << 40, []
+
+    def __call__(self) -> tuple[int, int]:
+        return self.base + sum(engine.layers_on_gpu * engine.layer_bytes for engine in self.engines), self.total
+
+
+def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(tmp_path):
+    """GRPO with a reference, both models' layers dynamic, on a device with room for 5 of their 8 layers: the
+    rollout and the update keep the actor's layers, the reference's scoring the reference's, each taking the other
+    model's room; from the third step on every step places the same and nothing counts as a move."""
+    from tests.trainer.test_training import TINY, FakeDaemonLink
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    four = "{num_hidden_layers: 4, hidden_size: 32, intermediate_size: 64}"
+    config = load_config(None, [
+        *TINY, f"actor_rollout_ref.model.override_config={four}", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2", "critic.enable=false", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
+        "actor_rollout_ref.ref.fsdp_config.dynamic_offload.enabled=true",
+        "dynamic_offload={gpu_memory_threshold: 0.9, min_transformer_layers_on_gpu: 0}",
+        "trainer.total_training_steps=5", f"trainer.runs_dir={tmp_path}"])
+    probe = LayerProbe()
+    logs: list[str] = []
+    trainer = Trainer(config, log=logs.append, telemetry=FakeDaemonLink(), memory_probe=probe)
+    engines = {engine.role: engine for engine in trainer.memory.dynamic_engines}
+    assert set(engines) == {"actor", "ref"}
+    layer = engines["actor"].layer_bytes
+    probe.engines = list(engines.values())
+    probe.base, probe.total = 10 * layer, int(15.5 * layer / 0.9)  # 5.5 layers' room below the threshold
+    seen: dict[str, list[tuple[int, int]]] = {}
+    placed_for = trainer.memory.placed_for
+
+    def watched(phase, role):
+        manager = placed_for(phase, role)
+
+        class Watch:
+            def __enter__(self):
+                manager.__enter__()
+                seen.setdefault(f"{phase}/{role}", []).append((engines["actor"].layers_on_gpu,
+                                                               engines["ref"].layers_on_gpu))
+
+            def __exit__(self, *exc):
+                return manager.__exit__(*exc)
+
+        return Watch()
+
+    trainer.memory.placed_for = watched
+    trainer.fit()
+    rows = trainer.metrics_log.read()
+    assert [row["offload/moves_to_cpu"] + row["offload/moves_to_gpu"] for row in rows][2:] == [0, 0, 0]
+    # From the second step on (the first learns) each phase places the same: the model it runs takes the room it needs
+    # from the other, which keeps what is left. In the update a layer costs twice (its gradients): 2 of the actor's fit
+    # and the reference gives all of its; the rollout then brings the actor's other 2 back, the reference's scoring
+    # takes 3 of them for its 4. (No reward model: its scoring places nothing.)
+    expected = {"rollout/actor": (4, 0), "scoring/reward": (4, 0), "scoring/actor": (4, 0), "scoring/ref": (1, 4),
+                "training/actor": (2, 0)}
+    assert {phase: set(counts[1:]) for phase, counts in seen.items()} == {
+        phase: {counts} for phase, counts in expected.items()}, seen
+    assert [row["offload/phase_swaps"] for row in rows][2:] == [7, 7, 7]  # 2 + 4 + 1 layers copied in a step
+    assert [plan.split(":")[0] for plan in trainer.memory.plan_lines()] == [
+        "rollout/actor", "scoring/actor", "scoring/ref", "training/actor"]
