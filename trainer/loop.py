@@ -6,6 +6,7 @@ log-probs, values, advantages, critic update, actor update.
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -242,22 +243,29 @@ class Trainer:
             with timer.phase("gen"):
                 batch = self.generate(records)
                 self.memory.end_rollout()
-            with timer.phase("reward"), self.memory.placed_for("scoring", Role.REWARD):
+            size = len(batch)
+            with timer.phase("reward"), self.memory.placed_for("scoring", Role.REWARD,
+                                                               self._passes("scoring", Role.REWARD, size)):
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
-            with timer.phase("old_log_prob"), self.memory.placed_for("scoring", Role.ACTOR):
+            with timer.phase("old_log_prob"), self.memory.placed_for("scoring", Role.ACTOR,
+                                                                     self._passes("scoring", Role.ACTOR, size)):
                 batch.old_log_probs = self.actor.compute_log_probs(batch)
             if self.reference is not None:
-                with timer.phase("ref"), self.memory.placed_for("scoring", Role.REF):
+                with timer.phase("ref"), self.memory.placed_for("scoring", Role.REF,
+                                                                self._passes("scoring", Role.REF, size)):
                     batch.ref_log_probs = self._reference_log_probs(batch)
             if self.critic is not None:
-                with timer.phase("values"), self.memory.placed_for("scoring", Role.CRITIC):
+                with timer.phase("values"), self.memory.placed_for("scoring", Role.CRITIC,
+                                                                   self._passes("scoring", Role.CRITIC, size)):
                     batch.values = self.critic.compute_values(batch)
             with timer.phase("adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.critic is not None:
-                with timer.phase("update_critic"), self.memory.placed_for("training", Role.CRITIC):
+                with timer.phase("update_critic"), self.memory.placed_for("training", Role.CRITIC,
+                                                                          self._passes("training", Role.CRITIC, size)):
                     metrics.update(reduce_metrics(self.critic.update(batch)))
-            with timer.phase("update_actor"), self.memory.placed_for("training", Role.ACTOR):
+            with timer.phase("update_actor"), self.memory.placed_for("training", Role.ACTOR,
+                                                                     self._passes("training", Role.ACTOR, size)):
                 metrics.update(reduce_metrics(self.actor.update(batch)))
         metrics.update(timer.metrics())
         metrics.update(data_metrics(batch, response_length=self.config.data.max_response_length,
@@ -267,6 +275,23 @@ class Trainer:
         metrics.update(self.memory.step_metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
+
+    def _passes(self, phase: str, role: Role, size: int) -> int:
+        """How many times `phase` runs each layer of the model placed as `role` over `size` sequences: the
+        tokens a rollout decodes, a scoring's micro-batches, an update's forward and backward passes. What a
+        layer kept on the GPU for the phase saves in copies (the memory manager's phase plans weigh it)."""
+        config = self.config
+        if phase == "rollout":
+            return config.data.max_response_length
+        if phase == "training":
+            worker = self.critic if role == Role.CRITIC else self.actor
+            assert worker is not None
+            return 2 * worker.config.ppo_epochs * math.ceil(size / worker.config.ppo_micro_batch_size_per_gpu)
+        micro_batch = {Role.ACTOR: config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+                       Role.REF: config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+                       Role.CRITIC: config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+                       Role.REWARD: config.reward_model.micro_batch_size_per_gpu}[role]
+        return math.ceil(size / max(1, micro_batch or size))
 
     @property
     def offload_engines(self) -> list[OffloadEngine]:
@@ -285,7 +310,7 @@ class Trainer:
                                                  truncation=self.config.data.truncation)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         rollout = rollout or self.rollout  # either samples with the actor's weights
-        with self.memory.placed_for("rollout", Role.ACTOR):
+        with self.memory.placed_for("rollout", Role.ACTOR, self._passes("rollout", Role.ACTOR, len(repeated))):
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
                                                                          prompt_mask[first:first + count]),

@@ -239,13 +239,14 @@ class MemoryManager:
     # --------------------------------------------------------------------------------- per phase
 
     @contextlib.contextmanager
-    def placed_for(self, phase: str, role: Role) -> Iterator[None]:
+    def placed_for(self, phase: str, role: Role, passes: int | None = None) -> Iterator[None]:
         """Run a phase with the model placed as `role` placed for it: its dynamic layers and the
         other models' as the phase planner decides (`_layers_for_phase`), then its CPU-resident head
         and embedding kept on the GPU within the room left below the live threshold
-        (OffloadEngine.placed_for). No model of that role: nothing to place."""
+        (OffloadEngine.placed_for). `passes`: how many times the phase runs each of the model's layers
+        (PhasePlanner.plan). No model of that role: nothing to place."""
         engine = self._engines.get(role)
-        with self._layers_for_phase(phase, role):
+        with self._layers_for_phase(phase, role, passes):
             if engine is None or not engine.stageable_bytes() or self.probe is None:
                 yield  # nothing on the CPU to keep, or no GPU to keep it on
                 return
@@ -253,7 +254,7 @@ class MemoryManager:
                 yield
 
     @contextlib.contextmanager
-    def _layers_for_phase(self, phase: str, role: Role) -> Iterator[None]:
+    def _layers_for_phase(self, phase: str, role: Role, passes: int | None) -> Iterator[None]:
         """Place every dynamic model's layers for the phase (dynamic.PhasePlanner: the running model
         takes the room of the ones the phase does not run, less the phase's learned working memory),
         and learn the phase's working memory from its peak. Nothing moves while dynamic offload is
@@ -268,7 +269,8 @@ class MemoryManager:
         training = phase == "training"
         used, total = self.probe()
         placed = self.planner.plan(key, role, self._layers(), used=used, total=total, settings=settings,
-                                   reserve=sum(running.stageable_bytes().values()), training=training)
+                                   reserve=sum(running.stageable_bytes().values()), training=training,
+                                   passes=passes)
         self._place_layers(key, placed)
         measured = _RunningPhase(key, running, training, start=self.probe()[0], total=total)
         self._running = measured

@@ -85,9 +85,9 @@ def test_layers_leave_the_least_used_model_first():
 
 
 def place(planner: PhasePlanner, phase: str, running: str, models, used_gb: float, *, training: bool = False,
-          reserve_gb: float = 0, **values):
+          reserve_gb: float = 0, passes: int | None = None, **values):
     placed = planner.plan(phase, running, models, used=int(used_gb * GB), total=100 * GB,
-                          settings=settings(**values), reserve=int(reserve_gb * GB), training=training)
+                          settings=settings(**values), reserve=int(reserve_gb * GB), training=training, passes=passes)
     return placed.counts, placed.new
 
 
@@ -121,6 +121,22 @@ def test_the_running_model_takes_the_room_of_the_least_used_model_first():
     counts, _ = place(planner, "scoring/actor", "actor", models, 60, gpu_memory_threshold=0.9,
                       min_transformer_layers_on_gpu=0)
     assert counts == {"actor": 10, "critic": 10, "ref": 4}
+
+
+def test_a_phase_that_runs_its_layers_once_takes_no_other_models_room():
+    """A layer taken from the actor costs a copy at the phase's start and one when the actor needs it back, neither
+    overlapped with compute: more than streaming the reference's layer once or twice (overlapped). A scoring of one or
+    two micro-batches streams what the free room does not hold; of three or more it takes."""
+    models = [layers("actor", 10, 10, GB), layers("ref", 0, 10, GB)]
+    for passes, expected in ((1, {"actor": 10, "ref": 3}), (2, {"actor": 10, "ref": 3}), (3, {"actor": 3, "ref": 10})):
+        planner = PhasePlanner()
+        planner.learn("scoring/ref", 5 * GB)
+        assert place(planner, "scoring/ref", "ref", models, 80, gpu_memory_threshold=0.9,
+                     min_transformer_layers_on_gpu=0, passes=passes)[0] == expected, passes
+        # Nor does its first run free the other models' room.
+        first = PhasePlanner().plan("scoring/ref", "ref", models, used=80 * GB, total=100 * GB, passes=passes,
+                                    settings=settings(gpu_memory_threshold=0.9, min_transformer_layers_on_gpu=0))
+        assert first.counts["actor"] == (10 if passes < 3 else 0)
 
 
 def test_a_phase_keeps_its_plan_while_it_fits_and_plans_again_when_it_does_not():
@@ -407,10 +423,14 @@ class LayerProbe:
         return self.base + sum(engine.layers_on_gpu * engine.layer_bytes for engine in self.engines), self.total
 
 
-def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(tmp_path):
+@pytest.mark.parametrize("reference_micro_batch", [16, 4], ids=["one_pass", "four_passes"])
+def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(tmp_path, reference_micro_batch):
     """GRPO with a reference, both models' layers dynamic, on a device with room for 5 of their 8 layers: the
-    rollout and the update keep the actor's layers, the reference's scoring the reference's, each taking the other
-    model's room; from the third step on every step places the same and nothing counts as a move."""
+    rollout and the update take the room they need from the reference, the reference's scoring takes the actor's
+    when it runs its layers more than once (4 micro-batches of the 16 sequences), else streams what the free room
+    does not hold (a layer taken would cost the actor a copy, as much as streaming it once; issue 14: a model used
+    once a step streams before another model's hot layers do). From the third step on every step places the same
+    and nothing counts as a move."""
     from tests.trainer.test_training import TINY, FakeDaemonLink
     from trainer.config import load_config
     from trainer.loop import Trainer
@@ -421,6 +441,7 @@ def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(t
         "actor_rollout_ref.rollout.n=2", "critic.enable=false", "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
         "actor_rollout_ref.ref.fsdp_config.dynamic_offload.enabled=true",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={reference_micro_batch}",
         "dynamic_offload={gpu_memory_threshold: 0.9, min_transformer_layers_on_gpu: 0}",
         "trainer.total_training_steps=5", f"trainer.runs_dir={tmp_path}"])
     probe = LayerProbe()
@@ -434,8 +455,8 @@ def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(t
     seen: dict[str, list[tuple[int, int]]] = {}
     placed_for = trainer.memory.placed_for
 
-    def watched(phase, role):
-        manager = placed_for(phase, role)
+    def watched(phase, role, passes=None):
+        manager = placed_for(phase, role, passes)
 
         class Watch:
             def __enter__(self):
@@ -452,14 +473,17 @@ def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(t
     trainer.fit()
     rows = trainer.metrics_log.read()
     assert [row["offload/moves_to_cpu"] + row["offload/moves_to_gpu"] for row in rows][2:] == [0, 0, 0]
-    # From the second step on (the first learns) each phase places the same: the model it runs takes the room it needs
-    # from the other, which keeps what is left. In the update a layer costs twice (its gradients): 2 of the actor's fit
-    # and the reference gives all of its; the rollout then brings the actor's other 2 back, the reference's scoring
-    # takes 3 of them for its 4. (No reward model: its scoring places nothing.)
-    expected = {"rollout/actor": (4, 0), "scoring/reward": (4, 0), "scoring/actor": (4, 0), "scoring/ref": (1, 4),
-                "training/actor": (2, 0)}
+    # From the second step on (the first learns) each phase places the same: the model it runs takes what room it may
+    # from the other, which keeps what is left. In the update a layer costs twice (its gradients): 2 of the actor's
+    # fit and the reference gives all of its; the rollout then brings the actor's other 2 back. The reference's
+    # scoring of 4 micro-batches takes 3 of them for its 4; of one micro-batch it gets the free room, 1 layer.
+    # (No reward model: its scoring places nothing.)
+    takes = reference_micro_batch == 4
+    expected = {"rollout/actor": (4, 0), "scoring/reward": (4, 0), "scoring/actor": (4, 0),
+                "scoring/ref": (1, 4) if takes else (4, 1), "training/actor": (2, 0)}
     assert {phase: set(counts[1:]) for phase, counts in seen.items()} == {
         phase: {counts} for phase, counts in expected.items()}, seen
-    assert [row["offload/phase_swaps"] for row in rows][2:] == [7, 7, 7]  # 2 + 4 + 1 layers copied in a step
+    # Layers copied in a step: 2 (rollout) + 4 (reference) + 1 (update), or 2 + 1 + 0.
+    assert [row["offload/phase_swaps"] for row in rows][2:] == ([7] * 3 if takes else [3] * 3)
     assert [plan.split(":")[0] for plan in trainer.memory.plan_lines()] == [
         "rollout/actor", "scoring/actor", "scoring/ref", "training/actor"]

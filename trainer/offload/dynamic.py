@@ -254,6 +254,11 @@ threshold itself: the memory in use at a phase's start varies a little from step
 lengths), and a plan made to the threshold exactly would change by a layer every few steps."""
 
 
+TAKING_PASSES = 3
+"""The fewest passes through its layers (decoded tokens, micro-batches) for which a phase takes another
+model's room: below, its layers stream (see PhasePlanner.plan)."""
+
+
 @dataclass(frozen=True)
 class PhasePlan:
     """The layers on the GPU of every dynamic model that a phase last placed, for a threshold; whether
@@ -285,10 +290,18 @@ class PhasePlanner:
         self.plans: dict[str, PhasePlan] = {}
 
     def plan(self, phase: str, running: str, models: Sequence[ModelLayers], *, used: int, total: int,
-             settings: DynamicSettings, reserve: int = 0, training: bool = False) -> PlacedPhase:
+             settings: DynamicSettings, reserve: int = 0, training: bool = False,
+             passes: int | None = None) -> PlacedPhase:
         """The layers on the GPU of each of `models` for `phase`, which runs the model `running`; `used`
         of `total` bytes are in use now, `reserve` more will be (the groups the phase keeps on the GPU).
-        In a training phase each of the running model's layers on the GPU also holds its gradients."""
+        In a training phase each of the running model's layers on the GPU also holds its gradients.
+
+        `passes`: how many times the phase runs each of its model's layers (the decoded tokens, the
+        micro-batches; None: many). A layer streamed costs a copy a pass, overlapped with the compute; one
+        taken from another model costs a copy at the phase's start and one when that model needs it back,
+        neither overlapped. So a phase of fewer than TAKING_PASSES passes (a scoring of one or two
+        micro-batches: the reference's, once a step) takes no other model's room: it streams what the
+        free room does not hold."""
         counts = {model.role: model.layers_on_gpu for model in models}
         if not settings.dynamic_offload_enabled or total <= 0:
             return PlacedPhase(counts, new=False)
@@ -307,6 +320,8 @@ class PhasePlanner:
             if peak <= threshold * total and floors:
                 return PlacedPhase(dict(last.counts), new=False)  # the plan still fits: keep it (steady state)
         others = [model for model in _by_use(models) if model.role != running]
+        if passes is not None and passes < TAKING_PASSES:
+            others = []  # taking a layer would cost more than streaming this one
         # Room for the running model's layers: below the threshold less the margin, less the rest.
         room = (threshold - self.margin) * total - (used - counts[running] * run.layer_bytes) - reserve - (working or 0)
         if working is None:
