@@ -246,7 +246,10 @@ class MemoryManager:
         (OffloadEngine.placed_for). `passes`: how many times the phase runs each of the model's layers
         (PhasePlanner.plan). No model of that role: nothing to place."""
         engine = self._engines.get(role)
-        with self._layers_for_phase(phase, role, passes):
+        # A rollout under a delayed update reads the weights from before the update running meanwhile
+        # (fsdp_config.delayed_update); everything it places (layers, kept groups) copies those.
+        stale = engine.stale_reads() if engine is not None and phase == "rollout" else contextlib.nullcontext()
+        with stale, self._layers_for_phase(phase, role, passes):
             if engine is None or not engine.stageable_bytes() or self.probe is None:
                 yield  # nothing on the CPU to keep, or no GPU to keep it on
                 return

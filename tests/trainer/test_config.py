@@ -229,7 +229,7 @@ def test_the_same_keys_are_active_on_a_model_the_run_builds() -> None:
     assert config.use_reference and config.use_critic
 
 
-@pytest.mark.parametrize("key", ["optimizer_offload=true", "offload_grad_dtype=bf16"])
+@pytest.mark.parametrize("key", ["optimizer_offload=true", "offload_grad_dtype=bf16", "delayed_update=true"])
 @pytest.mark.parametrize(("prefix", "enable", "what"), [
     ("actor_rollout_ref.ref.fsdp_config", "actor_rollout_ref.actor.use_kl_loss=true", "the reference policy"),
     ("reward_model.model.fsdp_config", "reward_model.enable=true", "the reward model"),
@@ -237,7 +237,7 @@ def test_the_same_keys_are_active_on_a_model_the_run_builds() -> None:
 def test_optimizer_settings_of_a_frozen_model_are_errors(model_dir: Path, prefix: str, enable: str, what: str,
                                                          key: str) -> None:
     name, _, value = key.partition("=")
-    default = "false" if name == "optimizer_offload" else "'fp32'"
+    default = "'fp32'" if name == "offload_grad_dtype" else "false"
     problems = problems_of(None, [enable, f"reward_model.model.path={model_dir}", f"{prefix}.{key}"])
     # Only this one: the check that bf16 host gradients sit beside fp32 masters has no gradients to judge.
     assert [str(problem) for problem in problems] == [
@@ -505,6 +505,13 @@ BAD_CONFIGS = [
       "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"],
      "actor_rollout_ref.actor.fsdp_config.offload_grad_dtype",
      "got bf16 with optimizer_offload=true and model_dtype=fp32"),
+    ("a delayed update of an fp32 actor", None, ["actor_rollout_ref.actor.fsdp_config.delayed_update=true"],
+     "actor_rollout_ref.actor.fsdp_config.delayed_update",
+     "got true with model_dtype=fp32 and optimizer_offload=false; the rollout reads the bf16 weights"),
+    ("a delayed update of the critic", None,
+     ["critic.enable=true", "critic.fsdp_config.delayed_update=true", "critic.fsdp_config.model_dtype=bf16",
+      "critic.fsdp_config.optimizer_offload=true"],
+     "critic.fsdp_config.delayed_update", "got true, but only the actor's update can run during the rollout"),
     ("missing reward function file", None, ["custom_reward_function.path=/no/such/score.py"],
      "custom_reward_function.path", "not a file"),
     ("override without '='", None, ["data.train_batch_size"],

@@ -566,3 +566,38 @@ def test_a_layer_that_moves_between_micro_batches_takes_its_device_gradient_home
     assert engine.layers_on_gpu == 1
     for name in expected:
         torch.testing.assert_close(grads[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+DELAYED = {"model_dtype": "bf16", "optimizer_offload": True, "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}
+
+
+def test_a_delayed_update_lets_the_rollout_read_the_weights_from_before_it_and_publishes_it_afterwards():
+    """fsdp_config.delayed_update (ZeRO-Offload's delayed parameter update): while the CPU update runs, reads inside
+    stale_reads (the rollout) take the weights from before it; the first read after it takes the updated ones,
+    the same as without the delay."""
+    ids = token_batch()
+    runs = []
+    for delayed in (True, False):
+        model = policy(dtype=torch.bfloat16).train()
+        engine = attach_offload(model, FSDPConfig.model_validate({**DELAYED, "delayed_update": delayed}), "cpu",
+                                role="actor")
+        with torch.no_grad():
+            before = model(input_ids=ids).logits.clone()
+        optimizer = engine.optimizer(lr=1e-2)
+        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        runs.append((model, engine, before))
+    (delayed_model, delayed_engine, before), (plain_model, _, _) = runs
+    with torch.no_grad():
+        with delayed_engine.stale_reads():
+            stale = delayed_model(input_ids=ids).logits
+        assert any(unit.publish_pending for unit in delayed_engine.units)
+        fresh = delayed_model(input_ids=ids).logits
+        expected = plain_model(input_ids=ids).logits
+    assert torch.equal(stale, before) and not torch.equal(fresh, before)
+    assert torch.equal(fresh, expected) and not any(unit.publish_pending for unit in delayed_engine.units)
+
+
+def test_a_delayed_update_is_refused_where_the_device_reads_the_masters_themselves():
+    with pytest.raises(ValueError, match="the actor.s delayed_update needs fp32 masters on the CPU apart"):
+        offloaded(policy(), {"optimizer_offload": True, "delayed_update": True})

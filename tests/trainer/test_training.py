@@ -355,3 +355,25 @@ def test_the_actor_loss_takes_the_entropy_gradient_only_with_an_entropy_bonus(en
                for a, b in zip(gradients, expected, strict=True))
     assert same == (entropy_coeff == 0.0)
     assert metrics["entropy"] > 0
+
+
+def test_a_delayed_update_samples_the_next_rollout_with_the_weights_before_it(tmp_path):
+    """actor fsdp_config.delayed_update: step 1 (whose rollout comes before any update) is the plain run's to the
+    number; from step 2 on each rollout samples with the weights from before the previous update."""
+    offload = ["model_dtype=bf16", "optimizer_offload=true", "offload_policy={embedding: cpu, lm_head: cpu}"]
+    runs = {}
+    for delayed in (False, True):
+        config = load_config(None, [*TINY, *(f"actor_rollout_ref.actor.fsdp_config.{key}" for key in offload),
+                                    f"actor_rollout_ref.actor.fsdp_config.delayed_update={str(delayed).lower()}",
+                                    "trainer.total_training_steps=3", f"trainer.runs_dir={tmp_path}",
+                                    f"trainer.experiment_name=delayed-{delayed}"])
+        trainer = Trainer(config, log=lambda *_: None)
+        trainer.fit()
+        runs[delayed] = trainer.metrics_log.read()
+    plain, delayed = runs[False], runs[True]
+
+    def computed(row):
+        return {key: value for key, value in row.items() if not key.startswith(MACHINE_METRICS)}
+
+    assert computed(delayed[0]) == computed(plain[0])
+    assert computed(delayed[1]) != computed(plain[1])

@@ -183,6 +183,8 @@ class FSDPConfig(Section):
     """Dtype of the parameters (bf16 trains without fp32 master weights)."""
     offload_grad_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of CPU gradients beside fp32 masters (bf16 halves their host memory; needs optimizer_offload, bf16)."""
+    delayed_update: bool = False
+    """The actor's CPU update runs during the next rollout, which samples with the weights before it."""
 
     def placement(self, group: str) -> Placement:
         """Where a module group lives once param_offload and offload_policy are combined."""
@@ -661,7 +663,7 @@ FSDP_PREFIX = {
 }
 # The models that never train: an optimizer or gradient setting of theirs has nothing to act on.
 FROZEN_ROLES = ("ref", "reward_model")
-_TRAINING_ONLY_KEYS = ("optimizer_offload", "offload_grad_dtype")
+_TRAINING_ONLY_KEYS = ("optimizer_offload", "offload_grad_dtype", "delayed_update")
 
 
 def _fsdp_configs_by_role(config: RunConfig) -> dict[str, FSDPConfig]:
@@ -788,6 +790,19 @@ def _check_offload(config: RunConfig) -> list[ConfigProblem]:
                 f"got bf16 with optimizer_offload={str(fsdp.optimizer_offload).lower()} and model_dtype="
                 f"{fsdp.model_dtype}; bf16 gradients beside fp32 masters need optimizer_offload: true and "
                 "model_dtype: bf16 (otherwise gradients already have the model's dtype); allowed: fp32, or set both"))
+        if fsdp.delayed_update and role != "actor":
+            problems.append(ConfigProblem(
+                f"{FSDP_PREFIX[role]}.delayed_update",
+                "got true, but only the actor's update can run during the rollout (the critic's next use is the "
+                "values right after it, its CPU update already overlaps the actor's); allowed: false"))
+        elif fsdp.delayed_update and not (fsdp.model_dtype == "bf16"
+                                          and (fsdp.optimizer_offload or fsdp.dynamic_offload.enabled)):
+            problems.append(ConfigProblem(
+                f"{FSDP_PREFIX[role]}.delayed_update",
+                f"got true with model_dtype={fsdp.model_dtype} and optimizer_offload="
+                f"{str(fsdp.optimizer_offload).lower()}; the rollout reads the bf16 weights while the CPU update "
+                "changes the fp32 masters, so it needs model_dtype: bf16 and optimizer_offload: true (or "
+                "dynamic_offload.enabled: true); allowed: false, or set those"))
     return problems
 
 

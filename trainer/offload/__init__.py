@@ -50,6 +50,7 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
         layers_on_gpu=layers_on_gpu,
         host_budget=host_budget,
         host_grad_dtype=torch.bfloat16 if fsdp_config.offload_grad_dtype == "bf16" else None,
+        delayed_update=fsdp_config.delayed_update,
     )
 
 

@@ -94,7 +94,7 @@ class OffloadEngine:
                  optimizer_offload: bool = False, options: OffloadOptions | None = None,
                  layer_classes: Sequence[str] | None = None, dynamic_layers: bool = False,
                  layers_on_gpu: int | None = None, host_budget: int | None = None,
-                 host_grad_dtype: torch.dtype | None = None):
+                 host_grad_dtype: torch.dtype | None = None, delayed_update: bool = False):
         self.model, self.role = model, role
         self.device = torch.device(device)
         self.options = options or OffloadOptions()
@@ -110,6 +110,11 @@ class OffloadEngine:
             if sum(self.host_bytes().values()) > host_budget:
                 raise HostMemoryError(host_memory_message(role, self.host_bytes(), host_budget))
         pack(model, self.layout, self.device)
+        if delayed_update:
+            check_delayed_update(self.layout.units, role)
+        self.delayed_update = delayed_update
+        """The optimizer's CPU update runs during the next rollout, which reads the weights from before it
+        (ZeRO-Offload's delayed parameter update); `stale_reads` opens that window."""
         self.update_lock = threading.Lock()
         """Held while an update's end and zero_grad decide who clears a unit's gradients."""
         self._update_tasks: list[Future[Any]] = []
@@ -231,6 +236,21 @@ class OffloadEngine:
         """The optimizer changed this unit's masters in place: refresh its compute copy."""
         unit.after_update()
 
+    @contextlib.contextmanager
+    def stale_reads(self) -> Iterator[None]:
+        """Inside: under a delayed update, reads take the weights from before the update still running (a
+        rollout). Afterwards the first read of each unit waits for its update and publishes it."""
+        if not self.delayed_update:
+            yield
+            return
+        for unit in self.units:
+            unit.stale_ok = True
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.stale_ok = False
+
     # ------------------------------------------------------------------------------- passes
 
 
@@ -321,6 +341,16 @@ class OffloadEngine:
             raise
         self.gradients.defer = False
         self.gradients.send_deferred()
+
+
+def check_delayed_update(units: Sequence[Unit], role: str) -> None:
+    """A delayed update needs every trained unit's masters apart from the copy the device reads (fp32
+    masters of a bf16 model, on the host): the rollout reads that copy while the update changes them."""
+    shared = [unit.name for unit in units if unit.trainable and (not unit.offloaded or unit.master_is_arena)]
+    if shared:
+        raise ValueError(f"the {role}'s delayed_update needs fp32 masters on the CPU apart from the bf16 weights the "
+                         f"GPU reads, but {', '.join(shared[:3])} {'have' if len(shared) > 1 else 'has'} none: set "
+                         "fsdp_config.model_dtype=bf16 and optimizer_offload=true, or delayed_update=false")
 
 
 _COMPUTE_PLACEMENT_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}

@@ -60,6 +60,9 @@ class OffloadAdamW(torch.optim.AdamW):
                 continue
             # A copy of the group: a scheduler changing the lr from now on applies to the next step.
             snapshot = dict(group)
+            # Under a delayed update the arena keeps the weights from before this one until a read that may
+            # not be stale publishes it (Unit.settled); the rollout reads them meanwhile.
+            unit.publish_pending = engine.delayed_update
             if engine.options.pipelined_update:
                 engine.submit_update(unit, self._update_unit, snapshot, unit, grad_scale)
             else:
@@ -73,7 +76,8 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._step_narrow_grads(group, grad_scale)
             else:
                 self._step_groups([group], grad_scale)
-            self.engine.after_update(unit)
+            if not unit.publish_pending:
+                self.engine.after_update(unit)
         finally:
             with self.engine.update_lock:
                 if unit.grads_after_update is not None:

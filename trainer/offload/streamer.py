@@ -262,7 +262,7 @@ class Streamer:
 
     def fetch(self, block: Block, *, required: bool) -> None:
         unit = block.unit
-        if not required and not unit.ready.is_set():
+        if not required and not unit.usable:
             return  # its optimizer update is still running: a prefetch must not wait for it
         unit.settled()
         slot = block.slot

@@ -170,6 +170,11 @@ class Unit:
     """Set while no optimizer update of the unit runs."""
     grads_after_update: str | None = None
     """What zero_grad asked for while the unit's update was still running: "none" or "zero"."""
+    publish_pending: bool = False
+    """A delayed update (OffloadEngine.delayed_update) changes, or changed, the masters, and the arena
+    still holds the weights from before it: the next read that may not be stale publishes it first."""
+    stale_ok: bool = False
+    """Reads may take the weights from before a pending update (the rollout under a delayed update)."""
     passing: UnitPass = field(default_factory=UnitPass)
 
     def __post_init__(self) -> None:
@@ -200,12 +205,30 @@ class Unit:
         return [(entry.parameter.shape, entry.parameter.dtype) for entry in self.entries]
 
     def settled(self) -> None:
-        """Wait for the unit's optimizer update, then pick up any in-place change of its masters."""
+        """Wait for the unit's optimizer update, then pick up any in-place change of its masters. Under a
+        delayed update: a read that may be stale takes the arena as it is (the weights from before the
+        update, which runs meanwhile); any other waits for the update and publishes it to the arena."""
+        if self.publish_pending:
+            if self.stale_ok:
+                return
+            self.ready.wait()
+            self.publish_pending = False
+            self.after_update()
+            return
         self.ready.wait()
         self.sync_masters()
 
+    @property
+    def usable(self) -> bool:
+        """Whether a read need not wait (for a prefetch, which never waits): no update runs, or the read
+        may take the weights from before it."""
+        return self.ready.is_set() or (self.publish_pending and self.stale_ok)
+
     def sync_masters(self) -> None:
-        """Pick up an in-place change of the masters (load_state_dict, a manual edit) before a copy."""
+        """Pick up an in-place change of the masters (load_state_dict, a manual edit) before a copy; not
+        while a delayed update is to be published (`settled` publishes it)."""
+        if self.publish_pending:
+            return
         version = self.masters_version()
         if version == self.master_version:
             return
