@@ -15,9 +15,11 @@ step against the PCIe floor (bytes / the pinned bandwidth measured in the same p
 transformer layers moved per step.
 
 Variants: `all_gpu` (every group and the optimizer on the GPU, bf16, no cap: where it fits), `offload`
-(the shape's offload settings under the cap) and `fsdp2` (the actor under torch's fully_shard with
+(the shape's offload settings under the cap), `fsdp2` (the actor under torch's fully_shard with
 CPUOffloadPolicy on a one-GPU mesh, the other models on the GPU, under the cap: the trainer has no FSDP2
-path yet, so the benchmark places the actor itself; GPU only).
+path yet, so the benchmark places the actor itself; GPU only) and `offload_delayed` (`offload` with the
+actor's delayed parameter update: each rollout samples with the weights before the previous update; not
+run unless asked for).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer_layers_on_gpu", "perf/max_memory",
              "perf/oom_recoveries", "response_length/")
 """The metrics of each step a result keeps (besides the steady state's means)."""
-VARIANTS = ("all_gpu", "offload", "fsdp2")
+VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed")
 QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 """Qwen2.5-3B's shape (tied embeddings)."""
@@ -96,11 +98,13 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir:
               steps: int) -> list[str]:
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
-    trained = OFFLOADED if variant == "offload" else {"model_dtype": "bf16"}
+    offloaded = variant in ("offload", "offload_delayed")
+    trained = OFFLOADED if offloaded else {"model_dtype": "bf16"}
+    actor_settings = {**trained, "delayed_update": True} if variant == "offload_delayed" else trained
     plain = {"model_dtype": "bf16"}
     # The reference's and the reward model's settings. The headline's stay on the GPU: their host arenas (15 GB
     # pinned for the 7B reference) would not fit beside the actor's 118 GiB on the H200 machine's 125 GiB host.
-    frozen = FROZEN_OFFLOADED if variant == "offload" and shape != "headline" else plain
+    frozen = FROZEN_OFFLOADED if offloaded and shape != "headline" else plain
     rows = [
         f"algorithm.adv_estimator={spec['algorithm']}", "algorithm.use_kl_in_reward=false",
         "data.train_files=[builtin:counting]", f"data.train_batch_size={spec['prompts']}",
@@ -112,7 +116,7 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir:
         f"actor_rollout_ref.actor.ppo_mini_batch_size={spec['prompts']}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-6",
         f"actor_rollout_ref.actor.use_kl_loss={str(spec['reference']).lower()}",
-        *fsdp_overrides(actor, trained if variant != "fsdp2" else plain),
+        *fsdp_overrides(actor, actor_settings if variant != "fsdp2" else plain),
         "dynamic_offload.gpu_memory_threshold=0.9",
         f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", f"trainer.device={device}",
         f"trainer.runs_dir={runs_dir}", f"trainer.experiment_name=e2e-{shape}-{variant}",
@@ -122,7 +126,7 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir:
                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"]
     if spec["algorithm"] == "gae":
         rows += ["critic.enable=true", "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-5",
-                 *fsdp_overrides("critic.fsdp_config", OFFLOADED if variant == "offload" else plain)]
+                 *fsdp_overrides("critic.fsdp_config", OFFLOADED if offloaded else plain)]
     else:
         rows.append("critic.enable=false")
     if reward_dir is not None:
@@ -369,7 +373,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="headline", choices=sorted(SHAPES))
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", default="all_gpu,offload,fsdp2",
                         help=f"comma-separated, of {', '.join(VARIANTS)} (fsdp2 needs a GPU)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=4, help="steps per variant (4)")

@@ -11,7 +11,7 @@
 #   benchmarks/gpu_session.sh e2e-headline # e2e_bench.py: 7B GRPO whole steps, all-GPU vs offloaded at 40 GiB
 #   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
 #
-# e2e stages read VARIANTS (all_gpu,offload[,fsdp2]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
+# e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
 # variant may take; e2e_bench's default 900) and PROFILE (set: --profile). One 10-minute call fits about:
 #   VARIANTS=all_gpu,offload STEPS=4 e2e-ppo3b                      (~7 min: builds 170 s and 130 s)
 #   VARIANTS=offload STEPS=4 TIMEOUT=560 e2e-headline               (~6 min: build 190 s, steps 20-25 s)

@@ -157,3 +157,13 @@ def test_the_whole_step_benchmark_refuses_an_unknown_variant_in_one_line(capsys)
     assert e2e_bench.main(["--variants", "all_gpu,nonsense", "--device", "cpu"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("ERROR: --variants: unknown nonsense") and "\n" not in error
+
+
+def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp_path):
+    out = tmp_path / "e2e.json"
+    assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants",
+                           "offload_delayed", "--out", str(out), "--scratch", str(tmp_path)]) == 0
+    run = json.loads(out.read_text())["variants"]["offload_delayed"]
+    assert run["steps"] == 2 and run["copied_bytes_per_step"]["h2d"] > 0
+    assert "actor_rollout_ref.actor.fsdp_config.delayed_update=true" in e2e_bench.overrides(
+        "quick", "offload_delayed", "cpu", tmp_path, None, 2)
