@@ -177,3 +177,33 @@ def test_peak_device_memory_drops_by_at_least_the_bytes_moved_off(name):
     peak, moved = _peak_training_bytes(POLICIES[name])
     assert moved > 0
     assert resident_peak - peak >= moved, (resident_peak, peak, moved)
+
+
+@pytest.mark.parametrize("settings", [
+    {"model_dtype": "bf16", "optimizer_offload": True, "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}},
+    {"model_dtype": "bf16", "optimizer_offload": True, "dynamic_offload": {"enabled": True}},
+], ids=["layered", "dynamic"])
+def test_a_delayed_update_runs_while_a_rollout_reads_the_weights_before_it(settings):
+    """fsdp_config.delayed_update on CUDA, where the update runs on the engine's worker thread: a forward inside
+    stale_reads gives the logits from before the update (resident and streamed layers alike), the first one after
+    it those of the same run without the delay, to the bit."""
+    ids = torch.randint(3, len(TOKENIZER), (4, 24), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    runs = []
+    for delayed in (True, False):
+        model, engine = place(policy(SMALL).train(), {**settings, "delayed_update": delayed})
+        if "dynamic_offload" in settings:
+            engine.set_transformer_layers_on_gpu(2)  # two resident, two streamed
+        with torch.no_grad():
+            before = model(input_ids=ids).logits.clone()
+        optimizer = engine.optimizer(lr=1e-2)
+        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        runs.append((model, engine, before))
+    (model, engine, before), (plain, _, _) = runs
+    with torch.no_grad():
+        with engine.stale_reads():
+            stale = model(input_ids=ids).logits
+        fresh = model(input_ids=ids).logits
+        expected = plain(input_ids=ids).logits
+    assert torch.equal(stale, before) and not torch.equal(fresh, before)
+    assert torch.equal(fresh, expected)

@@ -795,14 +795,13 @@ def _check_offload(config: RunConfig) -> list[ConfigProblem]:
                 f"{FSDP_PREFIX[role]}.delayed_update",
                 "got true, but only the actor's update can run during the rollout (the critic's next use is the "
                 "values right after it, its CPU update already overlaps the actor's); allowed: false"))
-        elif fsdp.delayed_update and not (fsdp.model_dtype == "bf16"
-                                          and (fsdp.optimizer_offload or fsdp.dynamic_offload.enabled)):
+        elif fsdp.delayed_update and not (fsdp.model_dtype == "bf16" and fsdp.optimizer_offload):
             problems.append(ConfigProblem(
                 f"{FSDP_PREFIX[role]}.delayed_update",
                 f"got true with model_dtype={fsdp.model_dtype} and optimizer_offload="
                 f"{str(fsdp.optimizer_offload).lower()}; the rollout reads the bf16 weights while the CPU update "
-                "changes the fp32 masters, so it needs model_dtype: bf16 and optimizer_offload: true (or "
-                "dynamic_offload.enabled: true); allowed: false, or set those"))
+                "changes the fp32 masters, so it needs model_dtype: bf16 and optimizer_offload: true; allowed: "
+                "false, or set those"))
     return problems
 
 
