@@ -601,3 +601,17 @@ def test_a_delayed_update_lets_the_rollout_read_the_weights_from_before_it_and_p
 def test_a_delayed_update_is_refused_where_the_device_reads_the_masters_themselves():
     with pytest.raises(ValueError, match="the actor.s delayed_update needs fp32 masters on the CPU apart"):
         offloaded(policy(), {"optimizer_offload": True, "delayed_update": True})
+
+
+def test_the_cpu_states_of_adamw_are_made_in_the_background_before_the_first_update():
+    """Their first allocation and touch (61 GB for a 7B actor) made the first update 8 s slower than the others,
+    and the next rollout waited for it; the worker makes them as the optimizer is built, as torch would."""
+    model = policy()
+    engine = offloaded(model, POLICIES["all_cpu_optimizer_offload"])
+    optimizer = engine.optimizer(lr=1e-3)
+    optimizer.wait()
+    states = [optimizer.state[parameter] for parameter in model.parameters() if parameter.requires_grad]
+    assert states and all(state["step"].item() == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+                          and state["exp_avg"].shape == parameter.shape
+                          for state, parameter in zip(states, (p for p in model.parameters() if p.requires_grad),
+                                                      strict=True))

@@ -224,6 +224,10 @@ class OffloadEngine:
         unit.ready.clear()
         self._update_tasks.append(self.worker.submit(update, *args, inline=False))
 
+    def submit_background(self, work: Callable[[], None]) -> None:
+        """Run `work` in the worker thread before any update after it; `wait_for_updates` waits for it."""
+        self._update_tasks.append(self.worker.submit(work, inline=False))
+
     def wait_for_updates(self) -> None:
         """Block until every pending CPU optimizer update has landed (and raise if one failed)."""
         tasks, self._update_tasks = self._update_tasks, []
