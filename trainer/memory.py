@@ -179,9 +179,11 @@ class MemoryManager:
         return model
 
     def finish_placement(self) -> None:
-        """Once every model is placed: bring each dynamic model's transformer layers to the GPU as
-        far as they fit below the threshold, in placement order, leaving room for the groups its
-        rollout keeps there (per-phase placement)."""
+        """Once every model is placed: start making the CPU optimizers' states in the background, and
+        bring each dynamic model's transformer layers to the GPU as far as they fit below the
+        threshold, in placement order, leaving room for the groups its rollout keeps there."""
+        for engine in self._engines.values():
+            engine.make_optimizer_states()  # in the background: every model's host budget is counted by now
         probe = self.probe
         if probe is None:
             return  # no GPU to measure: no layer moves dynamically (`place`)

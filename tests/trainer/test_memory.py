@@ -319,3 +319,17 @@ def test_relief_takes_the_layers_of_the_least_used_model_first():
     assert [line for line in run.logs if line.startswith("out of GPU memory")] == [
         "out of GPU memory: critic keeps 0 transformer layers on GPU, retrying",
         "out of GPU memory: actor keeps 2 transformer layers on GPU, retrying"]
+
+
+def test_the_cpu_optimizer_states_are_made_once_every_model_is_placed():
+    """Not before: a model placed after the actor has its host budget counted with the actor's states still to
+    come, and states made meanwhile would count twice."""
+    run = Run()
+    model, _ = run.place("actor", {"param_offload": True, "optimizer_offload": True})
+    optimizer = run.memory.for_role("actor").build_optimizer(model, OptimConfig())
+    run.place("critic", {"param_offload": True})
+    optimizer.wait()
+    assert not optimizer.state
+    run.memory.finish_placement()
+    optimizer.wait()
+    assert len(optimizer.state) == sum(parameter.requires_grad for parameter in model.parameters())

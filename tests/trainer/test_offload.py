@@ -605,10 +605,12 @@ def test_a_delayed_update_is_refused_where_the_device_reads_the_masters_themselv
 
 def test_the_cpu_states_of_adamw_are_made_in_the_background_before_the_first_update():
     """Their first allocation and touch (61 GB for a 7B actor) made the first update 8 s slower than the others,
-    and the next rollout waited for it; the worker makes them as the optimizer is built, as torch would."""
+    and the next rollout waited for it; the worker makes them before it, as torch would."""
     model = policy()
     engine = offloaded(model, POLICIES["all_cpu_optimizer_offload"])
     optimizer = engine.optimizer(lr=1e-3)
+    assert not optimizer.state  # made once every model is placed (MemoryManager.finish_placement)
+    engine.make_optimizer_states()
     optimizer.wait()
     states = [optimizer.state[parameter] for parameter in model.parameters() if parameter.requires_grad]
     assert states and all(state["step"].item() == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()

@@ -118,6 +118,8 @@ class OffloadEngine:
         self.update_lock = threading.Lock()
         """Held while an update's end and zero_grad decide who clears a unit's gradients."""
         self._update_tasks: list[Future[Any]] = []
+        self.first_optimizer_states: Callable[[], None] | None = None
+        """Makes the CPU optimizer's states (OffloadAdamW sets it; make_optimizer_states runs it)."""
         self.worker = HostWorker(cuda=self.streams.cuda, role=role)
         self.passes = PassState()
         self.gradients = GradientPath(self.layout, self.streams, self.log, self.options, self.worker, self.passes,
@@ -224,9 +226,12 @@ class OffloadEngine:
         unit.ready.clear()
         self._update_tasks.append(self.worker.submit(update, *args, inline=False))
 
-    def submit_background(self, work: Callable[[], None]) -> None:
-        """Run `work` in the worker thread before any update after it; `wait_for_updates` waits for it."""
-        self._update_tasks.append(self.worker.submit(work, inline=False))
+    def make_optimizer_states(self) -> None:
+        """Start making the CPU optimizer's states in the worker thread, before its first update (which
+        waits for them, as `wait_for_updates` does); nothing without an optimizer, or once they are made."""
+        work, self.first_optimizer_states = self.first_optimizer_states, None
+        if work is not None:
+            self._update_tasks.append(self.worker.submit(work, inline=False))
 
     def wait_for_updates(self) -> None:
         """Block until every pending CPU optimizer update has landed (and raise if one failed)."""

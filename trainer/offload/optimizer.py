@@ -46,8 +46,9 @@ class OffloadAdamW(torch.optim.AdamW):
         self.slice_elements = UPDATE_SLICE_ELEMENTS
         # The states' first allocation and first touch (page faults over every byte: 61 GB for a 7B actor) cost
         # the first update 8 s more than the others (measured on the H200 machine, 2026-11-30), and the rollout
-        # after it waits for that update: made at once in the worker, they overlap the first step instead.
-        engine.submit_background(self._first_states)
+        # after it waits for that update: made in the worker once every model is placed (the host budget of the
+        # models placed after this one counts them as still to come), they overlap the first step instead.
+        engine.first_optimizer_states = self._first_states
 
     def _first_states(self) -> None:
         """AdamW's states of the groups stepped on the CPU, as torch's fused AdamW would make them at the first
