@@ -220,4 +220,7 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.engine.wait_for_updates()
+        # The states loaded replace the ones there (made zeroed in the background): let those go first, so
+        # that host memory never holds both (61 GB each for a 7B actor).
+        self.state.clear()
         super().load_state_dict(state_dict)
