@@ -235,6 +235,33 @@ def _by_use(models: Sequence[ModelLayers]) -> list[ModelLayers]:
     return sorted(models, key=lambda model: USE_ORDER.index(model.role) if model.role in USE_ORDER else 0)
 
 
+def _give_up_to_minimum(models: Iterable[ModelLayers], counts: dict[str, int], minimum: int) -> int:
+    """Every one of `models` down to the minimum; the bytes that frees."""
+    freed = 0
+    for model in models:
+        floor = min(minimum, model.total_layers)
+        if counts[model.role] > floor:
+            freed += (counts[model.role] - floor) * model.layer_bytes
+            counts[model.role] = floor
+    return freed
+
+
+def _take_for(short: float, models: Sequence[ModelLayers], counts: dict[str, int], minimum: int) -> int:
+    """Layers of `models`, least used first (their order reversed), down to the minimum, until `short` bytes are
+    free; the bytes taken."""
+    taken = 0
+    for model in reversed(models):
+        if short - taken <= 0:
+            break
+        spare = counts[model.role] - min(minimum, model.total_layers)
+        if spare <= 0:
+            continue
+        layers = min(spare, math.ceil((short - taken) / model.layer_bytes) if model.layer_bytes > 0 else spare)
+        counts[model.role] -= layers
+        taken += layers * model.layer_bytes
+    return taken
+
+
 def _take_off(models: Iterable[ModelLayers], counts: dict[str, int], excess: float, minimum: int) -> None:
     for model in models:
         spare = counts[model.role] - min(minimum, model.total_layers)
@@ -308,41 +335,25 @@ class PhasePlanner:
         threshold, minimum = settings.gpu_memory_threshold, settings.min_transformer_layers_on_gpu
         used += _raise_to_minimum(models, counts, minimum)
         by_role = {model.role: model for model in models}
-        run = by_role[running]
-        cost = layer_cost(run, training)
+        cost = layer_cost(by_role[running], training)
         working = self.working.get(phase)
         last = self.plans.get(phase)
-        if (last is not None and last.learned and last.threshold == threshold
-                and set(last.counts) == set(counts)):
-            moved = sum((last.counts[role] - counts[role]) * by_role[role].layer_bytes for role in counts)
-            peak = (used + moved + (cost - run.layer_bytes) * last.counts[running] + reserve + (working or 0))
-            floors = all(last.counts[role] >= min(minimum, by_role[role].total_layers) for role in counts)
-            if peak <= threshold * total and floors:
-                return PlacedPhase(dict(last.counts), new=False)  # the plan still fits: keep it (steady state)
+        if last is not None and self._still_fits(last, by_role, counts, running, used=used + reserve + (working or 0),
+                                                 total=total, threshold=threshold, minimum=minimum, cost=cost):
+            return PlacedPhase(dict(last.counts), new=False)  # the plan still fits: keep it (steady state)
         others = [model for model in _by_use(models) if model.role != running]
         if passes is not None and passes < TAKING_PASSES:
             others = []  # taking a layer would cost more than streaming this one
+        run = by_role[running]
         # Room for the running model's layers: below the threshold less the margin, less the rest.
         room = (threshold - self.margin) * total - (used - counts[running] * run.layer_bytes) - reserve - (working or 0)
         if working is None:
             # The phase's first run: what it needs is not known. The models it does not run give their
             # layers (down to the minimum) and the running model keeps what it has; its peak is learned.
-            for model in others:
-                room += (counts[model.role] - min(minimum, model.total_layers)) * model.layer_bytes
-                counts[model.role] = min(counts[model.role], min(minimum, model.total_layers))
+            room += _give_up_to_minimum(others, counts, minimum)
             fits = counts[running]
         else:
-            short = run.total_layers * cost - room
-            for model in reversed(others):
-                if short <= 0:
-                    break
-                spare = counts[model.role] - min(minimum, model.total_layers)
-                if spare <= 0:
-                    continue
-                taken = min(spare, math.ceil(short / model.layer_bytes) if model.layer_bytes > 0 else spare)
-                counts[model.role] -= taken
-                room += taken * model.layer_bytes
-                short -= taken * model.layer_bytes
+            room += _take_for(run.total_layers * cost - room, others, counts, minimum)
             fits = run.total_layers
         if cost > 0:
             fits = min(fits, int(max(room, 0) // cost))
@@ -350,6 +361,18 @@ class PhasePlanner:
         new = last is None or last.counts != counts
         self.plans[phase] = PhasePlan(dict(counts), threshold, learned=working is not None)
         return PlacedPhase(counts, new=new)
+
+    @staticmethod
+    def _still_fits(last: PhasePlan, by_role: dict[str, ModelLayers], counts: dict[str, int], running: str, *,
+                    used: int, total: int, threshold: float, minimum: int, cost: int) -> bool:
+        """Whether the phase's last plan, made once its need was known for this threshold, keeps its peak (`used`
+        with the phase's need, moved to that plan) below the threshold and every model at its minimum."""
+        if not last.learned or last.threshold != threshold or set(last.counts) != set(counts):
+            return False
+        moved = sum((last.counts[role] - counts[role]) * by_role[role].layer_bytes for role in counts)
+        gradients = (cost - by_role[running].layer_bytes) * last.counts[running]
+        floors = all(last.counts[role] >= min(minimum, by_role[role].total_layers) for role in counts)
+        return used + moved + gradients <= threshold * total and floors
 
     def learn(self, phase: str, working: int) -> None:
         """`phase` needed `working` bytes above what was in use at its start (its peak); a phase that
