@@ -287,11 +287,12 @@ class Trainer:
             worker = self.critic if role == Role.CRITIC else self.actor
             assert worker is not None
             return 2 * worker.config.ppo_epochs * math.ceil(size / worker.config.ppo_micro_batch_size_per_gpu)
-        micro_batch = {Role.ACTOR: config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+        # The micro-batches each scoring runs in (the workers' own sizes where they keep them).
+        micro_batch = {Role.ACTOR: self.actor.log_prob_micro_batch_size,
                        Role.REF: config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
-                       Role.CRITIC: config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+                       Role.CRITIC: self.critic.forward_micro_batch_size if self.critic is not None else size,
                        Role.REWARD: config.reward_model.micro_batch_size_per_gpu}[role]
-        return math.ceil(size / max(1, micro_batch or size))
+        return math.ceil(size / max(1, micro_batch))
 
     @property
     def offload_engines(self) -> list[OffloadEngine]:

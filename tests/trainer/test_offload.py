@@ -571,31 +571,42 @@ def test_a_layer_that_moves_between_micro_batches_takes_its_device_gradient_home
 DELAYED = {"model_dtype": "bf16", "optimizer_offload": True, "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}
 
 
-def test_a_delayed_update_lets_the_rollout_read_the_weights_from_before_it_and_publishes_it_afterwards():
-    """fsdp_config.delayed_update (ZeRO-Offload's delayed parameter update): while the CPU update runs, reads inside
-    stale_reads (the rollout) take the weights from before it; the first read after it takes the updated ones,
-    the same as without the delay."""
-    ids = token_batch()
+def logits_around_a_delayed_update(build, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One AdamW step of a model built with `build(delayed)` (-> model, engine), delayed and not: the delayed
+    model's logits before the step, inside stale_reads after it and after that, and the plain model's after it.
+    Asserts that the stale read left the update pending and the fresh one published it."""
     runs = []
     for delayed in (True, False):
-        model = policy(dtype=torch.bfloat16).train()
-        engine = attach_offload(model, FSDPConfig.model_validate({**DELAYED, "delayed_update": delayed}), "cpu",
-                                role="actor")
+        model, engine = build(delayed)
         with torch.no_grad():
             before = model(input_ids=ids).logits.clone()
         optimizer = engine.optimizer(lr=1e-2)
         model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
         optimizer.step()
         runs.append((model, engine, before))
-    (delayed_model, delayed_engine, before), (plain_model, _, _) = runs
+    (model, engine, before), (plain, _, _) = runs
     with torch.no_grad():
-        with delayed_engine.stale_reads():
-            stale = delayed_model(input_ids=ids).logits
-        assert any(unit.publish_pending for unit in delayed_engine.units)
-        fresh = delayed_model(input_ids=ids).logits
-        expected = plain_model(input_ids=ids).logits
-    assert torch.equal(stale, before) and not torch.equal(fresh, before)
-    assert torch.equal(fresh, expected) and not any(unit.publish_pending for unit in delayed_engine.units)
+        with engine.stale_reads():
+            stale = model(input_ids=ids).logits
+        assert any(unit.publish_pending for unit in engine.units)
+        fresh = model(input_ids=ids).logits
+        assert not any(unit.publish_pending for unit in engine.units)
+        return {"before": before, "stale": stale, "fresh": fresh, "plain": plain(input_ids=ids).logits}
+
+
+def test_a_delayed_update_lets_the_rollout_read_the_weights_from_before_it_and_publishes_it_afterwards():
+    """fsdp_config.delayed_update (ZeRO-Offload's delayed parameter update): while the CPU update runs, reads inside
+    stale_reads (the rollout) take the weights from before it; the first read after it takes the updated ones,
+    the same as without the delay."""
+
+    def build(delayed: bool):
+        model = policy(dtype=torch.bfloat16).train()
+        return model, attach_offload(model, FSDPConfig.model_validate({**DELAYED, "delayed_update": delayed}), "cpu",
+                                     role="actor")
+
+    logits = logits_around_a_delayed_update(build, token_batch())
+    assert torch.equal(logits["stale"], logits["before"]) and not torch.equal(logits["fresh"], logits["before"])
+    assert torch.equal(logits["fresh"], logits["plain"])
 
 
 def test_a_delayed_update_is_refused_where_the_device_reads_the_masters_themselves():

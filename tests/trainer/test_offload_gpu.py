@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tests.trainer.test_offload import logits_around_a_delayed_update
 from trainer.algorithms import kl_penalty, log_probs_from_logits
 from trainer.config import FSDPConfig
 from trainer.models import load_critic, load_policy, load_tokenizer
@@ -187,23 +188,13 @@ def test_a_delayed_update_runs_while_a_rollout_reads_the_weights_before_it(setti
     """fsdp_config.delayed_update on CUDA, where the update runs on the engine's worker thread: a forward inside
     stale_reads gives the logits from before the update (resident and streamed layers alike), the first one after
     it those of the same run without the delay, to the bit."""
-    ids = torch.randint(3, len(TOKENIZER), (4, 24), generator=torch.Generator().manual_seed(0)).to(CUDA)
-    runs = []
-    for delayed in (True, False):
+    def build(delayed: bool):
         model, engine = place(policy(SMALL).train(), {**settings, "delayed_update": delayed})
         if "dynamic_offload" in settings:
             engine.set_transformer_layers_on_gpu(2)  # two resident, two streamed
-        with torch.no_grad():
-            before = model(input_ids=ids).logits.clone()
-        optimizer = engine.optimizer(lr=1e-2)
-        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
-        optimizer.step()
-        runs.append((model, engine, before))
-    (model, engine, before), (plain, _, _) = runs
-    with torch.no_grad():
-        with engine.stale_reads():
-            stale = model(input_ids=ids).logits
-        fresh = model(input_ids=ids).logits
-        expected = plain(input_ids=ids).logits
-    assert torch.equal(stale, before) and not torch.equal(fresh, before)
-    assert torch.equal(fresh, expected)
+        return model, engine
+
+    ids = torch.randint(3, len(TOKENIZER), (4, 24), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    logits = logits_around_a_delayed_update(build, ids)
+    assert torch.equal(logits["stale"], logits["before"]) and not torch.equal(logits["fresh"], logits["before"])
+    assert torch.equal(logits["fresh"], logits["plain"])

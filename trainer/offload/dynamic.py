@@ -37,12 +37,6 @@ from trainer.offload.layout import format_bytes
 
 MemoryProbe = Callable[[], tuple[int, int]]
 """Returns (bytes in use, bytes in all) of the compute device."""
-PeakProbe = Callable[[], int]
-"""Returns the most bytes in use since the device's peak statistics were last reset (each step's end)."""
-
-HYSTERESIS = 0.05
-"""Layers come back only once usage is this far below the threshold: a move that frees exactly
-enough to get under it must not be undone at the next check (no flapping)."""
 
 
 class DynamicSettings(Protocol):
@@ -72,8 +66,9 @@ class Decision:
         if self.layers_on_gpu < self.previous:
             return (f"dynamic offload: {self.moved} {plural} to CPU (GPU memory {self.usage:.2f} > threshold "
                     f"{self.threshold:.2f}; {self.layers_on_gpu} on GPU)")
-        return (f"dynamic offload: {self.moved} {plural} back to GPU (GPU memory {self.usage:.2f} < threshold "
-                f"{self.threshold:.2f} - {HYSTERESIS}; {self.layers_on_gpu} on GPU)")
+        # A safe point brings layers back only for a raised min_transformer_layers_on_gpu (plan_layers).
+        return (f"dynamic offload: {self.moved} {plural} back to GPU (the live min_transformer_layers_on_gpu "
+                f"rose; {self.layers_on_gpu} on GPU)")
 
 
 def device_memory_probe(device: torch.device) -> MemoryProbe:
