@@ -6,7 +6,8 @@ on FSDP2's CPUOffloadPolicy, on the same shapes, data and seed (issue 14's measu
     python benchmarks/e2e_bench.py --shape quick --device cpu      # the smoke shape the test suite runs
     python benchmarks/e2e_bench.py --report r.json                 # print a saved run's table again
 
-Each variant runs in a process of its own (a fresh CUDA context and allocator, and a cap that cannot leak
+The shape's random models are drawn once, on the device, and saved as local model directories that every
+variant loads (as a user's `model.path`). Each variant runs in a process of its own (a fresh CUDA context and allocator, and a cap that cannot leak
 into the next one) through `Trainer.fit`, what `verl train`'s trainer process runs. Steps after the first
 `--warmup` (2: the first allocates the optimizer states, warms CUDA up and learns what each phase needs;
 the second places the layers for it) are the steady state; their mean is reported:
@@ -43,6 +44,7 @@ from trainer.main import use_allocator_defaults  # noqa: E402
 use_allocator_defaults()  # as `verl train`'s trainer process does, before CUDA starts
 
 import torch  # noqa: E402
+from transformers import Qwen2ForCausalLM  # noqa: E402
 
 from benchmarks.grpo_headline import (  # noqa: E402
     QUICK_ACTOR,
@@ -54,6 +56,8 @@ from benchmarks.grpo_headline import (  # noqa: E402
     save_reward_model,
 )
 from benchmarks.offload_bench import GIB, SHAPE, machine  # noqa: E402
+from trainer.models import load_tokenizer  # noqa: E402
+from trainer.models.tiny import tiny_qwen2_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer_layers_on_gpu", "perf/max_memory",
@@ -94,8 +98,9 @@ def fsdp_overrides(prefix: str, settings: dict[str, Any]) -> list[str]:
             for key, value in settings.items()]
 
 
-def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir: Path | None,
-              steps: int) -> list[str]:
+def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Path, steps: int) -> list[str]:
+    """The variant's run: the actor, the critic and the reference load from `models`/policy (save_models),
+    the reward model from `models`/reward_model."""
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
     offloaded = variant in ("offload", "offload_delayed")
@@ -109,8 +114,7 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir:
         f"algorithm.adv_estimator={spec['algorithm']}", "algorithm.use_kl_in_reward=false",
         "data.train_files=[builtin:counting]", f"data.train_batch_size={spec['prompts']}",
         "data.max_prompt_length=16", f"data.max_response_length={spec['response_length']}",
-        "actor_rollout_ref.model.path=builtin:tiny-qwen2",
-        f"actor_rollout_ref.model.override_config={flow(_actor_shape(shape))}",
+        f"actor_rollout_ref.model.path={models / 'policy'}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
         f"actor_rollout_ref.rollout.n={spec['n']}", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={spec['prompts']}",
@@ -129,14 +133,36 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, reward_dir:
                  *fsdp_overrides("critic.fsdp_config", OFFLOADED if offloaded else plain)]
     else:
         rows.append("critic.enable=false")
-    if reward_dir is not None:
-        rows += ["reward_model.enable=true", f"reward_model.model.path={reward_dir}",
+    if spec["reward_model"]:
+        rows += ["reward_model.enable=true", f"reward_model.model.path={models / 'reward_model'}",
                  *fsdp_overrides("reward_model.model.fsdp_config", frozen),
                  "reward_model.micro_batch_size_per_gpu=8"]
     return rows
 
 
 # ------------------------------------------------------------------------------------------ child
+
+
+def save_models(models: Path, shape: str, device: str) -> None:
+    """The shape's random models as local model directories (`policy`: the actor, the critic's backbone
+    and the reference; `reward_model`), drawn on `device`, which every variant loads as a user's
+    `model.path` would: the built-in preset draws its weights on the host, one random number at a time
+    (torch's CPU generator is serial), which took 45 s per 3B model on the H200 machine, three times per
+    variant (the critic's preset draws the policy again), where a load takes seconds."""
+    tokenizer = load_tokenizer("builtin:tiny-qwen2")
+    config = tiny_qwen2_config(tokenizer, _actor_shape(shape))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.to("cpu").save_pretrained(models / "policy")
+    tokenizer.save_pretrained(models / "policy")
+    del model
+    if SHAPES[shape]["reward_model"]:
+        save_reward_model(models / "reward_model", QUICK_REWARD if shape == "quick" else REWARD_SHAPE, device)
 
 
 def pinned_bandwidth(device: torch.device) -> dict[str, float]:
@@ -195,17 +221,13 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     from trainer.config import load_config
 
     with tempfile.TemporaryDirectory(dir=args.scratch, prefix="e2e_bench_") as scratch:
-        reward_dir = None
-        if spec["reward_model"]:
-            reward_dir = Path(scratch) / "reward_model"
-            save_reward_model(reward_dir, QUICK_REWARD if args.shape == "quick" else REWARD_SHAPE, args.device)
         if capped:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(spec["cap_gib"] * GIB / total, device)
         if args.variant == "fsdp2":
             place_actor_on_fsdp2(device)
         config = load_config(None, overrides(args.shape, args.variant, args.device, Path(scratch) / "runs",
-                                             reward_dir, args.steps))
+                                             args.models, args.steps))
         logs: list[str] = []
 
         def log(line: str) -> None:  # kept for the result, and on stderr: the variant's log file
@@ -295,40 +317,55 @@ class CopiedPerStep:
 
 
 def run_shape(args: argparse.Namespace, out: Path, logs: Path) -> dict[str, Any]:
-    """Each variant in a process of its own; the result is written to `out` after each (a run cut short
-    keeps what it measured), each variant's output to a log in `logs`."""
+    """The shape's models once (save_models), then each variant in a process of its own; the result is written
+    to `out` after each (a run cut short keeps what it measured), each variant's output to a log in `logs`."""
     variants = [variant for variant in args.variants if variant != "fsdp2" or args.device == "cuda"]
     result: dict[str, Any] = {**(machine() if args.device == "cuda" else {}), "shape": args.shape,
                               "spec": SHAPES[args.shape], "steps": args.steps, "warmup": args.warmup,
                               "variants": {}}
-    for variant in variants:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-            child_out = Path(handle.name)
-        command = [sys.executable, __file__, "--child", "--variant", variant, "--shape", args.shape,
-                   "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--scratch", str(args.scratch), *(["--profile"] if args.profile else []),
-                   "--out", str(child_out)]
-        print(f"[{variant}]", flush=True)
+    with tempfile.TemporaryDirectory(dir=args.scratch, prefix="e2e_models_") as models:
         started = time.perf_counter()
-        log_path = logs / f"{out.stem}-{variant}.log"
-        with log_path.open("w") as log_file:
-            try:
-                completed = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                completed = None
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
-        if completed is None:
-            result["variants"][variant] = {"error": "\n".join([*tail, f"did not finish within --timeout "
-                                                                       f"{args.timeout:.0f} s (log: {log_path})"])}
-        elif completed.returncode != 0:
-            result["variants"][variant] = {"error": "\n".join([*tail, f"exit code {completed.returncode}"])}
-        else:
-            loaded: dict[str, Any] = json.loads(child_out.read_text())
-            result["variants"][variant] = loaded
-        result["variants"][variant]["wall_s"] = time.perf_counter() - started
-        child_out.unlink(missing_ok=True)
-        out.write_text(json.dumps(result, indent=2))
+        # In a process of its own too: this one never starts CUDA (its context would hold device memory
+        # beside every variant's).
+        prepared = subprocess.run([sys.executable, __file__, "--child", "--prepare", "--shape", args.shape,
+                                   "--device", args.device, "--models", models, "--steps", str(args.steps),
+                                   "--warmup", str(args.warmup)],
+                                  capture_output=True, text=True)
+        if prepared.returncode != 0:
+            raise SystemExit(f"ERROR: the shape's models could not be made:\n{prepared.stderr[-3000:]}")
+        result["models_s"] = time.perf_counter() - started
+        print(f"[models] {result['models_s']:.1f} s", flush=True)
+        for variant in variants:
+            result["variants"][variant] = run_one(args, variant, Path(models), logs / f"{out.stem}-{variant}.log")
+            out.write_text(json.dumps(result, indent=2))
     return result
+
+
+def run_one(args: argparse.Namespace, variant: str, models: Path, log_path: Path) -> dict[str, Any]:
+    """One variant in a child process: its result, or its error with the end of its log."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        child_out = Path(handle.name)
+    command = [sys.executable, __file__, "--child", "--variant", variant, "--shape", args.shape,
+               "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--scratch", str(args.scratch), "--models", str(models), *(["--profile"] if args.profile else []),
+               "--out", str(child_out)]
+    print(f"[{variant}]", flush=True)
+    started = time.perf_counter()
+    with log_path.open("w") as log_file:
+        try:
+            completed = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            completed = None
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+    if completed is None:
+        run = {"error": "\n".join([*tail, f"did not finish within --timeout {args.timeout:.0f} s (log: {log_path})"])}
+    elif completed.returncode != 0:
+        run = {"error": "\n".join([*tail, f"exit code {completed.returncode}"])}
+    else:
+        run = json.loads(child_out.read_text())
+    run["wall_s"] = time.perf_counter() - started
+    child_out.unlink(missing_ok=True)
+    return run
 
 
 def table(result: dict[str, Any]) -> str:
@@ -391,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time, per step and phase, the engines' worker tasks (gradient landing, the CPU "
                              "AdamW), the waits for them, the optimizer's calls and the decode's ms per token")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--models", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.report is not None:
@@ -415,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ERROR: --steps must be more than --warmup ({args.warmup}, the steps not counted), got {args.steps}",
               file=sys.stderr)
         return 2
+    if args.child and args.prepare:
+        save_models(args.models, args.shape, args.device)
+        return 0
     if args.child:
         args.out.write_text(json.dumps(run_variant(args)))
         return 0

@@ -102,7 +102,8 @@ class Profile:
             self._wrap_engine(engine)
         optimizer = trainer.actor.optimizer
         for method in ("clip_grad_norm_", "step", "zero_grad", "_step_narrow_grads", "_step_groups"):
-            setattr(optimizer, method, self._timed(getattr(optimizer, method), f"actor optimizer.{method}"))
+            if hasattr(optimizer, method):  # the offload optimizer's; a plain one (e2e_bench's fsdp2) has some
+                setattr(optimizer, method, self._timed(getattr(optimizer, method), f"actor optimizer.{method}"))
         rollout = trainer.rollout
         rollout.generate = self._timed(rollout.generate, "rollout generate")
         # The decode's safe points (every few tokens) time its chunks: the first holds the prefill

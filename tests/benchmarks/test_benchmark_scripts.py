@@ -135,6 +135,7 @@ def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_t
                            "--scratch", str(tmp_path), "--profile"]) == 0
     result = json.loads(out.read_text())
     assert set(result["variants"]) == {"all_gpu", "offload"}  # fsdp2 needs a GPU
+    assert result["models_s"] > 0 and not list(tmp_path.glob("e2e_models_*"))  # made once, then removed
     offloaded, resident = result["variants"]["offload"], result["variants"]["all_gpu"]
     assert {"step", "gen", "update_actor", "update_critic", "ref", "reward"} <= set(offloaded["phases_s"])
     assert offloaded["copied_bytes_per_step"]["h2d"] > 0 and resident["copied_bytes_per_step"]["h2d"] == 0
@@ -166,4 +167,4 @@ def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp
     run = json.loads(out.read_text())["variants"]["offload_delayed"]
     assert run["steps"] == 2 and run["copied_bytes_per_step"]["h2d"] > 0
     assert "actor_rollout_ref.actor.fsdp_config.delayed_update=true" in e2e_bench.overrides(
-        "quick", "offload_delayed", "cpu", tmp_path, None, 2)
+        "quick", "offload_delayed", "cpu", tmp_path, tmp_path / "models", 2)
