@@ -628,3 +628,22 @@ def test_the_cpu_states_of_adamw_are_made_in_the_background_before_the_first_upd
                           and state["exp_avg"].shape == parameter.shape
                           for state, parameter in zip(states, (p for p in model.parameters() if p.requires_grad),
                                                       strict=True))
+
+
+def test_the_engine_worker_runs_torch_on_the_threads_it_is_given_and_leaves_the_main_threads_count():
+    from trainer.offload.gradients import HostWorker
+    before = torch.get_num_threads()
+    worker = HostWorker(cuda=False, role="actor", threads=1)
+    try:
+        assert worker.submit(torch.get_num_threads, inline=False).result() == 1
+    finally:
+        worker.shutdown()
+    assert torch.get_num_threads() == before
+
+
+def test_a_bad_worker_thread_count_in_the_environment_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("VERL_OFFLOAD_WORKER_THREADS", "lots")
+    with pytest.raises(ValueError, match="VERL_OFFLOAD_WORKER_THREADS must be a whole number.*'lots'"):
+        OffloadOptions()
+    monkeypatch.setenv("VERL_OFFLOAD_WORKER_THREADS", "3")
+    assert OffloadOptions().worker_threads == 3

@@ -22,7 +22,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +77,11 @@ class OffloadOptions:
     (to fp32) pass through on their way from the device, in units of the largest block's gradient:
     one region shared as a ring, where copies wait for the worker to land the oldest only when it
     is full."""
+    worker_threads: int | None = field(default_factory=lambda: _threads_from_environment())
+    """The CPU threads each engine's worker runs its torch operations on (the CPU AdamW, adding gradients);
+    None: torch's default for a new thread (every core). Each trained model's engine has a worker, and two
+    run at once (one model's update lands gradients while the other's CPU AdamW runs), beside the main
+    thread that drives the GPU: VERL_OFFLOAD_WORKER_THREADS sets it for a run."""
     pipelined_update: bool = True
     """The CPU optimizer update runs in a background thread, block by block in forward order, and
     the next forward waits for each block's update only when it reaches that block. Measured on an
@@ -120,7 +126,7 @@ class OffloadEngine:
         self._update_tasks: list[Future[Any]] = []
         self.first_optimizer_states: Callable[[], None] | None = None
         """Makes the CPU optimizer's states (OffloadAdamW sets it; make_optimizer_states runs it)."""
-        self.worker = HostWorker(cuda=self.streams.cuda, role=role)
+        self.worker = HostWorker(cuda=self.streams.cuda, role=role, threads=self.options.worker_threads)
         self.passes = PassState()
         self.gradients = GradientPath(self.layout, self.streams, self.log, self.options, self.worker, self.passes,
                                       self.device, finish=self._finish_backward)
@@ -350,6 +356,15 @@ class OffloadEngine:
             raise
         self.gradients.defer = False
         self.gradients.send_deferred()
+
+
+def _threads_from_environment() -> int | None:
+    value = os.environ.get("VERL_OFFLOAD_WORKER_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"VERL_OFFLOAD_WORKER_THREADS must be a whole number of threads of at least 1, got {value!r}")
+    return int(value)
 
 
 def check_delayed_update(units: Sequence[Unit], role: str) -> None:

@@ -38,8 +38,8 @@ class HostWorker:
     updates), run in submission order. On a CPU-only machine gradient work runs at once
     (`inline` defaults to that), so results land in the same order as the copies that produce them."""
 
-    def __init__(self, *, cuda: bool, role: str):
-        self.cuda, self.role = cuda, role
+    def __init__(self, *, cuda: bool, role: str, threads: int | None = None):
+        self.cuda, self.role, self.threads = cuda, role, threads
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -50,7 +50,11 @@ class HostWorker:
             return future
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"offload-{self.role}")
+                # torch's intra-op thread count is the calling thread's own (an OpenMP setting): this sets
+                # the worker's alone.
+                initializer = None if self.threads is None else functools.partial(torch.set_num_threads, self.threads)
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"offload-{self.role}",
+                                                    initializer=initializer)
             return self._executor.submit(function, *args)
 
     def shutdown(self) -> None:
