@@ -647,3 +647,37 @@ def test_a_bad_worker_thread_count_in_the_environment_is_refused_in_one_line(mon
         OffloadOptions()
     monkeypatch.setenv("VERL_OFFLOAD_WORKER_THREADS", "3")
     assert OffloadOptions().worker_threads == 3
+
+
+def test_a_steady_no_grad_forward_skips_the_block_checks_and_still_reads_each_update():
+    """With every layer on the device and current, a no-grad forward (a decoded token) goes without the
+    per-block fetch; after an update the next one copies the new weights first, as the general path does."""
+    model = policy().train()
+    engine = offloaded(model, {"optimizer_offload": True, "dynamic_offload": {"enabled": True}})
+    optimizer = engine.optimizer(lr=1e-2)
+    streamer, ids = engine.streamer, token_batch()
+    fetches = []
+    fetch = streamer.fetch
+    streamer.fetch = lambda block, *, required: (fetches.append(block.unit.name), fetch(block, required=required))[1]
+
+    def logits(steady: bool) -> torch.Tensor:
+        streamer.steady_forwards = steady
+        fetches.clear()
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    for _ in range(2):
+        general = logits(False)
+        assert any(name.startswith("layers.") for name in fetches)
+        steady = logits(True)
+        assert not [name for name in fetches if name.startswith("layers.")]
+        torch.testing.assert_close(steady, general, rtol=0, atol=0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.wait_for_updates()
+        # The update changed every layer: the next forward is not a steady one, and it reads the new weights.
+        updated = logits(True)
+        assert any(name.startswith("layers.") for name in fetches)
+        assert not torch.equal(updated, steady)
+        torch.testing.assert_close(updated, logits(False), rtol=0, atol=0)

@@ -44,6 +44,12 @@ class Streamer:
         self.layer_ring: list[Slot] = []
         """The slots the streamed transformer blocks rotate through (ring 0)."""
         self._ring_ids = itertools.count(1)
+        self.steady_forwards = True
+        """A forward without gradients where every hooked block is on the device and current skips the
+        per-block copy checks, stream waits and prefetch (see `_steady`); off, every block goes the
+        general way (the tests compare the two)."""
+        self._steady: list[Block] | None = None
+        """The blocks of the forward running now, while it is a steady one."""
         self._make_blocks()
 
     # --------------------------------------------------------------------------------- blocks
@@ -123,6 +129,7 @@ class Streamer:
         """Hooks that swap each hooked unit's block in around its forward and backward; `on_backward`
         runs when a backward first reaches one of them."""
         model.register_forward_pre_hook(self._root_pre_forward)
+        model.register_forward_hook(self._root_post_forward)
         for unit in self.layout.units:
             if unit.kind == UnitKind.HOOKED:
                 for module in self._hook_roots(unit):
@@ -143,10 +150,44 @@ class Streamer:
         # A forward of the whole model never runs inside a backward pass: a flag left set by a
         # backward that raised must not turn this forward's prefetch around.
         self.passes.end()
+        self._steady = self._steady_blocks()
+        if self._steady is not None:
+            return
         if self.layout.unit_of_kind(UnitKind.ROWS) is None:
             self.prefetch(-1, +1)
         # Otherwise the embedding prefetches once its rows are on their way: the forward needs
         # them first, and behind a block's copy they would wait for it.
+
+    def _steady_blocks(self) -> list[Block] | None:
+        """The hooked blocks, when this forward needs no copy and no wait: no gradients, and each block in
+        a device slot of its own holding the unit's current weights, with no update running that the
+        forward may not read past (what `acquire` would check at each block, and its prefetch at each block
+        ahead: 36 layers' worth of host time per decoded token). None otherwise."""
+        if not self.steady_forwards or torch.is_grad_enabled():
+            return None
+        blocks = []
+        for unit in self.layout.units:
+            if unit.kind != UnitKind.HOOKED:
+                continue
+            block = unit.blocks[0]
+            if (block.streamed or block.slot.holder is not block or block.fetched_version != unit.version
+                    or not unit.usable or self.staging.is_staged(unit)
+                    or (not unit.stale_ok if unit.publish_pending else unit.masters_version() != unit.master_version)):
+                # (A delayed update to publish before this read, or an in-place change of the masters.)
+                return None
+            blocks.append(block)
+        for block in blocks:  # a copy made outside a pass (a layer moved to the GPU) not waited for yet
+            self._compute_waits_for(block)
+        return blocks
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        steady, self._steady = self._steady, None
+        if steady:
+            # One event after the whole forward stands for each block's own: a later copy into one of these
+            # slots (after an update) waits for every read of it.
+            event = self.streams.record_compute()
+            for block in steady:
+                block.slot.free_event = event
 
     def _pre_forward(self, unit: Unit, on_backward: Callable[[], None], module: nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -219,15 +260,27 @@ class Streamer:
         for block in self.blocks:
             if block.acquired:
                 self.release(block)
+        self._steady = None
 
     def acquire(self, block: Block) -> None:
+        if self._steady is not None:
+            block.acquired = True  # in its slot, current, and waited for by the compute stream already
+            return
         self.fetch(block, required=True)
-        self.streams.compute_waits(block.fetched_event)
+        self._compute_waits_for(block)
         block.acquired = True
         self.prefetch(block.position, -1 if self.passes.in_backward else +1)
 
+    def _compute_waits_for(self, block: Block) -> None:
+        """The compute stream waits for the block's last copy, once: it runs in order after that."""
+        if block.fetched_event is not None:
+            self.streams.compute_waits(block.fetched_event)
+            block.fetched_event = None
+
     def release(self, block: Block) -> None:
         block.acquired = False
+        if self._steady is not None:
+            return  # the forward's end records the event for every block
         block.slot.free_event = self.streams.record_compute(block.slot.free_event)
 
     def prefetch(self, position: int, step: int) -> None:
