@@ -12,10 +12,14 @@
 #   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
-# variant may take; e2e_bench's default 900) and PROFILE (set: --profile). One 10-minute call fits about:
-#   VARIANTS=all_gpu,offload STEPS=4 e2e-ppo3b                      (~7 min: builds 170 s and 130 s)
-#   VARIANTS=offload STEPS=4 TIMEOUT=560 e2e-headline               (~6 min: build 190 s, steps 20-25 s)
-#   VARIANTS=all_gpu STEPS=4 e2e-headline                           (~4 min; 5.1 s a step, measured 2026-12-01)
+# variant may take; e2e_bench's default 900) and PROFILE (set: --profile). The shape's models are drawn once on the GPU
+# (20 s for ppo3b) and each variant loads them (10 s). One 10-minute call fits about (measured 2026-12-02):
+#   VARIANTS=all_gpu,offload,fsdp2 STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b   (~5 min: all_gpu 65 s, offload 120 s)
+#   VARIANTS=all_gpu,offload_delayed STEPS=6 PROFILE=1 e2e-ppo3b             (~3.5 min)
+#   VARIANTS=all_gpu,offload STEPS=5 TIMEOUT=400 e2e-headline                (not timed yet with models from disk:
+#                                                                             all_gpu 5.1 s a step, offload 15-25 s)
+# The device tool's budget is 30 minutes a session and each call starts a fresh machine (about 85 s): chain stages
+# in one call (`tests` is 100 s).
 #
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: pydantic and the rest installed from wheels first, see .library/device).
