@@ -7,12 +7,12 @@ on FSDP2's CPUOffloadPolicy, on the same shapes, data and seed (issue 14's measu
     python benchmarks/e2e_bench.py --report r.json                 # print a saved run's table again
 
 The shape's random models are drawn once, on the device, and saved as local model directories that every
-variant loads (as a user's `model.path`). Each variant runs in a process of its own (a fresh CUDA context and allocator, and a cap that cannot leak
-into the next one) through `Trainer.fit`, what `verl train`'s trainer process runs. Steps after the first
-`--warmup` (2: the first allocates the optimizer states, warms CUDA up and learns what each phase needs;
-the second places the layers for it) are the steady state; their mean is reported:
-each phase's seconds (verl's timing_s/*) as a ratio against the all-GPU run, the bytes copied each way per
-step against the PCIe floor (bytes / the pinned bandwidth measured in the same process), and the
+variant loads (as a user's `model.path`). Each variant runs in a process of its own (a fresh CUDA context and
+allocator, and a cap that cannot leak into the next one) through `Trainer.fit`, what `verl train`'s trainer
+process runs. Steps after the first `--warmup` (2: the first allocates the optimizer states, warms CUDA up and
+learns what each phase needs; the second places the layers for it) are the steady state; their mean is
+reported: each phase's seconds (verl's timing_s/*) as a ratio against the all-GPU run, the bytes copied each
+way per step against the PCIe floor (bytes / the pinned bandwidth measured in the same process), and the
 transformer layers moved per step.
 
 Variants: `all_gpu` (every group and the optimizer on the GPU, bf16, no cap: where it fits), `offload`

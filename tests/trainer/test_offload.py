@@ -143,7 +143,7 @@ def test_the_norm_of_bf16_host_gradients_is_their_fp32_norm_slice_by_slice():
     norm = optimizer.clip_grad_norm_(1.0)
     assert norm.dtype == torch.float32
     torch.testing.assert_close(norm.double(), expected, rtol=1e-6, atol=0)
-    assert optimizer._norm_scratch.numel() == 100
+    assert optimizer._squares._scratch.numel() == 100
     assert all(parameter.grad is grad for parameter, grad in zip(model.parameters(), grads, strict=True))
 
 
@@ -317,7 +317,8 @@ def test_the_host_memory_plan_is_what_a_training_step_allocates(settings, dtype)
     offloaded_units = [unit for unit in engine.units if unit.arena is not None]
     assert storage_bytes(unit.arena for unit in offloaded_units) == plan["arena"]
     # bf16 gradients are read in fp32 by the update and by the norm, each into a buffer of its own.
-    scratch = sum(buffer.numel() * 4 for buffer in (optimizer._scratch, optimizer._norm_scratch) if buffer is not None)
+    buffers = (optimizer._scratch, optimizer._squares._scratch)
+    scratch = sum(buffer.numel() * 4 for buffer in buffers if buffer is not None)
     assert storage_bytes(view for unit in offloaded_units for view in unit.grad_views) + scratch == plan["gradients"]
     states = [state for values in optimizer.state.values() for state in values.values()
               if isinstance(state, torch.Tensor) and state.dim() > 0 and state.device.type == "cpu"]
@@ -681,3 +682,35 @@ def test_a_steady_no_grad_forward_skips_the_block_checks_and_still_reads_each_up
         assert any(name.startswith("layers.") for name in fetches)
         assert not torch.equal(updated, steady)
         torch.testing.assert_close(updated, logits(False), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("move_between", [None, 1], ids=["kept", "moved_mid_mini_batch"])
+def test_the_gradient_norm_reads_the_device_square_of_a_gradient_sent_once_and_the_host_for_the_rest(move_between):
+    """A block kept on the device sends its mini-batch's gradient once: its square is taken on the device then,
+    and the clipping norm does not read that host gradient again. A block that moved mid-mini-batch (its later
+    gradients land on the host) is read on the host. Either way the norm is the gradients' norm."""
+    settings = {"optimizer_offload": True, "dynamic_offload": {"enabled": True}}
+    model = policy().train()
+    engine = offloaded(model, settings)
+    engine.gradients.device_squares = True  # the GPU's way (on the CPU the host's norm is the same read)
+    optimizer = engine.optimizer(lr=1e-3)
+    with engine.accumulating():
+        for number, half in enumerate(token_batch(rows=4).split(2)):
+            (model(input_ids=half, labels=half).loss / 2).backward()
+            if number == 0 and move_between is not None:
+                engine.set_transformer_layers_on_gpu(move_between)
+    layers = engine.transformer_units
+    known = [unit.name for unit in layers if unit.grad_square is not None]
+    expected = torch.nn.utils.get_total_norm([parameter.grad for parameter in model.parameters()
+                                              if parameter.grad is not None])
+    # Moved: every layer sent its first micro-batch's gradient at the move; the second landed on the host (the
+    # streamed ones) or was added there (layers.0, sent again at the end): no square is the whole gradient.
+    assert known == ([] if move_between == 1 else [unit.name for unit in layers])
+    for unit in layers:  # the norm does not read a known unit's host gradient: a poisoned one shows it
+        if unit.grad_square is not None:
+            for entry in unit.entries:
+                entry.parameter.grad.mul_(1e6)
+    norm = optimizer.clip_grad_norm_(1.0)
+    torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
+    optimizer.zero_grad()
+    assert all(unit.grad_square is None for unit in engine.units)

@@ -19,10 +19,10 @@ optimizer states live on the CPU and a compute copy stays on the GPU). Every cop
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-import os
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.offload.gradients import SquareSums
 from trainer.offload.units import UPDATE_SLICE_ELEMENTS, Unit
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._units = units
         self._grad_scale: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
-        self._norm_scratch: torch.Tensor | None = None
+        self._squares = SquareSums()  # the norm's own buffer: the engine's worker may be updating with the optimizer's
         self.slice_elements = UPDATE_SLICE_ELEMENTS
         # The states' first allocation and first touch (page faults over every byte: 61 GB for a 7B actor) cost
         # the first update 8 s more than the others (measured on the H200 machine, 2026-11-30), and the rollout
@@ -153,9 +154,12 @@ class OffloadAdamW(torch.optim.AdamW):
         """The 2-norm of all gradients; the next step() scales them to at most `max_norm`, as
         torch.nn.utils.clip_grad_norm_ would, but inside the update instead of in one more pass.
         The gradients themselves are left as they are."""
-        grads = [parameter.grad for group in self.param_groups for parameter in group["params"]
-                 if parameter.grad is not None]
-        if not grads:
+        # A unit whose host gradient is the sum its device sent once has its square already (taken on the
+        # device, GradientPath.send_deferred): its host gradient is not read again.
+        known = [unit.grad_square for unit in self._units if unit.grad_square is not None]
+        grads = [parameter.grad for group, unit in zip(self.param_groups, self._units, strict=True)
+                 if unit.grad_square is None for parameter in group["params"] if parameter.grad is not None]
+        if not grads and not known:
             return torch.zeros(())
         host = [grad for grad in grads if grad.device.type == "cpu" and grad.dtype == torch.float32]
         narrow = [grad for grad in grads if grad.device.type == "cpu" and grad.dtype != torch.float32]
@@ -166,33 +170,23 @@ class OffloadAdamW(torch.optim.AdamW):
             # (10 GB/s on an H200 host, where the fused AdamW moves 84 GB/s).
             squares.append(torch.stack([torch.dot(grad.view(-1), grad.view(-1)) for grad in host]).sum())
         if narrow:
-            squares.append(self._narrow_squares(narrow))
+            self._squares.slice_elements = self.slice_elements
+            narrow_square = self._squares.of(narrow)
+            assert narrow_square is not None
+            squares.append(narrow_square)
         if others:
             squares.append(torch.nn.utils.get_total_norm(others, norm_type=2.0).square().float().cpu())
+        if known:
+            squares.append(torch.stack([square.to("cpu") for square in known]).sum())
         total = torch.stack(squares).sum().sqrt()
         # torch.nn.utils.clip_grad_norm_ multiplies by max_norm / (total + 1e-6), at most 1.
         self._grad_scale = ((total + 1e-6) / max_norm).clamp(min=1.0).float()
         return total
 
-    def _narrow_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The sum of squares of bf16 host gradients (offload_grad_dtype), in fp32: each slice is
-        widened into a reused buffer and dotted with itself by BLAS. torch.linalg.vector_norm(...,
-        dtype=float32) reduces a CPU tensor on one thread: 6.1 s over the 7B shape's gradients on an
-        H200 host (2026-11-30), the largest part of its training phase, and it summed 2**27 bf16
-        normals 0.35% short where this is within 0.01%. The buffer is the norm's own: the engine's
-        worker may still be updating with the optimizer's."""
-        dots = []
-        for grad in grads:
-            for piece in grad.view(-1).split(self.slice_elements):
-                if self._norm_scratch is None or self._norm_scratch.numel() < piece.numel():
-                    self._norm_scratch = torch.empty(piece.numel(), dtype=torch.float32)
-                wide = self._norm_scratch[:piece.numel()].copy_(piece)
-                dots.append(torch.dot(wide, wide))
-        return torch.stack(dots).sum()
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_scale = None
         for group, unit in zip(self.param_groups, self._units, strict=True):
+            unit.grad_square = None
             with self.engine.update_lock:
                 if not unit.ready.is_set():
                     # Its update still reads the gradient: the worker clears it once done.

@@ -107,6 +107,7 @@ class RowsAndChunks:
         the host and is added into the embedding's gradient there."""
         gradients = self.gradients
         gradients.enter_backward()
+        unit.grad_square = None
         gradients.ensure_grad_arena(unit)
         assert unit.grad_views is not None
         index = unit.index_of(self.layout.parts.embedding_weight)

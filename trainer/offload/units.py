@@ -159,6 +159,10 @@ class Unit:
     grad_views: list[torch.Tensor] | None = None
     """The host gradient of each entry (allocated at the unit's first gradient)."""
     grad_pinned: bool = False
+    grad_square: torch.Tensor | None = None
+    """The sum of squares (fp32, on the device) of the unit's host gradient, while that gradient is exactly
+    what the device added up and sent once (GradientPath.send_deferred): the gradient norm then reads it
+    instead of the host gradient. Any other landing into the gradient, or clearing it, drops it."""
     # On the device (set by the streamer).
     compute_params: list[nn.Parameter] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
