@@ -3,7 +3,8 @@
 # $OUT (the device tool's output folder) or ./gpu-results:
 #
 #   benchmarks/gpu_session.sh tests        # every test marked gpu                      (~1 min)
-#   benchmarks/gpu_session.sh rollout      # rollout_bench.py, all sections              (~6 min)
+#   benchmarks/gpu_session.sh rollout      # rollout_bench.py, all sections              (~6 min; SECTIONS=a,b picks some:
+#                                          # allgpu,allgpu_static,ours_phase,ours_phase_static compares the decode paths)
 #   benchmarks/gpu_session.sh offload      # offload_bench.py: bandwidth, all-GPU, layered (~2 min)
 #   benchmarks/gpu_session.sh headline     # grpo_headline.py under a 40 GiB cap          (~4 min)
 #   benchmarks/gpu_session.sh uncapped     # grpo_headline.py without the cap             (~4 min)
@@ -35,7 +36,8 @@ case "${1:-}" in
     files=$(grep -rl --include='*.py' 'pytest.mark.gpu' tests)
     python3 -m pytest -q -p no:cacheprovider -m gpu -rfs $files 2>&1 | tail -60 | tee "$out/gpu_tests.txt" ;;
   rollout)
-    timeout 580 python3 benchmarks/rollout_bench.py --out "$out/rollout.json" 2>&1 | tee "$out/rollout.txt" | tail -30 ;;
+    timeout 580 python3 benchmarks/rollout_bench.py ${SECTIONS:+--only $SECTIONS} --out "$out/rollout.json" 2>&1 \
+      | tee "$out/rollout.txt" | tail -30 ;;
   offload)
     timeout 580 python3 benchmarks/offload_bench.py --only bandwidth,allgpu,ours_layered --out "$out/offload.json" ${PROFILE:+--profile "$out/profile"} \
       2>&1 | tee "$out/offload.txt" | tail -30 ;;

@@ -10,7 +10,9 @@ EOS: every variant decodes exactly the same number of steps). ms/step is (genera
 time) / (new tokens - 1), the prefill time being that of a generate of one token; `vs GPU` is the
 all-GPU ms/step over the variant's (its decode throughput relative to all-GPU).
 
-Sections (--only): allgpu, accelerate, fsdp2, ours_layered, ours_phase, capped. `capped` runs last:
+Sections (--only): allgpu, allgpu_static, accelerate, fsdp2, ours_layered, ours_phase, ours_phase_static, capped
+(`_static`: the same variant decoded by rollout.decode=static, trainer/rollout/static_decode.py, instead of
+generate). `capped` runs last:
 it caps this process's GPU memory below the model's weights, where the all-GPU rollout cannot run
 and the engine's dynamic offload keeps only the layers that fit. Each section writes its rows to
 --out as soon as it finishes; a section that fails records its error and the others still run.
@@ -47,8 +49,10 @@ from benchmarks.offload_bench import (  # noqa: E402
 )
 from trainer.config import FSDPConfig  # noqa: E402
 from trainer.offload import OffloadOptions, attach_offload  # noqa: E402
+from trainer.rollout.static_decode import Sampling, StaticDecoder  # noqa: E402
 
-SECTIONS = ("allgpu", "accelerate", "fsdp2", "ours_layered", "ours_phase", "capped")
+SECTIONS = ("allgpu", "allgpu_static", "accelerate", "fsdp2", "ours_layered", "ours_phase", "ours_phase_static",
+            "capped")
 CACHE_ROWS = 8192
 """Embedding rows the device cache of the layered variants holds (rollout.embedding_cache.cache_size)."""
 THRESHOLD = 0.9
@@ -136,28 +140,33 @@ class Bench:
         return model.eval()
 
     def generate(self, model, new_tokens: int, place: Place = contextlib.nullcontext,
-                 stopping: StoppingCriteriaList | None = None) -> list[str] | None:
-        """One sampled rollout of `new_tokens`; returns what `place` staged (None outside an engine placement)."""
+                 stopping: StoppingCriteriaList | None = None,
+                 decoder: StaticDecoder | None = None) -> list[str] | None:
+        """One sampled rollout of `new_tokens` (through `decoder`, rollout.decode=static, when given); returns
+        what `place` staged (None outside an engine placement)."""
         with place() as staged, torch.no_grad():
-            model.generate(input_ids=self.prompt, attention_mask=self.attention_mask,
-                           generation_config=self.generation_configs[new_tokens], stopping_criteria=stopping)
+            if decoder is not None:
+                decoder.generate(self.prompt, self.attention_mask, new_tokens)
+            else:
+                model.generate(input_ids=self.prompt, attention_mask=self.attention_mask,
+                               generation_config=self.generation_configs[new_tokens], stopping_criteria=stopping)
         return staged
 
     def warm_up(self, model, place: Place = contextlib.nullcontext,
-                stopping: StoppingCriteriaList | None = None) -> list[str] | None:
-        staged = self.generate(model, self.plan.warmup_tokens, place, stopping)
+                stopping: StoppingCriteriaList | None = None, decoder: StaticDecoder | None = None) -> list[str] | None:
+        staged = self.generate(model, self.plan.warmup_tokens, place, stopping, decoder)
         torch.cuda.synchronize()
         return staged
 
     def decode(self, model, place: Place = contextlib.nullcontext, stopping: StoppingCriteriaList | None = None,
-               *, iters: int | None = None) -> Decode:
+               *, iters: int | None = None, decoder: StaticDecoder | None = None) -> Decode:
         """Median seconds of `iters` prefills (one new token) and of `iters` whole generates, and the
         peak device memory of them all. Call it once the variant is warmed up."""
         iters = iters or self.plan.iters
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        prefill = _median_seconds(lambda: self.generate(model, 1, place, stopping), iters)
-        whole = _median_seconds(lambda: self.generate(model, self.plan.new_tokens, place, stopping), iters)
+        prefill = _median_seconds(lambda: self.generate(model, 1, place, stopping, decoder), iters)
+        whole = _median_seconds(lambda: self.generate(model, self.plan.new_tokens, place, stopping, decoder), iters)
         return Decode(prefill, whole, torch.cuda.max_memory_allocated() / GIB)
 
     def record(self, variant: str, decode: Decode | None, notes: str, **extra) -> dict:
@@ -196,6 +205,30 @@ class Bench:
         model = self.build(on_gpu=True)
         self.warm_up(model)
         self.record("allgpu", self.decode(model), "the whole model on the GPU")
+
+    def allgpu_static(self) -> None:
+        model = self.build(on_gpu=True)
+        decoder = _static_decoder(model)
+        self.warm_up(model, decoder=decoder)
+        self.record("allgpu_static", self.decode(model, decoder=decoder),
+                    "the whole model on the GPU, rollout.decode=static (static cache, eager)")
+
+    def ours_phase_static(self) -> None:
+        """ours_phase's first variant (head and embedding staged whole for the rollout), decoded by
+        rollout.decode=static."""
+        model = self.build()
+        engine = attach_offload(model, LAYERED, self.device, role="actor")
+        decoder = _static_decoder(model)
+        try:
+            def place():
+                return engine.placed_for("rollout")
+
+            staged = self.warm_up(model, place, decoder=decoder)
+            self.record("ours_phase_static", self.decode(model, place, decoder=decoder),
+                        f"placed_for('rollout'), no budget: staged {_groups(staged)}; rollout.decode=static",
+                        staged=staged)
+        finally:
+            engine.close()
 
     def accelerate(self) -> None:
         """The issue's baseline: embedding and head through `accelerate.cpu_offload`, the rest on the GPU."""
@@ -403,6 +436,11 @@ def _sampling(new_tokens: int) -> GenerationConfig:
     library's default of 50), temperature and top_p at 1 (no logits processors)."""
     return GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0,
                             top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, use_cache=True)
+
+
+def _static_decoder(model) -> StaticDecoder:
+    """rollout.decode=static with `_sampling`'s settings: plain sampling, no EOS (every token is decoded)."""
+    return StaticDecoder(model, eos_ids=[-1], pad_id=0, sampling=Sampling(temperature=1.0, top_k=0, top_p=1.0))
 
 
 def _median_seconds(run: Callable[[], object], iters: int) -> float:

@@ -309,6 +309,8 @@ class RolloutConfig(Section):
     """Sample from the k most likely tokens; -1 or 0 disables."""
     do_sample: bool = True
     """Sample; false decodes greedily."""
+    decode: Literal["generate", "static"] = "generate"
+    """How hf decodes: generate (transformers' generate) or static (a preallocated cache, finished rows dropped)."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Sequences per forward when computing log-probs and values."""
     embedding_cache: EmbeddingCache = EmbeddingCache()

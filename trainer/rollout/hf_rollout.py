@@ -14,6 +14,7 @@ from transformers import (
 )
 
 from trainer.config import RolloutConfig
+from trainer.rollout.static_decode import SAFE_POINT_EVERY, Sampling, StaticDecoder
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -32,9 +33,6 @@ def response_mask_until_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> t
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (eos_before == 0).float()
 
-
-SAFE_POINT_EVERY = 8
-"""Decoded tokens between two safe points of a rollout (a memory reading each: microseconds)."""
 
 
 class SafePoints(StoppingCriteria):
@@ -76,6 +74,10 @@ class HFRollout:
             pad_token_id=self.pad_id,
             use_cache=True,
         )
+        self.decoder = None if config.decode == "generate" else StaticDecoder(
+            model, eos_ids=self.eos_ids, pad_id=self.pad_id,
+            sampling=Sampling(do_sample=config.do_sample, temperature=config.temperature,
+                              top_k=max(config.top_k, 0), top_p=config.top_p))
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,15 +90,18 @@ class HFRollout:
         # call, the model's defaults are transformers' global ones, which change nothing.
         self.model.generation_config = GenerationConfig()
         try:
-            stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])
-            sequences = self.model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
-                stopping_criteria=stopping,
-            )
+            if self.decoder is not None:
+                responses = self.decoder.generate(prompt_ids, prompt_mask, self.response_length, self.safe_point)
+            else:
+                stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])
+                sequences = self.model.generate(
+                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
+                    stopping_criteria=stopping,
+                )
+                responses = sequences[:, prompt_ids.shape[1]:]
         finally:
             self.model.generation_config = model_defaults
             self.model.train(was_training)
-        responses = sequences[:, prompt_ids.shape[1]:]
         padding = self.response_length - responses.shape[1]
         if padding > 0:
             responses = torch.nn.functional.pad(responses, (0, padding), value=self.pad_id)

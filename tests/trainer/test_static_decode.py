@@ -1,0 +1,183 @@
+"""rollout.decode=static: the static-cache decode loop against transformers' generate (issue 15)."""
+
+import math
+
+import pytest
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from trainer.config import RolloutConfig
+from trainer.models import load_policy, load_tokenizer
+from trainer.rollout.hf_rollout import HFRollout
+from trainer.rollout.prompts import encode_prompts
+from trainer.rollout.static_decode import Sampling, StaticDecoder, buckets
+
+TINY = "builtin:tiny-qwen2"
+PROMPTS = ["1 2 3", "4", "5 6", "7 8 9 0", "2 2", "9 8 7 6 5", "0", "3 1"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY)
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    return load_policy(TINY, tokenizer, dtype=torch.float32, seed=3, override_config={"num_hidden_layers": 2}).eval()
+
+
+def prompts(tokenizer, repeat: int = 1):
+    return encode_prompts(PROMPTS * repeat, tokenizer, max_length=8)
+
+
+def generate(policy, prompt_ids, prompt_mask, *, eos_ids, pad_id, new_tokens, **sampling) -> torch.Tensor:
+    """transformers' generate with the same settings: its new tokens, pads after each row's EOS."""
+    config = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
+                              **sampling)
+    defaults, policy.generation_config = policy.generation_config, GenerationConfig()
+    try:
+        with torch.no_grad():
+            return policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)[
+                :, prompt_ids.shape[1]:]
+    finally:
+        policy.generation_config = defaults
+
+
+@pytest.mark.parametrize("eos_ids", [[1], [1, 4, 12]], ids=["few_end", "many_end_and_the_batch_shrinks"])
+def test_greedy_decoding_gives_generates_tokens(tokenizer, policy, eos_ids):
+    prompt_ids, prompt_mask = prompts(tokenizer)
+    decoder = StaticDecoder(policy, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, sampling=Sampling(do_sample=False))
+    ours = decoder.generate(prompt_ids, prompt_mask, 12)
+    expected = generate(policy, prompt_ids, prompt_mask, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+                        new_tokens=12, do_sample=False)
+    assert torch.equal(ours, expected)
+    if len(eos_ids) > 1:
+        assert decoder.bucket_history[0] == 8 and len(decoder.bucket_history) > 1, decoder.bucket_history
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                                      {"temperature": 0.7, "top_k": 5, "top_p": 0.9}], ids=["plain", "warped"])
+def test_sampling_gives_generates_tokens_for_the_same_random_state_while_no_row_is_dropped(tokenizer, policy,
+                                                                                           settings):
+    prompt_ids, prompt_mask = prompts(tokenizer)
+    pad = tokenizer.pad_token_id
+    torch.manual_seed(5)
+    ours = StaticDecoder(policy, eos_ids=[1], pad_id=pad, sampling=Sampling(**settings), compact=False).generate(
+        prompt_ids, prompt_mask, 10)
+    torch.manual_seed(5)
+    expected = generate(policy, prompt_ids, prompt_mask, eos_ids=[1], pad_id=pad, new_tokens=10, do_sample=True,
+                        **settings)
+    assert torch.equal(ours, expected)
+
+
+def test_sampling_with_a_fixed_seed_is_reproducible_when_rows_are_dropped(tokenizer, policy):
+    prompt_ids, prompt_mask = prompts(tokenizer, repeat=2)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        decoder = StaticDecoder(policy, eos_ids=[1, 4, 12], pad_id=tokenizer.pad_token_id,
+                                sampling=Sampling(temperature=1.5))
+        runs.append(decoder.generate(prompt_ids, prompt_mask, 12))
+        assert len(decoder.bucket_history) > 1  # rows were dropped on the way
+    assert torch.equal(runs[0], runs[1])
+
+
+def chi_square_critical(degrees: int, z: float = 3.09) -> float:
+    """The chi-square quantile at 1 - 0.001 (z = 3.09), by Wilson and Hilferty's approximation."""
+    return degrees * (1 - 2 / (9 * degrees) + z * math.sqrt(2 / (9 * degrees))) ** 3
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                                      {"temperature": 0.7, "top_k": 6, "top_p": 0.8},
+                                      {"temperature": 2.0, "top_k": 0, "top_p": 0.95}], ids=["plain", "top_k_top_p",
+                                                                                             "hot_top_p"])
+def test_the_first_tokens_follow_generates_distribution(tokenizer, policy, settings):
+    """Chi-square of 20,000 first tokens against the probabilities transformers' warpers give the same logits."""
+    prompt_ids, prompt_mask = encode_prompts(["5 6"], tokenizer, max_length=8)
+    with torch.no_grad():
+        # The random model's next-token distribution is nearly flat (its logits span a few hundredths): scaled, a
+        # wrong temperature or cut shows (a temperature 15% off fails the test).
+        logits = policy(input_ids=prompt_ids, attention_mask=prompt_mask).logits[:, -1].float()
+        logits = (logits - logits.mean()) / logits.std() * 1.5
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(settings["temperature"])]
+                                  + ([TopKLogitsWarper(settings["top_k"])] if settings["top_k"] > 0 else [])
+                                  + ([TopPLogitsWarper(settings["top_p"])] if settings["top_p"] < 1 else []))
+    expected = warpers(prompt_ids, logits.clone()).softmax(dim=-1)[0]
+    samples = 20_000
+    torch.manual_seed(0)
+    tokens = Sampling(**settings).next_tokens(logits.expand(samples, -1))
+    counts = torch.bincount(tokens, minlength=expected.numel()).double()
+    assert counts[expected == 0].sum() == 0  # nothing the warpers removed is ever drawn
+    frequent = expected * samples >= 5
+    observed, wanted = counts[frequent], expected[frequent].double() * samples
+    rest = samples - observed.sum()  # the rare tokens together, as one cell
+    statistic = ((observed - wanted) ** 2 / wanted).sum() + (
+        (rest - (samples - wanted.sum())) ** 2 / max(samples - wanted.sum(), 1e-9) if rest > 0 else 0)
+    degrees = int(frequent.sum()) - (0 if rest > 0 else 1)
+    assert degrees >= 2 and statistic < chi_square_critical(degrees), (statistic, degrees)
+
+
+def test_the_batch_shrinks_through_powers_of_two():
+    assert buckets(8) == [8, 4, 2, 1]
+    assert buckets(6) == [6, 4, 2, 1]
+    assert buckets(1) == [1]
+    assert buckets(33) == [33, 32, 16, 8, 4, 2, 1]
+
+
+def test_the_rollout_decodes_the_same_greedy_responses_either_way_and_calls_its_safe_points(tokenizer, policy):
+    prompt_ids, prompt_mask = prompts(tokenizer)
+    results, calls = {}, {}
+    for decode in ("generate", "static"):
+        calls[decode] = 0
+
+        def safe_point(decode=decode):
+            calls[decode] += 1
+
+        rollout = HFRollout(policy, tokenizer, RolloutConfig(do_sample=False, decode=decode), 17,
+                            safe_point=safe_point)
+        results[decode] = rollout.generate(prompt_ids, prompt_mask)
+    for ours, theirs in zip(results["static"], results["generate"], strict=True):
+        assert torch.equal(ours, theirs)
+    assert results["static"][0].shape == (8, 17)
+    assert calls["static"] == 2 and calls["generate"] >= 2  # every 8 decoded tokens, between two forwards
+
+
+def test_a_training_run_samples_with_the_static_decoder(tmp_path):
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    trainer = Trainer(load_config("examples/quickstart.yaml", [
+        f"trainer.runs_dir={tmp_path}", "trainer.device=cpu", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+        "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.decode=static",
+    ]), log=lambda *_: None)
+    assert trainer.rollout.decoder is not None
+    trainer.fit()
+    rows = trainer.metrics_log.read()
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(math.isfinite(row["actor/pg_loss"]) and row["response_length/mean"] > 0 for row in rows)
+
+
+def test_the_log_probs_kept_while_sampling_are_the_training_forwards(tokenizer, policy):
+    """What the decode's logits gave each sampled token is what the training forward (compute_log_probs: the
+    whole sequence at once, no cache) gives it: the cache, the positions and the masks agree."""
+    from tests.trainer.test_rollout import make_batch
+    from trainer.rollout.hf_rollout import response_mask_until_eos
+    from trainer.workers.actor import compute_log_probs
+
+    prompt_ids, prompt_mask = prompts(tokenizer, repeat=2)
+    decoder = StaticDecoder(policy, eos_ids=[1, 4], pad_id=tokenizer.pad_token_id, sampling=Sampling(temperature=1.0))
+    decoder.keep_log_probs = True
+    torch.manual_seed(3)
+    responses = decoder.generate(prompt_ids, prompt_mask, 10)
+    assert len(decoder.bucket_history) > 1  # through a shrinking batch
+    mask = response_mask_until_eos(responses, [1, 4])
+    expected = compute_log_probs(policy, make_batch(prompt_ids, prompt_mask, responses, mask), micro_batch_size=4,
+                                 temperature=1.0)
+    torch.testing.assert_close(decoder.log_probs * mask, expected[:, :responses.shape[1]] * mask, atol=1e-4, rtol=0)

@@ -1,0 +1,166 @@
+"""Decoding over a static KV cache: one preallocated cache for the batch, sampling on the device, and the
+sequences that have finished dropped from the batch as they accumulate (issue 15).
+
+transformers' `generate` with its dynamic cache grows every layer's cache by a concatenation at every token
+and runs its logits processors and stopping criteria in Python. Here the cache is transformers' own
+`StaticCache` (the library's static layout: one [batch, kv heads, longest prompt + new tokens, head dim]
+buffer per layer, written in place), the model is called directly once per token, and the sampling is the
+same arithmetic as generate's warpers (temperature, then top-k, then top-p, then one multinomial draw), so
+the same logits give the same distribution, and with the same random state the same tokens.
+
+Finished sequences: once at most half of the batch's rows still decode, the rows still decoding are
+gathered (cache included) into a batch of the next smaller bucket (a power of two; rows that finished fill
+it up) and decoding goes on with that. Buckets keep the batch shapes to a few, which CUDA graphs of the
+per-token step (the next step of issue 15) will need.
+
+The first `prefill` call writes the prompts into the cache; each `step` decodes one token for every row.
+Between steps no forward is in flight: the caller's safe point (dynamic offload) may move layers there.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, StaticCache
+
+SAFE_POINT_EVERY = 8
+"""Decoded tokens between two safe points of a rollout (a memory reading each: microseconds)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen from the logits, as transformers' generate does with these settings."""
+
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    """0 (or below): no top-k."""
+    top_p: float = 1.0
+    """1.0: no top-p."""
+
+    def next_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] logits (any float dtype) -> [rows] token ids, on the logits' device."""
+        scores = logits.float()
+        if not self.do_sample:
+            return scores.argmax(dim=-1)
+        # transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper, in generate's order.
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(scores, min(self.top_k, scores.shape[-1])).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, -float("inf"))
+        if self.top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=False)
+            cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+            remove = cumulative <= 1 - self.top_p
+            remove[..., -1:] = False  # the most likely token always stays
+            scores = scores.masked_fill(remove.scatter(1, order, remove), -float("inf"))
+        return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+
+
+def buckets(batch: int) -> list[int]:
+    """The batch sizes decoding goes through as sequences finish: the batch, then the powers of two below it."""
+    sizes = [batch]
+    size = 1 << max(0, (batch - 1).bit_length() - 1)
+    while size >= 1:
+        if size < sizes[-1]:
+            sizes.append(size)
+        size //= 2
+    return sizes
+
+
+class StaticDecoder:
+    """Samples up to `max_new_tokens` per prompt over a static cache, stopping each row at an EOS."""
+
+    def __init__(self, model: PreTrainedModel, *, eos_ids: list[int], pad_id: int, sampling: Sampling,
+                 compact: bool = True):
+        self.model, self.sampling, self.compact = model, sampling, compact
+        self.eos_ids, self.pad_id = eos_ids, pad_id
+        self.bucket_history: list[int] = []
+        """The batch sizes the last generate decoded with, in order (the buckets it went through)."""
+        # transformers renamed the forward's cache argument (5.2x: `cache`; the old `past_key_values` warns).
+        self._cache_argument = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                                else "past_key_values")
+        self.keep_log_probs = False
+        """Whether generate keeps each sampled token's log-probability (`log_probs`): a log-softmax a token."""
+        self.log_probs = torch.zeros(0, 0)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
+                 safe_point: Callable[[], object] | None = None) -> torch.Tensor:
+        """[B, P] left-padded prompts -> [B, T] new tokens (T <= max_new_tokens: decoding stops once every row has
+        finished), each row's tokens after its first EOS set to the pad id, as generate returns them.
+        `safe_point` runs every SAFE_POINT_EVERY tokens, between two forwards. `log_probs` holds afterwards the
+        [B, T] log-probabilities (fp32, temperature 1) the model gave each token as it was sampled."""
+        rows, prompt_length = prompt_ids.shape
+        device = prompt_ids.device
+        out = torch.full((rows, max_new_tokens), self.pad_id, dtype=prompt_ids.dtype, device=device)
+        self.log_probs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
+        if rows == 0 or max_new_tokens == 0:
+            self.log_probs = self.log_probs[:, :0]
+            return out[:, :0]
+        cache = StaticCache(config=self.model.config, max_cache_len=prompt_length + max_new_tokens)
+        # The attention mask of every position the cache will hold: the prompt's, then each new token's.
+        mask = torch.cat([prompt_mask.to(torch.long),
+                          torch.ones((rows, max_new_tokens), dtype=torch.long, device=device)], dim=1)
+        # Left padding: a row's first real token is at position 0 (generate's position ids).
+        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        logits = self._forward(prompt_ids, positions, mask[:, :prompt_length], cache)
+        index = torch.arange(rows, device=device)  # the original row of each row decoding now
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        eos = torch.tensor(self.eos_ids, device=device)
+        position = positions[:, -1:] + 1
+        sizes = buckets(rows)
+        self.bucket_history = [rows]
+        length = 0
+        for length in range(1, max_new_tokens + 1):
+            tokens = self.sampling.next_tokens(logits[:, -1])
+            tokens = tokens.masked_fill(done, self.pad_id)
+            out[index, length - 1] = tokens
+            if self.keep_log_probs:
+                chosen = logits[:, -1].float().log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+                self.log_probs[index, length - 1] = chosen.masked_fill(done, 0.0)
+            done = done | torch.isin(tokens, eos)
+            if length == max_new_tokens:
+                break
+            active = int((~done).sum())  # the one host read a token: whether to stop, or to shrink the batch
+            if active == 0:
+                break
+            if self.compact and len(sizes) > 1 and active <= sizes[1]:
+                while len(sizes) > 1 and active <= sizes[1]:
+                    sizes.pop(0)
+                keep = self._rows_to_keep(done, sizes[0])
+                self._compact(cache, keep)
+                index, done, tokens, position, mask = (index[keep], done[keep], tokens[keep], position[keep],
+                                                       mask[keep])
+                self.bucket_history.append(sizes[0])
+            if safe_point is not None and length % SAFE_POINT_EVERY == 0:
+                safe_point()
+            logits = self._forward(tokens[:, None], position, mask[:, :prompt_length + length], cache)
+            position = position + 1
+        self.log_probs = self.log_probs[:, :length]
+        return out[:, :length]
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 cache: StaticCache) -> torch.Tensor:
+        output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=True, logits_to_keep=1, **{self._cache_argument: cache})
+        return output.logits
+
+    @staticmethod
+    def _rows_to_keep(done: torch.Tensor, size: int) -> torch.Tensor:
+        """The rows still decoding, then finished ones up to `size` (they decode pads, and are ignored)."""
+        order = torch.argsort(done.to(torch.int8), stable=True)  # the unfinished first, each kind in order
+        return order[:size]
+
+    @staticmethod
+    def _compact(cache: StaticCache, keep: torch.Tensor) -> None:
+        """Keep only the rows `keep` of every layer's keys and values (the cache's own buffers, gathered)."""
+        for layer in cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys = layer.keys.index_select(0, keep)
+                layer.values = layer.values.index_select(0, keep)
+                layer.batch_size = keep.numel()
