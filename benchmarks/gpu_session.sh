@@ -4,7 +4,8 @@
 #
 #   benchmarks/gpu_session.sh tests        # every test marked gpu                      (~1 min)
 #   benchmarks/gpu_session.sh rollout      # rollout_bench.py, all sections              (~6 min; SECTIONS=a,b picks some:
-#                                          # allgpu,allgpu_static,ours_phase,ours_phase_static compares the decode paths)
+#                                          # allgpu,allgpu_static,allgpu_static_graphs,ours_phase,ours_phase_static
+#                                          # compares the decode paths)
 #   benchmarks/gpu_session.sh offload      # offload_bench.py: bandwidth, all-GPU, layered (~2 min)
 #   benchmarks/gpu_session.sh headline     # grpo_headline.py under a 40 GiB cap          (~4 min)
 #   benchmarks/gpu_session.sh uncapped     # grpo_headline.py without the cap             (~4 min)

@@ -10,11 +10,11 @@ EOS: every variant decodes exactly the same number of steps). ms/step is (genera
 time) / (new tokens - 1), the prefill time being that of a generate of one token; `vs GPU` is the
 all-GPU ms/step over the variant's (its decode throughput relative to all-GPU).
 
-Sections (--only): allgpu, allgpu_static, accelerate, fsdp2, ours_layered, ours_phase, ours_phase_static, capped
-(`_static`: the same variant decoded by rollout.decode=static, trainer/rollout/static_decode.py, instead of
-generate). `capped` runs last:
-it caps this process's GPU memory below the model's weights, where the all-GPU rollout cannot run
-and the engine's dynamic offload keeps only the layers that fit. Each section writes its rows to
+Sections (--only): allgpu, allgpu_static, allgpu_static_graphs, accelerate, fsdp2, ours_layered, ours_phase,
+ours_phase_static, capped (`_static`: the same variant decoded by rollout.decode=static,
+trainer/rollout/static_decode.py, instead of generate; `_graphs`: with its per-token step in CUDA graphs).
+`capped` runs last: it caps this process's GPU memory below the model's weights, where the all-GPU rollout
+cannot run and the engine's dynamic offload keeps only the layers that fit. Each section writes its rows to
 --out as soon as it finishes; a section that fails records its error and the others still run.
 """
 
@@ -51,8 +51,8 @@ from trainer.config import FSDPConfig  # noqa: E402
 from trainer.offload import OffloadOptions, attach_offload  # noqa: E402
 from trainer.rollout.static_decode import Sampling, StaticDecoder  # noqa: E402
 
-SECTIONS = ("allgpu", "allgpu_static", "accelerate", "fsdp2", "ours_layered", "ours_phase", "ours_phase_static",
-            "capped")
+SECTIONS = ("allgpu", "allgpu_static", "allgpu_static_graphs", "accelerate", "fsdp2", "ours_layered", "ours_phase",
+            "ours_phase_static", "capped")
 CACHE_ROWS = 8192
 """Embedding rows the device cache of the layered variants holds (rollout.embedding_cache.cache_size)."""
 THRESHOLD = 0.9
@@ -212,6 +212,13 @@ class Bench:
         self.warm_up(model, decoder=decoder)
         self.record("allgpu_static", self.decode(model, decoder=decoder),
                     "the whole model on the GPU, rollout.decode=static (static cache, eager)")
+
+    def allgpu_static_graphs(self) -> None:
+        model = self.build(on_gpu=True)
+        decoder = _static_decoder(model, cuda_graphs=True)
+        self.warm_up(model, decoder=decoder)
+        self.record("allgpu_static_graphs", self.decode(model, decoder=decoder),
+                    "the whole model on the GPU, rollout.decode=static with each token's step in a CUDA graph")
 
     def ours_phase_static(self) -> None:
         """ours_phase's first variant (head and embedding staged whole for the rollout), decoded by
@@ -438,9 +445,10 @@ def _sampling(new_tokens: int) -> GenerationConfig:
                             top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, use_cache=True)
 
 
-def _static_decoder(model) -> StaticDecoder:
+def _static_decoder(model, *, cuda_graphs: bool = False) -> StaticDecoder:
     """rollout.decode=static with `_sampling`'s settings: plain sampling, no EOS (every token is decoded)."""
-    return StaticDecoder(model, eos_ids=[-1], pad_id=0, sampling=Sampling(temperature=1.0, top_k=0, top_p=1.0))
+    return StaticDecoder(model, eos_ids=[-1], pad_id=0, sampling=Sampling(temperature=1.0, top_k=0, top_p=1.0),
+                         cuda_graphs=cuda_graphs)
 
 
 def _median_seconds(run: Callable[[], object], iters: int) -> float:

@@ -181,3 +181,18 @@ def test_the_log_probs_kept_while_sampling_are_the_training_forwards(tokenizer, 
     expected = compute_log_probs(policy, make_batch(prompt_ids, prompt_mask, responses, mask), micro_batch_size=4,
                                  temperature=1.0)
     torch.testing.assert_close(decoder.log_probs * mask, expected[:, :responses.shape[1]] * mask, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_greedy_decoding_gives_generates_tokens_with_either_attention(tokenizer, implementation):
+    """The boolean 4-D mask of the decode steps is SDPA's; with another attention the 2-D mask goes as generate's."""
+    model = load_policy(TINY, tokenizer, dtype=torch.float32, seed=4, override_config={"num_hidden_layers": 2},
+                        ).eval()
+    model.set_attn_implementation(implementation)
+    prompt_ids, prompt_mask = prompts(tokenizer)
+    decoder = StaticDecoder(model, eos_ids=[1, 4, 12], pad_id=tokenizer.pad_token_id,
+                            sampling=Sampling(do_sample=False))
+    assert decoder._full_attention_only() == (implementation == "sdpa")
+    expected = generate(model, prompt_ids, prompt_mask, eos_ids=[1, 4, 12], pad_id=tokenizer.pad_token_id,
+                        new_tokens=12, do_sample=False)
+    assert torch.equal(decoder.generate(prompt_ids, prompt_mask, 12), expected)

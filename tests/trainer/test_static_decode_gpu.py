@@ -29,3 +29,21 @@ def test_the_static_decodes_log_probs_agree_with_the_training_forward_in_bf16():
                                  temperature=1.0)
     difference = ((decoder.log_probs - expected[:, :responses.shape[1]]) * mask).abs()
     assert difference.max() < 0.1 and difference.sum() / mask.sum() < 0.02, difference.max()
+
+
+def test_the_per_token_step_in_cuda_graphs_decodes_what_the_eager_step_does():
+    """Greedy, through a shrinking batch: each batch size's step is captured at its second step and replayed;
+    the tokens are the eager decoder's."""
+    tokenizer = load_tokenizer("builtin:tiny-qwen2")
+    policy = load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.bfloat16, seed=3,
+                         override_config={"num_hidden_layers": 2}).cuda().eval()
+    prompt_ids, prompt_mask = encode_prompts(["1 2 3", "4", "5 6", "7 8 9 0"] * 4, tokenizer, max_length=8)
+    prompt_ids, prompt_mask = prompt_ids.cuda(), prompt_mask.cuda()
+    results = {}
+    for graphs in (False, True):
+        decoder = StaticDecoder(policy, eos_ids=[1, 4, 12], pad_id=tokenizer.pad_token_id,
+                                sampling=Sampling(do_sample=False), cuda_graphs=graphs)
+        results[graphs] = decoder.generate(prompt_ids, prompt_mask, 20)
+        history = decoder.bucket_history
+    assert len(history) > 1, history
+    assert torch.equal(results[True], results[False])

@@ -72,11 +72,39 @@ def buckets(batch: int) -> list[int]:
     return sizes
 
 
+@dataclass
+class _Rows:
+    """The rows decoding now: each one's original row, last token, whether it finished, next position, which cache
+    positions it attends to, the cache position the next token goes to, and its last token's log-probability."""
+
+    index: torch.Tensor
+    tokens: torch.Tensor
+    done: torch.Tensor
+    position: torch.Tensor
+    valid: torch.Tensor
+    slot: torch.Tensor
+    chosen: torch.Tensor | None
+
+    def rows(self, keep: torch.Tensor) -> _Rows:
+        """A batch of the rows `keep` (new tensors: a CUDA graph of the step is per batch)."""
+        return _Rows(self.index[keep], self.tokens[keep], self.done[keep], self.position[keep], self.valid[keep],
+                     self.slot.clone(), None if self.chosen is None else self.chosen[keep])
+
+
+def _chosen(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The log-probability (fp32, temperature 1) `logits` give each of `tokens`."""
+    return logits.float().log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
 class StaticDecoder:
-    """Samples up to `max_new_tokens` per prompt over a static cache, stopping each row at an EOS."""
+    """Samples up to `max_new_tokens` per prompt over a static cache, stopping each row at an EOS.
+
+    With `cuda_graphs` (on a GPU, a model whose layers all attend fully, and no offload engine streaming its
+    layers: the graph would not copy them), each batch size's per-token step is captured in a CUDA graph at
+    its second step and replayed from then on: the host launches one graph a token instead of every kernel."""
 
     def __init__(self, model: PreTrainedModel, *, eos_ids: list[int], pad_id: int, sampling: Sampling,
-                 compact: bool = True):
+                 compact: bool = True, cuda_graphs: bool = False):
         self.model, self.sampling, self.compact = model, sampling, compact
         self.eos_ids, self.pad_id = eos_ids, pad_id
         self.bucket_history: list[int] = []
@@ -87,6 +115,8 @@ class StaticDecoder:
         self.keep_log_probs = False
         """Whether generate keeps each sampled token's log-probability (`log_probs`): a log-softmax a token."""
         self.log_probs = torch.zeros(0, 0)
+        self.cuda_graphs = cuda_graphs
+        self._warm: set[int] = set()  # the batch sizes whose step ran once in this generate
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
@@ -99,50 +129,91 @@ class StaticDecoder:
         device = prompt_ids.device
         out = torch.full((rows, max_new_tokens), self.pad_id, dtype=prompt_ids.dtype, device=device)
         self.log_probs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
+        self.bucket_history = [rows]
         if rows == 0 or max_new_tokens == 0:
             self.log_probs = self.log_probs[:, :0]
             return out[:, :0]
         cache = StaticCache(config=self.model.config, max_cache_len=prompt_length + max_new_tokens)
-        # The attention mask of every position the cache will hold: the prompt's, then each new token's.
-        mask = torch.cat([prompt_mask.to(torch.long),
-                          torch.ones((rows, max_new_tokens), dtype=torch.long, device=device)], dim=1)
         # Left padding: a row's first real token is at position 0 (generate's position ids).
         positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        logits = self._forward(prompt_ids, positions, mask[:, :prompt_length], cache)
-        index = torch.arange(rows, device=device)  # the original row of each row decoding now
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
-        eos = torch.tensor(self.eos_ids, device=device)
-        position = positions[:, -1:] + 1
+        logits = self._forward(prompt_ids, positions, prompt_mask, cache)[:, -1]
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        tokens = self.sampling.next_tokens(logits)
+        state = _Rows(
+            index=torch.arange(rows, device=device), tokens=tokens, done=torch.isin(tokens, eos),
+            position=positions[:, -1:] + 1,
+            # Which cache positions each row attends to: its prompt's real tokens, then every token decoded.
+            valid=torch.cat([prompt_mask.bool(), torch.zeros((rows, max_new_tokens), dtype=torch.bool,
+                                                             device=device)], dim=1),
+            slot=torch.tensor([prompt_length], device=device),
+            chosen=_chosen(logits, tokens) if self.keep_log_probs else None)
+        self._record(out, state, 0)
+        graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        capturable = self.cuda_graphs and device.type == "cuda" and self._full_attention_only()
         sizes = buckets(rows)
-        self.bucket_history = [rows]
-        length = 0
-        for length in range(1, max_new_tokens + 1):
-            tokens = self.sampling.next_tokens(logits[:, -1])
-            tokens = tokens.masked_fill(done, self.pad_id)
-            out[index, length - 1] = tokens
-            if self.keep_log_probs:
-                chosen = logits[:, -1].float().log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
-                self.log_probs[index, length - 1] = chosen.masked_fill(done, 0.0)
-            done = done | torch.isin(tokens, eos)
-            if length == max_new_tokens:
-                break
-            active = int((~done).sum())  # the one host read a token: whether to stop, or to shrink the batch
+        length = 1
+        for length in range(2, max_new_tokens + 1):
+            active = int((~state.done).sum())  # the one host read a token: whether to stop, or to shrink the batch
             if active == 0:
+                length -= 1
                 break
             if self.compact and len(sizes) > 1 and active <= sizes[1]:
                 while len(sizes) > 1 and active <= sizes[1]:
                     sizes.pop(0)
-                keep = self._rows_to_keep(done, sizes[0])
+                keep = self._rows_to_keep(state.done, sizes[0])
                 self._compact(cache, keep)
-                index, done, tokens, position, mask = (index[keep], done[keep], tokens[keep], position[keep],
-                                                       mask[keep])
+                state = state.rows(keep)
                 self.bucket_history.append(sizes[0])
-            if safe_point is not None and length % SAFE_POINT_EVERY == 0:
+            if safe_point is not None and (length - 1) % SAFE_POINT_EVERY == 0:
                 safe_point()
-            logits = self._forward(tokens[:, None], position, mask[:, :prompt_length + length], cache)
-            position = position + 1
+            graph = graphs.get(len(state.index)) if capturable else None
+            if graph is not None:
+                graph.replay()
+            elif capturable and len(state.index) in self._warm:
+                graphs[len(state.index)] = graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # recorded, not run: the replay runs this token's step
+                    self._step(state, cache, eos, mask_4d=True)
+                graph.replay()
+            else:
+                # Also a capture's warm-up: a graph of a batch size is captured at its second step.
+                self._step(state, cache, eos, mask_4d=capturable or self._full_attention_only())
+                self._warm.add(len(state.index))
+            self._record(out, state, length - 1)
+        self._warm.clear()
         self.log_probs = self.log_probs[:, :length]
         return out[:, :length]
+
+    def _step(self, state: _Rows, cache: StaticCache, eos: torch.Tensor, *, mask_4d: bool) -> None:
+        """One token for every row, in place in `state`'s tensors (what a CUDA graph of the step replays): the cache
+        position `slot` becomes attended, the model reads each row's last token at its position, the next one is
+        sampled; a row that had finished gets the pad id."""
+        state.valid.index_fill_(1, state.slot, True)
+        if mask_4d:
+            # A [rows, 1, 1, positions] boolean mask is taken as it is: no mask to build, no host read.
+            attention_mask = state.valid[:, None, None, :]
+        else:  # sliding-window layers: transformers builds their masks from the 2-D one
+            attention_mask = state.valid[:, :int(state.slot) + 1].long()
+        logits = self._forward(state.tokens[:, None], state.position, attention_mask, cache)[:, -1]
+        state.position.add_(1)
+        state.slot.add_(1)
+        tokens = self.sampling.next_tokens(logits).masked_fill(state.done, self.pad_id)
+        if state.chosen is not None:  # 0 for a row that had finished
+            state.chosen.copy_(_chosen(logits, tokens).masked_fill(state.done, 0.0))
+        state.tokens.copy_(tokens)
+        torch.logical_or(state.done, torch.isin(tokens, eos), out=state.done)
+
+    def _record(self, out: torch.Tensor, state: _Rows, column: int) -> None:
+        out[state.index, column] = state.tokens
+        if state.chosen is not None:
+            self.log_probs[state.index, column] = state.chosen
+
+    def _full_attention_only(self) -> bool:
+        """Whether a [rows, 1, 1, positions] boolean mask means what it says to every layer: SDPA attention (the
+        eager implementation adds its mask, flash-attention takes none of that shape) with no sliding window."""
+        config = self.model.config
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        return (getattr(config, "_attn_implementation", None) == "sdpa"
+                and all(kind == "full_attention" for kind in layer_types))
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                  cache: StaticCache) -> torch.Tensor:
