@@ -98,9 +98,10 @@ def fsdp_overrides(prefix: str, settings: dict[str, Any]) -> list[str]:
             for key, value in settings.items()]
 
 
-def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Path, steps: int) -> list[str]:
+def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Path, steps: int,
+              decode: str = "generate") -> list[str]:
     """The variant's run: the actor, the critic and the reference load from `models`/policy (save_models),
-    the reward model from `models`/reward_model."""
+    the reward model from `models`/reward_model; the rollout decodes as `decode` says (rollout.decode)."""
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
     offloaded = variant in ("offload", "offload_delayed")
@@ -116,7 +117,8 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
         "data.max_prompt_length=16", f"data.max_response_length={spec['response_length']}",
         f"actor_rollout_ref.model.path={models / 'policy'}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-        f"actor_rollout_ref.rollout.n={spec['n']}", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        f"actor_rollout_ref.rollout.n={spec['n']}", f"actor_rollout_ref.rollout.decode={decode}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={spec['prompts']}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-6",
         f"actor_rollout_ref.actor.use_kl_loss={str(spec['reference']).lower()}",
@@ -227,7 +229,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         if args.variant == "fsdp2":
             place_actor_on_fsdp2(device)
         config = load_config(None, overrides(args.shape, args.variant, args.device, Path(scratch) / "runs",
-                                             args.models, args.steps))
+                                             args.models, args.steps, args.decode))
         logs: list[str] = []
 
         def log(line: str) -> None:  # kept for the result, and on stderr: the variant's log file
@@ -322,6 +324,7 @@ def run_shape(args: argparse.Namespace, out: Path, logs: Path) -> dict[str, Any]
     variants = [variant for variant in args.variants if variant != "fsdp2" or args.device == "cuda"]
     result: dict[str, Any] = {**(machine() if args.device == "cuda" else {}), "shape": args.shape,
                               "spec": SHAPES[args.shape], "steps": args.steps, "warmup": args.warmup,
+                              "decode": args.decode,
                               "variants": {}}
     with tempfile.TemporaryDirectory(dir=args.scratch, prefix="e2e_models_") as models:
         started = time.perf_counter()
@@ -347,7 +350,8 @@ def run_one(args: argparse.Namespace, variant: str, models: Path, log_path: Path
         child_out = Path(handle.name)
     command = [sys.executable, __file__, "--child", "--variant", variant, "--shape", args.shape,
                "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--scratch", str(args.scratch), "--models", str(models), *(["--profile"] if args.profile else []),
+               "--scratch", str(args.scratch), "--models", str(models), "--decode", args.decode,
+               *(["--profile"] if args.profile else []),
                "--out", str(child_out)]
     print(f"[{variant}]", flush=True)
     started = time.perf_counter()
@@ -373,7 +377,7 @@ def table(result: dict[str, Any]) -> str:
     variants = result["variants"]
     base = variants.get("all_gpu", {}).get("phases_s", {})
     header = (f"{result.get('gpu', 'CPU')}, shape {result['shape']} {result['spec']}, steps {result['steps']}"
-              f" (the first {result.get('warmup', 1)} not counted)")
+              f" (the first {result.get('warmup', 1)} not counted), rollout.decode {result.get('decode', 'generate')}")
     lines = [header, f"{'phase':<16}" + "".join(f"{name:>22}" for name in variants)]
     phases = sorted({phase for run in variants.values() for phase in run.get("phases_s", {})},
                     key=lambda phase: (phase != "step", phase))
@@ -424,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", type=Path, default=Path.cwd(), help="a directory on disk for models and runs")
     parser.add_argument("--out", type=Path, help="write the result as JSON here (default: benchmarks/results/)")
     parser.add_argument("--report", type=Path, help="print the table of a saved result and exit")
+    parser.add_argument("--decode", default="generate", choices=["generate", "static"],
+                        help="rollout.decode of every variant (generate)")
     parser.add_argument("--profile", action="store_true",
                         help="also time, per step and phase, the engines' worker tasks (gradient landing, the CPU "
                              "AdamW), the waits for them, the optimizer's calls and the decode's ms per token")

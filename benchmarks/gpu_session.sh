@@ -14,8 +14,8 @@
 #   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
-# variant may take; e2e_bench's default 900) and PROFILE (set: --profile). The shape's models are drawn once on the GPU
-# (20 s for ppo3b) and each variant loads them (10 s). One 10-minute call fits about (measured 2026-12-02):
+# variant may take; e2e_bench's default 900), PROFILE (set: --profile) and DECODE (generate or static: rollout.decode).
+# The shape's models are drawn once on the GPU (20 s for ppo3b) and each variant loads them (10 s). One 10-minute call fits about (measured 2026-12-02):
 #   VARIANTS=all_gpu,offload,fsdp2 STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b   (~5 min: all_gpu 65 s, offload 120 s)
 #   VARIANTS=all_gpu,offload_delayed STEPS=6 PROFILE=1 e2e-ppo3b             (~3.5 min)
 #   VARIANTS=all_gpu,offload STEPS=5 TIMEOUT=400 e2e-headline                (not timed yet with models from disk:
@@ -55,10 +55,10 @@ case "${1:-}" in
     done ;;
   e2e-headline)
     timeout 590 python3 benchmarks/e2e_bench.py --shape headline --variants ${VARIANTS:-all_gpu,offload} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
-      --out "$out/e2e-headline.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-headline.txt" | tail -30 ;;
+      ${DECODE:+--decode $DECODE} --out "$out/e2e-headline.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-headline.txt" | tail -30 ;;
   e2e-ppo3b)
     timeout 590 python3 benchmarks/e2e_bench.py --shape ppo3b --variants ${VARIANTS:-all_gpu,offload,fsdp2} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
-      --out "$out/e2e-ppo3b.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b.txt" | tail -30 ;;
+      ${DECODE:+--decode $DECODE} --out "$out/e2e-ppo3b.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b.txt" | tail -30 ;;
   *)
     echo "usage: $0 tests|rollout|offload|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b" >&2
     exit 2 ;;

@@ -168,3 +168,13 @@ def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp
     assert run["steps"] == 2 and run["copied_bytes_per_step"]["h2d"] > 0
     assert "actor_rollout_ref.actor.fsdp_config.delayed_update=true" in e2e_bench.overrides(
         "quick", "offload_delayed", "cpu", tmp_path, tmp_path / "models", 2)
+
+
+def test_the_whole_step_benchmark_decodes_with_the_static_cache_when_asked(tmp_path):
+    out = tmp_path / "e2e.json"
+    assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants",
+                           "offload", "--decode", "static", "--out", str(out), "--scratch", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    assert result["decode"] == "static" and result["variants"]["offload"]["steps"] == 2
+    assert "actor_rollout_ref.rollout.decode=static" in e2e_bench.overrides(
+        "quick", "offload", "cpu", tmp_path, tmp_path / "models", 2, "static")
