@@ -714,3 +714,36 @@ def test_the_gradient_norm_reads_the_device_square_of_a_gradient_sent_once_and_t
     torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
     optimizer.zero_grad()
     assert all(unit.grad_square is None for unit in engine.units)
+
+
+def test_a_bf16_gradient_update_writes_each_updated_slice_into_the_arena_as_it_goes():
+    """The device's copy of the weights (the arena, bf16) is written slice by slice during the update, not by a
+    second pass over the fp32 masters afterwards: the same bytes as that pass would write."""
+    model = policy(dtype=torch.bfloat16).train()
+    engine = offloaded(model, BF16_HOST_GRADS)
+    optimizer = engine.optimizer(lr=1e-2)
+    optimizer.slice_elements = 100
+    second_pass = []
+    for unit in engine.units:
+        original = unit._masters_to_arena
+        unit._masters_to_arena = (lambda skip=frozenset(), unit=unit, original=original:
+                                  (second_pass.extend((unit.name, index) for index in range(len(unit.masters))
+                                                      if index not in skip), original(skip))[1])
+    ids = token_batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    engine.wait_for_updates()
+    trained = [(unit.name, index) for unit in engine.units for index, entry in enumerate(unit.entries)
+               if entry.parameter.grad is not None]
+    assert trained and not set(trained) & set(second_pass)
+    for unit in engine.units:
+        assert not unit.master_is_arena
+        for index, master in enumerate(unit.masters):
+            assert torch.equal(unit.arena_view(index), master.to(torch.bfloat16)), (unit.name, index)
+    # And what the device reads next is the update: a forward through the engine gives the masters' logits.
+    with torch.no_grad():
+        streamed = model(input_ids=ids).logits
+    reference = policy(dtype=torch.bfloat16)
+    reference.load_state_dict({name: tensor.to(torch.bfloat16) for name, tensor in model.state_dict().items()})
+    with torch.no_grad():
+        torch.testing.assert_close(streamed, reference(input_ids=ids).logits, rtol=0, atol=0)

@@ -247,9 +247,10 @@ class OffloadEngine:
         for unit in self.units:
             unit.ready.wait()
 
-    def after_update(self, unit: Unit) -> None:
-        """The optimizer changed this unit's masters in place: refresh its compute copy."""
-        unit.after_update()
+    def after_update(self, unit: Unit, written: set[int] | None = None) -> None:
+        """The optimizer changed this unit's masters in place: refresh its compute copy (`written`: the entries
+        whose arena copy the update wrote already)."""
+        unit.after_update(written)
 
     @contextlib.contextmanager
     def stale_reads(self) -> Iterator[None]:

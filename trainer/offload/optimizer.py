@@ -90,13 +90,14 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def _update_unit(self, group: dict[str, Any], unit: Unit, grad_scale: torch.Tensor | None) -> None:
         try:
+            written: set[int] = set()
             if any(parameter.grad is not None and parameter.grad.dtype != parameter.dtype
                    for parameter in group["params"]):
-                self._step_narrow_grads(group, grad_scale)
+                written = self._step_narrow_grads(group, grad_scale, unit)
             else:
                 self._step_groups([group], grad_scale)
             if not unit.publish_pending:
-                self.engine.after_update(unit)
+                self.engine.after_update(unit, written)
         finally:
             with self.engine.update_lock:
                 if unit.grads_after_update is not None:
@@ -104,10 +105,16 @@ class OffloadAdamW(torch.optim.AdamW):
                     unit.grads_after_update = None
                 unit.ready.set()
 
-    def _step_narrow_grads(self, group: dict[str, Any], grad_scale: torch.Tensor | None) -> None:
+    def _step_narrow_grads(self, group: dict[str, Any], grad_scale: torch.Tensor | None, unit: Unit) -> set[int]:
         """The fused AdamW step of one group whose host gradients are bf16 beside fp32 masters
         (offload_grad_dtype), which the kernel wants in the masters' dtype: each gradient is read back
-        in fp32 a slice at a time into one reused buffer (only the engine's worker runs updates).
+        in fp32 a slice at a time into one reused buffer (only the engine's worker runs updates), and
+        each updated slice of the masters goes into the unit's arena (the device's copy) at once, while
+        it is still in the cache, unless a delayed update keeps the arena as it was. Returns the entries
+        whose arena it wrote. A slice small enough for the buffer to stay in the cache (UPDATE_SLICE_ELEMENTS)
+        and the arena written on the way: on this project's 2-core CPU machine (2026-12-02) one 150M-element
+        tensor's update went from 0.37 to 0.18-0.21 s, a 231M-parameter model's OffloadAdamW step (22.5M-element
+        matrices) from 0.36-0.38 to 0.30-0.35 s; the same values.
 
         Written against torch's kernel (torch._fused_adamw_) because the optimizer's step() takes
         whole tensors only; it does what AdamW.step does for fused CPU groups: the same state
@@ -127,9 +134,13 @@ class OffloadAdamW(torch.optim.AdamW):
         torch._foreach_add_(steps, 1)
         beta1, beta2 = group["betas"]
         slice_elements = self.slice_elements
+        to_arena = not unit.publish_pending and not unit.master_is_arena and unit.arena is not None
+        written = set()
         for parameter, step in zip(parameters, steps, strict=True):
             state = self.state[parameter]
             flat = [tensor.view(-1) for tensor in (parameter, parameter.grad, state["exp_avg"], state["exp_avg_sq"])]
+            index = unit.index_of(parameter)
+            arena = unit.arena_view(index).view(-1) if to_arena else None
             for start in range(0, parameter.numel(), slice_elements):
                 length = min(slice_elements, parameter.numel() - start)
                 weight, narrow, exp_avg, exp_avg_sq = (tensor[start:start + length] for tensor in flat)
@@ -139,6 +150,11 @@ class OffloadAdamW(torch.optim.AdamW):
                 torch._fused_adamw_([weight], [wide], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False,
                                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                                     eps=group["eps"], maximize=False, grad_scale=grad_scale, found_inf=None)
+                if arena is not None:
+                    arena[start:start + length].copy_(weight)
+            if arena is not None:
+                written.add(index)
+        return written
 
     def _step_groups(self, groups: list[dict[str, Any]], grad_scale: torch.Tensor | None = None) -> None:
         """torch's AdamW step over some of the groups: a view of this optimizer sharing its state."""
