@@ -101,7 +101,7 @@ class Profile:
         for engine in trainer.memory.engines:
             self._wrap_engine(engine)
         optimizer = trainer.actor.optimizer
-        for method in ("clip_grad_norm_", "step", "zero_grad", "_step_narrow_grads", "_step_groups"):
+        for method in ("clip_grad_norm_", "step", "zero_grad", "_step_sliced", "_step_groups"):
             if hasattr(optimizer, method):  # the offload optimizer's; a plain one (e2e_bench's fsdp2) has some
                 setattr(optimizer, method, self._timed(getattr(optimizer, method), f"actor optimizer.{method}"))
         rollout = trainer.rollout

@@ -93,8 +93,11 @@ class OffloadAdamW(torch.optim.AdamW):
             written: set[int] = set()
             if any(parameter.grad is not None and parameter.grad.dtype != parameter.dtype
                    for parameter in group["params"]):
-                written = self._step_narrow_grads(group, grad_scale, unit)
+                written = self._step_sliced(group, grad_scale, unit)
             else:
+                # Whole tensors, one multi-tensor call: sliced like the bf16 case, it measured no faster on the
+                # 2-core machine (0.250 against 0.262 s, inside the noise), and on a host of many cores small
+                # slices would cost a thread fork and join each.
                 self._step_groups([group], grad_scale)
             if not unit.publish_pending:
                 self.engine.after_update(unit, written)
@@ -105,16 +108,18 @@ class OffloadAdamW(torch.optim.AdamW):
                     unit.grads_after_update = None
                 unit.ready.set()
 
-    def _step_narrow_grads(self, group: dict[str, Any], grad_scale: torch.Tensor | None, unit: Unit) -> set[int]:
+    def _step_sliced(self, group: dict[str, Any], grad_scale: torch.Tensor | None, unit: Unit) -> set[int]:
         """The fused AdamW step of one group whose host gradients are bf16 beside fp32 masters
-        (offload_grad_dtype), which the kernel wants in the masters' dtype: each gradient is read back
-        in fp32 a slice at a time into one reused buffer (only the engine's worker runs updates), and
-        each updated slice of the masters goes into the unit's arena (the device's copy) at once, while
-        it is still in the cache, unless a delayed update keeps the arena as it was. Returns the entries
-        whose arena it wrote. A slice small enough for the buffer to stay in the cache (UPDATE_SLICE_ELEMENTS)
+        (offload_grad_dtype), which the kernel wants in the masters' dtype: each gradient is read back in
+        fp32 a slice at a time into one reused buffer (only the engine's worker runs updates), and each
+        updated slice of the masters goes into the unit's arena (the device's copy) at once, while it is
+        still in the cache, unless a delayed update keeps the arena as it was. Returns the entries whose
+        arena it wrote. A slice small enough for the buffer to stay in the cache (UPDATE_SLICE_ELEMENTS)
         and the arena written on the way: on this project's 2-core CPU machine (2026-12-02) one 150M-element
-        tensor's update went from 0.37 to 0.18-0.21 s, a 231M-parameter model's OffloadAdamW step (22.5M-element
-        matrices) from 0.36-0.38 to 0.30-0.35 s; the same values.
+        tensor's update went from 0.37 to 0.18-0.21 s; a 231M-parameter model's OffloadAdamW step (its largest
+        tensors 22.5M elements, the tiny vocabulary) was within the noise (medians 0.345 and 0.338 s); the
+        same values. The slice is 2**22 elements so that each of a 16-core host's threads still gets a
+        megabyte of one. Not yet measured on the GPU machine's host, where the 3B actor's update takes 1.2 s.
 
         Written against torch's kernel (torch._fused_adamw_) because the optimizer's step() takes
         whole tensors only; it does what AdamW.step does for fused CPU groups: the same state

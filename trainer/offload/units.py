@@ -26,11 +26,11 @@ from trainer.offload.groups import Entry
 ALIGNMENT = 256
 ROWS_PIECE = -1
 """The "first element" UnitPass.landed records for an embedding's gradient rows (scattered over the table)."""
-UPDATE_SLICE_ELEMENTS = 1 << 21
+UPDATE_SLICE_ELEMENTS = 1 << 22
 """Elements of gradient the CPU update (and the norm) reads back in fp32 at a time when the host keeps them in
-bf16 (offload_grad_dtype): an 8 MiB buffer, which stays in the cache between its write and its read (with
-2**25 elements, 128 MiB, each went through memory: the update took twice as long on this project's CPU
-machine, 2026-12-02), where a whole 7B embedding's would take 2.2 GB."""
+bf16 (offload_grad_dtype): a 16 MiB buffer, which stays in the cache between its write and its read (with
+2**25 elements, 128 MiB, each went through memory: one tensor's update took twice as long on this project's
+CPU machine, 2026-12-02), where a whole 7B embedding's would take 2.2 GB."""
 
 
 class UnitKind(StrEnum):
