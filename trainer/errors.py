@@ -3,6 +3,7 @@
 from trainer.checkpoint import CheckpointError
 from trainer.data import DataError
 from trainer.models import ModelLoadError
+from trainer.offload.engine import WorkerThreadsError
 from trainer.rewards import CustomRewardError, UnknownDataSource
 from trainer.rollout.prompts import PromptTooLong
 
@@ -12,4 +13,4 @@ class RunSetupError(Exception):
 
 
 USER_ERRORS = (CheckpointError, DataError, ModelLoadError, CustomRewardError, UnknownDataSource, PromptTooLong,
-               RunSetupError)
+               RunSetupError, WorkerThreadsError)

@@ -359,12 +359,17 @@ class OffloadEngine:
         self.gradients.send_deferred()
 
 
+class WorkerThreadsError(ValueError):
+    """VERL_OFFLOAD_WORKER_THREADS is not a thread count (a user's error: one line, exit code 2)."""
+
+
 def _threads_from_environment() -> int | None:
     value = os.environ.get("VERL_OFFLOAD_WORKER_THREADS", "").strip()
     if not value:
         return None
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"VERL_OFFLOAD_WORKER_THREADS must be a whole number of threads of at least 1, got {value!r}")
+        raise WorkerThreadsError(f"VERL_OFFLOAD_WORKER_THREADS must be a whole number of threads of at least 1, "
+                                 f"got {value!r}; unset it for torch's default (every core)")
     return int(value)
 
 
