@@ -149,7 +149,9 @@ class StaticDecoder:
             chosen=_chosen(logits, tokens) if self.keep_log_probs else None)
         self._record(out, state, 0)
         graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        capturable = self.cuda_graphs and device.type == "cuda" and self._full_attention_only()
+        # Not with safe points: dynamic offload may move layers there, and a graph reads the slots it captured.
+        capturable = (self.cuda_graphs and device.type == "cuda" and safe_point is None
+                      and self._full_attention_only())
         sizes = buckets(rows)
         length = 1
         for length in range(2, max_new_tokens + 1):
