@@ -55,7 +55,7 @@ from benchmarks.grpo_headline import (  # noqa: E402
     flow,
     save_reward_model,
 )
-from benchmarks.offload_bench import GIB, SHAPE, machine  # noqa: E402
+from benchmarks.offload_bench import GIB, SHAPE, machine, random_bf16  # noqa: E402
 from trainer.models import load_tokenizer  # noqa: E402
 from trainer.models.tiny import tiny_qwen2_config  # noqa: E402
 
@@ -152,14 +152,7 @@ def save_models(models: Path, shape: str, device: str) -> None:
     (torch's CPU generator is serial), which took 45 s per 3B model on the H200 machine, three times per
     variant (the critic's preset draws the policy again), where a load takes seconds."""
     tokenizer = load_tokenizer("builtin:tiny-qwen2")
-    config = tiny_qwen2_config(tokenizer, _actor_shape(shape))
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
+    model = random_bf16(Qwen2ForCausalLM, tiny_qwen2_config(tokenizer, _actor_shape(shape)), device)
     model.to("cpu").save_pretrained(models / "policy")
     tokenizer.save_pretrained(models / "policy")
     del model

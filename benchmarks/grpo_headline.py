@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import Qwen2Config, Qwen2ForSequenceClassification  # noqa: E402
 
-from benchmarks.offload_bench import GIB, SHAPE, machine  # noqa: E402
+from benchmarks.offload_bench import GIB, SHAPE, machine, random_bf16  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.models import load_tokenizer  # noqa: E402
@@ -66,14 +66,7 @@ def flow(mapping: dict) -> str:
 
 def save_reward_model(directory: Path, shape: dict, device: str) -> None:
     """A random sequence classifier of `shape` with the built-in tokenizer, as a local model directory."""
-    config = Qwen2Config(**shape, num_labels=1, pad_token_id=0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):  # random init on the GPU: far faster than on the host
-            model = Qwen2ForSequenceClassification(config)
-    finally:
-        torch.set_default_dtype(default)
+    model = random_bf16(Qwen2ForSequenceClassification, Qwen2Config(**shape, num_labels=1, pad_token_id=0), device)
     model.to("cpu").save_pretrained(directory)
     load_tokenizer("builtin:tiny-qwen2").save_pretrained(directory)
     del model

@@ -99,13 +99,7 @@ class Bench:
     def build(self, layers: int | None = None, checkpointing: bool = False) -> Qwen2ForCausalLM:
         """Random bf16 weights, initialised on the GPU (fast), in training mode."""
         release()
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device(self.device):
-                model = Qwen2ForCausalLM(self.config(layers))
-        finally:
-            torch.set_default_dtype(default)
+        model = random_bf16(Qwen2ForCausalLM, self.config(layers), self.device)
         if checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None)
             if enable is not None:
@@ -497,6 +491,18 @@ def _parameter_count(config: Qwen2Config) -> int:
 
 def _parameter_bytes(config: Qwen2Config) -> int:
     return 2 * _parameter_count(config)
+
+
+def random_bf16(model_class, config, device):
+    """A `model_class(config)` with random bf16 weights drawn on `device`: on a GPU far faster than on the
+    host, whose random generator is serial (45 s for a 3B model on the H200 machine's host)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return model_class(config)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def release() -> None:

@@ -44,6 +44,7 @@ from benchmarks.offload_bench import (  # noqa: E402
     SHAPE,
     chosen_sections,
     machine,
+    random_bf16,
     release,
     run_sections,
 )
@@ -127,13 +128,7 @@ class Bench:
         Initialised on the GPU and then moved to the host: random init of 7.6 B parameters on the
         host's cores takes far longer, and the result is the same bf16 model on the CPU."""
         release()
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device(self.device):
-                model = Qwen2ForCausalLM(self.config())
-        finally:
-            torch.set_default_dtype(default)
+        model = random_bf16(Qwen2ForCausalLM, self.config(), self.device)
         if not on_gpu:
             model.to("cpu")
             release()

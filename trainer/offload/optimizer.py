@@ -58,11 +58,15 @@ class OffloadAdamW(torch.optim.AdamW):
             if not unit.offloaded:
                 continue
             for parameter in group["params"]:
-                state = self.state[parameter]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                self._fresh_state(parameter)
+
+    def _fresh_state(self, parameter: torch.Tensor) -> None:
+        """The parameter's AdamW state as torch's fused AdamW makes it at a first step, unless it has one."""
+        state = self.state[parameter]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
@@ -130,11 +134,7 @@ class OffloadAdamW(torch.optim.AdamW):
                              "capturable or differentiable)")
         parameters = [parameter for parameter in group["params"] if parameter.grad is not None]
         for parameter in parameters:
-            state = self.state[parameter]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            self._fresh_state(parameter)
         steps = [self.state[parameter]["step"] for parameter in parameters]
         torch._foreach_add_(steps, 1)
         beta1, beta2 = group["betas"]
@@ -191,8 +191,7 @@ class OffloadAdamW(torch.optim.AdamW):
             # (10 GB/s on an H200 host, where the fused AdamW moves 84 GB/s).
             squares.append(torch.stack([torch.dot(grad.view(-1), grad.view(-1)) for grad in host]).sum())
         if narrow:
-            self._squares.slice_elements = self.slice_elements
-            narrow_square = self._squares.of(narrow)
+            narrow_square = self._squares.of(narrow, self.slice_elements)
             assert narrow_square is not None
             squares.append(narrow_square)
         if others:

@@ -34,7 +34,6 @@ def response_mask_until_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> t
     return (eos_before == 0).float()
 
 
-
 class SafePoints(StoppingCriteria):
     """Calls `callback` every `every` decoded tokens, between two forwards of the decode loop (no
     pass in flight: dynamic offload may move layers there). It never stops the generation."""

@@ -10,11 +10,12 @@ the same logits give the same distribution, and with the same random state the s
 
 Finished sequences: once at most half of the batch's rows still decode, the rows still decoding are
 gathered (cache included) into a batch of the next smaller bucket (a power of two; rows that finished fill
-it up) and decoding goes on with that. Buckets keep the batch shapes to a few, which CUDA graphs of the
-per-token step (the next step of issue 15) will need.
+it up) and decoding goes on with that. Buckets keep the batch shapes to a few: each one's per-token step
+may be captured in a CUDA graph (`cuda_graphs`).
 
-The first `prefill` call writes the prompts into the cache; each `step` decodes one token for every row.
-Between steps no forward is in flight: the caller's safe point (dynamic offload) may move layers there.
+A forward over the prompts fills the cache; then each step (`_step`) decodes one token for every row, in
+place in the batch's tensors. Between steps no forward is in flight: the caller's safe point (dynamic
+offload) may move layers there.
 """
 
 from __future__ import annotations
@@ -116,7 +117,6 @@ class StaticDecoder:
         """Whether generate keeps each sampled token's log-probability (`log_probs`): a log-softmax a token."""
         self.log_probs = torch.zeros(0, 0)
         self.cuda_graphs = cuda_graphs
-        self._warm: set[int] = set()  # the batch sizes whose step ran once in this generate
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
@@ -148,10 +148,11 @@ class StaticDecoder:
             slot=torch.tensor([prompt_length], device=device),
             chosen=_chosen(logits, tokens) if self.keep_log_probs else None)
         self._record(out, state, 0)
-        graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        mask_4d = self._full_attention_only()
         # Not with safe points: dynamic offload may move layers there, and a graph reads the slots it captured.
-        capturable = (self.cuda_graphs and device.type == "cuda" and safe_point is None
-                      and self._full_attention_only())
+        capturable = self.cuda_graphs and device.type == "cuda" and safe_point is None and mask_4d
+        graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        warm: set[int] = set()  # the batch sizes whose step ran once (a capture's warm-up)
         sizes = buckets(rows)
         length = 1
         for length in range(2, max_new_tokens + 1):
@@ -171,17 +172,16 @@ class StaticDecoder:
             graph = graphs.get(len(state.index)) if capturable else None
             if graph is not None:
                 graph.replay()
-            elif capturable and len(state.index) in self._warm:
+            elif capturable and len(state.index) in warm:
                 graphs[len(state.index)] = graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):  # recorded, not run: the replay runs this token's step
                     self._step(state, cache, eos, mask_4d=True)
                 graph.replay()
             else:
                 # Also a capture's warm-up: a graph of a batch size is captured at its second step.
-                self._step(state, cache, eos, mask_4d=capturable or self._full_attention_only())
-                self._warm.add(len(state.index))
+                self._step(state, cache, eos, mask_4d=mask_4d)
+                warm.add(len(state.index))
             self._record(out, state, length - 1)
-        self._warm.clear()
         self.log_probs = self.log_probs[:, :length]
         return out[:, :length]
 
