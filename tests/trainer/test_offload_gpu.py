@@ -204,7 +204,8 @@ def test_a_delayed_update_runs_while_a_rollout_reads_the_weights_before_it(setti
 def test_the_clipping_norm_takes_the_square_of_layers_kept_on_the_gpu_there(grad_dtype):
     """Layers dynamic offload keeps on the GPU add up a mini-batch's gradients there and send them once; the
     square of each is taken on the GPU as it goes, and the norm is the gradients' norm (the host ones read
-    on the host)."""
+    on the host). fp32 host gradients of a bf16 model add up on the host (engine.accumulating), so there
+    is no device square to take: the norm is read on the host, and is the same."""
     model = policy(SMALL).train()
     settings = {"model_dtype": "bf16", "optimizer_offload": True, "offload_grad_dtype": grad_dtype,
                 "dynamic_offload": {"enabled": True}}
@@ -216,7 +217,10 @@ def test_the_clipping_norm_takes_the_square_of_layers_kept_on_the_gpu_there(grad
             (model(input_ids=half, labels=half).loss / 2).backward()
     layers = engine.transformer_units
     assert engine.layers_on_gpu == len(layers)
-    assert all(unit.grad_square is not None and unit.grad_square.device.type == "cuda" for unit in layers)
+    if grad_dtype == "bf16":
+        assert all(unit.grad_square is not None and unit.grad_square.device.type == "cuda" for unit in layers)
+    else:
+        assert all(unit.grad_square is None for unit in layers)
     grads = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
     expected = torch.linalg.vector_norm(torch.cat([grad.double().view(-1).cpu() for grad in grads]))
     torch.testing.assert_close(optimizer.clip_grad_norm_(1.0).double(), expected, rtol=1e-5, atol=0)
