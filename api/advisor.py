@@ -42,9 +42,13 @@ class Snapshot(TypedDict):
     """Recent events {"seq", "time", "kind", "data"}, oldest first."""
 
 
+# 1 in a step's metrics while the trainer's latest checkpoint save has failed (trainer/loop.py).
+CHECKPOINT_FAILING_KEY = "checkpoint/failing"
+
+
 def advise(snapshot: Snapshot) -> list[str]:
     """The hints that apply to this snapshot (empty when nothing looks wrong)."""
-    hints = []
+    hints = _checkpoint_hints(snapshot)
     p99 = snapshot["latest"].offload.copy_latency_p99_s
     if p99 is not None and p99 > OFFLOAD_P99_LIMIT_S:
         hints.append(f"offload copies are slow (p99 {p99 * 1e3:.0f} ms > {OFFLOAD_P99_LIMIT_S * 1e3:.0f} ms): "
@@ -54,6 +58,15 @@ def advise(snapshot: Snapshot) -> list[str]:
         for index, samples in _gpu_samples(snapshot).items():
             hints += _gpu_hints(index, samples, anything_offloaded=_anything_offloaded(snapshot))
     return hints
+
+
+def _checkpoint_hints(snapshot: Snapshot) -> list[str]:
+    step = snapshot["latest"].step
+    if step is None or not step.metrics.get(CHECKPOINT_FAILING_KEY):
+        return []
+    return [f"the latest checkpoint save failed (before step {step.step}; the trainer's log says why, most often "
+            "a full disk): a crash now loses every step since the last checkpoint written; free disk space in the "
+            "run directory or keep fewer checkpoints (trainer.max_ckpt_to_keep); the next save tries again"]
 
 
 def _gpu_hints(index: int, samples: list[tuple[float, dict]], *, anything_offloaded: bool) -> list[str]:
@@ -108,8 +121,8 @@ def _training(snapshot: Snapshot) -> bool:
 
 
 def _anything_offloaded(snapshot: Snapshot) -> bool:
-    """Whether any module group lives on the CPU; unknown (no summary yet) counts as yes."""
+    """Whether offload_policy puts any module group on the host; unknown (no summary yet) counts as yes."""
     summary = snapshot["status"].offload.summary
     if not summary:
         return True
-    return any(row.device == "cpu" for row in summary)
+    return any(row.placement == "cpu" for row in summary)

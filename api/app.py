@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,12 +23,16 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, 
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.websockets import WebSocketDisconnect
 
 from api.advisor import SUSTAINED_WINDOW_S, Snapshot, advise
 from api.hub import Subscription, TelemetryHub
 from api.schemas import (
     EVENT_KINDS,
+    KINDS_PATTERN,
+    LARGEST_INTEGER,
     ErrorBody,
     Health,
     HintsBody,
@@ -35,22 +41,35 @@ from api.schemas import (
     OffloadSummary,
     RunControl,
     SettingsBody,
+    SettingsNotSavedError,
     SettingsRejectedError,
     SettingsUpdateBody,
     StepSnapshot,
     ValidationErrorBody,
+    settings_change_schema,
 )
 from api.security import (
+    BodyLimitMiddleware,
     LoopbackHostMiddleware,
     TokenAuth,
     is_loopback_host,
+    offered_token,
     origin_allowed,
     token_matches,
-    websocket_token,
 )
 from trainer.config.messages import RunStatus, StepMessage
 
+# The server's own log (daemon.log): the daemon sends uvicorn's loggers there.
+log = logging.getLogger("uvicorn.error")
 UNAUTHORIZED = {401: {"model": ErrorBody, "description": "Missing or wrong token."}}
+# The largest body read: a settings change takes a few dozen bytes, and a rejected one is copied into the log
+# and the audit log, so a few MiB sent in a loop would fill both.
+MAX_BODY_BYTES = 64 * 1024
+BODY_TOO_LARGE = (f"the request body is over {MAX_BODY_BYTES // 1024} KiB, the most this API reads (a settings "
+                  "change takes a few dozen bytes)")
+MAX_KEYS_CHARS = 4096
+MAX_KINDS_CHARS = 256
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 STATIC_MEDIA_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
 # The page loads only its own files and talks only to this API ('self' covers the same-origin
@@ -65,10 +84,11 @@ PAGE_HEADERS = {
     "Cache-Control": "no-cache",
 }
 SETTINGS_BODY_HINT = 'the body must be a JSON object of setting -> value, e.g. {"gpu_memory_threshold": 0.8}'
-SETTINGS_CHANGE_DOC = {
-    "required": True,
-    "content": {"application/json": {"schema": {"type": "object", "additionalProperties": True, "title": "Change",
-                                                 "examples": [{"gpu_memory_threshold": 0.8}]}}},
+SETTINGS_CHANGE_DOC = {"required": True, "content": {"application/json": {"schema": settings_change_schema()}}}
+SETTINGS_CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    413: {"model": ErrorBody, "description": f"A body over {MAX_BODY_BYTES // 1024} KiB; nothing changed."},
+    422: {"model": ValidationErrorBody, "description": "A bad value; nothing changed."},
+    503: {"model": ErrorBody, "description": "The change could not be saved (a full disk); nothing changed."},
 }
 # A stream refused for a bad query parameter closes with this code (private range 4000-4999, after
 # HTTP 422); 1008 stays for refusals of the token or the origin, which clients read as "unauthorized".
@@ -88,8 +108,12 @@ def create_app(*, hub: TelemetryHub, registry: CollectorRegistry, control: RunCo
     # /docs and /openapi.json are declared below, behind the token like everything else.
     app = FastAPI(title="verl run API", summary="Status, metrics, live stream and live settings of one run.",
                   docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES, message=BODY_TOO_LARGE)
     app.add_middleware(LoopbackHostMiddleware, enabled=is_loopback_host(bind_host))
     app.add_exception_handler(SettingsRejectedError, _settings_rejected)
+    app.add_exception_handler(SettingsNotSavedError, _settings_not_saved)
+    app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, _method_not_allowed)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     public = APIRouter()
     private = APIRouter(dependencies=[Depends(TokenAuth(token))], responses=UNAUTHORIZED)
 
@@ -128,24 +152,34 @@ def _add_telemetry_routes(router: APIRouter, hub: TelemetryHub) -> None:
     @router.get("/v1/metrics/history", response_class=Response, tags=["metrics"],
                 responses={200: {"model": HistoryBody}, 422: {"model": ValidationErrorBody}})
     def history(
-        since: Annotated[int, Query(ge=0, description="Only events with a larger seq.")] = 0,
-        keys: Annotated[str | None, Query(description="Comma-separated step metrics to keep, e.g. "
-                                                      "actor/pg_loss,timing_s/step.")] = None,
-        kinds: Annotated[str | None, Query(description="Comma-separated kinds: " + ",".join(EVENT_KINDS))] = None,
+        since: Annotated[int, Query(ge=0, le=LARGEST_INTEGER, description="Only events with a larger seq.")] = 0,
+        keys: Annotated[str | None, Query(max_length=MAX_KEYS_CHARS, description="Comma-separated step metrics "
+                                          "to keep, e.g. actor/pg_loss,timing_s/step.")] = None,
+        # The pattern is documented, not enforced by FastAPI: _history_kinds checks the same rule and names
+        # the unknown kinds, which a "should match pattern" message would not.
+        kinds: Annotated[str | None, Query(max_length=MAX_KINDS_CHARS, json_schema_extra={"pattern": KINDS_PATTERN},
+                                           description="Comma-separated kinds: " + ",".join(EVENT_KINDS))] = None,
     ) -> Response:
         """Events kept by the daemon (the last telemetry.history_seconds), oldest first."""
-        wanted_kinds = _comma_list(kinds)
-        unknown = sorted(set(wanted_kinds or ()) - set(EVENT_KINDS))
-        if unknown:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=[{
-                "loc": ["query", "kinds"], "type": "value_error",
-                "msg": f"unknown kind(s) {', '.join(unknown)}; allowed: {', '.join(EVENT_KINDS)}"}])
+        wanted_kinds = _history_kinds(kinds)
         last_seq = hub.last_seq
         events = hub.since(since, kinds=wanted_kinds, keys=_comma_list(keys))
         # Resuming from last_seq must miss nothing, also when events arrived while this one was read.
         last_seq = max([last_seq, *(event.seq for event in events[-1:])])
         body = '{"events":[' + ",".join(event.to_json() for event in events) + f'],"last_seq":{last_seq}}}'
         return Response(body, media_type="application/json")
+
+
+def _history_kinds(kinds: str | None) -> list[str] | None:
+    """The `kinds` filter, or a 422 naming the unknown ones (the rule KINDS_PATTERN documents)."""
+    wanted = _comma_list(kinds)
+    unknown = [kind for kind in dict.fromkeys(wanted or ()) if kind not in EVENT_KINDS]
+    if unknown:
+        shown = ", ".join(repr(kind[:40]) for kind in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=[{
+            "loc": ["query", "kinds"], "type": "value_error",
+            "msg": f"unknown kind(s) {shown}; allowed: {', '.join(EVENT_KINDS)}, separated by commas"}])
+    return wanted
 
 
 def _latest_body(hub: TelemetryHub) -> LatestBody:
@@ -173,8 +207,7 @@ def _add_control_routes(router: APIRouter, control: RunControl) -> None:
     # The body is read by hand, not declared as a parameter: FastAPI parses it as JSON only when the request
     # says application/json, and `curl -d` (the way most people try this) says form-urlencoded.
     @router.patch("/v1/settings", response_model=SettingsUpdateBody, tags=["settings"],
-                  openapi_extra={"requestBody": SETTINGS_CHANGE_DOC},
-                  responses={422: {"model": ValidationErrorBody, "description": "A bad value; nothing changed."}})
+                  openapi_extra={"requestBody": SETTINGS_CHANGE_DOC}, responses=SETTINGS_CHANGE_RESPONSES)
     async def patch_settings(request: Request) -> dict:
         """Change live settings, all or nothing; the trainer applies them at its next safe point. The body is
         read as JSON whatever its Content-Type."""
@@ -186,9 +219,11 @@ def _add_control_routes(router: APIRouter, control: RunControl) -> None:
         return await _call(control.request_checkpoint)
 
     @router.post("/v1/stop", status_code=status.HTTP_202_ACCEPTED, tags=["run"])
-    async def stop() -> dict:
-        """Checkpoint at the next safe point, then stop the run (the daemon exits 0)."""
-        return await _call(control.request_stop)
+    async def stop(force: Annotated[bool, Query(description="Kill the trainer now, without a checkpoint.")] = False
+                   ) -> dict:
+        """Checkpoint at the next safe point, then stop the run (the daemon exits 0); asking again while it stops
+        is the same stop. With force=true the trainer is killed at once, without a checkpoint."""
+        return await (_call(control.request_stop, True) if force else _call(control.request_stop))
 
 
 def _add_hints_route(router: APIRouter, hub: TelemetryHub, control: RunControl) -> None:
@@ -243,7 +278,7 @@ def _add_stream(app: FastAPI, hub: TelemetryHub, token: str, allowed_origins: Se
     @app.websocket("/v1/stream")
     async def stream(websocket: WebSocket) -> None:
         """Replays the events after `?since=SEQ` (none without it), then sends each new one, one JSON per frame."""
-        offered, subprotocol = websocket_token(websocket)
+        offered, subprotocol = offered_token(websocket)
         origin = websocket.headers.get("origin")
         if origin is not None and not origin_allowed(origin, websocket.headers.get("host", ""), allowed_origins):
             await _refuse(websocket, f"Origin {origin!r} may not open the stream")
@@ -302,12 +337,25 @@ async def _pump(websocket: WebSocket, events: Subscription) -> None:
 def _settings_change(body: bytes) -> dict[str, Any]:
     """The PATCH /v1/settings body as a dict, or a 422 naming the body (nothing reaches the run)."""
     try:
-        change = json.loads(body)
+        change = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as error:  # not JSON, not Unicode text, or nested too deep
         _refuse_body("json_invalid", f"{SETTINGS_BODY_HINT}; this is not JSON ({error})")
     if not isinstance(change, dict):
         _refuse_body("dict_type", f"{SETTINGS_BODY_HINT}; got a JSON {_json_type_name(change)}")
     return change
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    """NaN and Infinity: Python's json reads them, JSON has no such numbers."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent; 1e999 would otherwise be read as infinity."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:24]} is beyond the range of a number")
+    return value
 
 
 def _refuse_body(error_type: str, message: str) -> NoReturn:
@@ -321,13 +369,15 @@ def _json_type_name(value: Any) -> str:
 
 
 def _stream_since(value: str | None) -> int | None:
-    """The stream's `since` query parameter: None when absent, else a seq (a whole number >= 0)."""
+    """The stream's `since` query parameter: None when absent, else a seq (a whole number >= 0, as on
+    GET /v1/metrics/history)."""
     if value is None:
         return None
-    if re.fullmatch("[0-9]+", value):
-        with contextlib.suppress(ValueError):  # more digits than int() takes
-            return int(value)
-    raise ValueError(f"since must be a whole number >= 0 (the last seq received), got {value[:24]!r}")
+    # At most 19 digits before int(): LARGEST_INTEGER has 16, and int() of thousands of digits is slow or refused.
+    if re.fullmatch("[0-9]{1,19}", value) and int(value) <= LARGEST_INTEGER:
+        return int(value)
+    raise ValueError(f"since must be a whole number >= 0 and <= {LARGEST_INTEGER} (the last seq received), "
+                     f"got {value[:24]!r}")
 
 
 def _comma_list(value: str | None) -> list[str] | None:
@@ -347,6 +397,33 @@ async def _call(method: Callable[..., Any], *args: Any) -> Any:
 
 async def _settings_rejected(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, SettingsRejectedError)
-    detail = [{"loc": ["body", setting], "msg": message, "type": "value_error"} for setting, message in error.problems]
+    # "body": a problem with the body as a whole (an empty change), not with a setting of that name.
+    detail = [{"loc": ["body"] if setting == "body" else ["body", setting], "msg": message, "type": "value_error"}
+              for setting, message in error.problems]
     return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+async def _settings_not_saved(request: Request, error: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(error)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+
+
+async def _method_not_allowed(request: Request, error: Exception) -> JSONResponse:
+    """405 whose Allow lists every method of the path: Starlette's names those of one route, and
+    /v1/settings is two (GET and PATCH)."""
+    router = request.app.router
+    # Asked of the router itself, one method at a time: FastAPI keeps included routers nested, so there is
+    # no flat list of routes to read the methods from.
+    allowed = ", ".join(method for method in HTTP_METHODS
+                        if any(route.matches({**request.scope, "method": method})[0] == Match.FULL
+                               for route in router.routes))
+    return JSONResponse({"detail": f"method {request.method} is not allowed here; allowed: {allowed}"},
+                        status_code=status.HTTP_405_METHOD_NOT_ALLOWED, headers={"Allow": allowed})
+
+
+async def _client_gone(request: Request, error: Exception) -> Response:
+    """The client hung up in the middle of its body: nothing was done and nobody is left to answer, so one
+    line, not an ERROR traceback."""
+    log.info("%s %s: the client went away before its body was complete; nothing was done", request.method,
+             request.url.path)
+    return Response(status_code=status.HTTP_400_BAD_REQUEST)
 

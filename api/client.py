@@ -105,8 +105,9 @@ class ApiClient:
     def checkpoint(self) -> dict[str, Any]:
         return self._request("POST", "/v1/checkpoint")
 
-    def stop(self) -> dict[str, Any]:
-        return self._request("POST", "/v1/stop")
+    def stop(self, *, force: bool = False) -> dict[str, Any]:
+        """Ask the run to checkpoint and exit; `force`: kill the trainer now, without a checkpoint."""
+        return self._request("POST", "/v1/stop", params={"force": "true"} if force else None)
 
     def _parse(self, model: type[Body], method: str, path: str) -> Body:
         """The answer to a request as `model`; one that does not fit is an IncompatibleDaemon naming the

@@ -194,7 +194,8 @@ class TelemetryHub:
             return self._latest.get(kind)
 
     def subscribe(self, since: int | None = None) -> Subscription:
-        """Live events from now on, after replaying those with seq > `since` (None: no replay).
+        """Live events from now on, after replaying those with seq > `since` (None: no replay; 0: the
+        whole history, however far back it reaches now).
 
         Use as `async with hub.subscribe(since) as events: async for event in events: ...` (from a
         coroutine: the subscription belongs to the running event loop). A subscriber that falls more
@@ -206,7 +207,9 @@ class TelemetryHub:
     def _register(self, subscription: Subscription, since: int | None) -> tuple[int, list[Event], int]:
         """Register a subscriber: (seq it starts after, events to replay, asked-for events no longer kept).
 
-        A `since` beyond the last seq (a stream from another daemon) counts as "from now".
+        A `since` beyond the last seq (a stream from another daemon) counts as "from now". `since=0` (a
+        client that has seen nothing yet, as the live page on its first load) has lost nothing, however
+        much has aged out of the history before it came.
         """
         with self._lock:
             self._subscriptions.add(subscription)
@@ -214,7 +217,8 @@ class TelemetryHub:
         if since is None:
             return start, [], 0
         # Events published meanwhile reach both the replay and the queue; the subscriber skips repeats.
-        return start, *self._replay_after(start)
+        replay, lost = self._replay_after(start)
+        return start, replay, lost if since > 0 else 0
 
     def _replay_after(self, seq: int) -> tuple[list[Event], int]:
         events = self.since(seq)

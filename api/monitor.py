@@ -5,15 +5,22 @@ the latest values: the GPU samples of the last minute and the metrics of the las
 history is fetched once, then only what is new). `render(snapshot)` turns one snapshot into a
 rich renderable that fits an 80x24 terminal for one GPU; `run_monitor` shows it once, as JSON,
 or live until the run ends, the daemon goes away or the user presses Ctrl-C.
+
+`RunSummary` is what a run that has ended leaves for its user: steps, time, the last reward and
+where the checkpoints are, read from the run directory (`verl train` prints it at the end, as plain
+lines or, with --monitor, as a panel under the live view's last frame).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
@@ -39,6 +46,13 @@ GPU_SPARK_WIDTH = 8
 ENDED_STATES = ("finished", "failed")
 # Polls that may fail in a row (a daemon busy for a moment) before the view decides it is gone.
 MAX_MISSED_POLLS = 3
+REWARD_KEY = "critic/score/mean"
+# The run directory's files the summary reads (trainer/metrics.py and trainer/checkpoint.py write them).
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_CHECKPOINT_FILE = "latest_checkpointed_iteration.txt"
+# metrics.jsonl grows by a line a step (~2 KB): the summary reads only its end.
+METRICS_TAIL_BYTES = 256 * 1024
 BLOCKS = "▁▂▃▄▅▆▇█"
 
 
@@ -132,6 +146,104 @@ def _watch(feed: MonitorFeed, console: Console, refresh_s: float, stop: threadin
     if farewell:
         console.print(farewell)
     return 0
+
+
+# ------------------------------------------------------------------------------ the final summary
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """How a run ended, for the lines `verl train` and `verl monitor` print at its end."""
+
+    name: str
+    outcome: str
+    """finished, stopped (before its last step), ended (no total to tell the two apart) or failed."""
+    step: int
+    """The last step in metrics.jsonl (0: none)."""
+    total_steps: int | None
+    """trainer.total_training_steps (None: the trainer derives it from total_epochs)."""
+    elapsed_s: float
+    reward: float | None
+    """critic/score/mean of that step."""
+    checkpoints: Path
+    latest_checkpoint: Path | None
+
+    @classmethod
+    def from_run_dir(cls, run_dir: Path, *, name: str, total_steps: int | None, elapsed_s: float,
+                     failed: bool) -> RunSummary:
+        last = last_step_metrics(Path(run_dir) / METRICS_FILE)
+        step = int(last["step"]) if last else 0
+        reward = last.get(REWARD_KEY) if last else None
+        if failed:
+            outcome = "failed"
+        elif total_steps is None:
+            outcome = "ended"
+        else:
+            outcome = "finished" if step >= total_steps else "stopped"
+        checkpoints = Path(run_dir) / CHECKPOINTS_DIR
+        return cls(name=name, outcome=outcome, step=step, total_steps=total_steps, elapsed_s=elapsed_s,
+                   reward=reward if isinstance(reward, int | float) else None, checkpoints=checkpoints,
+                   latest_checkpoint=latest_checkpoint(checkpoints))
+
+    def lines(self) -> list[str]:
+        """The plain output's lines."""
+        return [f"run {self.name} {self.outcome} at step {self._steps()} after {_clock_time(self.elapsed_s)}",
+                f"  last reward: {self._reward()}",
+                f"  checkpoints: {self._checkpoints()}"]
+
+    def render(self) -> RenderableType:
+        """The summary as a panel, to sit under the live view's last frame."""
+        rows = Table.grid(padding=(0, 1))
+        rows.add_column(style="bold", no_wrap=True, min_width=8)
+        rows.add_column()
+        rows.add_row("steps", f"{self._steps()} in {_clock_time(self.elapsed_s)}")
+        rows.add_row("reward", self._reward())
+        rows.add_row("checkpoints", self._checkpoints())
+        style = {"finished": "green", "failed": "red"}.get(self.outcome, "cyan")
+        title = Text.assemble(("verl ", "bold"), (f"{self.name} · ", ""), (self.outcome, style))
+        return Panel(rows, title=title, padding=(0, 1))
+
+    def _steps(self) -> str:
+        return f"{self.step}/{self.total_steps}" if self.total_steps else str(self.step)
+
+    def _reward(self) -> str:
+        if self.reward is None:
+            return "none reported"
+        return f"{_number(self.reward, '.4g')} ({REWARD_KEY} at step {self.step})"
+
+    def _checkpoints(self) -> str:
+        if self.latest_checkpoint is None:
+            return f"none saved in {self.checkpoints}"
+        return f"{self.checkpoints} (latest: {self.latest_checkpoint.name})"
+
+
+def last_step_metrics(path: Path) -> dict[str, Any] | None:
+    """The last whole line of metrics.jsonl (None without one); only the file's end is read."""
+    try:
+        with path.open("rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(0, size - METRICS_TAIL_BYTES))
+            tail = file.read()
+    except OSError:
+        return None
+    for line in reversed(tail.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:  # a partial line: the start of the window, or a write cut short
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            return record
+    return None
+
+
+def latest_checkpoint(checkpoints: Path) -> Path | None:
+    """The checkpoint latest_checkpointed_iteration.txt names, when it is there; None without one."""
+    try:
+        step = int((checkpoints / LATEST_CHECKPOINT_FILE).read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return None
+    path = checkpoints / f"global_step_{step}"
+    return path if path.is_dir() else None
 
 
 # ------------------------------------------------------------------------------------- the view

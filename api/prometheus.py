@@ -29,7 +29,7 @@ EXPOSITION_MAX_AGE_S = 0.25
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 PHASES = tuple(phase.value for phase in Phase)
-RESTART_REASONS = ("crash", "signal", "oom", "exit")
+RESTART_REASONS = ("crash", "signal", "oom", "hang", "exit")
 UPDATE_RESULTS = ("accepted", "rejected", "applied")
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 # Live setting -> (metric suffix, help). log_level is a state set of its own (verl_setting_log_level).
@@ -69,6 +69,8 @@ ROLLOUT_TOKENS_KEY = "perf/total_num_response_tokens"
 OOM_COUNT_KEY = "perf/num_ooms"
 # Out-of-memory errors the trainer recovered from in the step (trainer/workers/optimization.py).
 OOM_RECOVERIES_KEY = "perf/oom_recoveries"
+# Checkpoint saves that failed (a full disk) since the previous step's metrics (trainer/loop.py).
+CHECKPOINT_FAILURES_KEY = "checkpoint/failures"
 # Dynamic offload (trainer/offload/dynamic.py): layers on the GPU after the step, moves during it.
 LAYERS_ON_GPU_KEY = "offload/transformer_layers_on_gpu"
 # The same for one model, for each role of the trainer's offload engines (a fixed set: they become labels).
@@ -208,6 +210,9 @@ class TelemetryMetrics:
                                       registry=registry)
         self.restarts = Counter("verl_trainer_restarts", "Trainer restarts by the daemon, by reason.", ["reason"],
                                 registry=registry)
+        self.checkpoint_failures = Counter("verl_trainer_checkpoint_failures", "Checkpoint saves that could not "
+                                           "be written (a full disk); the run goes on and tries again at the next "
+                                           "save.", registry=registry)
         self.phase = Gauge("verl_trainer_phase", "1 for the phase the trainer is in, 0 for the others.", ["phase"],
                            registry=registry)
         for reason in RESTART_REASONS:
@@ -310,6 +315,9 @@ class TelemetryMetrics:
                 self.tokens.labels(phase).inc(tokens)
         self._observe_ooms(_number(metrics.get(OOM_COUNT_KEY)))
         self._observe_dynamic_offload(metrics)
+        failures = _number(metrics.get(CHECKPOINT_FAILURES_KEY))
+        if failures is not None and failures > 0:
+            self.checkpoint_failures.inc(failures)
 
     def _observe_dynamic_offload(self, metrics: Mapping[str, float | None]) -> None:
         recovered = _number(metrics.get(OOM_RECOVERIES_KEY))

@@ -11,10 +11,18 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
+from trainer.config.live import LiveSettings
 from trainer.config.messages import RunStatus, SettingsState
 
 EVENT_KINDS = ("gpu", "step", "phase", "offload", "settings", "restart", "log", "status")
 """Kinds of event the hub carries (a subscriber may also receive "gap", see api.hub.Subscription)."""
+_KINDS_ITEM = r"\s*(?:(?:{kind})\s*)?".format(kind="|".join(EVENT_KINDS))
+KINDS_PATTERN = rf"^{_KINDS_ITEM}(?:,{_KINDS_ITEM})*$"
+"""A `kinds` query value: comma-separated kinds, blanks around them and empty items allowed (each blank
+belongs to one place in the pattern, so no input makes a regex engine backtrack for long)."""
+LARGEST_INTEGER = 2**53 - 1
+"""The largest whole number the API takes (a seq, a setting): every reader of its JSON holds it exactly,
+the live page's JavaScript and tools that read JSON numbers as doubles included."""
 
 
 class RunControl(Protocol):
@@ -37,8 +45,9 @@ class RunControl(Protocol):
     def request_checkpoint(self) -> dict:
         """Ask the trainer to save a checkpoint at its next safe point."""
 
-    def request_stop(self) -> dict:
-        """Ask the trainer to checkpoint at its next safe point and exit; the daemon then exits 0."""
+    def request_stop(self, force: bool = False) -> dict:
+        """Ask the trainer to checkpoint at its next safe point and exit; the daemon then exits 0. Idempotent while
+        stopping; `force` kills the trainer at once, without a checkpoint."""
 
 
 class SettingsRejectedError(Exception):
@@ -58,6 +67,25 @@ def _pair(problem: tuple[str, str] | Any) -> tuple[str, str]:
         return str(problem.setting), str(problem.message)
     setting, message = problem
     return str(setting), str(message)
+
+
+class SettingsNotSavedError(Exception):
+    """A valid settings change that could not be written to the run's audit log (a full disk, ...); nothing
+    was changed, so asking again once the disk has room is safe."""
+
+
+def settings_change_schema() -> dict[str, Any]:
+    """The JSON schema of a PATCH /v1/settings body, as strict as the validation: at least one known setting,
+    each within the bounds of LiveSettings (whole numbers also within LARGEST_INTEGER)."""
+    properties = LiveSettings.model_json_schema(by_alias=True)["properties"]
+    for schema in properties.values():
+        # A change has no defaults (an absent setting keeps its value), and the names are their own titles.
+        schema.pop("default", None)
+        schema.pop("title", None)
+        if schema.get("type") == "integer":
+            schema["maximum"] = min(schema.get("maximum", LARGEST_INTEGER), LARGEST_INTEGER)
+    return {"type": "object", "title": "Change", "properties": properties, "additionalProperties": False,
+            "minProperties": 1, "examples": [{"gpu_memory_threshold": 0.8}]}
 
 
 # ------------------------------------------------------------------------------ response bodies

@@ -55,7 +55,7 @@ class StepsOnly(Trainer):
     master weights and AdamW states), more than the H200 machine's 64 GiB disk (a save there filled it on
     2026-11-30); the benchmark measures steps."""
 
-    def save(self):
+    def save(self, *, final: bool = False):
         return None
 
 

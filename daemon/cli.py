@@ -4,7 +4,8 @@
     verl monitor --pid PID [--once] [--json] [--web]                watch a running run
     verl set NAME=VALUE [NAME=VALUE ...] --pid PID                  change live settings
     verl status --pid PID [--json]                                  one summary
-    verl stop --pid PID [--wait]                                    checkpoint, then exit
+    verl stop --pid PID [--wait] [--force]                          checkpoint, then exit
+    verl --version                                                  the installed version
 
 PID is the daemon's (printed by `verl train`) or any of its trainers'. Known user errors become
 ``ERROR:`` lines (and a ``HINT:``) with exit code 2, never a traceback. Torch stays out of this
@@ -14,6 +15,7 @@ module: it validates the config and starts the run, both in a fraction of a seco
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import re
 import shlex
@@ -28,8 +30,8 @@ import psutil
 import yaml
 
 from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized, page_url
-from api.monitor import describe_status, format_value, run_monitor
-from daemon.runtime import RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
+from api.monitor import RunSummary, describe_status, format_value, run_monitor
+from daemon.runtime import RunDirInUse, RunLock, RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
 from trainer.config import ConfigError, RunConfig, dump_config, load_config
 from trainer.config.live import SETTING_NAMES
 
@@ -56,6 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="verl", description="PPO and GRPO for LLMs on GPUs too small for the model.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser("train", help="start a training run",
                                 description="Validate the config, write it into runs/<name>/ and train.")
@@ -84,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     stop = _run_command(commands, "stop", "ask a run to checkpoint and exit", stop_command)
     stop.add_argument("--wait", action="store_true", help="wait until the daemon has exited")
+    stop.add_argument("--force", action="store_true",
+                      help="kill the trainer now, without a checkpoint (the steps since the last one are lost)")
     return parser
 
 
@@ -144,8 +149,15 @@ def train_command(args: argparse.Namespace) -> int:
         if any(problem.path != "--config" for problem in error.problems):
             hint = f"fix these in {args.config} or override them on the command line as key.path=value"
         raise UsageError([str(problem) for problem in error.problems], hint) from None
-    config_path = write_run_config(config)
-    return start_run(config, config_path, monitor=args.monitor)
+    try:  # before anything is written there: another daemon's trainer reads that config when it restarts
+        run_lock = RunLock.acquire(config.trainer.run_dir)
+    except RunDirInUse as error:
+        raise UsageError(str(error)) from None
+    try:
+        config_path = write_run_config(config)
+        return start_run(config, config_path, monitor=args.monitor, run_lock=run_lock)
+    finally:
+        run_lock.release()
 
 
 def write_run_config(config: RunConfig) -> Path:
@@ -157,11 +169,30 @@ def write_run_config(config: RunConfig) -> Path:
     return path
 
 
-def start_run(config: RunConfig, config_path: Path, monitor: bool) -> int:
-    """Run the training under this process, the daemon; `monitor` shows the live view in the foreground."""
+def start_run(config: RunConfig, config_path: Path, monitor: bool, run_lock: RunLock | None = None) -> int:
+    """Run the training under this process, the daemon; `monitor` shows the live view in the foreground.
+    A run that ends, well or not, closes with its summary; one that stops on a user's error (exit code 2)
+    with the ERROR lines that say what to fix."""
     from daemon.service import run_daemon
 
-    return run_daemon(config, config_path, monitor=monitor)
+    started = time.monotonic()
+    code = run_daemon(config, config_path, monitor=monitor, run_lock=run_lock)
+    if code != EXIT_USAGE:
+        print_summary(RunSummary.from_run_dir(config.trainer.run_dir, name=config.trainer.experiment_name,
+                                              total_steps=config.trainer.total_training_steps,
+                                              elapsed_s=time.monotonic() - started, failed=code != 0),
+                      monitor=monitor)
+    return code
+
+
+def print_summary(summary: RunSummary, *, monitor: bool) -> None:
+    """Under the live view's last frame as a panel (--monitor), else as plain lines."""
+    if monitor:
+        from rich.console import Console
+
+        Console().print(summary.render())
+    else:
+        print("\n".join(summary.lines()), flush=True)
 
 
 def monitor_command(args: argparse.Namespace) -> int:
@@ -216,8 +247,10 @@ def set_command(args: argparse.Namespace) -> int:
 
 def stop_command(args: argparse.Namespace) -> int:
     with connect(args.pid, args.state_dir) as (info, client):
-        client.stop()
-        print(f"asked run {info.name} (daemon pid {info.pid}) to checkpoint at its next safe point and exit")
+        client.stop(force=args.force)
+        print(f"killed the trainer of run {info.name} (daemon pid {info.pid}) without a checkpoint; the daemon exits"
+              if args.force else
+              f"asked run {info.name} (daemon pid {info.pid}) to checkpoint at its next safe point and exit")
         if not args.wait:
             return 0
         try:
@@ -259,6 +292,14 @@ def connect(pid: int, configured_state_dir: str | None = None) -> Iterator[tuple
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+
+def version() -> str:
+    """The installed verl's version (the verl-offload distribution)."""
+    try:
+        return importlib.metadata.version("verl-offload")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a source tree)"
 
 
 def _run_flags(args: argparse.Namespace) -> str:

@@ -3,15 +3,24 @@
 Each daemon writes <state dir>/run/<daemon pid>.json (mode 0600: it holds the API token) with
 its URL, token, trainer child pids, run directory and config path, and removes it on exit.
 A file whose process is gone (or whose pid now names another process) is stale and removed
-whenever runs are looked up.
+whenever runs are looked up; so is the IPC socket <daemon pid>.sock a killed daemon leaves beside it.
+
+A run directory belongs to one daemon at a time: `RunLock` holds an flock on <run dir>/daemon.lock
+(which names the daemon's and its trainers' pids) for the daemon's life, and the daemon passes the
+locked descriptor on to its trainer, so the lock also lasts while an orphaned trainer finishes its
+last step. The kernel drops the lock with the last process that holds it: a lock file left by a
+dead process is simply taken over.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -100,7 +109,8 @@ def is_alive(info: RuntimeInfo) -> bool:
 
 
 def live_runs(state: Path) -> list[RuntimeInfo]:
-    """Every running daemon's info; stale and unreadable files are removed on the way."""
+    """Every running daemon's info; stale and unreadable files (and stale sockets) are removed on the way."""
+    remove_stale_sockets(state)
     runs = []
     for path in sorted(runtime_dir(state).glob("*.json")):
         try:
@@ -113,6 +123,18 @@ def live_runs(state: Path) -> list[RuntimeInfo]:
         else:
             path.unlink(missing_ok=True)
     return runs
+
+
+def remove_stale_sockets(state: Path) -> None:
+    """Remove the <pid>.sock files of daemons that are gone: no such process, or one started after the socket
+    was made (the pid was reused)."""
+    for path in runtime_dir(state).glob("*.sock"):
+        if not path.stem.isdigit():
+            continue
+        started = process_start_time(int(path.stem))
+        with contextlib.suppress(OSError):
+            if started is None or started > path.lstat().st_mtime + _START_TIME_TOLERANCE_S:
+                path.unlink()
 
 
 def find_run(pid: int, state: Path | None = None) -> RuntimeInfo:
@@ -170,3 +192,87 @@ def _running_hint(state: Path) -> str:
     if not runs:
         return f"; no verl run is going (runtime files in {runtime_dir(state)})"
     return "; running: " + ", ".join(f"pid {info.pid} ({info.name})" for info in runs)
+
+
+# ---------------------------------------------------------------------------------- run ownership
+
+LOCK_FILE = "daemon.lock"
+
+
+class RunDirInUse(RuntimeError):
+    """Another live daemon (or its trainer) owns the run directory; the message names it and what to do."""
+
+
+class RunLock:
+    """The flock on <run dir>/daemon.lock: `acquire` it before writing into the run directory, `release` at exit.
+
+    The file holds JSON: the daemon's pid and its trainers' pids (`record_trainers` updates them), for the
+    message a second daemon gives. `descriptor` is the locked file's: a child that inherits it (the trainer)
+    keeps the run directory locked until it exits too.
+    """
+
+    def __init__(self, path: Path, descriptor: int, pid: int, previous_pid: int | None):
+        self.path = path
+        self.descriptor = descriptor
+        self.pid = pid
+        self.previous_pid = previous_pid
+        """The pid a lock file left by a dead process named (None: there was none): taken over."""
+
+    @classmethod
+    def acquire(cls, run_dir: Path, pid: int | None = None) -> RunLock:
+        """Lock `run_dir` for the daemon `pid` (this process); RunDirInUse when another process holds it."""
+        pid = os.getpid() if pid is None else pid
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / LOCK_FILE
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_lock(descriptor)
+            os.close(descriptor)
+            raise RunDirInUse(_in_use_message(run_dir, path, holder)) from None
+        except BaseException:
+            os.close(descriptor)
+            raise
+        previous = _read_lock(descriptor).get("pid")
+        lock = cls(path, descriptor, pid, previous if isinstance(previous, int) and previous != pid else None)
+        lock.record_trainers([])
+        return lock
+
+    def record_trainers(self, trainer_pids: list[int]) -> None:
+        """Rewrite the file's contents (the lock stays held throughout)."""
+        text = json.dumps({"pid": self.pid, "trainer_pids": list(trainer_pids)}).encode()
+        with contextlib.suppress(OSError):  # a full disk: the lock holds all the same, only the message is poorer
+            os.ftruncate(self.descriptor, 0)
+            os.pwrite(self.descriptor, text, 0)
+
+    def release(self) -> None:
+        if self.descriptor < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self.descriptor, 0)
+        os.close(self.descriptor)  # the lock goes with the last descriptor (a trainer may hold one still)
+        self.descriptor = -1
+
+
+def _read_lock(descriptor: int) -> dict[str, Any]:
+    try:
+        holder = json.loads(os.pread(descriptor, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _in_use_message(run_dir: Path, path: Path, holder: dict[str, Any]) -> str:
+    """One line: who holds `run_dir` and what the user may do instead."""
+    daemon = holder.get("pid")
+    trainers = [pid for pid in holder.get("trainer_pids") or [] if isinstance(pid, int) and psutil.pid_exists(pid)]
+    if isinstance(daemon, int) and psutil.pid_exists(daemon):
+        return (f"run directory {run_dir} is in use by `verl train` pid {daemon} (it holds {path}); stop that run "
+                f"first (`verl stop --pid {daemon}`), or give this one another trainer.experiment_name")
+    if trainers:
+        return (f"run directory {run_dir} is in use by trainer pid {trainers[0]}, whose daemon (pid {daemon}) has "
+                "exited: it checkpoints at its next safe point and exits; start this run again once it has, or "
+                "give it another trainer.experiment_name")
+    return (f"run directory {run_dir} is locked by another process ({path}); stop the run that uses it, or give "
+            "this one another trainer.experiment_name")

@@ -9,15 +9,20 @@ to the loop. Everything learned is published once to the hub (history + WebSocke
 and the Prometheus metrics. The runtime file (daemon/runtime.py) lets `verl monitor/set/
 status/stop --pid` find the daemon; it is removed on exit.
 
+The daemon owns its run directory through a lock (daemon/runtime.py: RunLock) that its trainer
+inherits; a second daemon on the same run directory refuses to start. Live settings changed through
+the API are kept in <run dir>/live_settings.json and re-applied when the run is resumed.
+
 Exit codes: 0 the run finished or was stopped on request; 1 the trainer kept crashing and the
 daemon gave up after daemon.max_restarts; 2 the trainer reported a config/data problem, or the
-daemon could not start (port in use, ...).
+daemon could not start (port in use, run directory in use, ...).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -25,10 +30,12 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -44,9 +51,12 @@ from api.schemas import SettingsBody, SettingsRejectedError
 from daemon.gpu import GpuSampler
 from daemon.ipc import MAX_SOCKET_PATH_BYTES, IpcServer, TrainerConnection
 from daemon.runtime import (
+    RunDirInUse,
+    RunLock,
     RuntimeInfo,
     process_start_time,
     remove_runtime_file,
+    remove_stale_sockets,
     runtime_dir,
     state_dir,
     write_runtime_file,
@@ -54,13 +64,14 @@ from daemon.runtime import (
 from daemon.settings import SettingsStore
 from daemon.supervisor import EXIT_OUT_OF_MEMORY, EXIT_USAGE, RestartPolicy, Supervisor
 from trainer.config import RunConfig
-from trainer.config.ipc import ENV_SOCKET, ENV_TOKEN
+from trainer.config.ipc import ENV_DAEMON_PID, ENV_SOCKET, ENV_TOKEN
 from trainer.config.live import SettingsRejected, initial_live_settings
 from trainer.config.messages import (
     CheckpointMessage,
     CheckpointNowMessage,
     DownMessage,
     DroppedMessage,
+    HeartbeatMessage,
     HelloMessage,
     LogMessage,
     OffloadMessage,
@@ -82,18 +93,35 @@ from trainer.config.messages import (
 log = logging.getLogger("verl.daemon")
 
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
-RESTART_REASONS = ("crash", "signal", "oom")
+RESTART_REASONS = ("crash", "signal", "oom", "hang")
+LIVE_SETTINGS_FILE = "live_settings.json"
+"""In the run directory: the live settings now and the config's values they were changed from."""
+HANG_TIMEOUT_FLOOR_S = 600.0
+HANG_TIMEOUT_STEPS = 5
+"""Unless daemon.hang_timeout_s is set, a trainer hangs after this many median steps without a heartbeat (at least
+HANG_TIMEOUT_FLOOR_S)."""
+STEP_TIMES_KEPT = 101
+# Messages only the trainer's main thread sends as it goes: each one shows it is not stuck.
+SIGNS_OF_LIFE = (HeartbeatMessage, StepMessage, PhaseMessage, CheckpointMessage, SettingsAckMessage)
+
+
+def derived_hang_timeout(step_seconds: Sequence[float]) -> float:
+    """daemon.hang_timeout_s's default: HANG_TIMEOUT_STEPS median steps, never under HANG_TIMEOUT_FLOOR_S."""
+    if not step_seconds:
+        return HANG_TIMEOUT_FLOOR_S
+    return max(HANG_TIMEOUT_FLOOR_S, HANG_TIMEOUT_STEPS * statistics.median(step_seconds))
 
 
 class DaemonStartError(Exception):
     """The daemon cannot start; the message names the setting to change."""
 
 
-def run_daemon(config: RunConfig, config_path: Path, *, monitor: bool) -> int:
+def run_daemon(config: RunConfig, config_path: Path, *, monitor: bool, run_lock: RunLock | None = None) -> int:
     """Supervise the trainer for `config` (already written to `config_path`) and serve telemetry until the run
-    ends; `monitor` shows the live view in this terminal (the trainer's output then goes to logs/trainer.out)."""
+    ends; `monitor` shows the live view in this terminal (the trainer's output then goes to logs/trainer.out).
+    `run_lock`: the run directory's lock when the caller took it already (before it wrote the config there)."""
     with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
-        return runner.run(Daemon(config, Path(config_path), monitor=monitor).run())
+        return runner.run(Daemon(config, Path(config_path), monitor=monitor, run_lock=run_lock).run())
 
 
 def _event_loop_factory():
@@ -118,12 +146,13 @@ class Daemon:
     """The daemon's state and wiring; also the API's RunControl (status, settings, checkpoint, stop).
 
     `trainer_command` replaces ``python -m trainer --config CONFIG`` (tests run a fake trainer), `nvml` the
-    pynvml module (tests pass a fake), `state` the state directory.
+    pynvml module (tests pass a fake), `state` the state directory, `run_lock` the run directory's lock when
+    the caller holds it already (else `run` takes it).
     """
 
     def __init__(self, config: RunConfig, config_path: Path, *, monitor: bool = False,
                  trainer_command: Sequence[str] | None = None, nvml: Any = None, state: Path | None = None,
-                 out: TextIO | None = None):
+                 out: TextIO | None = None, run_lock: RunLock | None = None):
         self.config = config
         self.config_path = Path(config_path).resolve()
         self.monitor = monitor
@@ -147,7 +176,11 @@ class Daemon:
             stop_timeout_s=config.daemon.stop_timeout_s,
             output=self.run_dir / "logs" / "trainer.out" if monitor else None,
             on_started=self._trainer_started, on_exited=self._trainer_exited, on_restart=self._trainer_restarting,
-            on_state=self._state_changed, request_trainer_stop=lambda: self._send_down(StopMessage()))
+            on_state=self._state_changed, request_trainer_stop=lambda: self._send_down(StopMessage()),
+            hang_timeout_s=self.hang_timeout_s, on_hang=self._trainer_hangs)
+        self.run_lock = run_lock
+        self._step_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        self._first_signal_at: float | None = None
         self._nvml = nvml
         self.sampler: GpuSampler | None = None
         self.ipc: IpcServer | None = None
@@ -171,9 +204,30 @@ class Daemon:
 
     async def run(self) -> int:
         self._loop = asyncio.get_running_loop()
+        try:
+            self._claim_run_dir()
+        except RunDirInUse as error:
+            print(f"ERROR: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        except OSError as error:
+            print(f"ERROR: the daemon cannot lock its run directory: {error}\nHINT: check that {self.run_dir} is "
+                  "writable", file=sys.stderr)
+            return EXIT_USAGE
+        lock = self.run_lock
+        assert lock is not None
+        try:
+            return await self._run_owned(lock)
+        finally:
+            lock.release()
+
+    async def _run_owned(self, lock: RunLock) -> int:
+        """run(), once the run directory is this daemon's."""
         self._setup_logging()
+        if lock.previous_pid is not None:
+            log.info("took over %s from pid %d, which is no longer running", lock.path, lock.previous_pid)
         try:
             try:
+                self._restore_live_settings()
                 await self._start()
             except DaemonStartError as error:
                 print(f"ERROR: {error}", file=sys.stderr)
@@ -188,12 +242,20 @@ class Daemon:
             self._teardown_logging()
         return code
 
+    def _claim_run_dir(self) -> None:
+        """Own the run directory (RunDirInUse when another daemon does); the trainer inherits the lock."""
+        if self.run_lock is None:
+            self.run_lock = RunLock.acquire(self.run_dir, self.pid)
+        self.supervisor.pass_fds = (self.run_lock.descriptor,)
+
     async def _start(self) -> None:
+        remove_stale_sockets(self.state)
         self.ipc = IpcServer(self._socket_path(), self._ipc_token, on_hello=self._trainer_hello,
                              on_message=self._trainer_message, on_disconnect=self._trainer_disconnected,
                              on_invalid=self._invalid_message)
         await self.ipc.start()
-        self.supervisor.env.update({ENV_SOCKET: str(self.ipc.path), ENV_TOKEN: self._ipc_token})
+        self.supervisor.env.update({ENV_SOCKET: str(self.ipc.path), ENV_TOKEN: self._ipc_token,
+                                    ENV_DAEMON_PID: str(self.pid)})
         if self.monitor:
             self.supervisor.env["PYTHONUNBUFFERED"] = "1"  # trainer.out should follow the run, not lag a buffer
         await self._start_api()
@@ -227,6 +289,10 @@ class Daemon:
     async def _shutdown(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._loop.remove_signal_handler(signum)
+            if self._first_signal_at is not None:
+                # Stopping on a signal: a late repeat of it (`timeout` signalling the group, then the pid; a second
+                # Ctrl-C) is the same stop, and must not kill the daemon before its teardown and the run's summary.
+                signal.signal(signum, signal.SIG_IGN)
         if self._monitor_thread is not None:
             self._monitor_stop.set()
             await asyncio.to_thread(self._monitor_thread.join, 5.0)
@@ -246,8 +312,22 @@ class Daemon:
             self._report_outcome()
 
     def _on_signal(self, signum: int) -> None:
-        log.info("received %s: stopping the run", signal.Signals(signum).name)
-        self.supervisor.request_stop()
+        """The first SIGTERM/SIGINT stops the run; one within daemon.force_stop_grace_s of it is the same stop (a
+        process-group signal, a double Ctrl-C); a later one kills the trainer without a checkpoint."""
+        name, grace = signal.Signals(signum).name, self.config.daemon.force_stop_grace_s
+        now = time.monotonic()
+        if self._first_signal_at is None:
+            self._first_signal_at = now
+            log.info("received %s: stopping the run (signal again %g s or more after this to kill the trainer "
+                     "without a checkpoint, daemon.force_stop_grace_s)", name, grace)
+            self.supervisor.request_stop()
+        elif now - self._first_signal_at >= grace:
+            log.warning("received %s again, %.0f s after the first: killing the trainer without a checkpoint",
+                        name, now - self._first_signal_at)
+            self.supervisor.request_stop(force=True)
+        else:
+            log.info("received %s again within daemon.force_stop_grace_s=%g s of the first: the same stop, the "
+                     "trainer still checkpoints", name, grace)
 
     # -------------------------------------------------------------------------------------- the API
 
@@ -312,10 +392,56 @@ class Daemon:
         log.info("settings version %d: %s", update.version,
                  ", ".join(f"{name} {update.old[name]!r} -> {value!r}" for name, value in update.new.items()))
         self._apply_in_daemon(update.new)
+        self._keep_live_settings()
         self._send_down(self.settings_store.down_message())
         self.hub.publish("settings", self.settings_store.state())
         return {"version": update.version, "old": update.old, "new": update.new, "values": update.values,
                 "applies_at_step": self._next_safe_step(), "status": "pending"}
+
+    def _keep_live_settings(self) -> None:
+        """Write the live settings into the run directory, beside the config's values they differ from, so that
+        a stop and resume starts from them (`_restore_live_settings`)."""
+        path = self.run_dir / LIVE_SETTINGS_FILE
+        kept = {"values": self.settings_store.values.public(), "config": initial_live_settings(self.config).public()}
+        temporary = path.with_name(f".{path.name}.tmp-{self.pid}")
+        try:
+            temporary.write_text(json.dumps(kept, indent=2) + "\n", encoding="utf-8")
+            os.replace(temporary, path)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            log.warning("could not keep the live settings in %s (%s): they hold for this run, but a stop and resume "
+                        "would start from the config's values", path, error.strerror or error)
+
+    def _restore_live_settings(self) -> None:
+        """Re-apply the live settings a previous daemon of this run kept, where the config still sets what they
+        were changed from (a value the config changes since wins)."""
+        path = self.run_dir / LIVE_SETTINGS_FILE
+        if self.config.trainer.resume_mode == "disable":
+            return
+        try:
+            kept = json.loads(path.read_text(encoding="utf-8"))
+            values, configured = dict(kept["values"]), dict(kept["config"])
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            log.warning("ignored the kept live settings in %s: %s", path, error)
+            return
+        now = self.settings_store.values.public()
+        live = {name: value for name, value in values.items()
+                if name in now and name in configured and value != configured[name]}
+        for name in [name for name in live if configured[name] != now[name]]:
+            log.info("live setting %s was %r before the stop, but the config changed it from %r to %r since: "
+                     "the config's value holds", name, live.pop(name), configured[name], now[name])
+        if not live:
+            return
+        try:
+            self.update_settings(live, source="resume")
+        except Exception as error:  # a value no longer allowed, an audit log that cannot be written: the run
+            # then starts from the config's values rather than not at all
+            log.warning("could not re-apply the live settings kept in %s: %s", path, error)
+            return
+        log.info("re-applied the live settings of this run from before its stop (%s): %s", path,
+                 ", ".join(f"{name}={value!r}" for name, value in live.items()))
 
     def request_checkpoint(self) -> dict[str, Any]:
         reached = self._send_down(CheckpointNowMessage())
@@ -324,10 +450,16 @@ class Daemon:
                 "detail": "the trainer saves a checkpoint at its next safe point" if reached
                 else "no trainer is connected right now; ask again once it runs"}
 
-    def request_stop(self) -> dict[str, Any]:
-        self.supervisor.request_stop()
-        return {"status": "stopping", "detail": "the trainer checkpoints at its next safe point and exits; "
-                                                "then the daemon exits 0"}
+    def request_stop(self, force: bool = False) -> dict[str, Any]:
+        """Idempotent: a second request is the same stop. `force` kills the trainer without a checkpoint."""
+        first = self.supervisor.request_stop(force=force)
+        if force:
+            return {"status": "killing", "detail": "the trainer is killed without a checkpoint; then the daemon "
+                                                   "exits 0"}
+        return {"status": "stopping", "detail": ("the trainer checkpoints at its next safe point and exits; then "
+                                                 "the daemon exits 0") if first else
+                ("already stopping: the trainer checkpoints at its next safe point and exits; `verl stop --force` "
+                 "kills it without a checkpoint")}
 
     # ------------------------------------------------------------------------------- trainer events
 
@@ -341,10 +473,13 @@ class Daemon:
             self.metrics.set_total_steps(hello.total_steps)
         # The current values, every time: a change made before a restart holds in the new trainer.
         connection.send(self.settings_store.down_message())
-        self.supervisor.trainer_connected()
+        if connection.rank == 0:
+            self.supervisor.trainer_connected()
 
     def _trainer_message(self, connection: TrainerConnection, message: UpMessage) -> None:
         """One decoded message (daemon/ipc.py refused the malformed ones and never passes a hello here)."""
+        if connection.rank == 0 and isinstance(message, SIGNS_OF_LIFE):
+            self.supervisor.beat()
         match message:
             case StepMessage():
                 self._on_step(connection, message)
@@ -353,20 +488,28 @@ class Daemon:
             case OffloadMessage():
                 self._on_offload(message)
             case LogMessage():
-                self.hub.publish("log", {"level": message.level, "message": message.message, "source": "trainer"})
+                # With the time the trainer wrote the line: its lines wait for the connection (those of its
+                # start) or in its queue, so they can arrive after daemon lines written later.
+                self.hub.publish("log", {"level": message.level, "message": message.message, "source": "trainer",
+                                         "time": message.time})
             case SettingsAckMessage():
                 self._on_settings_ack(connection, message)
             case CheckpointMessage():
-                self._on_checkpoint(message)
+                pass  # a sign of life; the trainer's own "checkpoint saved" log line tells the stream
             case DroppedMessage():
                 self.dropped_messages += message.count
                 self.metrics.count_dropped("trainer", message.count)
+            case HeartbeatMessage():
+                pass  # a sign of life, counted above
             case HelloMessage():
                 pass  # only ever the first line, which the IPC server reads itself
 
     def _on_step(self, connection: TrainerConnection, message: StepMessage) -> None:
         if connection.rank == 0:
             self.progress = self.progress.model_copy(update={"step": message.step})
+            step_seconds = message.metrics.get("timing_s/step")
+            if step_seconds is not None and step_seconds > 0:
+                self._step_seconds.append(step_seconds)
         self.hub.publish("step", message)
         self.metrics.observe_step(message.step, message.metrics)
 
@@ -394,10 +537,6 @@ class Daemon:
                  message.step)
         self.hub.publish("settings", self.settings_store.state())
 
-    def _on_checkpoint(self, message: CheckpointMessage) -> None:
-        self.hub.publish("log", {"level": "info", "message": f"checkpoint saved at step {message.step}: {message.path}",
-                                 "source": "trainer", "checkpoint": {"step": message.step, "path": message.path}})
-
     def _invalid_message(self, connection: TrainerConnection, problem: str) -> None:
         self.dropped_messages += 1
         self.metrics.count_dropped("ipc", 1)
@@ -406,6 +545,7 @@ class Daemon:
     def _trainer_disconnected(self, connection: TrainerConnection) -> None:
         log.info("trainer pid %s disconnected", connection.pid)
         if connection.rank == 0:
+            self.supervisor.trainer_disconnected()
             self.progress = self.progress.model_copy(update={"phase": None, "phase_since": None})
             self._phase_step = None
 
@@ -414,11 +554,26 @@ class Daemon:
     def _trainer_started(self, pid: int) -> None:
         log.info("trainer started: pid %d", pid)
         self._write_runtime_file()
+        if self.run_lock is not None:
+            self.run_lock.record_trainers(self.supervisor.pids)
         self._publish_status()
 
     def _trainer_exited(self, pid: int, returncode: int) -> None:
         log.info("trainer pid %d exited with code %d", pid, returncode)
         self._write_runtime_file()
+
+    def hang_timeout_s(self) -> float:
+        """daemon.hang_timeout_s, else derived from the median step time so far (derived_hang_timeout)."""
+        configured = self.config.daemon.hang_timeout_s
+        return configured if configured is not None else derived_hang_timeout(self._step_seconds)
+
+    def _trainer_hangs(self, pid: int, silent_s: float) -> None:
+        """Mark the stacks the hung trainer is about to write into its log."""
+        log_path = self.run_dir / "logs" / "trainer.log"
+        with contextlib.suppress(OSError), log_path.open("a", encoding="utf-8") as file:
+            file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR the verl daemon heard nothing from trainer pid "
+                       f"{pid} for {silent_s:.0f} s (daemon.hang_timeout_s {self.hang_timeout_s():.0f} s): its "
+                       "Python stacks follow; it is then killed and restarted from its latest checkpoint\n")
 
     def _trainer_restarting(self, event: dict[str, Any]) -> None:
         self.metrics.count_restart(event["reason"])
@@ -500,7 +655,9 @@ class Daemon:
     def _teardown_logging(self) -> None:
         for logger, handler in self._log_handlers:
             logger.removeHandler(handler)
-            handler.close()
+            # A full disk fails the last flush of daemon.log: the lines are lost either way, the exit code must not be.
+            with contextlib.suppress(OSError):
+                handler.close()
         self._log_handlers.clear()
 
     def _start_monitor(self) -> None:
@@ -547,7 +704,7 @@ class _HubLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self._hub.publish("log", {"level": record.levelname.lower(), "message": record.getMessage(),
-                                  "source": "daemon"})
+                                  "source": "daemon", "time": record.created})
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -4,13 +4,18 @@ A change is validated as a whole (trainer.config.live.apply_change: all or nothi
 the next version number; the trainer applies it at its next safe point and acknowledges the
 version with the step it applied at. Every accepted, rejected and applied change is one JSON
 line of ``runs/<name>/settings_audit.jsonl``: time, version, old, new, source, result (and
-problems or step). The current values go to every trainer that connects (`down_message`), so
-a change outlives a trainer restart.
+problems or step). An accepted change takes effect only once its line is written, so the log
+never misses one (a full disk refuses the change instead); a rejected value is kept as a short
+excerpt. The current values go to every trainer that connects (`down_message`), so a change
+outlives a trainer restart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,15 +23,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.schemas import SettingInfo, SettingsBody
+from api.schemas import LARGEST_INTEGER, SettingInfo, SettingsBody, SettingsNotSavedError
 from trainer.config.live import (
     APPLIED_BY,
     SETTING_NAMES,
     LiveSettings,
+    SettingProblem,
     SettingsRejected,
     apply_change,
 )
 from trainer.config.messages import SettingsMessage, SettingsState
+
+log = logging.getLogger("verl.daemon.settings")
+EXCERPT_CHARS = 80
+"""How much of a rejected value or name the logs, the audit and the 422 answer keep."""
+_WHOLE_NUMBER_SETTINGS = frozenset(field.alias or name for name, field in LiveSettings.model_fields.items()
+                                   if field.annotation is int)
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,8 @@ class SettingsStore:
         return self._values
 
     def update(self, change: Mapping[str, Any], *, source: str = "api") -> SettingsUpdate:
-        """Apply `change` (public name -> value) as a new version, or raise SettingsRejected changing nothing.
+        """Apply `change` (public name -> value) as a new version, or raise changing nothing:
+        SettingsRejected naming every bad entry, or SettingsNotSavedError when the audit log cannot be written.
 
         `old` and `new` of the answer hold only the settings whose value changes; when none does (every
         value asked for is already in effect), both are empty and the version stays as it is.
@@ -74,14 +87,9 @@ class SettingsStore:
         with self._lock:
             current = self._values.public()
             try:
-                updated = apply_change(self._values, change)
+                updated = checked_change(self._values, change)
             except SettingsRejected as rejected:
-                known = {name: current[name] for name in change if name in current} if isinstance(change, Mapping) \
-                    else {}
-                self._audit({"version": None, "old": known, "new": dict(change) if isinstance(change, Mapping)
-                             else change, "source": source, "result": "rejected",
-                             "problems": [{"setting": problem.setting, "message": problem.message}
-                                          for problem in rejected.problems]})
+                self._audit_rejected(change, current, rejected, source)
                 raise
             values = updated.public()
             changed = [name for name in change if values[name] != current[name]]
@@ -89,12 +97,18 @@ class SettingsStore:
             if not changed:
                 # Asking for the values already in effect: no version, nothing for the trainer, no audit line.
                 return SettingsUpdate(self.version, old, new, values)
-            self._values = updated
-            self.version += 1
-            result = SettingsUpdate(self.version, old, new, values)
-            self._changes[self.version] = result
-            self._audit({"version": result.version, "old": result.old, "new": result.new, "source": source,
-                         "result": "accepted"})
+            result = SettingsUpdate(self.version + 1, old, new, values)
+            try:
+                self._audit({"version": result.version, "old": result.old, "new": result.new, "source": source,
+                             "result": "accepted"})
+            except OSError as error:
+                log.warning("settings change not made: the audit log %s cannot be written (%s)", self.audit_path,
+                            error)
+                raise SettingsNotSavedError(
+                    f"the change was not made: the settings audit log {self.audit_path} cannot be written ({error}); "
+                    "free some disk space and send it again") from None
+            self._values, self.version = updated, result.version
+            self._changes[result.version] = result
             return result
 
     def acknowledge(self, version: int, step: int) -> SettingsUpdate | None:
@@ -108,8 +122,8 @@ class SettingsStore:
             change = self._changes.get(version)
             if change is not None:
                 # Logged on every acknowledgement, so a re-application after a trainer restart shows too.
-                self._audit({"version": version, "old": change.old, "new": change.new, "source": "trainer",
-                             "result": "applied", "step": step})
+                self._audit_or_warn({"version": version, "old": change.old, "new": change.new, "source": "trainer",
+                                     "result": "applied", "step": step})
             return change if news else None
 
     def down_message(self) -> SettingsMessage:
@@ -132,8 +146,92 @@ class SettingsStore:
             SettingInfo(name=name, value=values[name], applied_by=APPLIED_BY[name],
                         description=fields[name].description or "") for name in SETTING_NAMES])
 
+    def _audit_rejected(self, change: Any, current: dict[str, Any], rejected: SettingsRejected, source: str) -> None:
+        asked = change if isinstance(change, Mapping) else {}
+        self._audit_or_warn({
+            "version": None, "old": {name: current[name] for name in asked if name in current},
+            "new": {excerpt(str(name)): _short(value) for name, value in asked.items()} if asked else _short(change),
+            "source": source, "result": "rejected",
+            "problems": [{"setting": problem.setting, "message": problem.message} for problem in rejected.problems]})
+
+    def _audit_or_warn(self, entry: dict[str, Any]) -> None:
+        """For what happened anyway (a rejection, a trainer's acknowledgement): a line lost is only warned about."""
+        try:
+            self._audit(entry)
+        except OSError as error:
+            log.warning("settings audit log %s: a %s line is lost (%s)", self.audit_path, entry["result"], error)
+
     def _audit(self, entry: dict[str, Any]) -> None:
+        """Append one whole line, or nothing: a write cut short by a full disk is taken back, so the next line
+        does not continue a broken one."""
         self.audit_path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"time": self._clock(), **entry}, default=repr)
-        with self.audit_path.open("a", encoding="utf-8") as file:
-            file.write(line + "\n")
+        data = (json.dumps({"time": self._clock(), **entry}, default=repr) + "\n").encode()
+        descriptor = os.open(self.audit_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.lseek(descriptor, 0, os.SEEK_END)
+            try:
+                written = 0
+                while written < len(data):
+                    written += os.write(descriptor, data[written:])
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(descriptor, end)
+                raise
+        finally:
+            os.close(descriptor)
+
+
+def checked_change(current: LiveSettings, change: Mapping[str, Any]) -> LiveSettings:
+    """`current` with `change` applied, or SettingsRejected naming every bad entry at once: unknown names and
+    bad values alike (apply_change stops at unknown names), whole numbers beyond LARGEST_INTEGER (which no
+    reader of the API's JSON holds), each rejected value and name cut to an excerpt."""
+    if not isinstance(change, Mapping) or not change:
+        return apply_change(current, change)  # raises: the body as a whole is wrong
+    unknown = {name: value for name, value in change.items() if name not in APPLIED_BY}
+    known = {name: _as_json_number(name, value) for name, value in change.items() if name in APPLIED_BY}
+    problems: list[SettingProblem] = []
+    updated = current
+    for part in (unknown, known):
+        try:
+            updated = apply_change(current, part) if part else updated
+        except SettingsRejected as rejected:
+            problems += rejected.problems
+    named = {problem.setting for problem in problems}
+    problems += [SettingProblem(name, f"got {excerpt(repr(change[name]))}: too large; allowed: a whole number <= "
+                                      f"{LARGEST_INTEGER}")
+                 for name, value in known.items()
+                 if name not in named and isinstance(value, int) and abs(value) > LARGEST_INTEGER]
+    if problems:
+        raise SettingsRejected([_shortened(problem, change) for problem in problems])
+    return updated
+
+
+def _as_json_number(name: str, value: Any) -> Any:
+    """JSON has one kind of number: 4.0 is the whole number 4 (JSON Schema's "integer" takes it too)."""
+    if name in _WHOLE_NUMBER_SETTINGS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _shortened(problem: SettingProblem, change: Mapping[str, Any]) -> SettingProblem:
+    """The problem with its setting's name and value cut to excerpts (apply_change quotes the value whole)."""
+    message = problem.message
+    if problem.setting in change:
+        quoted = repr(change[problem.setting])
+        message = message.replace(quoted, excerpt(quoted), 1)
+    return SettingProblem(excerpt(problem.setting), message)
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """`text` cut to `limit` characters, saying how long it was, and safe to write as UTF-8 (a JSON body
+    may hold lone surrogates, which would make the answer, the log and the audit log fail)."""
+    safe = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(safe) <= limit:
+        return safe
+    return f"{safe[:limit]}... ({len(text)} characters)"
+
+
+def _short(value: Any) -> Any:
+    """A rejected value for the audit log: as it came when short, else an excerpt of its JSON."""
+    text = json.dumps(value, default=repr)
+    return value if len(text) <= EXCERPT_CHARS else excerpt(text)

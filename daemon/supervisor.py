@@ -10,7 +10,15 @@
   after that the daemon gives up and exits 1.
 - a stop request (SIGTERM/SIGINT to the daemon, or the API): the trainer is asked over IPC and
   by SIGTERM to checkpoint at its next safe point and exit; after ``daemon.stop_timeout_s`` it
-  is killed. A second request kills it at once. The daemon then exits 0.
+  is killed. Stop requests are idempotent: a second one is the same stop. Only a forced stop
+  (`verl stop --force`; the daemon turns a late repeated signal into one) kills the trainer at
+  once, without a checkpoint. The daemon then exits 0.
+- a hang: a trainer that has said hello and then sends no heartbeat (`beat`) for the hang timeout
+  is made to write its Python stacks (STACK_DUMP_SIGNAL, faulthandler) and killed, then restarted
+  like a crash, counted under the reason "hang".
+
+The trainer runs in a session of its own, so a signal to the daemon's process group (Ctrl-C,
+`timeout`) reaches the daemon alone, which forwards one stop.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.config.ipc import STACK_DUMP_SIGNAL
+
 log = logging.getLogger("verl.daemon.supervisor")
 
 EXIT_OK = 0
@@ -35,6 +45,8 @@ EXIT_USAGE = 2  # the trainer's "fix your config/data" exit code, passed on as t
 # The trainer's exit code for an unrecovered out-of-memory error: the same value as
 # trainer/main.py's EXIT_OUT_OF_MEMORY (the daemon must not import that module; change both).
 EXIT_OUT_OF_MEMORY = 12
+STACK_DUMP_WAIT_S = 2.0
+"""How long a hung trainer gets to write its stacks before it is killed (faulthandler writes at once)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,9 @@ class Supervisor:
     from the event loop.
 
     Hooks: on_started(pid), on_exited(pid, returncode), on_restart(event) with the "restart" event data,
-    on_state(state), request_trainer_stop() (sends "stop" over IPC).
+    on_state(state), request_trainer_stop() (sends "stop" over IPC), on_hang(pid, silent_s) just before a hung
+    trainer is made to dump its stacks. `hang_timeout_s()` is the current hang timeout (None: no watchdog);
+    `pass_fds` are descriptors the trainer inherits (the run directory's lock).
     """
 
     def __init__(self, command: Sequence[str], *, policy: RestartPolicy, stop_timeout_s: float,
@@ -81,14 +95,21 @@ class Supervisor:
                  on_exited: Callable[[int, int], None] = lambda pid, returncode: None,
                  on_restart: Callable[[dict[str, Any]], None] = lambda event: None,
                  on_state: Callable[[str], None] = lambda state: None,
-                 request_trainer_stop: Callable[[], None] = lambda: None):
+                 request_trainer_stop: Callable[[], None] = lambda: None,
+                 hang_timeout_s: Callable[[], float] | None = None,
+                 on_hang: Callable[[int, float], None] = lambda pid, silent_s: None,
+                 pass_fds: Sequence[int] = ()):
         self.command = list(command)
         self.policy = policy
         self.stop_timeout_s = stop_timeout_s
         self.env = dict(os.environ if env is None else env)
         self.output = output
+        self.pass_fds = tuple(pass_fds)
         self._on_started, self._on_exited, self._on_restart = on_started, on_exited, on_restart
         self._on_state, self._request_trainer_stop = on_state, request_trainer_stop
+        self._hang_timeout_s, self._on_hang = hang_timeout_s, on_hang
+        self._heard_at: float | None = None  # monotonic time of the trainer's last sign of life; None: not watched
+        self._hung = False  # the current trainer was killed as hung
         self.state = "starting"
         self.restarts = 0
         self.restarts_by_reason: Counter[str] = Counter()
@@ -113,11 +134,12 @@ class Supervisor:
             if outcome is not None:
                 return outcome
             self.restarts += 1
-            reason = exit_reason(returncode)
+            reason = "hang" if self._hung else exit_reason(returncode)
             self.restarts_by_reason[reason] += 1
             delay = self.policy.delay(self.restarts)
             log.warning("trainer %s; restart %d of %d in %.1f s (it resumes from its latest checkpoint)",
-                        describe_exit(returncode), self.restarts, self.policy.max_restarts, delay)
+                        "hung and was killed" if self._hung else describe_exit(returncode), self.restarts,
+                        self.policy.max_restarts, delay)
             self._set_state("restarting")
             self._on_restart({"reason": reason, "exit_code": returncode, "restarts": self.restarts,
                               "backoff_s": delay})
@@ -128,34 +150,54 @@ class Supervisor:
         return EXIT_OK
 
     def trainer_connected(self) -> None:
-        """The trainer said hello: it is past its start-up."""
+        """The trainer said hello: it is past its start-up, and from now on it must keep sending heartbeats."""
+        self._heard_at = time.monotonic()
         if self.state in ("starting", "restarting"):
             self._set_state("running")
 
-    def request_stop(self) -> None:
-        """Ask the trainer to checkpoint and exit (killed after stop_timeout_s); a second request kills it now."""
+    def trainer_disconnected(self) -> None:
+        """No link, so no heartbeats to expect until the next hello."""
+        self._heard_at = None
+
+    def beat(self) -> None:
+        """The trainer's main thread made progress (a heartbeat, phase, step ... message)."""
+        if self._heard_at is not None:
+            self._heard_at = time.monotonic()
+
+    def request_stop(self, *, force: bool = False) -> bool:
+        """Ask the trainer to checkpoint and exit (killed after stop_timeout_s). Idempotent: a request while
+        stopping is the same stop. `force` kills the trainer now, without a checkpoint. Whether this request
+        started the stop (False: one was under way)."""
         if self._stop_requested is None:
             self._stop_requested = asyncio.Event()
         process = self._process
         alive = process is not None and process.returncode is None
-        if self._stop_requested.is_set():
-            if alive:
-                log.warning("second stop request: killing the trainer (pid %d) without a checkpoint", process.pid)
-                _signal(process, signal.SIGKILL)
-            return
+        pid = process.pid if process is not None else None
+        first = not self._stop_requested.is_set()
         self._stop_requested.set()
-        if self.state not in ("finished", "failed"):
+        if first and self.state not in ("finished", "failed"):
             self._set_state("stopping")
-        if alive:
-            log.info("stopping: the trainer (pid %d) checkpoints at its next safe point, then exits "
-                     "(killed after %.0f s; stop again to kill it now)", process.pid, self.stop_timeout_s)
+        if force:
+            if alive:
+                log.warning("forced stop: killing the trainer (pid %s) without a checkpoint", pid)
+                _signal(process, signal.SIGKILL)
+        elif not first:
+            if alive:
+                log.info("already stopping: the trainer (pid %s) checkpoints at its next safe point, then exits "
+                         "(`verl stop --force` kills it without a checkpoint)", pid)
+        elif alive:
+            log.info("stopping: the trainer (pid %s) checkpoints at its next safe point, then exits "
+                     "(killed after %.0f s; `verl stop --force` kills it now, without a checkpoint)", pid,
+                     self.stop_timeout_s)
             self._request_trainer_stop()
             _signal(process, signal.SIGTERM)
+        return first
 
     # ------------------------------------------------------------------------------------ helpers
 
     async def _run_once(self) -> int:
         self._set_state("starting")
+        self._heard_at, self._hung = None, False
         process = await self._spawn()
         self._process = process
         self._on_started(process.pid)
@@ -176,9 +218,11 @@ class Supervisor:
                          .encode())
             output.flush()
         try:
+            # A session of its own: a signal to the daemon's process group (Ctrl-C, `timeout`) does not reach it.
             return await asyncio.create_subprocess_exec(
                 *self.command, env=self.env, stdin=asyncio.subprocess.DEVNULL, stdout=output,
-                stderr=asyncio.subprocess.STDOUT if output is not None else None)
+                stderr=asyncio.subprocess.STDOUT if output is not None else None, start_new_session=True,
+                pass_fds=self.pass_fds)
         finally:
             if output is not None:
                 output.close()  # the child has its own copy of the descriptor
@@ -186,9 +230,10 @@ class Supervisor:
     async def _wait(self, process: asyncio.subprocess.Process) -> int:
         exited = asyncio.ensure_future(process.wait())
         stop = asyncio.ensure_future(self._stop_requested.wait())
+        watchdog = asyncio.ensure_future(self._watch_for_hang(process))
         try:
-            await asyncio.wait({exited, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not exited.done():
+            await asyncio.wait({exited, stop, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not exited.done() and stop.done():
                 try:
                     await asyncio.wait_for(asyncio.shield(exited), self.stop_timeout_s)
                 except TimeoutError:
@@ -198,6 +243,31 @@ class Supervisor:
             return await exited
         finally:
             stop.cancel()
+            watchdog.cancel()
+
+    async def _watch_for_hang(self, process: asyncio.subprocess.Process) -> None:
+        """Returns once it has killed `process` for sending no heartbeat within the hang timeout."""
+        hang_timeout_s = self._hang_timeout_s
+        if hang_timeout_s is None:
+            await asyncio.Event().wait()  # no watchdog: wait for ever (cancelled with the trainer)
+            return
+        while True:
+            timeout = hang_timeout_s()
+            await asyncio.sleep(min(1.0, timeout / 4))
+            heard_at = self._heard_at
+            if heard_at is None or self.stopping or time.monotonic() - heard_at < timeout:
+                continue
+            silent = time.monotonic() - heard_at
+            log.error("the trainer (pid %d) sent no heartbeat for %.0f s (daemon.hang_timeout_s=%.0f): it hangs; "
+                      "its Python stacks go to logs/trainer.log, then it is killed and restarted from its latest "
+                      "checkpoint", process.pid, silent, timeout)
+            self._on_hang(process.pid, silent)
+            self._hung = True
+            _signal(process, STACK_DUMP_SIGNAL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(process.wait()), STACK_DUMP_WAIT_S)
+            _signal(process, signal.SIGKILL)
+            return
 
     def _judge(self, returncode: int) -> int | None:
         """The daemon's exit code for this trainer exit, or None to restart it."""

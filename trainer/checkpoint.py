@@ -7,12 +7,14 @@ a crash at any moment leaves either a complete checkpoint or none: never half of
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from trainer.offload.layout import format_bytes, storage_bytes
@@ -26,6 +28,15 @@ _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message says which and why."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (a full disk, most often): nothing of it is left, the
+    previous checkpoints are intact, and a later save may succeed."""
+
+
+class FinalCheckpointError(CheckpointError):
+    """The run's last checkpoint could not be written; the message says what was written instead."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -60,10 +71,10 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
     shutil.rmtree(partial, ignore_errors=True)
     needed, free = checkpoint_bytes(models, state), shutil.disk_usage(root).free
     if needed > free:
-        raise CheckpointError(f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: it needs "
-                              f"about {format_bytes(needed)} and {format_bytes(free)} is free; free some space, keep "
-                              "fewer checkpoints (trainer.max_ckpt_to_keep) or write the run elsewhere "
-                              "(trainer.runs_dir)")
+        raise CheckpointWriteError(f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: it "
+                                   f"needs about {format_bytes(needed)} and {format_bytes(free)} is free; free some "
+                                   "space, keep fewer checkpoints (trainer.max_ckpt_to_keep) or write the run "
+                                   "elsewhere (trainer.runs_dir)")
     try:
         partial.mkdir()
         for role, model in models.items():
@@ -74,26 +85,97 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
         _fsync_tree(partial)
     except (OSError, RuntimeError) as error:
         # torch.save reports a full disk as a RuntimeError of its zip writer, not as an OSError.
-        shutil.rmtree(partial, ignore_errors=True)
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        free = shutil.disk_usage(root).free
-        raise CheckpointError(f"could not write the checkpoint of step {step} to {str(root)!r} ({detail}); "
-                              f"{format_bytes(free)} is free there, it needs about {format_bytes(needed)}") from None
+        raise _write_failure(f"the checkpoint of step {step}", root, partial, needed, error) from None
     _move_into_place(partial, final)
-    _write_atomically(root / LATEST, f"{step}\n")
+    try:
+        _write_atomically(root / LATEST, f"{step}\n")
+    except OSError as error:
+        raise CheckpointWriteError(f"the checkpoint of step {step} is complete in {str(final)!r}, but {LATEST} "
+                                   f"could not be updated ({_one_line(error)})") from None
     if keep is not None:
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def save_weights(run_dir: Path, step: int, model: torch.nn.Module) -> Path:
+    """The policy's weights alone, as a HuggingFace directory (config.json and model.safetensors) under
+    <run_dir>/checkpoints/weights_step_N/: what a run keeps when its full checkpoint no longer fits."""
+    root = checkpoints_dir(run_dir)
+    final = root / f"weights_step_{step}"
+    partial = root / f".weights_step_{step}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    needed = _weights_bytes(model)
+    try:
+        partial.mkdir(parents=True)
+        save_model(model, str(partial / "model.safetensors"))
+        config = getattr(model, "config", None)
+        if config is not None:
+            config.to_json_file(str(partial / "config.json"))
+        _fsync_tree(partial)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+    except (OSError, RuntimeError) as error:
+        raise _write_failure(f"the weights of step {step}", root, partial, needed, error) from None
+    return final
+
+
+def _write_failure(what: str, root: Path, partial: Path, needed: int, error: BaseException) -> CheckpointWriteError:
+    """The error for a save that failed part way, once its partial folder is removed. The free space is the
+    disk's when the write failed: measured after the removal it would be the space the save had found."""
+    written = sum(path.stat().st_size for path in partial.rglob("*") if path.is_file()) if partial.is_dir() else 0
+    free = shutil.disk_usage(root).free
+    shutil.rmtree(partial, ignore_errors=True)
+    return CheckpointWriteError(f"could not write {what} to {str(root)!r} ({_one_line(error)}) after "
+                                f"{format_bytes(written)} of about {format_bytes(needed)}; {format_bytes(free)} was "
+                                "free then")
+
+
+def _one_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+# What the file formats add to the tensors' bytes, over-counted so the estimate is never below what
+# a save writes: safetensors' JSON header (name, dtype, shape, offsets) per tensor; torch.save's zip
+# record (local header, 64-byte alignment, central directory entry) and pickled rebuild call per
+# storage; each file's and folder's last partly used disk block.
+_SAFETENSORS_ENTRY_BYTES = 160
+_ZIP_RECORD_BYTES = 512
+_FILE_BYTES = 2 * 4096
+_ZIP_FIXED_BYTES = 4096
+
+
 def checkpoint_bytes(models: dict[str, torch.nn.Module], state: dict[str, Any]) -> int:
-    """About the bytes a checkpoint of `models` and `state` takes on disk: each model's tensors
-    (safetensors writes a tied weight once), and the storages `state` holds (torch.save writes a
-    view's whole storage)."""
-    weights = sum(tensor.nbytes for model in models.values()
-                  for tensor in {tensor.data_ptr(): tensor for tensor in model.state_dict().values()}.values())
-    return weights + storage_bytes(nested_tensors(state))
+    """At least the bytes a checkpoint of `models` and `state` takes on disk: each model's tensors
+    (safetensors writes a tied weight once) with their headers, the storages `state` holds (torch.save
+    writes a view's whole storage) with their zip records, and the pickled rest of `state` (RNG
+    states, counters)."""
+    weights = sum(_weights_bytes(model) for model in models.values())
+    tensors = nested_tensors(state)
+    storages = len({tensor.untyped_storage().data_ptr() for tensor in tensors})
+    state_file = (storage_bytes(tensors) + storages * _ZIP_RECORD_BYTES + _ZIP_FIXED_BYTES
+                  + len(pickle.dumps(_without_tensors(state), protocol=2)))
+    # The checkpoint's folder and each model's, the state file and the step file.
+    return weights + state_file + _FILE_BYTES * (len(models) + 3)
+
+
+def _weights_bytes(model: torch.nn.Module) -> int:
+    """A model's model.safetensors: its distinct tensors, and a header entry for each name."""
+    state = model.state_dict()
+    distinct = {tensor.data_ptr(): tensor for tensor in state.values()}.values()
+    return (sum(int(tensor.nbytes) for tensor in distinct) + _FILE_BYTES
+            + sum(len(name) + _SAFETENSORS_ENTRY_BYTES for name in state))
+
+
+def _without_tensors(value: Any) -> Any:
+    """`value` with each tensor replaced by None: what torch.save pickles besides the storages."""
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, dict):
+        return {key: _without_tensors(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_tensors(item) for item in value]
+    return value
 
 
 def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str, Any]:
@@ -109,6 +191,10 @@ def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str,
         device = next(model.parameters()).device
         try:
             missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
+        except SafetensorError as error:
+            raise CheckpointError(f"{str(weights)!r} is damaged ({_one_line(error)}); resume from an earlier "
+                                  "checkpoint (trainer.resume_mode=resume_path, trainer.resume_from_path) or remove "
+                                  "this one") from None
         except RuntimeError as error:
             # Missing or extra tensors are returned, but a tensor of another shape makes torch raise.
             detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line),
@@ -117,8 +203,14 @@ def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str,
         if missing or unexpected:
             raise CheckpointError(f"the {role} weights in {str(path)!r} do not fit the model "
                                   f"(missing {len(missing)}, unexpected {len(unexpected)} tensors)")
-    # Our own file, holding numpy and Python RNG states that weights_only loading refuses.
-    return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    try:
+        # Our own file, holding numpy and Python RNG states that weights_only loading refuses.
+        state: dict[str, Any] = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(f"{str(path / TRAINER_STATE)!r} is damaged ({_one_line(error)}); resume from an "
+                              "earlier checkpoint (trainer.resume_mode=resume_path, trainer.resume_from_path) or "
+                              "remove this one") from None
+    return state
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:
@@ -128,6 +220,7 @@ def remove_partial_checkpoints(run_dir: Path) -> None:
     - ``.global_step_N.stale-PID``: the previous copy of a step being saved again. A save killed between
       its two renames leaves this as the only complete copy of step N (``global_step_N`` is then missing):
       it is renamed back into place; otherwise it is removed.
+    - ``.latest_checkpointed_iteration.txt.tmp-PID``: the step file of a save killed before its rename: removed.
 
     Folders of a process still alive are left alone: it may be saving into this run right now (a second
     trainer on the same run directory, or one still shutting down), and its own rename would then fail.
@@ -145,6 +238,10 @@ def remove_partial_checkpoints(run_dir: Path) -> None:
             _fsync_directory(root)
         else:
             shutil.rmtree(path, ignore_errors=True)
+    for path in root.glob(f".{LATEST}.tmp-*"):
+        pid = path.name.rpartition("-")[2]
+        if pid.isdigit() and not _is_alive(int(pid)):
+            path.unlink(missing_ok=True)
 
 
 _LEFTOVER = re.compile(r"^\.global_step_(?P<step>\d+)\.(?P<kind>partial|stale)-(?P<pid>\d+)$")

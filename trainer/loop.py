@@ -19,18 +19,22 @@ import torch
 from trainer.algorithms import apply_kl_penalty, build_kl_controller, get_advantage_estimator
 from trainer.checkpoint import (
     CheckpointError,
+    CheckpointWriteError,
+    FinalCheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     remove_partial_checkpoints,
     save_checkpoint,
+    save_weights,
 )
-from trainer.config import RunConfig, dump_config
+from trainer.config import BUILTIN_PREFIX, RunConfig, dump_config
 from trainer.config.live import LiveSettings, initial_live_settings
 from trainer.config.messages import (
     CheckpointMessage,
     CheckpointNowMessage,
     DownMessage,
+    HeartbeatMessage,
     Phase,
     PhaseMessage,
     Role,
@@ -41,6 +45,7 @@ from trainer.config.messages import (
     UpMessage,
 )
 from trainer.data import PromptRecord, PromptSampler, load_records
+from trainer.data.checks import check_prompts
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
 from trainer.metrics import (
@@ -72,6 +77,10 @@ class TelemetryLink(Protocol):
     def send(self, message: UpMessage) -> None: ...
 
     def poll(self) -> list[DownMessage]: ...
+
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""Heartbeats go to the daemon at most this often; the daemon restarts a trainer silent for daemon.hang_timeout_s."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,8 +119,13 @@ class Trainer:
         self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.tokenizer_path
                                         or config.actor_rollout_ref.model.path,
                                         trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
-        self.records = load_records(config.data.train_files, config.data.prompt_key)
-        self.val_records = load_records(config.data.val_files, config.data.prompt_key) if config.data.val_files else []
+        # The built-in rule scorers compare each response with the row's ground truth.
+        builtin_scoring = not config.reward_model.enable and config.custom_reward_function.path is None
+        self.records = load_records(config.data.train_files, config.data.prompt_key,
+                                    require_ground_truth=builtin_scoring)
+        self.val_records = load_records(config.data.val_files, config.data.prompt_key,
+                                        require_ground_truth=builtin_scoring) if config.data.val_files else []
+        self._check_prompts()
         try:
             self.sampler = PromptSampler(len(self.records), config.data.train_batch_size,
                                          shuffle=config.data.shuffle, seed=config.data.seed)
@@ -127,20 +141,23 @@ class Trainer:
         self._build_models()
         self.reward_fn = self._build_reward()
         self.memory.finish_placement()
-        # Dynamic offload acts between decode chunks too.
+        # Dynamic offload acts between decode chunks too (a heartbeat goes with it).
         self.rollout = HFRollout(self.actor.model, self.tokenizer, config.actor_rollout_ref.rollout,
                                  config.data.max_response_length,
-                                 safe_point=self.memory.safe_point if self.memory.moves_layers else None)
+                                 safe_point=self._rollout_safe_point if self.memory.moves_layers else None)
         self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
         self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", warn=lambda message: self.warn(message))
+        self.checkpoint_failures = 0  # saves that failed since the last step's metrics (checkpoint/failures)
+        self._checkpoint_failing = False  # the latest save failed (checkpoint/failing)
         self.step = 0
         self._resumed = False
         self._checkpoint_requested = False
         self._saved_at = 0
         self._summary_sent = False
+        self._heartbeat_at = -math.inf
         self.stop_requested = threading.Event()
 
     # ------------------------------------------------------------------------------------- build
@@ -179,13 +196,27 @@ class Trainer:
                                  forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
                                  total_steps=self.total_steps, memory=self.memory.for_role(Role.CRITIC))
 
+    def _check_prompts(self) -> None:
+        """Every prompt's length, and how much of the prompts the tokenizer knows: before any model is
+        built, since the tokenizer alone is cheap and a model build is not."""
+        data, model = self.config.data, self.config.actor_rollout_ref.model
+        source = model.tokenizer_path or model.path
+        name = (f"{source}'s built-in {len(self.tokenizer)}-token tokenizer" if source.startswith(BUILTIN_PREFIX)
+                else repr(source))
+        for files_key, records in (("data.train_files", self.records), ("data.val_files", self.val_records)):
+            check_prompts(records, self.tokenizer, files_key=files_key, max_length=data.max_prompt_length,
+                          truncation=data.truncation, tokenizer_setting="actor_rollout_ref.model.tokenizer_path",
+                          tokenizer_name=name)
+
     def _build_reward(self) -> RewardFunction:
         config = self.config
         if not config.reward_model.enable:
             function = config.custom_reward_function
-            return RuleReward(self.tokenizer, resolve_compute_score(function.path, function.name))
+            return RuleReward(self.tokenizer, resolve_compute_score(function.path, function.name),
+                              on_error=function.on_error, warn=lambda message: self.warn(message))
         network = config.reward_model.model
-        tokenizer = load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code)
+        tokenizer = load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code,
+                                   setting="reward_model.model.tokenizer_path")
         model = load_reward_model(network.path, tokenizer, dtype=torch_dtype(network.fsdp_config.model_dtype),
                                   seed=config.trainer.seed, trust_remote_code=network.trust_remote_code)
         return ModelReward(self.memory.place(model, network.fsdp_config, Role.REWARD), self.tokenizer, tokenizer,
@@ -215,11 +246,13 @@ class Trainer:
             records = [self.records[index] for index in self.sampler.next_batch()]
             metrics = self.train_step(records)
             self.step += 1
-            self._record_step({**metrics, **self._maybe_validate()})
-            if self.config.trainer.save_freq > 0 and self.step % self.config.trainer.save_freq == 0:
+            self._record_step({**metrics, **self._maybe_validate(), **self._checkpoint_metrics()})
+            # The last step's save is the final one, below.
+            if (self.config.trainer.save_freq > 0 and self.step % self.config.trainer.save_freq == 0
+                    and self.step < self.total_steps):
                 self.save()
         if self._saved_at != self.step:
-            self.save()
+            self.save(final=True)
         if self.stop_requested.is_set() and self.step < self.total_steps:
             self.log(f"stopped at step {self.step}/{self.total_steps} on request; checkpoint saved")
 
@@ -243,10 +276,11 @@ class Trainer:
             with timer.phase("gen"):
                 batch = self.generate(records)
                 self.memory.end_rollout()
-            size = len(batch)
+            size, reward_errors = len(batch), self.reward_fn.errors
             with timer.phase("reward"), self.memory.placed_for("scoring", Role.REWARD,
                                                                self._passes("scoring", Role.REWARD, size)):
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
+            metrics["reward/errors"] = self.reward_fn.errors - reward_errors
             with timer.phase("old_log_prob"), self.memory.placed_for("scoring", Role.ACTOR,
                                                                      self._passes("scoring", Role.ACTOR, size)):
                 batch.old_log_probs = self.actor.compute_log_probs(batch)
@@ -311,6 +345,7 @@ class Trainer:
                                                  truncation=self.config.data.truncation)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         rollout = rollout or self.rollout  # either samples with the actor's weights
+        self.heartbeat()  # once per validation batch too
         with self.memory.placed_for("rollout", Role.ACTOR, self._passes("rollout", Role.ACTOR, len(repeated))):
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
@@ -377,7 +412,10 @@ class Trainer:
             models["critic"] = self.critic.model
         return models
 
-    def save(self) -> Path:
+    def save(self, *, final: bool = False) -> Path | None:
+        """Checkpoint this step. A checkpoint the disk cannot take does not end the run: it warns, counts,
+        and the next save tries again; when it is the `final` one, the policy's weights are written
+        alone instead and FinalCheckpointError says so."""
         self._phase("save_checkpoint")
         state = {
             "step": self.step,
@@ -387,12 +425,44 @@ class Trainer:
             "kl_controller": self.kl_controller.state_dict(),
             "rng": rng_state(),
         }
-        path = save_checkpoint(self.run_dir, self.step, self._models(), state,
-                               keep=self.config.trainer.max_ckpt_to_keep)
+        try:
+            path = save_checkpoint(self.run_dir, self.step, self._models(), state,
+                                   keep=self.config.trainer.max_ckpt_to_keep)
+        except CheckpointWriteError as error:
+            self._checkpoint_failed(error, final=final)
+            return None
         self._saved_at = self.step
+        self._checkpoint_failing = False
         self.log(f"checkpoint saved: {path}")
         self._send(CheckpointMessage(step=self.step, path=str(path)))
         return path
+
+    def _checkpoint_failed(self, error: CheckpointWriteError, *, final: bool) -> None:
+        self.checkpoint_failures += 1
+        self._checkpoint_failing = True
+        complete = list_checkpoints(self.run_dir)
+        latest = f"step {complete[-1][0]}" if complete else "none"
+        if not final:
+            self.warn(f"CHECKPOINT NOT SAVED: {error}; training goes on and the next save tries again (the latest "
+                      f"complete checkpoint, which a restart resumes from: {latest})")
+            return
+        try:
+            weights = save_weights(self.run_dir, self.step, self.actor.model)
+        except CheckpointWriteError as weights_error:
+            kept = f"the actor's weights alone could not be written either ({weights_error})"
+        else:
+            kept = (f"the actor's weights alone are in {weights} (safetensors; without optimizer states they "
+                    "cannot resume the run)")
+        raise FinalCheckpointError(f"the final checkpoint of step {self.step} was not saved: {error}; {kept}; the "
+                                   f"latest complete checkpoint: {latest}") from None
+
+    def _checkpoint_metrics(self) -> dict[str, float]:
+        """checkpoint/failures: saves that failed since the previous step's metrics; checkpoint/failing: 1
+        while the latest save has failed (a crash would lose every step since the last one written)."""
+        metrics = {"checkpoint/failures": float(self.checkpoint_failures),
+                   "checkpoint/failing": float(self._checkpoint_failing)}
+        self.checkpoint_failures = 0
+        return metrics
 
     def resume(self) -> None:
         """Continue from the checkpoint resume_mode points at, or start at step 0."""
@@ -435,6 +505,7 @@ class Trainer:
         """The safe point between steps: apply live settings, note checkpoint and stop requests."""
         if self.telemetry is None:
             return
+        self.heartbeat()
         for message in self.telemetry.poll():
             self._dispatch(message)
 
@@ -465,6 +536,18 @@ class Trainer:
         for listener in self.settings_listeners:
             listener(self.live_settings)
         self._send(SettingsAckMessage(version=version, step=self.step + 1, values=self.live_settings))
+
+    def heartbeat(self) -> None:
+        """Tell the daemon this thread is making progress (at most every HEARTBEAT_INTERVAL_S): call it from
+        the loop and from inside long phases, never from another thread (it would hide a hang)."""
+        now = time.monotonic()
+        if self.telemetry is not None and now - self._heartbeat_at >= HEARTBEAT_INTERVAL_S:
+            self._heartbeat_at = now
+            self.telemetry.send(HeartbeatMessage(step=self.step + 1))
+
+    def _rollout_safe_point(self) -> None:
+        self.heartbeat()
+        self.memory.safe_point()
 
     def _phase(self, name: str) -> None:
         if name != "step":  # the timer's whole-step span, not a phase

@@ -13,12 +13,14 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 # ENOMEM's number. The daemon cannot import this module (no torch there): daemon/supervisor.py keeps
 # the same value as EXIT_OUT_OF_MEMORY and counts such an exit as an "oom" restart. Change both.
 EXIT_OUT_OF_MEMORY = 12
+EXIT_DAEMON_GONE = 1
 OUT_OF_MEMORY_HINT = ("lower the micro batch sizes (actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, "
                       "actor_rollout_ref.{rollout,ref}.log_prob_micro_batch_size_per_gpu, "
                       "critic.ppo_micro_batch_size_per_gpu) or offload more (fsdp_config.param_offload=true, "
@@ -49,11 +51,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     # Import after argument parsing so --help is instant, and config errors show before torch loads.
     from trainer.config import ConfigError, load_config
+    from trainer.telemetry import die_with_daemon, dump_stacks_on_signal
 
+    if not die_with_daemon():  # an orphan from the start: the daemon died while this process was starting
+        print("ERROR: the verl daemon that started this trainer has exited; not training", file=sys.stderr)
+        return EXIT_DAEMON_GONE
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
         return _report_errors([str(problem) for problem in error.problems])
+    dump_stacks_on_signal(config.trainer.run_dir / "logs" / "trainer.log")
 
     use_allocator_defaults()
     import torch
@@ -86,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reporter.start(trainer.step)
         trainer.fit()
     except USER_ERRORS as error:
-        return _report_errors([str(error)])
+        return _report_user_error(error, reporter, telemetry, log_path=run_dir / "logs" / "trainer.log")
     except torch.OutOfMemoryError as error:  # the trainer's own recovery (offload more, split) did not suffice
         return _report_out_of_memory(error, reporter, telemetry)
     finally:
@@ -118,6 +125,27 @@ def _report_out_of_memory(error: BaseException, reporter, telemetry) -> int:
 
         telemetry.send(LogMessage(level="error", message=message))
     return EXIT_OUT_OF_MEMORY
+
+
+def _report_user_error(error: BaseException, reporter, telemetry, *, log_path: Path) -> int:
+    """One ERROR line for a problem the user can fix, in the terminal, the run's log and the daemon's stream;
+    the log also gets the traceback when the user's own code raised (a custom reward function)."""
+    from trainer.rewards import RewardFunctionError
+
+    message = " ".join(str(error).split())
+    if reporter is not None:
+        details = ""
+        if isinstance(error, RewardFunctionError):
+            details = f"\n{error.traceback_text.rstrip()}"
+            message += f" (its traceback is in {log_path})"
+        reporter.logger.error(message + details)
+        reporter.close()  # the progress bar off the terminal before the line goes there
+    print(f"ERROR: {message}", file=sys.stderr, flush=True)
+    if telemetry is not None:
+        from trainer.config.messages import LogMessage
+
+        telemetry.send(LogMessage(level="error", message=message))
+    return EXIT_USAGE
 
 
 def _report_errors(messages: Sequence[str]) -> int:

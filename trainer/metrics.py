@@ -7,9 +7,10 @@ import math
 import os
 import resource
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -112,30 +113,91 @@ class MetricsLog:
     """metrics.jsonl: one JSON object per step, with "step" first.
 
     On resume the lines after the checkpoint's step are dropped, since those steps run again:
-    the file then reads as if the run had never stopped.
+    the file then reads as if the run had never stopped. Each line is appended whole or not at all;
+    a line that cannot be written (a full disk) does not stop training: `warn` says so, `failures`
+    counts it, and it is written before the next one. A partial last line (left by an older version,
+    or another writer) is dropped with a warning when the file is read.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, warn: Callable[[str], None] = print):
         self.path = path
+        self.warn = warn
+        self.failures = 0  # appends that could not be written
+        self._pending: list[bytes] = []  # lines not written yet, oldest first
 
     def truncate_after(self, step: int) -> None:
+        """Drop the lines of the steps after `step`, and any line that is not whole."""
+        self._pending = [line for line in self._pending if json.loads(line)["step"] <= step]
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
+        lines = self.path.read_bytes().splitlines(keepends=True)
+        keep = [record is not None and record["step"] <= step for record in self._records(lines)]
+        if all(keep):
+            return
+        first_dropped = keep.index(False)
+        if not any(keep[first_dropped:]):
+            # Cutting the file short needs no free space: a resume on a full disk still works.
+            os.truncate(self.path, sum(len(line) for line in lines[:first_dropped]))
+            return
         temporary = self.path.with_suffix(".jsonl.tmp")
-        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        temporary.write_bytes(b"".join(line for line, kept in zip(lines, keep, strict=True) if kept))
         os.replace(temporary, self.path)
 
     def append(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **{key: _json_number(value) for key, value in sorted(metrics.items())}}
-        with self.path.open("a", encoding="utf-8") as file:
-            file.write(json.dumps(record) + "\n")
+        self._pending.append((json.dumps(record) + "\n").encode("utf-8"))
+        try:
+            while self._pending:
+                _append_whole(self.path, self._pending[0])
+                self._pending.pop(0)
+        except OSError as error:
+            self.failures += 1
+            self.warn(f"could not write step {step} to {self.path} ({error.strerror or error}); training goes on and "
+                      f"the {len(self._pending)} unwritten line(s) are written with the next step "
+                      f"({self.failures} failed write(s) so far)")
 
-    def read(self) -> list[dict]:
+    def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [record for record in self._records(self.path.read_bytes().splitlines(keepends=True))
+                if record is not None]
+
+    def _records(self, lines: list[bytes]) -> list[dict[str, Any] | None]:
+        """Each line's record, None (with a warning) for one that is not a whole JSON line: cut short by a
+        full disk (no newline at its end), or garbled."""
+        records = [_record(line) for line in lines]
+        bad = [number for number, record in enumerate(records, start=1) if record is None]
+        if bad:
+            self.warn(f"dropped {len(bad)} partial or garbled line(s) of {self.path} (line {', '.join(map(str, bad))}"
+                      f"; a write cut short, e.g. by a full disk): {lines[bad[0] - 1][:80]!r}")
+        return records
+
+
+def _append_whole(path: Path, line: bytes) -> None:
+    """Append `line` in one piece: a write cut short (a full disk writes what fits, then fails) is taken
+    back, so the file never ends in half a line."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(descriptor).st_size
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(descriptor, line[written:])
+        except OSError:
+            os.ftruncate(descriptor, start)
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes cut inside a character
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def _json_number(value: float) -> float | None:

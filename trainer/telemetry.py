@@ -19,30 +19,44 @@ daemon with a DroppedMessage once it is reachable again, and the thread reconnec
 received since the last poll, oldest first, without waiting. The messages are the models of
 trainer/config/messages.py (each stamps its ``time`` when it is built).
 
+A daemon that is gone (its socket refuses a reconnect, or is removed) cannot ask for a stop: the
+client then hands the trainer a StopMessage of its own, so the trainer checkpoints at its next safe
+point and exits instead of training on as an orphan nobody sees (`daemon_gone` says it happened).
+`die_with_daemon` covers the same case through Linux's parent-death signal, and
+`dump_stacks_on_signal` lets the daemon see where a hung trainer is stuck.
+
 Only the standard library, pydantic and trainer.config: this module is imported before torch
 work starts and must cost nothing when telemetry is off.
 """
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
 from collections import deque
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 from trainer.config.ipc import (
+    ENV_DAEMON_PID,
     ENV_SOCKET,
     ENV_TOKEN,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    STACK_DUMP_SIGNAL,
     ProtocolError,
     decode_down,
     encode,
 )
-from trainer.config.messages import DownMessage, DroppedMessage, HelloMessage, StepMessage, UpMessage
+from trainer.config.messages import DownMessage, DroppedMessage, HelloMessage, StepMessage, StopMessage, UpMessage
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class TelemetryClient:
@@ -68,6 +82,8 @@ class TelemetryClient:
         self._last_step: int | None = None
         self._socket: socket.socket | None = None
         self._connected = threading.Event()
+        self._was_connected = False
+        self._daemon_gone = threading.Event()
         self._closing = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="verl-telemetry", daemon=True)
         self._writer.start()
@@ -133,6 +149,11 @@ class TelemetryClient:
     def connected(self) -> bool:
         return self._connected.is_set()
 
+    @property
+    def daemon_gone(self) -> bool:
+        """The daemon this client reached has exited (its socket refuses connections or is gone)."""
+        return self._daemon_gone.is_set()
+
     # --------------------------------------------------------------------------- background thread
 
     def _write_loop(self) -> None:
@@ -165,12 +186,15 @@ class TelemetryClient:
         try:
             connection.connect(self.socket_path)
             connection.sendall(hello)
-        except OSError:
+        except OSError as error:
             connection.close()
+            if self._was_connected and isinstance(error, ConnectionRefusedError | FileNotFoundError):
+                self._lost_daemon()
             return False
         with self._lock:
             self._socket = connection
             self._connected.set()
+            self._was_connected = True
         threading.Thread(target=self._read_loop, args=(connection,), name="verl-telemetry-read",
                          daemon=True).start()
         self._report_dropped()
@@ -210,6 +234,15 @@ class TelemetryClient:
             if len(buffer) > MAX_MESSAGE_BYTES:
                 break
         self._disconnect(connection)
+
+    def _lost_daemon(self) -> None:
+        """A live daemon always listens: one that refuses a reconnect has exited (killed, most likely)."""
+        if self._daemon_gone.is_set():
+            return
+        self._daemon_gone.set()
+        print(f"WARNING: the verl daemon is gone (its socket {self.socket_path} refuses connections); the trainer "
+              "stops at its next safe point, after a checkpoint", file=sys.stderr, flush=True)
+        self._received.append(StopMessage())
 
     def _disconnect(self, connection: socket.socket | None) -> None:
         """Close `connection`; when it is the current one, the writer reconnects."""
@@ -252,3 +285,41 @@ class TelemetryClient:
         if not self._write(report, count_failure=False):
             with self._lock:  # not lost: the next report carries it
                 self._dropped_unreported += count
+
+
+# ---------------------------------------------------------------------------------- process ties
+
+
+def die_with_daemon() -> bool:
+    """In a trainer a daemon started (VERL_DAEMON_PID set): ask Linux to send SIGTERM when the daemon dies, so
+    the trainer checkpoints at its next safe point and exits (before its signal handlers are installed,
+    SIGTERM ends it at once). False when the daemon has died already; True otherwise (also when run by hand).
+    """
+    daemon = os.environ.get(ENV_DAEMON_PID, "")
+    if not daemon.isdigit():
+        return True
+    if sys.platform.startswith("linux"):
+        # No Python API for prctl; set before the check below, so a daemon dying in between is caught by one.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM), 0, 0, 0)
+    return os.getppid() == int(daemon) or _process_exists(int(daemon))
+
+
+def dump_stacks_on_signal(log_path: Path) -> TextIO:
+    """Write every thread's Python stack to `log_path` on STACK_DUMP_SIGNAL (the daemon sends it to a trainer that
+    hangs). faulthandler keeps the file open (it holds a reference) and writes to its descriptor from the
+    signal handler, so the dump comes even while the main thread is stuck in C code."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    file = log_path.open("a", encoding="utf-8")
+    faulthandler.register(STACK_DUMP_SIGNAL, file=file, all_threads=True)
+    return file
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

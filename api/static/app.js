@@ -25,6 +25,7 @@ const GPU_CHARTS = ["gpu-util", "gpu-memory", "gpu-power", "gpu-pcie"];
 const page = {
   token: null,
   lastSeq: 0,
+  lastTime: null, // the time of the last event received: where a gap in the stream begins
   lastStep: null,
   threshold: null,
   charts: {},
@@ -155,12 +156,15 @@ function setStream(text) {
 }
 
 function handleEvent(event) {
-  if (event.kind !== "gap") page.lastSeq = Math.max(page.lastSeq, event.seq);
   const handler = {
     step: onStep, gpu: onGpu, offload: onOffload, settings: showSettingsState, status: showStatus,
     phase: onPhase, restart: onRestart, log: onLog, gap: onGap,
   }[event.kind];
-  if (handler) handler(event.data, event.time);
+  if (handler) handler(event.data, event.time, event.seq);
+  if (event.kind !== "gap") {
+    page.lastSeq = Math.max(page.lastSeq, event.seq);
+    page.lastTime = event.time;
+  }
 }
 
 function onStep(data) {
@@ -235,22 +239,39 @@ function onPhase(data) {
   $("phase").textContent = data.phase ? `phase: ${data.phase}` : "";
 }
 
-function onRestart(data, time) {
-  onLog({ level: "warning", source: "daemon", message: `trainer restart (${data.reason || "?"})` }, time);
+function onRestart(data, time, seq) {
+  onLog({ level: "warning", source: "daemon", message: `trainer restart (${data.reason || "?"})` }, time, seq);
 }
 
-function onGap(data, time) {
-  onLog({ level: "warning", source: "page", message: `missed ${data.lost} events (${data.reason})` }, time);
+// A gap with nothing lost is the stream resuming from the history after the page fell behind: every
+// event still arrives, in order. One that lost events goes where they are missing: after the last
+// event received (the gap's seq is that event's).
+function onGap(data, time, seq) {
+  if (!data.lost) return;
+  onLog({ level: "warning", source: "page", message: `missed ${data.lost} events (${data.reason})` },
+        page.lastTime ?? time, seq + 0.5);
 }
 
-function onLog(data, time) {
+// Newest first (the panel scrolls: the top is what a reader sees), ordered by when each line was
+// written: a trainer's lines reach the daemon later than its own (those of the trainer's start wait for
+// its connection), and a replayed history arrives before the live lines it is older than.
+function onLog(data, time, seq) {
+  const written = Number.isFinite(data.time) ? data.time : time;
   const item = document.createElement("li");
   item.dataset.level = data.level;
+  item.dataset.time = String(written);
+  item.dataset.seq = String(seq);
   const when = document.createElement("time");
-  when.textContent = new Date(time * 1000).toTimeString().slice(0, 8);
+  when.textContent = new Date(written * 1000).toTimeString().slice(0, 8);
   item.append(when, ` ${data.source || ""} ${data.message}`);
   const log = $("log");
-  log.prepend(item); // newest first: the panel scrolls, the top is what a reader sees
+  const newer = (other) => {
+    const otherTime = Number(other.dataset.time);
+    return otherTime > written || (otherTime === written && Number(other.dataset.seq) > seq);
+  };
+  let next = log.firstElementChild;
+  while (next && newer(next)) next = next.nextElementSibling;
+  log.insertBefore(item, next);
   while (log.children.length > LOG_LINES) log.lastElementChild.remove();
 }
 
@@ -279,14 +300,19 @@ function showProgress(step, total) {
   $("progress").hidden = false;
 }
 
+// `device` holds the group (on a CPU-only run: the CPU, whatever the placement); `placement` is the
+// offload_policy's: cpu means offloaded to the host.
 function showOffloadSummary(summary) {
-  const rows = summary.map((entry) => row([entry.role, entry.group, entry.device, formatBytes(entry.bytes)]));
+  const rows = summary.map((entry) => row([entry.role, entry.group, entry.device,
+                                            entry.placement === "cpu" ? "yes" : "no", formatBytes(entry.bytes)]));
   $("offload").tBodies[0].replaceChildren(...rows);
-  const offloaded = summary.filter((entry) => entry.device === "cpu");
+  const offloaded = summary.filter((entry) => entry.placement === "cpu");
+  const computing = summary.some((entry) => entry.placement === "gpu" && entry.device === "cpu")
+    ? "; the run computes on the CPU" : "";
   $("offload-note").textContent = summary.length === 0
     ? "no summary yet: every group stays on the compute device until the offload engine reports"
-    : `${offloaded.length} of ${summary.length} groups on the CPU (${formatBytes(
-      offloaded.reduce((sum, entry) => sum + entry.bytes, 0))})`;
+    : `${offloaded.length} of ${summary.length} groups offloaded to the host (${formatBytes(
+      offloaded.reduce((sum, entry) => sum + entry.bytes, 0))})${computing}`;
 }
 
 function row(cells) {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api.advisor import Snapshot, advise
-from api.schemas import LatestBody, OffloadSummary
+from api.schemas import LatestBody, OffloadSummary, StepSnapshot
 from tests.support import run_status
 from trainer.config.messages import Group, OffloadSummaryRow, Role, RunState
 
@@ -26,9 +26,10 @@ def gpu_samples(utilization, used_fraction=0.5, *, seconds: int = 60, gpus: int 
 
 
 def make_snapshot(*, history=(), p99_s=0.004, state: RunState = "running", offloaded=True) -> Snapshot:
-    summary = [OffloadSummaryRow(role=Role.ACTOR, group=Group.TRANSFORMER, device="cpu" if offloaded else "gpu",
+    placement = "cpu" if offloaded else "gpu"
+    summary = [OffloadSummaryRow(role=Role.ACTOR, group=Group.TRANSFORMER, placement=placement, device=placement,
                                  bytes=1),
-               OffloadSummaryRow(role=Role.ACTOR, group=Group.LM_HEAD, device="gpu", bytes=1)]
+               OffloadSummaryRow(role=Role.ACTOR, group=Group.LM_HEAD, placement="gpu", device="gpu", bytes=1)]
     latest = LatestBody(seq=1, step=None, gpu=None,
                         offload=OffloadSummary(copy_latency_p50_s=0.002, copy_latency_p99_s=p99_s,
                                                bandwidth_bytes_per_second=20e9, copies=100))
@@ -117,3 +118,18 @@ def test_hints_add_up():
     hints = advise(make_snapshot(p99_s=0.2, history=gpu_samples(0.3)))
     assert len(hints) == 2
     assert "bandwidth" in hints[0] and "over-offloaded" in hints[1]
+
+
+def test_a_failing_checkpoint_save_gets_a_hint_until_one_is_written():
+    def at_step(failing: float) -> Snapshot:
+        snapshot = make_snapshot(history=gpu_samples(0.85, 0.7))
+        step = StepSnapshot(step=12, time=NOW, metrics={"checkpoint/failures": 1.0, "checkpoint/failing": failing})
+        snapshot["latest"] = snapshot["latest"].model_copy(update={"step": step})
+        return snapshot
+
+    hints = advise(at_step(1.0))
+    assert len(hints) == 1
+    assert hints[0].startswith("the latest checkpoint save failed (before step 12; the trainer's log says why, most "
+                               "often a full disk): a crash now loses every step since the last checkpoint written")
+    assert "trainer.max_ckpt_to_keep" in hints[0]
+    assert advise(at_step(0.0)) == [], "a save went through since"

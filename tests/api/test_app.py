@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +31,7 @@ from api.prometheus import TelemetryMetrics
 from api.schemas import SettingsBody, SettingsRejectedError
 from daemon.settings import SettingsStore
 from tests.support import run_status
-from trainer.config.live import LiveSettings, SettingsRejected
+from trainer.config.live import SETTING_NAMES, LiveSettings, SettingsRejected
 from trainer.config.messages import (
     CopyCount,
     CopySample,
@@ -39,6 +44,8 @@ from trainer.config.messages import (
 
 TOKEN = "s3cret-token_for-tests"
 WRONG = "not-the-token"
+LIMIT = 64 * 1024  # the largest body the API reads
+LARGEST_INTEGER = 2**53 - 1  # the largest whole number it takes
 PRIVATE_ROUTES = [("GET", "/v1/status"), ("GET", "/v1/metrics/latest"), ("GET", "/v1/metrics/history"),
                   ("GET", "/metrics"), ("GET", "/v1/settings"), ("PATCH", "/v1/settings"),
                   ("POST", "/v1/checkpoint"), ("POST", "/v1/stop"), ("GET", "/docs"), ("GET", "/openapi.json")]
@@ -75,9 +82,9 @@ class FakeControl:
         self.requests.append("checkpoint")
         return {"requested": "checkpoint"}
 
-    def request_stop(self) -> dict:
-        self.requests.append("stop")
-        return {"requested": "stop"}
+    def request_stop(self, force: bool = False) -> dict:
+        self.requests.append("force stop" if force else "stop")
+        return {"requested": "force stop" if force else "stop"}
 
 
 @dataclass
@@ -146,6 +153,24 @@ def test_the_token_works_in_the_header_and_in_the_query(served: Served) -> None:
     assert served.client(token=None).get("/metrics", params={"token": TOKEN}).status_code == 200
 
 
+def test_a_wrong_header_wins_over_the_right_query_token_on_rest_and_stream_alike(served: Served) -> None:
+    before = list(served.control.requests)
+    rest = served.client(token=WRONG).post("/v1/checkpoint", params={"token": TOKEN})
+    assert rest.status_code == 401 and rest.json()["detail"].startswith("wrong token")
+    assert served.control.requests == before
+    assert asyncio.run(refused_status(f"{served.ws_url}?token={TOKEN}",
+                                      additional_headers={"Authorization": f"Bearer {WRONG}"})) == 403
+    # The right header with a wrong query token passes on both.
+    assert served.client().get("/v1/status", params={"token": WRONG}).status_code == 200
+
+    async def right_header() -> None:
+        async with connect(f"{served.ws_url}?token={WRONG}", additional_headers={"Authorization": f"Bearer {TOKEN}"},
+                           proxy=None):
+            pass
+
+    asyncio.run(right_header())
+
+
 def test_docs_and_openapi_behind_the_token(served: Served) -> None:
     page = served.client(token=None).get("/docs", params={"token": TOKEN})
     assert page.status_code == 200 and f"/openapi.json?token={TOKEN}" in page.text
@@ -178,6 +203,18 @@ def test_loopback_host_headers_pass(served: Served, host: str) -> None:
 
 def test_no_host_check_when_bound_beyond_loopback(open_metrics: Served) -> None:
     assert open_metrics.client().get("/v1/status", headers={"Host": "trainer-node-3:8000"}).status_code == 200
+
+
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("DELETE", "/v1/settings", "GET, PATCH"),
+    ("OPTIONS", "/v1/settings", "GET, PATCH"),
+    ("PUT", "/v1/status", "GET"),
+    ("GET", "/v1/stop", "POST"),
+])
+def test_405_lists_every_method_of_the_path_in_allow(served: Served, method: str, path: str, allowed: str) -> None:
+    response = served.client().request(method, path)
+    assert response.status_code == 405 and response.headers["allow"] == allowed
+    assert response.json()["detail"].endswith(f"allowed: {allowed}")
 
 
 # -------------------------------------------------------------------------------------- /metrics
@@ -242,6 +279,43 @@ def test_history_filters_by_since_keys_and_kinds(served: Served) -> None:
     assert client.get("/v1/metrics/history", params={"since": -1}).status_code == 422
 
 
+@pytest.mark.parametrize(("params", "named"), [
+    ({"since": 2**63}, "since"),  # once a 500: more than a C long for the history's slice
+    ({"since": LARGEST_INTEGER + 1}, "since"),
+    ({"since": "1" * 5000}, "since"),
+    ({"keys": "k" * 5000}, "keys"),
+    ({"kinds": "step," * 100}, "kinds"),
+])
+def test_history_refuses_query_parameters_out_of_bounds_naming_them(served: Served, params: dict, named: str) -> None:
+    served.hub.publish("gpu", {"nvml": False, "gpus": []})  # a history that is not empty
+    response = served.client().get("/v1/metrics/history", params=params)
+    assert response.status_code == 422, response.text
+    [problem] = response.json()["detail"]
+    assert problem["loc"] == ["query", named] and problem["msg"]
+
+
+def test_history_takes_the_largest_since(served: Served) -> None:
+    served.hub.publish("gpu", {"nvml": False, "gpus": []})
+    response = served.client().get("/v1/metrics/history", params={"since": LARGEST_INTEGER})
+    assert response.status_code == 200 and response.json()["events"] == []
+
+
+KINDS_SAMPLES = ["step", "step,gpu", " step , gpu ,", ",,", "", "log\n", "\tlog,\u00a0gpu", "stepgpu", "step gpu",
+                 "bogus", "step,bogus", "STEP", "log;gpu", "\ufeffstep", "step,,phase, ,offload"]
+
+
+def test_the_documented_kinds_pattern_is_the_rule_the_server_applies(served: Served) -> None:
+    client = served.client()
+    [parameter] = [parameter for parameter in client.get("/openapi.json").json()["paths"]["/v1/metrics/history"]
+                   ["get"]["parameters"] if parameter["name"] == "kinds"]
+    pattern = parameter["schema"]["pattern"]
+    for kinds in KINDS_SAMPLES:
+        answer = client.get("/v1/metrics/history", params={"kinds": kinds})
+        # JSON Schema's "pattern" is a search, as re.search is.
+        assert (answer.status_code == 200) == (re.search(pattern, kinds) is not None), (kinds, answer.text)
+        assert answer.status_code in (200, 422)
+
+
 # ------------------------------------------------------------------------------------ settings
 
 
@@ -262,6 +336,8 @@ def test_patch_settings_forwards_to_the_control(served: Served) -> None:
     ({"gpu_memory_threshold": "abc"}, ["gpu_memory_threshold"]),
     ({"min_transformer_layers_on_gpu": -1}, ["min_transformer_layers_on_gpu"]),
     ({"no_such_setting": 1, "gpu_memory_threshold": 0.5}, ["no_such_setting"]),
+    ({"no_such_setting": 1, "gpu_memory_threshold": 1.5}, ["no_such_setting", "gpu_memory_threshold"]),
+    ({"min_transformer_layers_on_gpu": LARGEST_INTEGER + 1}, ["min_transformer_layers_on_gpu"]),
     ({"gpu_memory_threshold": 1.5, "min_transformer_layers_on_gpu": "abc", "gpu_sample_interval_s": -1},
      ["gpu_memory_threshold", "min_transformer_layers_on_gpu", "gpu_sample_interval_s"]),
 ])
@@ -297,6 +373,9 @@ def test_a_json_body_sent_as_curl_d_sends_it_is_read_as_json(served: Served) -> 
     (b"", "application/json", "this is not JSON"),
     (b'{"gpu_memory_threshold": 0.5', "application/json", "this is not JSON"),
     (b"\xff\xfe{", "application/json", "this is not JSON"),
+    (b'{"gpu_memory_threshold": NaN}', "application/json", "NaN is not a JSON number"),
+    (b'{"gpu_sample_interval_s": Infinity}', "application/json", "Infinity is not a JSON number"),
+    (b'{"gpu_sample_interval_s": 1e999}', "application/json", "1e999 is beyond the range of a number"),
 ])
 def test_a_settings_body_that_is_not_a_json_object_is_refused_naming_the_body(
         served: Served, body: bytes, content_type: str, says: str) -> None:
@@ -310,12 +389,129 @@ def test_a_settings_body_that_is_not_a_json_object_is_refused_naming_the_body(
     assert served.control.requests == requests  # refused before it reached the run
 
 
-def test_the_openapi_doc_shows_the_settings_body_as_a_json_object(served: Served) -> None:
+def test_the_openapi_doc_shows_the_settings_body_as_strict_as_the_validation(served: Served) -> None:
     schema = served.client().get("/openapi.json").json()
-    body = schema["paths"]["/v1/settings"]["patch"]["requestBody"]
+    patch = schema["paths"]["/v1/settings"]["patch"]
+    body = patch["requestBody"]
     assert body["required"] is True
-    assert body["content"]["application/json"]["schema"]["type"] == "object"
-    assert body["content"]["application/json"]["schema"]["examples"] == [{"gpu_memory_threshold": 0.8}]
+    change = body["content"]["application/json"]["schema"]
+    assert change["type"] == "object" and change["examples"] == [{"gpu_memory_threshold": 0.8}]
+    # {} and unknown names are refused (422), and so the schema says.
+    assert change["minProperties"] == 1 and change["additionalProperties"] is False
+    assert list(change["properties"]) == list(SETTING_NAMES)
+    assert change["properties"]["min_transformer_layers_on_gpu"] == {
+        "type": "integer", "minimum": 0, "maximum": LARGEST_INTEGER, "description": LiveSettings.model_fields[
+            "min_transformer_layers_on_gpu"].description}
+    assert change["properties"]["log_level"]["enum"] == ["debug", "info", "warning", "error"]
+    assert {"200", "401", "413", "422", "503"} <= set(patch["responses"])
+
+
+def test_a_huge_whole_number_is_refused_before_anything_changes(served: Served) -> None:
+    """A 400-digit integer once answered 500 with the setting changed: float() of it overflowed after the store
+    had taken it."""
+    client = served.client()
+    before, forwarded = client.get("/v1/settings").json(), len(served.control.forwarded)
+    response = client.patch("/v1/settings", content=b'{"min_transformer_layers_on_gpu": 1' + b"0" * 400 + b"}")
+    assert response.status_code == 422, response.text
+    [problem] = response.json()["detail"]
+    assert problem["loc"] == ["body", "min_transformer_layers_on_gpu"]
+    assert f"<= {LARGEST_INTEGER}" in problem["msg"] and "(401 characters)" in problem["msg"]
+    assert len(problem["msg"]) < 300
+    assert client.get("/v1/settings").json() == before and len(served.control.forwarded) == forwarded
+
+
+def test_a_change_that_cannot_be_saved_answers_503_and_changes_nothing(serve, tmp_path: Path) -> None:
+    """The audit log on a full disk (/dev/full answers every write with ENOSPC)."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs Linux's /dev/full")
+    hub, registry = TelemetryHub(history_seconds=600), CollectorRegistry()
+    control = FakeControl(Path("/dev/full"))
+    app = create_app(hub=hub, registry=registry, control=control, token=TOKEN)
+    with serve(app) as url:
+        client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, trust_env=False, timeout=5)
+        before = client.get("/v1/settings").json()
+        response = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.7})
+        assert response.status_code == 503, response.text
+        assert "audit log" in response.json()["detail"] and "not made" in response.json()["detail"]
+        assert client.get("/v1/settings").json() == before and control.forwarded == []
+        # A bad change is still told what is wrong with it, though its audit line is lost too.
+        refused = client.patch("/v1/settings", json={"gpu_memory_threshold": 2})
+        assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "gpu_memory_threshold"]
+        # Once the disk has room again, the same change goes through.
+        control.store.audit_path = tmp_path / "settings_audit.jsonl"
+        assert client.patch("/v1/settings", json={"gpu_memory_threshold": 0.7}).json()["version"] == 1
+
+
+def test_a_rejected_value_is_kept_as_an_excerpt_in_the_answer_and_the_audit_log(served: Served) -> None:
+    client = served.client()
+    audit_path = served.control.store.audit_path
+    size = audit_path.stat().st_size if audit_path.exists() else 0
+    response = client.patch("/v1/settings", json={"log_level": "x" * 60_000, "n" * 1000: 1})
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert sorted(len(problem["loc"][1]) < 200 for problem in detail) == [True, True]
+    assert all(len(problem["msg"]) < 400 and "characters)" in problem["msg"] + problem["loc"][1]
+               for problem in detail)
+    assert 0 < audit_path.stat().st_size - size < 2000
+
+
+def test_a_setting_name_that_is_not_unicode_text_is_refused_not_a_500(served: Served) -> None:
+    response = served.client().patch("/v1/settings", content=b'{"\\ud800": 1}')
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", "\\ud800"]
+
+
+# -------------------------------------------------------------------------------- request bodies
+
+
+def patch_raw(served: Served, content, **headers: str) -> httpx.Response:
+    return served.client().patch("/v1/settings", content=content, headers=headers)
+
+
+def padded_change(size: int) -> bytes:
+    """A valid change of exactly `size` bytes (JSON allows any amount of blank space)."""
+    change = b'{"gpu_memory_threshold": 0.55}'
+    return change[:-1] + b" " * (size - len(change)) + b"}"
+
+
+def test_a_body_over_the_limit_is_refused_with_413_and_changes_nothing(served: Served) -> None:
+    client = served.client()
+    client.patch("/v1/settings", json={"log_level": "bogus"})  # an audit log to watch
+    before, audit_size = client.get("/v1/settings").json(), served.control.store.audit_path.stat().st_size
+    declared = patch_raw(served, padded_change(LIMIT + 1))
+    assert declared.status_code == 413, declared.text
+    assert "64 KiB" in declared.json()["detail"]
+    # Chunked, with no Content-Length: counted as it streams.
+    streamed = patch_raw(served, iter([padded_change(LIMIT + 1)[:40_000], padded_change(LIMIT + 1)[40_000:]]))
+    assert streamed.status_code == 413 and "64 KiB" in streamed.json()["detail"]
+    assert client.get("/v1/settings").json() == before
+    assert served.control.store.audit_path.stat().st_size == audit_size
+    assert patch_raw(served, padded_change(LIMIT)).status_code == 200  # the limit itself passes
+
+
+def test_a_declared_body_over_the_limit_is_refused_before_the_route_acts(served: Served) -> None:
+    before = list(served.control.requests)
+    response = served.client().post("/v1/stop", content=b"x" * (LIMIT + 1))
+    assert response.status_code == 413 and served.control.requests == before
+
+
+def test_a_client_that_hangs_up_in_the_middle_of_a_body_is_no_error(served: Served) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    server_log = logging.getLogger("uvicorn.error")
+    server_log.addHandler(handler)
+    try:
+        port = int(served.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as connection:
+            connection.sendall(f"PATCH /v1/settings HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                               "Content-Length: 1000\r\n\r\n{\"gpu_memory".encode())
+            time.sleep(0.2)
+        time.sleep(0.3)
+        assert served.client().get("/healthz").status_code == 200
+    finally:
+        server_log.removeHandler(handler)
+    assert [record.getMessage() for record in records if record.levelno >= logging.ERROR] == []
 
 
 def test_setting_the_value_in_effect_changes_nothing(served: Served) -> None:
@@ -395,7 +591,7 @@ def test_stream_refuses_a_missing_or_wrong_token(served: Served) -> None:
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("since", ["abc", "-1", "1.5", "", "%20"])
+@pytest.mark.parametrize("since", ["abc", "-1", "1.5", "", "%20", str(LARGEST_INTEGER + 1), "9" * 30])
 def test_stream_refuses_a_bad_since_saying_what_is_allowed(served: Served, since: str) -> None:
     async def scenario() -> ConnectionClosed:
         async with connect(f"{served.ws_url}?since={since}", additional_headers={"Authorization": f"Bearer {TOKEN}"},
@@ -428,7 +624,10 @@ def test_stream_refuses_foreign_origins_and_hosts(served: Served, open_metrics: 
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
     async def scenario() -> None:
-        for origin in ("http://evil.example.com", "https://127.0.0.1.evil.example.com", "null", "file://"):
+        for origin in ("http://evil.example.com", "https://127.0.0.1.evil.example.com", "null", "file://",
+                       # user info, a path, a port out of range, a bracket left open (once a 500)
+                       "http://x@127.0.0.1", "http://x:y@localhost:3000", "http://127.0.0.1/page",
+                       "http://127.0.0.1:99999", "http://[::1"):
             assert await refused_status(served.ws_url, additional_headers=headers, origin=origin) == 403, origin
         # A page on a rebound name: the URL's host is what the client sends as Host.
         port = int(served.url.rsplit(":", 1)[1])
@@ -457,3 +656,23 @@ def test_a_closed_stream_releases_its_subscription(served: Served) -> None:
         assert len(served.hub._subscriptions) == 0
 
     asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------------- the schema
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_nothing_against_the_openapi_schema(serve, tmp_path: Path) -> None:
+    """Every check schemathesis has (no 5xx, documented codes and bodies, valid data accepted, invalid refused,
+    405 with Allow, auth enforced) on requests generated from the schema the API serves."""
+    schemathesis = Path(sys.executable).with_name("schemathesis")
+    if not schemathesis.exists():
+        pytest.skip("schemathesis is not installed (pip install schemathesis)")
+    _, _, _, app = build(tmp_path)
+    with serve(app) as url:
+        run = subprocess.run(
+            [str(schemathesis), "run", f"{url}/openapi.json?token={TOKEN}", "-H", f"Authorization: Bearer {TOKEN}",
+             "--checks", "all", "--max-examples", "40", "--workers", "1", "--no-color", "--continue-on-failure",
+             "--generation-database", "none"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]

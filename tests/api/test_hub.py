@@ -219,6 +219,24 @@ def test_a_subscriber_behind_the_history_is_told_how_many_events_it_lost() -> No
     asyncio.run(scenario())
 
 
+def test_a_first_subscriber_that_asks_for_everything_has_missed_nothing_that_aged_out_before_it_came() -> None:
+    """since=0 is the live page's first load: the history as it is now, with no gap for what was pruned
+    before (the page showed "missed 316 events" on every load of a run older than its history)."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        hub = TelemetryHub(history_seconds=60, clock=clock)
+        for step in range(1, 4):
+            hub.publish("step", step_data(step))
+        clock.now += 61
+        hub.publish("step", step_data(4))
+        async with hub.subscribe(since=0) as events:
+            hub.publish("step", step_data(5))
+            assert [(event.kind, event.seq) for event in await take(events, 2)] == [("step", 4), ("step", 5)]
+
+    asyncio.run(scenario())
+
+
 def test_a_closed_subscription_stops_receiving() -> None:
     async def scenario() -> None:
         hub = TelemetryHub(history_seconds=60)

@@ -7,12 +7,15 @@ tests/e2e/test_live_page.py drives the page in a real browser against a real run
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,8 @@ from api.app import STATIC_DIR, create_app
 from api.client import page_url
 from api.hub import TelemetryHub
 from api.schemas import SettingsBody
+from tests.e2e.runs import wait_for
+from tests.e2e.test_live_page import chromium, open_tab
 from tests.support import run_status
 from trainer.config.live import LiveSettings
 from trainer.config.messages import CopyCount, CopySample, OffloadMessage, OffloadSummaryRow, RunStatus
@@ -76,8 +81,14 @@ class Served:
 
 @pytest.fixture
 def served(serve) -> Iterator[Served]:
+    with serving(serve) as running:
+        yield running
+
+
+@contextmanager
+def serving(serve, **hub_options) -> Iterator[Served]:
     clock = Clock()
-    hub, control = TelemetryHub(history_seconds=600, clock=clock), FakeControl()
+    hub, control = TelemetryHub(history_seconds=600, clock=clock, **hub_options), FakeControl()
     app = create_app(hub=hub, registry=CollectorRegistry(), control=control, token=TOKEN)
     with serve(app) as url:
         yield Served(url, hub, clock, control)
@@ -180,7 +191,8 @@ def test_slow_offload_copies_give_a_hint(served: Served) -> None:
 
 
 def test_a_minute_of_an_idle_gpu_with_offload_says_over_offloaded(served: Served) -> None:
-    served.control.offload_summary = [OffloadSummaryRow(role="actor", group="transformer", device="cpu", bytes=1 << 30)]
+    served.control.offload_summary = [OffloadSummaryRow(role="actor", group="transformer", placement="cpu",
+                                                        device="cpu", bytes=1 << 30)]
     for _ in range(40):
         served.hub.publish("gpu", {"nvml": True, "gpus": [{"index": 0, "utilization_ratio": 0.3,
                                                            "memory_used_bytes": 10, "memory_total_bytes": 100}]})
@@ -190,6 +202,80 @@ def test_a_minute_of_an_idle_gpu_with_offload_says_over_offloaded(served: Served
     # Samples older than the advisor's window no longer count.
     served.clock.now += 120
     assert served.client().get("/v1/hints").json()["hints"] == []
+
+
+# ------------------------------------------------------------------------------- in a browser: the log
+
+
+LOG_LINES = "[...document.querySelectorAll('#log li')].map(li => [+li.dataset.time, li.textContent])"
+
+
+def log_event(hub: TelemetryHub, message: str, *, source: str, written: float | None = None) -> None:
+    data = {"level": "info", "message": message, "source": source}
+    if written is not None:
+        data["time"] = written
+    hub.publish("log", data)
+
+
+async def _page_log(devtools: str, url: str, *, settled: str = "true") -> list[list]:
+    """The log panel of the page at `url` once it has loaded, received the last event and `settled`."""
+    tab = await open_tab(devtools, url)
+    try:
+        await tab.wait_until("document.body.dataset.state === 'ready'", what="the page to load")
+        await tab.wait_until(settled, what="the page to settle")
+        return await tab.evaluate(LOG_LINES)
+    finally:
+        await tab.socket.close()
+
+
+def test_the_log_panel_orders_lines_by_when_they_were_written_and_misses_nothing_on_a_load(
+        serve, tmp_path: Path) -> None:
+    """A run older than its history: the page's first load (since=0) has missed nothing; a trainer's line
+    that reached the daemon after a later daemon line goes below it; newest first throughout."""
+    with serving(serve) as running, chromium(tmp_path) as devtools:
+        hub, clock = running.hub, running.clock
+        for number in range(300):
+            log_event(hub, f"old line {number}", source="daemon")
+        clock.now += 601  # all of those age out of the 600 s history
+        log_event(hub, "trainer pid 7 connected", source="daemon")
+        clock.now += 1
+        # Written before the daemon's line above (the trainer's start waits for its connection).
+        log_event(hub, "Embedding: OFFLOADED to CPU", source="trainer", written=clock.now - 2)
+        clock.now += 1
+        log_event(hub, "checkpoint saved: global_step_10", source="trainer", written=clock.now)
+        url = page_url(running.url, TOKEN)
+        lines = asyncio.run(_page_log(devtools, url, settled=f"+document.body.dataset.lastSeq === {hub.last_seq}"))
+    texts = [text.split(" ", 1)[1] for _, text in lines]
+    assert texts == ["trainer checkpoint saved: global_step_10", "daemon trainer pid 7 connected",
+                     "trainer Embedding: OFFLOADED to CPU"]
+    times = [written for written, _ in lines]
+    assert times == sorted(times, reverse=True)
+
+
+def test_a_page_that_falls_behind_during_its_replay_gets_every_event_and_no_missed_line(
+        serve, tmp_path: Path) -> None:
+    """The stream resumes from the history when the page reads slower than the run publishes (a gap with
+    nothing lost): every event arrives, and the page says nothing was missed."""
+    with serving(serve, subscriber_queue_size=2) as running, chromium(tmp_path) as devtools:
+        hub = running.hub
+        for number in range(3000):
+            hub.publish("gpu", {"nvml": False, "gpus": [], "n": number})
+
+        def publish_while_the_page_replays() -> None:
+            wait_for(lambda: len(hub._subscriptions) > 0, timeout=30, interval=0.005, what="the page's stream")
+            for number in range(20):
+                log_event(hub, f"live line {number}", source="daemon")
+
+        publisher = threading.Thread(target=publish_while_the_page_replays)
+        publisher.start()
+        try:
+            lines = asyncio.run(_page_log(devtools, page_url(running.url, TOKEN),
+                                          settled="+document.body.dataset.lastSeq === 3020"))
+        finally:
+            publisher.join()
+    texts = [text for _, text in lines]
+    assert not [text for text in texts if "missed" in text], texts
+    assert [text.split(" ", 1)[1] for text in texts] == [f"daemon live line {number}" for number in range(19, -1, -1)]
 
 
 # ---------------------------------------------------------------------------------------- packaging

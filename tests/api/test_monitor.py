@@ -22,7 +22,7 @@ from rich.console import Console
 
 from api.advisor import Snapshot
 from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized
-from api.monitor import MonitorFeed, describe_status, render, run_monitor, sparkline
+from api.monitor import MonitorFeed, RunSummary, describe_status, render, run_monitor, sparkline
 from api.schemas import LatestBody, OffloadSummary, StepSnapshot
 from tests.support import serve_app as serve
 from trainer.config.live import LiveSettings
@@ -72,8 +72,8 @@ def run_status(state: RunState = "running") -> RunStatus:
         restarts=Restarts(total=1, max=3, by_reason={"crash": 1, "oom": 0}),
         settings=SettingsState(values=settings, version=3, acknowledged_version=3, applied_at_step=12),
         telemetry=TelemetryHealth(nvml=True, dropped_messages=0),
-        offload=OffloadPlacement(summary=[OffloadSummaryRow(role=Role.ACTOR, group=Group.TRANSFORMER, device="cpu",
-                                                            bytes=2 * GIB)]))
+        offload=OffloadPlacement(summary=[OffloadSummaryRow(role=Role.ACTOR, group=Group.TRANSFORMER, placement="cpu",
+                                                            device="cpu", bytes=2 * GIB)]))
 
 
 def latest_body(p99_s: float = 0.083) -> LatestBody:
@@ -458,3 +458,41 @@ def test_the_status_lines_show_how_each_phase_places_the_dynamic_layers():
         "placement plan: rollout/actor: actor 36, critic 0 layers on the GPU (working memory 1.50 GiB, threshold 0.9)",
         "placement plan: training/critic: actor 0, critic 15 layers on the GPU (working memory not yet learned, "
         "threshold 0.9)"]
+
+
+# --------------------------------------------------------------------------------- the final summary
+
+
+def write_run_dir(run_dir, steps: int, *, checkpoint: int | None, partial_last_line: bool = False):
+    run_dir.mkdir(parents=True)
+    lines = [json.dumps({"step": step, "critic/score/mean": step / 10, "actor/pg_loss": 0.1})
+             for step in range(1, steps + 1)]
+    text = "\n".join(lines) + "\n" + ('{"step": 99, "critic/sco' if partial_last_line else "")
+    (run_dir / "metrics.jsonl").write_text(text)
+    if checkpoint is not None:
+        (run_dir / "checkpoints" / f"global_step_{checkpoint}").mkdir(parents=True)
+        (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(checkpoint))
+
+
+def test_the_summary_of_a_finished_run_gives_steps_time_reward_and_checkpoints(tmp_path):
+    write_run_dir(tmp_path / "run", 20, checkpoint=20, partial_last_line=True)
+    summary = RunSummary.from_run_dir(tmp_path / "run", name="r", total_steps=20, elapsed_s=3725, failed=False)
+    assert summary.lines() == ["run r finished at step 20/20 after 1:02:05",
+                               "  last reward: 2 (critic/score/mean at step 20)",
+                               f"  checkpoints: {tmp_path / 'run' / 'checkpoints'} (latest: global_step_20)"]
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    console.print(summary.render())
+    panel = console.file.getvalue()
+    assert "r · finished" in panel and "20/20 in 1:02:05" in panel and "global_step_20" in panel
+
+
+def test_the_summary_of_a_stopped_or_failed_run_says_so_and_what_it_lacks(tmp_path):
+    write_run_dir(tmp_path / "run", 7, checkpoint=None)
+    stopped = RunSummary.from_run_dir(tmp_path / "run", name="r", total_steps=20, elapsed_s=5, failed=False)
+    assert stopped.lines()[0] == "run r stopped at step 7/20 after 0:05"
+    assert stopped.lines()[2] == f"  checkpoints: none saved in {tmp_path / 'run' / 'checkpoints'}"
+    failed = RunSummary.from_run_dir(tmp_path / "nothing", name="r", total_steps=20, elapsed_s=5, failed=True)
+    assert failed.lines()[:2] == ["run r failed at step 0/20 after 0:05", "  last reward: none reported"]
+    # Without trainer.total_training_steps (the trainer derives it from total_epochs) no total to compare with.
+    ended = RunSummary.from_run_dir(tmp_path / "run", name="r", total_steps=None, elapsed_s=5, failed=False)
+    assert ended.lines()[0] == "run r ended at step 7 after 0:05"

@@ -43,6 +43,7 @@ DOCUMENTED = [
     "verl_telemetry_dropped_messages_total", "verl_run_info", "verl_offload_transformer_layers_on_gpu",
     "verl_offload_model_transformer_layers_on_gpu",
     "verl_offload_moves_total", "verl_trainer_oom_recoveries_total", "verl_rollout_embedding_cache_hit_ratio",
+    "verl_trainer_checkpoint_failures_total",
 ]
 
 # One PPO step as trainer/loop.py reports it (verl's names).
@@ -84,8 +85,10 @@ def fed_metrics(clock=time.monotonic) -> tuple[TelemetryMetrics, CollectorRegist
                 CopySample(direction="d2h", group="embedding", bytes=1_000_000, seconds=0.00005)],
         counts=[CopyCount(direction="h2d", group="transformer", copies=1, bytes=400_000_000),
                 CopyCount(direction="d2h", group="embedding", copies=1, bytes=1_000_000)],
-        summary=[OffloadSummaryRow(role="actor", group="embedding", device="cpu", bytes=272_000_000),
-                 OffloadSummaryRow(role="actor", group="transformer", device="gpu", bytes=14_000_000_000)]))
+        summary=[OffloadSummaryRow(role="actor", group="embedding", placement="cpu", device="cpu",
+                                   bytes=272_000_000),
+                 OffloadSummaryRow(role="actor", group="transformer", placement="gpu", device="gpu",
+                                   bytes=14_000_000_000)]))
     metrics.count_restart("crash")
     for name, value in {"gpu_memory_threshold": 0.8, "min_transformer_layers_on_gpu": 4,
                         "dynamic_offload.enabled": True, "gpu_sample_interval_s": 1.0, "pcie_sample_interval_s": 10.0,
@@ -220,6 +223,17 @@ def test_dynamic_offload_and_oom_recoveries_from_step_metrics() -> None:
     assert value(registry, "verl_trainer_oom_recoveries_total") == 1
 
 
+def test_checkpoint_failures_are_counted_from_step_metrics() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    assert value(registry, "verl_trainer_checkpoint_failures_total") == 0
+    metrics.observe_step(1, {"checkpoint/failures": 0, "checkpoint/failing": 0})
+    metrics.observe_step(2, {"checkpoint/failures": 1, "checkpoint/failing": 1})
+    metrics.observe_step(3, {"checkpoint/failures": 0, "checkpoint/failing": 1})
+    metrics.observe_step(4, {"checkpoint/failures": 2, "checkpoint/failing": 1})
+    assert value(registry, "verl_trainer_checkpoint_failures_total") == 3
+
+
 def test_bad_inputs_are_refused_or_skipped() -> None:
     registry = CollectorRegistry()
     metrics = TelemetryMetrics(registry, run="r")
@@ -346,7 +360,8 @@ def test_the_offload_labels_are_the_directions_groups_and_roles_of_the_messages(
                 for direction in Direction for group in Group],
         counts=[CopyCount(direction=direction, group=group, copies=1, bytes=1)
                 for direction in Direction for group in Group],
-        summary=[OffloadSummaryRow(role=role, group=group, device="cpu", bytes=1) for role in Role for group in Group]))
+        summary=[OffloadSummaryRow(role=role, group=group, placement="cpu", device="cpu", bytes=1)
+                 for role in Role for group in Group]))
     directions, groups = {direction.value for direction in Direction}, {group.value for group in Group}
     for name in ("verl_offload_copy_duration_seconds_count", "verl_offload_copies_total",
                  "verl_offload_copied_bytes_total"):

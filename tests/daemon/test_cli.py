@@ -59,6 +59,7 @@ class FakeRun:
         self.ack_delay_s: float | None = 0.2
         self.patches: list[dict] = []
         self.stops = 0
+        self.forced_stops = 0
         self.on_stop = lambda: None
         self.phase_since = time.time() - 2
         self.url = ""  # where the test serves it
@@ -135,8 +136,9 @@ class FakeRun:
                     "applies_at_step": 46, "status": "pending"}
 
         @app.post("/v1/stop")
-        def stop():
+        def stop(force: bool = False):
             self.stops += 1
+            self.forced_stops += force
             self.on_stop()
             return {"requested": "stop"}
 
@@ -352,6 +354,15 @@ def test_stop_asks_the_run_to_checkpoint_and_exit(run, capsys):
     assert f"asked run quickstart (daemon pid {PID}) to checkpoint" in out
 
 
+def test_stop_force_asks_the_run_to_kill_its_trainer_without_a_checkpoint(run, capsys):
+    code, out, _ = verl(capsys, "stop", "--force", "--pid", PID)
+    assert code == 0
+    assert run.stops == 1 and run.forced_stops == 1
+    assert "without a checkpoint" in out
+    verl(capsys, "stop", "--pid", PID)
+    assert run.stops == 2 and run.forced_stops == 1  # a plain stop is not forced
+
+
 def test_stop_wait_returns_once_the_daemon_has_exited(state, tmp_path, capsys, sleeper):
     fake = FakeRun()
     fake.on_stop = lambda: threading.Timer(0.3, sleeper.terminate).start()
@@ -465,7 +476,7 @@ def test_bad_arguments_are_one_error_with_a_hint(state, capsys, args):
 def test_train_passes_the_monitor_flag_to_the_run(tmp_path, monkeypatch, flag):
     monkeypatch.chdir(tmp_path)
     started = []
-    monkeypatch.setattr(cli, "start_run", lambda config, config_path, monitor: started.append(
+    monkeypatch.setattr(cli, "start_run", lambda config, config_path, monitor, run_lock: started.append(
         (config.trainer.total_training_steps, config_path, monitor)) or 0)
     code = cli.main(["train", "--config", str(REPO / "examples" / "quickstart.yaml"), *flag,
                      "trainer.total_training_steps=3"])

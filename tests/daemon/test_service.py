@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from daemon.runtime import RuntimeInfo, runtime_file
-from daemon.service import Daemon
+from daemon.service import Daemon, derived_hang_timeout
 from trainer.config import dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def make_daemon(tmp_path: Path, monkeypatch, *overrides: str, **fake: str) -> Da
                                       "daemon.restart_backoff_s=0.1", "telemetry.gpu_sample_interval_s=0.1",
                                       *overrides])
     config_path = config.trainer.run_dir / "config.yaml"
-    config_path.parent.mkdir(parents=True)
+    config_path.parent.mkdir(parents=True, exist_ok=True)  # exists when a test resumes a run
     config_path.write_text(dump_config(config))
     return Daemon(config, config_path, trainer_command=FAKE_TRAINER, state=tmp_path / "state", out=io.StringIO())
 
@@ -206,6 +206,107 @@ def test_a_trainer_that_keeps_crashing_makes_the_daemon_exit_1(tmp_path: Path, m
     assert asyncio.run(daemon.run()) == 1
     assert daemon.supervisor.state == "failed" and daemon.supervisor.restarts == 1
     assert "giving up after 1 restart" in (daemon.run_dir / "logs" / "daemon.log").read_text()
+
+
+def test_live_settings_survive_a_stop_and_resume_unless_the_config_changed_them(tmp_path: Path, monkeypatch) -> None:
+    def run_until_stopped(daemon: Daemon, change: dict | None = None) -> int:
+        async def scenario() -> int:
+            run = asyncio.create_task(daemon.run())
+            await eventually(lambda: daemon.progress.step >= 1 and daemon.settings_store.acknowledged_version
+                             == daemon.settings_store.version, what="a step with the settings acknowledged")
+            if change:
+                daemon.update_settings(change)
+                await eventually(lambda: daemon.settings_store.acknowledged_version == daemon.settings_store.version,
+                                 what="the acknowledgement")
+            daemon.request_stop()
+            return await asyncio.wait_for(run, 30)
+
+        return asyncio.run(scenario())
+
+    first = make_daemon(tmp_path, monkeypatch, total_steps="100000", step_s="0.05")
+    assert run_until_stopped(first, {"gpu_memory_threshold": 0.5, "log_level": "debug"}) == 0
+
+    resumed = make_daemon(tmp_path, monkeypatch, total_steps="100000", step_s="0.05")
+    assert run_until_stopped(resumed) == 0
+    assert resumed.settings_store.values.gpu_memory_threshold == 0.5
+    assert resumed.settings_store.values.log_level == "debug"
+    # The resumed trainer ran with them from its first step: they came right after its hello.
+    down = [event for event in fake_events(tmp_path) if event["event"] in ("start", "down")]
+    second_start = [index for index, event in enumerate(down) if event["event"] == "start"][1]
+    assert down[second_start + 1]["message"]["values"]["gpu_memory_threshold"] == 0.5
+    log = (resumed.run_dir / "logs" / "daemon.log").read_text()
+    assert "re-applied the live settings of this run from before its stop" in log
+    assert audit(resumed)[-2:][0]["source"] == "resume"
+
+    # A value the config changes since wins over the live one it had replaced.
+    edited = make_daemon(tmp_path, monkeypatch, "dynamic_offload.gpu_memory_threshold=0.7", total_steps="100000",
+                         step_s="0.05")
+    assert run_until_stopped(edited) == 0
+    assert edited.settings_store.values.gpu_memory_threshold == 0.7
+    assert edited.settings_store.values.log_level == "debug"
+    assert "the config changed it from 0.85 to 0.7 since" in (edited.run_dir / "logs" / "daemon.log").read_text()
+
+
+def test_a_stop_asked_twice_is_one_checkpointed_stop_and_a_forced_one_kills(tmp_path: Path, monkeypatch) -> None:
+    def stop(daemon: Daemon, *queries: str) -> tuple[int, list[dict]]:
+        async def scenario() -> tuple[int, list[dict]]:
+            run = asyncio.create_task(daemon.run())
+            await eventually(lambda: daemon.progress.step >= 2, what="two steps")
+            async with httpx.AsyncClient(base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"}) \
+                    as api:
+                answers = [(await api.post("/v1/stop" + query)).json() for query in queries]
+            return await asyncio.wait_for(run, 30), answers
+
+        return asyncio.run(scenario())
+
+    daemon = make_daemon(tmp_path, monkeypatch, total_steps="100000", step_s="0.05")
+    code, answers = stop(daemon, "", "")
+    assert code == 0 and daemon.supervisor.last_exit_code == 0
+    assert fake_events(tmp_path)[-1]["event"] == "exit" and fake_events(tmp_path)[-1]["stopped"] is True
+    assert answers[1]["status"] == "stopping" and answers[1]["detail"].startswith("already stopping")
+
+    forced = make_daemon(tmp_path, monkeypatch, total_steps="100000", step_s="0.05", ignore_stop="1")
+    code, answers = stop(forced, "?force=true")
+    assert code == 0 and forced.supervisor.last_exit_code == -signal.SIGKILL
+    assert answers[0]["status"] == "killing"
+
+
+def test_a_repeated_signal_kills_without_a_checkpoint_only_after_the_grace(tmp_path: Path, monkeypatch) -> None:
+    daemon = make_daemon(tmp_path, monkeypatch, "daemon.force_stop_grace_s=1.5", total_steps="100000",
+                         step_s="0.05", ignore_stop="1")
+
+    async def scenario() -> int:
+        run = asyncio.create_task(daemon.run())
+        await eventually(lambda: daemon.progress.step >= 2, what="two steps")
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C soon after: the same stop
+        await asyncio.sleep(0.5)
+        assert daemon.supervisor.pids, "the trainer was killed by a signal within the grace"
+        await asyncio.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return await asyncio.wait_for(run, 30)
+
+    assert asyncio.run(scenario()) == 0
+    assert daemon.supervisor.last_exit_code == -signal.SIGKILL
+    log = (daemon.run_dir / "logs" / "daemon.log").read_text()
+    assert "signal again 1.5 s or more after this to kill the trainer without a checkpoint" in log
+    assert "received SIGINT again within daemon.force_stop_grace_s=1.5 s of the first: the same stop" in log
+    assert "received SIGTERM again" in log and "killing the trainer without a checkpoint" in log
+
+
+def test_a_full_disk_at_exit_does_not_crash_the_daemon(tmp_path: Path, monkeypatch) -> None:
+    daemon = make_daemon(tmp_path, monkeypatch, total_steps="2")
+    logs = daemon.run_dir / "logs"
+    logs.mkdir(parents=True)
+    (logs / "daemon.log").symlink_to("/dev/full")  # every write fails with ENOSPC
+    assert asyncio.run(daemon.run()) == 0
+
+
+def test_the_hang_timeout_defaults_to_five_median_steps_and_never_under_ten_minutes() -> None:
+    assert derived_hang_timeout([]) == 600.0
+    assert derived_hang_timeout([1.0, 2.0, 500.0]) == 600.0
+    assert derived_hang_timeout([200.0, 300.0, 1.0, 250.0, 260.0]) == 1250.0
 
 
 @pytest.mark.slow

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from api.schemas import SettingsNotSavedError
 from daemon.settings import SettingsStore
 from trainer.config.live import LiveSettings, SettingsRejected
 from trainer.config.messages import SettingsMessage, SettingsState
@@ -108,3 +111,85 @@ def test_old_and_new_keep_only_the_settings_whose_value_changes(store: SettingsS
     [line] = audit(store)
     assert (line["old"], line["new"]) == (update.old, update.new)
     assert store.acknowledge(1, step=3).new == {"min_transformer_layers_on_gpu": 2}
+
+
+LARGEST_INTEGER = 2**53 - 1  # the largest whole number the API's readers hold exactly
+
+
+@pytest.mark.parametrize("value", [10**400, LARGEST_INTEGER + 1, 1e300], ids=["400 digits", "2**53", "1e300"])
+def test_a_whole_number_beyond_what_readers_hold_is_refused(store: SettingsStore, value: float) -> None:
+    """10**400 once passed validation and then overflowed float() in the daemon, after the store had changed."""
+    with pytest.raises(SettingsRejected) as rejected:
+        store.update({"min_transformer_layers_on_gpu": value})
+    [problem] = rejected.value.problems
+    assert problem.setting == "min_transformer_layers_on_gpu" and f"<= {LARGEST_INTEGER}" in problem.message
+    assert len(problem.message) < 250 and store.version == 0
+
+
+def test_a_whole_number_sent_as_a_json_float_is_a_whole_number(store: SettingsStore) -> None:
+    update = store.update({"min_transformer_layers_on_gpu": 4.0})  # JSON Schema's "integer" takes 4.0
+    assert update.new == {"min_transformer_layers_on_gpu": 4} and store.values.min_transformer_layers_on_gpu == 4
+    assert store.update({"min_transformer_layers_on_gpu": LARGEST_INTEGER}).version == 2
+
+
+def test_an_unknown_name_does_not_hide_the_other_bad_values(store: SettingsStore) -> None:
+    with pytest.raises(SettingsRejected) as rejected:
+        store.update({"no_such_setting": 1, "gpu_memory_threshold": 1.5, "log_level": "loud",
+                      "gpu_sample_interval_s": 2})
+    assert sorted(problem.setting for problem in rejected.value.problems) == [
+        "gpu_memory_threshold", "log_level", "no_such_setting"]
+
+
+def test_rejected_values_and_names_are_cut_to_an_excerpt(store: SettingsStore) -> None:
+    with pytest.raises(SettingsRejected) as rejected:
+        store.update({"log_level": "x" * 100_000, "n" * 10_000: 1, "gpu_memory_threshold": [0.5] * 10_000})
+    assert len(str(rejected.value)) < 1200  # what the daemon logs
+    assert all(len(problem.setting) < 150 and len(problem.message) < 400 for problem in rejected.value.problems)
+    assert "(100002 characters)" in str(rejected.value)
+    [line] = store.audit_path.read_text().splitlines()
+    assert len(line) < 2000 and json.loads(line)["result"] == "rejected"
+
+
+def test_a_change_that_cannot_be_written_to_the_audit_log_changes_nothing(tmp_path: Path) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("needs Linux's /dev/full")
+    store = SettingsStore(LiveSettings(), audit_path=Path("/dev/full"))  # every write: ENOSPC, a full disk
+    with pytest.raises(SettingsNotSavedError, match="not made: the settings audit log /dev/full cannot be written"):
+        store.update({"gpu_memory_threshold": 0.6})
+    assert store.values == LiveSettings() and store.version == 0 and store.down_message().version == 0
+    # What happened anyway is not turned into a failure: a rejection, an acknowledgement.
+    with pytest.raises(SettingsRejected):
+        store.update({"gpu_memory_threshold": 2})
+    store.audit_path = tmp_path / "settings_audit.jsonl"
+    assert store.update({"gpu_memory_threshold": 0.6}).version == 1
+    store.audit_path = Path("/dev/full")
+    assert store.acknowledge(1, step=3) is not None and store.acknowledged_version == 1
+
+
+PARTIAL_WRITE = """
+import resource, signal, sys
+from pathlib import Path
+from api.schemas import SettingsNotSavedError
+from daemon.settings import SettingsStore
+from trainer.config.live import LiveSettings
+
+path = Path(sys.argv[1])
+store = SettingsStore(LiveSettings(), audit_path=path)
+store.update({"gpu_memory_threshold": 0.6})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG instead of death
+resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 20, resource.RLIM_INFINITY))
+try:
+    store.update({"gpu_memory_threshold": 0.7})
+except SettingsNotSavedError:
+    print("refused", store.version, store.values.gpu_memory_threshold)
+"""
+
+
+def test_a_line_cut_short_by_a_full_disk_is_taken_back(tmp_path: Path) -> None:
+    """The file-size limit cuts the second line after 20 bytes, as a disk that fills in the middle of a write."""
+    path = tmp_path / "settings_audit.jsonl"
+    child = subprocess.run([sys.executable, "-c", PARTIAL_WRITE, str(path)], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[2], timeout=60)
+    assert child.stdout.split() == ["refused", "1", "0.6"], child.stderr
+    [line] = path.read_text().splitlines()
+    assert json.loads(line)["new"] == {"gpu_memory_threshold": 0.6} and path.read_text().endswith("\n")

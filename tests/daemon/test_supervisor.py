@@ -28,7 +28,8 @@ def events(folder: Path) -> list[dict]:
 
 
 def supervise(folder: Path, *, max_restarts: int = 3, backoff_s: float = 0.05, stop_timeout_s: float = 10.0,
-              stop_after_s: float | None = None, **settings: str) -> tuple[int, Supervisor, list[dict]]:
+              stop_after_s: float | None = None, stops: tuple[dict, ...] = ({},),
+              **settings: str) -> tuple[int, Supervisor, list[dict]]:
     restarts: list[dict] = []
     supervisor = Supervisor(FAKE_TRAINER, policy=RestartPolicy(max_restarts, backoff_s, 60.0),
                             stop_timeout_s=stop_timeout_s, env=fake_env(folder, **settings),
@@ -39,7 +40,8 @@ def supervise(folder: Path, *, max_restarts: int = 3, backoff_s: float = 0.05, s
             return await asyncio.wait_for(supervisor.run(), 30)
         run = asyncio.create_task(supervisor.run())
         await asyncio.sleep(stop_after_s)
-        supervisor.request_stop()
+        for stop in stops:  # the keyword arguments of each request
+            supervisor.request_stop(**stop)
         return await asyncio.wait_for(run, 30)
 
     return asyncio.run(scenario()), supervisor, restarts
@@ -150,3 +152,17 @@ def test_a_stop_during_the_backoff_does_not_restart(tmp_path: Path) -> None:
                                            crash_at_step="1")
     assert code == 0 and len(restarts) == 1
     assert [event["event"] for event in events(tmp_path)].count("start") == 1
+
+
+def test_a_second_stop_request_is_the_same_stop_and_the_trainer_still_checkpoints(tmp_path: Path) -> None:
+    code, supervisor, _ = supervise(tmp_path, stop_after_s=1.0, stops=({}, {}), total_steps="1000", step_s="0.05")
+    assert code == 0 and supervisor.last_exit_code == 0  # not killed
+    assert events(tmp_path)[-1]["event"] == "exit" and events(tmp_path)[-1]["stopped"] is True
+
+
+def test_only_a_forced_stop_kills_the_trainer_at_once(tmp_path: Path) -> None:
+    started = time.monotonic()
+    code, supervisor, _ = supervise(tmp_path, stop_after_s=1.0, stops=({}, {"force": True}), total_steps="1000",
+                                    ignore_stop="1")
+    assert code == 0 and supervisor.state == "finished" and supervisor.last_exit_code == -9
+    assert time.monotonic() - started < 8  # not after stop_timeout_s (10 s)

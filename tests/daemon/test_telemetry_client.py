@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from trainer.config.ipc import ENV_SOCKET, ENV_TOKEN
-from trainer.config.messages import LogMessage, StepMessage
+from trainer.config.ipc import ENV_DAEMON_PID, ENV_SOCKET, ENV_TOKEN
+from trainer.config.messages import LogMessage, StepMessage, StopMessage
 from trainer.telemetry import TelemetryClient
 
 
@@ -130,3 +133,62 @@ def test_non_finite_metrics_go_out_as_null(tmp_path: Path, value: float) -> None
     connection.close()
     client.close(timeout=0.5)
     listener.close()
+
+
+def test_a_daemon_that_is_gone_hands_the_trainer_a_stop_and_one_that_drops_the_link_does_not(tmp_path: Path) -> None:
+    path = tmp_path / "daemon.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    listener.settimeout(5)
+    client = TelemetryClient(str(path), "token", start_step=0, total_steps=10, reconnect_interval_s=0.05)
+    try:
+        first, _ = listener.accept()
+        first.close()  # the daemon drops a slow client, but still listens: the client reconnects
+        second, _ = listener.accept()
+        time.sleep(0.2)
+        assert client.poll() == [] and not client.daemon_gone
+        second.close()
+        listener.close()  # killed: the socket file stays, nobody listens
+        wait_until(lambda: client.daemon_gone)
+        assert client.poll() == [StopMessage()]
+    finally:
+        client.close(timeout=0.5)
+        listener.close()
+
+
+ORPHAN = """\
+import os, signal, sys, time
+from trainer.telemetry import die_with_daemon
+assert die_with_daemon()
+signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], "w").write("SIGTERM"), os._exit(0)))
+open(sys.argv[1] + ".ready", "w").close()
+time.sleep(60)
+"""
+DAEMON = """\
+import os, subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], env={**os.environ, sys.argv[3]: str(os.getpid())})
+time.sleep(60)
+"""
+
+
+def test_a_trainer_gets_sigterm_when_its_daemon_is_killed(tmp_path: Path) -> None:
+    signalled = tmp_path / "signalled"
+    daemon = subprocess.Popen([sys.executable, "-c", DAEMON, ORPHAN, str(signalled), ENV_DAEMON_PID],
+                              cwd=Path(__file__).parents[2])
+    try:
+        wait_until(lambda: Path(f"{signalled}.ready").exists(), timeout=30)
+        daemon.kill()
+        daemon.wait()
+        wait_until(lambda: signalled.exists() and signalled.read_text() == "SIGTERM", timeout=10)
+    finally:
+        daemon.kill()
+
+
+def test_a_trainer_whose_daemon_died_before_it_started_does_not_train(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    result = subprocess.run([sys.executable, "-c", "from trainer.telemetry import die_with_daemon; "
+                             "print(die_with_daemon())"], env={**os.environ, ENV_DAEMON_PID: str(gone.pid)},
+                            cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=30)
+    assert result.stdout.strip() == "False", result.stderr

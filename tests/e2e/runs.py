@@ -42,6 +42,7 @@ class LiveRun:
     token: str
     folder: Path
     env: dict
+    output_name: str = "verl.out"
 
     @property
     def headers(self) -> dict:
@@ -80,25 +81,27 @@ class LiveRun:
 
     def output(self) -> str:
         """What `verl train` printed so far (stdout and stderr)."""
-        return (self.folder / "verl.out").read_text(encoding="utf-8")
+        return (self.folder / self.output_name).read_text(encoding="utf-8")
 
     def verl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run([str(VERL), *args], env=self.env, capture_output=True, text=True, timeout=timeout)
 
 
 @contextmanager
-def verl_train(folder: Path, *overrides: str) -> Iterator[LiveRun]:
-    """`verl train` of the quickstart with SMALL_RUN and `overrides`, in `folder`."""
+def verl_train(folder: Path, *overrides: str, new_session: bool = False, output: str = "verl.out"
+               ) -> Iterator[LiveRun]:
+    """`verl train` of the quickstart with SMALL_RUN and `overrides`, in `folder`, printing to `folder`/`output`;
+    `new_session`: in a session (and process group) of its own, as a shell runs a command."""
     env = {**os.environ, "VERL_STATE_DIR": str(folder / "state")}
-    with (folder / "verl.out").open("w") as log:
+    with (folder / output).open("w") as log:
         process = subprocess.Popen([str(VERL), "train", "--config", QUICKSTART, *SMALL_RUN, *overrides], cwd=folder,
-                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session)
         runtime_file = folder / "state" / "run" / f"{process.pid}.json"
         try:
             wait_for(lambda: runtime_file.exists() or process.poll() is not None, what="the runtime file")
-            assert process.poll() is None, (folder / "verl.out").read_text()
+            assert process.poll() is None, (folder / output).read_text()
             info = json.loads(runtime_file.read_text())
-            yield LiveRun(process, info["url"], info["token"], folder, env)
+            yield LiveRun(process, info["url"], info["token"], folder, env, output)
         finally:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -7,8 +7,10 @@ import json
 import os
 import pty
 import re
+import resource
 import select
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -132,7 +134,8 @@ def _write_parquet(path: Path, table: dict) -> str:
 
 BAD_INPUTS = ["wrong type", "unknown key", "out of range", "moved key", "ignored key", "bad choice",
               "missing model", "not a model dir", "missing data file", "unknown data format", "no prompt column",
-              "not parquet", "reward function missing", "mini-batch", "grpo n", "malformed override", "broken yaml"]
+              "not parquet", "reward function missing", "mini-batch", "grpo n", "malformed override", "broken yaml",
+              "empty config", "data directory", "truncated weights"]
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
@@ -145,6 +148,14 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     reward.write_text("def something_else(*args):\n    return 0.0\n")
     broken_yaml = tmp_path / "broken.yaml"
     broken_yaml.write_text("data:\n  train_batch_size: [1, 2\n")
+    empty_yaml = tmp_path / "empty.yaml"
+    empty_yaml.write_text("# to be written\n")
+    (tmp_path / "shards.parquet").mkdir()
+    # A model whose weights file was cut short (an interrupted copy): found by the trainer, not the daemon.
+    truncated = tmp_path / "truncated_model"
+    truncated.mkdir()
+    (truncated / "config.json").write_text('{"model_type": "qwen2"}')
+    (truncated / "model.safetensors").write_bytes(struct.pack("<Q", 400) + b'{"lm_head.weight": {"dtype": "F3')
     return {
         "wrong type": (["data.train_batch_size=abc"], "data.train_batch_size"),
         "unknown key": (["actor_rollout_ref.actor.optm.lr=1"], "did you mean 'optim'"),
@@ -164,6 +175,11 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "grpo n": (["algorithm.adv_estimator=grpo"], "actor_rollout_ref.rollout.n"),
         "malformed override": (["data.train_batch_size"], "key.path=value"),
         "broken yaml": (["--config", str(broken_yaml)], "line"),
+        "empty config": (["--config", str(empty_yaml)], "which is empty (or only comments)"),
+        "data directory": ([f"data.train_files={tmp_path / 'shards.parquet'}"], "which is a directory"),
+        "truncated weights": ([f"actor_rollout_ref.model.path={truncated}",
+                               "actor_rollout_ref.model.tokenizer_path=builtin:tiny-qwen2"],
+                              f"'{truncated / 'model.safetensors'}' is damaged or incomplete"),
     }
 
 
@@ -179,5 +195,53 @@ def test_bad_input_is_one_error_line_and_exit_code_2(tmp_path, case):
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
     assert len(errors) == 1, result.stderr
     assert expected in errors[0]
-    # Nothing was trained on bad input.
+    # Nothing was trained on bad input, and a problem that would recur is not retried.
     assert not (tmp_path / "runs" / "quickstart" / "metrics.jsonl").exists()
+    assert "restart 1 of" not in result.stderr + result.stdout
+
+
+def test_a_reward_function_that_raises_stops_the_run_in_one_line_with_the_traceback_in_the_log(tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': solution_str.split()[99]}\n")
+    result = verl("train", "--config", QUICKSTART, *SMALL, f"custom_reward_function.path={reward}", cwd=tmp_path)
+    output = result.stdout + result.stderr
+    # It was: a traceback on the console only, three restarts, exit code 1.
+    assert result.returncode == 2, output
+    assert "Traceback" not in output and "restart 1 of" not in output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
+    assert errors == [f"ERROR: custom_reward_function 'compute_score' at {reward}:2 raised IndexError: list index "
+                      "out of range (scoring a response of data_source 'counting'); fix the function, or set "
+                      "custom_reward_function.on_error=zero to score such responses 0 (its traceback is in "
+                      "runs/quickstart/logs/trainer.log)"]
+    log = (tmp_path / "runs" / "quickstart" / "logs" / "trainer.log").read_text()
+    assert "Traceback (most recent call last):" in log
+    assert f'File "{reward}", line 2, in compute_score' in log
+
+
+def _files_up_to_one_mib() -> None:
+    """As on a nearly full disk: no file of the run may grow past 1 MiB (the kernel refuses the write with
+    EFBIG, writing what fits first). The quickstart's weights (0.5 MB a model) fit, its trainer state
+    (2 MB: optimizer states) does not."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+
+def test_checkpoints_the_disk_cannot_take_leave_the_run_going_and_the_last_keeps_the_weights(tmp_path):
+    result = subprocess.run([str(VERL), "train", "--config", QUICKSTART, *SMALL, "trainer.total_training_steps=3",
+                             "trainer.save_freq=1"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                            preexec_fn=_files_up_to_one_mib)
+    output = result.stdout + result.stderr
+    run = tmp_path / "runs" / "quickstart"
+    # It was: exit code 2 at the first save.
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3], output
+    assert [row["checkpoint/failures"] for row in rows] == [0, 1, 1]
+    log = (run / "logs" / "trainer.log").read_text()
+    assert log.count("CHECKPOINT NOT SAVED: could not write the checkpoint of step") == 2
+    assert not list((run / "checkpoints").glob("*global_step_*")), "no partial checkpoint is left"
+    weights = run / "checkpoints" / "weights_step_3"
+    assert sorted(path.name for path in weights.iterdir()) == ["config.json", "model.safetensors"]
+    assert result.returncode == 2 and "restart 1 of" not in output, output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
+    assert len(errors) == 1 and errors[0].startswith("ERROR: the final checkpoint of step 3 was not saved: "), output
+    assert f"the actor's weights alone are in {weights.relative_to(tmp_path)} (safetensors" in errors[0]

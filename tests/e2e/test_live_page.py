@@ -197,7 +197,7 @@ async def _charts_receive_data(tab: Tab) -> None:
 
 async def _offload_charts_receive_data(tab: Tab, run) -> None:
     """The actor's copies fill the latency and bandwidth charts; the layers chart shows the actor's step
-    metric against min_transformer_layers_on_gpu; the summary lists the actor's groups on the CPU."""
+    metric against min_transformer_layers_on_gpu; the summary lists the actor's groups as offloaded."""
     points = "(id => +(document.getElementById(id).dataset.points || 0))"
     for chart in OFFLOAD_CHARTS:
         await tab.wait_until(f"{points}('{chart}') >= 2", what=f"{chart} to fill with the run's copies")
@@ -213,10 +213,10 @@ async def _offload_charts_receive_data(tab: Tab, run) -> None:
     lines = json.loads(await tab.evaluate("document.getElementById('chart-layers').dataset.lines"))
     assert lines == {"min_transformer_layers_on_gpu": MIN_LAYERS_ON_GPU}
 
-    cpu_groups = await tab.evaluate("[...document.querySelectorAll('#offload tbody tr')]"
-                                    ".filter(row => row.cells[2].textContent === 'cpu')"
-                                    ".map(row => row.cells[0].textContent)")
-    assert cpu_groups and set(cpu_groups) == {"actor"}, cpu_groups
+    offloaded = await tab.evaluate("[...document.querySelectorAll('#offload tbody tr')]"
+                                   ".filter(row => row.cells[3].textContent === 'yes')"
+                                   ".map(row => row.cells[0].textContent)")
+    assert offloaded and set(offloaded) == {"actor"}, offloaded
 
 
 async def _the_form_changes_the_threshold(tab: Tab, run) -> None:

@@ -99,8 +99,18 @@ def test_a_section_left_empty_in_yaml_means_its_defaults(tmp_path: Path) -> None
     assert config.trainer.experiment_name == "run"
 
 
-def test_an_empty_file_is_the_defaults(tmp_path: Path) -> None:
-    assert load_config(write(tmp_path / "run.yaml", "# nothing yet\n")) == load_config()
+@pytest.mark.parametrize("text", ["", "# nothing yet\n"])
+def test_an_empty_file_is_refused_rather_than_run_with_every_default(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path / "run.yaml", text))
+    assert [str(problem) for problem in error.value.problems] == [
+        f"--config: got '{tmp_path / 'run.yaml'}', which is empty (or only comments); allowed: a YAML mapping of "
+        "sections (actor_rollout_ref, critic, reward_model, custom_reward_function, algorithm, data, trainer, "
+        "dynamic_offload, telemetry, daemon); `{}` runs every default"]
+
+
+def test_an_empty_mapping_is_the_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path / "run.yaml", "{}\n")) == load_config()
 
 
 # ------------------------------------------------------------------------------- derived defaults
@@ -469,6 +479,14 @@ BAD_CONFIGS = [
      "actor_rollout_ref.model.tokenizer_path", "not a directory"),
     ("missing data file", None, ["data.train_files=[builtin:counting, /no/such/train.parquet]"],
      "data.train_files[1]", "'/no/such/train.parquet', which does not exist"),
+    ("a directory as a data file", None, ["data.train_files={tmp}/empty_dir"],
+     "data.train_files[0]", "which is a directory; allowed: .parquet, .jsonl, .json files"),
+    ("a parquet directory as a data file", None, ["data.train_files={tmp}/shards.parquet"],
+     "data.train_files[0]", "which is a directory; allowed: .parquet, .jsonl, .json files"),
+    ("reward error policy without a reward function", None, ["custom_reward_function.on_error=zero"],
+     "custom_reward_function.on_error", "no custom reward function is set (custom_reward_function.path)"),
+    ("reward error policy not a choice", None, ["custom_reward_function.on_error=skip"],
+     "custom_reward_function.on_error", "'skip'"),
     ("data file with a wrong suffix", None, ["data.val_files={tmp}/prompts.csv", "trainer.test_freq=5"],
      "data.val_files[0]", "a file format that cannot be read; allowed: .parquet, .jsonl, .json"),
     ("no training data", None, ["data.train_files=[]"],
@@ -537,6 +555,7 @@ BAD_CONFIGS = [
 def test_a_bad_config_names_its_key_and_what_is_allowed(
         tmp_path: Path, yaml_text: str | None, overrides: list[str], key: str, phrase: str) -> None:
     (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "shards.parquet").mkdir()
     write(tmp_path / "prompts.csv", "prompt\n1 2 3\n")
     config_file = write(tmp_path / "run.yaml", yaml_text) if yaml_text is not None else None
     problems = problems_of(config_file, [override.replace("{tmp}", str(tmp_path)) for override in overrides])

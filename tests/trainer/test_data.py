@@ -16,6 +16,9 @@ from trainer.data import (
     load_records,
     write_records,
 )
+from trainer.data.checks import UnknownTokens, check_prompts
+from trainer.models.tiny import build_tiny_tokenizer
+from trainer.rollout.prompts import PromptTooLong
 
 VERL_ROWS = [
     {
@@ -228,6 +231,75 @@ def test_missing_unknown_and_unreadable_files(tmp_path):
     fake = tmp_path / "fake.parquet"
     fake.write_text("not parquet at all")
     assert one_line_error([str(fake)]).startswith(f"data file {str(fake)!r} is not a readable parquet file (")
+
+
+def test_a_directory_is_not_reported_as_missing(tmp_path):
+    folder = tmp_path / "train.parquet"  # a folder of shards, as Spark and datasets write them
+    folder.mkdir()
+    assert one_line_error([str(folder)]) == (f"data file {str(folder)!r} is a directory; allowed: .parquet, .jsonl, "
+                                             ".json files (list each file of a folder of shards)")
+
+
+def test_a_reward_model_without_ground_truth_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "1 2", "data_source": "counting", "reward_model": {}}])
+    # It trained with ground_truth=None: every response scored 0.
+    assert one_line_error([path]) == (f"data file {path!r} line 1: reward_model has no 'ground_truth' (got {{}}); "
+                                      "allowed: {'style': 'rule', 'ground_truth': ...}, or {'style': 'model'} "
+                                      "for a reward model")
+    scored_by_a_model = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "1 2", "data_source": "chat",
+                                                            "reward_model": {"style": "model"}}])
+    assert load_records([scored_by_a_model])[0].ground_truth is None
+
+
+def test_the_built_in_scorers_need_a_ground_truth_in_every_row(tmp_path):
+    rows = [{"prompt": "1 2", "data_source": "counting", "reward_model": {"style": "rule", "ground_truth": "3"}},
+            {"prompt": "4 5", "data_source": "counting"}]
+    path = write_parquet(tmp_path / "x.parquet", rows)  # parquet fills the missing struct with nulls
+    assert len(load_records([path])) == 2, "a custom function or a reward model may not need one"
+    with pytest.raises(DataError) as error:
+        load_records([path], require_ground_truth=True)
+    assert str(error.value).startswith(f"data file {path!r} row 1: reward_model.ground_truth is missing, but the "
+                                       "built-in scorer for data_source 'counting' compares each response with it")
+
+
+def test_records_know_where_they_were_read(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "1 2", "data_source": "d"}] * 2)
+    assert [record.source for record in load_records([path])] == [f"data file {path!r} line 1",
+                                                                   f"data file {path!r} line 2"]
+    assert counting_records(2)[1].source == "builtin:counting prompt 1"
+
+
+# ------------------------------------------------------------------------------- prompt checks
+
+
+def check(records, **options):
+    options = {"files_key": "data.train_files", "max_length": 8, "truncation": "error",
+               "tokenizer_setting": "actor_rollout_ref.model.tokenizer_path", "tokenizer_name": "tiny", **options}
+    check_prompts(records, build_tiny_tokenizer(), **options)
+
+
+def test_prompts_the_tokenizer_cannot_read_are_refused_naming_the_share_and_tokenizer_path(tmp_path):
+    rows = [{"prompt": "what is 3 plus 4", "data_source": "arith"}] + [{"prompt": "1 + 2", "data_source": "arith"}] * 3
+    records = load_records([write_jsonl(tmp_path / "x.jsonl", rows)])
+    with pytest.raises(UnknownTokens) as error:
+        check(records)
+    assert str(error.value) == (f"21% of the prompt tokens of data.train_files (3 of 14) are unknown to the tokenizer "
+                                f"(tiny; e.g. 'what', 'is', 'plus' in data file '{tmp_path}/x.jsonl' line 1): training "
+                                "would read <unk> in their place; set actor_rollout_ref.model.tokenizer_path to a "
+                                "tokenizer that covers the data (at most 3% may be unknown)")
+    check(counting_records(64))  # the built-in task is all known words
+    check(records[1:] * 40 + records[:1])  # one unknown word in a hundred
+
+
+@pytest.mark.parametrize("prompt", ["1 2 3 4 5 6 7 8 9", [{"role": "user", "content": "1 2 3 4 5 6 7 8 9"}]])
+def test_a_prompt_over_the_length_limit_names_where_it_is(tmp_path, prompt):
+    rows = [{"prompt": "1 2", "data_source": "d"}, {"prompt": prompt, "data_source": "d"}]
+    records = load_records([write_jsonl(tmp_path / "x.jsonl", rows)])
+    with pytest.raises(PromptTooLong) as error:
+        check(records)
+    assert str(error.value) == (f"data file '{tmp_path}/x.jsonl' line 2: the prompt has 9 tokens, more than "
+                                "data.max_prompt_length=8; raise it or set data.truncation to left or right")
+    check(records, truncation="left")
 
 
 # ------------------------------------------------------------------------------------- sampler

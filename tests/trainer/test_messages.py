@@ -22,6 +22,7 @@ from trainer.config.messages import (
     CopySample,
     DownMessage,
     DroppedMessage,
+    HeartbeatMessage,
     HelloMessage,
     LogMessage,
     OffloadMessage,
@@ -47,7 +48,8 @@ UP = [
     PhaseMessage(step=5, phase=Phase.UPDATE_ACTOR, time=1.0),
     OffloadMessage(copies=[CopySample(direction="h2d", group="transformer", bytes=1 << 20, seconds=0.0004)],
                    counts=[CopyCount(direction="d2h", group="lm_head", copies=12, bytes=12 << 20)],
-                   summary=[OffloadSummaryRow(role="critic", group="embedding", device="cpu", bytes=1 << 30)],
+                   summary=[OffloadSummaryRow(role="critic", group="embedding", placement="cpu", device="cpu",
+                                                     bytes=1 << 30)],
                    time=2.0),
     OffloadMessage(copies=[], counts=[], time=2.5),
     OffloadMessage(copies=[], counts=[], plans=[
@@ -59,6 +61,7 @@ UP = [
     SettingsAckMessage(version=2, step=6, values=SETTINGS, time=4.0),
     CheckpointMessage(step=6, path="runs/x/checkpoints/global_step_6", time=5.0),
     DroppedMessage(count=17, time=6.0),
+    HeartbeatMessage(step=7, time=7.0),
 ]
 DOWN = [SettingsMessage(version=2, values=SETTINGS), CheckpointNowMessage(), StopMessage()]
 
@@ -96,8 +99,8 @@ def test_the_json_keeps_the_protocols_field_names() -> None:
     assert down["values"]["dynamic_offload.enabled"] is True
     assert json.loads(encode(StopMessage())) == {"type": "stop"}
     # A line from before the models: the trainer filled in no time for a hello, the daemon none for down.
-    old_hello = (b'{"type":"hello","protocol":1,"token":"t0ken","pid":4243,"rank":0,"run_dir":"runs/x",'
-                 b'"start_step":3,"total_steps":10}\n')
+    old_hello = (b'{"type":"hello","protocol":%d,"token":"t0ken","pid":4243,"rank":0,"run_dir":"runs/x",'
+                 b'"start_step":3,"total_steps":10}\n' % PROTOCOL_VERSION)
     assert decode_up(old_hello) == UP[0]
 
 

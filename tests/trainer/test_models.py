@@ -2,6 +2,8 @@
 
 import copy
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,6 +177,67 @@ def test_a_directory_that_is_not_a_model(tokenizer, tmp_path, what, folder):
     message = str(error.value)
     assert message.startswith(f"could not load the {what} from {str(path)!r}")
     assert "\n" not in message
+
+
+def damaged_copy(saved_policy, tmp_path, damage: str):
+    """The saved policy's directory with one file damaged as users' copies are."""
+    directory = tmp_path / damage
+    shutil.copytree(saved_policy[0], directory)
+    if damage == "wrong type":
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
+    elif damage == "truncated weights":
+        weights = (directory / "model.safetensors").read_bytes()
+        (directory / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    else:  # no tokenizer files: config and weights only
+        for file in directory.iterdir():
+            if file.name not in ("config.json", "model.safetensors"):
+                file.unlink()
+    return directory
+
+
+LOADERS = {
+    "model": lambda path, tokenizer: load_policy(str(path), tokenizer, dtype=torch.float32, seed=1),
+    "critic": lambda path, tokenizer: load_critic(str(path), tokenizer, dtype=torch.float32, seed=1),
+    "reward model": lambda path, tokenizer: load_reward_model(str(path), tokenizer, dtype=torch.float32, seed=1),
+}
+
+
+@pytest.mark.parametrize("what", list(LOADERS))
+def test_a_config_field_of_the_wrong_type_is_one_line_naming_config_json(tokenizer, saved_policy, tmp_path, what):
+    directory = damaged_copy(saved_policy, tmp_path, "wrong type")
+    with pytest.raises(ModelLoadError) as error:
+        LOADERS[what](directory, tokenizer)
+    assert str(error.value) == (f"could not load the {what} from '{directory}': '{directory}/config.json': Validation "
+                                "error for field 'num_hidden_layers': TypeError: Field 'num_hidden_layers' expected "
+                                "int, got str (value: 'two')")
+
+
+@pytest.mark.parametrize("what", list(LOADERS))
+def test_truncated_weights_are_one_line_naming_the_file(tokenizer, saved_policy, tmp_path, what):
+    directory = damaged_copy(saved_policy, tmp_path, "truncated weights")
+    with pytest.raises(ModelLoadError) as error:
+        LOADERS[what](directory, tokenizer)
+    assert str(error.value) == (f"could not load the {what} from '{directory}': '{directory}/model.safetensors' is "
+                                "damaged or incomplete (Error while deserializing header: incomplete metadata, file "
+                                "not fully covered); copy or download it again")
+
+
+def test_a_model_directory_without_tokenizer_files_names_tokenizer_path(saved_policy, tmp_path):
+    directory = damaged_copy(saved_policy, tmp_path, "no tokenizer")
+    # It used to load as a tokenizer of no words: "a prompt is empty after tokenization" at the first step.
+    with pytest.raises(ModelLoadError) as error:
+        load_tokenizer(str(directory))
+    assert str(error.value) == (f"'{directory}' holds no tokenizer (no vocabulary: tokenizer.json, vocab.json, "
+                                "tokenizer.model ...); set actor_rollout_ref.model.tokenizer_path to the model's "
+                                "tokenizer directory")
+    with pytest.raises(ModelLoadError, match="set reward_model.model.tokenizer_path to"):
+        load_tokenizer(str(directory), setting="reward_model.model.tokenizer_path")
+
+
+def test_the_readme_gives_the_built_in_tokenizers_size():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert f"{len(VOCABULARY)}-token tokenizer" in readme  # it said "19-word" of these 17 tokens
 
 
 # -------------------------------------------------------------------------------- whole runs

@@ -97,7 +97,7 @@ def test_offloaded_training_gives_the_resident_losses_and_weights(name, resident
     expected_losses, expected_weights, _ = resident_run
     assert losses == pytest.approx(expected_losses, rel=1e-6, abs=1e-7)
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
-    placed = {row["group"]: row["device"] for row in engine.summary()}
+    placed = {row["group"]: row["placement"] for row in engine.summary()}
     config = FSDPConfig.model_validate(POLICIES[name])
     assert placed == {group: config.placement(group) for group in GROUPS}
 
@@ -234,7 +234,7 @@ def test_the_summary_reports_each_groups_place_and_parameter_bytes():
     engine = offloaded(policy(), POLICIES["layered"])
     summary = engine.summary()
     assert {row["group"]: row["bytes"] for row in summary} == expected
-    assert {row["group"]: row["device"] for row in summary} == {
+    assert {row["group"]: row["placement"] for row in summary} == {
         "embedding": "cpu", "transformer": "gpu", "norm": "gpu", "lm_head": "cpu"}
     assert {row["role"] for row in summary} == {"actor"}
     lines = engine.summary_lines()
@@ -247,15 +247,18 @@ def test_the_summary_reports_each_groups_place_and_parameter_bytes():
     assert host["masters"] == 0  # no optimizer_offload: the arena holds the masters
 
 
-def test_a_cpu_run_summary_names_the_compute_device_and_keeps_the_placement_labels():
-    """On a CPU-only run the "gpu" placement is the compute device: the words say so, while the rows
-    (the /metrics `device` label the dashboards group by) keep the placement names."""
+def test_a_cpu_run_summary_names_the_compute_device_in_its_words_and_its_rows():
+    """On a CPU-only run the "gpu" placement is the compute device, the CPU: the words say so, and so
+    do the rows' `device` (what the live page, `verl status --json` and /metrics show), while their
+    `placement` keeps offload_policy's choice."""
     engine = offloaded(policy(), POLICIES["layered"])
     lines = engine.summary_lines()
     assert not [line for line in lines if "on GPU" in line or line.startswith("GPU memory saved:")], lines
     assert "Norm: resident on the compute device, the CPU (" in "\n".join(lines)
     assert "(this run computes on the CPU)" in lines[-2]
-    assert {row["device"] for row in engine.summary()} == {"cpu", "gpu"}
+    rows = engine.summary()
+    assert {row["group"]: (row["placement"], row["device"]) for row in rows} == {
+        "embedding": ("cpu", "cpu"), "transformer": ("gpu", "cpu"), "norm": ("gpu", "cpu"), "lm_head": ("cpu", "cpu")}
 
 
 def test_the_host_memory_line_names_fp32_masters_beside_a_bf16_arena():

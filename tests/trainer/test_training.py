@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -11,14 +12,17 @@ from typing import TypeVar
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from trainer.checkpoint import latest_checkpoint, list_checkpoints
+from trainer import checkpoint as checkpoint_module
+from trainer.checkpoint import FinalCheckpointError, latest_checkpoint, list_checkpoints
 from trainer.config import ConfigError, load_config
 from trainer.config.live import LiveSettings
 from trainer.config.messages import (
     CheckpointMessage,
     CheckpointNowMessage,
     DownMessage,
+    HeartbeatMessage,
     PhaseMessage,
     SettingsAckMessage,
     SettingsMessage,
@@ -26,8 +30,13 @@ from trainer.config.messages import (
     StopMessage,
     UpMessage,
 )
+from trainer.data import DataError
+from trainer.data.checks import UnknownTokens
 from trainer.loop import RunSetupError, Trainer
+from trainer.models import load_policy, load_tokenizer
+from trainer.rewards import RewardFunctionError
 from trainer.rewards.manager import place_on_last_token
+from trainer.rollout.prompts import PromptTooLong
 
 TINY = [
     "actor_rollout_ref.model.override_config={num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64}",
@@ -235,6 +244,21 @@ def test_live_settings_apply_at_the_next_step_and_are_acknowledged(tmp_path):
     assert phases[:3] == ["gen", "reward", "old_log_prob"] and phases[-1] == "update_actor"
 
 
+def test_the_trainer_sends_heartbeats_from_its_loop_and_from_inside_its_phases(tmp_path, monkeypatch):
+    import trainer.loop
+
+    monkeypatch.setattr(trainer.loop, "HEARTBEAT_INTERVAL_S", 0.0)  # each chance to send one, sends one
+    link = FakeDaemonLink()
+    trainer = make_trainer(tmp_path, "trainer.total_training_steps=2")
+    trainer.telemetry = link
+    trainer.fit()
+    sent = [(type(message).__name__, getattr(message, "phase", None)) for message in link.sent
+            if isinstance(message, HeartbeatMessage | PhaseMessage)]
+    # One at the safe point before each step, one as its rollout starts (after the gen phase began).
+    assert sent[:3] == [("HeartbeatMessage", None), ("PhaseMessage", "gen"), ("HeartbeatMessage", None)]
+    assert sorted({message.step for message in link.of_type(HeartbeatMessage)}) == [1, 2, 3]
+
+
 def test_checkpoint_now_and_stop_from_the_daemon(tmp_path):
     link = FakeDaemonLink()
     trainer = make_trainer(tmp_path, "trainer.total_training_steps=10")
@@ -377,3 +401,155 @@ def test_a_delayed_update_samples_the_next_rollout_with_the_weights_before_it(tm
 
     assert computed(delayed[0]) == computed(plain[0])
     assert computed(delayed[1]) != computed(plain[1])
+
+
+# ------------------------------------------------------------------------ full disks, bad inputs
+
+
+def no_space_for_step(step: int, monkeypatch) -> None:
+    """torch.save of the trainer state fails for `step` as on a full disk; the other saves go through."""
+    real = torch.save
+
+    def save(state, path, *args, **kwargs):
+        if isinstance(state, dict) and state.get("step") == step:
+            with open(path, "wb") as file:
+                file.write(b"what fitted")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(state, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", save)
+
+
+def test_a_checkpoint_the_disk_cannot_take_warns_and_the_run_goes_on(tmp_path, monkeypatch):
+    warnings: list[str] = []
+    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path}", "trainer.total_training_steps=3",
+                                "trainer.save_freq=1"])
+    trainer = Trainer(config, log=lambda *_: None, warn=warnings.append)
+    no_space_for_step(2, monkeypatch)
+    trainer.fit()  # ended the run with exit code 2
+    rows = trainer.metrics_log.read()
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    # A save's failure is in the next step's metrics (verl_trainer_checkpoint_failures_total counts them).
+    assert [(row["checkpoint/failures"], row["checkpoint/failing"]) for row in rows] == [(0, 0), (0, 0), (1, 1)]
+    assert [step for step, _ in list_checkpoints(trainer.run_dir)] == [1, 3], "the next save tried again"
+    assert len(warnings) == 1
+    assert warnings[0].startswith("CHECKPOINT NOT SAVED: could not write the checkpoint of step 2 to ")
+    assert "([Errno 28] No space left on device) after " in warnings[0]
+    assert warnings[0].endswith("training goes on and the next save tries again (the latest complete checkpoint, "
+                                "which a restart resumes from: step 1)")
+
+
+def test_a_final_checkpoint_the_disk_cannot_take_leaves_the_actors_weights(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=1")
+    no_space_for_step(2, monkeypatch)
+    with pytest.raises(FinalCheckpointError) as error:
+        trainer.fit()
+    weights = trainer.run_dir / "checkpoints" / "weights_step_2"
+    message = str(error.value)
+    assert message.startswith("the final checkpoint of step 2 was not saved: could not write the checkpoint of step 2")
+    assert message.endswith(f"; the actor's weights alone are in {weights} (safetensors; without optimizer states "
+                            "they cannot resume the run); the latest complete checkpoint: step 1")
+    loaded = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True)
+    for name, tensor in trainer.actor.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_partial_metrics_line_does_not_stop_a_resume(tmp_path):
+    make_trainer(tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=1").fit()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with metrics.open("ab") as file:
+        file.write(b'{"step": 3, "critic/score/me')  # what a full disk left of step 3's line
+    warnings: list[str] = []
+    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path}", "trainer.total_training_steps=3"])
+    resumed = Trainer(config, log=lambda *_: None, warn=warnings.append)
+    resumed.fit()  # a JSONDecodeError at every restart, for ever
+    assert [row["step"] for row in resumed.metrics_log.read()] == [1, 2, 3]
+    assert any("dropped 1 partial or garbled line(s)" in warning for warning in warnings)
+
+
+RAISING_REWARD = """def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return len(solution_str) / 0
+"""
+
+
+def test_a_reward_function_that_raises_is_one_line_naming_it_and_where(tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text(RAISING_REWARD)
+    trainer = make_trainer(tmp_path, f"custom_reward_function.path={reward}", "trainer.total_training_steps=1")
+    with pytest.raises(RewardFunctionError) as error:
+        trainer.fit()
+    assert str(error.value) == (f"custom_reward_function 'compute_score' at {reward}:2 raised ZeroDivisionError: "
+                                "division by zero (scoring a response of data_source 'counting'); fix the function, "
+                                "or set custom_reward_function.on_error=zero to score such responses 0")
+    assert error.value.traceback_text.startswith("Traceback (most recent call last):\n")
+    assert f'File "{reward}", line 2, in compute_score' in error.value.traceback_text
+
+
+def test_on_error_zero_scores_a_raising_reward_0_and_counts_it(tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text(RAISING_REWARD)
+    warnings: list[str] = []
+    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path}", f"custom_reward_function.path={reward}",
+                                "custom_reward_function.on_error=zero", "trainer.total_training_steps=2"])
+    trainer = Trainer(config, log=lambda *_: None, warn=warnings.append)
+    trainer.fit()
+    rows = trainer.metrics_log.read()
+    assert [row["reward/errors"] for row in rows] == [8, 8]  # every response of the 8 prompts
+    assert [row["critic/score/mean"] for row in rows] == [0.0, 0.0]
+    assert len(warnings) == 1 and warnings[0].startswith(f"custom_reward_function 'compute_score' at {reward}:2 "
+                                                         "raised ZeroDivisionError")
+
+
+def test_a_run_without_reward_errors_counts_none(tmp_path):
+    trainer = make_trainer(tmp_path, "trainer.total_training_steps=1")
+    trainer.fit()
+    assert trainer.metrics_log.read()[0]["reward/errors"] == 0
+
+
+@pytest.mark.parametrize(("row", "error", "phrase"), [
+    ({"prompt": "what is 1 plus 2", "reward_model": {"ground_truth": "3"}}, UnknownTokens,
+     "60% of the prompt tokens of data.train_files (24 of 40) are unknown to the tokenizer ("),
+    ({"prompt": "1 2 3 4 5 6 7 8 9", "reward_model": {"ground_truth": "3"}}, PromptTooLong,
+     "line 1: the prompt has 9 tokens, more than data.max_prompt_length=8"),
+    ({"prompt": "1 2"}, DataError, "line 1: reward_model.ground_truth is missing, but the built-in scorer"),
+])
+def test_prompts_are_checked_at_start_before_any_model_is_built(tmp_path, saved_policy, row, error, phrase):
+    """The model directory's weights are truncated: building a model would fail, so the prompts' error coming
+    instead shows they were checked first (it came after the daemon and every model had started)."""
+    model = tmp_path / "model"
+    shutil.copytree(saved_policy, model)
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(weights[:100])
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({**row, "data_source": "counting"}) + "\n" for _ in range(8)))
+    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path}", f"data.train_files={data}",
+                                f"actor_rollout_ref.model.path={model}"])
+    with pytest.raises(error) as raised:
+        Trainer(config, log=lambda *_: None)
+    assert phrase in str(raised.value)
+
+
+def test_the_built_in_tokenizer_is_named_when_it_cannot_read_the_prompts(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "what is 1 plus 2", "data_source": "arith"}) + "\n")
+    (tmp_path / "reward.py").write_text(RAISING_REWARD)
+    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path}", f"data.train_files={data}",
+                                "data.train_batch_size=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                                f"custom_reward_function.path={tmp_path / 'reward.py'}"])
+    with pytest.raises(UnknownTokens, match=r"^60% of the prompt tokens .* \(builtin:tiny-qwen2's built-in "
+                                            r"17-token tokenizer; e\.g\. 'what', 'is', 'plus' in data file .*"
+                                            r"set actor_rollout_ref\.model\.tokenizer_path to a tokenizer"):
+        Trainer(config, log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def saved_policy(tmp_path_factory):
+    """A tiny policy and its tokenizer as a model directory (the built-in tokenizer)."""
+    directory = tmp_path_factory.mktemp("policy")
+    tokenizer = load_tokenizer("builtin:tiny-qwen2")
+    load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.float32, seed=0,
+                override_config={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64}
+                ).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -14,6 +14,7 @@ what is wrong with it.
 
 from __future__ import annotations
 
+import signal
 from typing import TypeVar
 
 from pydantic import TypeAdapter, ValidationError
@@ -21,9 +22,14 @@ from pydantic_core import ErrorDetails
 
 from trainer.config.messages import DOWN_MESSAGES, UP_MESSAGES, DownMessage, UpMessage, to_json
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: heartbeats
 ENV_SOCKET = "VERL_IPC_SOCKET"
 ENV_TOKEN = "VERL_IPC_TOKEN"
+ENV_DAEMON_PID = "VERL_DAEMON_PID"
+"""The daemon's pid: a trainer whose daemon has died stops (trainer/telemetry.py: die_with_daemon)."""
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+"""On this signal a trainer writes every thread's Python stack to logs/trainer.log (faulthandler): the
+daemon sends it to a trainer that hangs, before it restarts it."""
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_PROBLEMS_SHOWN = 3
 """A ProtocolError names at most this many bad fields of one line."""

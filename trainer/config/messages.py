@@ -6,7 +6,8 @@ the Prometheus metrics and the REST API (api/). The transport (socket, hello, li
 described in trainer/config/ipc.py; this module is the protocol's field list.
 
 Up, trainer -> daemon (`UpMessage`, told apart by ``type``): HelloMessage, StepMessage,
-PhaseMessage, OffloadMessage, LogMessage, SettingsAckMessage, CheckpointMessage, DroppedMessage.
+PhaseMessage, OffloadMessage, LogMessage, SettingsAckMessage, CheckpointMessage, DroppedMessage,
+HeartbeatMessage.
 Down, daemon -> trainer (`DownMessage`): SettingsMessage, CheckpointNowMessage, StopMessage.
 
 On the wire each message is one JSON object whose keys are the field names below (settings values
@@ -129,7 +130,12 @@ class OffloadSummaryRow(Message):
 
     role: Role
     group: Group
+    placement: Placement
+    """offload_policy's choice: cpu (offloaded to the host, streamed in for each pass) or gpu (resident on
+    the compute device)."""
     device: Placement
+    """The device that holds the group's parameters: cpu for an offloaded group, and for every group of a
+    run that computes on the CPU."""
     bytes: int = Field(ge=0)
 
 
@@ -239,8 +245,19 @@ class DroppedMessage(Message):
     time: float = Field(default_factory=epoch_seconds)
 
 
+class HeartbeatMessage(Message):
+    """The trainer's main thread is making progress (sent from its loop and from inside long phases, at most
+    about once a second). A trainer that sends neither this nor a step, phase, checkpoint or settings
+    acknowledgement for daemon.hang_timeout_s is taken to hang."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    step: int = Field(ge=0)
+    """The step in progress (one more than the last completed)."""
+    time: float = Field(default_factory=epoch_seconds)
+
+
 UpMessage = Annotated[HelloMessage | StepMessage | PhaseMessage | OffloadMessage | LogMessage | SettingsAckMessage
-                      | CheckpointMessage | DroppedMessage, Field(discriminator="type")]
+                      | CheckpointMessage | DroppedMessage | HeartbeatMessage, Field(discriminator="type")]
 """Any message from a trainer to its daemon."""
 
 # --------------------------------------------------------------------------------- down messages

@@ -398,6 +398,8 @@ class CustomRewardFunction(Section):
     """A Python file defining the scoring function; unset uses the built-in scorers."""
     name: str = "compute_score"
     """Function in that file: (data_source, solution_str, ground_truth, extra_info) -> float."""
+    on_error: Literal["raise", "zero"] = "raise"
+    """When the function raises: raise stops the run (exit 2), zero scores the response 0 (counted: reward/errors)."""
 
 
 class KLControl(Section):
@@ -527,6 +529,10 @@ class DaemonConfig(Section):
     """Longest wait between restarts."""
     stop_timeout_s: float = Field(300.0, gt=0.0)
     """On stop, how long the trainer may take to reach a safe point and checkpoint before it is killed."""
+    force_stop_grace_s: float = Field(10.0, ge=0.0, le=3600.0)
+    """A SIGTERM/SIGINT this long after the first kills the trainer without a checkpoint; sooner, the same stop."""
+    hang_timeout_s: float | None = Field(None, gt=0.0)
+    """Restart a trainer silent this long (stacks to logs/trainer.log); unset: 5x the median step, >= 600 s."""
     state_dir: str | None = None
     """Where runtime files live; unset uses $VERL_STATE_DIR, else $XDG_STATE_HOME/verl, else ~/.local/state/verl."""
     log_level: LogLevel = "info"
@@ -710,7 +716,17 @@ def _check_ignored_keys(config: RunConfig) -> list[ConfigProblem]:
     believe them. Only keys set away from their defaults are named, so a default config is clean, and so is
     a resolved one (every default written out)."""
     return (_settings_of_models_not_built(config) + _training_settings_of_frozen_models(config)
-            + _settings_not_built_yet(config) + _layer_minimum_without_dynamic_offload(config))
+            + _settings_not_built_yet(config) + _layer_minimum_without_dynamic_offload(config)
+            + _reward_error_policy_without_a_function(config))
+
+
+def _reward_error_policy_without_a_function(config: RunConfig) -> list[ConfigProblem]:
+    function, default = config.custom_reward_function, CustomRewardFunction().on_error
+    if function.on_error == default or (function.path is not None and not config.reward_model.enable):
+        return []
+    why = ("the reward model scores this run (reward_model.enable is true)" if config.reward_model.enable
+           else "no custom reward function is set (custom_reward_function.path)")
+    return [_ignored("custom_reward_function.on_error", function.on_error, default, why)]
 
 
 def _ignored(key: str, value: Any, default: Any, why: str, remedy: str = "") -> ConfigProblem:
@@ -913,6 +929,9 @@ def _check_data_file(key: str, value: str) -> ConfigProblem | None:
                                  f"allowed: {_DATA_FILES_ALLOWED}")
         return None
     path = Path(value).expanduser()
+    if path.is_dir():
+        return ConfigProblem(key, f"got {value!r}, which is a directory; allowed: {_DATA_FILES_ALLOWED} "
+                             "(list each file of a folder of shards)")
     if path.suffix not in DATA_FILE_SUFFIXES:
         return ConfigProblem(key, f"got {value!r}, a file format that cannot be read; "
                              f"allowed: {_DATA_FILES_ALLOWED}")
@@ -1042,7 +1061,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError([ConfigProblem("--config", f"{str(path)!r} is not valid YAML{where}: {reason}; "
                                          "allowed: a YAML mapping of sections")]) from None
     if raw is None:
-        return {}
+        # Most likely the wrong file, or one not written yet: a run with every default is not what was meant.
+        raise ConfigError([ConfigProblem("--config", f"got {str(path)!r}, which is empty (or only comments); "
+                                         f"allowed: a YAML mapping of sections ({', '.join(RunConfig.model_fields)})"
+                                         "; `{}` runs every default")])
     if not isinstance(raw, dict):
         kind = "list" if isinstance(raw, list) else type(raw).__name__
         raise ConfigError([ConfigProblem("--config", f"{str(path)!r} holds a {kind}; allowed: a mapping of "

@@ -28,6 +28,7 @@ def counting_records(num_prompts: int = 1024, seed: int = 0) -> list[PromptRecor
             data_source=COUNTING_DATA_SOURCE,
             ground_truth=" ".join(digits[COUNTING_PROMPT_DIGITS:]),
             extra_info={"index": index},
+            source=f"builtin:{COUNTING_DATA_SOURCE} prompt {index}",
         ))
     return records
 

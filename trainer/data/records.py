@@ -37,16 +37,30 @@ class PromptRecord:
     data_source: str
     ground_truth: Any = None
     extra_info: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)
+    """Where the record was read ("data file 'train.jsonl' line 3"), for error messages."""
 
 
-def load_records(files: Iterable[str], prompt_key: str = "prompt") -> list[PromptRecord]:
-    """All records of ``files`` in order; ``builtin:NAME`` stands for a built-in dataset."""
+def load_records(files: Iterable[str], prompt_key: str = "prompt", *,
+                 require_ground_truth: bool = False) -> list[PromptRecord]:
+    """All records of ``files`` in order; ``builtin:NAME`` stands for a built-in dataset.
+
+    `require_ground_truth`: every row must carry ``reward_model.ground_truth`` (the built-in rule
+    scorers compare the response with it; without it every response would score 0).
+    """
     records: list[PromptRecord] = []
     for file in files:
         if file.startswith(BUILTIN_PREFIX):
             records += _builtin_records(file)
         else:
             records += _read_file(file, prompt_key)
+    if require_ground_truth:
+        for record in records:
+            if record.ground_truth is None:
+                raise DataError(f"{record.source}: reward_model.ground_truth is missing, but the built-in scorer "
+                                f"for data_source {record.data_source!r} compares each response with it; "
+                                "allowed: reward_model: {'style': 'rule', 'ground_truth': ...}, or score with "
+                                "custom_reward_function.path or a reward model (reward_model.enable)")
     return records
 
 
@@ -85,6 +99,9 @@ def _builtin_records(file: str) -> list[PromptRecord]:
 def _read_file(file: str, prompt_key: str) -> list[PromptRecord]:
     path = Path(file).expanduser()
     name = f"data file {file!r}"
+    if path.is_dir():
+        raise DataError(f"{name} is a directory; allowed: {', '.join(DATA_FILE_SUFFIXES)} files (list each "
+                        "file of a folder of shards)")
     if path.suffix not in (PARQUET_SUFFIX, *JSONL_SUFFIXES):
         raise DataError(f"{name} has an unknown format; allowed: {', '.join(DATA_FILE_SUFFIXES)} files "
                         f"or {BUILTIN_PREFIX}NAME")
@@ -150,6 +167,7 @@ def _to_record(row: dict[str, Any], where: str, prompt_key: str) -> PromptRecord
         data_source=data_source,
         ground_truth=_ground_truth(row.get("reward_model"), where),
         extra_info=_extra_info(row.get("extra_info"), where),
+        source=where,
     )
 
 
@@ -180,6 +198,11 @@ def _ground_truth(reward_model: Any, where: str) -> Any:
     if not isinstance(reward_model, dict):
         raise DataError(f"{where}: reward_model must be a dict like "
                         f"{{'style': 'rule', 'ground_truth': ...}}, got {_type_name(reward_model)}")
+    # verl's style "model" rows are scored by a reward model and need no ground truth; any other row
+    # that names a reward_model but no ground truth (`{}`) would be scored against None.
+    if "ground_truth" not in reward_model and reward_model.get("style") != "model":
+        raise DataError(f"{where}: reward_model has no 'ground_truth' (got {_excerpt(reward_model)}); allowed: "
+                        "{'style': 'rule', 'ground_truth': ...}, or {'style': 'model'} for a reward model")
     return reward_model.get("ground_truth")
 
 
@@ -189,6 +212,11 @@ def _extra_info(extra_info: Any, where: str) -> dict[str, Any]:
     if not isinstance(extra_info, dict):
         raise DataError(f"{where}: extra_info must be a dict or absent, got {_type_name(extra_info)}")
     return extra_info
+
+
+def _excerpt(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _type_name(value: Any) -> str:

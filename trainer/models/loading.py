@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -37,14 +39,21 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """A tokenizer set up for generation: left padding, and a pad token (eos when it has none)."""
+def load_tokenizer(path: str, *, trust_remote_code: bool = False,
+                   setting: str = "actor_rollout_ref.model.tokenizer_path") -> PreTrainedTokenizerBase:
+    """A tokenizer set up for generation: left padding, and a pad token (eos when it has none).
+    `setting`: the config key that chooses the tokenizer, named in the errors."""
     if path.startswith(BUILTIN_PREFIX):
         tokenizer = build_tiny_tokenizer()
     elif _declares_plain_tokenizer_json(path):
         tokenizer = _from_local(PreTrainedTokenizerFast, path, "tokenizer")
     else:
         tokenizer = _from_local(AutoTokenizer, path, "tokenizer", trust_remote_code=trust_remote_code)
+    if not set(tokenizer.get_vocab().values()) - set(tokenizer.all_special_ids):
+        # AutoTokenizer builds an empty tokenizer from a model directory without tokenizer files: every
+        # prompt would then be "empty after tokenization".
+        raise ModelLoadError(f"{path!r} holds no tokenizer (no vocabulary: tokenizer.json, vocab.json, "
+                             f"tokenizer.model ...); set {setting} to the model's tokenizer directory")
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -154,12 +163,42 @@ def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: 
 
 
 def _from_local(auto_class, path: str, what: str, **kwargs):
+    if what != "tokenizer":
+        _check_weight_files(Path(path), what)
     try:
         with _no_progress_bars():
             return auto_class.from_pretrained(path, local_files_only=True, **kwargs)
+    except (StrictDataclassError, TypeError) as error:
+        # transformers checks config.json's fields by type (num_hidden_layers: "two"); override_config's
+        # keys arrive the same way.
+        source = repr(str(Path(path) / "config.json"))
+        if set(kwargs) - _NOT_CONFIG_FIELDS:
+            source += " with override_config"
+        raise ModelLoadError(f"could not load the {what} from {path!r}: {source}: {_one_line(error)}") from None
     except (OSError, ValueError, KeyError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"could not load the {what} from {path!r}: {first_line}") from error
+
+
+# from_pretrained's own keywords: everything else in its kwargs sets a config field.
+_NOT_CONFIG_FIELDS = {"dtype", "trust_remote_code", "num_labels"}
+
+
+def _check_weight_files(directory: Path, what: str) -> None:
+    """Read each safetensors file's header, which also checks that the file is as long as it says: a
+    truncated copy or download is then named, instead of failing deep inside from_pretrained."""
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise ModelLoadError(f"could not load the {what} from {str(directory)!r}: {str(file)!r} is damaged "
+                                 f"or incomplete ({_one_line(error)}); copy or download it again") from None
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (transformers' validation errors span several)."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 @contextlib.contextmanager

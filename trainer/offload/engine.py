@@ -179,7 +179,7 @@ class OffloadEngine:
 
     def summary(self) -> list[dict[str, object]]:
         """Each group: where it lives and its parameters' size (for the start-of-run log and /v1/status)."""
-        return summary_rows(self.layout, self.role)
+        return summary_rows(self.layout, self.role, self.device)
 
     def summary_lines(self) -> list[str]:
         """The offload summary in words, e.g. "Embedding: OFFLOADED to CPU (1.02 GiB)"."""

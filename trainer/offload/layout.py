@@ -349,13 +349,18 @@ def host_arenas(layout: Layout) -> list[torch.Tensor]:
 # ------------------------------------------------------------------------------------- summary
 
 
-def summary_rows(layout: Layout, role: str) -> list[dict[str, object]]:
-    """Each group: where it lives and its parameters' size (for the start-of-run log and /v1/status)."""
+def summary_rows(layout: Layout, role: str, device: torch.device) -> list[dict[str, object]]:
+    """Each group: its offload_policy placement, the device that holds it and its parameters' size (for
+    the start-of-run log and /v1/status). The "gpu" placement means "resident on the compute device",
+    which on a CPU-only run is the CPU: `device` names that one, not the placement's word."""
+    compute = Placement.GPU if device.type == "cuda" else Placement.CPU
     rows: list[dict[str, object]] = []
     for group in (*GROUPS, "other"):
         if group == "other" and not layout.group_bytes["other"]:
             continue
-        rows.append({"role": role, "group": group, "device": str(layout.placements.get(group, Placement.GPU)),
+        placement = layout.placements.get(group, Placement.GPU)
+        rows.append({"role": role, "group": group, "placement": str(placement),
+                     "device": str(Placement.CPU if placement == Placement.CPU else compute),
                      "bytes": layout.group_bytes[group]})
     return rows
 
@@ -368,13 +373,13 @@ def summary_lines(layout: Layout, *, role: str, device: torch.device, host: dict
     # The "gpu" placement means "resident on the compute device": say which when that is not a GPU.
     on_gpu = device.type == "cuda"
     resident = "on GPU" if on_gpu else f"resident on the compute device, the {device.type.upper()}"
-    for row in summary_rows(layout, role):
+    for row in summary_rows(layout, role, device):
         group = str(row["group"])
         title = TITLES[group] + (f" ({layers} layers)" if group == "transformer" else "")
         if group == "lm_head" and layout.parts.tied:
             lines.append(f"{title}: tied to the embedding")
             continue
-        where = "OFFLOADED to CPU" if row["device"] == Placement.CPU else resident
+        where = "OFFLOADED to CPU" if row["placement"] == Placement.CPU else resident
         lines.append(f"{title}: {where} ({format_bytes(layout.group_bytes[group])})")
     on_host = layout.trainable_on_host()
     master = layout.dtypes.master

@@ -6,6 +6,7 @@ import importlib.util
 import math
 import numbers
 import sys
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,33 @@ ComputeScore = Callable[..., Any]
 
 class CustomRewardError(ValueError):
     """The custom reward function cannot be loaded, or returned something that is not a score."""
+
+
+class RewardFunctionError(CustomRewardError):
+    """The custom reward function raised. `what` names the function, where it raised and the exception
+    (the message adds what to do); `traceback_text` is the full traceback, for the run's log."""
+
+    def __init__(self, what: str, traceback_text: str):
+        super().__init__(f"{what}; fix the function, or set custom_reward_function.on_error=zero to score such "
+                         "responses 0")
+        self.what = what
+        self.traceback_text = traceback_text
+
+    @classmethod
+    def from_exception(cls, error: Exception, path: str, name: str, data_source: str) -> RewardFunctionError:
+        # The wrapper's own frame is not the user's business.
+        user_traceback = error.__traceback__.tb_next if error.__traceback__ is not None else None
+        frames = traceback.extract_tb(user_traceback)
+        file = str(Path(path).expanduser().resolve())
+        # Where the user's file raised (or called what raised); the innermost frame if none is theirs.
+        frame = next((frame for frame in reversed(frames) if str(Path(frame.filename).resolve()) == file),
+                     frames[-1] if frames else None)
+        where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
+        detail = " ".join(str(error).split())
+        exception = f"{type(error).__name__}: {detail[:300]}" if detail else type(error).__name__
+        what = (f"custom_reward_function {name!r}{where} raised {exception} (scoring a response of data_source "
+                f"{data_source!r})")
+        return cls(what, "".join(traceback.format_exception(type(error), error, user_traceback)))
 
 
 def load_custom_score(path: str, name: str) -> ComputeScore:
@@ -61,7 +89,11 @@ def resolve_compute_score(path: str | None, name: str) -> Callable[..., float]:
 
     def compute_score(data_source: str, solution_str: str, ground_truth: Any,
                       extra_info: dict[str, Any] | None = None) -> float:
-        return as_float_score(function(data_source, solution_str, ground_truth, extra_info))
+        try:
+            value = function(data_source, solution_str, ground_truth, extra_info)
+        except Exception as error:  # the user's code: anything it raises is theirs to fix
+            raise RewardFunctionError.from_exception(error, path, name, data_source) from error
+        return as_float_score(value)
 
     return compute_score
 

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from trainer.rewards.custom import as_float_score
+from trainer.rewards.custom import RewardFunctionError, as_float_score
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.recovery import WorkerMemory, run_in_pieces
 
@@ -16,6 +16,9 @@ ScoreFunction = Callable[[str, str, Any, dict | None], Any]
 
 
 class RewardFunction(Protocol):
+    errors: int
+    """Responses scored 0 so far because the scoring function raised (custom_reward_function.on_error: zero)."""
+
     def __call__(self, batch: RolloutBatch) -> torch.Tensor:
         """[B] float scores, one per response."""
         ...
@@ -36,19 +39,37 @@ def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) ->
 
 
 class RuleReward:
-    """verl's naive reward manager: score(data_source, response text, ground truth, extra_info)."""
+    """verl's naive reward manager: score(data_source, response text, ground truth, extra_info).
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, compute_score: ScoreFunction):
+    `on_error`: what a RewardFunctionError (the user's function raised) does: "raise" passes it on,
+    "zero" scores the response 0, counts it in `errors` and warns the first time.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, compute_score: ScoreFunction, *,
+                 on_error: str = "raise", warn: Callable[[str], None] = print):
         self.tokenizer = tokenizer
         self.compute_score = compute_score
+        self.on_error = on_error
+        self.warn = warn
+        self.errors = 0
 
     def __call__(self, batch: RolloutBatch) -> torch.Tensor:
         texts = decode_responses(batch, self.tokenizer)
-        scores = [
-            as_float_score(self.compute_score(record.data_source, text, record.ground_truth, record.extra_info))
-            for record, text in zip(batch.records, texts, strict=True)
-        ]
+        scores = [self._score(record.data_source, text, record.ground_truth, record.extra_info)
+                  for record, text in zip(batch.records, texts, strict=True)]
         return torch.tensor(scores, dtype=torch.float32, device=batch.response_ids.device)
+
+    def _score(self, data_source: str, text: str, ground_truth: Any, extra_info: dict | None) -> float:
+        try:
+            return as_float_score(self.compute_score(data_source, text, ground_truth, extra_info))
+        except RewardFunctionError as error:
+            if self.on_error != "zero":
+                raise
+            self.errors += 1
+            if self.errors == 1:
+                self.warn(f"{error.what}: scored 0 (custom_reward_function.on_error: zero); the reward/errors "
+                          "metric counts such responses")
+            return 0.0
 
 
 class ModelReward:
@@ -63,6 +84,7 @@ class ModelReward:
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
         self.memory = memory  # the memory manager's, for this model: out-of-memory errors retried or split
+        self.errors = 0  # a model's scores never fail one by one
 
     def _texts(self, batch: RolloutBatch) -> list[str]:
         responses = decode_responses(batch, self.policy_tokenizer)
