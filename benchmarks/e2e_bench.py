@@ -99,7 +99,7 @@ def fsdp_overrides(prefix: str, settings: dict[str, Any]) -> list[str]:
 
 
 def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Path, steps: int,
-              decode: str = "generate") -> list[str]:
+              decode: str = "auto") -> list[str]:
     """The variant's run: the actor, the critic and the reference load from `models`/policy (save_models),
     the reward model from `models`/reward_model; the rollout decodes as `decode` says (rollout.decode)."""
     spec = SHAPES[shape]
@@ -421,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", type=Path, default=Path.cwd(), help="a directory on disk for models and runs")
     parser.add_argument("--out", type=Path, help="write the result as JSON here (default: benchmarks/results/)")
     parser.add_argument("--report", type=Path, help="print the table of a saved result and exit")
-    parser.add_argument("--decode", default="generate", choices=["generate", "static"],
-                        help="rollout.decode of every variant (generate)")
+    parser.add_argument("--decode", default="auto", choices=["auto", "generate", "static"],
+                        help="rollout.decode of every variant (auto: static with CUDA graphs on a GPU)")
     parser.add_argument("--profile", action="store_true",
                         help="also time, per step and phase, the engines' worker tasks (gradient landing, the CPU "
                              "AdamW), the waits for them, the optimizer's calls and the decode's ms per token")

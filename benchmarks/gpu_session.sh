@@ -5,7 +5,7 @@
 #   benchmarks/gpu_session.sh tests        # every test marked gpu                      (~1 min)
 #   benchmarks/gpu_session.sh rollout      # rollout_bench.py, all sections              (~6 min; SECTIONS=a,b picks some:
 #                                          # allgpu,allgpu_static,allgpu_static_graphs,ours_phase,ours_phase_static
-#                                          # compares the decode paths)
+#                                          # compares the decode paths; SECTIONS=static_profile: where a decode step's device time goes)
 #   benchmarks/gpu_session.sh offload      # offload_bench.py: bandwidth, all-GPU, layered (~2 min)
 #   benchmarks/gpu_session.sh headline     # grpo_headline.py under a 40 GiB cap          (~4 min)
 #   benchmarks/gpu_session.sh uncapped     # grpo_headline.py without the cap             (~4 min)
@@ -14,14 +14,16 @@
 #   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
-# variant may take; e2e_bench's default 900), PROFILE (set: --profile) and DECODE (generate or static: rollout.decode).
+# variant may take; e2e_bench's default 900), PROFILE (set: --profile) and DECODE (auto, generate or static: rollout.decode; auto, the default, is static with CUDA graphs on a GPU).
 # The shape's models are drawn once on the GPU (20 s for ppo3b) and each variant loads them (10 s). One 10-minute call fits about (measured 2026-12-02):
-#   VARIANTS=all_gpu,offload,fsdp2 STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b   (~5 min: all_gpu 65 s, offload 120 s)
-#   VARIANTS=all_gpu,offload_delayed STEPS=6 PROFILE=1 e2e-ppo3b             (~3.5 min)
+#   VARIANTS=all_gpu,offload,fsdp2 STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b   (~4 min with generate; fsdp2 OOMs at 12 GiB)
+#   VARIANTS=all_gpu,offload STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b         (165 s with the default decode, 2026-12-02)
+#   VARIANTS=all_gpu,offload_delayed STEPS=6 PROFILE=1 e2e-ppo3b             (165 s)
 #   VARIANTS=all_gpu,offload STEPS=5 TIMEOUT=400 e2e-headline                (not timed yet with models from disk:
 #                                                                             all_gpu 5.1 s a step, offload 15-25 s)
 # The device tool's budget is 30 minutes a session and each call starts a fresh machine (about 85 s): chain stages
-# in one call (`tests` is 100 s).
+# in one call (`tests` is 100 s; `SECTIONS=static_profile rollout` 15 s). A device-side change to try next: carry a newer
+# transformers wheel (5.2x attends one query token on the KV heads without repeat_kv) and compare `SECTIONS=allgpu_static_graphs`.
 #
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: pydantic and the rest installed from wheels first, see .library/device).

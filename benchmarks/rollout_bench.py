@@ -16,6 +16,8 @@ trainer/rollout/static_decode.py, instead of generate; `_graphs`: with its per-t
 `capped` runs last: it caps this process's GPU memory below the model's weights, where the all-GPU rollout
 cannot run and the engine's dynamic offload keeps only the layers that fit. Each section writes its rows to
 --out as soon as it finishes; a section that fails records its error and the others still run.
+`static_profile` (only when --only names it) prints where a static decode step's device time goes, against
+the floor of reading the weights once a step.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ from trainer.offload import OffloadOptions, attach_offload  # noqa: E402
 from trainer.rollout.static_decode import Sampling, StaticDecoder  # noqa: E402
 
 SECTIONS = ("allgpu", "allgpu_static", "allgpu_static_graphs", "accelerate", "fsdp2", "ours_layered", "ours_phase",
-            "ours_phase_static", "capped")
+            "ours_phase_static", "capped", "static_profile")
+DEFAULT_SECTIONS = SECTIONS[:-1]
+"""What a run without --only measures (static_profile is a diagnosis, not a comparison)."""
 CACHE_ROWS = 8192
 """Embedding rows the device cache of the layered variants holds (rollout.embedding_cache.cache_size)."""
 THRESHOLD = 0.9
@@ -215,20 +219,54 @@ class Bench:
         self.record("allgpu_static_graphs", self.decode(model, decoder=decoder),
                     "the whole model on the GPU, rollout.decode=static with each token's step in a CUDA graph")
 
+    def static_profile(self) -> None:
+        """Where a decode step's device time goes (rollout.decode=static, eager, all on the GPU): torch.profiler's
+        kernel times over the steps of one rollout, against the floor (the weights' bytes read once a step at the
+        HBM bandwidth of a device-to-device copy). Not in the default set: --only static_profile."""
+        from torch.profiler import ProfilerActivity, profile
+
+        model = self.build(on_gpu=True)
+        decoder = _static_decoder(model)
+        self.warm_up(model, decoder=decoder)
+        steps = 16
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.generate(model, steps + 1, decoder=decoder)
+            torch.cuda.synchronize()
+        kernels = sorted(((event.key, event.device_time_total / 1e3, event.count) for event in prof.key_averages()
+                          if event.device_time_total > 0), key=lambda kernel: -kernel[1])
+        device_ms = sum(kernel[1] for kernel in kernels)
+        weight_bytes = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+        bandwidth = _hbm_bandwidth(self.device)
+        floor_ms = weight_bytes / bandwidth * 1e3
+        # The prefill's kernels are in the total too: `per_step` counts the steps' share by the step count.
+        print(f"  device time {device_ms:.1f} ms over the prefill and {steps} steps; floor {floor_ms:.2f} ms a step "
+              f"({weight_bytes / GIB:.1f} GiB of weights at {bandwidth / 1e12:.2f} TB/s)", flush=True)
+        for name, milliseconds, count in kernels[:15]:
+            print(f"  {milliseconds:8.2f} ms {count:6d}x  {name[:110]}", flush=True)
+        self.rows.append({"variant": "static_profile", "ms_per_step": None, "tokens_per_s": None, "peak_gib": None,
+                          "device_ms": device_ms, "steps": steps, "floor_ms": floor_ms, "hbm_bytes_per_s": bandwidth,
+                          "notes": f"device time {device_ms:.1f} ms for the prefill and {steps} steps, eager; "
+                                   f"floor {floor_ms:.2f} ms a step",
+                          "kernels": [{"name": name, "ms": ms, "count": count} for name, ms, count in kernels[:40]]})
+        self.save()
+
     def ours_phase_static(self) -> None:
         """ours_phase's first variant (head and embedding staged whole for the rollout), decoded by
-        rollout.decode=static."""
+        rollout.decode=static: eagerly, then with its per-token step in CUDA graphs (the engine says when its
+        forward may be captured: StaticDecoder's `safety`)."""
         model = self.build()
         engine = attach_offload(model, LAYERED, self.device, role="actor")
-        decoder = _static_decoder(model)
         try:
             def place():
                 return engine.placed_for("rollout")
 
-            staged = self.warm_up(model, place, decoder=decoder)
-            self.record("ours_phase_static", self.decode(model, place, decoder=decoder),
-                        f"placed_for('rollout'), no budget: staged {_groups(staged)}; rollout.decode=static",
-                        staged=staged)
+            for variant, graphs in (("ours_phase_static", False), ("ours_phase_static_graphs", True)):
+                decoder = _static_decoder(model, cuda_graphs=graphs, safety=engine)
+                staged = self.warm_up(model, place, decoder=decoder)
+                decode = self.decode(model, place, decoder=decoder)
+                how = f"CUDA graphs, {decoder.replays} of the last rollout's steps replayed" if graphs else "eager"
+                self.record(variant, decode, f"placed_for('rollout'), no budget: staged {_groups(staged)}; "
+                            f"rollout.decode=static, {how}", staged=staged, replays=decoder.replays)
         finally:
             engine.close()
 
@@ -440,10 +478,17 @@ def _sampling(new_tokens: int) -> GenerationConfig:
                             top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, use_cache=True)
 
 
-def _static_decoder(model, *, cuda_graphs: bool = False) -> StaticDecoder:
+def _static_decoder(model, *, cuda_graphs: bool = False, safety=None) -> StaticDecoder:
     """rollout.decode=static with `_sampling`'s settings: plain sampling, no EOS (every token is decoded)."""
     return StaticDecoder(model, eos_ids=[-1], pad_id=0, sampling=Sampling(temperature=1.0, top_k=0, top_p=1.0),
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, safety=safety)
+
+
+def _hbm_bandwidth(device: torch.device) -> float:
+    """Bytes a second of a 1 GiB device-to-device copy (it reads and writes each byte)."""
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * source.numel() / _median_seconds(lambda: target.copy_(source), 5)
 
 
 def _median_seconds(run: Callable[[], object], iters: int) -> float:
@@ -511,7 +556,7 @@ def _version(package: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    parser.add_argument("--only", default=",".join(DEFAULT_SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 layers, batch 8, prompt 32, 16 new tokens")
     parser.add_argument("--cap-gib", type=float, help="GPU memory cap of the capped section (default: 12, quick: 3)")
     parser.add_argument("--iters", type=int, help="timed generates per variant (default: 3, quick: 1)")

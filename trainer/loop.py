@@ -144,7 +144,8 @@ class Trainer:
         # Dynamic offload acts between decode chunks too (a heartbeat goes with it).
         self.rollout = HFRollout(self.actor.model, self.tokenizer, config.actor_rollout_ref.rollout,
                                  config.data.max_response_length,
-                                 safe_point=self._rollout_safe_point if self.memory.moves_layers else None)
+                                 safe_point=self._rollout_safe_point if self.memory.moves_layers else None,
+                                 graph_safety=self.memory.engine(Role.ACTOR))
         self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
         self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
         kl = config.algorithm.kl_ctrl
@@ -395,7 +396,7 @@ class Trainer:
         """Greedy responses to the validation prompts, mean score per data source (verl's val-core keys)."""
         greedy = HFRollout(self.actor.model, self.tokenizer,
                            self.config.actor_rollout_ref.rollout.model_copy(update={"do_sample": False}),
-                           self.config.data.max_response_length)
+                           self.config.data.max_response_length, graph_safety=self.memory.engine(Role.ACTOR))
         scores: dict[str, list[float]] = {}
         size = self.config.data.val_batch_size
         for start in range(0, len(self.val_records), size):

@@ -16,7 +16,7 @@ from trainer.config import RolloutConfig
 from trainer.models import load_policy, load_tokenizer
 from trainer.rollout.hf_rollout import HFRollout
 from trainer.rollout.prompts import encode_prompts
-from trainer.rollout.static_decode import Sampling, StaticDecoder, buckets
+from trainer.rollout.static_decode import CHECK_EVERY, Sampling, StaticDecoder, buckets
 
 TINY = "builtin:tiny-qwen2"
 PROMPTS = ["1 2 3", "4", "5 6", "7 8 9 0", "2 2", "9 8 7 6 5", "0", "3 1"]
@@ -49,15 +49,20 @@ def generate(policy, prompt_ids, prompt_mask, *, eos_ids, pad_id, new_tokens, **
         policy.generation_config = defaults
 
 
+@pytest.mark.parametrize("check_every", [1, CHECK_EVERY], ids=["checked_every_token", "checked_every_few"])
 @pytest.mark.parametrize("eos_ids", [[1], [1, 4, 12]], ids=["few_end", "many_end_and_the_batch_shrinks"])
-def test_greedy_decoding_gives_generates_tokens(tokenizer, policy, eos_ids):
+def test_greedy_decoding_gives_generates_tokens(tokenizer, policy, eos_ids, check_every):
+    """The same tokens, and as many of them, as generate, whether the host looks at every token which rows still
+    decode or every few (rows that finished meanwhile decode pads, and the steps after the last row's EOS
+    are cut)."""
     prompt_ids, prompt_mask = prompts(tokenizer)
-    decoder = StaticDecoder(policy, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, sampling=Sampling(do_sample=False))
+    decoder = StaticDecoder(policy, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, sampling=Sampling(do_sample=False),
+                            check_every=check_every)
     ours = decoder.generate(prompt_ids, prompt_mask, 12)
     expected = generate(policy, prompt_ids, prompt_mask, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
                         new_tokens=12, do_sample=False)
     assert torch.equal(ours, expected)
-    if len(eos_ids) > 1:
+    if len(eos_ids) > 1 and check_every == 1:
         assert decoder.bucket_history[0] == 8 and len(decoder.bucket_history) > 1, decoder.bucket_history
 
 
@@ -148,6 +153,21 @@ def test_the_rollout_decodes_the_same_greedy_responses_either_way_and_calls_its_
     assert calls["static"] == 2 and calls["generate"] >= 2  # every 8 decoded tokens, between two forwards
 
 
+def test_auto_decodes_static_on_a_gpu_for_models_transformers_marks_fit_for_it(tokenizer, policy):
+    """rollout.decode=auto (the default): the static decoder on a GPU where the model class says it can be
+    captured whole (transformers' _can_compile_fullgraph), generate on the CPU and for other classes."""
+    rollout = HFRollout(policy, tokenizer, RolloutConfig(), 8)
+    assert RolloutConfig().decode == "auto" and rollout.decoder is not None
+    assert rollout._decodes_static(torch.device("cuda")) and not rollout._decodes_static(torch.device("cpu"))
+
+    class Unmarked(type(policy)):
+        _can_compile_fullgraph = False
+
+    unmarked = HFRollout(Unmarked(policy.config), tokenizer, RolloutConfig(), 8)
+    assert not unmarked._decodes_static(torch.device("cuda"))
+    assert HFRollout(policy, tokenizer, RolloutConfig(decode="static"), 8)._decodes_static(torch.device("cpu"))
+
+
 def test_a_training_run_samples_with_the_static_decoder(tmp_path):
     from trainer.config import load_config
     from trainer.loop import Trainer
@@ -196,3 +216,40 @@ def test_greedy_decoding_gives_generates_tokens_with_either_attention(tokenizer,
     expected = generate(model, prompt_ids, prompt_mask, eos_ids=[1, 4, 12], pad_id=tokenizer.pad_token_id,
                         new_tokens=12, do_sample=False)
     assert torch.equal(decoder.generate(prompt_ids, prompt_mask, 12), expected)
+
+
+def test_the_engine_says_when_a_forward_may_be_captured_and_what_it_reads(tokenizer):
+    """Streamer.graph_key (what OffloadEngine.graph_key gives a GPU): a key while every layer is kept in a slot of
+    its own and the head and embedding are kept whole for the phase; None while a layer streams, outside the
+    rollout's placement, or while an update runs; a new key once a layer's weights changed."""
+    from trainer.config.schema import FSDPConfig
+    from trainer.offload import attach_offload
+
+    policy = load_policy(TINY, tokenizer, dtype=torch.float32, seed=3, override_config={"num_hidden_layers": 2})
+    settings = FSDPConfig.model_validate({"offload_policy": {"embedding": "cpu", "lm_head": "cpu"},
+                                          "dynamic_offload": {"enabled": True}})
+    engine = attach_offload(policy, settings, torch.device("cpu"), role="actor")
+    streamer = engine.streamer
+    try:
+        engine.set_transformer_layers_on_gpu(2)
+        ids = torch.tensor([[3, 4, 5]])
+        assert streamer.graph_key() is None  # the head and embedding stream
+        with engine.placed_for("rollout"), torch.no_grad():
+            policy(input_ids=ids)  # the staged copies and the layers' first copies, waited for
+            key = streamer.graph_key()
+            assert key is not None and streamer.graph_key() == key
+            engine.transformer_units[0].ready.clear()  # an update running
+            assert streamer.graph_key() is None
+            engine.transformer_units[0].ready.set()
+            engine.set_transformer_layers_on_gpu(1)
+            assert streamer.graph_key() is None  # a layer streams
+            engine.set_transformer_layers_on_gpu(2)
+            policy(input_ids=ids)
+            assert streamer.graph_key() is not None
+            engine.after_update(engine.transformer_units[1])  # new weights in its arena: copied again
+            assert streamer.graph_key() is None
+            policy(input_ids=ids)
+            assert streamer.graph_key() not in (None, key)
+        assert engine.graph_key() is None  # not on a GPU
+    finally:
+        engine.close()

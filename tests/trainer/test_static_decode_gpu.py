@@ -47,3 +47,67 @@ def test_the_per_token_step_in_cuda_graphs_decodes_what_the_eager_step_does():
         history = decoder.bucket_history
     assert len(history) > 1, history
     assert torch.equal(results[True], results[False])
+
+
+def _engine_placed(layers_on_gpu: int):
+    """The tiny policy with its head and embedding on the CPU and dynamic offload keeping `layers_on_gpu` of
+    its 4 layers on the GPU (the others stream)."""
+    from trainer.config.schema import FSDPConfig
+    from trainer.offload import attach_offload
+
+    tokenizer = load_tokenizer("builtin:tiny-qwen2")
+    policy = load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.bfloat16, seed=3,
+                         override_config={"num_hidden_layers": 4}).eval()
+    settings = FSDPConfig.model_validate({"offload_policy": {"embedding": "cpu", "lm_head": "cpu"},
+                                          "dynamic_offload": {"enabled": True}})
+    engine = attach_offload(policy, settings, torch.device("cuda"), role="actor")
+    engine.set_transformer_layers_on_gpu(layers_on_gpu)
+    return tokenizer, policy, engine
+
+
+@pytest.mark.parametrize("layers_on_gpu", [4, 2], ids=["layers_kept", "layers_streamed"])
+def test_graphs_of_an_engine_placed_model_replay_only_while_its_weights_stay_put(layers_on_gpu):
+    """Under the rollout's placement (head and embedding kept whole on the GPU): with every layer kept there the
+    step is replayed from graphs, with two layers streaming it runs eagerly (a graph would not copy them);
+    both decode the eager tokens."""
+    tokenizer, policy, engine = _engine_placed(layers_on_gpu)
+    try:
+        prompt_ids, prompt_mask = encode_prompts(["1 2 3", "4", "5 6", "7 8 9 0"] * 4, tokenizer, max_length=8)
+        prompt_ids, prompt_mask = prompt_ids.cuda(), prompt_mask.cuda()
+        results, replays = {}, {}
+        for graphs in (False, True):
+            decoder = StaticDecoder(policy, eos_ids=[1], pad_id=tokenizer.pad_token_id,
+                                    sampling=Sampling(do_sample=False), cuda_graphs=graphs, safety=engine)
+            with engine.placed_for("rollout"):
+                results[graphs] = decoder.generate(prompt_ids, prompt_mask, 20)
+            replays[graphs] = decoder.replays
+        assert torch.equal(results[True], results[False])
+        assert replays[False] == 0
+        assert (replays[True] > 0) == (layers_on_gpu == 4), replays
+    finally:
+        engine.close()
+
+
+def test_a_safe_point_that_moves_layers_drops_the_graphs_it_invalidates():
+    """Layers moved at safe points (dynamic offload): out to the CPU (decoding goes on eagerly, the moved layer
+    streaming) and back (a new graph under the new slots): the tokens are those of a decode without moves."""
+    tokenizer, policy, engine = _engine_placed(4)
+    try:
+        prompt_ids, prompt_mask = encode_prompts(["1 2 3", "4", "5 6", "7 8 9 0"] * 4, tokenizer, max_length=8)
+        prompt_ids, prompt_mask = prompt_ids.cuda(), prompt_mask.cuda()
+        plans = iter([3, 4, 2, 4, 4, 4, 4, 4])
+
+        def safe_point():
+            engine.set_transformer_layers_on_gpu(next(plans))
+
+        results = {}
+        for moving in (False, True):
+            decoder = StaticDecoder(policy, eos_ids=[-1], pad_id=tokenizer.pad_token_id,
+                                    sampling=Sampling(do_sample=False), cuda_graphs=True, safety=engine)
+            with engine.placed_for("rollout"):
+                results[moving] = decoder.generate(prompt_ids, prompt_mask, 48, safe_point if moving else None)
+            assert decoder.replays > 0
+        assert engine.moves["to_cpu"] > 0 and engine.moves["to_gpu"] > 0, engine.moves
+        assert torch.equal(results[True], results[False])
+    finally:
+        engine.close()

@@ -309,8 +309,10 @@ class RolloutConfig(Section):
     """Sample from the k most likely tokens; -1 or 0 disables."""
     do_sample: bool = True
     """Sample; false decodes greedily."""
-    decode: Literal["generate", "static"] = "generate"
-    """How hf decodes: generate (transformers' generate) or static (a preallocated cache, finished rows dropped)."""
+    decode: Literal["auto", "generate", "static"] = "auto"
+    """static (preallocated cache, CUDA graphs on a GPU), generate (transformers'), auto: static on a GPU if it fits."""
+    enforce_eager: bool = False
+    """verl's key: true runs the static decode's per-token step eagerly instead of in CUDA graphs."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Sequences per forward when computing log-probs and values."""
     embedding_cache: EmbeddingCache = EmbeddingCache()

@@ -305,6 +305,14 @@ class OffloadEngine:
         """Place the groups for one phase of a step (PhaseStaging.placed_for); yields the groups kept."""
         return self.staging.placed_for(phase, budget_bytes=budget_bytes)
 
+    def graph_key(self) -> tuple[object, ...] | None:
+        """Whether a CUDA graph may capture a no-grad forward of the model now, and of what (Streamer.graph_key)."""
+        return self.streamer.graph_key() if self.streams.cuda else None
+
+    def replayed(self) -> None:
+        """A CUDA graph of a forward was replayed (Streamer.replayed)."""
+        self.streamer.replayed()
+
     def drop_kept(self) -> list[str]:
         """Give back the device copies the current phase keeps; the groups dropped."""
         return self.staging.drop_kept()

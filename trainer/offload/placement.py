@@ -135,6 +135,16 @@ class PhaseStaging:
         if self._staged[unit.name][1] != unit.version:
             self._stage(unit, ahead=True)
 
+    def staged(self, unit: Unit) -> tuple[int, int] | None:
+        """The address and unit version of the unit's kept device weight, when it is kept and current and no
+        copy into it is still on its way (what a CUDA graph of a forward would read); None otherwise."""
+        if unit.name not in self._staged:
+            return None
+        weight, version, arrival = self._staged[unit.name]
+        if version != unit.version or arrival is not None:
+            return None
+        return weight.data_ptr(), version
+
     def staged_copy(self, unit: Unit) -> torch.Tensor | None:
         """The unit's staged device weight, refreshed if its masters changed since (None when not staged)."""
         if unit.name not in self._staged:

@@ -180,8 +180,44 @@ class Streamer:
             self._compute_waits_for(block)
         return blocks
 
+    def graph_key(self) -> tuple[object, ...] | None:
+        """What a CUDA graph of a no-grad forward reads, when one may be captured now (StaticDecoder): every
+        hooked block in a device slot of its own holding its unit's current weights with no copy left to
+        wait for, every CPU-resident head and embedding kept whole on the device for the phase, and no
+        optimizer update running or to be published. The key holds those tensors' addresses and versions: a
+        graph replays the addresses it captured, so one captured under another key must not be replayed.
+        None when a forward would copy, wait or gather rows on the host."""
+        key: list[object] = []
+        for unit in self.layout.units:
+            if not unit.ready.is_set() or unit.publish_pending:
+                return None
+            if unit.kind == UnitKind.HOOKED:
+                block = unit.blocks[0]
+                if (block.streamed or block.slot.holder is not block or block.fetched_version != unit.version
+                        or block.fetched_event is not None or self.staging.is_staged(unit)
+                        or unit.masters_version() != unit.master_version):
+                    return None
+                assert block.slot.data is not None
+                key.append((block.slot.data.data_ptr(), unit.version))
+            elif unit.kind in (UnitKind.ROWS, UnitKind.CHUNKS):
+                staged = self.staging.staged(unit)
+                if staged is None:
+                    return None
+                key.append(staged)
+        return tuple(key)
+
+    def replayed(self) -> None:
+        """After a CUDA graph of a forward ran on the compute stream: a later copy into a hooked block's slot
+        waits for it (the graph's capture recorded no event: `_root_post_forward`)."""
+        event = self.streams.record_compute()
+        for unit in self.layout.units:
+            if unit.kind == UnitKind.HOOKED:
+                unit.blocks[0].slot.free_event = event
+
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         steady, self._steady = self._steady, None
+        if steady and self.streams.cuda and torch.cuda.is_current_stream_capturing():
+            return  # an event recorded in a capture is the graph's own: `replayed` records the real one
         if steady:
             # One event after the whole forward stands for each block's own: a later copy into one of these
             # slots (after an update) waits for every read of it.

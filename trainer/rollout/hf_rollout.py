@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from trainer.config import RolloutConfig
-from trainer.rollout.static_decode import SAFE_POINT_EVERY, Sampling, StaticDecoder
+from trainer.rollout.static_decode import SAFE_POINT_EVERY, GraphSafety, Sampling, StaticDecoder
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -54,7 +54,8 @@ class HFRollout:
     """Samples `response_length` tokens at most per prompt, stopping at EOS."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
-                 response_length: int, *, safe_point: Callable[[], object] | None = None):
+                 response_length: int, *, safe_point: Callable[[], object] | None = None,
+                 graph_safety: GraphSafety | None = None):
         self.model = model
         self.safe_point = safe_point  # called between decode chunks (dynamic offload)
         self.response_length = response_length
@@ -73,10 +74,21 @@ class HFRollout:
             pad_token_id=self.pad_id,
             use_cache=True,
         )
+        self.decode = config.decode
         self.decoder = None if config.decode == "generate" else StaticDecoder(
             model, eos_ids=self.eos_ids, pad_id=self.pad_id,
             sampling=Sampling(do_sample=config.do_sample, temperature=config.temperature,
-                              top_k=max(config.top_k, 0), top_p=config.top_p))
+                              top_k=max(config.top_k, 0), top_p=config.top_p),
+            cuda_graphs=not config.enforce_eager, safety=graph_safety)
+
+    def _decodes_static(self, device: torch.device) -> bool:
+        """rollout.decode: static, or auto on a GPU for a model transformers marks as fit for a static cache and
+        a captured step (the flag its own generate reads before compiling one)."""
+        if self.decode == "static":
+            return True
+        model_class = type(self.model)
+        return (device.type == "cuda" and bool(getattr(model_class, "_can_compile_fullgraph", False))
+                and not getattr(model_class, "_is_stateful", False))
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +101,7 @@ class HFRollout:
         # call, the model's defaults are transformers' global ones, which change nothing.
         self.model.generation_config = GenerationConfig()
         try:
-            if self.decoder is not None:
+            if self.decoder is not None and self._decodes_static(prompt_ids.device):
                 responses = self.decoder.generate(prompt_ids, prompt_mask, self.response_length, self.safe_point)
             else:
                 stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])

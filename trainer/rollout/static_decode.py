@@ -15,20 +15,53 @@ may be captured in a CUDA graph (`cuda_graphs`).
 
 A forward over the prompts fills the cache; then each step (`_step`) decodes one token for every row, in
 place in the batch's tensors. Between steps no forward is in flight: the caller's safe point (dynamic
-offload) may move layers there.
+offload) may move layers there. The host reads how many rows still decode every CHECK_EVERY tokens, not
+at every one: between two reads it queues steps without waiting for the device.
+
+CUDA graphs and the offload engine: a graph replays the addresses it captured, so the model's `GraphSafety`
+(the offload engine, for a model it places) says when a forward reads only tensors that stay put (layers
+and groups kept on the GPU, no copy, no update running) and gives a key for them; a graph is replayed only
+under the key it was captured with, and a safe point that moves layers makes a new key (decoding goes on
+eagerly, or under a new graph).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, StaticCache
 
 SAFE_POINT_EVERY = 8
 """Decoded tokens between two safe points of a rollout (a memory reading each: microseconds)."""
+CHECK_EVERY = 4
+"""Decoded tokens between two host reads of how many rows still decode (whether to stop or shrink the batch).
+A read waits for the device; rows that finished meanwhile decode pads (up to CHECK_EVERY - 1 steps)."""
+
+
+class GraphSafety(Protocol):
+    """What a model's owner (the offload engine) tells a CUDA graph of the model's forward."""
+
+    def graph_key(self) -> Hashable | None:
+        """What a graph of a no-grad forward would read, as a key; None when it may not be captured now."""
+
+    def replayed(self) -> None:
+        """A graph of the forward has been replayed on the current stream."""
+
+
+class _Resident:
+    """A model with nothing placed by an engine: its weights stay where they are."""
+
+    @staticmethod
+    def graph_key() -> Hashable:
+        return ()
+
+    @staticmethod
+    def replayed() -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -100,13 +133,15 @@ def _chosen(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 class StaticDecoder:
     """Samples up to `max_new_tokens` per prompt over a static cache, stopping each row at an EOS.
 
-    With `cuda_graphs` (on a GPU, a model whose layers all attend fully, and no offload engine streaming its
-    layers: the graph would not copy them), each batch size's per-token step is captured in a CUDA graph at
-    its second step and replayed from then on: the host launches one graph a token instead of every kernel."""
+    With `cuda_graphs` (on a GPU, with SDPA attention and no sliding window), each batch size's per-token
+    step is captured in a CUDA graph at its second step and replayed from then on: the host launches one graph
+    a token instead of every kernel. `safety` (the offload engine of a model it places) says when the
+    forward may be captured (see the module's docstring)."""
 
     def __init__(self, model: PreTrainedModel, *, eos_ids: list[int], pad_id: int, sampling: Sampling,
-                 compact: bool = True, cuda_graphs: bool = False):
-        self.model, self.sampling, self.compact = model, sampling, compact
+                 compact: bool = True, cuda_graphs: bool = False, safety: GraphSafety | None = None,
+                 check_every: int = CHECK_EVERY):
+        self.model, self.sampling, self.compact, self.check_every = model, sampling, compact, check_every
         self.eos_ids, self.pad_id = eos_ids, pad_id
         self.bucket_history: list[int] = []
         """The batch sizes the last generate decoded with, in order (the buckets it went through)."""
@@ -117,6 +152,9 @@ class StaticDecoder:
         """Whether generate keeps each sampled token's log-probability (`log_probs`): a log-softmax a token."""
         self.log_probs = torch.zeros(0, 0)
         self.cuda_graphs = cuda_graphs
+        self.safety: GraphSafety = safety or _Resident()
+        self.replays = 0
+        """Steps the last generate ran as CUDA graph replays (the others ran eagerly)."""
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
@@ -149,41 +187,60 @@ class StaticDecoder:
             chosen=_chosen(logits, tokens) if self.keep_log_probs else None)
         self._record(out, state, 0)
         mask_4d = self._full_attention_only()
-        # Not with safe points: dynamic offload may move layers there, and a graph reads the slots it captured.
-        capturable = self.cuda_graphs and device.type == "cuda" and safe_point is None and mask_4d
-        graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        warm: set[int] = set()  # the batch sizes whose step ran once (a capture's warm-up)
+        capturable = self.cuda_graphs and device.type == "cuda" and mask_4d
+        key = self.safety.graph_key() if capturable else None
+        pool = torch.cuda.graph_pool_handle() if capturable else None  # one pool: graphs replay one at a time
+        graphs: dict[tuple[int, Hashable], torch.cuda.CUDAGraph] = {}
+        warm: set[tuple[int, Hashable]] = set()  # the (batch size, key)s whose step ran once (a capture's warm-up)
+        self.replays = 0
         sizes = buckets(rows)
         length = 1
         for length in range(2, max_new_tokens + 1):
-            active = int((~state.done).sum())  # the one host read a token: whether to stop, or to shrink the batch
-            if active == 0:
-                length -= 1
-                break
-            if self.compact and len(sizes) > 1 and active <= sizes[1]:
-                while len(sizes) > 1 and active <= sizes[1]:
-                    sizes.pop(0)
-                keep = self._rows_to_keep(state.done, sizes[0])
-                self._compact(cache, keep)
-                state = state.rows(keep)
-                self.bucket_history.append(sizes[0])
+            if (length - 2) % self.check_every == 0:
+                active = int((~state.done).sum())  # waits for the device: whether to stop, or to shrink the batch
+                if active == 0:
+                    length -= 1
+                    break
+                if self.compact and len(sizes) > 1 and active <= sizes[1]:
+                    while len(sizes) > 1 and active <= sizes[1]:
+                        sizes.pop(0)
+                    keep = self._rows_to_keep(state.done, sizes[0])
+                    self._compact(cache, keep)
+                    state = state.rows(keep)
+                    self.bucket_history.append(sizes[0])
             if safe_point is not None and (length - 1) % SAFE_POINT_EVERY == 0:
                 safe_point()
-            graph = graphs.get(len(state.index)) if capturable else None
+                if capturable:
+                    key = self.safety.graph_key()  # layers may have moved
+                    graphs = {shape: graph for shape, graph in graphs.items() if shape[1] == key}
+            shape = (len(state.index), key)
+            graph = graphs.get(shape) if key is not None else None
+            if graph is None and key is not None and shape in warm:
+                graphs[shape] = graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):  # recorded, not run: the replay runs this token's step
+                    self._step(state, cache, eos, mask_4d=True)
             if graph is not None:
                 graph.replay()
-            elif capturable and len(state.index) in warm:
-                graphs[len(state.index)] = graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):  # recorded, not run: the replay runs this token's step
-                    self._step(state, cache, eos, mask_4d=True)
-                graph.replay()
+                self.safety.replayed()
+                self.replays += 1
             else:
                 # Also a capture's warm-up: a graph of a batch size is captured at its second step.
                 self._step(state, cache, eos, mask_4d=mask_4d)
-                warm.add(len(state.index))
+                warm.add(shape)
             self._record(out, state, length - 1)
+        # Steps decoded after every row had finished (between two reads) hold pads only: generate stops at the
+        # token where the last row finishes.
+        length = min(length, self._decoded_length(out[:, :length], eos))
         self.log_probs = self.log_probs[:, :length]
         return out[:, :length]
+
+    @staticmethod
+    def _decoded_length(out: torch.Tensor, eos: torch.Tensor) -> int:
+        """The columns up to the last row's first EOS (all of them when a row has none)."""
+        finished = torch.isin(out, eos)
+        if out.shape[1] == 0 or not bool(finished.any(dim=1).all()):
+            return out.shape[1]
+        return int(finished.int().argmax(dim=1).max()) + 1
 
     def _step(self, state: _Rows, cache: StaticCache, eos: torch.Tensor, *, mask_4d: bool) -> None:
         """One token for every row, in place in `state`'s tensors (what a CUDA graph of the step replays): the cache
