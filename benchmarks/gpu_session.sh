@@ -26,7 +26,9 @@
 # transformers wheel (5.2x attends one query token on the KV heads without repeat_kv) and compare `SECTIONS=allgpu_static_graphs`.
 #
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
-# (on the device image: pydantic and the rest installed from wheels first, see .library/device).
+# (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
+# pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core 1.3.8, omegaconf 2.3.1 and
+# antlr4-python3-runtime 4.9.3, which is an sdist only: `pip wheel --no-deps` it into .whl/ here).
 set -u
 out=${OUT:-gpu-results}
 mkdir -p "$out"

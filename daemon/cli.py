@@ -1,6 +1,7 @@
 """The ``verl`` command.
 
-    verl train --config run.yaml [--monitor] [key.path=value ...]   start a run
+    verl train [--config run.yaml] [--monitor] [key.path=value ...] start a run (no --config: the defaults)
+    verl train --check [--config run.yaml] [key.path=value ...]     validate all, print the resolved config
     verl monitor --pid PID [--once] [--json] [--web]                watch a running run
     verl set NAME=VALUE [NAME=VALUE ...] --pid PID                  change live settings
     verl status --pid PID [--json]                                  one summary
@@ -19,7 +20,9 @@ import importlib.metadata
 import json
 import re
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -62,10 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser("train", help="start a training run",
                                 description="Validate the config, write it into runs/<name>/ and train.")
-    train.add_argument("--config", required=True, metavar="FILE", help="YAML run config (see examples/)")
+    train.add_argument("--config", metavar="FILE", help="YAML run config (see examples/); without it the "
+                       "built-in defaults, changed by the overrides")
     train.add_argument("--monitor", action="store_true", help="show the live view in the foreground")
+    train.add_argument("--check", action="store_true",
+                       help="validate the config, its files, models and prompt lengths without training; print "
+                            "the resolved config (exit code 0, or 2 with every problem)")
     train.add_argument("overrides", nargs="*", metavar="key.path=value",
-                       help="override config keys, e.g. data.train_batch_size=64")
+                       help="override config keys in Hydra's grammar: key=value, +key=value, ++key=value, ~key, "
+                            "lists [a,b], ${oc.env:VAR}; e.g. data.train_batch_size=64")
     train.set_defaults(handler=train_command)
 
     monitor = _run_command(commands, "monitor", "attach a live view to a running run", monitor_command)
@@ -142,13 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as error:
-        hint = None
-        if any(problem.path != "--config" for problem in error.problems):
-            hint = f"fix these in {args.config} or override them on the command line as key.path=value"
-        raise UsageError([str(problem) for problem in error.problems], hint) from None
+    if args.check and args.monitor:
+        raise UsageError("--check validates without training; it does not go with --monitor",
+                         "run `verl train --check ...` first, then `verl train --monitor ...`")
+    config = load_run_config(args.config, args.overrides)
+    if args.check:
+        return check_command(config)
     try:  # before anything is written there: another daemon's trainer reads that config when it restarts
         run_lock = RunLock.acquire(config.trainer.run_dir)
     except RunDirInUse as error:
@@ -158,6 +165,37 @@ def train_command(args: argparse.Namespace) -> int:
         return start_run(config, config_path, monitor=args.monitor, run_lock=run_lock)
     finally:
         run_lock.release()
+
+
+def load_run_config(config_file: str | None, overrides: Sequence[str]) -> RunConfig:
+    """The validated config, or a UsageError with every problem of the file and the overrides."""
+    try:
+        return load_config(config_file, overrides)
+    except ConfigError as error:
+        hint = None
+        if any(problem.path != "--config" for problem in error.problems):
+            where = f"in {config_file} or " if config_file else ""
+            hint = f"fix these {where}on the command line as key.path=value (Hydra's override grammar)"
+        raise UsageError([str(problem) for problem in error.problems], hint) from None
+
+
+def check_command(config: RunConfig) -> int:
+    """--check: the checks that need the trainer's libraries (tokenizers, data files, prompt lengths) run in
+    a `python -m trainer.check` process, since this one must not import torch; then the resolved config."""
+    resolved = dump_config(config)
+    with tempfile.TemporaryDirectory(prefix="verl-check-") as folder:
+        path = Path(folder) / "config.yaml"
+        path.write_text(resolved, encoding="utf-8")
+        checked = subprocess.run([sys.executable, "-m", "trainer.check", "--config", str(path)], check=False)
+    if checked.returncode == EXIT_USAGE:
+        return EXIT_USAGE  # its ERROR lines are on stderr already
+    if checked.returncode != 0:
+        raise UsageError(f"the data and model checks failed (`python -m trainer.check` exited "
+                         f"{checked.returncode})", "its output above says why")
+    print(resolved, end="", flush=True)
+    print("config OK: schema, cross-field rules, files, models and prompt lengths checked; nothing was trained",
+          file=sys.stderr)
+    return 0
 
 
 def write_run_config(config: RunConfig) -> Path:

@@ -52,9 +52,12 @@ from trainer.metrics import (
     MetricsLog,
     StepTimer,
     data_metrics,
+    device_peak_flops,
     memory_metrics,
+    mfu_metrics,
     reduce_metrics,
     throughput_metrics,
+    timing_per_token_metrics,
 )
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
 from trainer.offload import OffloadEngine, offload_message
@@ -151,8 +154,10 @@ class Trainer:
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", warn=lambda message: self.warn(message))
+        self.peak_flops = device_peak_flops(self.device)  # None: no MFU figures (a CPU, an unknown GPU)
         self.checkpoint_failures = 0  # saves that failed since the last step's metrics (checkpoint/failures)
         self._checkpoint_failing = False  # the latest save failed (checkpoint/failing)
+        self._checkpoint_seconds = 0.0  # spent saving since the last step's metrics (timing_s/save_checkpoint)
         self.step = 0
         self._resumed = False
         self._checkpoint_requested = False
@@ -247,7 +252,8 @@ class Trainer:
             records = [self.records[index] for index in self.sampler.next_batch()]
             metrics = self.train_step(records)
             self.step += 1
-            self._record_step({**metrics, **self._maybe_validate(), **self._checkpoint_metrics()})
+            self._record_step({**metrics, "training/global_step": self.step, **self._maybe_validate(),
+                               **self._checkpoint_metrics()})
             # The last step's save is the final one, below.
             if (self.config.trainer.save_freq > 0 and self.step % self.config.trainer.save_freq == 0
                     and self.step < self.total_steps):
@@ -303,6 +309,11 @@ class Trainer:
                                                                      self._passes("training", Role.ACTOR, size)):
                 metrics.update(reduce_metrics(self.actor.update(batch)))
         metrics.update(timer.metrics())
+        metrics.update(timing_per_token_metrics(batch, timer.seconds))
+        metrics.update(mfu_metrics(batch, timer.seconds, peak_flops=self.peak_flops,
+                                   actor=(self.actor.model.config, self.actor.config.ppo_epochs),
+                                   critic=None if self.critic is None else (self.critic.model.config,
+                                                                            self.critic.config.ppo_epochs)))
         metrics.update(data_metrics(batch, response_length=self.config.data.max_response_length,
                                     prompt_length=self.config.data.max_prompt_length))
         metrics.update(throughput_metrics(batch, timer.seconds["step"]))
@@ -389,7 +400,11 @@ class Trainer:
     def _maybe_validate(self) -> dict[str, float]:
         frequency = self.config.trainer.test_freq
         due = frequency > 0 and (self.step % frequency == 0 or self.step == self.total_steps)
-        return self.validate() if due and self.val_records else {}
+        if not (due and self.val_records):
+            return {}
+        start = time.perf_counter()
+        metrics = self.validate()
+        return {**metrics, "timing_s/testing": time.perf_counter() - start}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -418,6 +433,13 @@ class Trainer:
         and the next save tries again; when it is the `final` one, the policy's weights are written
         alone instead and FinalCheckpointError says so."""
         self._phase("save_checkpoint")
+        start = time.perf_counter()
+        try:
+            return self._save(final)
+        finally:
+            self._checkpoint_seconds += time.perf_counter() - start
+
+    def _save(self, final: bool) -> Path | None:
         state = {
             "step": self.step,
             "actor": self.actor.state_dict(),
@@ -462,7 +484,11 @@ class Trainer:
         while the latest save has failed (a crash would lose every step since the last one written)."""
         metrics = {"checkpoint/failures": float(self.checkpoint_failures),
                    "checkpoint/failing": float(self._checkpoint_failing)}
-        self.checkpoint_failures = 0
+        if self._checkpoint_seconds > 0:
+            # A save follows the line of the step it checkpoints (a crash between them must not lose the
+            # line), so its time, as its failure, goes with the next step's metrics.
+            metrics["timing_s/save_checkpoint"] = self._checkpoint_seconds
+        self.checkpoint_failures, self._checkpoint_seconds = 0, 0.0
         return metrics
 
     def resume(self) -> None:

@@ -7,12 +7,14 @@ import math
 import os
 import resource
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
+from transformers import PretrainedConfig
 
 from trainer.rollout.batch import RolloutBatch
 
@@ -74,8 +76,11 @@ def memory_metrics(device: torch.device, peaks: tuple[int, int] | None = None) -
         torch.cuda.reset_peak_memory_stats(device)
     # ru_maxrss is in KiB on Linux.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    # verl's perf/cpu_memory_used_gb is the host's used memory (psutil's "used"), not this process's: a run
+    # that offloads to the CPU shares the host with its pinned arenas and every other process.
     return {"perf/max_memory_allocated_gb": allocated, "perf/max_memory_reserved_gb": reserved,
-            "perf/cpu_memory_peak_gb": peak_rss, "perf/num_ooms": out_of_memory_errors}
+            "perf/cpu_memory_peak_gb": peak_rss, "perf/cpu_memory_used_gb": psutil.virtual_memory().used / gib,
+            "perf/num_ooms": out_of_memory_errors}
 
 
 def throughput_metrics(batch: RolloutBatch, step_seconds: float) -> dict[str, float]:
@@ -84,6 +89,77 @@ def throughput_metrics(batch: RolloutBatch, step_seconds: float) -> dict[str, fl
     return {"perf/total_num_tokens": tokens, "perf/total_num_response_tokens": response_tokens,
             "perf/time_per_step": step_seconds,
             "perf/throughput": tokens / step_seconds if step_seconds > 0 else math.nan}
+
+
+# The phases verl charges per token, and which tokens: generation the response tokens it decoded, the
+# phases that read whole sequences every prompt and response token (verl's compute_timing_metrics).
+_PER_RESPONSE_TOKEN = ("gen",)
+_PER_TOKEN = ("ref", "values", "adv", "update_critic", "update_actor")
+
+
+def timing_per_token_metrics(batch: RolloutBatch, seconds: Mapping[str, float]) -> dict[str, float]:
+    """timing_per_token_ms/<phase>: the phase's milliseconds per token it processed, for the phases that ran."""
+    response_tokens = int(batch.response_mask.sum().item())
+    tokens = int(batch.prompt_mask.sum().item()) + response_tokens
+    counts = {**dict.fromkeys(_PER_RESPONSE_TOKEN, response_tokens), **dict.fromkeys(_PER_TOKEN, tokens)}
+    return {f"timing_per_token_ms/{phase}": seconds[phase] * 1000 / count
+            for phase, count in counts.items() if phase in seconds and count > 0}
+
+
+# Dense decoders with a SwiGLU MLP: their FLOPs follow from the config fields decoder_flops reads. Others
+# (mixtures of experts, other MLPs) have no MFU figures rather than wrong ones.
+_DENSE_DECODERS = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def decoder_flops(config: PretrainedConfig, sequence_lengths: Sequence[int], *, backward: bool) -> float | None:
+    """FLOPs of a forward pass (`backward`: forward and backward) over sequences of these lengths, counted as
+    verl's FlopsCounter does: 2 per parameter per token forward (the embedding and the head counted as
+    matrices), plus attention's scores and weighted sum over each sequence's length squared; a backward pass
+    costs twice its forward. None for a model type it cannot count."""
+    if config.model_type not in _DENSE_DECODERS:
+        return None
+    hidden, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    query, key_value = heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = 3 * hidden * config.intermediate_size + hidden * (2 * query + 2 * key_value)
+    parameters = layers * per_layer + 2 * config.vocab_size * hidden
+    forward = (2 * parameters * sum(sequence_lengths)
+               + 4 * sum(length * length for length in sequence_lengths) * head_dim * heads * layers)
+    return 3.0 * forward if backward else float(forward)
+
+
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s, by a part of the device name torch reports; the more
+# specific name first ("NVIDIA H200" also holds "H20", an "H100 PCIe" is not an SXM H100).
+_PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("H20", 148e12),
+                    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12))
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's bf16 peak FLOP/s; None on a CPU or a GPU not in the table, whose MFU is then left out."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in _PEAK_BF16_FLOPS if part in name), None)
+
+
+def mfu_metrics(batch: RolloutBatch, seconds: Mapping[str, float], *, peak_flops: float | None,
+                actor: tuple[PretrainedConfig, int], critic: tuple[PretrainedConfig, int] | None) -> dict[str, float]:
+    """verl's model FLOPs utilisation of the actor's update (perf/mfu/actor), its old-log-prob pass
+    (perf/mfu/actor_infer) and the critic's update (perf/mfu/critic): the FLOPs of the phase's passes over
+    the batch's real tokens, per second of the phase, over the device's peak. `actor`, `critic`: the
+    model's config and its ppo_epochs. Left out where the peak or the model's FLOPs are unknown."""
+    if peak_flops is None:
+        return {}
+    lengths = (batch.prompt_mask.sum(dim=1) + batch.response_mask.sum(dim=1)).tolist()
+    passes = [("perf/mfu/actor", "update_actor", actor, True), ("perf/mfu/actor_infer", "old_log_prob", actor, False)]
+    if critic is not None:
+        passes.append(("perf/mfu/critic", "update_critic", critic, True))
+    metrics = {}
+    for key, phase, (config, epochs), backward in passes:
+        flops = decoder_flops(config, lengths, backward=backward)
+        if flops is not None and seconds.get(phase, 0.0) > 0:
+            metrics[key] = flops * (epochs if backward else 1) / seconds[phase] / peak_flops
+    return metrics
 
 
 class StepTimer:

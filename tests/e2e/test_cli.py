@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 VERL = Path(sys.executable).parent / "verl"
@@ -173,7 +174,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "reward function missing": ([f"custom_reward_function.path={reward}"], "compute_score"),
         "mini-batch": (["data.train_batch_size=100"], "ppo_mini_batch_size"),
         "grpo n": (["algorithm.adv_estimator=grpo"], "actor_rollout_ref.rollout.n"),
-        "malformed override": (["data.train_batch_size"], "key.path=value"),
+        "malformed override": (["data.train_batch_size"], "not an override (no '=')"),
         "broken yaml": (["--config", str(broken_yaml)], "line"),
         "empty config": (["--config", str(empty_yaml)], "which is empty (or only comments)"),
         "data directory": ([f"data.train_files={tmp_path / 'shards.parquet'}"], "which is a directory"),
@@ -245,3 +246,49 @@ def test_checkpoints_the_disk_cannot_take_leave_the_run_going_and_the_last_keeps
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
     assert len(errors) == 1 and errors[0].startswith("ERROR: the final checkpoint of step 3 was not saved: "), output
     assert f"the actor's weights alone are in {weights.relative_to(tmp_path)} (safetensors" in errors[0]
+
+
+# ----------------------------------------------------------------------------- --check and no --config
+
+
+def test_check_validates_without_training_and_prints_the_resolved_config(tmp_path):
+    result = verl("train", "--check", *SMALL, "trainer.experiment_name=${oc.env:VERL_CHECK_NAME,checked}",
+                  "+data.seed=3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["trainer"]["experiment_name"] == "checked"
+    assert (resolved["data"]["train_batch_size"], resolved["data"]["seed"]) == (16, 3)
+    assert "config OK" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_check_reports_schema_and_cross_field_problems_in_one_round(tmp_path):
+    result = verl("train", "--check", "--config", QUICKSTART, "data.max_prompt_length=abc",
+                  "algorithm.adv_estimator=grpo", "data.x=[", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
+    assert [line.split(":")[1].strip() for line in errors] == ["data.x"], "a grammar error stops before the schema"
+    result = verl("train", "--check", "--config", QUICKSTART, "data.max_prompt_length=abc",
+                  "algorithm.adv_estimator=grpo", cwd=tmp_path)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
+    assert [line.split(":")[1].strip() for line in errors] == ["data.max_prompt_length", "actor_rollout_ref.rollout.n"]
+    assert result.stdout == ""
+
+
+def test_check_measures_the_prompts_against_max_prompt_length(tmp_path):
+    result = verl("train", "--check", *SMALL, "data.max_prompt_length=2", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
+    assert len(errors) == 1 and "more than data.max_prompt_length=2" in errors[0], result.stderr
+    assert result.stdout == ""
+
+
+def test_train_without_a_config_file_starts_from_the_defaults(tmp_path):
+    result = verl("train", *SMALL, "trainer.total_training_steps=1", "trainer.experiment_name=defaults",
+                  cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "runs" / "defaults"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in steps] == [1]

@@ -3,6 +3,7 @@
 import copy
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import Qwen2ForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
 from trainer.checkpoint import latest_checkpoint
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config
 from trainer.loop import Trainer
 from trainer.models import ModelLoadError, load_critic, load_policy, load_reward_model, load_tokenizer
 from trainer.models.tiny import UNK, VOCABULARY, seeded_init, tiny_qwen2_config
@@ -355,3 +356,86 @@ def test_loading_a_model_directory_prints_no_progress_bar(tmp_path, capfd):
     captured = capfd.readouterr()
     assert "Loading weights" not in captured.err + captured.out
     assert transformers_logging.is_progress_bar_enabled(), "the bars are silenced for our loads only"
+
+
+# ------------------------------------------------------------------------------ hub model ids
+
+HUB_ID = "Org/Tiny-Qwen2"
+
+
+@pytest.fixture
+def hub_cache(tokenizer, saved_policy, tmp_path, monkeypatch):
+    """A Hugging Face hub cache in its on-disk layout holding HUB_ID (the saved policy and its tokenizer) as a
+    download leaves it, pointed at by HF_HUB_CACHE; offline, and with every network connection refused."""
+    cache = tmp_path / "hub"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--Org--Tiny-Qwen2"
+    shutil.copytree(saved_policy[0], repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"a test reached for the network: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    return cache, repo / "snapshots" / revision
+
+
+def test_a_hub_id_loads_from_the_local_cache(tokenizer, saved_policy, hub_cache):
+    loaded_tokenizer = load_tokenizer(HUB_ID)
+    assert loaded_tokenizer("3 4 5")["input_ids"] == tokenizer("3 4 5")["input_ids"]
+    assert_same_weights(load_policy(HUB_ID, tokenizer, dtype=torch.float32, seed=99), saved_policy[1])
+    assert_same_weights(load_critic(HUB_ID, tokenizer, dtype=torch.float32, seed=99).model, saved_policy[1].model)
+
+
+def test_a_run_from_a_cached_hub_id(hub_cache, tmp_path):
+    config = load_config(None, [*run_overrides(HUB_ID, tmp_path, steps=1), f"critic.model.path={HUB_ID}"])
+    assert config.actor_rollout_ref.model.path == HUB_ID, "the config keeps the id the user wrote"
+    trainer = Trainer(config, log=lambda *_: None)
+    trainer.fit()
+    assert [row["step"] for row in trainer.metrics_log.read()] == [1]
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path",
+                                 "critic.model.path", "reward_model.model.path"])
+def test_a_hub_id_not_in_the_cache_is_one_line_saying_how_to_fill_it(hub_cache, tmp_path, key):
+    cache, _ = hub_cache
+    overrides = [*run_overrides("builtin:tiny-qwen2", tmp_path, steps=1), f"{key}=Qwen/Qwen2.5-7B-Instruct"]
+    if key.startswith("reward_model"):
+        overrides.append("reward_model.enable=true")
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    [problem] = [problem for problem in error.value.problems if problem.path == key]
+    message = str(problem)
+    assert "\n" not in message
+    assert message.startswith(f"{key}: got 'Qwen/Qwen2.5-7B-Instruct' is not a local directory, and the hub model "
+                              f"Qwen/Qwen2.5-7B-Instruct is not in the local Hugging Face cache {str(cache)!r}")
+    assert "`hf download Qwen/Qwen2.5-7B-Instruct`" in message and "HF_HUB_CACHE" in message
+
+
+def test_the_loader_refuses_an_uncached_hub_id_in_one_line(tokenizer, hub_cache):
+    cache, _ = hub_cache
+    with pytest.raises(ModelLoadError) as error:
+        load_policy("Qwen/Qwen2.5-7B-Instruct", tokenizer, dtype=torch.float32, seed=1)
+    message = str(error.value)
+    assert "\n" not in message and str(cache) in message and "hf download Qwen/Qwen2.5-7B-Instruct" in message
+
+
+def test_the_hub_cache_follows_hf_home_when_hf_hub_cache_is_unset(tokenizer, hub_cache, tmp_path, monkeypatch):
+    cache, _ = hub_cache
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(cache.parent))  # the cache is HF_HOME/hub
+    assert load_tokenizer(HUB_ID)("3 4")["input_ids"] == tokenizer("3 4")["input_ids"]
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "elsewhere"))
+    with pytest.raises(ModelLoadError, match="elsewhere"):
+        load_tokenizer(HUB_ID)
+
+
+def test_a_cached_snapshot_without_config_json_names_the_snapshot(hub_cache, tmp_path):
+    _, snapshot = hub_cache
+    (snapshot / "config.json").unlink()
+    with pytest.raises(ConfigError) as error:
+        load_config(None, run_overrides(HUB_ID, tmp_path, steps=1))
+    assert f"(its cached snapshot {str(snapshot)!r}), a directory without config.json" in str(error.value)

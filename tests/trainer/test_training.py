@@ -50,7 +50,7 @@ TINY = [
     "trainer.device=cpu",
 ]
 # Metrics that measure the machine, not the computation: they differ between identical runs.
-MACHINE_METRICS = ("timing_s/", "perf/")
+MACHINE_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
 def make_trainer(tmp_path, *overrides: str, name: str = "run") -> Trainer:

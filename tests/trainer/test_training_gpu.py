@@ -7,6 +7,7 @@ import torch
 
 from trainer.config import load_config
 from trainer.loop import Trainer
+from trainer.metrics import device_peak_flops
 
 pytestmark = pytest.mark.gpu
 
@@ -88,3 +89,14 @@ def test_offloaded_steps_give_the_all_gpu_losses_with_layers_streamed_and_planne
     # offloaded critic's fp32 masters take it.
     assert [row["critic/values/mean"] for row in rows] == pytest.approx(
         [row["critic/values/mean"] for row in expected], abs=2e-2)
+
+
+def test_the_mfu_figures_of_a_gpu_run_are_fractions_of_the_devices_peak(tmp_path):
+    name = torch.cuda.get_device_name()
+    if device_peak_flops(torch.device("cuda")) is None:
+        pytest.skip(f"no bf16 peak known for {name}: the run leaves its MFU figures out")
+    trainer = cuda_trainer(tmp_path, "trainer.total_training_steps=2")
+    trainer.fit()
+    for row in trainer.metrics_log.read():
+        for key in ("perf/mfu/actor", "perf/mfu/actor_infer", "perf/mfu/critic"):
+            assert 0 < row[key] < 1, (name, key, row[key])

@@ -1,6 +1,7 @@
-"""The run configuration (schema, loading, errors), the live settings and the trainer<->daemon
-messages: everything the daemon shares with the trainer, none of it importing torch."""
+"""The run configuration (schema, loading with Hydra-grammar overrides, errors), the live settings and the
+trainer<->daemon messages: everything the daemon shares with the trainer, none of it importing torch."""
 
+from trainer.config.loading import load_config
 from trainer.config.schema import (
     BUILTIN_DATASETS,
     BUILTIN_MODELS,
@@ -26,7 +27,6 @@ from trainer.config.schema import (
     TrainerConfig,
     check_semantics,
     dump_config,
-    load_config,
     resolve_defaults,
     validate_config,
 )

@@ -13,11 +13,10 @@ from __future__ import annotations
 import copy
 import difflib
 import itertools
-import os
 import re
 import types
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -27,6 +26,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
+
+from trainer.config.hub import HubModelNotCached, resolve_model_path
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-qwen2",)
@@ -199,9 +200,9 @@ class FSDPConfig(Section):
 
 class ModelConfig(Section):
     path: str = "builtin:tiny-qwen2"
-    """A local HuggingFace model directory, or builtin:tiny-qwen2 (random init, no download)."""
+    """A local HuggingFace model directory, a hub id (Org/Name) in the local HF cache, or builtin:tiny-qwen2."""
     tokenizer_path: str | None = None
-    """A local tokenizer directory; unset uses the model's."""
+    """A local tokenizer directory or a cached hub id; unset uses the model's."""
     override_config: dict[str, Any] = {}
     """Keys set on the model's HF config before it is built (e.g. num_hidden_layers)."""
     enable_gradient_checkpointing: bool = False
@@ -609,24 +610,6 @@ class ConfigError(Exception):
         super().__init__("\n".join(str(problem) for problem in self.problems))
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Read a YAML file, apply ``key.path=value`` overrides, validate, resolve derived defaults.
-
-    Raises ConfigError naming every problem at once.
-    """
-    raw: dict[str, Any] = {}
-    problems: list[ConfigProblem] = []
-    if path is not None:
-        raw = _read_yaml(Path(path))
-    for override in overrides:
-        problem = _apply_override(raw, override)
-        if problem:
-            problems.append(problem)
-    if problems:
-        raise ConfigError(problems)
-    return validate_config(raw)
-
-
 def validate_config(raw: dict[str, Any]) -> RunConfig:
     """Turn a plain dict into a RunConfig, or raise ConfigError naming every problem."""
     try:
@@ -634,7 +617,7 @@ def validate_config(raw: dict[str, Any]) -> RunConfig:
     except ValidationError as error:
         errors = error.errors()
         problems = [_describe_pydantic_error(item) for item in errors]
-        problems += _file_problems_despite_schema_errors(raw, [item["loc"] for item in errors])
+        problems += _checks_despite_schema_errors(raw, errors)
         raise ConfigError(problems) from None
     problems = check_semantics(config)
     if problems:
@@ -699,27 +682,23 @@ def _keys_changed(section: Section, default: Section, prefix: str = "") -> list[
 
 def check_semantics(config: RunConfig) -> list[ConfigProblem]:
     """Problems no single field can see: files, paths, and how fields fit together."""
-    return _check_files(config) + _check_consistency(config)
+    return [problem for rule in _rules() for problem in rule(config)]
 
 
-def _check_files(config: RunConfig) -> list[ConfigProblem]:
-    """Checks of one value each against the disk: safe to run on a config with defaults patched in."""
-    return _check_model_paths(config) + _check_data_files(config)
+def _rules() -> tuple[Callable[[RunConfig], list[ConfigProblem]], ...]:
+    """Every check beyond the schema, each small enough that one refused value skips little (see
+    _checks_despite_schema_errors): the disk first, then how fields fit together."""
+    return (_check_actor_model_paths, _check_critic_model_paths, _check_reward_model_paths, _check_train_files,
+            _check_val_files, _check_reward_function_file,
+            _check_batch_sizes, _grpo_needs_several_responses, _gae_needs_a_critic, _clip_range_is_positive,
+            _resume_path_is_set, _validation_needs_data, _check_devices, _check_offload,
+            _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
+            _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function)
 
 
-def _check_consistency(config: RunConfig) -> list[ConfigProblem]:
-    """Checks of how fields fit together: they only make sense once every field is the user's own."""
-    return (_check_batch_sizes(config) + _check_algorithm(config) + _check_devices(config)
-            + _check_offload(config) + _check_ignored_keys(config))
-
-
-def _check_ignored_keys(config: RunConfig) -> list[ConfigProblem]:
-    """Keys that this run would not act on: an error, not a warning, since whoever reads the config would
-    believe them. Only keys set away from their defaults are named, so a default config is clean, and so is
-    a resolved one (every default written out)."""
-    return (_settings_of_models_not_built(config) + _training_settings_of_frozen_models(config)
-            + _settings_not_built_yet(config) + _layer_minimum_without_dynamic_offload(config)
-            + _reward_error_policy_without_a_function(config))
+# Keys that this run would not act on: an error, not a warning, since whoever reads the config would believe
+# them. Only keys set away from their defaults are named, so a default config is clean, and so is a resolved
+# one (every default written out).
 
 
 def _reward_error_policy_without_a_function(config: RunConfig) -> list[ConfigProblem]:
@@ -825,25 +804,81 @@ def _check_offload(config: RunConfig) -> list[ConfigProblem]:
     return problems
 
 
-def _file_problems_despite_schema_errors(raw: dict[str, Any],
-                                         locations: Sequence[tuple[Any, ...]]) -> list[ConfigProblem]:
-    """The file checks of a config that failed the schema, so a typo does not hide a missing file.
+def _checks_despite_schema_errors(raw: dict[str, Any], errors: Sequence[ErrorDetails]) -> list[ConfigProblem]:
+    """The checks beyond the schema of a config that failed it, so that every problem shows in one round.
 
-    The bad values are dropped (their defaults take their place) and the rest is checked again; problems at
-    or under a dropped key are left out, as is everything that compares fields (a default would be judged).
+    The refused values are dropped and the rest validated again; in that config each refused key holds a
+    RefusedValue, and a check that reads one is skipped, since it would judge a default the user did not
+    write. A key misspelt (an unknown key close to a known one) refuses the key it was likely meant for.
+    Problems at or under a dropped key are left out: the schema has named them.
     """
     patched = copy.deepcopy(raw)
-    dropped = []
-    for location in locations:
-        field_path = list(itertools.takewhile(lambda part: isinstance(part, str), location))
+    dropped: list[str] = []
+    refused: list[list[str]] = []
+    for error in errors:
+        field_path = [str(part) for part in itertools.takewhile(lambda part: isinstance(part, str), error["loc"])]
         if field_path and _drop(patched, field_path):
             dropped.append(_dotted(field_path))
+            refused.append(field_path)
+        if error["type"] == "extra_forbidden" and field_path:
+            refused += [field_path[:-1] + [meant] for meant in _meant_key(field_path)]
     try:
         config = RunConfig.model_validate(patched)
     except ValidationError:
         return []
-    return [problem for problem in _check_files(config)
-            if not any(_is_under(problem.path, key) for key in dropped)]
+    for field_path in refused:
+        config = typing.cast(RunConfig, _refuse(config, field_path))
+    problems = []
+    for rule in _rules():
+        try:
+            problems += rule(config)
+        except RefusedValueRead:
+            continue
+    return [problem for problem in problems if not any(_is_under(problem.path, key) for key in dropped)]
+
+
+class RefusedValueRead(Exception):
+    """A check read a value the schema refused."""
+
+
+class RefusedValue:
+    """Stands in a config for a value the schema refused: any use of it (a comparison, arithmetic, truth,
+    text, an attribute) raises RefusedValueRead, so a check never judges the default in its place."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise RefusedValueRead
+
+    __bool__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __mod__ = __rmod__ = _refuse
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __neg__ = __abs__ = _refuse
+    __str__ = __format__ = __iter__ = __len__ = __contains__ = __index__ = __int__ = __float__ = _refuse
+    __fspath__ = __getitem__ = _refuse
+
+    def __getattr__(self, name: str) -> Any:
+        raise RefusedValueRead
+
+    def __repr__(self) -> str:
+        return "<refused by the schema>"
+
+
+def _refuse(section: Section, field_path: Sequence[str]) -> Section:
+    """`section` with the field at `field_path` (or the deepest section field on the way) a RefusedValue."""
+    name = field_path[0]
+    if name not in type(section).model_fields:
+        return section
+    value = getattr(section, name)
+    if len(field_path) > 1 and isinstance(value, Section):
+        return section.model_copy(update={name: _refuse(value, field_path[1:])})
+    return section.model_copy(update={name: RefusedValue()})
+
+
+def _meant_key(field_path: Sequence[str]) -> list[str]:
+    """The known key an unknown one at `field_path` likely misspells, if any."""
+    parent = field_at(field_path[:-1]) if len(field_path) > 1 else None
+    section = RunConfig if len(field_path) == 1 else _section_type(parent.annotation) if parent else None
+    if section is None:
+        return []
+    return difflib.get_close_matches(field_path[-1], list(section.model_fields), n=1)
 
 
 def _drop(raw: dict[str, Any], field_path: Sequence[str]) -> bool:
@@ -860,29 +895,35 @@ def _is_under(path: str, key: str) -> bool:
     return path == key or path.startswith((key + ".", key + "["))
 
 
-def _check_model_paths(config: RunConfig) -> list[ConfigProblem]:
-    problems = []
-    candidates = [
-        ("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path, True),
-        ("actor_rollout_ref.model.tokenizer_path", config.actor_rollout_ref.model.tokenizer_path, False),
-    ]
-    if config.use_critic:
-        candidates += [("critic.model.path", config.critic.model.path, True),
-                       ("critic.model.tokenizer_path", config.critic.model.tokenizer_path, False)]
-    if config.reward_model.enable:
-        if config.reward_model.model.path is None:
-            problems.append(ConfigProblem("reward_model.model.path", "is not set, but reward_model.enable is "
-                                          "true; allowed: the directory of a sequence-classification model "
-                                          "with one output (num_labels=1)"))
-        candidates += [("reward_model.model.path", config.reward_model.model.path, True),
-                       ("reward_model.model.tokenizer_path", config.reward_model.model.tokenizer_path, False)]
-    for key, value, is_model in candidates:
-        if value is None:
-            continue
-        problem = _check_model_path(key, value, is_model)
-        if problem:
-            problems.append(problem)
-    return problems
+def _check_actor_model_paths(config: RunConfig) -> list[ConfigProblem]:
+    model = config.actor_rollout_ref.model
+    return _check_model_candidates([("actor_rollout_ref.model.path", model.path, True),
+                                    ("actor_rollout_ref.model.tokenizer_path", model.tokenizer_path, False)])
+
+
+def _check_critic_model_paths(config: RunConfig) -> list[ConfigProblem]:
+    if not config.use_critic:
+        return []
+    model = config.critic.model
+    return _check_model_candidates([("critic.model.path", model.path, True),
+                                    ("critic.model.tokenizer_path", model.tokenizer_path, False)])
+
+
+def _check_reward_model_paths(config: RunConfig) -> list[ConfigProblem]:
+    if not config.reward_model.enable:
+        return []
+    model = config.reward_model.model
+    if model.path is None:
+        return [ConfigProblem("reward_model.model.path", "is not set, but reward_model.enable is true; allowed: "
+                              "the directory of a sequence-classification model with one output (num_labels=1)")]
+    return _check_model_candidates([("reward_model.model.path", model.path, True),
+                                    ("reward_model.model.tokenizer_path", model.tokenizer_path, False)])
+
+
+def _check_model_candidates(candidates: Sequence[tuple[str, str | None, bool]]) -> list[ConfigProblem]:
+    """(key, value, whether it names a model rather than a tokenizer) -> the problems of the values set."""
+    problems = [_check_model_path(key, value, is_model) for key, value, is_model in candidates if value is not None]
+    return [problem for problem in problems if problem is not None]
 
 
 def _check_model_path(key: str, value: str, is_model: bool) -> ConfigProblem | None:
@@ -893,31 +934,42 @@ def _check_model_path(key: str, value: str, is_model: bool) -> ConfigProblem | N
             return ConfigProblem(key, f"got {value!r}, which is not a built-in model; allowed: {builtins}, "
                                  f"or a local HuggingFace {what} directory")
         return None
-    directory = Path(value).expanduser()
+    try:
+        directory = Path(resolve_model_path(value)).expanduser()
+    except HubModelNotCached as error:
+        return ConfigProblem(key, f"got {error}")
     if not directory.is_dir():
         return ConfigProblem(key, f"got {value!r}, which is not a directory (models are never downloaded); "
-                             f"allowed: a local HuggingFace {what} directory, or {builtins}")
+                             f"allowed: a local HuggingFace {what} directory, a hub model id in the local cache, "
+                             f"or {builtins}")
     if is_model and not (directory / "config.json").is_file():
-        return ConfigProblem(key, f"got {value!r}, a directory without config.json; allowed: a model "
+        where = "" if str(directory) == value else f" (its cached snapshot {str(directory)!r})"
+        return ConfigProblem(key, f"got {value!r}{where}, a directory without config.json; allowed: a model "
                              "directory written by save_pretrained")
     return None
 
 
-def _check_data_files(config: RunConfig) -> list[ConfigProblem]:
-    problems = []
+def _check_train_files(config: RunConfig) -> list[ConfigProblem]:
     if not config.data.train_files:
-        problems.append(ConfigProblem("data.train_files", f"got an empty list; "
-                                      f"allowed: {_DATA_FILES_ALLOWED}"))
-    for key in ("train_files", "val_files"):
-        for index, value in enumerate(getattr(config.data, key)):
-            problem = _check_data_file(f"data.{key}[{index}]", value)
-            if problem:
-                problems.append(problem)
+        return [ConfigProblem("data.train_files", f"got an empty list; allowed: {_DATA_FILES_ALLOWED}")]
+    return _check_data_file_list("train_files", config.data.train_files)
+
+
+def _check_val_files(config: RunConfig) -> list[ConfigProblem]:
+    return _check_data_file_list("val_files", config.data.val_files)
+
+
+def _check_data_file_list(key: str, files: Sequence[str]) -> list[ConfigProblem]:
+    problems = [_check_data_file(f"data.{key}[{index}]", value) for index, value in enumerate(files)]
+    return [problem for problem in problems if problem is not None]
+
+
+def _check_reward_function_file(config: RunConfig) -> list[ConfigProblem]:
     function = config.custom_reward_function
     if function.path is not None and not Path(function.path).expanduser().is_file():
-        problems.append(ConfigProblem("custom_reward_function.path", f"got {function.path!r}, which is not a "
-                                      f"file; allowed: a Python file that defines {function.name}"))
-    return problems
+        return [ConfigProblem("custom_reward_function.path", f"got {function.path!r}, which is not a file; "
+                              f"allowed: a Python file that defines {function.name}")]
+    return []
 
 
 _DATA_FILES_ALLOWED = (f"{', '.join(DATA_FILE_SUFFIXES)} files (verl's parquet layout or JSONL), "
@@ -973,29 +1025,43 @@ def _largest_divisor(number: int, at_most: int) -> int:
     return max(divisor for divisor in range(1, min(number, at_most) + 1) if number % divisor == 0)
 
 
-def _check_algorithm(config: RunConfig) -> list[ConfigProblem]:
-    problems = []
+def _grpo_needs_several_responses(config: RunConfig) -> list[ConfigProblem]:
     n = config.actor_rollout_ref.rollout.n
     if config.algorithm.adv_estimator == "grpo" and n < 2:
-        problems.append(ConfigProblem("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator="
-                                      "grpo compares responses to the same prompt; allowed: n >= 2"))
+        return [ConfigProblem("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator=grpo compares "
+                              "responses to the same prompt; allowed: n >= 2")]
+    return []
+
+
+def _gae_needs_a_critic(config: RunConfig) -> list[ConfigProblem]:
     if config.algorithm.adv_estimator == "gae" and config.critic.enable is False:
-        problems.append(ConfigProblem("critic.enable", "got false, but algorithm.adv_estimator=gae needs a "
-                                      "critic; allowed: true, or algorithm.adv_estimator=grpo"))
+        return [ConfigProblem("critic.enable", "got false, but algorithm.adv_estimator=gae needs a critic; "
+                              "allowed: true, or algorithm.adv_estimator=grpo")]
+    return []
+
+
+def _clip_range_is_positive(config: RunConfig) -> list[ConfigProblem]:
     actor = config.actor_rollout_ref.actor
     low, _ = actor.clip_range
     if low >= 1.0:
         key = "clip_ratio_low" if actor.clip_ratio_low is not None else "clip_ratio"
-        problems.append(ConfigProblem(f"actor_rollout_ref.actor.{key}", f"got {low}, which lets the policy "
-                                      f"ratio be clipped at 0 or below; allowed: 0 < {key} < 1"))
+        return [ConfigProblem(f"actor_rollout_ref.actor.{key}", f"got {low}, which lets the policy ratio be "
+                              f"clipped at 0 or below; allowed: 0 < {key} < 1")]
+    return []
+
+
+def _resume_path_is_set(config: RunConfig) -> list[ConfigProblem]:
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
-        problems.append(ConfigProblem("trainer.resume_from_path", "is not set, but trainer.resume_mode is "
-                                      "resume_path; allowed: a global_step_N checkpoint directory"))
+        return [ConfigProblem("trainer.resume_from_path", "is not set, but trainer.resume_mode is resume_path; "
+                              "allowed: a global_step_N checkpoint directory")]
+    return []
+
+
+def _validation_needs_data(config: RunConfig) -> list[ConfigProblem]:
     if config.trainer.test_freq > 0 and not config.data.val_files:
-        problems.append(ConfigProblem("trainer.test_freq", f"got {config.trainer.test_freq}, but "
-                                      "data.val_files is empty; allowed: -1 (no validation), or set "
-                                      "data.val_files"))
-    return problems
+        return [ConfigProblem("trainer.test_freq", f"got {config.trainer.test_freq}, but data.val_files is empty; "
+                              "allowed: -1 (no validation), or set data.val_files")]
+    return []
 
 
 def _check_devices(config: RunConfig) -> list[ConfigProblem]:
@@ -1046,7 +1112,7 @@ _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         why = "is a directory" if path.is_dir() else "does not exist"
         raise ConfigError([ConfigProblem("--config", f"got {str(path)!r}, which {why}; "
@@ -1072,43 +1138,6 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError([ConfigProblem("--config", f"{str(path)!r} holds a {kind}; allowed: a mapping of "
                                          f"sections ({', '.join(RunConfig.model_fields)})")])
     return raw
-
-
-# ---------------------------------------------------------------------------------------- overrides
-
-
-def _apply_override(raw: dict[str, Any], override: str) -> ConfigProblem | None:
-    """Set one ``key.path=value`` in the raw dict; the value is read as YAML (64, 1e-5, true, [a, b])."""
-    key, sep, text = override.partition("=")
-    parts = key.split(".")
-    if not sep or not all(parts):
-        return ConfigProblem(key or override, f"got {override!r}, which is not an override; "
-                             "allowed: key.path=value, e.g. data.train_batch_size=64")
-    try:
-        value = yaml.load(text, Loader=_ConfigLoader) if text else ""  # noqa: S506 (a safe loader)
-    except yaml.YAMLError:
-        value = text  # e.g. `name=a: b`: take it as the plain string the user typed
-    node = raw
-    section: type[BaseModel] | None = RunConfig
-    for index, part in enumerate(parts[:-1]):
-        prefix = ".".join(parts[: index + 1])
-        field = section.model_fields.get(part) if section is not None else None
-        # An unknown key is left for pydantic, which reports it with a suggestion; a free-form dict
-        # (override_config) takes any key below it.
-        if field is not None and _section_type(field.annotation) is None and not _is_mapping(field.annotation):
-            return ConfigProblem(prefix, f"got the override {key}=..., but {prefix} is a setting, not a "
-                                 f"section; allowed: {prefix}=<{describe_allowed(field.annotation, field)}>")
-        section = _section_type(field.annotation) if field is not None else None
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            return ConfigProblem(prefix, f"got the override {key}=..., but the config file sets {prefix} to "
-                                 f"{_show(child)}; allowed: a section (a mapping) at {prefix}")
-        node = child
-    field = section.model_fields.get(parts[-1]) if section is not None else None
-    if field is not None and _unwrap_optional(field.annotation) is str and not isinstance(value, str | None):
-        value = text  # a name stays as typed: YAML would read experiment_name=007 as the number 7
-    node[parts[-1]] = value
-    return None
 
 
 # ------------------------------------------------------------------------------- schema messages
@@ -1139,9 +1168,9 @@ def _describe_pydantic_error(error: ErrorDetails) -> ConfigProblem:
     path = _dotted(location)
     kind = error["type"]
     given = error.get("input")
-    field = _field_at(location)
+    field = field_at(location)
     if kind == "extra_forbidden":
-        return ConfigProblem(path, _moved_key(location, given) or _unknown_key(location))
+        return ConfigProblem(path, _moved_key(location, given) or unknown_key_message(location))
     if kind == "missing":
         return ConfigProblem(path, "is missing")
     if kind == "value_error":  # the validators in this module write whole "got ...; allowed: ..." messages
@@ -1190,7 +1219,7 @@ _MOVED_KEYS: dict[tuple[type[Section], str], str] = {
 
 def _moved_key(location: Sequence[Any], given: Any) -> str | None:
     """Where an unknown key that its section used to have is set now; None for any other unknown key."""
-    parent = _field_at(location[:-1]) if len(location) > 1 else None
+    parent = field_at(location[:-1]) if len(location) > 1 else None
     section = _section_type(parent.annotation) if parent is not None else None
     if section is None or (section, str(location[-1])) not in _MOVED_KEYS:
         return None
@@ -1198,10 +1227,10 @@ def _moved_key(location: Sequence[Any], given: Any) -> str | None:
             f"allowed: {', '.join(section.model_fields)}")
 
 
-def _unknown_key(location: Sequence[Any]) -> str:
+def unknown_key_message(location: Sequence[Any]) -> str:
     """Name the unknown key, the closest known one, and the allowed keys of its section."""
     name = str(location[-1])
-    parent = _field_at(location[:-1]) if len(location) > 1 else None
+    parent = field_at(location[:-1]) if len(location) > 1 else None
     section = RunConfig if len(location) == 1 else _section_type(parent.annotation) if parent else None
     what = "section" if len(location) == 1 else "key"
     if section is None:
@@ -1212,7 +1241,7 @@ def _unknown_key(location: Sequence[Any]) -> str:
     return f"got the unknown {what} {name!r}{hint}; allowed: {', '.join(allowed)}"
 
 
-def _field_at(location: Sequence[Any]) -> FieldInfo | None:
+def field_at(location: Sequence[Any]) -> FieldInfo | None:
     """The schema field a pydantic error location points at (list indexes are skipped)."""
     section: type[BaseModel] | None = RunConfig
     field = None

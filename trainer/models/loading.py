@@ -1,4 +1,4 @@
-"""Build the run's models from local directories (never downloaded) or the built-in preset."""
+"""Build the run's models from local directories or cached hub ids (never downloaded), or the built-in preset."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from transformers import (
 from transformers.utils import logging as transformers_logging
 
 from trainer.config import BUILTIN_PREFIX
+from trainer.config.hub import HubModelNotCached, resolve_model_path
 from trainer.models.tiny import build_tiny_tokenizer, seeded_init, tiny_qwen2_config
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -45,7 +46,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False,
     `setting`: the config key that chooses the tokenizer, named in the errors."""
     if path.startswith(BUILTIN_PREFIX):
         tokenizer = build_tiny_tokenizer()
-    elif _declares_plain_tokenizer_json(path):
+    elif _declares_plain_tokenizer_json(path := _local_directory(path)):
         tokenizer = _from_local(PreTrainedTokenizerFast, path, "tokenizer")
     else:
         tokenizer = _from_local(AutoTokenizer, path, "tokenizer", trust_remote_code=trust_remote_code)
@@ -162,7 +163,16 @@ def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: 
     return model
 
 
+def _local_directory(path: str) -> str:
+    """The directory of a local path or of a hub id's cached snapshot (resolve_model_path)."""
+    try:
+        return resolve_model_path(path)
+    except HubModelNotCached as error:
+        raise ModelLoadError(str(error)) from None
+
+
 def _from_local(auto_class, path: str, what: str, **kwargs):
+    path = _local_directory(path)
     if what != "tokenizer":
         _check_weight_files(Path(path), what)
     try:

@@ -1,0 +1,99 @@
+"""The checks of ``verl train --check`` that need the trainer's libraries, which the daemon must not
+import: ``python -m trainer.check --config RESOLVED.yaml``.
+
+Loads what is cheap to load and builds no model: the tokenizers, every data file (each row as the
+trainer reads it) and each model directory's config.json, then checks every prompt's length against
+data.max_prompt_length as the trainer does at start (trainer/data/checks.py). Prints one ``ERROR:`` line
+per problem and exits 2, or exits 0 with nothing printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainer.config import BUILTIN_PREFIX, ConfigError, RunConfig, load_config
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.check", description="Check a run's data and models.")
+    parser.add_argument("--config", required=True, help="YAML run config (resolved, as `verl train` writes it)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as error:
+        return _report([str(problem) for problem in error.problems])
+    return _report(check_run(config))
+
+
+def check_run(config: RunConfig) -> list[str]:
+    """One line per problem with the run's tokenizers, data files and model directories."""
+    from trainer.data import DataError, load_records
+    from trainer.data.checks import check_prompts
+    from trainer.models.loading import ModelLoadError, load_tokenizer
+    from trainer.rollout.prompts import PromptTooLong
+
+    expected = (DataError, ModelLoadError, PromptTooLong)
+    problems: list[str] = []
+    model, data = config.actor_rollout_ref.model, config.data
+    source = model.tokenizer_path or model.path
+    tokenizer = None
+    try:
+        tokenizer = load_tokenizer(source, trust_remote_code=model.trust_remote_code)
+        if config.reward_model.enable:
+            network = config.reward_model.model
+            load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code,
+                           setting="reward_model.model.tokenizer_path")
+    except expected as error:
+        problems.append(str(error))
+    problems += _unreadable_model_configs(config)
+    # The built-in rule scorers compare each response with the row's ground truth (as the trainer loads them).
+    builtin_scoring = not config.reward_model.enable and config.custom_reward_function.path is None
+    for files_key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        try:
+            records = load_records(files, data.prompt_key, require_ground_truth=builtin_scoring)
+            if tokenizer is not None:
+                name = (f"{source}'s built-in {len(tokenizer)}-token tokenizer" if source.startswith(BUILTIN_PREFIX)
+                        else repr(source))
+                check_prompts(records, tokenizer, files_key=files_key, max_length=data.max_prompt_length,
+                              truncation=data.truncation, tokenizer_setting="actor_rollout_ref.model.tokenizer_path",
+                              tokenizer_name=name)
+        except expected as error:
+            problems.append(str(error))
+    return problems
+
+
+def _unreadable_model_configs(config: RunConfig) -> list[str]:
+    """The config.json of each model directory the run builds, read as JSON (the schema saw that it exists)."""
+    paths = [("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path)]
+    if config.use_critic:
+        paths.append(("critic.model.path", config.critic.model.path))
+    if config.reward_model.enable:
+        paths.append(("reward_model.model.path", config.reward_model.model.path))
+    problems = []
+    for key, path in paths:
+        if path is None or path.startswith(BUILTIN_PREFIX):
+            continue
+        file = Path(path).expanduser() / "config.json"
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            problems.append(f"{key}: {str(file)!r} cannot be read as JSON ({error}); allowed: a model directory "
+                            "written by save_pretrained")
+    return problems
+
+
+def _report(problems: list[str]) -> int:
+    for problem in problems:
+        print(f"ERROR: {problem}", file=sys.stderr)
+    return EXIT_USAGE if problems else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
