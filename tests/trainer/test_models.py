@@ -204,24 +204,23 @@ LOADERS = {
 }
 
 
-@pytest.mark.parametrize("what", list(LOADERS))
-def test_a_config_field_of_the_wrong_type_is_one_line_naming_config_json(tokenizer, saved_policy, tmp_path, what):
-    directory = damaged_copy(saved_policy, tmp_path, "wrong type")
-    with pytest.raises(ModelLoadError) as error:
-        LOADERS[what](directory, tokenizer)
-    assert str(error.value) == (f"could not load the {what} from '{directory}': '{directory}/config.json': Validation "
-                                "error for field 'num_hidden_layers': TypeError: Field 'num_hidden_layers' expected "
-                                "int, got str (value: 'two')")
+DAMAGES = {
+    "wrong type": "'{directory}/config.json': Validation error for field 'num_hidden_layers': TypeError: Field "
+                  "'num_hidden_layers' expected int, got str (value: 'two')",
+    "truncated weights": "'{directory}/model.safetensors' is damaged or incomplete (Error while deserializing header: "
+                         "incomplete metadata, file not fully covered); copy or download it again",
+}
 
 
+@pytest.mark.parametrize("damage", list(DAMAGES))
 @pytest.mark.parametrize("what", list(LOADERS))
-def test_truncated_weights_are_one_line_naming_the_file(tokenizer, saved_policy, tmp_path, what):
-    directory = damaged_copy(saved_policy, tmp_path, "truncated weights")
+def test_a_damaged_model_directory_is_one_line_naming_the_file(tokenizer, saved_policy, tmp_path, what, damage):
+    """A config.json field of the wrong type, or a truncated model.safetensors."""
+    directory = damaged_copy(saved_policy, tmp_path, damage)
     with pytest.raises(ModelLoadError) as error:
         LOADERS[what](directory, tokenizer)
-    assert str(error.value) == (f"could not load the {what} from '{directory}': '{directory}/model.safetensors' is "
-                                "damaged or incomplete (Error while deserializing header: incomplete metadata, file "
-                                "not fully covered); copy or download it again")
+    assert str(error.value) == f"could not load the {what} from '{directory}': " + DAMAGES[damage].format(
+        directory=directory)
 
 
 def test_a_model_directory_without_tokenizer_files_names_tokenizer_path(saved_policy, tmp_path):

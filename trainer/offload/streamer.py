@@ -169,9 +169,8 @@ class Streamer:
         for unit in self.layout.units:
             if unit.kind != UnitKind.HOOKED:
                 continue
-            block = unit.blocks[0]
-            if (block.streamed or block.slot.holder is not block or block.fetched_version != unit.version
-                    or not unit.usable or self.staging.is_staged(unit)
+            block = self._in_own_slot(unit)
+            if (block is None or not unit.usable
                     or (not unit.stale_ok if unit.publish_pending else unit.masters_version() != unit.master_version)):
                 # (A delayed update to publish before this read, or an in-place change of the masters.)
                 return None
@@ -179,6 +178,15 @@ class Streamer:
         for block in blocks:  # a copy made outside a pass (a layer moved to the GPU) not waited for yet
             self._compute_waits_for(block)
         return blocks
+
+    def _in_own_slot(self, unit: Unit) -> Block | None:
+        """A hooked unit's block when it sits in a device slot of its own holding the unit's current arena (not
+        streamed, not replaced by a copy the phase keeps); None otherwise."""
+        block = unit.blocks[0]
+        if (block.streamed or block.slot.holder is not block or block.fetched_version != unit.version
+                or self.staging.is_staged(unit)):
+            return None
+        return block
 
     def graph_key(self) -> tuple[object, ...] | None:
         """What a CUDA graph of a no-grad forward reads, when one may be captured now (StaticDecoder): every
@@ -192,10 +200,8 @@ class Streamer:
             if not unit.ready.is_set() or unit.publish_pending:
                 return None
             if unit.kind == UnitKind.HOOKED:
-                block = unit.blocks[0]
-                if (block.streamed or block.slot.holder is not block or block.fetched_version != unit.version
-                        or block.fetched_event is not None or self.staging.is_staged(unit)
-                        or unit.masters_version() != unit.master_version):
+                block = self._in_own_slot(unit)
+                if block is None or block.fetched_event is not None or unit.masters_version() != unit.master_version:
                     return None
                 assert block.slot.data is not None
                 key.append((block.slot.data.data_ptr(), unit.version))
