@@ -20,7 +20,8 @@ Variants: `all_gpu` (every group and the optimizer on the GPU, bf16, no cap: whe
 CPUOffloadPolicy on a one-GPU mesh, the other models on the GPU, under the cap: the trainer has no FSDP2
 path yet, so the benchmark places the actor itself; GPU only) and `offload_delayed` (`offload` with the
 actor's delayed parameter update: each rollout samples with the weights before the previous update; not
-run unless asked for).
+run unless asked for) and `offload_host_update` (`offload` with `optimizer_update: cpu`: AdamW on the host's
+cores instead of on the GPU over the streamed states; not run unless asked for).
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ from trainer.models.tiny import tiny_qwen2_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer_layers_on_gpu", "perf/max_memory",
-             "perf/oom_recoveries", "response_length/")
+             "perf/oom_recoveries", "response_length/", "actor/skipped_steps", "critic/skipped_steps")
 """The metrics of each step a result keeps (besides the steady state's means)."""
-VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed")
+VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_host_update")
 QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 """Qwen2.5-3B's shape (tied embeddings)."""
@@ -104,8 +105,10 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
     the reward model from `models`/reward_model; the rollout decodes as `decode` says (rollout.decode)."""
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
-    offloaded = variant in ("offload", "offload_delayed")
+    offloaded = variant in ("offload", "offload_delayed", "offload_host_update")
     trained = OFFLOADED if offloaded else {"model_dtype": "bf16"}
+    if variant == "offload_host_update":
+        trained = {**trained, "optimizer_update": "cpu"}
     actor_settings = {**trained, "delayed_update": True} if variant == "offload_delayed" else trained
     plain = {"model_dtype": "bf16"}
     # The reference's and the reward model's settings. The headline's stay on the GPU: their host arenas (15 GB
@@ -132,7 +135,7 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"]
     if spec["algorithm"] == "gae":
         rows += ["critic.enable=true", "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-5",
-                 *fsdp_overrides("critic.fsdp_config", OFFLOADED if offloaded else plain)]
+                 *fsdp_overrides("critic.fsdp_config", trained if offloaded else plain)]
     else:
         rows.append("critic.enable=false")
     if spec["reward_model"]:
@@ -245,6 +248,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         **steady_state(per_step, args.warmup),
         peak_gpu_gib=max(row.get("perf/max_memory_allocated_gb", 0.0) for row in rows),
         oom_recoveries=sum(row.get("perf/oom_recoveries", 0) for row in rows),
+        # Updates skipped on a non-finite gradient norm: a variant that skips them is faster for nothing.
+        skipped_updates=sum(row.get(f"{role}/skipped_steps", 0) for row in rows for role in ("actor", "critic")),
         losses=[row.get("actor/pg_loss") for row in rows],
         per_step=per_step,
         plans=trainer.memory.plan_lines(),
@@ -305,7 +310,9 @@ class CopiedPerStep:
               f"{metrics.get('offload/moves_to_cpu', 0) + metrics.get('offload/moves_to_gpu', 0):.0f}, phase swaps "
               f"{metrics.get('offload/phase_swaps', 0):.0f}; peak {metrics.get('perf/max_memory_allocated_gb', 0):.1f} "
               f"GiB allocated, {metrics.get('perf/max_memory_reserved_gb', 0):.1f} reserved; OOMs recovered "
-              f"{metrics.get('perf/oom_recoveries', 0):.0f}", file=sys.stderr, flush=True)
+              f"{metrics.get('perf/oom_recoveries', 0):.0f}; updates skipped "
+              f"{metrics.get('actor/skipped_steps', 0) + metrics.get('critic/skipped_steps', 0):.0f}",
+              file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------- parent
@@ -392,7 +399,9 @@ def table(result: dict[str, Any]) -> str:
                      f"(PCIe floor {floor:.3f} s at {bandwidth['h2d']:.1f}/{bandwidth['d2h']:.1f} GB/s); "
                      f"layer moves a step {run['layer_moves_per_step']:.1f} (phase swaps "
                      f"{run.get('phase_swaps_per_step', 0):.1f}); peak GPU {run['peak_gpu_gib']:.1f} GiB; "
-                     f"OOMs recovered {run['oom_recoveries']:.0f}")
+                     f"OOMs recovered {run['oom_recoveries']:.0f}"
+                     + (f"; UPDATES SKIPPED {run['skipped_updates']:.0f} (non-finite gradient norms: its times do not "
+                        "count)" if run.get("skipped_updates") else ""))
     for name, run in variants.items():
         profile = run.get("profile") or {}
         # The last step run (a CPU update of the last step may be timed under the step after it).

@@ -265,6 +265,11 @@ class Trainer:
 
     def _record_step(self, metrics: dict[str, float]) -> None:
         """metrics.jsonl, the daemon and every observer (the console) get the step's metrics."""
+        for key, value in metrics.items():
+            if key.endswith("skipped_steps") and value > 0:
+                self.warn(f"STEP {self.step}: {key.split('/')[0]} skipped its optimizer update on a non-finite "
+                          f"gradient norm ({key} {value:g}); its weights did not change. Lower the learning rate "
+                          "or check the data and the reward if it goes on")
         self.metrics_log.append(self.step, metrics)
         self._send(StepMessage(step=self.step, metrics=metrics))
         if self.telemetry is not None:

@@ -34,6 +34,7 @@ from trainer.data import DataError
 from trainer.data.checks import UnknownTokens
 from trainer.loop import RunSetupError, Trainer
 from trainer.models import load_policy, load_tokenizer
+from trainer.offload import OffloadAdamW
 from trainer.rewards import RewardFunctionError
 from trainer.rewards.manager import place_on_last_token
 from trainer.rollout.prompts import PromptTooLong
@@ -553,3 +554,22 @@ def saved_policy(tmp_path_factory):
                 ).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def test_an_update_skipped_on_a_non_finite_gradient_norm_is_a_loud_line_and_leaves_the_weights(tmp_path,
+                                                                                              monkeypatch):
+    warnings: list[str] = []
+    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path}", "trainer.total_training_steps=2",
+                                "trainer.save_freq=-1"])
+    trainer = Trainer(config, log=lambda *_: None, warn=warnings.append)
+    before = {name: parameter.detach().clone() for name, parameter in trainer.actor.model.named_parameters()}
+    # The actor's norm is inf, as after an overflow (its optimizer clips inside its update: OffloadAdamW).
+    real = OffloadAdamW.clip_grad_norm_
+    monkeypatch.setattr(OffloadAdamW, "clip_grad_norm_", lambda self, max_norm: real(self, max_norm) * math.inf)
+    trainer.fit()
+    after = dict(trainer.actor.model.named_parameters())
+    assert all(torch.equal(before[name], after[name].detach()) for name in before)
+    rows = trainer.metrics_log.read()
+    assert [row["actor/skipped_steps"] for row in rows] == [1.0, 1.0]
+    skipped = [line for line in warnings if "actor skipped its optimizer update on a non-finite gradient norm" in line]
+    assert [line.split(":")[0] for line in skipped] == ["STEP 1", "STEP 2"]

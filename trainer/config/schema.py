@@ -173,7 +173,9 @@ class FSDPConfig(Section):
     param_offload: bool = False
     """Keep all parameters on the CPU and stream them to the GPU (offload_policy refines it)."""
     optimizer_offload: bool = False
-    """Keep optimizer states, and run the optimizer update, on the CPU."""
+    """Keep fp32 master weights and optimizer states on the CPU (optimizer_update says where the update runs)."""
+    optimizer_update: Literal["auto", "cpu", "gpu"] = "auto"
+    """Where an offloaded AdamW runs: gpu (states streamed through it), cpu (host cores), auto (gpu unless delayed)."""
     offload_policy: OffloadPolicy = OffloadPolicy()
     """Placement of each module group: embedding, lm_head, transformer, norm."""
     dynamic_offload: DynamicOffload = DynamicOffload()
@@ -656,7 +658,7 @@ FSDP_PREFIX = {
 }
 # The models that never train: an optimizer or gradient setting of theirs has nothing to act on.
 FROZEN_ROLES = ("ref", "reward_model")
-_TRAINING_ONLY_KEYS = ("optimizer_offload", "offload_grad_dtype", "delayed_update")
+_TRAINING_ONLY_KEYS = ("optimizer_offload", "optimizer_update", "offload_grad_dtype", "delayed_update")
 
 
 def _fsdp_configs_by_role(config: RunConfig) -> dict[str, FSDPConfig]:
@@ -801,6 +803,12 @@ def _check_offload(config: RunConfig) -> list[ConfigProblem]:
                 f"{str(fsdp.optimizer_offload).lower()}; the rollout reads the bf16 weights while the CPU update "
                 "changes the fp32 masters, so it needs model_dtype: bf16 and optimizer_offload: true; allowed: "
                 "false, or set those"))
+        if fsdp.optimizer_update != "auto" and not fsdp.optimizer_offload:
+            problems.append(ConfigProblem(
+                f"{FSDP_PREFIX[role]}.optimizer_update",
+                f"got {fsdp.optimizer_update} with optimizer_offload=false; it says where an offloaded optimizer's "
+                "update runs, and without optimizer_offload the optimizer runs where the parameters are; allowed: "
+                "auto, or set optimizer_offload: true"))
     return problems
 
 

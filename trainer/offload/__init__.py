@@ -22,7 +22,7 @@ from trainer.offload.layout import HostMemoryError, format_bytes
 from trainer.offload.optimizer import OffloadAdamW
 
 __all__ = ["GROUPS", "HostMemoryError", "OffloadAdamW", "OffloadEngine", "OffloadOptions", "UnsupportedModel",
-           "attach_offload", "format_bytes", "offload_message"]
+           "attach_offload", "format_bytes", "offload_message", "updates_on_device"]
 
 
 def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.device | str, *, role: str,
@@ -51,7 +51,17 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
         host_budget=host_budget,
         host_grad_dtype=torch.bfloat16 if fsdp_config.offload_grad_dtype == "bf16" else None,
         delayed_update=fsdp_config.delayed_update,
+        device_update=updates_on_device(fsdp_config, torch.device(device)),
     )
+
+
+def updates_on_device(fsdp_config: FSDPConfig, device: torch.device) -> bool:
+    """Whether an offloaded optimizer's update runs on the compute device (fsdp_config.optimizer_update): "auto" is
+    the GPU when there is one, but not under a delayed update, which runs beside the rollout's decoding (on the
+    host's cores it takes nothing from the GPU that decodes)."""
+    if fsdp_config.optimizer_update == "auto":
+        return device.type == "cuda" and not fsdp_config.delayed_update
+    return fsdp_config.optimizer_update == "gpu"
 
 
 def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool,

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from trainer.offload.copies import CopyLog, CopyStreams
+from trainer.offload.device_update import DeviceUpdate
 from trainer.offload.embedding_cache import EmbeddingCache
 from trainer.offload.gradients import GradientPath, HostWorker
 from trainer.offload.layout import (
@@ -100,7 +101,8 @@ class OffloadEngine:
                  optimizer_offload: bool = False, options: OffloadOptions | None = None,
                  layer_classes: Sequence[str] | None = None, dynamic_layers: bool = False,
                  layers_on_gpu: int | None = None, host_budget: int | None = None,
-                 host_grad_dtype: torch.dtype | None = None, delayed_update: bool = False):
+                 host_grad_dtype: torch.dtype | None = None, delayed_update: bool = False,
+                 device_update: bool = False):
         self.model, self.role = model, role
         self.device = torch.device(device)
         self.options = options or OffloadOptions()
@@ -115,6 +117,7 @@ class OffloadEngine:
             host_budget += model_host_bytes(model)
             if sum(self.host_bytes().values()) > host_budget:
                 raise HostMemoryError(host_memory_message(role, self.host_bytes(), host_budget))
+        self.layout.device_update = device_update and self.layout.optimizer_offload
         pack(model, self.layout, self.device)
         if delayed_update:
             check_delayed_update(self.layout.units, role)
@@ -127,6 +130,10 @@ class OffloadEngine:
         self.first_optimizer_states: Callable[[], None] | None = None
         """Makes the CPU optimizer's states (OffloadAdamW sets it; make_optimizer_states runs it)."""
         self.worker = HostWorker(cuda=self.streams.cuda, role=role, threads=self.options.worker_threads)
+        dtypes = self.layout.dtypes
+        self.device_update = DeviceUpdate(self.device, self.log, master_dtype=dtypes.master, grad_dtype=dtypes.grad,
+                                          compute_dtype=dtypes.compute) if self.layout.device_update else None
+        """Runs the optimizer update of the offloaded units on the device (device_update.py); None: on the CPU."""
         self.passes = PassState()
         self.gradients = GradientPath(self.layout, self.streams, self.log, self.options, self.worker, self.passes,
                                       self.device, finish=self._finish_backward)
@@ -232,6 +239,14 @@ class OffloadEngine:
         unit.ready.clear()
         self._update_tasks.append(self.worker.submit(update, *args, inline=False))
 
+    def after_updates(self, work: Callable[[], None]) -> None:
+        """Run `work` in the worker thread once the updates submitted so far are done (at once without the
+        pipelined update, whose updates are done already)."""
+        if self.options.pipelined_update:
+            self._update_tasks.append(self.worker.submit(work, inline=False))
+        else:
+            work()
+
     def make_optimizer_states(self) -> None:
         """Start making the CPU optimizer's states in the worker thread, before its first update (which
         waits for them, as `wait_for_updates` does); nothing without an optimizer, or once they are made."""
@@ -273,6 +288,8 @@ class OffloadEngine:
     def close(self) -> None:
         """Finish pending work and give back the device slots; the model cannot run afterwards."""
         self.wait_for_updates()
+        if self.device_update is not None:
+            self.device_update.release()
         self.worker.shutdown()
         self.streams.synchronize()
         for block in self.blocks:

@@ -75,6 +75,9 @@ class Layout:
     dynamic_layers: bool
     """Every transformer block gets a host arena, even those placed on the GPU, so that moving one
     between device and host later is a copy, not an allocation."""
+    device_update: bool = False
+    """The optimizer update runs on the device over the host's masters and gradients (device_update.py): they
+    are page-locked on a GPU machine, whatever their dtype, so that they cross the bus at full speed."""
 
     @property
     def transformer_units(self) -> list[Unit]:
@@ -292,10 +295,10 @@ def pack(model: nn.Module, layout: Layout, device: torch.device) -> None:
     for group in (*GROUPS, "other"):
         units = layout.offloaded(group)
         if units:
-            _pack_group(units, layout.dtypes, device)
+            _pack_group(units, layout.dtypes, device, pin_masters=layout.device_update)
 
 
-def _pack_group(units: list[Unit], dtypes: Dtypes, device: torch.device) -> None:
+def _pack_group(units: list[Unit], dtypes: Dtypes, device: torch.device, *, pin_masters: bool) -> None:
     starts, total = [], 0
     for unit in units:
         unit.offsets, unit.nbytes = unit_layout(unit, dtypes.compute)
@@ -304,7 +307,10 @@ def _pack_group(units: list[Unit], dtypes: Dtypes, device: torch.device) -> None
     arena = pinned_empty(total, device)
     # fp32 masters beside a bf16 arena: the same layout at `scale` times the offsets.
     scale = dtypes.master_scale
-    masters = torch.empty(total * scale, dtype=torch.uint8) if scale != 1 else arena
+    if scale == 1:
+        masters = arena
+    else:
+        masters = pinned_empty(total * scale, device) if pin_masters else torch.empty(total * scale, dtype=torch.uint8)
     for unit, start in zip(units, starts, strict=True):
         unit.arena = arena[start:start + unit.nbytes]
         unit.master_is_arena = scale == 1
@@ -328,7 +334,8 @@ def allocate_grad_arena(layout: Layout, group: str, device: torch.device) -> Non
     units = layout.offloaded(group)
     scale = layout.dtypes.grad_scale
     total = sum(aligned(unit.nbytes) for unit in units) * scale
-    arena = pinned_empty(total, device) if scale == 1 else torch.empty(total, dtype=torch.uint8)
+    pinned = scale == 1 or layout.device_update
+    arena = pinned_empty(total, device) if pinned else torch.empty(total, dtype=torch.uint8)
     start = 0
     for unit in units:
         unit.grad_views = [typed_view(arena, (start + offset) * scale, (entry.parameter.shape, layout.dtypes.grad))
@@ -386,8 +393,10 @@ def summary_lines(layout: Layout, *, role: str, device: torch.device, host: dict
     master_name = str(master).removeprefix("torch.")
     if on_host:
         where = "OFFLOADED to CPU" if layout.optimizer_offload else "on CPU for the groups placed there"
+        runs_on = "GPU" if on_gpu else device.type.upper()
+        update = f"; AdamW runs on the {runs_on}, streaming them through it" if layout.device_update else ""
         lines.append(f"Optimizer: {where} ({master_name} master weights and AdamW states, "
-                     f"{format_bytes(3 * on_host * master.itemsize)})")
+                     f"{format_bytes(3 * on_host * master.itemsize)}{update})")
     saved = format_bytes(saved_gpu_bytes)
     lines.append(f"GPU memory saved: {saved}" if on_gpu
                  else f"GPU memory saved on a GPU: {saved} (this run computes on the {device.type.upper()})")

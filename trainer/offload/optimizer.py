@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.offload.device_update import pinned_states
 from trainer.offload.gradients import SquareSums
 from trainer.offload.units import UPDATE_SLICE_ELEMENTS, Unit
 
@@ -59,6 +60,8 @@ class OffloadAdamW(torch.optim.AdamW):
                 continue
             for parameter in group["params"]:
                 self._fresh_state(parameter)
+            if self.engine.device_update is not None:
+                pinned_states([self.state[parameter] for parameter in group["params"]], self.engine.device)
 
     def _fresh_state(self, parameter: torch.Tensor) -> None:
         """The parameter's AdamW state as torch's fused AdamW makes it at a first step, unless it has one."""
@@ -90,13 +93,18 @@ class OffloadAdamW(torch.optim.AdamW):
                 engine.submit_update(unit, self._update_unit, snapshot, unit, grad_scale)
             else:
                 self._update_unit(snapshot, unit, grad_scale)
+        if engine.device_update is not None:
+            # Its device buffers go back between steps, for the phases that run meanwhile.
+            engine.after_updates(engine.device_update.release)
         return None
 
     def _update_unit(self, group: dict[str, Any], unit: Unit, grad_scale: torch.Tensor | None) -> None:
         try:
             written: set[int] = set()
-            if any(parameter.grad is not None and parameter.grad.dtype != parameter.dtype
-                   for parameter in group["params"]):
+            if self.engine.device_update is not None:
+                written = self._step_on_device(group, grad_scale, unit)
+            elif any(parameter.grad is not None and parameter.grad.dtype != parameter.dtype
+                     for parameter in group["params"]):
                 written = self._step_sliced(group, grad_scale, unit)
             else:
                 # Whole tensors, one multi-tensor call: sliced like the bf16 case, it measured no faster on the
@@ -111,6 +119,27 @@ class OffloadAdamW(torch.optim.AdamW):
                     self._clear_grads(group["params"], unit.grads_after_update == "none")
                     unit.grads_after_update = None
                 unit.ready.set()
+
+    def _step_on_device(self, group: dict[str, Any], grad_scale: torch.Tensor | None, unit: Unit) -> set[int]:
+        """The unit's AdamW step on the compute device over its masters and states streamed from the host
+        (DeviceUpdate): the same states and step counts as torch's fused AdamW keeps, so checkpoints load either
+        way. Returns the entries whose arena it wrote."""
+        self._check_plain(group)
+        parameters = [parameter for parameter in group["params"] if parameter.grad is not None]
+        for parameter in parameters:
+            self._fresh_state(parameter)
+        states = [self.state[parameter] for parameter in parameters]
+        pinned_states(states, self.engine.device)
+        torch._foreach_add_([state["step"] for state in states], 1)
+        to_arena = not unit.publish_pending and not unit.master_is_arena and unit.arena is not None
+        assert self.engine.device_update is not None
+        return self.engine.device_update.step_unit(unit, parameters, states, group, grad_scale, to_arena)
+
+    @staticmethod
+    def _check_plain(group: dict[str, Any]) -> None:
+        if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
+            raise ValueError("OffloadAdamW: bf16 host gradients and the update on the device support plain AdamW "
+                             "(no amsgrad, maximize, capturable or differentiable)")
 
     def _step_sliced(self, group: dict[str, Any], grad_scale: torch.Tensor | None, unit: Unit) -> set[int]:
         """The fused AdamW step of one group whose host gradients are bf16 beside fp32 masters
@@ -129,9 +158,7 @@ class OffloadAdamW(torch.optim.AdamW):
         whole tensors only; it does what AdamW.step does for fused CPU groups: the same state
         (step, exp_avg, exp_avg_sq, so checkpoints load either way), one step increment per
         parameter, then the elementwise kernel, here slice by slice, which gives the same values."""
-        if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
-            raise ValueError("OffloadAdamW: bf16 host gradients support plain AdamW (no amsgrad, maximize, "
-                             "capturable or differentiable)")
+        self._check_plain(group)
         parameters = [parameter for parameter in group["params"] if parameter.grad is not None]
         for parameter in parameters:
             self._fresh_state(parameter)

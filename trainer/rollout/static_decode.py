@@ -217,7 +217,10 @@ class StaticDecoder:
             graph = graphs.get(shape) if key is not None else None
             if graph is None and key is not None and shape in warm:
                 graphs[shape] = graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):  # recorded, not run: the replay runs this token's step
+                # Recorded, not run: the replay runs this token's step. thread_local: the offload engines' workers go
+                # on meanwhile (another model's update on the GPU, page-locking its states), and under the default
+                # ("global") a CUDA call of theirs that is unsafe during a capture would invalidate this one.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self._step(state, cache, eos, mask_4d=True)
             if graph is not None:
                 graph.replay()

@@ -1,0 +1,183 @@
+"""The offloaded optimizer's update on the compute device (fsdp_config.optimizer_update: gpu, trainer/offload/
+device_update.py). On this CPU machine the "device" is the CPU: the same code copies CPU to CPU, and must give
+the host update's values, states and checkpoints; the GPU test checks it on the GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trainer.config import FSDPConfig, load_config
+from trainer.config.schema import ConfigError
+from trainer.models import load_policy, load_tokenizer
+from trainer.offload import OffloadOptions, attach_offload, updates_on_device
+
+TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
+WHOLE_HEAD = OffloadOptions(head_chunk_bytes=1 << 30)
+SETTINGS = {
+    "fp32": ({"param_offload": True, "optimizer_offload": True}, torch.float32),
+    "bf16": ({"param_offload": True, "optimizer_offload": True, "model_dtype": "bf16"}, torch.bfloat16),
+    "bf16_host_gradients": ({"param_offload": True, "optimizer_offload": True, "model_dtype": "bf16",
+                             "offload_grad_dtype": "bf16"}, torch.bfloat16),
+    "layered": ({"optimizer_offload": True, "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}, torch.float32),
+}
+
+
+def build(settings: dict, dtype: torch.dtype, update: str, device: str = "cpu"):
+    model = load_policy("builtin:tiny-qwen2", TOKENIZER, seed=1, override_config={"num_hidden_layers": 3},
+                        dtype=dtype).train()
+    engine = attach_offload(model, FSDPConfig.model_validate({**settings, "optimizer_update": update}), device,
+                            role="actor", options=WHOLE_HEAD)
+    return model, engine
+
+
+def batch(seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, len(TOKENIZER), (4, 12), generator=generator).to(device)
+
+
+def train(model, engine, optimizer, steps: int, device: str = "cpu", first_step: int = 0) -> list[float]:
+    """Steps of two micro-batches each, clipped as the actor's update clips (inside the update)."""
+    losses = []
+    for step in range(first_step, first_step + steps):
+        optimizer.zero_grad()
+        for micro_batch in batch(step, device).split(2):
+            loss = model(input_ids=micro_batch, labels=micro_batch).loss
+            (loss / 2).backward()
+            losses.append(loss.item())
+        optimizer.clip_grad_norm_(0.5)
+        if device == "cuda":
+            # The trainer's stream still busy as the update starts (the next phase's kernels): the update's own
+            # device tensors must not wait behind them, nor be read before they are made.
+            torch.cuda._sleep(200_000_000)
+        optimizer.step()
+    engine.wait_for_updates()
+    return losses
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().float().cpu().clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_the_update_on_the_device_gives_the_host_updates_losses_weights_and_states(name):
+    settings, dtype = SETTINGS[name]
+    results = []
+    for update in ("cpu", "gpu"):
+        model, engine = build(settings, dtype, update)
+        optimizer = engine.optimizer(lr=1e-3, weight_decay=0.01)
+        if update == "gpu":
+            assert engine.device_update is not None
+            # Slices of 100 elements through a ring of 2: every tensor in many slices, the ring reused.
+            engine.device_update.slice_elements, engine.device_update.buffer_count = 100, 2
+        else:
+            assert engine.device_update is None
+        losses = train(model, engine, optimizer, steps=3)
+        states = {key: [state[key].clone() for state in optimizer.state.values()] for key in ("exp_avg", "step")}
+        results.append((losses, weights(model), states))
+    (host_losses, host_weights, host_states), (losses, device_weights, states) = results
+    assert losses == pytest.approx(host_losses, rel=1e-6, abs=1e-7)
+    # The kernel's vector and scalar tails fall on other elements in slices of 100: rounding apart, the same.
+    torch.testing.assert_close(device_weights, host_weights, rtol=1e-6, atol=1e-6)
+    for key in ("exp_avg", "step"):
+        torch.testing.assert_close(states[key], host_states[key], rtol=1e-6, atol=1e-9)
+
+
+def test_the_updates_copies_are_counted_both_ways_per_group():
+    settings, dtype = SETTINGS["bf16_host_gradients"]
+    model, engine = build(settings, dtype, "gpu")
+    optimizer = engine.optimizer(lr=1e-3)
+    train(model, engine, optimizer, steps=1)
+    before = engine.copied_bytes()
+    optimizer.zero_grad()
+    model(input_ids=batch(), labels=batch()).loss.backward()
+    forward_and_backward = engine.copied_bytes()
+    optimizer.step()
+    engine.wait_for_updates()
+    after = engine.copied_bytes()
+    assert before != forward_and_backward
+    update = {key: after.get(key, 0) - forward_and_backward.get(key, 0) for key in after}
+    elements: dict[str, int] = {}
+    for unit in engine.units:
+        if unit.offloaded:
+            elements[unit.group] = elements.get(unit.group, 0) + sum(entry.parameter.numel() for entry in unit.entries)
+    assert {"embedding", "transformer", "norm"} <= set(elements)
+    for group, count in elements.items():
+        # Up: the fp32 master and moments, the bf16 gradient; down: the three, and the new bf16 weights.
+        assert update[("h2d", group)] == count * (3 * 4 + 2)
+        assert update[("d2h", group)] == count * (3 * 4 + 2)
+
+
+def test_a_checkpoint_of_the_device_update_resumes_under_the_host_update_and_back():
+    settings, dtype = SETTINGS["bf16_host_gradients"]
+    model, engine = build(settings, dtype, "gpu")
+    optimizer = engine.optimizer(lr=1e-3)
+    train(model, engine, optimizer, steps=2)
+    # Copies: the updates go on changing the tensors in place.
+    saved_model = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+    continued = train(model, engine, optimizer, steps=2, first_step=2)
+    expected = weights(model)
+    for update in ("cpu", "gpu"):
+        resumed_model, resumed_engine = build(settings, dtype, update)
+        resumed_model.load_state_dict(saved_model)
+        resumed_optimizer = resumed_engine.optimizer(lr=1e-3)
+        resumed_optimizer.load_state_dict(copy.deepcopy(saved_optimizer))  # (loaded tensors are changed in place)
+        assert train(resumed_model, resumed_engine, resumed_optimizer, steps=2, first_step=2) == pytest.approx(
+            continued, rel=1e-6)
+        torch.testing.assert_close(weights(resumed_model), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_auto_updates_on_a_gpu_but_not_under_a_delayed_update():
+    offloaded = {"optimizer_offload": True, "model_dtype": "bf16"}
+    assert updates_on_device(FSDPConfig.model_validate(offloaded), torch.device("cuda"))
+    assert not updates_on_device(FSDPConfig.model_validate(offloaded), torch.device("cpu"))
+    assert not updates_on_device(FSDPConfig.model_validate({**offloaded, "delayed_update": True}),
+                                 torch.device("cuda"))
+    assert updates_on_device(FSDPConfig.model_validate({**offloaded, "optimizer_update": "gpu"}), torch.device("cpu"))
+    assert not updates_on_device(FSDPConfig.model_validate({**offloaded, "optimizer_update": "cpu"}),
+                                 torch.device("cuda"))
+
+
+def test_optimizer_update_without_optimizer_offload_is_one_line_naming_the_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    fsdp_config:\n      optimizer_update: gpu\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    lines = [line for line in str(raised.value).splitlines() if "optimizer_update" in line]
+    assert len(lines) == 1
+    assert "actor_rollout_ref.actor.fsdp_config.optimizer_update" in lines[0]
+    assert "optimizer_offload" in lines[0] and "allowed" in lines[0]
+
+
+def test_an_unknown_optimizer_update_names_the_allowed_values(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("critic:\n  fsdp_config:\n    optimizer_offload: true\n    optimizer_update: tpu\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    message = str(raised.value)
+    assert "critic.fsdp_config.optimizer_update" in message
+    assert all(value in message for value in ("auto", "cpu", "gpu"))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_update_streams_pinned_states_and_matches_the_host_update():
+    settings, dtype = SETTINGS["bf16_host_gradients"]
+    results = []
+    for update in ("cpu", "gpu"):
+        torch.manual_seed(0)
+        model, engine = build(settings, dtype, update, device="cuda")
+        optimizer = engine.optimizer(lr=1e-3, weight_decay=0.01)
+        losses = train(model, engine, optimizer, steps=3, device="cuda")
+        if update == "gpu":
+            assert all(state[key].is_pinned() for state in optimizer.state.values() if state["exp_avg"].is_cpu
+                       for key in ("exp_avg", "exp_avg_sq"))
+            assert all(master.is_pinned() for unit in engine.units for master in unit.masters)
+            assert engine.device_update is not None and not engine.device_update._ring  # given back after the step
+        results.append((losses, weights(model)))
+    (host_losses, host_weights), (losses, device_weights) = results
+    # The CUDA kernel rounds as the GPU does (fused multiply-adds): bf16 weights agree to their rounding.
+    assert losses == pytest.approx(host_losses, rel=1e-2)
+    torch.testing.assert_close(device_weights, host_weights, rtol=1e-2, atol=1e-3)
