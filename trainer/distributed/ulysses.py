@@ -101,7 +101,7 @@ def use_ulysses_attention(model: PreTrainedModel) -> str:
     current = model.config._attn_implementation
     base = current.removeprefix(PREFIX)
     if base not in WRAPPABLE:
-        raise ValueError(f"Ulysses sequence parallelism needs attn_implementation sdpa or flash-attention; "
+        raise ValueError(f"Ulysses sequence parallelism needs attn_implementation sdpa; "
                          f"the model uses {current!r}")
     name = register_ulysses_attention(base)
     model.set_attn_implementation(name)

@@ -103,6 +103,13 @@ def test_ulysses_needs_sdpa():
         register_ulysses_attention("flex_attention")
 
 
+def test_mesh_degree_must_divide_the_ranks():
+    from trainer.distributed.ulysses import sequence_parallel_mesh
+
+    with pytest.raises(ValueError, match="got 3; it must divide the 4 ranks"):
+        sequence_parallel_mesh("cpu", 4, 3)
+
+
 # ------------------------------------------------------------------------------- config checks
 
 QWEN2_7B = AttentionHeads(attention=28, key_value=4)

@@ -135,7 +135,11 @@ def training_step_checks(sp: SequenceParallel, kind: str, key_value_heads: int,
     policy_loss(whole_log_probs, entropy_from_logits(logits), batch).backward()
 
     shard = sp.shard(sharded_model, **batch)
+    embedded = []  # what an embedding kept on the CPU would gather rows for (sequence_parallel_offload)
+    sharded_model.get_input_embeddings().register_forward_hook(lambda module, args, output: embedded.append(args[0]))
     local_logits = sharded_model(**shard.model_inputs(), use_cache=False).logits
+    local_positions = slice(sp.rank * 12 // sp.size, (sp.rank + 1) * 12 // sp.size)
+    assert torch.equal(embedded[0], torch.nn.functional.pad(batch["input_ids"], (0, 1))[:, local_positions])
     assert local_logits.shape[1] == 12 // sp.size  # the head ran on this rank's positions only
     log_probs = shard.log_probs(local_logits)
     policy_loss(log_probs, shard.gather(entropy_from_logits(local_logits)), batch).backward()
