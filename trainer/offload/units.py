@@ -158,8 +158,12 @@ class Unit:
     arena: torch.Tensor | None = None
     masters: list[torch.Tensor] = field(default_factory=list)
     master_is_arena: bool = True
-    grad_views: list[torch.Tensor] | None = None
-    """The host gradient of each entry (allocated at the unit's first gradient)."""
+    """Every entry's master is its arena copy (`arena_masters` holds them all)."""
+    arena_masters: set[int] = field(default_factory=set)
+    """The entries whose master is their arena copy: all of them when masters have the compute dtype, the
+    frozen ones (a LoRA adapter's base weights) beside fp32 masters of the trained ones."""
+    grad_views: list[torch.Tensor | None] | None = None
+    """The host gradient of each trained entry, None for a frozen one (allocated at the unit's first gradient)."""
     grad_pinned: bool = False
     grad_square: torch.Tensor | None = None
     """The sum of squares (fp32, on the device) of the unit's host gradient, while that gradient is exactly
@@ -198,6 +202,13 @@ class Unit:
     def offloaded(self) -> bool:
         """Whether the engine keeps a host arena for it (every unit but the resident ones)."""
         return self.kind != UnitKind.RESIDENT
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        """The host gradient of a trained entry (the gradient arena allocated)."""
+        assert self.grad_views is not None, f"{self.name} has no host gradient yet"
+        view = self.grad_views[index]
+        assert view is not None, f"{self.entries[index].name} is frozen: it has no gradient"
+        return view
 
     def arena_view(self, index: int) -> torch.Tensor:
         assert self.arena is not None, f"{self.name} has no host arena"
@@ -255,7 +266,7 @@ class Unit:
     def _masters_to_arena(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
         if not self.master_is_arena:
             for index, master in enumerate(self.masters):
-                if index not in skip:
+                if index not in skip and index not in self.arena_masters:
                     self.arena_view(index).copy_(master)
 
 
