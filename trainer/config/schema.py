@@ -730,7 +730,7 @@ def _rules() -> tuple[Callable[[RunConfig], list[ConfigProblem]], ...]:
             _resume_path_is_set, _validation_needs_data, _check_devices, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
-            _lora_settings_without_an_adapter)
+            _actor_lora_keys, _critic_lora_keys)
 
 
 # Keys that this run would not act on: an error, not a warning, since whoever reads the config would believe
@@ -753,23 +753,27 @@ def _ignored(key: str, value: Any, default: Any, why: str, remedy: str = "") -> 
                          f"({_show(default)}; leave the key out){remedy}")
 
 
-def _lora_settings_without_an_adapter(config: RunConfig) -> list[ConfigProblem]:
-    """LoRA's other keys act only with an adapter (lora_rank > 0)."""
-    problems = []
-    for prefix, model, default in (("actor_rollout_ref.model", config.actor_rollout_ref.model, ModelConfig()),
-                                   ("critic.model", config.critic.model, CriticModelConfig())):
-        if model.lora_rank > 0:
-            if importlib.util.find_spec("peft") is None:
-                problems.append(ConfigProblem(f"{prefix}.lora_rank", f"got {model.lora_rank}, but LoRA needs peft, "
-                                              "which is not installed; allowed: 0, or install the lora extra "
-                                              "(pip install 'verl-offload[lora]')"))
-            continue
-        for key in ("lora_alpha", "target_modules", "exclude_modules"):
-            if hasattr(model, key) and getattr(model, key) != getattr(default, key):
-                problems.append(_ignored(f"{prefix}.{key}", getattr(model, key), getattr(default, key),
-                                         f"{prefix}.lora_rank is 0 (no LoRA adapter)",
-                                         f", or set {prefix}.lora_rank (e.g. 8) to train an adapter"))
-    return problems
+def _actor_lora_keys(config: RunConfig) -> list[ConfigProblem]:
+    return _lora_keys("actor_rollout_ref.model", config.actor_rollout_ref.model, ModelConfig())
+
+
+def _critic_lora_keys(config: RunConfig) -> list[ConfigProblem]:
+    return _lora_keys("critic.model", config.critic.model, CriticModelConfig())
+
+
+def _lora_keys(prefix: str, model: ModelConfig | CriticModelConfig,
+               default: ModelConfig | CriticModelConfig) -> list[ConfigProblem]:
+    """An adapter needs peft; LoRA's other keys act only with an adapter (lora_rank > 0)."""
+    if model.lora_rank > 0:
+        if importlib.util.find_spec("peft") is not None:
+            return []
+        return [ConfigProblem(f"{prefix}.lora_rank", f"got {model.lora_rank}, but LoRA needs peft, which is not "
+                              "installed; allowed: 0, or install the lora extra (pip install 'verl-offload[lora]')")]
+    return [_ignored(f"{prefix}.{key}", getattr(model, key), getattr(default, key),
+                     f"{prefix}.lora_rank is 0 (no LoRA adapter)", f", or set {prefix}.lora_rank (e.g. 8) to train an "
+                     "adapter")
+            for key in ("lora_alpha", "target_modules", "exclude_modules")
+            if hasattr(model, key) and getattr(model, key) != getattr(default, key)]
 
 
 def _settings_of_models_not_built(config: RunConfig) -> list[ConfigProblem]:
