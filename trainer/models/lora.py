@@ -156,12 +156,16 @@ def describe_adapter(model: PeftModel, role: str) -> str:
     count = sum(parameter.numel() for _, parameter in trainable)
     nbytes = sum(parameter.numel() * parameter.element_size() for _, parameter in trainable)
     total = sum(parameter.numel() for parameter in model.parameters())
-    # peft resolves all-linear into the full names of the modules it adapted: their last parts say it shorter.
-    targets = config.target_modules if isinstance(config.target_modules, str) else \
-        ", ".join(sorted({name.rsplit(".", 1)[-1] for name in config.target_modules}))
-    return (f"{role}: LoRA adapter rank {config.r}, alpha {config.lora_alpha} on {targets}: {count:,} trainable "
-            f"parameters ({format_bytes(nbytes)}, {100 * count / max(1, total):.2f}% of {total:,}); the base "
-            "weights are frozen")
+    # The modules that have an adapter (peft's resolved target_modules still lists the excluded ones), by the
+    # last part of their names.
+    targets = ", ".join(sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                                if isinstance(getattr(module, "lora_A", None), nn.ModuleDict)}))
+    saved = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                    if isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)})
+    whole = f", {' and '.join(saved)} whole" if saved else ""
+    return (f"{role}: LoRA adapter rank {config.r}, alpha {config.lora_alpha} on {targets}{whole}: {count:,} "
+            f"trainable parameters ({format_bytes(nbytes)}, {100 * count / max(1, total):.2f}% of {total:,}); the "
+            "base weights are frozen")
 
 
 def save_adapter(model: PeftModel, directory: Path) -> None:
