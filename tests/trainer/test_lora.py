@@ -125,6 +125,26 @@ def test_offloaded_lora_keeps_masters_gradients_and_states_for_the_adapter_only(
     assert f"Trainable: {adapter_elements:,} of " in summary
 
 
+@pytest.mark.parametrize("rank", [8, 0], ids=["lora", "full"])
+def test_a_layer_kept_on_the_device_copies_only_its_adapter_again_after_an_update(tmp_path, rank):
+    """optimizer_offload keeps the masters on the host and a copy of each layer on the device, refreshed after
+    every update: with LoRA only the adapter's bytes cross the bus again, not the frozen layer's."""
+    trainer = lora_trainer(tmp_path, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                           f"actor_rollout_ref.model.lora_rank={rank}")
+    engine = trainer.memory.engine("actor")
+    (layer,) = engine.transformer_units
+    assert layer.kind == "hooked" and layer.placement == "gpu"
+    trained = sum(entry.parameter.numel() * 4 for entry in layer.entries if entry.parameter.requires_grad)
+    copied = []
+    for _ in range(3):
+        trainer.train_step([trainer.records[index] for index in trainer.sampler.next_batch()])
+        copied.append(engine.copied_bytes()[("h2d", "transformer")])
+    # The first copy is the whole layer; then each of a step's two updates (two mini-batches) refreshes it.
+    refreshed = trained if rank else layer.nbytes
+    assert copied[0] == layer.nbytes + refreshed
+    assert [after - before for before, after in zip(copied, copied[1:], strict=False)] == [2 * refreshed] * 2
+
+
 def test_a_checkpoint_holds_the_adapter_in_peft_format_and_resumes_it(tmp_path):
     straight = lora_trainer(tmp_path, "trainer.total_training_steps=3", *OFFLOADED, name="straight")
     straight.fit()

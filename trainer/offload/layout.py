@@ -331,6 +331,8 @@ def _pack_group(units: list[Unit], dtypes: Dtypes, device: torch.device) -> None
                 entry.parameter.grad_dtype = None  # its .grad is the host gradient, in the gradient dtype
             unit.masters.append(master)
         unit.master_is_arena = len(unit.arena_masters) == len(unit.entries)
+        unit.frozen_entries = frozenset(index for index, entry in enumerate(unit.entries)
+                                        if not entry.parameter.requires_grad)
         unit.master_version = unit.masters_version()
 
 

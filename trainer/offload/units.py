@@ -175,6 +175,12 @@ class Unit:
     # The masters and the arena copy the device reads.
     version: int = 0
     """Bumped whenever the arena's content changes (an update, an in-place edit of the masters)."""
+    frozen_version: int = 0
+    """The version at which the arena of an entry that does not train last changed (an in-place edit of a
+    frozen master): a device copy of the unit fetched at or after it differs from the arena in the trained
+    entries alone, which are all a LoRA adapter's update changes."""
+    frozen_entries: frozenset[int] = frozenset()
+    """The entries that did not train when `frozen_version` was last set."""
     master_version: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
     """Set while no optimizer update of the unit runs."""
@@ -252,6 +258,7 @@ class Unit:
         self._masters_to_arena()
         self.master_version = version
         self.version += 1
+        self.frozen_version = self.version  # which entries the edit changed is not known
 
     def after_update(self, written: set[int] | None = None) -> None:
         """The optimizer changed the masters in place: refresh the arena the device copies from (but the
@@ -262,6 +269,27 @@ class Unit:
 
     def masters_version(self) -> int:
         return sum(entry.parameter._version for entry in self.entries)
+
+    def trained_ranges(self, fetched_version: int) -> list[tuple[int, int]] | None:
+        """The byte ranges of the arena (its trained entries', adjacent ones merged) that can differ from a
+        device copy fetched at `fetched_version`; None when anything else may differ too (a frozen weight
+        edited since, a weight frozen or unfrozen, or nothing frozen: then the whole unit is one copy)."""
+        frozen = frozenset(index for index, entry in enumerate(self.entries) if not entry.parameter.requires_grad)
+        if frozen != self.frozen_entries:
+            self.frozen_entries, self.frozen_version = frozen, self.version
+        if not frozen or fetched_version < self.frozen_version:
+            return None
+        ranges: list[tuple[int, int]] = []
+        for index, entry in enumerate(self.entries):
+            if index in frozen:
+                continue
+            start = self.offsets[index]
+            end = start + entry.parameter.numel() * self.compute_like[index][1].itemsize
+            if ranges and aligned(ranges[-1][1]) == start:
+                ranges[-1] = (ranges[-1][0], end)
+            else:
+                ranges.append((start, end))
+        return ranges
 
     def _masters_to_arena(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
         if not self.master_is_arena:
