@@ -453,9 +453,10 @@ class Trainer:
 
     def _models(self) -> dict[str, torch.nn.Module]:
         """What the checkpoints hold of each trained model: its weights, or its LoRA adapter (peft's wrapper)."""
-        models: dict[str, torch.nn.Module] = {"actor": self.actor_adapter or self.actor.model}
+        models: dict[str, torch.nn.Module] = {
+            "actor": self.actor.model if self.actor_adapter is None else self.actor_adapter}
         if self.critic is not None:
-            models["critic"] = self.critic_adapter or self.critic.model
+            models["critic"] = self.critic.model if self.critic_adapter is None else self.critic_adapter
         return models
 
     def save(self, *, final: bool = False) -> Path | None:
