@@ -20,8 +20,11 @@ Variants: `all_gpu` (every group and the optimizer on the GPU, bf16, no cap: whe
 CPUOffloadPolicy on a one-GPU mesh, the other models on the GPU, under the cap: the trainer has no FSDP2
 path yet, so the benchmark places the actor itself; GPU only) and `offload_delayed` (`offload` with the
 actor's delayed parameter update: each rollout samples with the weights before the previous update; not
-run unless asked for) and `offload_host_update` (`offload` with `optimizer_update: cpu`: AdamW on the host's
-cores instead of on the GPU over the streamed states; not run unless asked for).
+run unless asked for), `offload_host_update` (`offload` with `optimizer_update: cpu`: AdamW on the host's
+cores instead of on the GPU over the streamed states; not run unless asked for) and `offload_lora` (`offload`
+with a rank-64 LoRA adapter on the actor's and the critic's linear layers, so the reference is the actor with its
+adapter off: issue 18's LoRA against full fine-tuning with offload, step time and peak GPU memory; not run unless
+asked for).
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer_layers_on_gpu", "perf/max_memory",
              "perf/oom_recoveries", "response_length/", "actor/skipped_steps", "critic/skipped_steps")
 """The metrics of each step a result keeps (besides the steady state's means)."""
-VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_host_update")
+VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_host_update", "offload_lora")
+LORA = {"lora_rank": 64, "lora_alpha": 32}
+"""The `offload_lora` variant's adapter (model.*: verl's LoRA example scripts' rank and alpha), on all-linear."""
 QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 """Qwen2.5-3B's shape (tied embeddings)."""
@@ -105,7 +110,7 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
     the reward model from `models`/reward_model; the rollout decodes as `decode` says (rollout.decode)."""
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
-    offloaded = variant in ("offload", "offload_delayed", "offload_host_update")
+    offloaded = variant in ("offload", "offload_delayed", "offload_host_update", "offload_lora")
     trained = OFFLOADED if offloaded else {"model_dtype": "bf16"}
     if variant == "offload_host_update":
         trained = {**trained, "optimizer_update": "cpu"}
@@ -130,6 +135,10 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
         f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", f"trainer.device={device}",
         f"trainer.runs_dir={runs_dir}", f"trainer.experiment_name=e2e-{shape}-{variant}",
     ]
+    if variant == "offload_lora":
+        rows += fsdp_overrides("actor_rollout_ref.model", LORA)
+        if spec["algorithm"] == "gae":
+            rows += fsdp_overrides("critic.model", LORA)
     if spec["reference"]:
         rows += [*fsdp_overrides("actor_rollout_ref.ref.fsdp_config", frozen),
                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"]

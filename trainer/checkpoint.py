@@ -17,12 +17,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
+from trainer.models.lora import ADAPTER_WEIGHTS, adapter_state_bytes, is_adapted, load_adapter, save_adapter
 from trainer.offload.layout import format_bytes, storage_bytes
 from trainer.offload.streamer import nested_tensors
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest_checkpointed_iteration.txt"
+WEIGHTS = "model.safetensors"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -79,8 +81,7 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
         partial.mkdir()
         for role, model in models.items():
             (partial / role).mkdir()
-            # save_model (not save_file) copes with tied weights such as a shared embedding and head.
-            save_model(model, str(partial / role / "model.safetensors"))
+            _save_model(model, partial / role)
         torch.save(state, partial / TRAINER_STATE)
         _fsync_tree(partial)
     except (OSError, RuntimeError) as error:
@@ -98,9 +99,20 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
     return final
 
 
+def _save_model(model: torch.nn.Module, directory: Path) -> None:
+    """A model's weights (model.safetensors), or a LoRA model's adapter in peft's format (adapter_config.json,
+    adapter_model.safetensors: `PeftModel.from_pretrained(base_model, directory)` loads it)."""
+    if is_adapted(model):
+        save_adapter(model, directory)
+    else:
+        # save_model (not save_file) copes with tied weights such as a shared embedding and head.
+        save_model(model, str(directory / WEIGHTS))
+
+
 def save_weights(run_dir: Path, step: int, model: torch.nn.Module) -> Path:
-    """The policy's weights alone, as a HuggingFace directory (config.json and model.safetensors) under
-    <run_dir>/checkpoints/weights_step_N/: what a run keeps when its full checkpoint no longer fits."""
+    """The policy's weights alone, as a HuggingFace directory (config.json and model.safetensors; a LoRA
+    adapter in peft's format) under <run_dir>/checkpoints/weights_step_N/: what a run keeps when its full
+    checkpoint no longer fits."""
     root = checkpoints_dir(run_dir)
     final = root / f"weights_step_{step}"
     partial = root / f".weights_step_{step}.partial-{os.getpid()}"
@@ -108,9 +120,9 @@ def save_weights(run_dir: Path, step: int, model: torch.nn.Module) -> Path:
     needed = _weights_bytes(model)
     try:
         partial.mkdir(parents=True)
-        save_model(model, str(partial / "model.safetensors"))
+        _save_model(model, partial)
         config = getattr(model, "config", None)
-        if config is not None:
+        if config is not None and not is_adapted(model):
             config.to_json_file(str(partial / "config.json"))
         _fsync_tree(partial)
         shutil.rmtree(final, ignore_errors=True)
@@ -160,7 +172,10 @@ def checkpoint_bytes(models: dict[str, torch.nn.Module], state: dict[str, Any]) 
 
 
 def _weights_bytes(model: torch.nn.Module) -> int:
-    """A model's model.safetensors: its distinct tensors, and a header entry for each name."""
+    """A model's model.safetensors (a LoRA model's adapter file): its distinct tensors, and a header entry for
+    each name."""
+    if is_adapted(model):
+        return adapter_state_bytes(model) + 2 * _FILE_BYTES
     state = model.state_dict()
     distinct = {tensor.data_ptr(): tensor for tensor in state.values()}.values()
     return (sum(int(tensor.nbytes) for tensor in distinct) + _FILE_BYTES
@@ -184,10 +199,14 @@ def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str,
     if not (path / TRAINER_STATE).is_file():
         raise CheckpointError(f"{str(path)!r} is not a complete checkpoint (no {TRAINER_STATE})")
     for role, model in models.items():
-        weights = path / role / "model.safetensors"
+        if is_adapted(model):
+            _load_adapter(path, role, model)
+            continue
+        weights = path / role / WEIGHTS
         if not weights.is_file():
-            raise CheckpointError(f"{str(path)!r} has no weights for the {role}; was it written by a run "
-                                  f"with the same models?")
+            also = (", it holds a LoRA adapter: set the role's model.lora_rank as that run did"
+                    if (path / role / ADAPTER_WEIGHTS).is_file() else "; was it written by a run with the same models?")
+            raise CheckpointError(f"{str(path)!r} has no weights for the {role}{also}")
         device = next(model.parameters()).device
         try:
             missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
@@ -211,6 +230,27 @@ def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str,
                               "earlier checkpoint (trainer.resume_mode=resume_path, trainer.resume_from_path) or "
                               "remove this one") from None
     return state
+
+
+def _load_adapter(path: Path, role: str, model: torch.nn.Module) -> None:
+    """Load a LoRA model's adapter from the checkpoint's folder of `role` (the base weights are the model's own)."""
+    directory = path / role
+    if not (directory / ADAPTER_WEIGHTS).is_file():
+        also = (": it holds the whole model, written by a run without LoRA (set the role's model.lora_rank=0 to "
+                "resume it)" if (directory / WEIGHTS).is_file() else "; was it written by a run with the same models?")
+        raise CheckpointError(f"{str(path)!r} has no LoRA adapter for the {role}{also}")
+    try:
+        unfit = load_adapter(model, directory)
+    except SafetensorError as error:
+        raise CheckpointError(f"{str(directory / ADAPTER_WEIGHTS)!r} is damaged ({_one_line(error)}); resume from an "
+                              "earlier checkpoint (trainer.resume_mode=resume_path, trainer.resume_from_path) or "
+                              "remove this one") from None
+    except RuntimeError as error:
+        raise CheckpointError(f"the {role}'s LoRA adapter in {str(path)!r} does not fit the model "
+                              f"({_one_line(error)}): were lora_rank and target_modules the same?") from None
+    if unfit:
+        raise CheckpointError(f"the {role}'s LoRA adapter in {str(path)!r} does not fit the model ({len(unfit)} "
+                              f"tensors differ, e.g. {unfit[0]!r}): were lora_rank and target_modules the same?")
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:

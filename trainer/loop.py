@@ -6,6 +6,7 @@ log-probs, values, advantages, critic update, actor update.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import threading
@@ -28,7 +29,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     save_weights,
 )
-from trainer.config import BUILTIN_PREFIX, RunConfig, dump_config
+from trainer.config import BUILTIN_PREFIX, FSDPConfig, RunConfig, dump_config
 from trainer.config.live import LiveSettings, initial_live_settings
 from trainer.config.messages import (
     CheckpointMessage,
@@ -60,6 +61,7 @@ from trainer.metrics import (
     timing_per_token_metrics,
 )
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
+from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
 from trainer.offload import OffloadEngine, offload_message
 from trainer.offload.dynamic import MemoryProbe
 from trainer.randomness import rng_state, seed_everything, set_rng_state
@@ -181,26 +183,46 @@ class Trainer:
                                trust_remote_code=model_config.trust_remote_code)
 
         actor_config = config.actor_rollout_ref.actor
-        actor_model = self.memory.place(policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
-                                        actor_config.fsdp_config, Role.ACTOR)
+        # With LoRA the adapter is in the model before the engine lays it out; self.actor_adapter (peft's
+        # wrapper) disables it for the reference policy and saves it in the checkpoints.
+        actor_model, self.actor_adapter = with_adapter(
+            policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
+            LoraSettings.of(model_config, "actor_rollout_ref.model"), role="actor", seed=seed)
+        actor_model = self.memory.place(actor_model, actor_config.fsdp_config, Role.ACTOR)
         self.actor = Actor(actor_model,
                            actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
                            log_prob_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
                            total_steps=self.total_steps, seed=seed, memory=self.memory.for_role(Role.ACTOR))
         self.reference = None
-        if config.use_reference:
+        if config.use_reference and self.actor_adapter is None:
             reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
             self.reference = self.memory.place(reference, config.actor_rollout_ref.ref.fsdp_config, Role.REF)
-        self.critic = None
+        self._log_adapters()
+        self.critic, self.critic_adapter = None, None
         if config.use_critic:
             critic = config.critic
             model = load_critic(critic.model.path, self.tokenizer, dtype=torch_dtype(critic.fsdp_config.model_dtype),
                                 seed=seed, override_config=critic.model.override_config or model_config.override_config,
                                 gradient_checkpointing=critic.model.enable_gradient_checkpointing,
                                 trust_remote_code=critic.model.trust_remote_code)
+            model, self.critic_adapter = with_adapter(model, LoraSettings.of(critic.model, "critic.model"),
+                                                      role="critic", seed=seed + 1)
+            if self.critic_adapter is not None:
+                self.log(describe_adapter(self.critic_adapter, "critic"))
             self.critic = Critic(self.memory.place(model, critic.fsdp_config, Role.CRITIC), critic, rollout_n=rollout.n,
                                  forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
                                  total_steps=self.total_steps, memory=self.memory.for_role(Role.CRITIC))
+
+    def _log_adapters(self) -> None:
+        """Say what the actor's LoRA adapter trains, and that the reference policy is the actor without it."""
+        if self.actor_adapter is None:
+            return
+        self.log(describe_adapter(self.actor_adapter, "actor"))
+        if self.config.use_reference:
+            ignored = " (actor_rollout_ref.ref.fsdp_config is not used)" \
+                if self.config.actor_rollout_ref.ref.fsdp_config != FSDPConfig() else ""
+            self.log("reference policy: the actor with its LoRA adapter disabled, no second copy of the "
+                     f"weights{ignored}")
 
     def _check_prompts(self) -> None:
         """Every prompt's length, and how much of the prompts the tokenizer knows: before any model is
@@ -296,9 +318,9 @@ class Trainer:
             with timer.phase("old_log_prob"), self.memory.placed_for("scoring", Role.ACTOR,
                                                                      self._passes("scoring", Role.ACTOR, size)):
                 batch.old_log_probs = self.actor.compute_log_probs(batch)
-            if self.reference is not None:
-                with timer.phase("ref"), self.memory.placed_for("scoring", Role.REF,
-                                                                self._passes("scoring", Role.REF, size)):
+            if self.config.use_reference:
+                role = Role.REF if self.reference is not None else Role.ACTOR  # LoRA: the actor, adapter off
+                with timer.phase("ref"), self.memory.placed_for("scoring", role, self._passes("scoring", role, size)):
                     batch.ref_log_probs = self._reference_log_probs(batch)
             if self.critic is not None:
                 with timer.phase("values"), self.memory.placed_for("scoring", Role.CRITIC,
@@ -375,10 +397,17 @@ class Trainer:
                             response_mask=response_mask, group_index=group_index, records=repeated)
 
     def _reference_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        return compute_log_probs(self.reference, batch,
-                                 micro_batch_size=self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
-                                 temperature=self.config.actor_rollout_ref.rollout.temperature,
-                                 memory=self.memory.for_role(Role.REF))
+        """The reference policy's log-probs: its own model's, or with LoRA the actor's with the adapter disabled
+        (the frozen base weights, as verl does)."""
+        model, role, adapter_off = self.reference, Role.REF, contextlib.nullcontext()
+        if self.reference is None:
+            assert self.actor_adapter is not None, "a run that needs the reference policy builds one, or LoRA's"
+            model, role, adapter_off = self.actor.model, Role.ACTOR, self.actor_adapter.disable_adapter()
+        with adapter_off:
+            return compute_log_probs(model, batch,
+                                     micro_batch_size=self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+                                     temperature=self.config.actor_rollout_ref.rollout.temperature,
+                                     memory=self.memory.for_role(role))
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (less the KL penalty when it is in the reward), then advantages and returns."""
@@ -428,9 +457,11 @@ class Trainer:
     # ------------------------------------------------------------------------------- checkpoints
 
     def _models(self) -> dict[str, torch.nn.Module]:
-        models = {"actor": self.actor.model}
+        """What the checkpoints hold of each trained model: its weights, or its LoRA adapter (peft's wrapper)."""
+        models: dict[str, torch.nn.Module] = {
+            "actor": self.actor.model if self.actor_adapter is None else self.actor_adapter}
         if self.critic is not None:
-            models["critic"] = self.critic.model
+            models["critic"] = self.critic.model if self.critic_adapter is None else self.critic_adapter
         return models
 
     def save(self, *, final: bool = False) -> Path | None:
@@ -475,7 +506,7 @@ class Trainer:
                       f"complete checkpoint, which a restart resumes from: {latest})")
             return
         try:
-            weights = save_weights(self.run_dir, self.step, self.actor.model)
+            weights = save_weights(self.run_dir, self.step, self._models()["actor"])
         except CheckpointWriteError as weights_error:
             kept = f"the actor's weights alone could not be written either ({weights_error})"
         else:

@@ -170,6 +170,17 @@ def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp
         "quick", "offload_delayed", "cpu", tmp_path, tmp_path / "models", 2)
 
 
+def test_the_whole_step_benchmark_runs_the_lora_variant_when_asked(tmp_path):
+    out = tmp_path / "e2e.json"
+    assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants",
+                           "offload_lora", "--out", str(out), "--scratch", str(tmp_path)]) == 0
+    run = json.loads(out.read_text())["variants"]["offload_lora"]
+    assert run["steps"] == 2 and {"update_actor", "update_critic", "ref"} <= set(run["phases_s"])
+    rows = e2e_bench.overrides("quick", "offload_lora", "cpu", tmp_path, tmp_path / "models", 2)
+    assert {"actor_rollout_ref.model.lora_rank=64", "critic.model.lora_rank=64",
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"} <= set(rows)
+
+
 def test_the_whole_step_benchmark_decodes_with_the_static_cache_when_asked(tmp_path):
     out = tmp_path / "e2e.json"
     assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import itertools
 import re
 import types
@@ -211,6 +212,30 @@ class ModelConfig(Section):
     """Recompute activations in backward to save memory."""
     trust_remote_code: bool = False
     """Allow model code shipped inside the model directory."""
+    lora_rank: int = Field(0, ge=0)
+    """Rank of a LoRA adapter (peft) trained on the frozen policy; 0 trains every weight (verl's key)."""
+    lora_alpha: int = Field(16, ge=1)
+    """LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules that get an adapter: all-linear (every linear layer but the output head), a list of names, or a regex."""
+    exclude_modules: str | list[str] | None = None
+    """Modules of target_modules left without an adapter: a list of names, or a regex; unset excludes none."""
+
+    @field_validator("target_modules", "exclude_modules", mode="before")
+    @classmethod
+    def _lora_modules(cls, value: Any, info: ValidationInfo) -> Any:
+        return _module_names(value, info)
+
+
+def _module_names(value: Any, info: ValidationInfo) -> Any:
+    """target_modules and exclude_modules: a non-empty string, or a non-empty list of non-empty strings."""
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    if isinstance(value, list | tuple) and value and all(isinstance(item, str) and item.strip() for item in value):
+        return list(value)
+    choices = "all-linear, " if info.field_name == "target_modules" else "null, "
+    raise ValueError(f"got {_show(value)}; allowed: {choices}a list of module names (e.g. [q_proj, v_proj]) or a "
+                     "regex matching whole module names")
 
 
 class OptimConfig(Section):
@@ -351,6 +376,17 @@ class CriticModelConfig(Section):
     """Recompute activations in backward to save memory."""
     trust_remote_code: bool = False
     """Allow model code shipped inside the model directory."""
+    lora_rank: int = Field(0, ge=0)
+    """Rank of a LoRA adapter on the critic's frozen backbone (its value head trains whole); 0 trains every weight."""
+    lora_alpha: int = Field(16, ge=1)
+    """LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules that get an adapter: all-linear (every linear layer but the value head), a list of names, or a regex."""
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _lora_modules(cls, value: Any, info: ValidationInfo) -> Any:
+        return _module_names(value, info)
 
 
 class CriticConfig(Section):
@@ -695,7 +731,8 @@ def _rules() -> tuple[Callable[[RunConfig], list[ConfigProblem]], ...]:
             _check_batch_sizes, _grpo_needs_several_responses, _gae_needs_a_critic, _clip_range_is_positive,
             _resume_path_is_set, _validation_needs_data, _check_devices, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
-            _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function)
+            _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
+            _actor_lora_keys, _critic_lora_keys)
 
 
 # Keys that this run would not act on: an error, not a warning, since whoever reads the config would believe
@@ -716,6 +753,29 @@ def _ignored(key: str, value: Any, default: Any, why: str, remedy: str = "") -> 
     """A key set to `value` that the run would not act on, `why`, and what to do instead of setting it."""
     return ConfigProblem(key, f"got {_show(value)}, but {why}: it would have no effect; allowed: the default "
                          f"({_show(default)}; leave the key out){remedy}")
+
+
+def _actor_lora_keys(config: RunConfig) -> list[ConfigProblem]:
+    return _lora_keys("actor_rollout_ref.model", config.actor_rollout_ref.model, ModelConfig())
+
+
+def _critic_lora_keys(config: RunConfig) -> list[ConfigProblem]:
+    return _lora_keys("critic.model", config.critic.model, CriticModelConfig())
+
+
+def _lora_keys(prefix: str, model: ModelConfig | CriticModelConfig,
+               default: ModelConfig | CriticModelConfig) -> list[ConfigProblem]:
+    """An adapter needs peft; LoRA's other keys act only with an adapter (lora_rank > 0)."""
+    if model.lora_rank > 0:
+        if importlib.util.find_spec("peft") is not None:
+            return []
+        return [ConfigProblem(f"{prefix}.lora_rank", f"got {model.lora_rank}, but LoRA needs peft, which is not "
+                              "installed; allowed: 0, or install the lora extra (pip install 'verl-offload[lora]')")]
+    return [_ignored(f"{prefix}.{key}", getattr(model, key), getattr(default, key),
+                     f"{prefix}.lora_rank is 0 (no LoRA adapter)", f", or set {prefix}.lora_rank (e.g. 8) to train an "
+                     "adapter")
+            for key in ("lora_alpha", "target_modules", "exclude_modules")
+            if hasattr(model, key) and getattr(model, key) != getattr(default, key)]
 
 
 def _settings_of_models_not_built(config: RunConfig) -> list[ConfigProblem]:

@@ -111,7 +111,7 @@ class GradientPath:
                 # Zero the embedding's gradient while the backward runs; the rows are added into it last.
                 self.ensure_grad_arena(unit)
                 assert unit.grad_views is not None
-                self.run_on_worker(unit.grad_views[0].zero_)
+                self.run_on_worker(unit.grad_view(0).zero_)
 
     def on_grad_accumulated(self, unit: Unit, parameter: nn.Parameter) -> None:
         """A compute parameter's gradient is complete; the unit's go to the host once all of them are,
@@ -162,7 +162,7 @@ class GradientPath:
                 self.ensure_grad_arena(unit)
                 assert unit.grad_views is not None
                 sent = [compute.grad for compute in unit.compute_params]
-                if not any(grad is not None and view.element_size() < grad.element_size()
+                if not any(grad is not None and view is not None and view.element_size() < grad.element_size()
                            for view, grad in zip(unit.grad_views, sent, strict=True)):
                     square = self.squares.of([grad for grad in sent if grad is not None])
             self._flush_accumulated(unit)
@@ -183,7 +183,7 @@ class GradientPath:
                 parameter = unit.entries[index].parameter
                 if parameter.grad is None:
                     assert unit.grad_views is not None
-                    parameter.grad = unit.grad_views[index]
+                    parameter.grad = unit.grad_view(index)
             unit.passing.landed.clear()
         self.passes.end()
 
@@ -245,7 +245,7 @@ class GradientPath:
         assert unit.grad_views is not None
         end = None
         for tensor, index, first in pieces:
-            target = unit.grad_views[index].view(-1)[first:first + tensor.numel()]
+            target = unit.grad_view(index).view(-1)[first:first + tensor.numel()]
             end = self.log.timed(D2H, unit.group, tensor.numel() * tensor.element_size(), self.streams.d2h,
                                  functools.partial(target.copy_, tensor, non_blocking=True))
         self.hold_until_copied(end, [tensor for tensor, _, _ in pieces], head=unit.kind == UnitKind.CHUNKS)
@@ -278,7 +278,7 @@ class GradientPath:
         a fresh pass) or added to it."""
         assert unit.grad_views is not None
         parameter = unit.entries[index].parameter
-        target = parameter.grad if parameter.grad is not None else unit.grad_views[index]
+        target = parameter.grad if parameter.grad is not None else unit.grad_view(index)
         target = target.view(-1)[first:first + tensor.numel()]
         if overwrite:
             target.copy_(tensor.reshape(-1))

@@ -123,8 +123,7 @@ class Layout:
         pinned allocator would round each request up to a power of two and keep every block it
         ever gave out (12.5 GiB of the 7B shape's accumulated micro-batches on an H200 host,
         2026-11-30, enough for the kernel to kill the run)."""
-        largest = max((unit_layout(unit, self.dtypes.compute)[1] for unit in self.offloaded() if unit.trainable),
-                      default=0)
+        largest = max((trained_bytes(unit, self.dtypes.compute) for unit in self.offloaded()), default=0)
         return staging_buffers * aligned(largest)
 
     def host_bytes(self, *, cuda: bool, staging_buffers: int) -> dict[str, int]:
@@ -136,11 +135,13 @@ class Layout:
         usage = dict.fromkeys(("arena", "masters", "gradients", "optimizer"), 0)
         for group in (*GROUPS, "other"):
             units = self.offloaded(group)
-            arena = sum(aligned(unit_layout(unit, dtypes.compute)[1]) for unit in units)
-            usage["arena"] += arena
-            usage["masters"] += arena * dtypes.master_scale if dtypes.master_scale != 1 else 0
-            if any(unit.trainable for unit in units):
-                usage["gradients"] += arena * dtypes.grad_scale  # one gradient arena per group
+            usage["arena"] += sum(aligned(unit_layout(unit, dtypes.compute)[1]) for unit in units)
+            # Masters, gradients and states of the trained entries only: frozen weights (a LoRA adapter's base)
+            # have their arena alone.
+            trained = sum(aligned(entry.parameter.numel() * dtypes.compute.itemsize)
+                          for unit in units for entry in unit.entries if entry.parameter.requires_grad)
+            usage["masters"] += trained * dtypes.master_scale if dtypes.master_scale != 1 else 0
+            usage["gradients"] += trained * dtypes.grad_scale  # one gradient arena per group
             usage["optimizer"] += sum(2 * entry.parameter.numel() * dtypes.master.itemsize
                                       for unit in units for entry in unit.entries if entry.parameter.requires_grad)
         if dtypes.grad != dtypes.master:
@@ -170,6 +171,12 @@ class Layout:
         """Elements of the trainable parameters whose masters live on the host."""
         return sum(entry.parameter.numel() for unit in self.offloaded()
                    for entry in unit.entries if entry.parameter.requires_grad)
+
+
+def trained_bytes(unit: Unit, compute_dtype: torch.dtype) -> int:
+    """The unit's gradient bytes in the compute dtype: its trained entries, each aligned (0 for a frozen unit)."""
+    return sum(aligned(entry.parameter.numel() * compute_dtype.itemsize)
+               for entry in unit.entries if entry.parameter.requires_grad)
 
 
 def unit_layout(unit: Unit, compute_dtype: torch.dtype) -> tuple[list[int], int]:
@@ -305,23 +312,33 @@ def _pack_group(units: list[Unit], dtypes: Dtypes, device: torch.device, *, pin_
         starts.append(total)
         total += aligned(unit.nbytes)
     arena = pinned_empty(total, device)
-    # fp32 masters beside a bf16 arena: the same layout at `scale` times the offsets.
-    scale = dtypes.master_scale
-    if scale == 1:
+    # fp32 masters beside a bf16 arena, for the trained entries: a frozen weight (a LoRA adapter's base) needs
+    # none, its master is its arena copy. Page-locked when the update runs on the device (device_update.py).
+    separate = dtypes.master_scale != 1
+    nbytes = sum(trained_bytes(unit, dtypes.compute) for unit in units) * dtypes.master_scale
+    if not separate:
         masters = arena
     else:
-        masters = pinned_empty(total * scale, device) if pin_masters else torch.empty(total * scale, dtype=torch.uint8)
+        masters = pinned_empty(nbytes, device) if pin_masters else torch.empty(nbytes, dtype=torch.uint8)
+    position = 0
     for unit, start in zip(units, starts, strict=True):
         unit.arena = arena[start:start + unit.nbytes]
-        unit.master_is_arena = scale == 1
         for index, entry in enumerate(unit.entries):
             unit.arena_view(index).copy_(entry.parameter.data)
-            master = standalone(masters, (start + unit.offsets[index]) * scale, entry.parameter.shape, dtypes.master)
-            master.copy_(entry.parameter.data)
+            if separate and entry.parameter.requires_grad:
+                master = standalone(masters, position, entry.parameter.shape, dtypes.master)
+                position += aligned(entry.parameter.numel() * dtypes.compute.itemsize) * dtypes.master_scale
+                master.copy_(entry.parameter.data)
+            else:
+                master = standalone(arena, start + unit.offsets[index], entry.parameter.shape, dtypes.compute)
+                unit.arena_masters.add(index)
             entry.parameter.data = master
-            if dtypes.grad != dtypes.master:
+            if dtypes.grad != dtypes.master and entry.parameter.requires_grad:
                 entry.parameter.grad_dtype = None  # its .grad is the host gradient, in the gradient dtype
             unit.masters.append(master)
+        unit.master_is_arena = len(unit.arena_masters) == len(unit.entries)
+        unit.frozen_entries = frozenset(index for index, entry in enumerate(unit.entries)
+                                        if not entry.parameter.requires_grad)
         unit.master_version = unit.masters_version()
 
 
@@ -332,16 +349,22 @@ def allocate_grad_arena(layout: Layout, group: str, device: torch.device) -> Non
     they land in pinned staging and the worker converts them.
     """
     units = layout.offloaded(group)
-    scale = layout.dtypes.grad_scale
-    total = sum(aligned(unit.nbytes) for unit in units) * scale
+    compute, grad, scale = layout.dtypes.compute, layout.dtypes.grad, layout.dtypes.grad_scale
+    # The trained entries only: a frozen weight (a LoRA adapter's base) gets no gradient.
+    total = sum(trained_bytes(unit, compute) for unit in units) * scale
     pinned = scale == 1 or layout.device_update
     arena = pinned_empty(total, device) if pinned else torch.empty(total, dtype=torch.uint8)
     start = 0
     for unit in units:
-        unit.grad_views = [typed_view(arena, (start + offset) * scale, (entry.parameter.shape, layout.dtypes.grad))
-                           for offset, entry in zip(unit.offsets, unit.entries, strict=True)]
+        views: list[torch.Tensor | None] = []
+        for entry in unit.entries:
+            if not entry.parameter.requires_grad:
+                views.append(None)
+                continue
+            views.append(typed_view(arena, start * scale, (entry.parameter.shape, grad)))
+            start += aligned(entry.parameter.numel() * compute.itemsize)
+        unit.grad_views = views
         unit.grad_pinned = scale == 1 and device.type == "cuda"
-        start += aligned(unit.nbytes)
 
 
 def host_arenas(layout: Layout) -> list[torch.Tensor]:
@@ -388,6 +411,14 @@ def summary_lines(layout: Layout, *, role: str, device: torch.device, host: dict
             continue
         where = "OFFLOADED to CPU" if row["placement"] == Placement.CPU else resident
         lines.append(f"{title}: {where} ({format_bytes(layout.group_bytes[group])})")
+    trained = [entry.parameter for unit in layout.units for entry in unit.entries if entry.parameter.requires_grad]
+    total = sum(entry.parameter.numel() for unit in layout.units for entry in unit.entries)
+    if trained and len(trained) < sum(len(unit.entries) for unit in layout.units):
+        # A LoRA adapter (or any partly frozen model): what trains, which alone has gradients and optimizer states.
+        count = sum(parameter.numel() for parameter in trained)
+        nbytes = format_bytes(count * layout.dtypes.compute.itemsize)
+        lines.append(f"Trainable: {count:,} of {total:,} parameters ({nbytes}, {100 * count / total:.2f}%); the "
+                     "other weights are frozen (no gradients, no optimizer states)")
     on_host = layout.trainable_on_host()
     master = layout.dtypes.master
     master_name = str(master).removeprefix("torch.")

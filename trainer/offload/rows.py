@@ -116,7 +116,7 @@ class RowsAndChunks:
         unit.passing.landed.add((index, ROWS_PIECE))
         # In the host gradient's dtype before the copy: the device converts in microseconds what
         # would take the host tens of milliseconds.
-        grad_rows = grad_rows.to(unit.grad_views[index].dtype)
+        grad_rows = grad_rows.to(unit.grad_view(index).dtype)
         nbytes = grad_rows.numel() * grad_rows.element_size()
         if not self.streams.cuda:
             self.log.timed(D2H, unit.group, nbytes, None,
@@ -141,7 +141,7 @@ class RowsAndChunks:
         assert unit.grad_views is not None
         parameter = unit.entries[index].parameter
         fresh = unit.passing.fresh
-        target = parameter.grad if parameter.grad is not None and not fresh else unit.grad_views[index]
+        target = parameter.grad if parameter.grad is not None and not fresh else unit.grad_view(index)
         if zero_first:
             target.zero_()
         target.index_add_(0, tokens, rows)

@@ -371,12 +371,25 @@ class Streamer:
         self.streams.stream_waits(self.streams.h2d, slot.free_event)
         assert slot.writer is not None
         target = slot.writer[:block.nbytes]
-        block.fetched_event = self.log.timed(H2D, unit.group, block.nbytes, self.streams.h2d,
-                                             lambda: target.copy_(block.source, non_blocking=True))
+        # The slot still holding this block, after an update of a partly frozen unit (a LoRA adapter's layer):
+        # only the trained entries changed, a few MB of a layer of hundreds.
+        ranges = unit.trained_ranges(block.fetched_version) \
+            if slot.holder is block and block.rows is None and block.fetched_version >= 0 else None
+        if ranges is None:
+            block.fetched_event = self.log.timed(H2D, unit.group, block.nbytes, self.streams.h2d,
+                                                 lambda: target.copy_(block.source, non_blocking=True))
+        else:
+            block.fetched_event = self.log.timed(H2D, unit.group, sum(end - start for start, end in ranges),
+                                                 self.streams.h2d, lambda: _copy_ranges(target, block.source, ranges))
         if slot.holder is not None:
             slot.holder.fetched_version = -1
         slot.holder = block
         block.fetched_version = unit.version
+
+
+def _copy_ranges(target: torch.Tensor, source: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+    for start, end in ranges:
+        target[start:end].copy_(source[start:end], non_blocking=True)
 
 
 def nested_tensors(value: Any) -> list[torch.Tensor]:

@@ -158,8 +158,12 @@ class Unit:
     arena: torch.Tensor | None = None
     masters: list[torch.Tensor] = field(default_factory=list)
     master_is_arena: bool = True
-    grad_views: list[torch.Tensor] | None = None
-    """The host gradient of each entry (allocated at the unit's first gradient)."""
+    """Every entry's master is its arena copy (`arena_masters` holds them all)."""
+    arena_masters: set[int] = field(default_factory=set)
+    """The entries whose master is their arena copy: all of them when masters have the compute dtype, the
+    frozen ones (a LoRA adapter's base weights) beside fp32 masters of the trained ones."""
+    grad_views: list[torch.Tensor | None] | None = None
+    """The host gradient of each trained entry, None for a frozen one (allocated at the unit's first gradient)."""
     grad_pinned: bool = False
     grad_square: torch.Tensor | None = None
     """The sum of squares (fp32, on the device) of the unit's host gradient, while that gradient is exactly
@@ -171,6 +175,12 @@ class Unit:
     # The masters and the arena copy the device reads.
     version: int = 0
     """Bumped whenever the arena's content changes (an update, an in-place edit of the masters)."""
+    frozen_version: int = 0
+    """The version at which the arena of an entry that does not train last changed (an in-place edit of a
+    frozen master): a device copy of the unit fetched at or after it differs from the arena in the trained
+    entries alone, which are all a LoRA adapter's update changes."""
+    frozen_entries: frozenset[int] = frozenset()
+    """The entries that did not train when `frozen_version` was last set."""
     master_version: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
     """Set while no optimizer update of the unit runs."""
@@ -198,6 +208,13 @@ class Unit:
     def offloaded(self) -> bool:
         """Whether the engine keeps a host arena for it (every unit but the resident ones)."""
         return self.kind != UnitKind.RESIDENT
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        """The host gradient of a trained entry (the gradient arena allocated)."""
+        assert self.grad_views is not None, f"{self.name} has no host gradient yet"
+        view = self.grad_views[index]
+        assert view is not None, f"{self.entries[index].name} is frozen: it has no gradient"
+        return view
 
     def arena_view(self, index: int) -> torch.Tensor:
         assert self.arena is not None, f"{self.name} has no host arena"
@@ -241,6 +258,7 @@ class Unit:
         self._masters_to_arena()
         self.master_version = version
         self.version += 1
+        self.frozen_version = self.version  # which entries the edit changed is not known
 
     def after_update(self, written: set[int] | None = None) -> None:
         """The optimizer changed the masters in place: refresh the arena the device copies from (but the
@@ -252,10 +270,31 @@ class Unit:
     def masters_version(self) -> int:
         return sum(entry.parameter._version for entry in self.entries)
 
+    def trained_ranges(self, fetched_version: int) -> list[tuple[int, int]] | None:
+        """The byte ranges of the arena (its trained entries', adjacent ones merged) that can differ from a
+        device copy fetched at `fetched_version`; None when anything else may differ too (a frozen weight
+        edited since, a weight frozen or unfrozen, or nothing frozen: then the whole unit is one copy)."""
+        frozen = frozenset(index for index, entry in enumerate(self.entries) if not entry.parameter.requires_grad)
+        if frozen != self.frozen_entries:
+            self.frozen_entries, self.frozen_version = frozen, self.version
+        if not frozen or fetched_version < self.frozen_version:
+            return None
+        ranges: list[tuple[int, int]] = []
+        for index, entry in enumerate(self.entries):
+            if index in frozen:
+                continue
+            start = self.offsets[index]
+            end = start + entry.parameter.numel() * self.compute_like[index][1].itemsize
+            if ranges and aligned(ranges[-1][1]) == start:
+                ranges[-1] = (ranges[-1][0], end)
+            else:
+                ranges.append((start, end))
+        return ranges
+
     def _masters_to_arena(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
         if not self.master_is_arena:
             for index, master in enumerate(self.masters):
-                if index not in skip:
+                if index not in skip and index not in self.arena_masters:
                     self.arena_view(index).copy_(master)
 
 
