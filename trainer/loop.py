@@ -186,7 +186,10 @@ class Trainer:
         self.actor = Actor(actor_model,
                            actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
                            log_prob_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
-                           total_steps=self.total_steps, seed=seed, memory=self.memory.for_role(Role.ACTOR))
+                           total_steps=self.total_steps, seed=seed, memory=self.memory.for_role(Role.ACTOR),
+                           remove_padding=model_config.use_remove_padding,
+                           log_prob_max_token_len=(rollout.log_prob_max_token_len_per_gpu
+                                                   if rollout.log_prob_use_dynamic_bsz else None))
         self.reference = None
         if config.use_reference:
             reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
@@ -370,10 +373,14 @@ class Trainer:
                             response_mask=response_mask, group_index=group_index, records=repeated)
 
     def _reference_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        ref = self.config.actor_rollout_ref.ref
         return compute_log_probs(self.reference, batch,
-                                 micro_batch_size=self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+                                 micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
                                  temperature=self.config.actor_rollout_ref.rollout.temperature,
-                                 memory=self.memory.for_role(Role.REF))
+                                 memory=self.memory.for_role(Role.REF),
+                                 remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
+                                 max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
+                                 else None)
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (less the KL penalty when it is in the reward), then advantages and returns."""
