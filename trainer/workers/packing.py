@@ -14,7 +14,6 @@ the budget allows, balanced by their real tokens (prompt and response); results 
 
 from __future__ import annotations
 
-import functools
 import heapq
 import inspect
 import math
@@ -50,7 +49,7 @@ def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torc
     longest = int(lengths.max())
     # Only the kept positions go through the head (a causal LM's logits_to_keep): for a long prompt most
     # of the [T, V] logits the padded forward computes are never read.
-    head_only_kept = _takes_logits_to_keep(type(model))
+    head_only_kept = "logits_to_keep" in inspect.signature(model.forward).parameters
     output = model(
         input_ids=batch.input_ids[real].unsqueeze(0),
         position_ids=batch.position_ids[real].unsqueeze(0),
@@ -58,15 +57,10 @@ def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torc
         cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=longest, max_length_k=longest,
         **({"logits_to_keep": keep} if head_only_kept else {}),
     )
-    outputs = output.logits[0] if head_only_kept else output.logits[0, keep]
+    outputs: torch.Tensor = output.logits[0] if head_only_kept else output.logits[0, keep]
     padded = outputs.new_zeros((*wanted.shape, outputs.shape[-1]))
     padded[wanted] = outputs
     return padded
-
-
-@functools.cache
-def _takes_logits_to_keep(model_class: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 @dataclass(frozen=True)
