@@ -132,6 +132,12 @@ def test_a_padding_free_critic_update_gives_the_padded_gradients():
     torch.testing.assert_close(gradients(packed), gradients(padded), rtol=1e-4, atol=1e-6)
 
 
+def test_the_critic_has_no_dropout_before_its_value_head_as_in_verl():
+    model, batch = critic().train(), ragged_batch()
+    first, second = (model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits for _ in range(2))
+    assert torch.equal(first, second)
+
+
 @pytest.mark.parametrize("placement", [{"param_offload": True}, {"param_offload": True, "optimizer_offload": True},
                                        {"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}])
 def test_offloaded_padding_free_scoring_and_update_give_the_resident_numbers(placement):
