@@ -268,3 +268,11 @@ def test_a_budget_not_in_use_is_not_checked_and_micro_batch_sizes_need_not_divid
                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
     with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu: got 3, which does not divide"):
         load_config(None, [*TINY, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
+
+
+def test_a_budget_too_small_is_reported_in_the_same_round_as_a_schema_error():
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [*TINY, "actor_rollout_ref.actor.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=9",
+                           "actor_rollout_ref.actor.ppo_epochs=zero"])
+    assert [line.split(":")[0] for line in str(error.value).splitlines()] == [
+        "actor_rollout_ref.actor.ppo_epochs", "critic.ppo_max_token_len_per_gpu"]

@@ -1080,7 +1080,8 @@ def _token_budgets_in_use(config: RunConfig) -> list[tuple[str, int]]:
     actor_prefix, actor = "actor_rollout_ref.actor", config.actor_rollout_ref.actor
     inherited = (f"{actor_prefix}.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
     budgets = [inherited] if actor.use_dynamic_bsz else []
-    scorers = [("actor_rollout_ref.rollout", config.actor_rollout_ref.rollout)]
+    scorers: list[tuple[str, RolloutConfig | RefConfig]] = [("actor_rollout_ref.rollout",
+                                                            config.actor_rollout_ref.rollout)]
     if config.use_reference:
         scorers.append(("actor_rollout_ref.ref", config.actor_rollout_ref.ref))
     for prefix, section in scorers:
