@@ -10,6 +10,7 @@ import torch
 from tests.trainer.test_offload import TOKENIZER, policy
 from trainer.config import ActorConfig, ConfigError, CriticConfig, FSDPConfig, load_config
 from trainer.data import PromptRecord
+from trainer.errors import RunSetupError
 from trainer.models import load_critic
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.actor import Actor, compute_log_probs
@@ -158,6 +159,14 @@ def test_offloaded_padding_free_scoring_and_update_give_the_resident_numbers(pla
     offloaded.update(batch)
     torch.testing.assert_close(dict(offloaded.model.state_dict()), dict(resident.model.state_dict()),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_whose_layers_ignore_position_ids_is_refused_naming_the_setting():
+    model = policy()
+    model.config.layer_types = ["full_attention", "linear_attention", "full_attention", "full_attention"]
+    with pytest.raises(RunSetupError, match=r"^actor_rollout_ref.model.use_remove_padding: true, but qwen2 has "
+                                            r"linear_attention layers, .*; set actor_rollout_ref.model.use_remove"):
+        actor_for(model, remove_padding=True)
 
 
 # ------------------------------------------------------------------------------ token-budget batches

@@ -17,7 +17,7 @@ from trainer.algorithms import (
 from trainer.config import ActorConfig
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
-from trainer.workers.packing import plan_micro_batches
+from trainer.workers.packing import check_packable, plan_micro_batches
 from trainer.workers.recovery import WorkerMemory, run_pieces
 
 
@@ -67,6 +67,8 @@ class Actor:
         # rollout.log_prob_use_dynamic_bsz (None: micro-batches of log_prob_micro_batch_size).
         self.remove_padding = remove_padding
         self.log_prob_max_token_len = log_prob_max_token_len
+        if remove_padding:
+            check_packable(model, "actor_rollout_ref.model.use_remove_padding")
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
                           else build_optimizer(model, config.optim))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)

@@ -9,7 +9,7 @@ from trainer.algorithms import compute_value_loss
 from trainer.config import CriticConfig
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
-from trainer.workers.packing import plan_micro_batches
+from trainer.workers.packing import check_packable, plan_micro_batches
 from trainer.workers.recovery import WorkerMemory, run_pieces
 
 
@@ -28,6 +28,8 @@ class Critic:
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
                           else build_optimizer(model, config.optim))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
+        if config.model.use_remove_padding:
+            check_packable(model, "critic.model.use_remove_padding")
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
         # The head's output at the position before each response token is that state's value.

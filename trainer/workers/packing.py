@@ -23,12 +23,33 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from trainer.errors import RunSetupError
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.recovery import Piece, split_into_pieces
+
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+"""transformers' attention implementations that keep the sequences of a packed row apart."""
+PACKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Layer types that read the boundaries from the position ids (linear attention and convolutions do not)."""
 
 
 class TokenBudgetError(ValueError):
     """A sequence longer than the micro-batch token budget: no micro-batch could hold it."""
+
+
+def check_packable(model: PreTrainedModel, setting: str) -> None:
+    """Refuse a padding-free forward that would let a packed row's sequences see each other: an attention
+    implementation that builds no packed mask (a custom one), or layers that ignore position ids."""
+    config = model.config
+    attention = config._attn_implementation
+    if attention not in PACKED_ATTENTION:
+        raise RunSetupError(f"{setting}: true, but the model's attention implementation {attention!r} keeps no "
+                            f"sequences of a packed row apart (those that do: {', '.join(PACKED_ATTENTION)}); "
+                            f"set {setting}=false")
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(PACKED_LAYER_TYPES))
+    if other:
+        raise RunSetupError(f"{setting}: true, but {config.model_type} has {', '.join(other)} layers, which ignore "
+                            f"the sequence boundaries of a packed row; set {setting}=false")
 
 
 def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
@@ -49,12 +70,19 @@ def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torc
     longest = int(lengths.max())
     # Only the kept positions go through the head (a causal LM's logits_to_keep): for a long prompt most
     # of the [T, V] logits the padded forward computes are never read.
-    head_only_kept = "logits_to_keep" in inspect.signature(model.forward).parameters
+    parameters = inspect.signature(model.forward).parameters
+    head_only_kept = "logits_to_keep" in parameters
+    # flash_attention_2/3 take the boundaries from these (sdpa and eager ignore them); a forward without
+    # **kwargs (remote code) gets none, and flash attention then infers them from the position ids.
+    boundary_keywords = ({"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": longest,
+                          "max_length_k": longest}
+                         if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+                         else {})
     output = model(
         input_ids=batch.input_ids[real].unsqueeze(0),
         position_ids=batch.position_ids[real].unsqueeze(0),
         use_cache=False,
-        cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=longest, max_length_k=longest,
+        **boundary_keywords,
         **({"logits_to_keep": keep} if head_only_kept else {}),
     )
     outputs: torch.Tensor = output.logits[0] if head_only_kept else output.logits[0, keep]
