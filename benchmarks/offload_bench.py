@@ -11,8 +11,13 @@ the same run: the pinned and pageable host-to-device bandwidth, then each varian
 streaming variant is max(all-GPU time, bytes streamed host-to-device / pinned bandwidth).
 
 Sections (--only): bandwidth, allgpu, ours_full, ours_layered, fsdp2, accelerate, checkpointing,
-optimizer. Each writes its rows to --out as soon as it finishes; a section that fails records its
-error and the others still run.
+optimizer, remove_padding. Each writes its rows to --out as soon as it finishes; a section that fails
+records its error and the others still run.
+
+remove_padding (verl's use_remove_padding and use_dynamic_bsz): the trainer's own log-prob pass and
+training step (Actor.update: forward and backward over the micro-batches, clip, AdamW) on a rollout batch
+of 8 sequences, prompts 50-100% of 512 tokens and responses 10-100% of 1024, all on the GPU with gradient
+checkpointing: padded, padding-free, and padding-free by token budget; tokens/s counts real tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
@@ -38,14 +44,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from trainer.config import FSDPConfig  # noqa: E402
+from trainer.config import ActorConfig, FSDPConfig  # noqa: E402
+from trainer.data import PromptRecord  # noqa: E402
 from trainer.offload import OffloadOptions, attach_offload  # noqa: E402
+from trainer.rollout.batch import RolloutBatch  # noqa: E402
+from trainer.workers.actor import Actor, compute_log_probs  # noqa: E402
 
 GIB = 1024**3
 SHAPE = dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944, num_attention_heads=28,
              num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
              rms_norm_eps=1e-6, use_cache=False)
-SECTIONS = ("bandwidth", "allgpu", "ours_full", "ours_layered", "fsdp2", "accelerate", "checkpointing", "optimizer")
+SECTIONS = ("bandwidth", "allgpu", "ours_full", "ours_layered", "fsdp2", "accelerate", "checkpointing", "optimizer",
+            "remove_padding")
 FULL = FSDPConfig(param_offload=True)
 LAYERED = FSDPConfig.model_validate({"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}})
 
@@ -65,6 +75,29 @@ class Plan:
 
 FULL_PLAN = Plan(layers=28, batch=4, tokens=1024, long_tokens=4096, optimizer_layers=8, warmup=2, iters=5)
 QUICK_PLAN = Plan(layers=4, batch=2, tokens=512, long_tokens=1024, optimizer_layers=2, warmup=1, iters=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingPlan:
+    """The remove_padding section's rollout batch and micro-batches."""
+
+    sequences: int
+    prompt: int
+    """Longest prompt; prompts run from half of it to all of it, left-padded."""
+    response: int
+    """Longest response; responses run from a tenth of it to all of it, right-padded."""
+    log_prob_micro: int
+    update_micro: int
+    log_prob_budget: int
+    """Tokens per log-prob micro-batch by token budget (rollout.log_prob_max_token_len_per_gpu)."""
+    update_budget: int
+    """Tokens per update micro-batch by token budget (actor.ppo_max_token_len_per_gpu)."""
+
+
+FULL_PADDING = PaddingPlan(sequences=8, prompt=512, response=1024, log_prob_micro=8, update_micro=2,
+                           log_prob_budget=16384, update_budget=4096)
+QUICK_PADDING = PaddingPlan(sequences=4, prompt=64, response=128, log_prob_micro=4, update_micro=2,
+                            log_prob_budget=768, update_budget=384)
 
 
 class Bench:
@@ -327,6 +360,21 @@ class Bench:
                     h2d_bytes=2 * _parameter_bytes(self.config()))
         del model
 
+    def remove_padding(self) -> None:
+        """The log-prob pass and training step, padded against padding-free (see the module's docstring)."""
+        plan = QUICK_PADDING if self.plan.layers <= 4 else FULL_PADDING
+        model = self.build(checkpointing=True)
+        batch = ragged_rollout(plan, SHAPE["vocab_size"], self.device)
+        real = int(batch.attention_mask.sum())
+        padded_ms: dict[str, float] = {}
+        for pass_, run in padding_passes(model, plan, batch):
+            ms, peak = self.measure(run)
+            kind = pass_.split(",")[0]
+            padded_ms.setdefault(kind, ms)  # each kind's padded pass comes first
+            self.record("remove_padding", pass_, ms, peak, real, vs_padded=padded_ms[kind] / ms, real_tokens=real,
+                        padded_tokens=batch.attention_mask.numel(), padding_plan=dataclasses.asdict(plan))
+        del model
+
     def optimizer(self) -> None:
         """optimizer_offload: the fused CPU AdamW on fp32 masters, and how much of it the next forward hides.
 
@@ -434,6 +482,9 @@ class Bench:
                 print(f"optimizer_offload, {row['pass']}: clip and update add {row['added_ms']:.0f} ms to "
                       f"forward+backward; {row['hidden_update_ms']:.0f} ms of the CPU update "
                       f"({row['hidden_fraction']:.0%}) overlaps other work")
+            if "vs_padded" in row and "padded," not in row["pass"]:
+                print(f"remove_padding, {row['pass']}: {row['vs_padded']:.2f}x the padded pass's speed "
+                      f"({row['real_tokens']} real of {row['padded_tokens']} padded tokens)")
             if "extrapolated_7b_seconds" in row:
                 print(f"fused CPU AdamW: {row['seconds_per_billion_params']:.2f} s per billion fp32 parameters "
                       f"(about {row['extrapolated_7b_seconds']:.1f} s for the 7B shape)")
@@ -493,6 +544,51 @@ def _parameter_bytes(config: Qwen2Config) -> int:
     return 2 * _parameter_count(config)
 
 
+def ragged_rollout(plan: PaddingPlan, vocab_size: int, device: torch.device | str, seed: int = 0) -> RolloutBatch:
+    """A rollout batch as the trainer lays it out, its lengths spread evenly over the plan's ranges."""
+    generator = torch.Generator().manual_seed(seed)
+    spread = torch.linspace(0, 1, plan.sequences)
+    prompts = (plan.prompt * (0.5 + 0.5 * spread)).long().clamp(min=1)
+    responses = (plan.response * (0.1 + 0.9 * spread.flip(0))).long().clamp(min=1)
+    prompt_mask = (torch.arange(plan.prompt) >= plan.prompt - prompts[:, None]).long()
+    response_mask = (torch.arange(plan.response) < responses[:, None]).float()
+    prompt_ids = torch.randint(3, vocab_size, prompt_mask.shape, generator=generator) * prompt_mask
+    response_ids = torch.randint(3, vocab_size, response_mask.shape, generator=generator) * response_mask.long()
+    advantages = torch.randn(response_mask.shape, generator=generator) * response_mask
+    batch = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                         response_mask=response_mask, group_index=torch.arange(plan.sequences),
+                         records=[PromptRecord(prompt="", data_source="bench")] * plan.sequences, advantages=advantages)
+    return batch.to(device)
+
+
+def padding_passes(model, plan: PaddingPlan, batch: RolloutBatch) -> list[tuple[str, Callable[[], None]]]:
+    """The trainer's log-prob pass and training step (Actor.update) over `batch`: padded, padding-free, and
+    padding-free by token budget. Each kind's padded pass comes first."""
+    base = ActorConfig(ppo_mini_batch_size=plan.sequences, ppo_micro_batch_size_per_gpu=plan.update_micro,
+                       optim={"lr": 1e-9})
+    # One actor (one optimizer's states) for every variant: each pass sets what it measures.
+    actor = Actor(model, base, temperature=1.0, rollout_n=1, log_prob_micro_batch_size=plan.log_prob_micro,
+                  total_steps=1 << 20, seed=0)
+    batch.old_log_probs = compute_log_probs(model, batch, micro_batch_size=plan.log_prob_micro, temperature=1.0)
+    variants = (("padded", False, None, None), ("padding-free", True, None, None),
+                ("padding-free, token budget", True, plan.log_prob_budget, plan.update_budget))
+    passes: list[tuple[str, Callable[[], None]]] = []
+    for name, remove_padding, log_prob_budget, _ in variants:
+        passes.append((f"log-probs, {name}", functools.partial(
+            compute_log_probs, model, batch, micro_batch_size=plan.log_prob_micro, temperature=1.0,
+            remove_padding=remove_padding, max_token_len=log_prob_budget)))
+    for name, remove_padding, _, update_budget in variants:
+        config = base.model_copy(update={"use_dynamic_bsz": update_budget is not None,
+                                         "ppo_max_token_len_per_gpu": update_budget or base.ppo_max_token_len_per_gpu})
+
+        def step(config=config, remove_padding=remove_padding) -> None:
+            actor.config, actor.remove_padding = config, remove_padding
+            actor.update(batch)
+
+        passes.append((f"training step, {name}", step))
+    return passes
+
+
 def random_bf16(model_class, config, device):
     """A `model_class(config)` with random bf16 weights drawn on `device`: on a GPU far faster than on the
     host, whose random generator is serial (45 s for a 3B model on the H200 machine's host)."""
@@ -548,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             "ours_full": lambda: bench.ours("ours full streaming", FULL),
             "ours_layered": bench.layered,
             "fsdp2": bench.fsdp2, "accelerate": bench.accelerate, "checkpointing": bench.checkpointing,
-            "optimizer": bench.optimizer}
+            "optimizer": bench.optimizer, "remove_padding": bench.remove_padding}
     run_sections(bench, [name for name in SECTIONS if name in sections], lambda name: runs[name]())
     bench.report()
     return 0

@@ -192,7 +192,10 @@ class Trainer:
         self.actor = Actor(actor_model,
                            actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
                            log_prob_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
-                           total_steps=self.total_steps, seed=seed, memory=self.memory.for_role(Role.ACTOR))
+                           total_steps=self.total_steps, seed=seed, memory=self.memory.for_role(Role.ACTOR),
+                           remove_padding=model_config.use_remove_padding,
+                           log_prob_max_token_len=(rollout.log_prob_max_token_len_per_gpu
+                                                   if rollout.log_prob_use_dynamic_bsz else None))
         self.reference = None
         if config.use_reference and self.actor_adapter is None:
             reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
@@ -403,11 +406,14 @@ class Trainer:
         if self.reference is None:
             assert self.actor_adapter is not None, "a run that needs the reference policy builds one, or LoRA's"
             model, role, adapter_off = self.actor.model, Role.ACTOR, self.actor_adapter.disable_adapter()
+        ref = self.config.actor_rollout_ref.ref
         with adapter_off:
-            return compute_log_probs(model, batch,
-                                     micro_batch_size=self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+            return compute_log_probs(model, batch, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
                                      temperature=self.config.actor_rollout_ref.rollout.temperature,
-                                     memory=self.memory.for_role(role))
+                                     memory=self.memory.for_role(role),
+                                     remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
+                                     max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
+                                     else None)
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (less the KL penalty when it is in the reward), then advantages and returns."""

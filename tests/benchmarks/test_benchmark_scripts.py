@@ -189,3 +189,20 @@ def test_the_whole_step_benchmark_decodes_with_the_static_cache_when_asked(tmp_p
     assert result["decode"] == "static" and result["variants"]["offload"]["steps"] == 2
     assert "actor_rollout_ref.rollout.decode=static" in e2e_bench.overrides(
         "quick", "offload", "cpu", tmp_path, tmp_path / "models", 2, "static")
+
+
+def test_the_remove_padding_sections_passes_run_on_the_cpu_with_gradient_checkpointing():
+    """offload_bench's remove_padding section (GPU only) times these passes: each runs here on a tiny model."""
+    from tests.trainer.test_offload import TOKENIZER, policy
+
+    plan = offload_bench.PaddingPlan(sequences=4, prompt=6, response=8, log_prob_micro=2, update_micro=2,
+                                     log_prob_budget=20, update_budget=14)
+    model = policy()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    batch = offload_bench.ragged_rollout(plan, len(TOKENIZER), "cpu")
+    assert batch.prompt_mask.sum(1).tolist() == [3, 4, 5, 6] and batch.response_mask.sum(1).tolist() == [8, 5, 3, 1]
+    passes = offload_bench.padding_passes(model, plan, batch)
+    assert [name for name, _ in passes] == [f"{kind}, {variant}" for kind in ("log-probs", "training step")
+                                            for variant in ("padded", "padding-free", "padding-free, token budget")]
+    for _, run in passes:
+        run()

@@ -384,13 +384,15 @@ def test_the_actor_loss_takes_the_entropy_gradient_only_with_an_entropy_bonus(en
 
 def test_a_delayed_update_samples_the_next_rollout_with_the_weights_before_it(tmp_path):
     """actor fsdp_config.delayed_update: step 1 (whose rollout comes before any update) is the plain run's to the
-    number; from step 2 on each rollout samples with the weights from before the previous update."""
+    number; from step 2 on each rollout samples with the weights from before the previous update. The update's
+    learning rate is one large enough that the weights it leaves sample other responses from the same seed."""
     offload = ["model_dtype=bf16", "optimizer_offload=true", "offload_policy={embedding: cpu, lm_head: cpu}"]
     runs = {}
     for delayed in (False, True):
         config = load_config(None, [*TINY, *(f"actor_rollout_ref.actor.fsdp_config.{key}" for key in offload),
                                     f"actor_rollout_ref.actor.fsdp_config.delayed_update={str(delayed).lower()}",
                                     "trainer.total_training_steps=3", f"trainer.runs_dir={tmp_path}",
+                                    "actor_rollout_ref.actor.optim.lr=3e-2",
                                     f"trainer.experiment_name=delayed-{delayed}"])
         trainer = Trainer(config, log=lambda *_: None)
         trainer.fit()

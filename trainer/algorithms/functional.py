@@ -94,6 +94,19 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> tor
     return masked_mean(row_losses, (tokens_per_row > 0).to(row_losses.dtype))
 
 
+def aggregation_weight(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """What :func:`aggregate_loss` divides by over ``mask`` ``[B, T]``: the kept tokens (``token-mean``) or
+    the rows with any (``seq-mean-*``). A micro-batch's aggregate loss times its weight over its mini-batch's
+    is its part of the mini-batch's aggregate loss, however the mini-batch was split (verl's global token
+    count, ``batch_num_tokens``); weighting by sequence count instead holds for the ``seq-mean`` modes only.
+    """
+    if mode == "token-mean":
+        return mask.sum()
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode '{mode}'; allowed: {', '.join(LOSS_AGG_MODES)}")
+    return (mask.sum(-1) > 0).sum()
+
+
 # -------------------------------------------------------------------------------------- advantages
 
 

@@ -220,6 +220,8 @@ class ModelConfig(Section):
     """Modules that get an adapter: all-linear (every linear layer but the output head), a list of names, or a regex."""
     exclude_modules: str | list[str] | None = None
     """Modules of target_modules left without an adapter: a list of names, or a regex; unset excludes none."""
+    use_remove_padding: bool = False
+    """Padding-free forward (real tokens packed in one row) for the actor's and reference's log-probs and update."""
 
     @field_validator("target_modules", "exclude_modules", mode="before")
     @classmethod
@@ -274,6 +276,10 @@ class ActorConfig(Section):
     """Prompts per optimizer step (each carries rollout.n responses)."""
     ppo_micro_batch_size_per_gpu: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate up to the mini-batch."""
+    use_dynamic_bsz: bool = False
+    """Form update micro-batches by token budget (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size_per_gpu."""
+    ppo_max_token_len_per_gpu: int = Field(16384, ge=1)
+    """Most real tokens (prompt and response) in one update micro-batch, with use_dynamic_bsz."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each rollout batch."""
     shuffle: bool = False
@@ -343,6 +349,10 @@ class RolloutConfig(Section):
     """verl's key: true runs the static decode's per-token step eagerly instead of in CUDA graphs."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Sequences per forward when computing log-probs and values."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Form old-log-prob micro-batches by token budget; unset uses actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = Field(None, ge=1)
+    """Most real tokens in one old-log-prob micro-batch; unset uses actor.ppo_max_token_len_per_gpu."""
     embedding_cache: EmbeddingCache = EmbeddingCache()
     """GPU cache of frequent embedding rows."""
 
@@ -350,6 +360,10 @@ class RolloutConfig(Section):
 class RefConfig(Section):
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Sequences per forward of the reference policy."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Form reference micro-batches by token budget; unset uses actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = Field(None, ge=1)
+    """Most real tokens in one reference micro-batch; unset uses actor.ppo_max_token_len_per_gpu."""
     fsdp_config: FSDPConfig = FSDPConfig()
     """Placement and dtype of the reference policy."""
 
@@ -382,6 +396,8 @@ class CriticModelConfig(Section):
     """LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank."""
     target_modules: str | list[str] = "all-linear"
     """Modules that get an adapter: all-linear (every linear layer but the value head), a list of names, or a regex."""
+    use_remove_padding: bool = False
+    """Padding-free forward (real tokens packed in one row) for the critic's values and update."""
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -400,6 +416,12 @@ class CriticConfig(Section):
     """Prompts per critic optimizer step; unset uses the actor's."""
     ppo_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
     """Sequences per critic forward/backward; unset uses the actor's."""
+    use_dynamic_bsz: bool | None = None
+    """Form the critic's micro-batches by token budget; unset uses actor.use_dynamic_bsz."""
+    ppo_max_token_len_per_gpu: int = Field(32768, ge=1)
+    """Most real tokens in one critic update micro-batch, with use_dynamic_bsz."""
+    forward_max_token_len_per_gpu: int | None = Field(None, ge=1)
+    """Most real tokens in one micro-batch of values, with use_dynamic_bsz; unset uses ppo_max_token_len_per_gpu."""
     ppo_epochs: int | None = Field(None, ge=1)
     """Passes over each batch; unset uses the actor's."""
     cliprange_value: float = Field(0.5, gt=0.0)
@@ -676,9 +698,23 @@ def resolve_defaults(config: RunConfig) -> RunConfig:
             "model": config.critic.model.model_copy(
                 update={"path": config.critic.model.path or config.actor_rollout_ref.model.path}
             ),
+            **_token_budget_defaults(config.critic, "use_dynamic_bsz", actor.use_dynamic_bsz,
+                                     "forward_max_token_len_per_gpu", config.critic.ppo_max_token_len_per_gpu),
         }
     )
-    return config.model_copy(update={"critic": critic})
+    scorers = {name: section.model_copy(update=_token_budget_defaults(
+        section, "log_prob_use_dynamic_bsz", actor.use_dynamic_bsz,
+        "log_prob_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu))
+        for name, section in (("rollout", config.actor_rollout_ref.rollout), ("ref", config.actor_rollout_ref.ref))}
+    return config.model_copy(update={"critic": critic,
+                                     "actor_rollout_ref": config.actor_rollout_ref.model_copy(update=scorers)})
+
+
+def _token_budget_defaults(section: Section, switch: str, switch_default: bool, budget: str,
+                           budget_default: int) -> dict[str, Any]:
+    """verl's interpolations of the dynamic-batch keys (e.g. ${actor.use_dynamic_bsz}) for those left unset."""
+    return {switch: switch_default if getattr(section, switch) is None else getattr(section, switch),
+            budget: budget_default if getattr(section, budget) is None else getattr(section, budget)}
 
 
 def dump_config(config: RunConfig) -> str:
@@ -728,7 +764,8 @@ def _rules() -> tuple[Callable[[RunConfig], list[ConfigProblem]], ...]:
     _checks_despite_schema_errors): the disk first, then how fields fit together."""
     return (_check_actor_model_paths, _check_critic_model_paths, _check_reward_model_paths, _check_train_files,
             _check_val_files, _check_reward_function_file,
-            _check_batch_sizes, _grpo_needs_several_responses, _gae_needs_a_critic, _clip_range_is_positive,
+            _check_batch_sizes, _check_token_budgets, _grpo_needs_several_responses, _gae_needs_a_critic,
+            _clip_range_is_positive,
             _resume_path_is_set, _validation_needs_data, _check_devices, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
@@ -1067,19 +1104,22 @@ def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
     batch = config.data.train_batch_size
     n = config.actor_rollout_ref.rollout.n
     actor = config.actor_rollout_ref.actor
-    sections = [("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu)]
+    # With use_dynamic_bsz the token budget forms the micro-batches: their size in sequences is not used.
+    sections = [("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                 actor.use_dynamic_bsz)]
     critic = config.critic
     # A critic size left unset inherits the actor's: only its own values are reported under critic.
     if config.use_critic and (critic.ppo_mini_batch_size or critic.ppo_micro_batch_size_per_gpu):
         sections.append(("critic", critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
-                         critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu))
-    for prefix, mini, micro in sections:
+                         critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
+                         actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz))
+    for prefix, mini, micro, by_tokens in sections:
         if batch % mini:
             why = "is larger than" if mini > batch else "does not divide"
             problems.append(ConfigProblem(f"{prefix}.ppo_mini_batch_size", f"got {mini}, which {why} "
                                           f"data.train_batch_size ({batch}); allowed: a divisor of {batch}, "
                                           f"e.g. {_largest_divisor(batch, mini)}"))
-        elif (mini * n) % micro:
+        elif not by_tokens and (mini * n) % micro:
             sequences = mini * n
             problems.append(ConfigProblem(
                 f"{prefix}.ppo_micro_batch_size_per_gpu",
@@ -1087,6 +1127,42 @@ def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
                 f"(ppo_mini_batch_size {mini} x rollout.n {n}); allowed: a divisor of {sequences}, "
                 f"e.g. {_largest_divisor(sequences, micro)}"))
     return problems
+
+
+def _check_token_budgets(config: RunConfig) -> list[ConfigProblem]:
+    """Each token budget in use holds the longest sequence a batch can have (verl asserts it at run time)."""
+    data = config.data
+    longest = data.max_prompt_length + data.max_response_length
+    problems = {}
+    for key, budget in _token_budgets_in_use(config):
+        if budget < longest and key not in problems:
+            problems[key] = ConfigProblem(key, f"got {budget}, smaller than the longest sequence a batch can hold "
+                                          f"(data.max_prompt_length {data.max_prompt_length} + "
+                                          f"data.max_response_length {data.max_response_length} = {longest} "
+                                          f"tokens); allowed: at least {longest}")
+    return list(problems.values())
+
+
+def _token_budgets_in_use(config: RunConfig) -> list[tuple[str, int]]:
+    """(the key that sets it, tokens) of every micro-batch token budget the run uses."""
+    actor_prefix, actor = "actor_rollout_ref.actor", config.actor_rollout_ref.actor
+    inherited = (f"{actor_prefix}.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
+    budgets = [inherited] if actor.use_dynamic_bsz else []
+    scorers: list[tuple[str, RolloutConfig | RefConfig]] = [("actor_rollout_ref.rollout",
+                                                            config.actor_rollout_ref.rollout)]
+    if config.use_reference:
+        scorers.append(("actor_rollout_ref.ref", config.actor_rollout_ref.ref))
+    for prefix, section in scorers:
+        enabled = section.log_prob_use_dynamic_bsz
+        if actor.use_dynamic_bsz if enabled is None else enabled:
+            budget = section.log_prob_max_token_len_per_gpu
+            budgets.append(inherited if budget is None else (f"{prefix}.log_prob_max_token_len_per_gpu", budget))
+    critic = config.critic
+    if config.use_critic and (actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz):
+        update = ("critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu)
+        forward = critic.forward_max_token_len_per_gpu
+        budgets += [update, update if forward is None else ("critic.forward_max_token_len_per_gpu", forward)]
+    return budgets
 
 
 def _largest_divisor(number: int, at_most: int) -> int:

@@ -126,6 +126,12 @@ def load_critic(
     else:
         model = _from_local(AutoModelForTokenClassification, path, "critic", dtype=dtype, num_labels=1,
                             trust_remote_code=trust_remote_code, **(override_config or {}))
+    dropout = getattr(model, "dropout", None)
+    if isinstance(dropout, torch.nn.Dropout) and "classifier_dropout" not in (override_config or {}):
+        # No dropout before the value head (transformers' default is 0.1), as verl's critic: the update would
+        # fit noisy values, and no two forwards of a batch (padded or padding-free) would agree.
+        dropout.p = 0.0
+        model.config.classifier_dropout = 0.0
     return _prepare(model, tokenizer, dtype, gradient_checkpointing)
 
 

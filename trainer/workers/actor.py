@@ -17,19 +17,24 @@ from trainer.algorithms import (
 from trainer.config import ActorConfig
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
-from trainer.workers.recovery import WorkerMemory, run_in_pieces
+from trainer.workers.packing import check_packable, plan_micro_batches
+from trainer.workers.recovery import WorkerMemory, run_pieces
 
 
 @torch.no_grad()
 def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
-                      temperature: float, memory: WorkerMemory | None = None) -> torch.Tensor:
-    """[B, R] log-probs of the sampled responses under `model` at the sampling temperature; with
-    `memory` (the memory manager's, for `model`), a micro-batch that runs out of device memory is
-    retried or split."""
+                      temperature: float, memory: WorkerMemory | None = None, remove_padding: bool = False,
+                      max_token_len: int | None = None) -> torch.Tensor:
+    """[B, R] log-probs of the sampled responses under `model` at the sampling temperature, in micro-batches
+    of `micro_batch_size` sequences or, with `max_token_len`, of at most that many real tokens; with
+    `remove_padding`, each from a padding-free forward. With `memory` (the memory manager's, for `model`),
+    a micro-batch that runs out of device memory is retried or split."""
+    plan = plan_micro_batches(batch, micro_batch_size, max_token_len)
+    arranged = plan.arrange(batch)
 
     def score(first: int, count: int) -> torch.Tensor:
-        micro_batch = batch.select(torch.arange(first, first + count))
-        logits = response_logits(model, micro_batch)
+        micro_batch = arranged.select(torch.arange(first, first + count))
+        logits = response_logits(model, micro_batch, remove_padding=remove_padding)
         # At temperature 1 half-precision logits go as they are: log_probs_from_logits upcasts them a row at a
         # time, instead of one float32 copy of the whole [B, R, V].
         logits = logits if temperature == 1.0 else scaled_logits(logits, temperature)
@@ -38,17 +43,18 @@ def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batc
     was_training = model.training
     model.eval()
     try:
-        parts = run_in_pieces(score, len(batch), micro_batch_size, memory=memory)
+        parts = run_pieces(score, plan.pieces, memory=memory)
     finally:
         model.train(was_training)
-    return torch.cat(parts) * batch.response_mask
+    return plan.restore(torch.cat(parts)) * batch.response_mask
 
 
 class Actor:
     """Owns the policy's weights, optimizer and learning-rate schedule."""
 
     def __init__(self, model: PreTrainedModel, config: ActorConfig, *, temperature: float, rollout_n: int,
-                 log_prob_micro_batch_size: int, total_steps: int, seed: int, memory: WorkerMemory | None = None):
+                 log_prob_micro_batch_size: int, total_steps: int, seed: int, memory: WorkerMemory | None = None,
+                 remove_padding: bool = False, log_prob_max_token_len: int | None = None):
         self.model = model
         # The memory manager's side for this model: its optimizer, dynamic offload between
         # micro-batches and relief after an out-of-memory error. None: plain AdamW, errors propagate.
@@ -57,6 +63,12 @@ class Actor:
         self.temperature = temperature
         self.rollout_n = rollout_n
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
+        # verl's model.use_remove_padding, and rollout.log_prob_max_token_len_per_gpu when
+        # rollout.log_prob_use_dynamic_bsz (None: micro-batches of log_prob_micro_batch_size).
+        self.remove_padding = remove_padding
+        self.log_prob_max_token_len = log_prob_max_token_len
+        if remove_padding:
+            check_packable(model, "actor_rollout_ref.model.use_remove_padding")
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
                           else build_optimizer(model, config.optim))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
@@ -64,7 +76,8 @@ class Actor:
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
-                                 temperature=self.temperature, memory=self.memory)
+                                 temperature=self.temperature, memory=self.memory,
+                                 remove_padding=self.remove_padding, max_token_len=self.log_prob_max_token_len)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""
@@ -76,6 +89,8 @@ class Actor:
             grad_clip=self.config.grad_clip,
             shuffle_generator=self.shuffle_generator,
             memory=self.memory,
+            max_token_len=self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
+            loss_agg_mode=self.config.loss_agg_mode,
         )
         recovered = metrics.pop("oom_recoveries")
         if self.memory is not None:
@@ -87,7 +102,8 @@ class Actor:
 
     def _loss(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config
-        logits = scaled_logits(response_logits(self.model, batch), self.temperature)
+        logits = scaled_logits(response_logits(self.model, batch, remove_padding=self.remove_padding),
+                               self.temperature)
         log_probs = log_probs_from_logits(logits, batch.response_ids)
         low, high = config.clip_range
         policy = compute_policy_loss(batch.old_log_probs, log_probs, batch.advantages, batch.response_mask,

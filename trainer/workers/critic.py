@@ -9,7 +9,8 @@ from trainer.algorithms import compute_value_loss
 from trainer.config import CriticConfig
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
-from trainer.workers.recovery import WorkerMemory, run_in_pieces
+from trainer.workers.packing import check_packable, plan_micro_batches
+from trainer.workers.recovery import WorkerMemory, run_pieces
 
 
 class Critic:
@@ -27,20 +28,27 @@ class Critic:
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
                           else build_optimizer(model, config.optim))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
+        if config.model.use_remove_padding:
+            check_packable(model, "critic.model.use_remove_padding")
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
         # The head's output at the position before each response token is that state's value.
-        return response_logits(self.model, batch).squeeze(-1).float() * batch.response_mask
+        outputs = response_logits(self.model, batch, remove_padding=self.config.model.use_remove_padding)
+        return outputs.squeeze(-1).float() * batch.response_mask
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        """[B, R] values of the states before each response token."""
+        """[B, R] values of the states before each response token (micro-batches by token budget with
+        critic.use_dynamic_bsz: critic.forward_max_token_len_per_gpu)."""
+        plan = plan_micro_batches(batch, self.forward_micro_batch_size,
+                                  self.config.forward_max_token_len_per_gpu if self.config.use_dynamic_bsz else None)
+        arranged = plan.arrange(batch)
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = run_in_pieces(lambda first, count: self._values(batch.select(torch.arange(first, first + count))),
-                                  len(batch), self.forward_micro_batch_size, memory=self.memory)
-            return torch.cat(parts)
+            parts = run_pieces(lambda first, count: self._values(arranged.select(torch.arange(first, first + count))),
+                               plan.pieces, memory=self.memory)
+            return plan.restore(torch.cat(parts))
         finally:
             self.model.train(was_training)
 
@@ -53,6 +61,8 @@ class Critic:
             grad_clip=self.config.grad_clip,
             shuffle_generator=None,
             memory=self.memory,
+            max_token_len=self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
+            loss_agg_mode=self.config.loss_agg_mode,
         )
         recovered = metrics.pop("oom_recoveries")
         if self.memory is not None:

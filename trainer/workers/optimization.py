@@ -11,16 +11,21 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
+from trainer.algorithms import aggregation_weight
 from trainer.config import OptimConfig
 from trainer.offload import OffloadEngine
 from trainer.rollout.batch import RolloutBatch
-from trainer.workers.recovery import Piece, WorkerMemory, retry_out_of_memory, split_into_pieces
+from trainer.workers.packing import packed_response_outputs, plan_micro_batches
+from trainer.workers.recovery import Piece, WorkerMemory, retry_out_of_memory
 
 LossFn = Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
-def response_logits(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
-    """[B, R, ...] the model's output at the positions that predict (or value) each response token."""
+def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_padding: bool = False) -> torch.Tensor:
+    """[B, R, ...] the model's output at the positions that predict (or value) each response token; with
+    `remove_padding`, from one padding-free forward over the real tokens (zeros where responses are padding)."""
+    if remove_padding:
+        return packed_response_outputs(model, batch)
     output = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -78,10 +83,14 @@ def run_updates(
     grad_clip: float,
     shuffle_generator: torch.Generator | None,
     memory: WorkerMemory | None = None,
+    max_token_len: int | None = None,
+    loss_agg_mode: str = "token-mean",
 ) -> dict[str, list[float]]:
     """PPO's inner loop: `epochs` passes, one optimizer step per mini-batch of `mini_batch_size`
-    sequences, gradients accumulated over micro-batches. Returns every micro-batch's metrics, and
-    "oom_recoveries": the CUDA out-of-memory errors it recovered from.
+    sequences, gradients accumulated over micro-batches of `micro_batch_size` sequences or, with
+    `max_token_len`, of at most that many real tokens (verl's use_dynamic_bsz). `loss_agg_mode`: how
+    `loss_fn` aggregates, so that each micro-batch weighs its share. Returns every micro-batch's
+    metrics, and "oom_recoveries": the CUDA out-of-memory errors it recovered from.
 
     With `memory` (the run's memory manager, for this model), a safe point comes before each
     micro-batch (nothing in flight: dynamic offload may move layers) and an out-of-memory error is
@@ -96,7 +105,8 @@ def run_updates(
         for mini_batch in batch.select(order).split(mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
             micro_metrics, recovered = accumulate_gradients(model, optimizer, mini_batch, loss_fn, micro_batch_size,
-                                                            memory=memory)
+                                                            memory=memory, max_token_len=max_token_len,
+                                                            loss_agg_mode=loss_agg_mode)
             recoveries += recovered
             for key, values in micro_metrics.items():
                 metrics[key].extend(values)
@@ -123,25 +133,33 @@ def accumulate_gradients(
     micro_batch_size: int,
     *,
     memory: WorkerMemory | None = None,
+    max_token_len: int | None = None,
+    loss_agg_mode: str = "token-mean",
 ) -> tuple[dict[str, list[float]], int]:
-    """The gradient of the mini-batch's mean loss, summed over micro-batches; their metrics, and the
-    out-of-memory errors recovered from.
+    """The gradient of the mini-batch's loss, summed over micro-batches (of `micro_batch_size` sequences,
+    or by token budget with `max_token_len`); their metrics, and the out-of-memory errors recovered from.
+
+    Each micro-batch's loss weighs its share of what the mini-batch's loss is averaged over (its tokens
+    for token-mean, its sequences for the seq-mean modes: `aggregation_weight`), so the gradient is the
+    mini-batch's whole loss's, whatever the micro-batches.
 
     A CUDA out-of-memory error in a micro-batch does not end the run (recovery.retry_out_of_memory).
     A backward that failed half-way has already added to some gradients, so the whole mini-batch's
     are dropped and it is redone: with the same micro-batches once memory was relieved (the same
-    result), otherwise with the failed micro-batch split in two (the same result for losses that are
-    means over sequences; its metrics are merged back into one entry, weighted by size). One
-    sequence that does not fit with nothing left to free raises the CUDA error.
+    result), otherwise with the failed micro-batch split in two (the same result, by the weighting above;
+    its metrics are merged back into one entry, weighted by size). One sequence that does not fit with
+    nothing left to free raises the CUDA error.
     """
+    plan = plan_micro_batches(mini_batch, micro_batch_size, max_token_len)
+    arranged = plan.arrange(mini_batch)
+    whole = aggregation_weight(mini_batch.response_mask, loss_agg_mode).clamp(min=1)
 
     def backward(piece: Piece) -> dict[str, float]:
         if memory is not None:
             memory.safe_point()
-        micro_batch = mini_batch.select(torch.arange(piece.first, piece.first + piece.count))
+        micro_batch = arranged.select(torch.arange(piece.first, piece.first + piece.count))
         loss, micro_metrics = loss_fn(micro_batch)
-        # Weight each micro-batch by its share of the mini-batch: the sum is the mini-batch mean.
-        (loss * (piece.count / len(mini_batch))).backward()
+        (loss * (aggregation_weight(micro_batch.response_mask, loss_agg_mode) / whole)).backward()
         return micro_metrics
 
     def discard() -> None:
@@ -150,7 +168,7 @@ def accumulate_gradients(
         model.zero_grad(set_to_none=True)
 
     with memory.accumulating() if memory is not None else contextlib.nullcontext():
-        retried = retry_out_of_memory(backward, split_into_pieces(len(mini_batch), micro_batch_size), memory,
+        retried = retry_out_of_memory(backward, plan.pieces, memory,
                                       discard=discard, single_item_error=None)
     return _merge_pieces(retried.done), retried.recoveries
 

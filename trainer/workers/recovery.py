@@ -145,8 +145,12 @@ def run_in_pieces(run: Callable[[int, int], T], total: int, size: int, *, memory
     no-grad phase: a piece that runs out of device memory is retried once memory was relieved, or
     split; the pieces done are kept (nothing accumulates across them). Without `memory` the error
     propagates."""
-    retried = retry_out_of_memory(lambda piece: run(piece.first, piece.count), split_into_pieces(total, size),
-                                  memory)
+    return run_pieces(run, split_into_pieces(total, size), memory=memory)
+
+
+def run_pieces(run: Callable[[int, int], T], pieces: Sequence[Piece], *, memory: WorkerMemory | None) -> list[T]:
+    """`run_in_pieces` over the given `pieces` (micro-batches by token budget have sizes of their own)."""
+    retried = retry_out_of_memory(lambda piece: run(piece.first, piece.count), pieces, memory)
     if memory is not None:
         memory.count_recoveries(retried.recoveries)
     return [result for _, result in retried.done]

@@ -1,0 +1,155 @@
+"""verl's use_remove_padding and use_dynamic_bsz: a padding-free forward, and micro-batches by token budget.
+
+Padding-free forward (`packed_response_outputs`): the real tokens of a micro-batch's sequences go through
+the model as one packed row, each sequence's position ids restarting at 0 and no attention mask, as
+transformers' padding-free training lays them out (DataCollatorWithFlattening). transformers reads the
+boundaries from the position ids for sdpa and eager attention (masking_utils.find_packed_sequence_indices:
+a block-diagonal causal mask), and takes them from the cu_seq_lens/max_length keywords passed here for
+flash_attention_2/3 (varlen kernels, nothing inferred). The outputs go back to the padded [B, R, ...]
+layout, zeros where the response is padding, so every loss reads what the padded forward gives it.
+
+Micro-batches by token budget (`plan_micro_batches`): as verl's rearrange_micro_batches, as few groups as
+the budget allows, balanced by their real tokens (prompt and response); results go back in the batch's order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from trainer.errors import RunSetupError
+from trainer.rollout.batch import RolloutBatch
+from trainer.workers.recovery import Piece, split_into_pieces
+
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+"""transformers' attention implementations that keep the sequences of a packed row apart."""
+PACKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Layer types that read the boundaries from the position ids (linear attention and convolutions do not)."""
+
+
+class TokenBudgetError(ValueError):
+    """A sequence longer than the micro-batch token budget: no micro-batch could hold it."""
+
+
+def check_packable(model: PreTrainedModel, setting: str) -> None:
+    """Refuse a padding-free forward that would let a packed row's sequences see each other: an attention
+    implementation that builds no packed mask (a custom one), or layers that ignore position ids."""
+    config = model.config
+    attention = config._attn_implementation
+    if attention not in PACKED_ATTENTION:
+        raise RunSetupError(f"{setting}: true, but the model's attention implementation {attention!r} keeps no "
+                            f"sequences of a packed row apart (those that do: {', '.join(PACKED_ATTENTION)}); "
+                            f"set {setting}=false")
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(PACKED_LAYER_TYPES))
+    if other:
+        raise RunSetupError(f"{setting}: true, but {config.model_type} has {', '.join(other)} layers, which ignore "
+                            f"the sequence boundaries of a packed row; set {setting}=false")
+
+
+def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+    """[B, R, ...] the model's output at the positions that predict (or value) each response token, from one
+    padding-free forward; zeros where the response is padding."""
+    real = batch.attention_mask.bool()
+    prompt_length, response_length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    # Where each real token sits in the packed row; position t predicts token t + 1 (as the padded forward).
+    packed_index = real.flatten().cumsum(0).view(real.shape) - 1
+    predicting = slice(prompt_length - 1, prompt_length - 1 + response_length)
+    wanted = batch.response_mask.bool()
+    if not bool(real[:, predicting][wanted].all()):
+        raise ValueError("a response mask with a gap before a response token (or an empty prompt): the packed "
+                         "forward needs each sequence's real tokens contiguous")
+    keep = packed_index[:, predicting][wanted]
+    lengths = real.sum(dim=1)
+    boundaries = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
+    # Only the kept positions go through the head (a causal LM's logits_to_keep): for a long prompt most
+    # of the [T, V] logits the padded forward computes are never read.
+    parameters = inspect.signature(model.forward).parameters
+    head_only_kept = "logits_to_keep" in parameters
+    # flash_attention_2/3 take the boundaries from these (sdpa and eager ignore them); a forward without
+    # **kwargs (remote code) gets none, and flash attention then infers them from the position ids.
+    boundary_keywords = ({"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": longest,
+                          "max_length_k": longest}
+                         if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+                         else {})
+    output = model(
+        input_ids=batch.input_ids[real].unsqueeze(0),
+        position_ids=batch.position_ids[real].unsqueeze(0),
+        use_cache=False,
+        **boundary_keywords,
+        **({"logits_to_keep": keep} if head_only_kept else {}),
+    )
+    outputs: torch.Tensor = output.logits[0] if head_only_kept else output.logits[0, keep]
+    padded = outputs.new_zeros((*wanted.shape, outputs.shape[-1]))
+    padded[wanted] = outputs
+    return padded
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """How a batch splits into micro-batches: the batch reordered by `order`, then `pieces` of it in turn."""
+
+    order: torch.Tensor | None
+    """[B] the sequences in micro-batch order; None: the batch's own order."""
+    pieces: list[Piece]
+    """Consecutive pieces of the reordered batch, one per micro-batch."""
+
+    def arrange(self, batch: RolloutBatch) -> RolloutBatch:
+        """The batch in micro-batch order."""
+        return batch if self.order is None else batch.select(self.order)
+
+    def restore(self, results: torch.Tensor) -> torch.Tensor:
+        """Per-sequence `results` in micro-batch order, back in the batch's order."""
+        if self.order is None:
+            return results
+        return results[torch.argsort(self.order).to(results.device)]
+
+
+def plan_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_token_len: int | None) -> MicroBatches:
+    """Micro-batches of `micro_batch_size` sequences in order or, with `max_token_len`, by token budget."""
+    if max_token_len is None:
+        return MicroBatches(None, split_into_pieces(len(batch), micro_batch_size))
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    groups = token_budget_partitions(lengths, max_token_len)
+    pieces, first = [], 0
+    for number, group in enumerate(groups):
+        pieces.append(Piece(first, len(group), number))
+        first += len(group)
+    return MicroBatches(torch.tensor([index for group in groups for index in group], dtype=torch.long), pieces)
+
+
+def token_budget_partitions(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` in the fewest balanced groups (from ceil(total / max_tokens) up) whose lengths
+    each sum to at most `max_tokens`; each group's indices ascending, groups by their first index.
+
+    Balancing is the longest-first greedy (each sequence to the lightest group), written here as verl's
+    own Karmarkar-Karp partitioner has no library to take it from; a split that overflows a group tries
+    one group more, and one sequence a group always fits.
+    """
+    if not lengths:
+        return []
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise TokenBudgetError(f"a token budget of {max_tokens} is smaller than one sequence of {longest} tokens")
+    count = max(1, math.ceil(sum(lengths) / max_tokens))
+    while True:
+        groups = _balanced_groups(lengths, count)
+        if all(sum(lengths[index] for index in group) <= max_tokens for group in groups):
+            return sorted((sorted(group) for group in groups), key=lambda group: group[0])
+        count += 1
+
+
+def _balanced_groups(lengths: Sequence[int], count: int) -> list[list[int]]:
+    groups: list[list[int]] = [[] for _ in range(count)]
+    loads = [(0, number) for number in range(count)]  # a heap of (tokens so far, group)
+    for index in sorted(range(len(lengths)), key=lambda index: (-lengths[index], index)):
+        load, number = heapq.heappop(loads)
+        groups[number].append(index)
+        heapq.heappush(loads, (load + lengths[index], number))
+    return [group for group in groups if group]
