@@ -77,7 +77,7 @@ def test_round_trip_of_models_and_state(tokenizer, tmp_path):
     expected_draws = (random.random(), np.random.rand(), torch.rand(3))
 
     path = save_checkpoint(tmp_path, 3, saved, state)
-    assert path == tmp_path / "checkpoints" / "global_step_3"
+    assert path == tmp_path / "global_step_3"
     loaded = models(tokenizer, seed=2)
     restored = load_checkpoint(path, loaded)
     for role in saved:

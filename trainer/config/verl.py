@@ -53,7 +53,7 @@ _PROFILER = ("verl's profiler is not built here (timings: timing_s/* in metrics.
 WHY: tuple[tuple[str, str], ...] = (
     ("*._target_", "it names the class verl's Hydra instantiates; this project builds its own"),
     ("*profiler*", _PROFILER),
-    ("*.megatron.*", "Megatron is not an engine here (HuggingFace models with this project's offload engine)"),
+    ("*.megatron*", "Megatron is not an engine here (HuggingFace models with this project's offload engine)"),
     ("*strategy", "the models here train with this project's offload engine (FSDP-style per-group placement); "
                   "Megatron is not an engine here"),
     ("*use_remove_padding", "the padding-free (varlen) forward is not built on this branch"),
@@ -174,6 +174,10 @@ def verl_only_defaults() -> dict[str, Any]:
     each at verl's default (interpolations kept as written)."""
     tree = yaml.safe_load(VERL_CONFIG_FILE.read_text(encoding="utf-8"))
     _move_critic_fsdp(tree)
+    # verl's Megatron trainer (ppo_megatron_trainer.yaml) puts each model's engine settings under `megatron`:
+    # accepted empty, so that any of them is refused as needing Megatron rather than as a key unknown.
+    for section in (tree["actor_rollout_ref"]["actor"], tree["actor_rollout_ref"]["ref"], tree["critic"]):
+        section["megatron"] = {}
     return _unknown_to(tree, RunConfig)
 
 
@@ -366,7 +370,7 @@ def _compare(location: list[str], value: Any, default: Any, context: _Context) -
             return []
         return [ConfigProblem(key, f"got {_show(value)}, but {why(key)}; allowed: "
                               f"{' or '.join(_show(choice) for choice in allowed)}")]
-    if isinstance(default, dict) and default and isinstance(value, dict):
+    if isinstance(default, dict) and isinstance(value, dict):
         problems: list[ConfigProblem] = []
         for name, item in value.items():
             below = [*location, str(name)]
