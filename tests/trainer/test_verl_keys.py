@@ -88,7 +88,8 @@ GOOD: list[tuple[list[str], dict[str, Any]]] = [
      {f"{ARO}.actor.fsdp_config.offload_policy.transformer": "cpu", f"{ARO}.actor.fsdp_config.offload_policy.embedding":
       "cpu", f"{ARO}.actor.fsdp_config.optimizer_offload": True}),
     ([f"{ARO}.actor.fsdp_config.offload_policy=False"],
-     {f"{ARO}.actor.fsdp_config.offload_policy.transformer": None, f"{ARO}.actor.fsdp_config.optimizer_offload": False}),
+     {f"{ARO}.actor.fsdp_config.offload_policy.transformer": None,
+      f"{ARO}.actor.fsdp_config.optimizer_offload": False}),
     ([f"{ARO}.actor.use_kl_loss=True", f"{ARO}.ref.fsdp_config.offload_policy=True"],
      {f"{ARO}.ref.fsdp_config.offload_policy.lm_head": "cpu", f"{ARO}.ref.fsdp_config.optimizer_offload": False}),
     ([f"{ARO}.actor.fsdp_config.offload_policy={{transformer:cpu}}"],
@@ -99,7 +100,8 @@ GOOD: list[tuple[list[str], dict[str, Any]]] = [
       f"{ARO}.actor.optim.num_cycles=0.5", f"{ARO}.actor.optim.lr_warmup_steps_ratio=0.1"],
      {f"{ARO}.actor.optim.schedule": "cosine", f"{ARO}.actor.optim.min_lr_ratio": 0.1}),
     ([f"{ARO}.actor.optim.warmup_style=cosine"], {f"{ARO}.actor.optim.schedule": "cosine"}),
-    (["critic.optim.lr_scheduler_type=cosine", "critic.optim.warmup_style=cosine"], {"critic.optim.schedule": "cosine"}),
+    (["critic.optim.lr_scheduler_type=cosine", "critic.optim.warmup_style=cosine"],
+     {"critic.optim.schedule": "cosine"}),
     # verl's keys at verl's defaults (or at what their source mirrors)
     ([f"{ARO}.rollout.mode=async", f"{ARO}.rollout.free_cache_engine=True", f"{ARO}.rollout.load_format=dummy",
       f"{ARO}.rollout.enable_chunked_prefill=True", f"{ARO}.rollout.max_num_batched_tokens=8192"], {}),
@@ -172,7 +174,8 @@ REFUSED: list[tuple[list[str], dict[str, str]]] = [
      {f"{ARO}.actor.fsdp_config.optimizer_offload": "offloads everything, optimizer states included"}),
     ([f"{ARO}.actor.optim.warmup_style=constant", f"{ARO}.actor.optim.lr_scheduler_type=cosine"],
      {f"{ARO}.actor.optim.warmup_style": "verl's older name of it"}),
-    ([f"{ARO}.actor.optim.lr_scheduler_type=linear"], {f"{ARO}.actor.optim.lr_scheduler_type": "'constant' or 'cosine'"}),
+    ([f"{ARO}.actor.optim.lr_scheduler_type=linear"],
+     {f"{ARO}.actor.optim.lr_scheduler_type": "'constant' or 'cosine'"}),
 ]
 
 
