@@ -76,8 +76,8 @@ def save_checkpoint(root: Path, step: int, models: dict[str, torch.nn.Module], s
     if needed > free:
         raise CheckpointWriteError(f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: it "
                                    f"needs about {format_bytes(needed)} and {format_bytes(free)} is free; free some "
-                                   "space, keep fewer checkpoints (trainer.max_ckpt_to_keep) or write the run "
-                                   "elsewhere (trainer.runs_dir)")
+                                   "space, keep fewer checkpoints (trainer.max_ckpt_to_keep) or write the checkpoints "
+                                   "elsewhere (trainer.default_local_dir)")
     try:
         partial.mkdir()
         for role, model in models.items():

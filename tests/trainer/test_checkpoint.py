@@ -316,7 +316,7 @@ def test_the_folders_of_a_live_process_saving_into_the_run_are_left_alone(tmp_pa
 
 def test_the_step_file_a_killed_save_left_is_removed_unless_its_process_lives(tmp_path, dead_pid):
     root = tmp_path
-    root.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
     gone, live = root / f".{LATEST}.tmp-{dead_pid}", root / f".{LATEST}.tmp-{os.getppid()}"
     gone.write_text("4\n")
     live.write_text("5\n")
