@@ -234,7 +234,9 @@ def _move_critic_fsdp(tree: dict[str, Any], problems: list[Any] | None = None) -
     """critic.model.fsdp_config -> critic.fsdp_config, leaf by leaf; a leaf set in both with different values is
     a problem naming both. True when verl's place held anything."""
     critic = tree.get("critic")
-    model = critic.get("model") if isinstance(critic, dict) else None
+    if not isinstance(critic, dict):
+        return False
+    model = critic.get("model")
     if not isinstance(model, dict) or "fsdp_config" not in model:
         return False
     verl_place = model.pop("fsdp_config")
@@ -324,7 +326,8 @@ _UNRESOLVED = object()
 
 def merged_over_defaults(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` laid over the schema's defaults, mapping by mapping: what an interpolation resolves against."""
-    return _merged(RunConfig().model_dump(mode="json"), raw)
+    merged: dict[str, Any] = _merged(RunConfig().model_dump(mode="json"), raw)
+    return merged
 
 
 def _merged(defaults: Any, raw: Any) -> Any:
