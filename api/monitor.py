@@ -170,7 +170,8 @@ class RunSummary:
 
     @classmethod
     def from_run_dir(cls, run_dir: Path, *, name: str, total_steps: int | None, elapsed_s: float,
-                     failed: bool) -> RunSummary:
+                     failed: bool, checkpoints: Path | None = None) -> RunSummary:
+        """`checkpoints`: the run's checkpoint folder when trainer.default_local_dir moves it out of `run_dir`."""
         last = last_step_metrics(Path(run_dir) / METRICS_FILE)
         step = int(last["step"]) if last else 0
         reward = last.get(REWARD_KEY) if last else None
@@ -180,7 +181,7 @@ class RunSummary:
             outcome = "ended"
         else:
             outcome = "finished" if step >= total_steps else "stopped"
-        checkpoints = Path(run_dir) / CHECKPOINTS_DIR
+        checkpoints = Path(run_dir) / CHECKPOINTS_DIR if checkpoints is None else Path(checkpoints)
         return cls(name=name, outcome=outcome, step=step, total_steps=total_steps, elapsed_s=elapsed_s,
                    reward=reward if isinstance(reward, int | float) else None, checkpoints=checkpoints,
                    latest_checkpoint=latest_checkpoint(checkpoints))

@@ -218,7 +218,8 @@ def start_run(config: RunConfig, config_path: Path, monitor: bool, run_lock: Run
     if code != EXIT_USAGE:
         print_summary(RunSummary.from_run_dir(config.trainer.run_dir, name=config.trainer.experiment_name,
                                               total_steps=config.trainer.total_training_steps,
-                                              elapsed_s=time.monotonic() - started, failed=code != 0),
+                                              elapsed_s=time.monotonic() - started, failed=code != 0,
+                                              checkpoints=config.trainer.checkpoint_dir),
                       monitor=monitor)
     return code
 

@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def check_run(config: RunConfig) -> list[str]:
     """One line per problem with the run's tokenizers, data files and model directories."""
     from trainer.data import DataError, load_records
-    from trainer.data.checks import check_prompts
+    from trainer.data.checks import check_prompts, drop_overlong_prompts
     from trainer.models.loading import ModelLoadError, load_tokenizer
     from trainer.rollout.prompts import PromptTooLong
 
@@ -58,6 +58,13 @@ def check_run(config: RunConfig) -> list[str]:
     for files_key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         try:
             records = load_records(files, data.prompt_key, require_ground_truth=builtin_scoring)
+            if tokenizer is not None and data.filter_overlong_prompts:
+                records = drop_overlong_prompts(records, tokenizer, data.max_prompt_length)
+                if files and not records:
+                    problems.append(f"{files_key}: every prompt is longer than data.max_prompt_length="
+                                    f"{data.max_prompt_length} tokens (data.filter_overlong_prompts drops them); "
+                                    "raise it")
+                    continue
             if tokenizer is not None:
                 name = (f"{source}'s built-in {len(tokenizer)}-token tokenizer" if source.startswith(BUILTIN_PREFIX)
                         else repr(source))

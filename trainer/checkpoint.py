@@ -1,4 +1,5 @@
-"""Checkpoints under <run_dir>/checkpoints/global_step_N/, written atomically.
+"""Checkpoints under <root>/global_step_N/, written atomically; the root is the run's checkpoint folder
+(trainer.checkpoint_dir: <run_dir>/checkpoints, or verl's trainer.default_local_dir).
 
 A checkpoint is assembled in a hidden temporary folder and renamed into place in one step, so
 a crash at any moment leaves either a complete checkpoint or none: never half of one.
@@ -42,12 +43,13 @@ class FinalCheckpointError(CheckpointError):
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
+    """The checkpoint folder of a run directory when trainer.default_local_dir does not move it."""
     return Path(run_dir) / CHECKPOINTS
 
 
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoints_dir(run_dir)
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in the checkpoint folder `root`, oldest first."""
+    root = Path(root)
     if not root.is_dir():
         return []
     found = []
@@ -58,15 +60,16 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    checkpoints = list_checkpoints(run_dir)
+def latest_checkpoint(root: Path) -> Path | None:
+    checkpoints = list_checkpoints(root)
     return checkpoints[-1][1] if checkpoints else None
 
 
-def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module], state: dict[str, Any],
+def save_checkpoint(root: Path, step: int, models: dict[str, torch.nn.Module], state: dict[str, Any],
                     *, keep: int | None = None) -> Path:
-    """Write the models' weights and `state` (optimizers, RNG, data position...) for `step`."""
-    root = checkpoints_dir(run_dir)
+    """Write the models' weights and `state` (optimizers, RNG, data position...) for `step` into the checkpoint
+    folder `root`; with `keep`, only the newest `keep` checkpoints stay."""
+    root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"global_step_{step}"
     partial = root / f".global_step_{step}.partial-{os.getpid()}"
@@ -75,8 +78,8 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
     if needed > free:
         raise CheckpointWriteError(f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: it "
                                    f"needs about {format_bytes(needed)} and {format_bytes(free)} is free; free some "
-                                   "space, keep fewer checkpoints (trainer.max_ckpt_to_keep) or write the run "
-                                   "elsewhere (trainer.runs_dir)")
+                                   "space, keep fewer checkpoints (trainer.max_ckpt_to_keep) or write the checkpoints "
+                                   "elsewhere (trainer.default_local_dir)")
     try:
         partial.mkdir()
         for role, model in models.items():
@@ -94,7 +97,7 @@ def save_checkpoint(run_dir: Path, step: int, models: dict[str, torch.nn.Module]
         raise CheckpointWriteError(f"the checkpoint of step {step} is complete in {str(final)!r}, but {LATEST} "
                                    f"could not be updated ({_one_line(error)})") from None
     if keep is not None:
-        for _, old in list_checkpoints(run_dir)[:-keep]:
+        for _, old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -109,11 +112,11 @@ def _save_model(model: torch.nn.Module, directory: Path) -> None:
         save_model(model, str(directory / WEIGHTS))
 
 
-def save_weights(run_dir: Path, step: int, model: torch.nn.Module) -> Path:
+def save_weights(root: Path, step: int, model: torch.nn.Module) -> Path:
     """The policy's weights alone, as a HuggingFace directory (config.json and model.safetensors; a LoRA
-    adapter in peft's format) under <run_dir>/checkpoints/weights_step_N/: what a run keeps when its full
-    checkpoint no longer fits."""
-    root = checkpoints_dir(run_dir)
+    adapter in peft's format) under <root>/weights_step_N/: what a run keeps when its full checkpoint no
+    longer fits."""
+    root = Path(root)
     final = root / f"weights_step_{step}"
     partial = root / f".weights_step_{step}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
@@ -253,7 +256,7 @@ def _load_adapter(path: Path, role: str, model: torch.nn.Module) -> None:
                               f"tensors differ, e.g. {unfit[0]!r}): were lora_rank and target_modules the same?")
 
 
-def remove_partial_checkpoints(run_dir: Path) -> None:
+def remove_partial_checkpoints(root: Path) -> None:
     """Clear what saves of dead processes left behind; called before a run looks for its latest checkpoint.
 
     - ``.global_step_N.partial-PID``: a save killed while writing: removed.
@@ -266,7 +269,7 @@ def remove_partial_checkpoints(run_dir: Path) -> None:
     trainer on the same run directory, or one still shutting down), and its own rename would then fail.
     A dead process's pid taken over by another process keeps its folders until a later start: only disk.
     """
-    root = checkpoints_dir(run_dir)
+    root = Path(root)
     if not root.is_dir():
         return
     leftovers = sorted((match.group("kind"), path, root / f"global_step_{match.group('step')}")

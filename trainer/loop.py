@@ -46,7 +46,7 @@ from trainer.config.messages import (
     UpMessage,
 )
 from trainer.data import PromptRecord, PromptSampler, load_records
-from trainer.data.checks import check_prompts
+from trainer.data.checks import check_prompts, drop_overlong_prompts
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
 from trainer.metrics import (
@@ -69,6 +69,7 @@ from trainer.reporting import StepObserver
 from trainer.rewards import resolve_compute_score
 from trainer.rewards.manager import ModelReward, RewardFunction, RuleReward, place_on_last_token
 from trainer.rollout.batch import RolloutBatch
+from trainer.rollout.budget import KVCacheShape, over_budget_message, rows_within_budget
 from trainer.rollout.hf_rollout import HFRollout
 from trainer.rollout.prompts import encode_prompts
 from trainer.workers.actor import Actor, compute_log_probs
@@ -113,6 +114,7 @@ class Trainer:
         self.settings_listeners: list[Callable[[LiveSettings], None]] = []
         self.run_dir = Path(config.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir = config.trainer.checkpoint_dir  # verl's trainer.default_local_dir, when it is set
         # The config that actually ran, every default explicit, beside its results.
         (self.run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
         self.observers = list(observers)
@@ -126,14 +128,15 @@ class Trainer:
                                         trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
         # The built-in rule scorers compare each response with the row's ground truth.
         builtin_scoring = not config.reward_model.enable and config.custom_reward_function.path is None
-        self.records = load_records(config.data.train_files, config.data.prompt_key,
-                                    require_ground_truth=builtin_scoring)
-        self.val_records = load_records(config.data.val_files, config.data.prompt_key,
-                                        require_ground_truth=builtin_scoring) if config.data.val_files else []
+        self.records = self._filtered("data.train_files", load_records(
+            config.data.train_files, config.data.prompt_key, require_ground_truth=builtin_scoring))
+        self.val_records = self._filtered("data.val_files", load_records(
+            config.data.val_files, config.data.prompt_key, require_ground_truth=builtin_scoring)
+        ) if config.data.val_files else []
         self._check_prompts()
         try:
             self.sampler = PromptSampler(len(self.records), config.data.train_batch_size,
-                                         shuffle=config.data.shuffle, seed=config.data.seed)
+                                         shuffle=config.data.shuffle, seed=config.prompt_order_seed)
         except ValueError as error:
             raise RunSetupError(str(error)) from None
         self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
@@ -166,6 +169,7 @@ class Trainer:
         self._saved_at = 0
         self._summary_sent = False
         self._heartbeat_at = -math.inf
+        self._over_budget_warned = False  # rollout.gpu_memory_utilization leaves no room: said once
         self.stop_requested = threading.Event()
 
     # ------------------------------------------------------------------------------------- build
@@ -227,6 +231,20 @@ class Trainer:
             self.log("reference policy: the actor with its LoRA adapter disabled, no second copy of the "
                      f"weights{ignored}")
 
+    def _filtered(self, files_key: str, records: list[PromptRecord]) -> list[PromptRecord]:
+        """data.filter_overlong_prompts: the records whose prompt fits data.max_prompt_length (as verl's dataset
+        filters them at load); the count dropped goes to the log."""
+        data = self.config.data
+        if not data.filter_overlong_prompts:
+            return records
+        kept = drop_overlong_prompts(records, self.tokenizer, data.max_prompt_length)
+        self.log(f"data.filter_overlong_prompts: dropped {len(records) - len(kept)} of {len(records)} prompts of "
+                 f"{files_key} longer than data.max_prompt_length={data.max_prompt_length} tokens")
+        if not kept:
+            raise RunSetupError(f"data.filter_overlong_prompts: every prompt of {files_key} is longer than "
+                                f"data.max_prompt_length={data.max_prompt_length} tokens; raise it")
+        return kept
+
     def _check_prompts(self) -> None:
         """Every prompt's length, and how much of the prompts the tokenizer knows: before any model is
         built, since the tokenizer alone is cheap and a model build is not."""
@@ -266,6 +284,11 @@ class Trainer:
                      "again choose another trainer.experiment_name, or raise trainer.total_training_steps")
             return
         self._saved_at = self.step
+        if self.step == 0 and self.val_records and (self.config.trainer.val_before_train
+                                                     or self.config.trainer.val_only):
+            self._validate_before_training()
+            if self.config.trainer.val_only:
+                return
         while True:
             self.handle_control_messages()
             if self._checkpoint_requested and self._saved_at != self.step:
@@ -287,6 +310,13 @@ class Trainer:
             self.save(final=True)
         if self.stop_requested.is_set() and self.step < self.total_steps:
             self.log(f"stopped at step {self.step}/{self.total_steps} on request; checkpoint saved")
+
+    def _validate_before_training(self) -> None:
+        """trainer.val_before_train: the validation scores of the weights the run starts from, as step 0's line
+        (verl logs them at global step 0 too). Only a run starting at step 0: a resumed one has trained."""
+        start = time.perf_counter()
+        metrics = self.validate()
+        self._record_step({**metrics, "timing_s/testing": time.perf_counter() - start, "training/global_step": 0})
 
     def _record_step(self, metrics: dict[str, float]) -> None:
         """metrics.jsonl, the daemon and every observer (the console) get the step's metrics."""
@@ -335,9 +365,10 @@ class Trainer:
                 with timer.phase("update_critic"), self.memory.placed_for("training", Role.CRITIC,
                                                                           self._passes("training", Role.CRITIC, size)):
                     metrics.update(reduce_metrics(self.critic.update(batch)))
-            with timer.phase("update_actor"), self.memory.placed_for("training", Role.ACTOR,
-                                                                     self._passes("training", Role.ACTOR, size)):
-                metrics.update(reduce_metrics(self.actor.update(batch)))
+            if self.step >= self.config.trainer.critic_warmup:  # the first critic_warmup steps train the critic only
+                with timer.phase("update_actor"), self.memory.placed_for("training", Role.ACTOR,
+                                                                         self._passes("training", Role.ACTOR, size)):
+                    metrics.update(reduce_metrics(self.actor.update(batch)))
         metrics.update(timer.metrics())
         metrics.update(timing_per_token_metrics(batch, timer.seconds))
         metrics.update(mfu_metrics(batch, timer.seconds, peak_flops=self.peak_flops,
@@ -392,12 +423,31 @@ class Trainer:
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
                                                                          prompt_mask[first:first + count]),
-                                   len(repeated), len(repeated), memory=self.memory.for_role(Role.ACTOR))
+                                   len(repeated), self._rollout_rows(len(repeated), prompt_ids.shape[1]),
+                                   memory=self.memory.for_role(Role.ACTOR))
         response_ids = torch.cat([ids for ids, _ in pieces])
         response_mask = torch.cat([mask for _, mask in pieces])
         group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated)
+
+    def _rollout_rows(self, rows: int, prompt_length: int) -> int:
+        """How many of `rows` sequences decode at once: all of them, or as many as rollout.gpu_memory_utilization
+        leaves room for beside what is in use now (trainer/rollout/budget.py; a GPU only)."""
+        utilization = self.config.actor_rollout_ref.rollout.gpu_memory_utilization
+        if utilization is None or self.memory.probe is None:
+            return rows
+        in_use, capacity = self.memory.probe()
+        element_bytes = torch_dtype(self.config.actor_rollout_ref.actor.fsdp_config.model_dtype).itemsize
+        per_row = KVCacheShape.of(self.actor.model.config).bytes_per_sequence(
+            prompt_length + self.config.data.max_response_length, element_bytes)
+        fitting = rows_within_budget(rows, utilization=utilization, in_use=in_use, capacity=capacity,
+                                     bytes_per_row=per_row)
+        if fitting == 0 and not self._over_budget_warned:
+            self._over_budget_warned = True
+            self.warn(over_budget_message(utilization=utilization, in_use=in_use, capacity=capacity,
+                                          bytes_per_row=per_row))
+        return max(1, fitting)
 
     def _reference_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference policy's log-probs: its own model's, or with LoRA the actor's with the adapter disabled
@@ -453,7 +503,7 @@ class Trainer:
                            self.config.actor_rollout_ref.rollout.model_copy(update={"do_sample": False}),
                            self.config.data.max_response_length, graph_safety=self.memory.engine(Role.ACTOR))
         scores: dict[str, list[float]] = {}
-        size = self.config.data.val_batch_size
+        size = self.config.data.val_batch_size or len(self.val_records)  # null: all at once, as verl
         for start in range(0, len(self.val_records), size):
             batch = self.generate(self.val_records[start:start + size], rollout=greedy, n=1)
             for record, score in zip(batch.records, self.reward_fn(batch).tolist(), strict=True):
@@ -491,8 +541,8 @@ class Trainer:
             "rng": rng_state(),
         }
         try:
-            path = save_checkpoint(self.run_dir, self.step, self._models(), state,
-                                   keep=self.config.trainer.max_ckpt_to_keep)
+            path = save_checkpoint(self.checkpoint_dir, self.step, self._models(), state,
+                                   keep=self.config.checkpoints_to_keep)
         except CheckpointWriteError as error:
             self._checkpoint_failed(error, final=final)
             return None
@@ -505,14 +555,14 @@ class Trainer:
     def _checkpoint_failed(self, error: CheckpointWriteError, *, final: bool) -> None:
         self.checkpoint_failures += 1
         self._checkpoint_failing = True
-        complete = list_checkpoints(self.run_dir)
+        complete = list_checkpoints(self.checkpoint_dir)
         latest = f"step {complete[-1][0]}" if complete else "none"
         if not final:
             self.warn(f"CHECKPOINT NOT SAVED: {error}; training goes on and the next save tries again (the latest "
                       f"complete checkpoint, which a restart resumes from: {latest})")
             return
         try:
-            weights = save_weights(self.run_dir, self.step, self._models()["actor"])
+            weights = save_weights(self.checkpoint_dir, self.step, self._models()["actor"])
         except CheckpointWriteError as weights_error:
             kept = f"the actor's weights alone could not be written either ({weights_error})"
         else:
@@ -537,19 +587,19 @@ class Trainer:
         """Continue from the checkpoint resume_mode points at, or start at step 0."""
         mode = self.config.trainer.resume_mode
         self._resumed = True
-        remove_partial_checkpoints(self.run_dir)
+        remove_partial_checkpoints(self.checkpoint_dir)
         if mode == "disable":
-            if list_checkpoints(self.run_dir):
-                raise RunSetupError(f"trainer.resume_mode: disable, but {self.run_dir} already holds checkpoints; "
-                                    "set trainer.resume_mode=auto to continue that run, or choose another "
+            if list_checkpoints(self.checkpoint_dir):
+                raise RunSetupError(f"trainer.resume_mode: disable, but {self.checkpoint_dir} already holds "
+                                    "checkpoints; set trainer.resume_mode=auto to continue that run, or choose another "
                                     "trainer.experiment_name")
             path = None
         elif mode == "resume_path":
             path = Path(self.config.trainer.resume_from_path)
         else:
-            path = latest_checkpoint(self.run_dir)
+            path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
-            self.metrics_log.truncate_after(0)
+            self.metrics_log.truncate_after(-1)  # a fresh start: not even a step 0 (validation) line stays
             return
         self._restore(path)
 

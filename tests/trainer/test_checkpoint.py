@@ -18,7 +18,6 @@ from trainer.checkpoint import (
     TRAINER_STATE,
     CheckpointError,
     CheckpointWriteError,
-    checkpoints_dir,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -55,7 +54,7 @@ def assert_same_weights(first: torch.nn.Module, second: torch.nn.Module) -> None
 
 
 def step_dirs(run_dir) -> list[str]:
-    return sorted(path.name for path in checkpoints_dir(run_dir).iterdir())
+    return sorted(path.name for path in Path(run_dir).iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +77,7 @@ def test_round_trip_of_models_and_state(tokenizer, tmp_path):
     expected_draws = (random.random(), np.random.rand(), torch.rand(3))
 
     path = save_checkpoint(tmp_path, 3, saved, state)
-    assert path == tmp_path / "checkpoints" / "global_step_3"
+    assert path == tmp_path / "global_step_3"
     loaded = models(tokenizer, seed=2)
     restored = load_checkpoint(path, loaded)
     for role in saved:
@@ -101,9 +100,9 @@ def test_round_trip_of_models_and_state(tokenizer, tmp_path):
 def test_latest_file_holds_the_step(tokenizer, tmp_path):
     saved = models(tokenizer, seed=1)
     save_checkpoint(tmp_path, 4, saved, {"step": 4})
-    assert (checkpoints_dir(tmp_path) / LATEST).read_text() == "4\n"
+    assert (tmp_path / LATEST).read_text() == "4\n"
     save_checkpoint(tmp_path, 10, saved, {"step": 10})
-    assert (checkpoints_dir(tmp_path) / LATEST).read_text() == "10\n"
+    assert (tmp_path / LATEST).read_text() == "10\n"
     assert latest_checkpoint(tmp_path).name == "global_step_10"  # by number, not by name (10 < 4 as text)
 
 
@@ -116,7 +115,7 @@ def test_no_checkpoints(tmp_path):
 def test_leftovers_of_a_crashed_save_are_ignored(tokenizer, tmp_path, dead_pid):
     saved = models(tokenizer, seed=1)
     complete = save_checkpoint(tmp_path, 3, saved, {"step": 3})
-    root = checkpoints_dir(tmp_path)
+    root = tmp_path
     partial = root / f".global_step_5.partial-{dead_pid}"
     (partial / "actor").mkdir(parents=True)
     (partial / TRAINER_STATE).write_bytes(b"half")
@@ -146,7 +145,7 @@ def test_the_size_estimate_is_never_below_what_a_save_writes(tokenizer, tmp_path
     state = {"step": 1, "optimizer": optimizer.state_dict(), "rng": rng_state(), "sampler": {"epoch": 0}}
     estimate = trainer.checkpoint.checkpoint_bytes(saved, state)
     path = save_checkpoint(tmp_path, 1, saved, state)
-    written = disk_bytes(path) + disk_bytes(checkpoints_dir(tmp_path) / LATEST)
+    written = disk_bytes(path) + disk_bytes(tmp_path / LATEST)
     # Was 39 KiB below what was written (headers, names, pickled RNG states); an estimate that is over by
     # little still says truly how much room a save needs.
     assert written <= estimate < 2 * written
@@ -172,7 +171,7 @@ def test_a_checkpoint_the_disk_cannot_hold_is_refused_in_one_line_keeping_the_la
     message = str(error.value)
     assert message.startswith("not enough disk space for the checkpoint of step 5 in ")
     assert message.endswith(" and 0.98 KiB is free; free some space, keep fewer checkpoints "
-                            "(trainer.max_ckpt_to_keep) or write the run elsewhere (trainer.runs_dir)")
+                            "(trainer.max_ckpt_to_keep) or write the checkpoints elsewhere (trainer.default_local_dir)")
     assert "\n" not in message
     assert step_dirs(tmp_path) == ["global_step_3", LATEST]
     assert latest_checkpoint(tmp_path) == complete
@@ -222,7 +221,7 @@ def test_the_disk_full_message_gives_the_free_space_when_the_write_failed(tokeni
 def test_the_weights_alone_are_a_model_directory(tokenizer, tmp_path):
     actor = models(tokenizer, seed=1)["actor"]
     path = save_weights(tmp_path, 7, actor)
-    assert path == checkpoints_dir(tmp_path) / "weights_step_7"
+    assert path == tmp_path / "weights_step_7"
     assert sorted(file.name for file in path.iterdir()) == ["config.json", "model.safetensors"]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     assert_same_weights(loaded, actor)
@@ -295,16 +294,16 @@ def test_a_crash_between_the_renames_of_a_resave_keeps_the_step(tokenizer, tmp_p
 def test_a_stale_copy_beside_its_step_is_removed(tokenizer, tmp_path, dead_pid):
     saved = models(tokenizer, seed=1)
     save_checkpoint(tmp_path, 5, saved, {"version": 1})
-    stale = checkpoints_dir(tmp_path) / f".global_step_5.stale-{dead_pid}"
+    stale = tmp_path / f".global_step_5.stale-{dead_pid}"
     (stale / "actor").mkdir(parents=True)
     (stale / TRAINER_STATE).write_bytes(b"old")
     remove_partial_checkpoints(tmp_path)
     assert step_dirs(tmp_path) == ["global_step_5", LATEST]
-    assert load_checkpoint(checkpoints_dir(tmp_path) / "global_step_5", models(tokenizer, seed=3)) == {"version": 1}
+    assert load_checkpoint(tmp_path / "global_step_5", models(tokenizer, seed=3)) == {"version": 1}
 
 
 def test_the_folders_of_a_live_process_saving_into_the_run_are_left_alone(tmp_path, dead_pid):
-    root = checkpoints_dir(tmp_path)
+    root = tmp_path
     live = os.getppid()  # alive: it started this test process
     kept = [root / f".global_step_5.partial-{live}", root / f".global_step_4.stale-{live}"]
     gone = [root / f".global_step_5.partial-{dead_pid}", root / f".global_step_4.stale-{dead_pid}"]
@@ -316,8 +315,8 @@ def test_the_folders_of_a_live_process_saving_into_the_run_are_left_alone(tmp_pa
 
 
 def test_the_step_file_a_killed_save_left_is_removed_unless_its_process_lives(tmp_path, dead_pid):
-    root = checkpoints_dir(tmp_path)
-    root.mkdir(parents=True)
+    root = tmp_path
+    root.mkdir(parents=True, exist_ok=True)
     gone, live = root / f".{LATEST}.tmp-{dead_pid}", root / f".{LATEST}.tmp-{os.getppid()}"
     gone.write_text("4\n")
     live.write_text("5\n")
@@ -349,19 +348,19 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tokenizer, tmp_path
 
     def crash(*_args, **_kwargs):
         # torch.save runs once the weights are written: they are on disk when this raises.
-        assert (checkpoints_dir(tmp_path) / f".global_step_2.partial-{os.getpid()}"
+        assert (tmp_path / f".global_step_2.partial-{os.getpid()}"
                 / "actor" / "model.safetensors").is_file()
         raise OSError("disk full")
 
     monkeypatch.setattr(trainer.checkpoint.torch, "save", crash)
     with pytest.raises(CheckpointError, match=r"^could not write the checkpoint of step 2 to .* \(disk full\)"):
         save_checkpoint(tmp_path, 2, models(tokenizer, seed=2), {"step": 2})
-    assert not list(checkpoints_dir(tmp_path).glob(".global_step_2.partial-*"))
+    assert not list(tmp_path.glob(".global_step_2.partial-*"))
     monkeypatch.undo()
 
-    assert not (checkpoints_dir(tmp_path) / "global_step_2").exists()
+    assert not (tmp_path / "global_step_2").exists()
     assert list_checkpoints(tmp_path) == [(1, previous)]
-    assert (checkpoints_dir(tmp_path) / LATEST).read_text() == "1\n"
+    assert (tmp_path / LATEST).read_text() == "1\n"
     loaded = models(tokenizer, seed=3)
     assert load_checkpoint(latest_checkpoint(tmp_path), loaded) == {"step": 1}
     assert_same_weights(loaded["actor"], saved["actor"])

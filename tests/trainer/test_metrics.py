@@ -88,6 +88,7 @@ TINY_RUN = [
     "data.max_response_length=6", "trainer.device=cpu", "trainer.total_training_steps=2", "trainer.save_freq=1",
     "trainer.test_freq=1", "data.val_files=[builtin:counting]", "actor_rollout_ref.actor.ppo_epochs=2",
     "actor_rollout_ref.actor.use_kl_loss=true",  # a reference policy, so timing_s/ref
+    "trainer.val_before_train=false",  # every line a training step's (step 0's validation: test_verl_keys_training)
 ]
 
 

@@ -268,7 +268,7 @@ def test_a_run_from_a_model_directory(saved_policy, tmp_path):
     lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert all(json.loads(line)["response_length/max"] <= 6 for line in lines)
-    checkpoint = latest_checkpoint(run_dir)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
     assert checkpoint is not None and checkpoint.name == "global_step_2"
     assert (checkpoint / "actor" / "model.safetensors").is_file()
     assert (checkpoint / "critic" / "model.safetensors").is_file()

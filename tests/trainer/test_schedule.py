@@ -5,8 +5,9 @@ the LR of step i (0-based) is lr * factor(i):
     warm-up, i < W:   (i + 1) / (W + 1)     a linear ramp that never spends a step at LR 0 (verl's
                                             ramp i / W starts at 0, wasting the first update)
     constant, i >= W: 1
-    cosine, i >= W:   min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * (i - W) / (T - W))) / 2
-with W = optim.lr_warmup_steps, or int(lr_warmup_steps_ratio * T) when that is -1, and T the run's steps.
+    cosine, i >= W:   max(min_lr_ratio, min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(2 pi C (i - W) / (T - W))) / 2)
+with C = optim.num_cycles (verl's 0.5: one half wave), W = optim.lr_warmup_steps, or
+int(lr_warmup_steps_ratio * T) when that is -1, and T the run's steps.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def learning_rates(config: OptimConfig, total_steps: int, steps: int | None = No
 
 
 def test_linear_warm_up_then_constant() -> None:
-    config = OptimConfig(lr=0.4, lr_warmup_steps=3, warmup_style="constant")
+    config = OptimConfig(lr=0.4, lr_warmup_steps=3, lr_scheduler_type="constant")
     # (i + 1) / 4 of 0.4 for i < 3, then 0.4
     assert learning_rates(config, total_steps=6) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4, 0.4])
 
@@ -89,7 +90,7 @@ def test_no_warm_up_starts_at_the_peak() -> None:
 
 
 def test_linear_warm_up_then_cosine_to_the_floor() -> None:
-    config = OptimConfig(lr=1.0, lr_warmup_steps=2, warmup_style="cosine", min_lr_ratio=0.1)
+    config = OptimConfig(lr=1.0, lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.1)
     # warm-up 1/3, 2/3; then progress (i - 2) / 4 = 0, 1/4, 1/2, 3/4:
     # 0.1 + 0.9 * (1 + cos(pi * p)) / 2 = 1, 0.1 + 0.9 * 0.85355, 0.1 + 0.9 * 0.5, 0.1 + 0.9 * 0.14645
     half_cos = [(1 + math.cos(math.pi * progress)) / 2 for progress in (0, 0.25, 0.5, 0.75)]
@@ -98,8 +99,20 @@ def test_linear_warm_up_then_cosine_to_the_floor() -> None:
     assert learning_rates(config, total_steps=6)[3:] == pytest.approx([0.868198, 0.55, 0.231802], abs=1e-6)
 
 
+def test_verls_older_name_warmup_style_sets_the_schedule_too() -> None:
+    assert learning_rates(OptimConfig(lr=1.0, warmup_style="cosine"), total_steps=4) == pytest.approx(
+        learning_rates(OptimConfig(lr=1.0, lr_scheduler_type="cosine"), total_steps=4))
+    assert learning_rates(OptimConfig(lr=1.0, warmup_style="cosine"), total_steps=4)[1] < 1.0
+
+
+def test_num_cycles_of_a_full_wave_decays_to_the_floor_and_comes_back() -> None:
+    config = OptimConfig(lr=1.0, lr_scheduler_type="cosine", num_cycles=1.0, min_lr_ratio=0.0)
+    # progress i / 4: (1 + cos(2 pi i / 4)) / 2 = 1, 0.5, 0, 0.5 (verl's get_cosine_schedule_with_warmup)
+    assert learning_rates(config, total_steps=4) == pytest.approx([1.0, 0.5, 0.0, 0.5], abs=1e-9)
+
+
 def test_cosine_never_goes_below_the_floor_past_the_planned_steps() -> None:
-    config = OptimConfig(lr=1.0, warmup_style="cosine", min_lr_ratio=0.2)
+    config = OptimConfig(lr=1.0, lr_scheduler_type="cosine", min_lr_ratio=0.2)
     assert learning_rates(config, total_steps=4, steps=7)[4:] == pytest.approx([0.2, 0.2, 0.2])
 
 
@@ -126,7 +139,7 @@ def test_explicit_warm_up_steps_win_over_the_ratio() -> None:
 def test_the_schedule_continues_after_a_resume() -> None:
     """A checkpoint holds the optimizer's and the scheduler's state (Actor.state_dict): restored in that
     order into fresh ones, the schedule goes on where it stopped."""
-    config = OptimConfig(lr=1.0, lr_warmup_steps=2, warmup_style="cosine", min_lr_ratio=0.1)
+    config = OptimConfig(lr=1.0, lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.1)
     straight = learning_rates(config, total_steps=6)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
     scheduler = build_scheduler(optimizer, config, 6)

@@ -101,7 +101,7 @@ def test_resume_redoes_only_the_steps_after_the_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=2")
     trainer.fit()
     # As if the run died after step 3 was logged but before its checkpoint: drop that checkpoint.
-    shutil.rmtree(latest_checkpoint(trainer.run_dir))
+    shutil.rmtree(latest_checkpoint(trainer.checkpoint_dir))
     resumed = make_trainer(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=2")
     resumed.resume()
     assert resumed.step == 2
@@ -135,7 +135,7 @@ def test_stop_request_checkpoints_at_the_end_of_the_step(tmp_path):
 
     trainer.observers.append(StopAfterTwo())
     trainer.fit()
-    assert [step for step, _ in list_checkpoints(trainer.run_dir)] == [2]
+    assert [step for step, _ in list_checkpoints(trainer.checkpoint_dir)] == [2]
     assert len(trainer.metrics_log.read()) == 2
 
 
@@ -276,7 +276,7 @@ def test_checkpoint_now_and_stop_from_the_daemon(tmp_path):
     trainer.fit()
     # Both are taken at the safe point after the step they arrive in: a checkpoint of step 1 at once,
     # and one of step 3 on the way out.
-    assert [step for step, _ in list_checkpoints(trainer.run_dir)] == [1, 3]
+    assert [step for step, _ in list_checkpoints(trainer.checkpoint_dir)] == [1, 3]
     assert [message.step for message in link.of_type(CheckpointMessage)] == [1, 3]
     assert trainer.step == 3
 
@@ -434,7 +434,7 @@ def test_a_checkpoint_the_disk_cannot_take_warns_and_the_run_goes_on(tmp_path, m
     assert [row["step"] for row in rows] == [1, 2, 3]
     # A save's failure is in the next step's metrics (verl_trainer_checkpoint_failures_total counts them).
     assert [(row["checkpoint/failures"], row["checkpoint/failing"]) for row in rows] == [(0, 0), (0, 0), (1, 1)]
-    assert [step for step, _ in list_checkpoints(trainer.run_dir)] == [1, 3], "the next save tried again"
+    assert [step for step, _ in list_checkpoints(trainer.checkpoint_dir)] == [1, 3], "the next save tried again"
     assert len(warnings) == 1
     assert warnings[0].startswith("CHECKPOINT NOT SAVED: could not write the checkpoint of step 2 to ")
     assert "([Errno 28] No space left on device) after " in warnings[0]

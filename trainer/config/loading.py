@@ -1,5 +1,6 @@
 """Loading a run config: the YAML file (or the built-in defaults), then the command line's overrides in
-Hydra's grammar, then ``${...}`` interpolation, then the schema and every check beyond it in one pass."""
+Hydra's grammar, then ``${...}`` interpolation, then verl's dialect (trainer/config/verl.py), the schema and
+every check beyond it in one pass."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.overrides import apply_overrides, resolve_interpolations
-from trainer.config.schema import ConfigError, RunConfig, read_yaml, validate_config
+from trainer.config.schema import ConfigError, ConfigProblem, RunConfig, read_yaml, validate_config
+from trainer.config.verl import translate
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> RunConfig:
@@ -24,4 +26,19 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[
     problems = resolve_interpolations(raw)
     if problems:
         raise ConfigError(problems)
-    return validate_config(raw)
+    tree, problems, aliases = translate(raw)
+    try:
+        config = validate_config(tree)
+    except ConfigError as error:
+        problems += error.problems
+    if problems:
+        raise ConfigError([_as_written(problem, aliases) for problem in problems])
+    return config
+
+
+def _as_written(problem: ConfigProblem, aliases: dict[str, str]) -> ConfigProblem:
+    """The problem under the key path the user wrote (verl's critic.model.fsdp_config for critic.fsdp_config)."""
+    for canonical, written in aliases.items():
+        if problem.path == canonical or problem.path.startswith(canonical + "."):
+            return ConfigProblem(written + problem.path[len(canonical):], problem.message)
+    return problem

@@ -24,7 +24,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config.schema import (
     ConfigProblem,
-    RunConfig,
     _dotted,
     _is_mapping,
     _section_type,
@@ -34,6 +33,7 @@ from trainer.config.schema import (
     field_at,
     unknown_key_message,
 )
+from trainer.config.verl import knows, merged_over_defaults
 
 GRAMMAR = ("key=value, +key=value (add a key), ++key=value (add or override), ~key (back to the default); "
            "e.g. data.train_batch_size=64")
@@ -138,7 +138,10 @@ def _delete(raw: dict[str, Any], parts: list[str], override: Override, line: str
 
 
 def _first_unknown(parts: list[str]) -> list[str] | None:
-    """The shortest prefix of `parts` that the schema does not know, or None (a free-form mapping knows all)."""
+    """The shortest prefix of `parts` that the schema does not know, or None (a free-form mapping knows all, and
+    so does verl's dialect: trainer/config/verl.py)."""
+    if knows(parts):
+        return None
     for index in range(len(parts)):
         prefix = parts[: index + 1]
         field = field_at(prefix)
@@ -162,7 +165,7 @@ def resolve_interpolations(raw: dict[str, Any]) -> list[ConfigProblem]:
     if not found:
         return []
     try:
-        tree = OmegaConf.create(_merged(RunConfig().model_dump(mode="json"), raw))
+        tree = OmegaConf.create(merged_over_defaults(raw))
     except (OmegaConfBaseException, ValueError) as error:
         return [ConfigProblem(_dotted(found[0]), f"got {_show(_at(raw, found[0]))}, but the config cannot be "
                               f"interpolated ({_first_line(error)}); allowed: {INTERPOLATIONS}")]
@@ -193,16 +196,6 @@ def _interpolated(node: Any, location: list[Any]) -> Iterator[list[Any]]:
             yield from _interpolated(value, [*location, index])
     elif isinstance(node, str) and "${" in node:
         yield location
-
-
-def _merged(defaults: Any, raw: Any) -> Any:
-    """`raw` laid over `defaults`, mapping by mapping."""
-    if not (isinstance(defaults, dict) and isinstance(raw, dict)):
-        return raw
-    merged = dict(defaults)
-    for key, value in raw.items():
-        merged[key] = _merged(defaults[key], value) if key in defaults else value
-    return merged
 
 
 def _at(node: Any, location: list[Any]) -> Any:

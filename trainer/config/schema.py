@@ -247,14 +247,24 @@ class OptimConfig(Section):
     """Linear warm-up steps; -1 uses lr_warmup_steps_ratio."""
     lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0)
     """Warm-up as a fraction of the run's training steps (used when lr_warmup_steps is -1)."""
-    warmup_style: Literal["constant", "cosine"] = "constant"
-    """Schedule after warm-up: constant, or cosine decay to min_lr_ratio * lr."""
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up: constant, or cosine decay to min_lr_ratio * lr (verl's names)."""
+    warmup_style: Literal["constant", "cosine"] | None = None
+    """verl's older name of lr_scheduler_type; when set it wins, as in verl (both set and differing: an error)."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     """Floor of the cosine schedule as a fraction of lr."""
+    num_cycles: float = Field(0.5, gt=0.0)
+    """Cosine waves over the steps after warm-up (verl's; 0.5 decays once from lr to the floor)."""
     weight_decay: float = Field(0.01, ge=0.0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
+
+    @property
+    def schedule(self) -> Literal["constant", "cosine"]:
+        """The schedule after warm-up: warmup_style when it is set (verl's deprecated name wins), else
+        lr_scheduler_type."""
+        return self.lr_scheduler_type if self.warmup_style is None else self.warmup_style
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -332,7 +342,11 @@ class EmbeddingCache(Section):
 
 class RolloutConfig(Section):
     name: Literal["hf"] = "hf"
-    """Generation engine: hf (transformers generate on the actor's own weights)."""
+    """Generation engine: hf, the built-in rollout on the actor's own weights (verl's vllm and sglang: refused)."""
+    tensor_model_parallel_size: int = 1
+    """verl's key: 1 only (the rollout decodes with the actor's weights, in the trainer process, on one device)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
+    """Fraction of GPU memory in use while decoding (resident weights and states + KV cache); unset: no budget."""
     n: int = Field(1, ge=1)
     """Responses sampled per prompt."""
     temperature: float = Field(1.0, gt=0.0)
@@ -355,6 +369,26 @@ class RolloutConfig(Section):
     """Most real tokens in one old-log-prob micro-batch; unset uses actor.ppo_max_token_len_per_gpu."""
     embedding_cache: EmbeddingCache = EmbeddingCache()
     """GPU cache of frequent embedding rows."""
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _built_in_engine(cls, name: Any) -> Any:
+        if name == "???":
+            raise ValueError("got '???', verl's mark of a value a config must give; allowed: 'hf'")
+        if name in ("vllm", "sglang", "trtllm"):
+            raise ValueError(f"got {name!r}, but the rollout here is built in (it decodes with the actor's own "
+                             f"weights in the trainer process, so no weights are synced to a {name} server); "
+                             "allowed: 'hf'")
+        return name
+
+    @field_validator("tensor_model_parallel_size", mode="before")
+    @classmethod
+    def _one_rollout_device(cls, size: Any) -> Any:
+        if isinstance(size, int) and not isinstance(size, bool) and size != 1:
+            raise ValueError(f"got {size}, but the rollout decodes with the actor's own weights on the trainer's "
+                             "one device (no tensor-parallel inference engine; the offload engine streams what "
+                             "does not fit); allowed: 1")
+        return size
 
 
 class RefConfig(Section):
@@ -506,14 +540,18 @@ class DataConfig(Section):
     """Most tokens generated per response."""
     train_batch_size: int = Field(1024, ge=1)
     """Prompts per training step."""
-    val_batch_size: int = Field(256, ge=1)
-    """Prompts per validation generation batch."""
+    val_batch_size: int | None = Field(256, ge=1)
+    """Prompts per validation generation batch; null: all of them in one batch (verl's meaning)."""
     shuffle: bool = True
     """Shuffle prompts every epoch."""
-    seed: int = 1
-    """Seed of the prompt order."""
+    seed: int | None = 1
+    """Seed of the prompt order; null uses trainer.seed."""
     truncation: Literal["error", "left", "right"] = "error"
-    """What to do with a prompt longer than max_prompt_length."""
+    """What to do with a prompt longer than max_prompt_length (unless filter_overlong_prompts drops it)."""
+    filter_overlong_prompts: bool = False
+    """Drop the prompts longer than max_prompt_length tokens when the data is loaded (counted in the log)."""
+    return_raw_chat: bool = True
+    """verl's key; either value runs the same here: the rollout always applies the chat template to the messages."""
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
@@ -535,9 +573,21 @@ class TrainerConfig(Section):
     save_freq: int = Field(-1, ge=-1)
     """Checkpoint every this many steps (-1: only at the end)."""
     max_ckpt_to_keep: int | None = Field(None, ge=1)
-    """Keep only the newest this many checkpoints; unset keeps all."""
+    """Keep only the newest this many checkpoints; unset keeps all (or verl's max_*_ckpt_to_keep)."""
+    max_actor_ckpt_to_keep: int | None = Field(None, ge=1)
+    """verl's key: checkpoints kept for the actor; one checkpoint holds both models, so the larger count wins."""
+    max_critic_ckpt_to_keep: int | None = Field(None, ge=1)
+    """verl's key: checkpoints kept for the critic; one checkpoint holds both models, so the larger count wins."""
+    default_local_dir: str | None = None
+    """verl's key: the folder of the global_step_N checkpoints; unset: <runs_dir>/<experiment_name>/checkpoints."""
     test_freq: int = Field(-1, ge=-1)
     """Validate every this many steps (-1: never; needs data.val_files)."""
+    val_before_train: bool = True
+    """Validate once before the first step (a fresh run with data.val_files); metrics at step 0."""
+    val_only: bool = False
+    """Only validate (as val_before_train does), then stop without training."""
+    critic_warmup: int = Field(0, ge=0)
+    """Steps at the start of a run that update the critic only; the actor's updates start after them."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     """auto resumes from the run's latest complete checkpoint; resume_path from resume_from_path."""
     resume_from_path: str | None = None
@@ -564,6 +614,13 @@ class TrainerConfig(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.experiment_name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where the global_step_N checkpoints go: default_local_dir when set (it wins), else the run's folder."""
+        if self.default_local_dir is not None:
+            return Path(self.default_local_dir).expanduser()
+        return self.run_dir / "checkpoints"
 
 
 class TelemetryConfig(Section):
@@ -631,6 +688,22 @@ class RunConfig(Section):
         if self.critic.enable is None:
             return self.algorithm.adv_estimator == "gae"
         return self.critic.enable
+
+    @property
+    def prompt_order_seed(self) -> int:
+        """data.seed, or trainer.seed when it is null."""
+        return self.trainer.seed if self.data.seed is None else self.data.seed
+
+    @property
+    def checkpoints_to_keep(self) -> int | None:
+        """How many checkpoints a save keeps (None: all): max_ckpt_to_keep, else the larger of verl's per-model
+        counts given for the models this run trains. One checkpoint holds every model and resumes them together,
+        so no model keeps fewer than it was given (and a count left unset does not keep every checkpoint)."""
+        trainer = self.trainer
+        if trainer.max_ckpt_to_keep is not None:
+            return trainer.max_ckpt_to_keep
+        counts = [trainer.max_actor_ckpt_to_keep] + ([trainer.max_critic_ckpt_to_keep] if self.use_critic else [])
+        return max((count for count in counts if count is not None), default=None)
 
     @property
     def use_reference(self) -> bool:
@@ -769,7 +842,54 @@ def _rules() -> tuple[Callable[[RunConfig], list[ConfigProblem]], ...]:
             _resume_path_is_set, _validation_needs_data, _check_devices, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
-            _actor_lora_keys, _critic_lora_keys)
+            _actor_lora_keys, _critic_lora_keys, _checkpoint_counts_agree, _critic_warmup_needs_a_critic,
+            _validation_only_needs_data, _scheduler_names_agree)
+
+
+def _checkpoint_counts_agree(config: RunConfig) -> list[ConfigProblem]:
+    """max_ckpt_to_keep is this project's count; verl's per-model counts map onto it (checkpoints_to_keep)."""
+    trainer = config.trainer
+    problems = []
+    if not config.use_critic and trainer.max_critic_ckpt_to_keep is not None:
+        problems.append(_ignored("trainer.max_critic_ckpt_to_keep", trainer.max_critic_ckpt_to_keep, None,
+                                 "this run trains no critic"))
+    if trainer.max_ckpt_to_keep is None:
+        return problems
+    for key in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
+        count = getattr(trainer, key)
+        if count is not None and count != trainer.max_ckpt_to_keep:
+            problems.append(ConfigProblem(f"trainer.{key}", f"got {count}, but trainer.max_ckpt_to_keep is "
+                                          f"{trainer.max_ckpt_to_keep} and one checkpoint holds every model; "
+                                          "allowed: one of the two, or the same count"))
+    return problems
+
+
+def _critic_warmup_needs_a_critic(config: RunConfig) -> list[ConfigProblem]:
+    warmup = config.trainer.critic_warmup
+    if warmup == 0 or config.use_critic:
+        return []
+    return [_ignored("trainer.critic_warmup", warmup, 0, "this run trains no critic (algorithm.adv_estimator="
+                     f"{config.algorithm.adv_estimator}, critic.enable={_show(config.critic.enable)})")]
+
+
+def _validation_only_needs_data(config: RunConfig) -> list[ConfigProblem]:
+    if config.trainer.val_only and not config.data.val_files:
+        return [ConfigProblem("trainer.val_only", "got true, but data.val_files is empty: there is nothing to "
+                              "validate; allowed: false, or set data.val_files")]
+    return []
+
+
+def _scheduler_names_agree(config: RunConfig) -> list[ConfigProblem]:
+    """warmup_style is verl's older name of lr_scheduler_type: both given and differing is a contradiction."""
+    problems = []
+    default = OptimConfig().lr_scheduler_type
+    for prefix, optim in (("actor_rollout_ref.actor.optim", config.actor_rollout_ref.actor.optim),
+                          ("critic.optim", config.critic.optim)):
+        if optim.warmup_style is not None and optim.lr_scheduler_type not in (default, optim.warmup_style):
+            problems.append(ConfigProblem(f"{prefix}.warmup_style", f"got {optim.warmup_style!r}, but "
+                                          f"{prefix}.lr_scheduler_type is {optim.lr_scheduler_type!r} (warmup_style "
+                                          "is verl's older name of it); allowed: one of the two"))
+    return problems
 
 
 # Keys that this run would not act on: an error, not a warning, since whoever reads the config would believe

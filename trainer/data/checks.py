@@ -55,6 +55,14 @@ def check_prompts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenize
                             f"{UNKNOWN_TOKEN_LIMIT:.0%} may be unknown)")
 
 
+def drop_overlong_prompts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase,
+                          max_length: int) -> list[PromptRecord]:
+    """The records whose prompt has at most `max_length` tokens, as the rollout tokenizes it (verl's
+    data.filter_overlong_prompts, which counts the chat template's tokens too)."""
+    return [record for record, ids in zip(records, _token_ids(records, tokenizer), strict=True)
+            if len(ids) <= max_length]
+
+
 def _texts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, bool]]:
     """(text, add special tokens) per prompt, as trainer/rollout/prompts.py prompt_token_ids tokenizes it."""
     return [(record.prompt, True) if isinstance(record.prompt, str)

@@ -56,17 +56,21 @@ def warmup_steps(config: OptimConfig, total_steps: int) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, total_steps: int):
-    """Linear warm-up, then constant or cosine decay to min_lr_ratio; stepped once per training step."""
+    """Linear warm-up, then constant or verl's cosine (num_cycles waves, never below min_lr_ratio); stepped once
+    per training step. The ramp is (step + 1) / (warmup + 1), not verl's step / warmup, which spends the
+    first update at LR 0."""
     warmup = warmup_steps(config, total_steps)
+    schedule = config.schedule
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
-        if config.warmup_style == "constant":
+        if schedule == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
+        # verl's get_cosine_schedule_with_warmup: with num_cycles 0.5 a half cosine from 1 to min_lr_ratio.
+        wave = math.cos(math.pi * config.num_cycles * 2.0 * progress)
+        return max(config.min_lr_ratio, config.min_lr_ratio + (1.0 - config.min_lr_ratio) * (1.0 + wave) / 2)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
