@@ -24,6 +24,7 @@ import math
 import os
 import re
 import time
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,16 +241,17 @@ class TensorboardTracker:
     """Scalars per step in TensorBoard event files; the config as hyperparameters and as text."""
 
     def __init__(self, run: TrackedRun):
-        from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
+        from torch.utils.tensorboard.writer import FileWriter, SummaryWriter
 
         directory = Path(os.environ.get("TENSORBOARD_DIR") or run.run_dir / "tensorboard")
         self.where = str(directory)
         # purge_step: TensorBoard hides what an earlier process logged after the step this one resumes from.
         self.writer = SummaryWriter(str(directory), purge_step=run.start_step + 1)
         if not run.resumed:
+            file_writer = typing.cast(FileWriter, self.writer.file_writer)  # opened by SummaryWriter.__init__
             for summary in hparams(flat_config(run.config), {})[:2]:  # the experiment and this session's start
-                self.writer.file_writer.add_summary(summary)
+                file_writer.add_summary(summary)
             config_text = yaml.safe_dump(run.config, sort_keys=False)
             # Indented four spaces: TensorBoard shows text as Markdown, and this keeps it a code block.
             self.writer.add_text("config", "".join(f"    {line}\n" for line in config_text.splitlines()), 0)
@@ -307,26 +309,33 @@ class MlflowTracker:
 
     def __init__(self, run: TrackedRun):
         import mlflow
-        from mlflow.entities import Param
 
-        default_store = not os.environ.get("MLFLOW_TRACKING_URI")
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run.runs_dir / 'mlflow.db').resolve()}"
         run.runs_dir.mkdir(parents=True, exist_ok=True)
         self.client = mlflow.MlflowClient(tracking_uri=uri)
-        self.run_id = os.environ.get("MLFLOW_RUN_ID") or run.resumed_id("mlflow")
-        if self.run_id is None:
-            experiment = self.client.get_experiment_by_name(run.project)
-            experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(
-                run.project, artifact_location=(run.runs_dir / "mlartifacts").resolve().as_uri() if default_store
-                else None)
-            self.run_id = self.client.create_run(experiment_id, run_name=run.experiment).info.run_id
-            params = [Param(key, str(value)[:MLFLOW_PARAM_LENGTH]) for key, value in flat_config(run.config).items()]
-            for start in range(0, len(params), MLFLOW_PARAMS_PER_CALL):
-                self.client.log_batch(self.run_id, params=params[start:start + MLFLOW_PARAMS_PER_CALL])
+        existing = os.environ.get("MLFLOW_RUN_ID") or run.resumed_id("mlflow")
+        if existing is None:
+            self.run_id = self._new_run(run, default_store=not os.environ.get("MLFLOW_TRACKING_URI"))
         else:
+            self.run_id = existing
             self.client.update_run(self.run_id, status="RUNNING")
         run.remember_id("mlflow", self.run_id)
         self.where = f"run {self.run_id} in {uri}"
+
+    def _new_run(self, run: TrackedRun, *, default_store: bool) -> str:
+        from mlflow.entities import Param
+
+        experiment = self.client.get_experiment_by_name(run.project)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:  # in the default store its artifacts go beside it, not into ./mlruns of wherever the run started
+            artifacts = (run.runs_dir / "mlartifacts").resolve().as_uri() if default_store else None
+            experiment_id = self.client.create_experiment(run.project, artifact_location=artifacts)
+        run_id: str = self.client.create_run(experiment_id, run_name=run.experiment).info.run_id
+        params = [Param(key, str(value)[:MLFLOW_PARAM_LENGTH]) for key, value in flat_config(run.config).items()]
+        for start in range(0, len(params), MLFLOW_PARAMS_PER_CALL):
+            self.client.log_batch(run_id, params=params[start:start + MLFLOW_PARAMS_PER_CALL])
+        return run_id
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
@@ -352,7 +361,7 @@ class SwanlabTracker:
     environment (SWANLAB_API_KEY, SWANLAB_MODE: online, offline, local or disabled; SWANLAB_LOG_DIR)."""
 
     def __init__(self, run: TrackedRun):
-        import swanlab
+        import swanlab  # type: ignore[import-untyped]
 
         resumed_id = run.resumed_id("swanlab")
         self.run = swanlab.init(
