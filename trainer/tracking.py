@@ -13,8 +13,8 @@ verl's ``verl/utils/tracking.py`` is the model: the same backends, the same envi
   stops it before it trains;
 - ``console`` is the trainer's own step line (trainer/reporting.py), so it has no tracker here.
 
-Only the first process of a rank group logs. Each library is imported when its tracker starts; the config
-check (trainer.config.schema) has already refused a tracker whose library is missing.
+Only the first process of a rank group logs, on a thread of its own (Tracking). Each library is imported when
+its tracker starts; the config check (trainer.config.schema) has already refused one whose library is missing.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import re
+import threading
 import time
 import typing
 from collections.abc import Callable, Mapping
@@ -87,29 +89,48 @@ class TrackedRun:
         self.ids_file.write_text(json.dumps(known, indent=1) + "\n", encoding="utf-8")
 
 
+FINISH_TIMEOUT_S = 60.0
+"""At the end of a run, how long the trackers may take to log the steps still queued for them."""
+
+
 class Tracking:
-    """The run's trackers as one step observer. A tracker that raises is dropped with one warning: third-party
-    libraries raise anything (network, disk, their own bugs), and none of it may stop training."""
+    """The run's trackers as one step observer. They log on a thread of their own, so that a slow one (MLflow's
+    sqlite store takes ~50 ms a step; a server may stall for minutes) does not hold training up. A tracker that
+    raises is dropped with one warning: third-party libraries raise anything (network, disk, their own bugs),
+    and none of it may stop training."""
 
     def __init__(self, trackers: Mapping[str, Tracker], warn: Callable[[str], None] = print):
         self.trackers = dict(trackers)
         self.warn = warn
+        self._steps: queue.SimpleQueue[tuple[int, dict[str, float]] | None] = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._log_steps, name="verl-trackers", daemon=True)
+        self._worker.start()
 
     def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
-        for name, tracker in list(self.trackers.items()):
-            try:
-                tracker.log(step, metrics)
-            except Exception as error:  # anything: see the class docstring
-                self._drop(name, f"could not log step {step}", error)
+        self._steps.put((step, dict(metrics)))
 
-    def close(self, *, failed: bool = False) -> None:
-        """Finish every tracker run; `failed` marks them failed (the trainer crashed)."""
+    def close(self, *, failed: bool = False, timeout: float = FINISH_TIMEOUT_S) -> None:
+        """Log what is queued, then finish every tracker's run; `failed` marks them failed (the trainer crashed)."""
+        self._steps.put(None)
+        self._worker.join(timeout)
+        if self._worker.is_alive():  # stuck in a tracker: finishing now would race it
+            self.warn(f"trackers {', '.join(self.trackers)} were still logging after {timeout:g} s; not waiting")
+            return
         trackers, self.trackers = self.trackers, {}
         for name, tracker in trackers.items():
             try:
                 tracker.finish(failed=failed)
             except Exception as error:
                 self.warn(f"tracker {name} could not finish its run ({_describe(error)})")
+
+    def _log_steps(self) -> None:
+        while (item := self._steps.get()) is not None:
+            step, metrics = item
+            for name, tracker in list(self.trackers.items()):
+                try:
+                    tracker.log(step, metrics)
+                except Exception as error:  # anything: see the class docstring
+                    self._drop(name, f"could not log step {step}", error)
 
     def _drop(self, name: str, what: str, error: BaseException) -> None:
         tracker = self.trackers.pop(name)
@@ -132,22 +153,22 @@ def start_tracking(config: RunConfig, *, start_step: int, warn: Callable[[str], 
                      run_dir=config.trainer.run_dir, runs_dir=Path(config.trainer.runs_dir),
                      config=config.model_dump(mode="json"), start_step=start_step)
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    tracking = Tracking({}, warn)
+    trackers: dict[str, Tracker] = {}
     for name in config.trainer.logger:
         starter = TRACKERS.get(name)
         if starter is None:  # console: the trainer's step line
             continue
         try:
-            tracking.trackers[name] = starter(run)
+            trackers[name] = starter(run)
         except Exception as error:  # anything: see Tracking
             if not run.resumed:
-                tracking.close(failed=True)
+                Tracking(trackers, warn).close(failed=True)
                 raise RunSetupError(f"trainer.logger: tracker {name} could not start ({_describe(error)}); fix "
                                     f"that, or leave {name} out of trainer.logger") from error
             warn(f"tracker {name} could not start ({_describe(error)}); training goes on without it")
             continue
-        log(f"tracker {name}: {tracking.trackers[name].where}")
-    return tracking
+        log(f"tracker {name}: {trackers[name].where}")
+    return Tracking(trackers, warn)
 
 
 def is_logging_process() -> bool:

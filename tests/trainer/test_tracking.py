@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -143,6 +144,25 @@ def test_a_tracker_that_raises_is_dropped_with_one_warning_and_the_others_go_on(
     [warning] = warnings
     assert "tracker wandb could not log step 1" in warning and "tracking server went away" in warning
     assert "training goes on" in warning
+
+
+def test_a_tracker_that_stalls_does_not_hold_training_up() -> None:
+    released = threading.Event()
+
+    class Stalled(RecordingTracker):
+        def log(self, step: int, metrics: Mapping[str, float]) -> None:
+            released.wait(30)  # a tracking server that does not answer
+            super().log(step, metrics)
+
+    stalled, warnings = Stalled(), []
+    tracking = Tracking({"mlflow": stalled}, warn=warnings.append)
+    started = time.monotonic()
+    for step in range(1, 101):
+        tracking.on_step(step, step_metrics(step))
+    assert time.monotonic() - started < 1.0
+    tracking.close(timeout=0.2)
+    assert warnings == ["trackers mlflow were still logging after 0.2 s; not waiting"]
+    released.set()
 
 
 def test_a_tracker_that_cannot_finish_is_a_warning(tmp_path: Path) -> None:
