@@ -69,15 +69,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.loop import Trainer
     from trainer.reporting import ConsoleReporter
     from trainer.telemetry import TelemetryClient
+    from trainer.tracking import start_tracking
 
     run_dir = config.trainer.run_dir
     # Present when the verl daemon started this process; None when run by hand.
     telemetry = TelemetryClient.from_env(run_dir=str(run_dir))
-    reporter = None
+    reporter = tracking = None
+    finished = False  # the trackers' runs are marked failed unless training returns
     try:
         trainer = Trainer(config, log=print, telemetry=telemetry)
         reporter = ConsoleReporter(total_steps=trainer.total_steps, log_path=run_dir / "logs" / "trainer.log",
-                                   forward=_log_forwarder(telemetry))
+                                   forward=_log_forwarder(telemetry), print_steps="console" in config.trainer.logger)
         trainer.log, trainer.warn = reporter.info, reporter.warning
         trainer.observers.append(reporter)
         trainer.settings_listeners.append(lambda settings: reporter.set_level(settings.log_level))
@@ -90,13 +92,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             telemetry.hello(start_step=trainer.step, total_steps=trainer.total_steps)
             if not trainer.receive_initial_settings():
                 reporter.warning("the daemon sent no live settings within 5 s; starting with the config's")
+        # After resuming: a tracker drops what it had logged past the checkpoint's step.
+        tracking = start_tracking(config, start_step=trainer.step, warn=reporter.warning, log=reporter.info)
+        trainer.observers.append(tracking)
         reporter.start(trainer.step)
         trainer.fit()
+        finished = True
     except USER_ERRORS as error:
         return _report_user_error(error, reporter, telemetry, log_path=run_dir / "logs" / "trainer.log")
     except torch.OutOfMemoryError as error:  # the trainer's own recovery (offload more, split) did not suffice
         return _report_out_of_memory(error, reporter, telemetry)
     finally:
+        if tracking is not None:
+            tracking.close(failed=not finished)
         if reporter is not None:
             reporter.close()
         if telemetry is not None:

@@ -43,11 +43,13 @@ def format_step_line(step: int, total_steps: int, metrics: Mapping[str, float]) 
 
 
 class ConsoleReporter:
-    """Progress bar on a terminal (plain lines elsewhere), and the log file `log_path`."""
+    """Progress bar on a terminal (plain lines elsewhere), and the log file `log_path`. `print_steps`: each
+    step's line on the console too (trainer.logger's console), not only in the log file."""
 
     def __init__(self, *, total_steps: int, log_path: Path, console: Console | None = None,
-                 forward: Callable[[str, str], None] | None = None):
+                 forward: Callable[[str, str], None] | None = None, print_steps: bool = True):
         self.total_steps = total_steps
+        self.print_steps = print_steps
         self._forward = forward
         self.console = console or Console(stderr=True, highlight=False)
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,7 +89,7 @@ class ConsoleReporter:
     def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
         line = format_step_line(step, self.total_steps, metrics)
         self.logger.info(line)
-        if self.logger.isEnabledFor(logging.INFO):
+        if self.print_steps and self.logger.isEnabledFor(logging.INFO):
             self._print(line, markup=False)
         if self._progress is not None:
             self._progress.update(self._task, completed=step)

@@ -48,6 +48,11 @@ LayerMinimum = Annotated[int, Field(ge=0)]
 GpuSampleInterval = Annotated[float, Field(ge=0.05, le=60.0)]
 PcieSampleInterval = Annotated[float, Field(ge=1.0, le=600.0)]
 LogLevel = Literal["debug", "info", "warning", "error"]
+# verl's experiment trackers (trainer.logger); trainer/tracking.py runs them. Each but console and file needs a
+# library of the `trackers` extra, named here by the module it imports.
+TrackerBackend = Literal["console", "wandb", "tensorboard", "mlflow", "swanlab", "file"]
+TRACKER_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow", "swanlab": "swanlab"}
+TRACKERS_EXTRA = "pip install 'verl-offload[trackers]'"
 
 
 # ------------------------------------------------------------------------------ field helpers
@@ -602,6 +607,32 @@ class TrainerConfig(Section):
     """Nodes (several need torchrun; not supported yet)."""
     n_gpus_per_node: int = Field(1, ge=1)
     """GPUs per node (several need torchrun; not supported yet)."""
+    logger: list[TrackerBackend] = ["console"]
+    """Trackers for each step's metrics, one or a list of: console, wandb, tensorboard, mlflow, swanlab, file."""
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_tracker_is_a_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list | tuple):
+            names = " or ".join(repr(name) for name in typing.get_args(TrackerBackend))
+            raise ValueError(f"got {_show(value)}; allowed: a tracker's name ({names}) or a list of them")
+        return value
+
+    @field_validator("logger")
+    @classmethod
+    def _trackers_installed(cls, backends: list[str]) -> list[str]:
+        """Each tracker once, in the order given; one asked for whose library is missing is refused here,
+        before the run starts, rather than when the trainer gets to it."""
+        backends = list(dict.fromkeys(backends))
+        missing = [name for name in backends
+                   if name in TRACKER_MODULES and importlib.util.find_spec(TRACKER_MODULES[name]) is None]
+        if missing:
+            raise ValueError(f"got {_show(backends)}, but {' and '.join(missing)} "
+                             f"{'is' if len(missing) == 1 else 'are'} not installed; install the trackers "
+                             f"extra: {TRACKERS_EXTRA}")
+        return backends
 
     @field_validator("experiment_name")
     @classmethod
