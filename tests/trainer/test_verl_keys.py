@@ -29,24 +29,12 @@ ASSETS = Path(__file__).parent / "assets"
 EXAMPLES = ASSETS / "verl_examples"
 VERL = Path(sys.executable).parent / "verl"
 
-# Keys other work adds (padding-free forward, token-budget micro-batches, LoRA, trackers): until it lands they
-# are refused as not built, after it they load; either is right here, and nothing else may differ.
-PENDING = ("use_remove_padding", "use_dynamic_bsz", "max_token_len_per_gpu", "lora_rank", "lora_alpha",
-           "trainer.logger")
-
-
-def is_pending(key: str) -> bool:
-    return any(part in key for part in PENDING)
 
 
 def problems_of(path: Path | None, overrides: list[str] | tuple[str, ...]) -> list[ConfigProblem]:
     with pytest.raises(ConfigError) as caught:
         load_config(path, overrides)
     return caught.value.problems
-
-
-def settled(problems: list[ConfigProblem]) -> list[ConfigProblem]:
-    return [problem for problem in problems if not is_pending(problem.path)]
 
 
 # ------------------------------------------------------------------------------------ the corpus
@@ -230,19 +218,17 @@ GENERATED_FIXES = [
     f"{ARO}.model.path=builtin:tiny-qwen2", "critic.model.path=builtin:tiny-qwen2",
     "data.train_files=builtin:counting", "data.val_files=builtin:counting",
 ]
-# The keys that other work switches on: verl's defaults for them are on (use_remove_padding, wandb).
-GENERATED_PENDING_OFF = [f"{ARO}.model.use_remove_padding=False", "trainer.logger=[console]"]
 
 
 def test_verls_generated_file_loads_but_for_what_a_launch_script_gives() -> None:
-    problems = settled(problems_of(VERL_CONFIG_FILE, []))
+    problems = (problems_of(VERL_CONFIG_FILE, []))
     assert {problem.path for problem in problems} == set(GENERATED_REFUSED), problems
     for problem in problems:
         assert GENERATED_REFUSED[problem.path] in problem.message, problem
 
 
 def test_verls_generated_file_with_a_launch_scripts_lines_means_verls_defaults() -> None:
-    config = load_config(VERL_CONFIG_FILE, [*GENERATED_FIXES, *GENERATED_PENDING_OFF])
+    config = load_config(VERL_CONFIG_FILE, [*GENERATED_FIXES])
     verl = yaml.safe_load(VERL_CONFIG_FILE.read_text(encoding="utf-8"))
     actor = config.actor_rollout_ref.actor
     assert (actor.optim.lr, actor.clip_ratio, actor.kl_loss_type, actor.ppo_mini_batch_size) == (
@@ -260,7 +246,7 @@ def test_a_non_default_value_in_verls_file_is_one_line(tmp_path: Path) -> None:
     text = VERL_CONFIG_FILE.read_text(encoding="utf-8")
     changed = tmp_path / "ppo_trainer.yaml"
     changed.write_text(text.replace("    max_num_seqs: 256\n", "    max_num_seqs: 512\n", 1), encoding="utf-8")
-    problems = settled(problems_of(changed, [*GENERATED_FIXES, *GENERATED_PENDING_OFF]))
+    problems = (problems_of(changed, [*GENERATED_FIXES]))
     assert [str(problem) for problem in problems] == [
         f"{ARO}.rollout.max_num_seqs: got 512, but the rollout here is built in (it decodes with the actor's own "
         "weights in the trainer process): a vLLM or SGLang engine setting has nothing to act on; allowed: verl's "
@@ -293,10 +279,6 @@ SCRIPTS: dict[str, dict[str, str]] = {
 # What a user on one GPU appends ($@) to run them here: the built-in rollout, one device, verl's defaults back.
 SCRIPT_FIXES = [f"{ARO}.rollout.name=hf", f"{ARO}.rollout.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1",
                 f"~{ARO}.rollout.load_format", f"~{ARO}.rollout.layered_summon"]
-SCRIPT_PENDING_OFF = [f"{ARO}.model.use_remove_padding=False", "critic.model.use_remove_padding=False",
-                      f"{ARO}.actor.use_dynamic_bsz=False", f"~{ARO}.actor.ppo_max_token_len_per_gpu",
-                      f"~{ARO}.rollout.log_prob_max_token_len_per_gpu", "~critic.ppo_max_token_len_per_gpu",
-                      f"~{ARO}.model.lora_rank", f"~{ARO}.model.lora_alpha", "trainer.logger=console"]
 
 
 def write_gsm8k(path: Path, rows: int = 8) -> None:
@@ -341,7 +323,7 @@ def script_overrides(script: str, home: Path, extra: list[str] | tuple[str, ...]
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_verl_script_is_refused_in_one_round_with_one_line_per_missing_engine(script: str, verl_home: Path) -> None:
-    problems = settled(problems_of(None, script_overrides(script, verl_home)))
+    problems = (problems_of(None, script_overrides(script, verl_home)))
     assert {problem.path for problem in problems} == set(SCRIPTS[script]), problems
     for problem in problems:
         assert SCRIPTS[script][problem.path] in problem.message and "\n" not in str(problem), problem
@@ -349,7 +331,7 @@ def test_a_verl_script_is_refused_in_one_round_with_one_line_per_missing_engine(
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_verl_script_loads_once_its_engine_keys_are_this_projects(script: str, verl_home: Path) -> None:
-    config = load_config(None, script_overrides(script, verl_home, [*SCRIPT_FIXES, *SCRIPT_PENDING_OFF]))
+    config = load_config(None, script_overrides(script, verl_home, [*SCRIPT_FIXES]))
     assert config.data.filter_overlong_prompts is True and config.trainer.critic_warmup == 0
     assert config.data.train_files[0] == str(verl_home / "data" / "gsm8k" / "train.parquet")
     assert config.actor_rollout_ref.rollout.gpu_memory_utilization in (0.4, 0.5, 0.6)
@@ -365,10 +347,9 @@ def test_verl_train_check_takes_a_verl_script_and_refuses_or_passes_it(verl_home
                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("ERROR: ")]
     assert refused.returncode == 2, refused.stderr
-    assert {line.removeprefix("ERROR: ").partition(":")[0] for line in errors
-            if not is_pending(line)} == set(SCRIPTS[script]), refused.stderr
+    assert {line.removeprefix("ERROR: ").partition(":")[0] for line in errors} == set(SCRIPTS[script]), refused.stderr
     passed = subprocess.run([str(VERL), "train", "--check", *script_overrides(
-        script, verl_home, [*local_models, *SCRIPT_FIXES, *SCRIPT_PENDING_OFF])],
+        script, verl_home, [*local_models, *SCRIPT_FIXES])],
         capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert passed.returncode == 0, passed.stderr
     resolved = yaml.safe_load(passed.stdout)

@@ -56,14 +56,11 @@ WHY: tuple[tuple[str, str], ...] = (
     ("*.megatron*", "Megatron is not an engine here (HuggingFace models with this project's offload engine)"),
     ("*strategy", "the models here train with this project's offload engine (FSDP-style per-group placement); "
                   "Megatron is not an engine here"),
-    ("*use_remove_padding", "the padding-free (varlen) forward is not built on this branch"),
-    ("*dynamic_bsz", "micro-batches by token budget are not built on this branch"),
-    ("*max_token_len_per_gpu", "micro-batches by token budget are not built on this branch"),
-    ("*lora_*", "LoRA is not built on this branch"),
-    ("*target_modules", "LoRA is not built on this branch"),
-    ("*exclude_modules", "LoRA is not built on this branch"),
-    ("trainer.logger", "experiment trackers are not built on this branch: metrics go to metrics.jsonl, the "
-                       "console and the daemon's API"),
+    ("actor_rollout_ref.actor.use_remove_padding", "the padding-free forward here is set once for the actor and "
+                                                   "the reference: set actor_rollout_ref.model.use_remove_padding"),
+    ("reward_model.model.use_remove_padding", "the reward model's forward is padded here (the padding-free forward "
+                                              "covers the actor, the reference and the critic)"),
+    ("*lora_*", "LoRA here is actor_rollout_ref.model's and critic.model's lora_rank, lora_alpha and target_modules"),
     ("*micro_batch_size", "it is verl's deprecated size over all GPUs; set the *_micro_batch_size_per_gpu key"),
     ("critic.forward_micro_batch_size_per_gpu", "the critic's values here are computed in "
                                                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
@@ -147,19 +144,16 @@ WHY: tuple[tuple[str, str], ...] = (
 )
 
 # Keys accepted at values other than (or besides) verl's default, with the same line when refused:
-# balance_batch does nothing on one device, whichever way it is set; the features not built on this branch are
-# accepted switched off (verl's own default for some of them is on).
+# balance_batch does nothing on one device, whichever way it is set; the reward model's padded forward is accepted
+# with verl's padding-free switch off.
 ACCEPTED: dict[str, tuple[Any, ...]] = {
     "trainer.balance_batch": (True, False),
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
     "actor_rollout_ref.ref.strategy": ("fsdp", "fsdp2"),
     "critic.strategy": ("fsdp", "fsdp2"),
     "reward_model.strategy": ("fsdp", "fsdp2"),
-    "actor_rollout_ref.model.use_remove_padding": (False,),
     "actor_rollout_ref.actor.use_remove_padding": (False,),
-    "critic.model.use_remove_padding": (False,),
     "reward_model.model.use_remove_padding": (False,),
-    "trainer.logger": ("console", ["console"]),
 }
 
 
