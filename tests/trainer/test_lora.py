@@ -150,7 +150,7 @@ def test_a_checkpoint_holds_the_adapter_in_peft_format_and_resumes_it(tmp_path):
     straight.fit()
     first = lora_trainer(tmp_path, "trainer.total_training_steps=2", *OFFLOADED, name="resumed")
     first.fit()
-    folder = latest_checkpoint(first.run_dir) / "actor"
+    folder = latest_checkpoint(first.checkpoint_dir) / "actor"
     assert sorted(path.name for path in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
 
@@ -165,7 +165,7 @@ def test_a_checkpoint_holds_the_adapter_in_peft_format_and_resumes_it(tmp_path):
     # A user loads the exported adapter onto the base model with peft alone.
     base = load_policy("builtin:tiny-qwen2", straight.tokenizer, dtype=torch.float32, seed=straight.config.trainer.seed,
                        override_config=straight.config.actor_rollout_ref.model.override_config)
-    loaded = PeftModel.from_pretrained(base, str(latest_checkpoint(straight.run_dir) / "actor"))
+    loaded = PeftModel.from_pretrained(base, str(latest_checkpoint(straight.checkpoint_dir) / "actor"))
     batch = straight.generate(straight.records[:2])
     torch.testing.assert_close(compute_log_probs(loaded, batch, micro_batch_size=2, temperature=1.0),
                                straight.actor.compute_log_probs(batch))
@@ -187,7 +187,7 @@ def test_a_critic_with_lora_trains_its_adapter_and_value_head(tmp_path):
     after = dict(trainer.critic.model.named_parameters())
     assert all(torch.equal(after[name], value) for name, value in frozen.items())
     assert all(not torch.equal(after[name], value) for name, value in trainable.items())
-    assert (latest_checkpoint(trainer.run_dir) / "critic" / "adapter_model.safetensors").is_file()
+    assert (latest_checkpoint(trainer.checkpoint_dir) / "critic" / "adapter_model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------------------ errors

@@ -105,6 +105,7 @@ class DeviceUpdate:
                 arena = unit.arena_view(index).view(-1) if to_arena else None
                 # The step count on the device, made there (a fill, no copy): the kernel reads it from device memory.
                 steps.append(torch.full((), float(state["step"]), dtype=torch.float32, device=self.device))
+                assert parameter.grad is not None, "the update is given only masters with a gradient"
                 flat = [tensor.view(-1) for tensor in (parameter, state["exp_avg"], state["exp_avg_sq"],
                                                        parameter.grad)]
                 for start in range(0, parameter.numel(), self.slice_elements):

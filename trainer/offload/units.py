@@ -220,7 +220,7 @@ class Unit:
         assert self.arena is not None, f"{self.name} has no host arena"
         return typed_view(self.arena, self.offsets[index], self.compute_like[index])
 
-    def index_of(self, parameter: nn.Parameter) -> int:
+    def index_of(self, parameter: torch.Tensor) -> int:
         return next(index for index, entry in enumerate(self.entries) if entry.parameter is parameter)
 
     @functools.cached_property
