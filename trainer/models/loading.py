@@ -27,6 +27,7 @@ from transformers.utils import logging as transformers_logging
 
 from trainer.config import BUILTIN_PREFIX
 from trainer.config.hub import HubModelNotCached, resolve_model_path
+from trainer.models.attention import use_packed_gqa
 from trainer.models.tiny import build_tiny_tokenizer, seeded_init, tiny_qwen2_config
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -156,6 +157,7 @@ def load_reward_model(
 def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype,
              gradient_checkpointing: bool) -> PreTrainedModel:
     model = model.to(dtype)
+    use_packed_gqa()  # a decoded token attends on the key/value heads (models/attention.py), on any release
     if model.config.pad_token_id is None:
         # Sequence classifiers find the last real token through pad_token_id.
         model.config.pad_token_id = tokenizer.pad_token_id
