@@ -51,11 +51,12 @@ from benchmarks.offload_bench import (  # noqa: E402
     run_sections,
 )
 from trainer.config import FSDPConfig  # noqa: E402
+from trainer.models import attention  # noqa: E402
 from trainer.offload import OffloadOptions, attach_offload  # noqa: E402
 from trainer.rollout.static_decode import Sampling, StaticDecoder  # noqa: E402
 
-SECTIONS = ("allgpu", "allgpu_static", "allgpu_static_graphs", "accelerate", "fsdp2", "ours_layered", "ours_phase",
-            "ours_phase_static", "capped", "static_profile")
+SECTIONS = ("allgpu", "allgpu_static", "allgpu_static_graphs", "allgpu_static_graphs_repeat_kv", "accelerate", "fsdp2",
+            "ours_layered", "ours_phase", "ours_phase_static", "capped", "static_profile")
 DEFAULT_SECTIONS = SECTIONS[:-1]
 """What a run without --only measures (static_profile is a diagnosis, not a comparison)."""
 CACHE_ROWS = 8192
@@ -218,6 +219,22 @@ class Bench:
         self.warm_up(model, decoder=decoder)
         self.record("allgpu_static_graphs", self.decode(model, decoder=decoder),
                     "the whole model on the GPU, rollout.decode=static with each token's step in a CUDA graph")
+
+    def allgpu_static_graphs_repeat_kv(self) -> None:
+        """allgpu_static_graphs with the installed transformers' own SDPA attention, which before its 5.2x
+        releases copies the keys and values out to every query head at each layer and token (repeat_kv):
+        against allgpu_static_graphs, what trainer/models/attention.py's packing of a decoded token gives."""
+        packed, attention.AttentionInterface._global_mapping["sdpa"] = (
+            attention.AttentionInterface._global_mapping["sdpa"], attention.LIBRARY_SDPA)
+        try:
+            model = self.build(on_gpu=True)
+            decoder = _static_decoder(model, cuda_graphs=True)
+            self.warm_up(model, decoder=decoder)
+            self.record("allgpu_static_graphs_repeat_kv", self.decode(model, decoder=decoder),
+                        "allgpu_static_graphs with transformers' own SDPA attention "
+                        f"({'packs a decoded token itself' if attention.library_packs_gqa() else 'repeat_kv'})")
+        finally:
+            attention.AttentionInterface._global_mapping["sdpa"] = packed
 
     def static_profile(self) -> None:
         """Where a decode step's device time goes (rollout.decode=static, eager, all on the GPU): torch.profiler's
@@ -579,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         plan = dataclasses.replace(plan, iters=args.iters)
     torch.manual_seed(0)
+    # As the trainer's model loading does: a decoded token attends on the key/value heads on any transformers.
+    print("attention: a decoded token on the key/value heads by " +
+          ("this project's packing" if attention.use_packed_gqa() else "transformers' own pack_gqa"))
     bench = Bench(plan, args.out)
     print(f"{bench.meta['gpu']}, {bench.meta['host_cores']} host cores", flush=True)
     # In this order whatever --only says: capped, which caps memory, comes last.

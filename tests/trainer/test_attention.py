@@ -34,7 +34,7 @@ def test_a_single_query_token_gives_the_library_result(mask):
              "float": torch.where(valid, 0.0, float("-inf"))[:, None, None, :]}
     layer = Layer(groups=4)
     ours, _ = packed_gqa_attention(layer, query, key, value, masks[mask], scaling=0.25)
-    library, _ = attention._LIBRARY_SDPA(layer, query, key, value, masks[mask], scaling=0.25)
+    library, _ = attention.LIBRARY_SDPA(layer, query, key, value, masks[mask], scaling=0.25)
     assert ours.shape == library.shape == (3, 1, 8, 16)
     torch.testing.assert_close(ours, library, rtol=1e-5, atol=1e-6)
 
@@ -46,7 +46,7 @@ def test_several_query_tokens_and_per_head_masks_go_to_the_library(monkeypatch):
         calls.append(args[1].shape)
         return torch.zeros(1), None
 
-    monkeypatch.setattr(attention, "_LIBRARY_SDPA", library)
+    monkeypatch.setattr(attention, "LIBRARY_SDPA", library)
     layer = Layer(groups=4)
     query, key, value = tensors(tokens=5)
     packed_gqa_attention(layer, query, key, value, None)

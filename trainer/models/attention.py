@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers.integrations import sdpa_attention
 from transformers.modeling_utils import AttentionInterface
 
-_LIBRARY_SDPA = sdpa_attention.sdpa_attention_forward
+LIBRARY_SDPA = sdpa_attention.sdpa_attention_forward
 
 
 def library_packs_gqa() -> bool:
@@ -40,7 +40,7 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
                 and not kwargs.get("output_attentions", False))
     if not packable:
-        output: tuple[torch.Tensor, None] = _LIBRARY_SDPA(module, query, key, value, attention_mask, dropout=dropout,
+        output: tuple[torch.Tensor, None] = LIBRARY_SDPA(module, query, key, value, attention_mask, dropout=dropout,
                                                            scaling=scaling, is_causal=is_causal, **kwargs)
         return output
     batch, heads, _, dim = query.shape
