@@ -100,4 +100,4 @@ def test_the_first_guess_is_the_bus_for_the_device_and_a_conservative_host_figur
                                                   ({"device": 1.0}, 0.5), ({"device": 1.0, "host": 1.0}, 1.5)])
 def test_a_split_refuses_estimates_it_cannot_use(rates, smoothing):
     with pytest.raises(ValueError, match="UpdateSplit"):
-        UpdateSplit(rates, smoothing)  # type: ignore[arg-type]
+        UpdateSplit(rates, smoothing)

@@ -265,7 +265,7 @@ class OffloadEngine:
         the split first learns from the timings of the updates drained since the last plan."""
         if self.update_split is None:
             return ["device" if self.device_update is not None else "host"] * len(units)
-        # (wait_for_updates ran before: every timing of the previous step is in.)
+        self.wait_for_updates()  # (done already when the optimizer asks: every timing of the last step is in)
         timings, self._update_timings = self._update_timings, []
         self.update_split.learn(timings)
         return self.update_split.assign([update_elements(unit) for unit in units])
@@ -274,16 +274,25 @@ class OffloadEngine:
         """Run a unit's optimizer update on `path`'s worker thread (at once without the pipelined update): the
         unit is not ready (its next fetch waits) until `update` sets `unit.ready` itself. Its seconds are
         timed for the split."""
-        if path == "device" and self.device_worker is None:
-            raise ValueError(f"the {self.role}'s optimizer update runs on the host (optimizer_update=cpu): "
-                             f"{unit.name} cannot be updated on the device")
-        worker = self.device_worker if path == "device" and self.device_worker is not None else self.worker
+        worker = self._worker(path)
         unit.ready.clear()
         self.update_paths[unit.name] = path
         self._update_tasks.append(worker.submit(self._timed(update, path, update_elements(unit)), *args,
                                                 inline=not self.options.pipelined_update))
 
+    def _worker(self, path: UpdatePath) -> HostWorker:
+        if path == "host":
+            return self.worker
+        if self.device_worker is None:
+            raise ValueError(f"the {self.role}'s optimizer update runs on the host (optimizer_update=cpu): "
+                             "nothing is updated on the device")
+        return self.device_worker
+
     def _timed(self, update: Callable[..., None], path: UpdatePath, elements: int) -> Callable[..., None]:
+        """`update`, timed for the split (when there is one: otherwise nothing would read the timings)."""
+        if self.update_split is None:
+            return update
+
         @functools.wraps(update)  # (a profile names the worker's tasks by the update's name)
         def timed(*args: Any) -> None:
             started = time.perf_counter()
@@ -294,9 +303,8 @@ class OffloadEngine:
     def after_updates(self, work: Callable[[], None], path: UpdatePath = "host") -> None:
         """Run `work` in `path`'s worker thread once the updates submitted to it so far are done (at once
         without the pipelined update, whose updates are done already)."""
-        worker = self.device_worker if path == "device" and self.device_worker is not None else self.worker
         if self.options.pipelined_update:
-            self._update_tasks.append(worker.submit(work, inline=False))
+            self._update_tasks.append(self._worker(path).submit(work, inline=False))
         else:
             work()
 
