@@ -181,8 +181,7 @@ class FSDPConfig(Section):
     optimizer_offload: bool = False
     """Keep fp32 master weights and optimizer states on the CPU (optimizer_update says where the update runs)."""
     optimizer_update: Literal["auto", "cpu", "gpu", "both"] = "auto"
-    """Where an offloaded AdamW runs: gpu (states streamed through it), cpu (host cores), both (each step's units
-    split between the two, running at once, by their measured speed), auto (gpu on a GPU unless delayed, else cpu)."""
+    """Where an offloaded AdamW runs: gpu (streaming states), cpu (host cores), both (at once, split by speed), auto."""
     offload_policy: OffloadPolicy = OffloadPolicy()
     """Placement of each module group: embedding, lm_head, transformer, norm."""
     dynamic_offload: DynamicOffload = DynamicOffload()
