@@ -21,7 +21,9 @@ CPUOffloadPolicy on a one-GPU mesh, the other models on the GPU, under the cap: 
 path yet, so the benchmark places the actor itself; GPU only) and `offload_delayed` (`offload` with the
 actor's delayed parameter update: each rollout samples with the weights before the previous update; not
 run unless asked for), `offload_host_update` (`offload` with `optimizer_update: cpu`: AdamW on the host's
-cores instead of on the GPU over the streamed states; not run unless asked for) and `offload_lora` (`offload`
+cores instead of on the GPU over the streamed states; not run unless asked for), `offload_both_update` (`offload`
+with `optimizer_update: both`: each step's units split between the GPU's streamed update and the host's cores,
+running at once; not run unless asked for) and `offload_lora` (`offload`
 with a rank-64 LoRA adapter on the actor's and the critic's linear layers, so the reference is the actor with its
 adapter off: issue 18's LoRA against full fine-tuning with offload, step time and peak GPU memory; not run unless
 asked for).
@@ -67,7 +69,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer_layers_on_gpu", "perf/max_memory",
              "perf/oom_recoveries", "response_length/", "actor/skipped_steps", "critic/skipped_steps")
 """The metrics of each step a result keeps (besides the steady state's means)."""
-VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_host_update", "offload_lora")
+VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_host_update", "offload_both_update",
+            "offload_lora")
 LORA = {"lora_rank": 64, "lora_alpha": 32}
 """The `offload_lora` variant's adapter (model.*: verl's LoRA example scripts' rank and alpha), on all-linear."""
 QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
@@ -110,10 +113,12 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
     the reward model from `models`/reward_model; the rollout decodes as `decode` says (rollout.decode)."""
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
-    offloaded = variant in ("offload", "offload_delayed", "offload_host_update", "offload_lora")
+    offloaded = variant in ("offload", "offload_delayed", "offload_host_update", "offload_both_update", "offload_lora")
     trained = OFFLOADED if offloaded else {"model_dtype": "bf16"}
     if variant == "offload_host_update":
         trained = {**trained, "optimizer_update": "cpu"}
+    if variant == "offload_both_update":
+        trained = {**trained, "optimizer_update": "both"}
     actor_settings = {**trained, "delayed_update": True} if variant == "offload_delayed" else trained
     plain = {"model_dtype": "bf16"}
     # The reference's and the reward model's settings. The headline's stay on the GPU: their host arenas (15 GB

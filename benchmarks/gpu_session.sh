@@ -13,12 +13,15 @@
 #   benchmarks/gpu_session.sh e2e-headline # e2e_bench.py: 7B GRPO whole steps, all-GPU vs offloaded at 40 GiB
 #   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
 #
-# e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
+# e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_host_update][,offload_both_update]
+# [,offload_lora]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
 # variant may take; e2e_bench's default 900), PROFILE (set: --profile) and DECODE (auto, generate or static: rollout.decode; auto, the default, is static with CUDA graphs on a GPU).
 # The shape's models are drawn once on the GPU (20 s for ppo3b) and each variant loads them (10 s). One 10-minute call fits about (measured 2026-12-02):
 #   VARIANTS=all_gpu,offload,fsdp2 STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b   (~4 min with generate; fsdp2 OOMs at 12 GiB)
 #   VARIANTS=all_gpu,offload STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b         (165 s with the default decode, 2026-12-02)
 #   VARIANTS=all_gpu,offload_delayed STEPS=6 PROFILE=1 e2e-ppo3b             (165 s)
+#   VARIANTS=offload,offload_host_update,offload_both_update STEPS=6 e2e-ppo3b  (the update's three paths side by
+#                                                                             side: update_actor and the step; not timed yet)
 #   VARIANTS=all_gpu,offload STEPS=5 TIMEOUT=400 e2e-headline                (not timed yet with models from disk:
 #                                                                             all_gpu 5.1 s a step, offload 15-25 s)
 # The device tool's budget is 30 minutes a session and each call starts a fresh machine (about 85 s): chain stages

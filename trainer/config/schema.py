@@ -180,8 +180,8 @@ class FSDPConfig(Section):
     """Keep all parameters on the CPU and stream them to the GPU (offload_policy refines it)."""
     optimizer_offload: bool = False
     """Keep fp32 master weights and optimizer states on the CPU (optimizer_update says where the update runs)."""
-    optimizer_update: Literal["auto", "cpu", "gpu"] = "auto"
-    """Where an offloaded AdamW runs: gpu (states streamed through it), cpu (host cores), auto (gpu unless delayed)."""
+    optimizer_update: Literal["auto", "cpu", "gpu", "both"] = "auto"
+    """Where offloaded AdamW runs: gpu (streamed), cpu (host), both (the two at once), auto (gpu unless delayed)."""
     offload_policy: OffloadPolicy = OffloadPolicy()
     """Placement of each module group: embedding, lm_head, transformer, norm."""
     dynamic_offload: DynamicOffload = DynamicOffload()

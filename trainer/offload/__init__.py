@@ -16,13 +16,13 @@ from torch import nn
 from trainer.config import FSDPConfig
 from trainer.config.messages import CopyCount, Direction, Group, OffloadMessage
 from trainer.offload.copies import MAX_RECORDS_PER_DRAIN
-from trainer.offload.engine import OffloadEngine, OffloadOptions
+from trainer.offload.engine import OffloadEngine, OffloadOptions, UpdateMode
 from trainer.offload.groups import GROUPS, UnsupportedModel
 from trainer.offload.layout import HostMemoryError, format_bytes
 from trainer.offload.optimizer import OffloadAdamW
 
 __all__ = ["GROUPS", "HostMemoryError", "OffloadAdamW", "OffloadEngine", "OffloadOptions", "UnsupportedModel",
-           "attach_offload", "format_bytes", "offload_message", "updates_on_device"]
+           "UpdateMode", "attach_offload", "format_bytes", "offload_message", "update_mode", "updates_on_device"]
 
 
 def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.device | str, *, role: str,
@@ -51,17 +51,25 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
         host_budget=host_budget,
         host_grad_dtype=torch.bfloat16 if fsdp_config.offload_grad_dtype == "bf16" else None,
         delayed_update=fsdp_config.delayed_update,
-        device_update=updates_on_device(fsdp_config, torch.device(device)),
+        optimizer_update=update_mode(fsdp_config, torch.device(device)),
     )
 
 
-def updates_on_device(fsdp_config: FSDPConfig, device: torch.device) -> bool:
-    """Whether an offloaded optimizer's update runs on the compute device (fsdp_config.optimizer_update): "auto" is
-    the GPU when there is one, but not under a delayed update, which runs beside the rollout's decoding (on the
-    host's cores it takes nothing from the GPU that decodes)."""
+def update_mode(fsdp_config: FSDPConfig, device: torch.device) -> UpdateMode:
+    """Where an offloaded optimizer's update runs (fsdp_config.optimizer_update). "auto" is the GPU when there is
+    one, but not under a delayed update, which runs beside the rollout's decoding (on the host's cores it takes
+    nothing from the GPU that decodes). It is not "both": the split's own makespan is never longer than either
+    path's alone once its estimates are right, but its host share takes the host's cores and memory bandwidth
+    from whatever runs beside it (the other model's update, the main thread's launches, the bus's own DMA), which
+    only a GPU measurement of whole steps can weigh (not made yet)."""
     if fsdp_config.optimizer_update == "auto":
-        return device.type == "cuda" and not fsdp_config.delayed_update
-    return fsdp_config.optimizer_update == "gpu"
+        return "gpu" if device.type == "cuda" and not fsdp_config.delayed_update else "cpu"
+    return fsdp_config.optimizer_update
+
+
+def updates_on_device(fsdp_config: FSDPConfig, device: torch.device) -> bool:
+    """Whether any of an offloaded optimizer's update runs on the compute device (optimizer_update gpu or both)."""
+    return update_mode(fsdp_config, device) != "cpu"
 
 
 def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool,

@@ -51,7 +51,8 @@ class _SliceBuffers:
 
 
 class DeviceUpdate:
-    """Runs the fused AdamW of offloaded units on `device`, one unit at a time (from the engine's worker)."""
+    """Runs the fused AdamW of offloaded units on `device`, one unit at a time (from the engine's device-update
+    worker, a thread of its own, so that the host worker may update other units at the same time)."""
 
     def __init__(self, device: torch.device, log: CopyLog, *, master_dtype: torch.dtype, grad_dtype: torch.dtype,
                  compute_dtype: torch.dtype, slice_elements: int = DEVICE_UPDATE_SLICE_ELEMENTS,
@@ -69,6 +70,12 @@ class DeviceUpdate:
     def device_bytes(self) -> int:
         """Device memory the ring holds once the first update has made it."""
         return self.buffer_count * self.slice_elements * self._bytes_per_element()
+
+    def bytes_each_way(self) -> int:
+        """Bytes an element of a unit crosses the bus each way: up the master, both moments and the gradient;
+        down the three and the new weights in the compute dtype (the larger of the two: they overlap)."""
+        moments_and_master = 3 * self.master_dtype.itemsize
+        return max(moments_and_master + self.grad_dtype.itemsize, moments_and_master + self.compute_dtype.itemsize)
 
     def _bytes_per_element(self) -> int:
         wide = self.master_dtype.itemsize if self.grad_dtype != self.master_dtype else 0

@@ -19,12 +19,14 @@ optimizer states live on the CPU and a compute copy stays on the GPU). Every cop
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -50,6 +52,11 @@ from trainer.offload.placement import LayerMover, PhaseStaging
 from trainer.offload.rows import RowsAndChunks
 from trainer.offload.streamer import Streamer
 from trainer.offload.units import Block, PassState, Placement, Unit
+from trainer.offload.update_split import UpdatePath, UpdateSplit, UpdateTiming
+
+UpdateMode = Literal["cpu", "gpu", "both"]
+"""Where an offloaded optimizer's update runs (fsdp_config.optimizer_update once "auto" is resolved): the host's
+cores, the compute device over states streamed through it, or both at once on disjoint units (UpdateSplit)."""
 
 __all__ = ["HostMemoryError", "OffloadEngine", "OffloadOptions", "format_bytes"]
 
@@ -102,7 +109,7 @@ class OffloadEngine:
                  layer_classes: Sequence[str] | None = None, dynamic_layers: bool = False,
                  layers_on_gpu: int | None = None, host_budget: int | None = None,
                  host_grad_dtype: torch.dtype | None = None, delayed_update: bool = False,
-                 device_update: bool = False):
+                 optimizer_update: UpdateMode = "cpu"):
         self.model, self.role = model, role
         self.device = torch.device(device)
         self.options = options or OffloadOptions()
@@ -117,7 +124,10 @@ class OffloadEngine:
             host_budget += model_host_bytes(model)
             if sum(self.host_bytes().values()) > host_budget:
                 raise HostMemoryError(host_memory_message(role, self.host_bytes(), host_budget))
-        self.layout.device_update = device_update and self.layout.optimizer_offload
+        if optimizer_update not in ("cpu", "gpu", "both"):
+            raise ValueError(f"the {role}'s optimizer_update must be cpu, gpu or both, got {optimizer_update!r}")
+        self.layout.device_update = optimizer_update != "cpu" and self.layout.optimizer_offload
+        self.layout.split_update = optimizer_update == "both" and self.layout.optimizer_offload
         pack(model, self.layout, self.device)
         if delayed_update:
             check_delayed_update(self.layout.units, role)
@@ -134,6 +144,16 @@ class OffloadEngine:
         self.device_update = DeviceUpdate(self.device, self.log, master_dtype=dtypes.master, grad_dtype=dtypes.grad,
                                           compute_dtype=dtypes.compute) if self.layout.device_update else None
         """Runs the optimizer update of the offloaded units on the device (device_update.py); None: on the CPU."""
+        self.device_worker = HostWorker(cuda=self.streams.cuda, role=f"{role}-device-update",
+                                        threads=self.options.worker_threads) if self.device_update else None
+        """The device path's own thread: its updates run beside the host worker's (which lands gradients and
+        runs the host path), each path's units in the order they were submitted."""
+        self.update_split = UpdateSplit.guessed(self.device_update.bytes_each_way()) \
+            if self.device_update is not None and self.layout.split_update else None
+        """With optimizer_update both: which units each step updates on the device and which on the host."""
+        self.update_paths: dict[str, UpdatePath] = {}
+        """Where each unit's latest optimizer update went, by unit name."""
+        self._update_timings: list[UpdateTiming] = []  # appended by the workers, read once they are drained
         self.passes = PassState()
         self.gradients = GradientPath(self.layout, self.streams, self.log, self.options, self.worker, self.passes,
                                       self.device, finish=self._finish_backward)
@@ -233,19 +253,64 @@ class OffloadEngine:
         """AdamW over the model's trainable parameters, each on the device its master lives on."""
         return OffloadAdamW(self, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
 
-    def submit_update(self, unit: Unit, update: Callable[..., None], *args: Any) -> None:
-        """Run a unit's optimizer update in the worker thread: the unit is not ready (its next fetch
-        waits) until `update` sets `unit.ready` itself."""
-        unit.ready.clear()
-        self._update_tasks.append(self.worker.submit(update, *args, inline=False))
+    @property
+    def update_mode(self) -> UpdateMode:
+        """Where the offloaded units' optimizer updates run: cpu, gpu (the device path) or both."""
+        if self.update_split is not None:
+            return "both"
+        return "gpu" if self.device_update is not None else "cpu"
 
-    def after_updates(self, work: Callable[[], None]) -> None:
-        """Run `work` in the worker thread once the updates submitted so far are done (at once without the
-        pipelined update, whose updates are done already)."""
+    def plan_update_paths(self, units: Sequence[Unit]) -> list[UpdatePath]:
+        """The path of each of this step's unit updates, in the order they will be submitted. With both paths,
+        the split first learns from the timings of the updates drained since the last plan."""
+        if self.update_split is None:
+            return ["device" if self.device_update is not None else "host"] * len(units)
+        self.wait_for_updates()  # (done already when the optimizer asks: every timing of the last step is in)
+        timings, self._update_timings = self._update_timings, []
+        self.update_split.learn(timings)
+        return self.update_split.assign([update_elements(unit) for unit in units])
+
+    def submit_update(self, unit: Unit, update: Callable[..., None], *args: Any, path: UpdatePath = "host") -> None:
+        """Run a unit's optimizer update on `path`'s worker thread (at once without the pipelined update): the
+        unit is not ready (its next fetch waits) until `update` sets `unit.ready` itself. Its seconds are
+        timed for the split."""
+        worker = self._worker(path)
+        unit.ready.clear()
+        self.update_paths[unit.name] = path
+        self._update_tasks.append(worker.submit(self._timed(update, path, update_elements(unit)), *args,
+                                                inline=not self.options.pipelined_update))
+
+    def _worker(self, path: UpdatePath) -> HostWorker:
+        if path == "host":
+            return self.worker
+        if self.device_worker is None:
+            raise ValueError(f"the {self.role}'s optimizer update runs on the host (optimizer_update=cpu): "
+                             "nothing is updated on the device")
+        return self.device_worker
+
+    def _timed(self, update: Callable[..., None], path: UpdatePath, elements: int) -> Callable[..., None]:
+        """`update`, timed for the split (when there is one: otherwise nothing would read the timings)."""
+        if self.update_split is None:
+            return update
+
+        @functools.wraps(update)  # (a profile names the worker's tasks by the update's name)
+        def timed(*args: Any) -> None:
+            started = time.perf_counter()
+            update(*args)
+            self._update_timings.append(UpdateTiming(path, elements, time.perf_counter() - started))
+        return timed
+
+    def after_updates(self, work: Callable[[], None], path: UpdatePath = "host") -> None:
+        """Run `work` in `path`'s worker thread once the updates submitted to it so far are done (at once
+        without the pipelined update, whose updates are done already)."""
         if self.options.pipelined_update:
-            self._update_tasks.append(self.worker.submit(work, inline=False))
+            self._update_tasks.append(self._worker(path).submit(work, inline=False))
         else:
             work()
+
+    def updates_drained(self) -> bool:
+        """Whether every optimizer update submitted so far, on either path, has ended (without waiting)."""
+        return all(task.done() for task in self._update_tasks) and all(unit.ready.is_set() for unit in self.units)
 
     def make_optimizer_states(self) -> None:
         """Start making the CPU optimizer's states in the worker thread, before its first update (which
@@ -255,7 +320,8 @@ class OffloadEngine:
             self._update_tasks.append(self.worker.submit(work, inline=False))
 
     def wait_for_updates(self) -> None:
-        """Block until every pending CPU optimizer update has landed (and raise if one failed)."""
+        """Block until every pending optimizer update has landed, on the host path and on the device path (and
+        raise if one failed)."""
         tasks, self._update_tasks = self._update_tasks, []
         for task in tasks:
             task.result()
@@ -291,6 +357,8 @@ class OffloadEngine:
         if self.device_update is not None:
             self.device_update.release()
         self.worker.shutdown()
+        if self.device_worker is not None:
+            self.device_worker.shutdown()
         self.streams.synchronize()
         for block in self.blocks:
             block.slot.give_back()
@@ -382,6 +450,11 @@ class OffloadEngine:
             raise
         self.gradients.defer = False
         self.gradients.send_deferred()
+
+
+def update_elements(unit: Unit) -> int:
+    """The elements a unit's optimizer update reads and writes: those of its masters with a gradient."""
+    return sum(entry.parameter.numel() for entry in unit.entries if entry.parameter.grad is not None)
 
 
 class WorkerThreadsError(ValueError):

@@ -78,6 +78,9 @@ class Layout:
     device_update: bool = False
     """The optimizer update runs on the device over the host's masters and gradients (device_update.py): they
     are page-locked on a GPU machine, whatever their dtype, so that they cross the bus at full speed."""
+    split_update: bool = False
+    """Each step updates some offloaded units on the device and the others on the host's cores at once
+    (update_split.py); `device_update` is set too."""
 
     @property
     def transformer_units(self) -> list[Unit]:
@@ -424,8 +427,7 @@ def summary_lines(layout: Layout, *, role: str, device: torch.device, host: dict
     master_name = str(master).removeprefix("torch.")
     if on_host:
         where = "OFFLOADED to CPU" if layout.optimizer_offload else "on CPU for the groups placed there"
-        runs_on = "GPU" if on_gpu else device.type.upper()
-        update = f"; AdamW runs on the {runs_on}, streaming them through it" if layout.device_update else ""
+        update = f"; {update_paths_in_words(layout, on_gpu, device)}" if layout.optimizer_offload else ""
         lines.append(f"Optimizer: {where} ({master_name} master weights and AdamW states, "
                      f"{format_bytes(3 * on_host * master.itemsize)}{update})")
     saved = format_bytes(saved_gpu_bytes)
@@ -440,6 +442,17 @@ def summary_lines(layout: Layout, *, role: str, device: torch.device, host: dict
         lines.append(f"Host memory: {format_bytes(sum(host.values()))} ({now}"
                      + (f", {format_bytes(later)} more once it trains)" if later else ")"))
     return lines
+
+
+def update_paths_in_words(layout: Layout, on_gpu: bool, device: torch.device) -> str:
+    """Where an offloaded optimizer's update runs (fsdp_config.optimizer_update), for the summary."""
+    runs_on = "GPU" if on_gpu else device.type.upper()
+    if layout.split_update:
+        return (f"AdamW runs on the {runs_on}, streaming them through it, and on the host's cores at once, "
+                "each step's units split between the two by their measured speed")
+    if layout.device_update:
+        return f"AdamW runs on the {runs_on}, streaming them through it"
+    return "AdamW runs on the host's cores"
 
 
 def host_memory_message(role: str, usage: dict[str, int], budget: int) -> str:

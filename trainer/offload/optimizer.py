@@ -5,7 +5,9 @@ does not depend on the placement: a checkpoint taken with one offload policy res
 Groups on the GPU step there at once. Groups on the CPU step with torch's fused CPU AdamW (about
 4x faster than the for-each kernel, 5x faster than the plain loop on 16 cores) in the engine's
 worker thread, in forward order, and the next forward waits for each block only when it reaches
-that block: the CPU update overlaps whatever the trainer does next on the device.
+that block: the CPU update overlaps whatever the trainer does next on the device. With
+optimizer_update gpu they step on the device instead (device_update.py), on a worker of their own;
+with both, each step splits them between the two workers (update_split.py), which run at once.
 
 `clip_grad_norm_` computes the norm and folds the clipping into the fused update (its grad_scale
 input divides the gradients as it reads them): torch.nn.utils.clip_grad_norm_ would make one more
@@ -21,6 +23,7 @@ import torch
 from trainer.offload.device_update import pinned_states
 from trainer.offload.gradients import SquareSums
 from trainer.offload.units import UPDATE_SLICE_ELEMENTS, Unit
+from trainer.offload.update_split import UpdatePath
 
 if TYPE_CHECKING:
     from trainer.offload.engine import OffloadEngine
@@ -81,27 +84,29 @@ class OffloadAdamW(torch.optim.AdamW):
         on_device = [group for group, unit in zip(self.param_groups, self._units, strict=True) if not unit.offloaded]
         if on_device:
             self._step_groups(on_device, grad_scale)
-        for group, unit in zip(self.param_groups, self._units, strict=True):
-            if not unit.offloaded:
-                continue
+        offloaded = [(group, unit) for group, unit in zip(self.param_groups, self._units, strict=True)
+                     if unit.offloaded]
+        # Each unit's path (the device's or the host's worker); with both, the split balances the two.
+        paths = engine.plan_update_paths([unit for _, unit in offloaded])
+        for (group, unit), path in zip(offloaded, paths, strict=True):
             # A copy of the group: a scheduler changing the lr from now on applies to the next step.
             snapshot = dict(group)
             # Under a delayed update the arena keeps the weights from before this one until a read that may
             # not be stale publishes it (Unit.settled); the rollout reads them meanwhile.
             unit.publish_pending = engine.delayed_update
-            if engine.options.pipelined_update:
-                engine.submit_update(unit, self._update_unit, snapshot, unit, grad_scale)
-            else:
-                self._update_unit(snapshot, unit, grad_scale)
+            engine.submit_update(unit, self._update_unit, snapshot, unit, grad_scale, path, path=path)
         if engine.device_update is not None:
-            # Its device buffers go back between steps, for the phases that run meanwhile.
-            engine.after_updates(engine.device_update.release)
+            # Its device buffers go back between steps, for the phases that run meanwhile (once the device
+            # path's updates are done: they run on its worker, in order).
+            engine.after_updates(engine.device_update.release, path="device")
         return None
 
-    def _update_unit(self, group: dict[str, Any], unit: Unit, grad_scale: torch.Tensor | None) -> None:
+    def _update_unit(self, group: dict[str, Any], unit: Unit, grad_scale: torch.Tensor | None,
+                     path: UpdatePath) -> None:
+        """One unit's AdamW step on `path`; either gives the same states, step counts and weights."""
         try:
             written: set[int] = set()
-            if self.engine.device_update is not None:
+            if path == "device":
                 written = self._step_on_device(group, grad_scale, unit)
             elif any(parameter.grad is not None and parameter.grad.dtype != parameter.dtype
                      for parameter in group["params"]):

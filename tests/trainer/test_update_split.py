@@ -1,0 +1,103 @@
+"""The split of an optimizer step's units between the device path and the host path (optimizer_update: both,
+trainer/offload/update_split.py): its decisions from given measurements."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trainer.offload.update_split import UpdateSplit, UpdateTiming
+
+
+def split(device: float, host: float, smoothing: float = 0.5) -> UpdateSplit:
+    return UpdateSplit({"device": device, "host": host}, smoothing)
+
+
+def test_equal_speeds_alternate_equal_units_and_a_tie_goes_to_the_device():
+    assert split(1.0, 1.0).assign([10] * 4) == ["device", "host", "device", "host"]
+
+
+def test_a_path_twice_as_fast_gets_twice_the_elements_and_both_end_together():
+    chooser = split(1e-9, 2e-9)
+    sizes = [100] * 6
+    assignment = chooser.assign(sizes)
+    assert assignment.count("device") == 4 and assignment.count("host") == 2
+    ends = chooser.predicted_seconds(sizes, assignment)
+    assert ends["device"] == pytest.approx(ends["host"])
+    assert chooser.last_assignment == assignment
+
+
+def test_units_keep_their_forward_order_within_each_path():
+    sizes = [5, 40, 7, 7, 30, 1, 12, 9]
+    assignment = split(1.0, 1.3).assign(sizes)
+    # One decision per unit, in the order given: each path's units are the given ones, in that order.
+    assert len(assignment) == len(sizes) and set(assignment) == {"device", "host"}
+    device_units = [index for index, path in enumerate(assignment) if path == "device"]
+    assert device_units == sorted(device_units) and device_units[0] == 0
+
+
+@pytest.mark.parametrize(("device", "host", "side"), [(1e-10, 1e-7, "device"), (1e-7, 1e-10, "host")])
+def test_everything_goes_to_a_path_much_faster_than_the_other(device, host, side):
+    assert split(device, host).assign([300, 200, 500, 100, 400]) == [side] * 5
+
+
+def test_the_longer_path_never_takes_longer_than_either_path_alone():
+    generator = random.Random(0)
+    for _ in range(200):
+        device, host = generator.uniform(0.1, 10), generator.uniform(0.1, 10)
+        sizes = [generator.randint(0, 1000) for _ in range(generator.randint(1, 30))]
+        chooser = split(device, host)
+        longest = max(chooser.predicted_seconds(sizes, chooser.assign(sizes)).values())
+        assert longest <= min(sum(sizes) * device, sum(sizes) * host) * (1 + 1e-12)
+        # And the two paths end within one unit of each other (the largest one's time on the slower path).
+        ends = chooser.predicted_seconds(sizes, chooser.last_assignment)
+        assert abs(ends["device"] - ends["host"]) <= max(sizes) * max(device, host) * (1 + 1e-12)
+
+
+def test_learning_is_a_moving_average_of_each_paths_seconds_per_element():
+    chooser = split(1e-9, 4e-9, smoothing=0.5)
+    chooser.learn([UpdateTiming("host", 100, 1e-7), UpdateTiming("host", 300, 3e-7)])  # 1 ns an element
+    assert chooser.seconds_per_element["host"] == pytest.approx(2.5e-9)
+    assert chooser.seconds_per_element["device"] == 1e-9  # it measured nothing: its estimate stays
+    chooser.learn([UpdateTiming("device", 1000, 3e-6), UpdateTiming("host", 1000, 1e-6)])
+    assert chooser.seconds_per_element == pytest.approx({"device": 2e-9, "host": 1.75e-9})
+
+
+def test_what_is_learned_moves_the_split_toward_the_path_that_proved_faster():
+    chooser = split(1e-9, 1e-9)
+    sizes = [100] * 8
+    assert chooser.assign(sizes).count("host") == 4
+    # The host measured three times as slow as guessed, the device as guessed.
+    for _ in range(6):
+        chooser.learn([UpdateTiming("device", 400, 4e-7), UpdateTiming("host", 400, 12e-7)])
+    assert chooser.seconds_per_element["host"] == pytest.approx(3e-9, rel=0.05)
+    assert chooser.assign(sizes).count("host") == 2
+
+
+def test_the_split_is_deterministic_given_its_measurements():
+    history = [[UpdateTiming("device", 1234, 5e-6), UpdateTiming("host", 999, 7e-6)],
+               [UpdateTiming("device", 2000, 6e-6)], [UpdateTiming("host", 50, 1e-7)]]
+    sizes = [17, 300, 42, 42, 1000, 3, 250]
+    assignments = []
+    for _ in range(2):
+        chooser = UpdateSplit.guessed(14)
+        for timings in history:
+            chooser.learn(timings)
+        assignments.append(chooser.assign(sizes))
+    assert assignments[0] == assignments[1]
+
+
+def test_the_first_guess_is_the_bus_for_the_device_and_a_conservative_host_figure():
+    chooser = UpdateSplit.guessed(14, bandwidth=50e9, host_seconds_per_element=1e-9)
+    assert chooser.seconds_per_element == pytest.approx({"device": 14 / 50e9, "host": 1e-9})
+    # A 3B-shaped step (36 equal layers): the device path, guessed 3.6 times as fast, takes most of it.
+    assignment = chooser.assign([80_000_000] * 36)
+    assert 26 <= assignment.count("device") <= 30
+
+
+@pytest.mark.parametrize(("rates", "smoothing"), [({"device": 0.0, "host": 1.0}, 0.5),
+                                                  ({"device": 1.0}, 0.5), ({"device": 1.0, "host": 1.0}, 1.5)])
+def test_a_split_refuses_estimates_it_cannot_use(rates, smoothing):
+    with pytest.raises(ValueError, match="UpdateSplit"):
+        UpdateSplit(rates, smoothing)

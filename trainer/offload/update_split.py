@@ -1,0 +1,107 @@
+"""Which offloaded units an optimizer step updates on the device and which on the host's cores
+(fsdp_config.optimizer_update: both).
+
+The two updates use different resources: the device path (device_update.py) is bound by the bus, 14 bytes a
+parameter each way; the host path by the host's cores and memory. On the H200 machine the 3B actor's update took
+1.0 s on the device path and about 1.45 s on the host path (benchmarks/README.md, 2026-12-02 08:25-08:40 UTC), so
+the two at once on disjoint units should take about 0.6 s. Each step the split gives each unit, in forward order,
+to the path that would finish it first, from each path's seconds per element: an exponential moving average of
+what the previous steps measured, starting from guesses (the bus's bandwidth for the device, a conservative
+figure for the host). With the estimates right, the step's longer path never takes longer than either path
+alone would: a unit goes to the host only when that ends before the device would end with it, and back.
+
+The split is plain arithmetic over the measurements it is given (no clock, no threads): the engine times each
+unit's update and hands the timings over at the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+UpdatePath = Literal["device", "host"]
+PATHS: tuple[UpdatePath, UpdatePath] = ("device", "host")
+
+DEVICE_GUESS_BANDWIDTH = 50e9
+"""Bytes a second the first device estimate assumes each way (pinned copies on an H200 reach ~52 GB/s each way,
+and the update's two directions run at once)."""
+HOST_GUESS_SECONDS_PER_ELEMENT = 1e-9
+"""The first host estimate: about twice what the H200 machine's 16 cores measured (1.45 s for 3B parameters,
+0.48 ns an element), so that the first step leans on the device path, whose speed the bus bounds."""
+SMOOTHING = 0.5
+"""The weight of the newest step's measurement in each path's moving average: a change of load (the critic's
+update beside the actor's) shows within a couple of steps, one noisy step moves the split halfway."""
+
+
+@dataclass(frozen=True)
+class UpdateTiming:
+    """One unit's update as it ran: its path, the elements it updated, the seconds it took."""
+
+    path: UpdatePath
+    elements: int
+    seconds: float
+
+
+@dataclass
+class UpdateSplit:
+    """Assigns each unit of an optimizer step to the device path or the host path so that both end together."""
+
+    seconds_per_element: dict[UpdatePath, float]
+    """Each path's estimate, learned from the steps so far."""
+    smoothing: float = SMOOTHING
+    last_assignment: list[UpdatePath] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if set(self.seconds_per_element) != set(PATHS) or min(self.seconds_per_element.values()) <= 0:
+            raise ValueError(f"UpdateSplit needs a positive seconds per element for each of {PATHS}, "
+                             f"got {self.seconds_per_element}")
+        if not 0 <= self.smoothing <= 1:
+            raise ValueError(f"UpdateSplit's smoothing is the weight of a new measurement, from 0 to 1, "
+                             f"got {self.smoothing}")
+
+    @classmethod
+    def guessed(cls, device_bytes_each_way: int, *, bandwidth: float = DEVICE_GUESS_BANDWIDTH,
+                host_seconds_per_element: float = HOST_GUESS_SECONDS_PER_ELEMENT,
+                smoothing: float = SMOOTHING) -> UpdateSplit:
+        """A split before any measurement: the device path at `bandwidth` for the bytes an element moves each
+        way (both ways at once), the host path at a conservative figure."""
+        return cls({"device": device_bytes_each_way / bandwidth, "host": host_seconds_per_element}, smoothing)
+
+    def assign(self, elements: Sequence[int]) -> list[UpdatePath]:
+        """The path of each unit (`elements`: each unit's elements to update, in the order they are updated):
+        each goes to the path whose queue, with it added, ends first (the device on a tie). Units keep their
+        order within each path, which runs them one after the other."""
+        ends: dict[UpdatePath, float] = {"device": 0.0, "host": 0.0}
+        assignment: list[UpdatePath] = []
+        for count in elements:
+            device_end = ends["device"] + count * self.seconds_per_element["device"]
+            host_end = ends["host"] + count * self.seconds_per_element["host"]
+            path: UpdatePath = "device" if device_end <= host_end else "host"
+            ends[path] = device_end if path == "device" else host_end
+            assignment.append(path)
+        self.last_assignment = assignment
+        return assignment
+
+    def predicted_seconds(self, elements: Sequence[int], assignment: Sequence[UpdatePath]) -> dict[UpdatePath, float]:
+        """How long each path's queue takes by the current estimates."""
+        totals: dict[UpdatePath, float] = {"device": 0.0, "host": 0.0}
+        for count, path in zip(elements, assignment, strict=True):
+            totals[path] += count * self.seconds_per_element[path]
+        return totals
+
+    def learn(self, timings: Iterable[UpdateTiming]) -> None:
+        """Fold one step's timings into each path's estimate (a path that updated nothing keeps its own)."""
+        elements: dict[UpdatePath, int] = {"device": 0, "host": 0}
+        seconds: dict[UpdatePath, float] = {"device": 0.0, "host": 0.0}
+        for timing in timings:
+            elements[timing.path] += timing.elements
+            seconds[timing.path] += timing.seconds
+        for path in PATHS:
+            if elements[path] and seconds[path] > 0:
+                measured = seconds[path] / elements[path]
+                self.seconds_per_element[path] += self.smoothing * (measured - self.seconds_per_element[path])
+
+    def describe(self) -> str:
+        """The estimates in words, e.g. "device 0.33 ns/element, host 0.48 ns/element"."""
+        return ", ".join(f"{path} {self.seconds_per_element[path] * 1e9:.3g} ns/element" for path in PATHS)
