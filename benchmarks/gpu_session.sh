@@ -25,8 +25,17 @@
 #   VARIANTS=all_gpu,offload STEPS=5 TIMEOUT=400 e2e-headline                (not timed yet with models from disk:
 #                                                                             all_gpu 5.1 s a step, offload 15-25 s)
 # The device tool's budget is 30 minutes a session and each call starts a fresh machine (about 85 s): chain stages
-# in one call (`tests` is 100 s; `SECTIONS=static_profile rollout` 15 s). A device-side change to try next: carry a newer
-# transformers wheel (5.2x attends one query token on the KV heads without repeat_kv) and compare `SECTIONS=allgpu_static_graphs`.
+# in one call (`tests` is 100 s; `SECTIONS=static_profile rollout` 15 s). A refused start (no machine free) costs about
+# 90 s of the budget, and so does every helper's call: one session holds the device calls.
+#
+# Not run on a GPU yet (2026-12-02 14:00-17:00 had no machine), in priority order for the next session's calls:
+#   1. `tests`: the new GPU tests (LoRA streamed from pinned memory; the device update with `both`).
+#   2. VARIANTS=all_gpu,offload,offload_both_update,offload_lora STEPS=5 TIMEOUT=200 e2e-ppo3b: `both` against `gpu`
+#      (decides what optimizer_update=auto means on a GPU), LoRA against full fine-tuning with offload.
+#   3. `timeout 90 python3 benchmarks/offload_bench.py --only remove_padding`: use_remove_padding's speed.
+#   4. SECTIONS=allgpu_static_graphs,allgpu_static_graphs_repeat_kv rollout: the packed decoded-token attention
+#      (trainer/models/attention.py) against transformers 5.17's repeat_kv, side by side.
+#   5. VARIANTS=offload_lora,offload STEPS=3 WARMUP=1 e2e-headline: the 7B-shaped LoRA run (issue 18's figure).
 #
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
