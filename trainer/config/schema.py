@@ -17,7 +17,7 @@ import itertools
 import re
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -604,9 +604,13 @@ class TrainerConfig(Section):
     seed: int = 1
     """Seed of model init, sampling and everything else random."""
     nnodes: int = Field(1, ge=1)
-    """Nodes (several need torchrun; not supported yet)."""
+    """Nodes of the run: one `verl train` on each, all given the same trainer.rdzv_endpoint."""
     n_gpus_per_node: int = Field(1, ge=1)
-    """GPUs per node (several need torchrun; not supported yet)."""
+    """GPUs (ranks) per node; above 1 they run under torch.distributed's elastic launcher (device cpu: gloo ranks)."""
+    node_rank: int = Field(0, ge=0)
+    """This node's place in trainer.nnodes (0: global rank 0); unset: NODE_RANK, PET_NODE_RANK or SLURM_NODEID."""
+    rdzv_endpoint: str | None = None
+    """host:port of node 0 where the nodes meet; unset: PET_RDZV_ENDPOINT or MASTER_ADDR:MASTER_PORT."""
     logger: list[TrackerBackend] = ["console"]
     """Trackers for each step's metrics, one or a list of: console, wandb, tensorboard, mlflow, swanlab, file."""
 
@@ -870,7 +874,7 @@ def _rules() -> tuple[Callable[[RunConfig], list[ConfigProblem]], ...]:
             _check_val_files, _check_reward_function_file,
             _check_batch_sizes, _check_token_budgets, _grpo_needs_several_responses, _gae_needs_a_critic,
             _clip_range_is_positive,
-            _resume_path_is_set, _validation_needs_data, _check_devices, _check_offload,
+            _resume_path_is_set, _validation_needs_data, _check_devices, _check_launch, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
             _actor_lora_keys, _critic_lora_keys, _checkpoint_counts_agree, _critic_warmup_needs_a_critic,
@@ -1374,6 +1378,71 @@ def _check_devices(config: RunConfig) -> list[ConfigProblem]:
         if size > devices:
             problems.append(ConfigProblem(f"{key}.ulysses_sequence_parallel_size", f"got {size}, more than "
                                           f"the run's {devices} device(s); allowed: at most {devices}"))
+    return problems
+
+
+NODE_RANK_ENVIRONMENT = ("NODE_RANK", "PET_NODE_RANK", "SLURM_NODEID")
+"""Where trainer.node_rank comes from when the config leaves it unset (torchrun's names, then Slurm's)."""
+RDZV_ENDPOINT_ENVIRONMENT = "PET_RDZV_ENDPOINT"
+"""torchrun's name for --rdzv-endpoint; else MASTER_ADDR and MASTER_PORT (or PET_MASTER_ADDR/PET_MASTER_PORT)."""
+
+
+def launch_keys_from_environment(raw: dict[str, Any], environment: Mapping[str, str]) -> list[ConfigProblem]:
+    """Fill trainer.node_rank and trainer.rdzv_endpoint of a several-node run from the environment where the
+    config leaves them out, as torchrun and Slurm users expect; a key the config sets always wins. A value
+    read here is written into the resolved config, so every process of the run sees the same one."""
+    trainer = raw.get("trainer")
+    if not isinstance(trainer, dict) or not _several_nodes(trainer.get("nnodes")):
+        return []
+    problems = []
+    if "node_rank" not in trainer:
+        name = next((name for name in NODE_RANK_ENVIRONMENT if environment.get(name, "").strip()), None)
+        if name is not None:
+            value = environment[name].strip()
+            if value.isdigit():
+                trainer["node_rank"] = int(value)
+            else:
+                problems.append(ConfigProblem("trainer.node_rank", f"got {value!r} from ${name}; allowed: a whole "
+                                              "number from 0 (or set trainer.node_rank)"))
+    if "rdzv_endpoint" not in trainer:
+        address = environment.get("MASTER_ADDR") or environment.get("PET_MASTER_ADDR")
+        port = environment.get("MASTER_PORT") or environment.get("PET_MASTER_PORT")
+        if environment.get(RDZV_ENDPOINT_ENVIRONMENT):
+            trainer["rdzv_endpoint"] = environment[RDZV_ENDPOINT_ENVIRONMENT].strip()
+        elif address and port:
+            trainer["rdzv_endpoint"] = f"{address.strip()}:{port.strip()}"
+    return problems
+
+
+def _several_nodes(nnodes: Any) -> bool:
+    try:
+        return int(nnodes) > 1
+    except (TypeError, ValueError):
+        return False
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int] | None:
+    """("host", port) of "host:port" (an IPv6 host in brackets: "[::1]:29500"), or None when it is not one."""
+    host, separator, port = endpoint.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not separator or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def _check_launch(config: RunConfig) -> list[ConfigProblem]:
+    trainer = config.trainer
+    problems = []
+    if trainer.node_rank >= trainer.nnodes:
+        problems.append(ConfigProblem("trainer.node_rank", f"got {trainer.node_rank}, but trainer.nnodes is "
+                                      f"{trainer.nnodes}; allowed: 0 to {trainer.nnodes - 1}"))
+    if trainer.rdzv_endpoint is not None and parse_endpoint(trainer.rdzv_endpoint) is None:
+        problems.append(ConfigProblem("trainer.rdzv_endpoint", f"got {trainer.rdzv_endpoint!r}; allowed: "
+                                      "host:port of node 0, e.g. node0.cluster:29500"))
+    elif trainer.rdzv_endpoint is None and trainer.nnodes > 1:
+        problems.append(ConfigProblem("trainer.rdzv_endpoint", f"is not set, but trainer.nnodes is "
+                                      f"{trainer.nnodes}; allowed: host:port of node 0, the same on every node "
+                                      f"(or set ${RDZV_ENDPOINT_ENVIRONMENT}, or MASTER_ADDR and MASTER_PORT)"))
     return problems
 
 
