@@ -1,4 +1,4 @@
-"""The rank group of one node: ``python -m trainer.distributed.launch --config RESOLVED.yaml``.
+"""The rank group of one node: ``python -m trainer.distributed.launch --config RESOLVED.yaml [-- ARGS]``.
 
 The daemon never imports torch, so with trainer.nnodes * trainer.n_gpus_per_node > 1 the child it
 supervises is this process. It runs trainer.n_gpus_per_node ranks of ``python -m trainer --config
@@ -32,7 +32,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from trainer.config.schema import DaemonConfig, TrainerConfig
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # trainer/main.py's: a config problem, no restart
@@ -107,11 +110,13 @@ def exit_like(code: int) -> int:
     if code >= 0:
         return code
     signum = -code
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
     with contextlib.suppress(ValueError, OSError):
-        signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
         os.kill(os.getpid(), signum)
-    return 128 + signum  # a signal this process cannot die of
+    return 128 + signum  # a signal this process cannot die of (its default action is not to end it)
 
 
 def forward_to_ranks(signum: int) -> int:
@@ -154,6 +159,24 @@ def run_group(plan: GroupPlan, trainer_args: Sequence[str], *, log_dir: Path) ->
     return EXIT_OK
 
 
+def read_launch_sections(path: Path) -> tuple[TrainerConfig, DaemonConfig]:
+    """The trainer and daemon sections of the resolved config, all the launcher reads of it. The whole config was
+    checked by `verl train` when it wrote the file, and every rank checks it again (and exits 2 on a problem,
+    which ends the group with 2); the launcher does not pay for loading models and data files to check it too."""
+    from pydantic import ValidationError
+
+    from trainer.config.schema import ConfigError, DaemonConfig, TrainerConfig, read_yaml
+
+    try:
+        raw = read_yaml(path)
+        return (TrainerConfig.model_validate(raw.get("trainer") or {}),
+                DaemonConfig.model_validate(raw.get("daemon") or {}))
+    except ConfigError as error:
+        raise ValueError("; ".join(str(problem) for problem in error.problems)) from None
+    except ValidationError as error:
+        raise ValueError(f"{path}: not a resolved run config ({error.errors()[0]['msg']})") from None
+
+
 def _describe(code: int) -> str:
     if code < 0:
         with contextlib.suppress(ValueError):
@@ -166,8 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.distributed.launch",
                                      description="Run this node's ranks of one training job.")
     parser.add_argument("--config", required=True, help="the resolved YAML run config")
+    parser.add_argument("program", nargs="*", metavar="-- ARGS",
+                        help="what each rank runs instead of the trainer: `python ARGS` (default: python -m trainer "
+                             "--config CONFIG)")
     args = parser.parse_args(argv)
-    from trainer.config import ConfigError, load_config
     from trainer.config.ipc import STACK_DUMP_SIGNAL
     from trainer.telemetry import die_with_daemon
 
@@ -175,18 +200,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ERROR: the verl daemon that started this launcher has exited; not training", file=sys.stderr)
         return EXIT_CRASH
     try:
-        config = load_config(args.config)
-    except ConfigError as error:
-        for problem in error.problems:
-            print(f"ERROR: {problem}", file=sys.stderr)
+        trainer, daemon = read_launch_sections(Path(args.config))
+    except ValueError as error:
+        print(f"ERROR: {error}", file=sys.stderr)
         return EXIT_USAGE
-    trainer = config.trainer
     plan = plan_group(nnodes=trainer.nnodes, n_gpus_per_node=trainer.n_gpus_per_node, node_rank=trainer.node_rank,
                       rdzv_endpoint=trainer.rdzv_endpoint, run_name=trainer.experiment_name,
-                      stop_timeout_s=config.daemon.stop_timeout_s)
+                      stop_timeout_s=daemon.stop_timeout_s)
     signal.signal(STACK_DUMP_SIGNAL, lambda signum, frame: forward_to_ranks(signum))
-    code = run_group(plan, ["-m", "trainer", "--config", str(Path(args.config).resolve())],
-                     log_dir=Path(trainer.run_dir) / "logs" / RANKS_LOG_DIR)
+    program = args.program or ["-m", "trainer", "--config", str(Path(args.config).resolve())]
+    code = run_group(plan, program, log_dir=Path(trainer.run_dir) / "logs" / RANKS_LOG_DIR)
     return exit_like(code)
 
 

@@ -190,3 +190,18 @@ def test_a_node_rank_in_the_environment_that_is_no_number_is_one_line() -> None:
     problems = launch_keys_from_environment({"trainer": {"nnodes": 2}}, {"NODE_RANK": "first"})
     assert [str(problem) for problem in problems] == [
         "trainer.node_rank: got 'first' from $NODE_RANK; allowed: a whole number from 0 (or set trainer.node_rank)"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_the_launcher_ends_by_the_signal_that_killed_the_rank(signum: int) -> None:
+    program = f"import sys; from trainer.distributed.launch import exit_like; sys.exit(exit_like({-signum}))"
+    ended = subprocess.run([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+                           timeout=60)
+    assert ended.returncode == -signum
+
+
+def test_a_failed_rank_exit_code_is_the_launchers() -> None:
+    program = "import sys; from trainer.distributed.launch import exit_like; sys.exit(exit_like(12))"
+    ended = subprocess.run([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+                           timeout=60)
+    assert ended.returncode == 12
