@@ -55,7 +55,7 @@ from trainer.config.messages import (
 from trainer.data import PromptRecord, PromptSampler, load_records, rank_share
 from trainer.data.checks import check_prompts, drop_overlong_prompts
 from trainer.distributed.ranks import Ranks, resolve_device
-from trainer.distributed.sharding import shard_model
+from trainer.distributed.sharding import cpu_placement, decoder_layers, shard_model
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory, default_memory_probe, host_memory_available
 from trainer.metrics import (
@@ -146,6 +146,7 @@ class Trainer:
         self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
         # Every model's placement; dynamic offload follows the live settings (initialised from the
         # actor's dynamic_offload section). The log and warnings go where self.log and self.warn point.
+        self._sharded_layers: dict[str, int] = {}  # several ranks: each model's decoder layers on the device
         self.memory = MemoryManager(self.device, settings=lambda: self.live_settings,
                                     probe=memory_probe or default_memory_probe(self.device),
                                     host_available=host_available or host_memory_available,
@@ -235,7 +236,20 @@ class Trainer:
         over the ranks, CPU placement through its CPUOffloadPolicy (trainer/distributed/sharding.py)."""
         if not self.ranks.distributed:
             return self.memory.place(model, fsdp_config, role)
+        layers_on_cpu, _ = cpu_placement(fsdp_config)
+        self._sharded_layers[role] = 0 if layers_on_cpu else len(decoder_layers(model))
         return shard_model(model, fsdp_config, self.ranks, role=role, log=lambda message: self.log(message))
+
+    def _placement_metrics(self) -> dict[str, float]:
+        """The memory manager's step metrics; with sharded models the same keys, of FSDP2's placement: each
+        model's decoder layers whose shards stay on the device (none move while the run goes on)."""
+        if not self.ranks.distributed:
+            return self.memory.step_metrics()
+        layers = self._sharded_layers
+        return {"perf/oom_recoveries": 0.0, "offload/transformer_layers_on_gpu": float(sum(layers.values())),
+                **{f"offload/{role}/transformer_layers_on_gpu": float(count)
+                   for role, count in layers.items()},
+                "offload/moves_to_cpu": 0.0, "offload/moves_to_gpu": 0.0, "offload/phase_swaps": 0.0}
 
     def _worker_memory(self, role: Role) -> ModelMemory | None:
         """The memory manager's side for a worker; None for a sharded model, which it does not place (the
@@ -421,7 +435,7 @@ class Trainer:
                                     prompt_length=self.config.data.max_prompt_length))
         metrics.update(throughput_metrics(batch, timer.seconds["step"]))
         metrics.update(memory_metrics(self.device, peaks=self.memory.step_peaks()))
-        metrics.update(self.memory.step_metrics())
+        metrics.update(self._placement_metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
 
