@@ -1428,7 +1428,7 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
         found.append(("actor_rollout_ref.rollout.decode", "static", "generate or auto"))
     if rollout.embedding_cache.enabled:
         found.append(("actor_rollout_ref.rollout.embedding_cache.enabled", True, False))
-    return [ConfigProblem(key, f"got {_yaml_value(value)}, which {why}; allowed: {allowed}")
+    return [ConfigProblem(key, f"got {_yaml_value(value)}, which {why}; allowed: {_yaml_value(allowed)}")
             for key, value, allowed in found]
 
 
