@@ -1256,6 +1256,7 @@ def _check_data_file(key: str, value: str) -> ConfigProblem | None:
 
 def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
     problems = []
+    world = world_size(config)
     batch = config.data.train_batch_size
     n = config.actor_rollout_ref.rollout.n
     actor = config.actor_rollout_ref.actor
@@ -1274,12 +1275,13 @@ def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
             problems.append(ConfigProblem(f"{prefix}.ppo_mini_batch_size", f"got {mini}, which {why} "
                                           f"data.train_batch_size ({batch}); allowed: a divisor of {batch}, "
                                           f"e.g. {_largest_divisor(batch, mini)}"))
-        elif not by_tokens and (mini * n) % micro:
-            sequences = mini * n
+        elif not by_tokens and mini % world == 0 and (mini * n // world) % micro:
+            # Each rank's share of the mini-batch is what its micro-batches split.
+            sequences, per_rank = mini * n // world, f" / {world} ranks" if world > 1 else ""
             problems.append(ConfigProblem(
                 f"{prefix}.ppo_micro_batch_size_per_gpu",
                 f"got {micro}, which does not divide the mini-batch of {sequences} sequences "
-                f"(ppo_mini_batch_size {mini} x rollout.n {n}); allowed: a divisor of {sequences}, "
+                f"(ppo_mini_batch_size {mini} x rollout.n {n}{per_rank}); allowed: a divisor of {sequences}, "
                 f"e.g. {_largest_divisor(sequences, micro)}"))
     return problems
 
@@ -1364,20 +1366,18 @@ def _validation_needs_data(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _check_devices(config: RunConfig) -> list[ConfigProblem]:
-    problems = []
-    trainer = config.trainer
-    devices = trainer.nnodes * trainer.n_gpus_per_node
-    if devices > 1:
-        key = "trainer.nnodes" if trainer.nnodes > 1 else "trainer.n_gpus_per_node"
-        problems.append(ConfigProblem(key, f"got {trainer.n_gpus_per_node} GPU(s) per node on "
-                                      f"{trainer.nnodes} node(s), but only single-device runs exist yet; "
-                                      "allowed: nnodes=1 and n_gpus_per_node=1"))
+    devices = world_size(config)
+    problems = _batch_sizes_for_ranks(config) + _single_rank_features(config) if devices > 1 else []
     actor = config.actor_rollout_ref.actor
     for key, size in (("actor_rollout_ref.actor", actor.ulysses_sequence_parallel_size),
                       ("critic", config.critic.ulysses_sequence_parallel_size)):
         if size > devices:
             problems.append(ConfigProblem(f"{key}.ulysses_sequence_parallel_size", f"got {size}, more than "
                                           f"the run's {devices} device(s); allowed: at most {devices}"))
+        elif size > 1:
+            problems.append(ConfigProblem(f"{key}.ulysses_sequence_parallel_size", f"got {size}, but the trainer "
+                                          "does not split sequences over ranks yet (trainer/distributed/ulysses.py "
+                                          "is not wired into its models); allowed: 1"))
     return problems
 
 
@@ -1444,6 +1444,65 @@ def _check_launch(config: RunConfig) -> list[ConfigProblem]:
                                       f"{trainer.nnodes}; allowed: host:port of node 0, the same on every node "
                                       f"(or set ${RDZV_ENDPOINT_ENVIRONMENT}, or MASTER_ADDR and MASTER_PORT)"))
     return problems
+
+
+def world_size(config: RunConfig) -> int:
+    """The run's ranks: trainer.nnodes x trainer.n_gpus_per_node (CPU ranks with trainer.device: cpu)."""
+    return config.trainer.nnodes * config.trainer.n_gpus_per_node
+
+
+def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
+    """verl's semantics: data.train_batch_size and ppo_mini_batch_size count prompts of the whole run, divided
+    among the data-parallel ranks (the *_micro_batch_size_per_gpu keys count per rank), so each divides by the
+    world size."""
+    world = world_size(config)
+    sizes = [("data.train_batch_size", config.data.train_batch_size),
+             ("actor_rollout_ref.actor.ppo_mini_batch_size", config.actor_rollout_ref.actor.ppo_mini_batch_size)]
+    if config.use_critic and config.critic.ppo_mini_batch_size is not None:
+        sizes.append(("critic.ppo_mini_batch_size", config.critic.ppo_mini_batch_size))
+    return [ConfigProblem(key, f"got {size}, which does not divide among the run's {world} ranks (trainer.nnodes x "
+                               f"trainer.n_gpus_per_node; it counts the prompts of all of them); allowed: a multiple "
+                               f"of {world}, e.g. {max(world, size - size % world)}")
+            for key, size in sizes if size % world]
+
+
+def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
+    """What works on one rank only: the project's own offload engine (dynamic offload, delayed updates, bf16 host
+    gradients, the embedding cache) places whole models, and LoRA, token-budget micro-batches and the static
+    decoder are not built for sharded models."""
+    world = world_size(config)
+    why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
+    found: list[tuple[str, object, object]] = []
+    for role, fsdp in config.fsdp_configs().items():
+        prefix = FSDP_PREFIX[role]
+        if fsdp.dynamic_offload.enabled:
+            found.append((f"{prefix}.dynamic_offload.enabled", True, False))
+        if fsdp.delayed_update:
+            found.append((f"{prefix}.delayed_update", True, False))
+        if fsdp.offload_grad_dtype != "fp32":
+            found.append((f"{prefix}.offload_grad_dtype", fsdp.offload_grad_dtype, "fp32"))
+    section = config.actor_rollout_ref
+    model, actor, rollout = section.model, section.actor, section.rollout
+    if model.lora_rank:
+        found.append(("actor_rollout_ref.model.lora_rank", model.lora_rank, 0))
+    if config.use_critic and config.critic.model.lora_rank:
+        found.append(("critic.model.lora_rank", config.critic.model.lora_rank, 0))
+    dynamic = [("actor_rollout_ref.actor.use_dynamic_bsz", actor.use_dynamic_bsz),
+               ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", rollout.log_prob_use_dynamic_bsz),
+               ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", section.ref.log_prob_use_dynamic_bsz)]
+    if config.use_critic:
+        dynamic.append(("critic.use_dynamic_bsz", config.critic.use_dynamic_bsz))
+    found += [(key, True, False) for key, value in dynamic if value]
+    if rollout.decode == "static":
+        found.append(("actor_rollout_ref.rollout.decode", "static", "generate or auto"))
+    if rollout.embedding_cache.enabled:
+        found.append(("actor_rollout_ref.rollout.embedding_cache.enabled", True, False))
+    return [ConfigProblem(key, f"got {_yaml_value(value)}, which {why}; allowed: {_yaml_value(allowed)}")
+            for key, value, allowed in found]
+
+
+def _yaml_value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # ------------------------------------------------------------------------------------------- YAML
