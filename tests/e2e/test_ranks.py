@@ -114,3 +114,40 @@ def test_two_nodes_on_loopback_train_and_stop_cleanly_and_node_1_points_to_node_
         assert first.process.wait(timeout=180) == 0, first.output()
         assert second.process.wait(timeout=180) == 0, second.output()
     assert any(path.name.startswith("global_step_") for path in shared.iterdir())
+
+
+def test_the_slurm_script_starts_one_verl_train_per_node_with_a_valid_config(tmp_path: Path) -> None:
+    """examples/slurm/verl.sbatch under stand-ins for srun (two tasks), scontrol and verl: each node's command
+    line loads as a config for its node."""
+    import subprocess
+    import sys
+
+    from tests.e2e.runs import REPO
+    from trainer.config import load_config
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {
+        "scontrol": "#!/bin/sh\nprintf 'gpu-a17\\ngpu-a18\\n'\n",
+        "srun": "#!/bin/bash\nwhile [[ $1 == -* ]]; do shift; done\n"  # srun's options, then one task per node
+                "for node in 0 1; do SLURM_NODEID=$node \"$@\" || exit 1; done\n",
+        "verl": f"#!/bin/sh\n{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" "
+                f">> {tmp_path}/calls.jsonl\n",
+    }
+    for name, text in stand_ins.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    environment = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a[17-18]",
+                   "SLURM_NNODES": "2", "SLURM_JOB_ID": "77", "SLURM_GPUS_ON_NODE": "8",
+                   "CONFIG": str(REPO / "examples" / "quickstart.yaml")}
+    extra = ["trainer.total_training_steps=9", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+    subprocess.run(["bash", str(REPO / "examples" / "slurm" / "verl.sbatch"), *extra],
+                   cwd=tmp_path, env=environment, check=True, timeout=60)
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 and all(call[:3] == ["train", "--config", environment["CONFIG"]] for call in calls)
+    for node, call in enumerate(calls):
+        trainer = load_config(call[2], call[3:]).trainer
+        assert (trainer.nnodes, trainer.node_rank, trainer.n_gpus_per_node) == (2, node, 8)
+        assert trainer.rdzv_endpoint == "gpu-a17:29500" and trainer.total_training_steps == 9
+        assert trainer.default_local_dir == f"{tmp_path}/verl-77/checkpoints"
+        assert trainer.runs_dir == f"{tmp_path}/verl-77/runs/node{node}"
