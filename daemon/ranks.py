@@ -86,8 +86,8 @@ class RankTable:
             state.copy_seconds.extend(copy.seconds for copy in message.copies)
 
     def pids(self) -> list[int]:
-        """The connected ranks' processes."""
-        return [state.pid for state in self._ranks.values() if state.connected and state.pid is not None]
+        """The connected ranks' processes (the GPU sampler's thread asks too: one C-level copy of the entries)."""
+        return [state.pid for state in tuple(self._ranks.values()) if state.connected and state.pid is not None]
 
     def statuses(self) -> list[RankStatus]:
         now = self._clock()

@@ -205,3 +205,40 @@ def test_a_failed_rank_exit_code_is_the_launchers() -> None:
     ended = subprocess.run([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
                            timeout=60)
     assert ended.returncode == 12
+
+
+def test_the_launcher_runs_the_configs_ranks_and_passes_the_stack_dump_signal_on(tmp_path: Path) -> None:
+    """`python -m trainer.distributed.launch --config RESOLVED.yaml -- PROGRAM`: the config's rank count, and
+    STACK_DUMP_SIGNAL (the daemon's "write your stacks" to a hung group) reaches every rank."""
+    from trainer.config import dump_config
+    from trainer.config.ipc import STACK_DUMP_SIGNAL
+
+    config = load_config(REPOSITORY / "examples" / "quickstart.yaml", [
+        f"trainer.runs_dir={tmp_path}", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(dump_config(config))
+    rank_program = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        folder = Path({str(tmp_path)!r})
+        def dumped(signum, frame):
+            (folder / ("stacks-" + os.environ["RANK"])).write_text(os.environ["WORLD_SIZE"])
+            sys.exit(0)
+        signal.signal({int(STACK_DUMP_SIGNAL)}, dumped)
+        (folder / ("started-" + os.environ["RANK"])).write_text("")
+        time.sleep(120)
+    """)
+    process = subprocess.Popen([sys.executable, "-m", "trainer.distributed.launch", "--config", str(resolved), "--",
+                                "-c", rank_program], env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: all((tmp_path / f"started-{rank}").exists() for rank in (0, 1)), process)
+        process.send_signal(STACK_DUMP_SIGNAL)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    assert [(tmp_path / f"stacks-{rank}").read_text() for rank in (0, 1)] == ["2", "2"]
+    assert (config.trainer.run_dir / "logs" / "ranks").is_dir(), "the agent's files go under the run's logs"
