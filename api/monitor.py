@@ -433,6 +433,11 @@ def describe_status(status: RunStatus) -> list[str]:
     lines.append(f"telemetry: NVML {'available' if telemetry.nvml else 'unavailable'}, "
                  f"{telemetry.dropped_messages} messages dropped")
     lines += [f"placement plan: {describe_plan(plan)}" for plan in status.offload.plans]
+    if run.world_size > 1:
+        where = f"node {run.node_rank} of {run.nnodes}: " if run.nnodes > 1 else ""
+        ranks = ", ".join(f"{rank.rank} (GPU {rank.local_rank}, {'pid ' + str(rank.pid) if rank.connected else 'down'})"
+                          for rank in status.ranks) or "none connected yet"
+        lines.append(f"ranks: {where}{ranks}; {run.world_size} in the run")
     return lines
 
 

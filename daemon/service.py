@@ -88,7 +88,6 @@ from trainer.config.messages import (
     PhaseMessage,
     PhasePlanRow,
     Progress,
-    RankStatus,
     Restarts,
     RunInfo,
     RunStatus,
@@ -389,11 +388,8 @@ class Daemon:
             telemetry=TelemetryHealth(nvml=self.sampler is not None and self.sampler.nvml_up,
                                       dropped_messages=self.dropped_messages),
             offload=OffloadPlacement(summary=self.offload_summary, plans=self.offload_plans),
-            ranks=self._rank_statuses(),
+            ranks=self.ranks.statuses(),
         )
-
-    def _rank_statuses(self) -> list[RankStatus]:
-        return self.ranks.statuses()
 
     def settings(self) -> SettingsBody:
         return self.settings_store.describe()

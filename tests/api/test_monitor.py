@@ -514,3 +514,14 @@ def test_the_view_shows_a_row_per_rank_of_the_node():
     assert any("node 1 of 2" in line for line in lines)
     one_process = rendered(snapshot())
     assert "rank 0" not in one_process, "a run of one process shows no rank rows"
+
+
+def test_the_status_lines_list_the_nodes_ranks():
+    ranks = [RankStatus(rank=0, local_rank=0, pid=5001, connected=True, step=45, heard_s_ago=0.4,
+                        gpu_memory_bytes=None, copy_latency_mean_s=None),
+             RankStatus(rank=1, local_rank=1, pid=None, connected=False, step=None, heard_s_ago=None,
+                        gpu_memory_bytes=None, copy_latency_mean_s=None)]
+    base = run_status()
+    status = base.model_copy(update={"ranks": ranks, "run": base.run.model_copy(update={"world_size": 2})})
+    assert describe_status(status)[-1] == "ranks: 0 (GPU 0, pid 5001), 1 (GPU 1, down); 2 in the run"
+    assert not any(line.startswith("ranks:") for line in describe_status(base))

@@ -186,7 +186,8 @@ def test_sigterm_to_the_daemon_stops_every_rank_with_a_checkpoint(tmp_path: Path
 
     async def scenario() -> int:
         run = asyncio.create_task(daemon.run())
-        await eventually(lambda: daemon.progress.step >= 2, timeout=60, what="two steps")
+        await eventually(lambda: len([rank for rank in daemon.ranks.statuses() if rank.connected]) == RANKS
+                         and daemon.progress.step >= 2, timeout=60, what="both ranks connected, two steps")
         os.kill(os.getpid(), signal.SIGTERM)
         return await asyncio.wait_for(run, 60)
 
