@@ -151,3 +151,35 @@ def test_the_slurm_script_starts_one_verl_train_per_node_with_a_valid_config(tmp
         assert trainer.rdzv_endpoint == "gpu-a17:29500" and trainer.total_training_steps == 9
         assert trainer.default_local_dir == f"{tmp_path}/verl-77/checkpoints"
         assert trainer.runs_dir == f"{tmp_path}/verl-77/runs/node{node}"
+
+
+def test_the_two_node_script_takes_torchruns_names_for_the_node_rank_and_endpoint(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """examples/multinode/two_nodes.sh with a stand-in verl: NODE_RANK and MASTER_ADDR:MASTER_PORT, which the
+    script leaves in the environment, fill trainer.node_rank and trainer.rdzv_endpoint of its command line."""
+    import subprocess
+    import sys
+
+    from tests.e2e.runs import REPO
+    from trainer.config.loading import load_config
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "verl").write_text(f"#!/bin/sh\n{sys.executable} -c 'import json, os, sys; print(json.dumps("
+                                  "[sys.argv[1:], os.environ[\"NODE_RANK\"], os.environ[\"MASTER_ADDR\"], "
+                                  f"os.environ[\"MASTER_PORT\"]]))' \"$@\" >> {tmp_path}/calls.jsonl\n")
+    (bin_dir / "verl").chmod(0o755)
+    for node in (0, 1):
+        environment = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NODE_RANK": str(node),
+                       "MASTER_ADDR": "node0.cluster", "SHARED": str(tmp_path / "shared"),
+                       "CONFIG": str(REPO / "examples" / "quickstart.yaml"), "GPUS_PER_NODE": "2"}
+        subprocess.run(["bash", str(REPO / "examples" / "multinode" / "two_nodes.sh"),
+                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"], env=environment, check=True,
+                       timeout=60)
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    for node, (arguments, node_rank, address, port) in enumerate(calls):
+        for name, value in (("NODE_RANK", node_rank), ("MASTER_ADDR", address), ("MASTER_PORT", port)):
+            monkeypatch.setenv(name, value)
+        trainer = load_config(arguments[2], arguments[3:]).trainer
+        assert (trainer.nnodes, trainer.node_rank, trainer.rdzv_endpoint) == (2, node, "node0.cluster:29500")
+        assert trainer.runs_dir == f"{tmp_path}/shared/runs/node{node}"
