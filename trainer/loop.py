@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from trainer.algorithms import apply_kl_penalty, build_kl_controller, get_advantage_estimator
+from trainer.algorithms.functional import _WHITEN_EPSILON as WHITEN_EPSILON
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
@@ -556,11 +557,23 @@ class Trainer:
         if algorithm.adv_estimator == "gae":
             batch.advantages, batch.returns = self.advantage_fn(
                 batch.token_level_rewards, batch.values, batch.response_mask, gamma=algorithm.gamma, lam=algorithm.lam)
+            if self.ranks.distributed:
+                batch.advantages = self._whitened_over_ranks(batch.returns - batch.values, batch.response_mask)
         else:
             batch.advantages, batch.returns = self.advantage_fn(
                 batch.token_level_rewards, batch.response_mask, batch.group_index,
                 norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo)
         return metrics
+
+    def _whitened_over_ranks(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """GAE's advantages whitened over the whole batch, every rank's response tokens (as one rank whitens
+        its whole batch: masked_whiten's unbiased variance), not over this rank's share alone."""
+        advantages = advantages * mask
+        count, total, squares = self.ranks.sum_tensor(torch.stack(
+            [mask.sum(), advantages.sum(), (advantages ** 2).sum()]).double()).tolist()
+        mean = total / max(count, 1.0)
+        variance = max(squares / max(count, 1.0) - mean ** 2, 0.0) * count / max(count - 1, 1.0)
+        return ((advantages - mean) * (variance + WHITEN_EPSILON) ** -0.5 * mask).to(advantages.dtype)
 
     def _maybe_validate(self) -> dict[str, float]:
         frequency = self.config.trainer.test_freq

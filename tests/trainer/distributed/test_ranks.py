@@ -54,14 +54,14 @@ def launch(ranks: int, runs_dir: Path, name: str, *overrides: str, config: Path 
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
 
 
-def actor_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The actor's whole weights of a checkpoint of one rank (safetensors) or several (DCP shards)."""
-    shards = checkpoint / "actor" / "dcp"
+def actor_weights(checkpoint: Path, role: str = "actor") -> dict[str, torch.Tensor]:
+    """A model's whole weights of a checkpoint of one rank (safetensors) or several (DCP shards)."""
+    shards = checkpoint / role / "dcp"
     if shards.is_dir():
-        whole = checkpoint.parent / f".{checkpoint.name}.whole.pt"
+        whole = checkpoint.parent / f".{checkpoint.name}.{role}.pt"
         dcp_to_torch_save(shards, whole)
         return torch.load(whole, weights_only=False)["model"]
-    return load_file(checkpoint / "actor" / "model.safetensors")
+    return load_file(checkpoint / role / "model.safetensors")
 
 
 def largest_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
@@ -106,6 +106,21 @@ def test_two_ranks_train_the_same_parameters_as_one_on_the_same_global_batch(run
             if not key.startswith(MACHINE_METRICS) and key != "actor/grad_norm":
                 assert row_two[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
         assert row_two["actor/grad_norm"] == pytest.approx(row_one["actor/grad_norm"], rel=1e-3)
+
+
+def test_ppo_with_a_critic_on_two_ranks_trains_both_models_as_one_rank(tmp_path):
+    """The critic is sharded too, and GAE's advantages are whitened over both ranks' tokens, as one rank whitens
+    its whole batch."""
+    ppo = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "critic.optim.lr=1e-3",
+           "actor_rollout_ref.actor.entropy_coeff=0", "trainer.total_training_steps=2"]
+    for ranks, name in ((1, "one"), (2, "two")):
+        finished = launch(ranks, tmp_path, name, *ppo)
+        assert finished.returncode == 0, finished.stderr[-4000:]
+    for role in ("actor", "critic"):
+        one, two = (actor_weights(tmp_path / name / "checkpoints" / "global_step_2", role) for name in ("one", "two"))
+        assert largest_difference(one, two) < TOLERANCE, role
+    assert metrics(tmp_path / "two")[1]["critic/advantages/mean"] == pytest.approx(
+        metrics(tmp_path / "one")[1]["critic/advantages/mean"], abs=1e-5)
 
 
 def test_metrics_have_the_same_keys_on_two_ranks_and_only_rank_0_writes_them(runs):
