@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from trainer.data import rank_share
+from trainer.data import counting_records, rank_share, write_records
 
 REPOSITORY = Path(__file__).resolve().parents[3]
 TOLERANCE = 1e-5
@@ -76,11 +76,14 @@ def metrics(run: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """runs/one and runs/two: 3 steps on 1 and 2 ranks; one_from_two and two_from_one: step 3 resumed at the
-    other world size from step 2 of two and one."""
+    """runs/one and runs/two: 3 steps on 1 and 2 ranks, validated after the last (5 prompts in batches of 3: the
+    ranks' shares are uneven); one_from_two and two_from_one: step 3 resumed at the other world size from step 2
+    of two and one."""
     root = tmp_path_factory.mktemp("ranks")
+    write_records(counting_records(5, seed=1), root / "validation.jsonl")
+    validation = [f"data.val_files={root / 'validation.jsonl'}", "trainer.test_freq=3", "data.val_batch_size=3"]
     for ranks, name in ((1, "one"), (2, "two")):
-        finished = launch(ranks, root, name)
+        finished = launch(ranks, root, name, *validation)
         assert finished.returncode == 0, finished.stderr[-4000:]
     for ranks, name, source in ((1, "one_from_two", "two"), (2, "two_from_one", "one")):
         finished = launch(ranks, root, name, "trainer.resume_mode=resume_path",
@@ -126,6 +129,7 @@ def test_ppo_with_a_critic_on_two_ranks_trains_both_models_as_one_rank(tmp_path)
 def test_metrics_have_the_same_keys_on_two_ranks_and_only_rank_0_writes_them(runs):
     one, two = metrics(runs / "one"), metrics(runs / "two")
     assert [row["step"] for row in two] == [1, 2, 3]  # one line per step, not one per rank
+    assert "val-core/counting/reward/mean@1" in two[2]  # each rank scored its share; the mean is of all 5
     assert [sorted(row) for row in one] == [sorted(row) for row in two]
     assert two[0]["perf/total_num_tokens"] == pytest.approx(one[0]["perf/total_num_tokens"])  # summed over ranks
     assert (runs / "two" / "logs" / "trainer-rank1.log").is_file()
