@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from trainer.algorithms import apply_kl_penalty, build_kl_controller, get_advantage_estimator
+from trainer.algorithms.functional import _WHITEN_EPSILON as WHITEN_EPSILON
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
@@ -556,11 +557,23 @@ class Trainer:
         if algorithm.adv_estimator == "gae":
             batch.advantages, batch.returns = self.advantage_fn(
                 batch.token_level_rewards, batch.values, batch.response_mask, gamma=algorithm.gamma, lam=algorithm.lam)
+            if self.ranks.distributed:
+                batch.advantages = self._whitened_over_ranks(batch.returns - batch.values, batch.response_mask)
         else:
             batch.advantages, batch.returns = self.advantage_fn(
                 batch.token_level_rewards, batch.response_mask, batch.group_index,
                 norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo)
         return metrics
+
+    def _whitened_over_ranks(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """GAE's advantages whitened over the whole batch, every rank's response tokens (as one rank whitens
+        its whole batch: masked_whiten's unbiased variance), not over this rank's share alone."""
+        advantages = advantages * mask
+        count, total, squares = self.ranks.sum_tensor(torch.stack(
+            [mask.sum(), advantages.sum(), (advantages ** 2).sum()]).double()).tolist()
+        mean = total / max(count, 1.0)
+        variance = max(squares / max(count, 1.0) - mean ** 2, 0.0) * count / max(count - 1, 1.0)
+        return ((advantages - mean) * (variance + WHITEN_EPSILON) ** -0.5 * mask).to(advantages.dtype)
 
     def _maybe_validate(self) -> dict[str, float]:
         frequency = self.config.trainer.test_freq
@@ -592,11 +605,12 @@ class Trainer:
         return {f"val-core/{source}/reward/mean@1": sum(values) / len(values) for source, values in scores.items()}
 
     def _validation_share(self, records: Sequence[PromptRecord]) -> tuple[list[PromptRecord], int]:
-        """This rank's slice of a validation batch and how many of it count. Every rank generates (the sharded
-        model's forwards are collective): a rank whose slice is empty repeats the batch's first prompt, unscored."""
+        """This rank's slice of a validation batch and how many of it count. Every rank generates as many
+        sequences (the sharded model's forwards are collective, and so are the pieces a batch decodes in): a
+        short slice is filled up with the batch's first prompt, unscored."""
         share = math.ceil(len(records) / self.ranks.world_size)
         mine = list(records[self.ranks.rank * share:(self.ranks.rank + 1) * share])
-        return (mine, len(mine)) if mine else ([records[0]], 0)
+        return mine + [records[0]] * (share - len(mine)), len(mine)
 
     # ------------------------------------------------------------------------------- checkpoints
 

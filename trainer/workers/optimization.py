@@ -86,7 +86,7 @@ def restore_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: to
     groups = len(optimizer.param_groups)
     if len(scheduler.base_lrs) != groups:
         scheduler.base_lrs = [scheduler.base_lrs[0]] * groups
-        scheduler._last_lr = [scheduler.get_last_lr()[0]] * groups  # type: ignore[attr-defined]
+        scheduler._last_lr = [scheduler.get_last_lr()[0]] * groups
     for group, rate in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = rate
 
