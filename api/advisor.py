@@ -6,6 +6,10 @@ sentences for a user, most urgent first; no hint means nothing looks wrong.
 
 Only "gpu" events of the last SUSTAINED_WINDOW_S seconds count for the GPU hints, so a short
 dip (a checkpoint save, a slow reward call) says nothing.
+
+With several ranks, the ranks of the node (the status's `ranks`) should look alike: the same shard sizes,
+the same placement, the same copies. One whose peak GPU memory or mean offload copy time is more than
+RANK_IMBALANCE above another's is the slowest of the group, which waits for it at every collective.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from statistics import fmean
 from typing import Any, TypedDict
 
 from api.schemas import LatestBody
-from trainer.config.messages import RunStatus
+from trainer.config.messages import RankStatus, RunStatus
 
 # Copies slower than this are bound by host memory or the PCIe link, not by the GPU.
 OFFLOAD_P99_LIMIT_S = 0.050
@@ -27,6 +31,9 @@ HIGH_UTILIZATION = 0.95
 # Memory "spikes": in use this close to the total, or rising this much between two samples.
 MEMORY_NEAR_FULL = 0.95
 MEMORY_JUMP = 0.10
+RANK_IMBALANCE = 0.20
+"""Ranks whose GPU memory or offload copy latency differ by more than this (of the lower figure) are unbalanced."""
+GIB = 1024**3
 
 
 class Snapshot(TypedDict):
@@ -49,6 +56,7 @@ CHECKPOINT_FAILING_KEY = "checkpoint/failing"
 def advise(snapshot: Snapshot) -> list[str]:
     """The hints that apply to this snapshot (empty when nothing looks wrong)."""
     hints = _checkpoint_hints(snapshot)
+    hints += rank_imbalance_hints(snapshot["status"].ranks)
     p99 = snapshot["latest"].offload.copy_latency_p99_s
     if p99 is not None and p99 > OFFLOAD_P99_LIMIT_S:
         hints.append(f"offload copies are slow (p99 {p99 * 1e3:.0f} ms > {OFFLOAD_P99_LIMIT_S * 1e3:.0f} ms): "
@@ -57,6 +65,30 @@ def advise(snapshot: Snapshot) -> list[str]:
     if _training(snapshot):
         for index, samples in _gpu_samples(snapshot).items():
             hints += _gpu_hints(index, samples, anything_offloaded=_anything_offloaded(snapshot))
+    return hints
+
+
+def rank_imbalance_hints(ranks: Sequence[RankStatus]) -> list[str]:
+    """One line per figure on which the connected ranks are more than RANK_IMBALANCE apart, naming the ranks."""
+    hints = []
+    connected = [rank for rank in ranks if rank.connected]
+    checks = (("GPU memory", lambda rank: rank.gpu_memory_bytes, lambda value: f"{value / GIB:.1f} GiB",
+               "its shard, placement or batch differs from the others' (compare the ranks' offload summaries; "
+               "uneven sequence lengths: actor.use_dynamic_bsz)"),
+              ("offload copy latency", lambda rank: rank.copy_latency_mean_s, lambda value: f"{value * 1e3:.1f} ms",
+               "its host link is slower (check that GPU's PCIe link width and that the rank runs on the CPU socket "
+               "of its GPU, where its pinned memory is)"))
+    for what, figure, show, why in checks:
+        figures = [(rank.rank, value) for rank in connected if (value := figure(rank)) is not None]
+        if len(figures) < 2:
+            continue
+        low_rank, low = min(figures, key=lambda item: item[1])
+        high_rank, high = max(figures, key=lambda item: item[1])
+        if low <= 0 or high <= low * (1 + RANK_IMBALANCE):
+            continue
+        hints.append(f"ranks are unbalanced: {what} of rank {high_rank} is {show(high)} against {show(low)} on rank "
+                     f"{low_rank} ({high / low - 1:.0%} more, over {RANK_IMBALANCE:.0%}); the group waits for "
+                     f"the slowest rank at every collective; likely {why}")
     return hints
 
 

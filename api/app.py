@@ -38,6 +38,7 @@ from api.schemas import (
     HintsBody,
     HistoryBody,
     LatestBody,
+    NotControlNodeError,
     OffloadSummary,
     RunControl,
     SettingsBody,
@@ -112,6 +113,7 @@ def create_app(*, hub: TelemetryHub, registry: CollectorRegistry, control: RunCo
     app.add_middleware(LoopbackHostMiddleware, enabled=is_loopback_host(bind_host))
     app.add_exception_handler(SettingsRejectedError, _settings_rejected)
     app.add_exception_handler(SettingsNotSavedError, _settings_not_saved)
+    app.add_exception_handler(NotControlNodeError, _not_control_node)
     app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, _method_not_allowed)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     public = APIRouter()
@@ -401,6 +403,10 @@ async def _settings_rejected(request: Request, error: Exception) -> JSONResponse
     detail = [{"loc": ["body"] if setting == "body" else ["body", setting], "msg": message, "type": "value_error"}
               for setting, message in error.problems]
     return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+async def _not_control_node(request: Request, error: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(error)}, status_code=status.HTTP_409_CONFLICT)
 
 
 async def _settings_not_saved(request: Request, error: Exception) -> JSONResponse:

@@ -133,6 +133,8 @@ class ApiClient:
             problems = _problems(response)
             raise ApiError("; ".join(f"{setting}: {message}" for setting, message in problems),
                            status=422, problems=problems)
+        if response.status_code == 409:  # a run-wide request to a daemon that does not hold the run's control
+            raise ApiError(_detail(response), status=409)
         if response.status_code >= 400:
             raise ApiError(f"{method} {path} failed with HTTP {response.status_code}: {_detail(response)}",
                            status=response.status_code)

@@ -33,7 +33,7 @@ from rich.text import Text
 from api.advisor import SUSTAINED_WINDOW_S, Snapshot, advise
 from api.client import ApiClient, DaemonUnreachable
 from api.schemas import OffloadSummary, StepSnapshot
-from trainer.config.messages import PhasePlanRow, Progress, Restarts, RunStatus, SettingsState
+from trainer.config.messages import PhasePlanRow, Progress, RankStatus, Restarts, RunStatus, SettingsState
 
 # (label, verl metric key) of the trend lines, in the order shown.
 TRENDS = (("reward", "critic/score/mean"), ("KL", "actor/ppo_kl"), ("loss", "actor/pg_loss"),
@@ -262,6 +262,9 @@ def render(snapshot: Snapshot, *, note: str | None = None) -> RenderableType:
     rows.add_row("phase", _phase(status, snapshot["time"]))
     for label, line in _gpu_lines(latest.gpu, _events(snapshot, "gpu")):
         rows.add_row(label, line)
+    if status.run.world_size > 1:
+        for label, line in _rank_lines(status.ranks):
+            rows.add_row(label, line)
     rows.add_row("host", _host(latest.gpu.get("host") if latest.gpu else None))
     rows.add_row("offload", _offload(latest.offload))
     rows.add_row("speed", _speed(latest.step))
@@ -275,6 +278,8 @@ def render(snapshot: Snapshot, *, note: str | None = None) -> RenderableType:
     state_style = {"running": "green", "failed": "red", "restarting": "yellow"}.get(run.state, "cyan")
     title = Text.assemble(("verl ", "bold"), (f"{run.name} · ", ""), (run.state, state_style))
     subtitle = f"pid {run.daemon_pid} · up {_clock_time(run.uptime_s)} · {run.url}"
+    if run.nnodes > 1:
+        subtitle = f"node {run.node_rank} of {run.nnodes} · {subtitle}"
     return Panel(rows, title=title, subtitle=subtitle, padding=(0, 1))
 
 
@@ -301,6 +306,25 @@ def _phase(status: RunStatus, now: float) -> Text:
     if reasons:
         text.append(f" ({reasons})")
     return text
+
+
+def _rank_lines(ranks: Sequence[RankStatus]) -> list[tuple[str, Text]]:
+    """One row per trainer rank of this node: its GPU, process, step, memory, copies and last word."""
+    if not ranks:
+        return [("ranks", Text("none connected yet", style="dim"))]
+    lines = []
+    for rank in ranks:
+        if not rank.connected:
+            lines.append((f"rank {rank.rank}", Text(f"GPU {rank.local_rank} · not connected", style="dim")))
+            continue
+        text = Text(f"GPU {rank.local_rank} · pid {rank.pid} · step {'-' if rank.step is None else rank.step}")
+        text.append(f" · peak {_gib(rank.gpu_memory_bytes)} GiB" if rank.gpu_memory_bytes is not None else "")
+        if rank.copy_latency_mean_s is not None:
+            text.append(f" · copies {rank.copy_latency_mean_s * 1e3:.1f} ms")
+        if rank.heard_s_ago is not None:
+            text.append(f" · heard {_seconds(rank.heard_s_ago)} ago", style="dim")
+        lines.append((f"rank {rank.rank}", text))
+    return lines
 
 
 def _gpu_lines(sample: Mapping | None, history: Sequence[Mapping]) -> list[tuple[str, Text]]:
@@ -409,6 +433,11 @@ def describe_status(status: RunStatus) -> list[str]:
     lines.append(f"telemetry: NVML {'available' if telemetry.nvml else 'unavailable'}, "
                  f"{telemetry.dropped_messages} messages dropped")
     lines += [f"placement plan: {describe_plan(plan)}" for plan in status.offload.plans]
+    if run.world_size > 1:
+        where = f"node {run.node_rank} of {run.nnodes}: " if run.nnodes > 1 else ""
+        ranks = ", ".join(f"{rank.rank} (GPU {rank.local_rank}, {'pid ' + str(rank.pid) if rank.connected else 'down'})"
+                          for rank in status.ranks) or "none connected yet"
+        lines.append(f"ranks: {where}{ranks}; {run.world_size} in the run")
     return lines
 
 

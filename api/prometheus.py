@@ -5,6 +5,11 @@ _total on counters, histograms for latencies, labels of bounded cardinality (fre
 trainer or a user are mapped to a fixed set before they become labels). Labels that name a phase, a
 copy direction, a module group or a model take their values from the enums of the trainer's messages
 (trainer/config/messages.py), so the two cannot drift apart.
+
+With several ranks, the series each rank has of its own (its offload copies and placement, its peak memory,
+whether it is connected) carry a `rank` label: the global ranks of the daemon's node, at most
+trainer.n_gpus_per_node values (daemon/ranks.py admits no others). NVML series carry `gpu`. The other series
+are the run's, from rank 0.
 """
 
 from __future__ import annotations
@@ -57,9 +62,8 @@ STEP_GAUGES = {
     "rollout/embedding_cache_hit_ratio": ("verl_rollout_embedding_cache_hit_ratio",
                                           "Share of the latest step's no-grad embedding lookups served from the "
                                           "GPU cache.", 1.0),
-    "perf/max_memory_allocated_gb": ("verl_trainer_gpu_memory_max_allocated_bytes",
-                                     "Peak GPU memory allocated by torch during the latest step.", float(GIB)),
 }
+MEMORY_KEY = "perf/max_memory_allocated_gb"  # in GiB; verl_trainer_gpu_memory_max_allocated_bytes{rank}
 STEP_SECONDS_KEY = "timing_s/step"
 PHASE_SECONDS_PREFIX = "timing_s/"
 TRAIN_TOKENS_KEY = "perf/total_num_tokens"
@@ -169,11 +173,11 @@ class TelemetryMetrics:
         self.offload_copy_seconds = Histogram(
             "verl_offload_copy_duration_seconds", "Duration of one offload copy, timed with CUDA events (a "
             "sample of the copies: about 64 a training step; verl_offload_copies_total counts them all).",
-            ["direction", "group"], buckets=OFFLOAD_COPY_BUCKETS, registry=registry)
+            ["direction", "group", "rank"], buckets=OFFLOAD_COPY_BUCKETS, registry=registry)
         self.offload_copied_bytes = Counter("verl_offload_copied_bytes", "Bytes copied by the offload engine.",
-                                            ["direction", "group"], registry=registry)
+                                            ["direction", "group", "rank"], registry=registry)
         self.offload_copies = Counter("verl_offload_copies", "Copies made by the offload engine.",
-                                      ["direction", "group"], registry=registry)
+                                      ["direction", "group", "rank"], registry=registry)
         self.offload_layers_on_gpu = Gauge("verl_offload_transformer_layers_on_gpu",
                                            "Transformer layers kept on the GPU between passes, all models together.",
                                            registry=registry)
@@ -186,8 +190,10 @@ class TelemetryMetrics:
         for direction in MOVE_KEYS:
             self.offload_moves.labels(direction)  # both series from the start: rate() needs a 0 before the first move
         self.offload_group_bytes = Gauge("verl_offload_group_bytes",
-                                         "Size of each module group of each model, by the device that holds it.",
-                                         ["role", "group", "device"], registry=registry)
+                                         "Size of each module group of each model (a rank's shard of it), by the "
+                                         "device that holds it.", ["role", "group", "device", "rank"],
+                                         registry=registry)
+        self._group_series: dict[str, set[tuple[str, ...]]] = {}  # rank -> its verl_offload_group_bytes labels
 
     def _trainer_metrics(self, registry: CollectorRegistry) -> None:
         self.steps = Counter("verl_trainer_steps", "Training steps completed (steps redone after a restart count "
@@ -203,6 +209,11 @@ class TelemetryMetrics:
                                       buckets=STEP_BUCKETS, registry=registry)
         self.step_gauges = {key: Gauge(name, help_text, registry=registry)
                             for key, (name, help_text, _) in STEP_GAUGES.items()}
+        self.memory_max_allocated = Gauge("verl_trainer_gpu_memory_max_allocated_bytes",
+                                          "Peak GPU memory allocated by torch during the latest step, by rank.",
+                                          ["rank"], registry=registry)
+        self.rank_up = Gauge("verl_trainer_rank_up", "1 while the trainer rank is connected to this daemon, else 0.",
+                             ["rank"], registry=registry)
         self.ooms = Counter("verl_trainer_oom", "CUDA out-of-memory errors in the trainer (caught or fatal).",
                             registry=registry)
         self.oom_recoveries = Counter("verl_trainer_oom_recoveries", "CUDA out-of-memory errors the trainer "
@@ -292,8 +303,20 @@ class TelemetryMetrics:
             self.process_rss.labels("trainer").set(host["trainer_rss_bytes"])
 
     @_changes
+    def observe_rank_step(self, rank: str, metrics: Mapping[str, float | None]) -> None:
+        """A rank's own figures from its step's metrics (every rank's, rank 0's included)."""
+        memory = _number(metrics.get(MEMORY_KEY))
+        if memory is not None:
+            self.memory_max_allocated.labels(rank).set(memory * GIB)
+
+    @_changes
+    def set_rank_up(self, rank: str, up: bool) -> None:
+        self.rank_up.labels(rank).set(1 if up else 0)
+
+    @_changes
     def observe_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
-        """One completed step's metrics under verl's names (None, NaN and unknown keys are skipped)."""
+        """One completed step's metrics under verl's names, the run's (rank 0's); None, NaN and unknown keys are
+        skipped. A rank's own figures (its memory) go to observe_rank_step."""
         self.steps.inc()
         self.step.set(step)
         for key, (_, _, scale) in STEP_GAUGES.items():
@@ -354,19 +377,23 @@ class TelemetryMetrics:
             self.phase.labels(name).set(1 if name == phase else 0)
 
     @_changes
-    def observe_offload(self, offload: OffloadMessage) -> None:
-        """The timed copies into the latency histogram, the counts of every copy into the counters; a
-        summary replaces the last one."""
+    def observe_offload(self, offload: OffloadMessage, *, rank: str = "0") -> None:
+        """One rank's timed copies into the latency histogram, the counts of every copy into the counters; a
+        summary replaces that rank's last one."""
         for copy in offload.copies:
-            self.offload_copy_seconds.labels(copy.direction.value, copy.group.value).observe(copy.seconds)
+            self.offload_copy_seconds.labels(copy.direction.value, copy.group.value, rank).observe(copy.seconds)
         for count in offload.counts:
-            labels = (count.direction.value, count.group.value)
+            labels = (count.direction.value, count.group.value, rank)
             self.offload_copied_bytes.labels(*labels).inc(count.bytes)
             self.offload_copies.labels(*labels).inc(count.copies)
         if offload.summary is not None:
-            self.offload_group_bytes.clear()
+            for labels in self._group_series.pop(rank, set()):
+                _remove(self.offload_group_bytes, *labels)
+            series = self._group_series[rank] = set()
             for row in offload.summary:
-                self.offload_group_bytes.labels(row.role.value, row.group.value, row.device).set(row.bytes)
+                labels = (row.role.value, row.group.value, row.device, rank)
+                self.offload_group_bytes.labels(*labels).set(row.bytes)
+                series.add(labels)
 
     @_changes
     def count_restart(self, reason: str) -> None:

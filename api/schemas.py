@@ -50,6 +50,11 @@ class RunControl(Protocol):
         stopping; `force` kills the trainer at once, without a checkpoint."""
 
 
+class NotControlNodeError(Exception):
+    """A run-wide request (a live setting, checkpoint now, stop) made to the daemon of a node other than node 0,
+    which alone holds the run's control; nothing was changed. The message names node 0's daemon."""
+
+
 class SettingsRejectedError(Exception):
     """A settings change with at least one bad entry; nothing was changed.
 

@@ -1,6 +1,7 @@
 """The GPU sampler: a daemon thread reading NVML and psutil, off the trainer's hot path.
 
-Every `gpu_interval_s` it reads, per GPU, utilization, memory, power, temperature and the
+Every `gpu_interval_s` it reads, per GPU (every GPU of the host, or the `gpu_indices` that the node's
+ranks use), utilization, memory, power, temperature and the
 compute processes (their memory, marked "trainer" when the pid is a trainer child or one of
 its descendants), plus host CPU, host memory and the RSS of the daemon and the trainer.
 PCIe throughput is read on its own slower cadence (`pcie_interval_s`): NVML samples it over
@@ -31,7 +32,8 @@ class GpuSampler:
 
     def __init__(self, publish: Callable[[dict[str, Any]], None], *, gpu_interval_s: float, pcie_interval_s: float,
                  trainer_pids: Callable[[], Collection[int]] = tuple, nvml: Any = None,
-                 clock: Callable[[], float] = time.monotonic, nvml_retry_s: float = 30.0):
+                 clock: Callable[[], float] = time.monotonic, nvml_retry_s: float = 30.0,
+                 gpu_indices: Collection[int] | None = None):
         self._publish = publish
         self.gpu_interval_s = gpu_interval_s
         self.pcie_interval_s = pcie_interval_s
@@ -39,6 +41,7 @@ class GpuSampler:
         self._nvml = nvml
         self._clock = clock
         self._nvml_retry_s = nvml_retry_s
+        self._gpu_indices = None if gpu_indices is None else set(gpu_indices)  # None: every GPU of the host
         self.nvml_up = False
         self._said_unavailable = False
         self._devices: list[dict[str, Any]] = []  # index, handle, uuid, name: read once per NVML init
@@ -199,6 +202,8 @@ class GpuSampler:
             nvml.nvmlInit()
             devices = []
             for index in range(nvml.nvmlDeviceGetCount()):
+                if self._gpu_indices is not None and index not in self._gpu_indices:
+                    continue  # a GPU of this host that none of the node's ranks uses
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
                 devices.append({"index": index, "handle": handle, "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
                                 "name": _text(nvml.nvmlDeviceGetName(handle))})

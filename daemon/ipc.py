@@ -4,8 +4,9 @@ The socket lives in the 0700 runtime directory and is itself mode 0600; the firs
 connection must be a ``hello`` with the run's token and protocol version, else the connection
 is closed. After that, each line is decoded into its message model (trainer/config/messages.py)
 and handed to the daemon's handler; a line that is no message goes to the invalid-line handler
-instead, and the connection carries on. Down messages (settings, checkpoint_now, stop) go to every
-connected trainer without waiting: a trainer that stops reading is disconnected rather than
+instead, and the connection carries on. One connection per trainer process: with several ranks, one per
+rank (its hello names it). Down messages (settings, checkpoint_now, stop) go to every connected trainer, or
+to one rank's, without waiting: a trainer that stops reading is disconnected rather than
 allowed to stall the daemon.
 """
 
@@ -103,9 +104,11 @@ class IpcServer:
     def connections(self) -> list[TrainerConnection]:
         return list(self._connections)
 
-    def send(self, message: DownMessage) -> int:
-        """Send a down message to every connected trainer; how many it reached."""
-        return sum(connection.send(message) for connection in list(self._connections))
+    def send(self, message: DownMessage, *, rank: int | None = None) -> int:
+        """Send a down message to every connected trainer, or to those of global rank `rank`; how many it
+        reached."""
+        return sum(connection.send(message) for connection in list(self._connections)
+                   if rank is None or connection.rank == rank)
 
     # --------------------------------------------------------------------------------- per client
 

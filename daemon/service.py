@@ -13,6 +13,12 @@ The daemon owns its run directory through a lock (daemon/runtime.py: RunLock) th
 inherits; a second daemon on the same run directory refuses to start. Live settings changed through
 the API are kept in <run dir>/live_settings.json and re-applied when the run is resumed.
 
+Several ranks (trainer.nnodes * trainer.n_gpus_per_node > 1): the supervised child is the launcher of this
+node's ranks (trainer/distributed/launch.py), and every rank reports over IPC with its rank (daemon/ranks.py).
+Rank 0's step metrics, phases and acknowledgements are the run's; down messages (settings, checkpoint now,
+stop) go to rank 0 alone, which passes them to the other ranks at its safe point. One daemon per node; only
+node 0's (which runs rank 0) takes run-wide requests: another node's answers them with a line naming node 0.
+
 Exit codes: 0 the run finished or was stopped on request; 1 the trainer kept crashing and the
 daemon gave up after daemon.max_restarts; 2 the trainer reported a config/data problem, or the
 daemon could not start (port in use, run directory in use, ...).
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -47,9 +54,10 @@ from api.app import create_app
 from api.client import page_url
 from api.hub import TelemetryHub
 from api.prometheus import TelemetryMetrics
-from api.schemas import SettingsBody, SettingsRejectedError
+from api.schemas import NotControlNodeError, SettingsBody, SettingsRejectedError
 from daemon.gpu import GpuSampler
 from daemon.ipc import MAX_SOCKET_PATH_BYTES, IpcServer, TrainerConnection
+from daemon.ranks import RankTable
 from daemon.runtime import (
     RunDirInUse,
     RunLock,
@@ -105,6 +113,13 @@ STEP_TIMES_KEPT = 101
 SIGNS_OF_LIFE = (HeartbeatMessage, StepMessage, PhaseMessage, CheckpointMessage, SettingsAckMessage)
 
 
+def default_trainer_command(config: RunConfig, config_path: Path) -> list[str]:
+    """The daemon's child: the trainer itself for a run of one process, else the launcher of this node's ranks."""
+    if config.trainer.nnodes * config.trainer.n_gpus_per_node > 1:
+        return [sys.executable, "-m", "trainer.distributed.launch", "--config", str(config_path)]
+    return [sys.executable, "-m", "trainer", "--config", str(config_path)]
+
+
 def derived_hang_timeout(step_seconds: Sequence[float]) -> float:
     """daemon.hang_timeout_s's default: HANG_TIMEOUT_STEPS median steps, never under HANG_TIMEOUT_FLOOR_S."""
     if not step_seconds:
@@ -145,7 +160,8 @@ class _ApiServer(uvicorn.Server):
 class Daemon:
     """The daemon's state and wiring; also the API's RunControl (status, settings, checkpoint, stop).
 
-    `trainer_command` replaces ``python -m trainer --config CONFIG`` (tests run a fake trainer), `nvml` the
+    `trainer_command` replaces ``python -m trainer --config CONFIG`` (or the launcher of several ranks: see
+    `default_trainer_command`; tests run a fake trainer), `nvml` the
     pynvml module (tests pass a fake), `state` the state directory, `run_lock` the run directory's lock when
     the caller holds it already (else `run` takes it).
     """
@@ -170,7 +186,7 @@ class Daemon:
         self.settings_store = SettingsStore(initial_live_settings(config),
                                             audit_path=self.run_dir / "settings_audit.jsonl")
         self.supervisor = Supervisor(
-            list(trainer_command or [sys.executable, "-m", "trainer", "--config", str(self.config_path)]),
+            list(trainer_command or default_trainer_command(config, self.config_path)),
             policy=RestartPolicy(config.daemon.max_restarts, config.daemon.restart_backoff_s,
                                  config.daemon.restart_backoff_max_s),
             stop_timeout_s=config.daemon.stop_timeout_s,
@@ -179,6 +195,7 @@ class Daemon:
             on_state=self._state_changed, request_trainer_stop=lambda: self._send_down(StopMessage()),
             hang_timeout_s=self.hang_timeout_s, on_hang=self._trainer_hangs)
         self.run_lock = run_lock
+        self.ranks = RankTable(node_rank=config.trainer.node_rank, ranks_per_node=config.trainer.n_gpus_per_node)
         self._step_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self._first_signal_at: float | None = None
         self._nvml = nvml
@@ -270,7 +287,7 @@ class Daemon:
         live = self.settings_store.values
         self.sampler = GpuSampler(self._sampled, gpu_interval_s=live.gpu_sample_interval_s,
                                   pcie_interval_s=live.pcie_sample_interval_s,
-                                  trainer_pids=lambda: self.supervisor.pids, nvml=self._nvml)
+                                  trainer_pids=self.trainer_pids, nvml=self._nvml, gpu_indices=self._local_gpus())
         self.metrics.set_nvml_up(self.sampler.nvml_up)
         self.sampler.start()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -359,9 +376,10 @@ class Daemon:
         supervisor = self.supervisor
         return RunStatus(
             run=RunInfo(name=self.name, project=self.config.trainer.project_name, run_dir=str(self.run_dir),
-                        config_path=str(self.config_path), daemon_pid=self.pid, trainer_pids=supervisor.pids,
+                        config_path=str(self.config_path), daemon_pid=self.pid, trainer_pids=self.trainer_pids(),
                         state=supervisor.state, started_at=self.started_at, uptime_s=time.time() - self.started_at,
-                        url=self.url),
+                        url=self.url, node_rank=self.config.trainer.node_rank, nnodes=self.config.trainer.nnodes,
+                        world_size=self.world_size),
             progress=self.progress,
             restarts=Restarts(total=supervisor.restarts, max=self.config.daemon.max_restarts,
                               by_reason={reason: supervisor.restarts_by_reason[reason] for reason in
@@ -370,12 +388,25 @@ class Daemon:
             telemetry=TelemetryHealth(nvml=self.sampler is not None and self.sampler.nvml_up,
                                       dropped_messages=self.dropped_messages),
             offload=OffloadPlacement(summary=self.offload_summary, plans=self.offload_plans),
+            ranks=self.ranks.statuses(),
         )
 
     def settings(self) -> SettingsBody:
         return self.settings_store.describe()
 
+    def _require_control(self, what: str) -> None:
+        """Run-wide requests belong to node 0's daemon (it runs rank 0): NotControlNodeError elsewhere."""
+        trainer = self.config.trainer
+        if trainer.node_rank == 0:
+            return
+        host = trainer.rdzv_endpoint.rpartition(":")[0] if trainer.rdzv_endpoint else "node 0"
+        log.warning("refused %s: node %d does not hold the run's control", what, trainer.node_rank)
+        raise NotControlNodeError(f"this daemon serves node {trainer.node_rank} of {trainer.nnodes}; {what} is "
+                                  f"run-wide and only node 0's daemon takes it: run the same command on node 0 "
+                                  f"({host}), against its daemon's pid; nothing was changed")
+
     def update_settings(self, change: dict, *, source: str = "api") -> dict[str, Any]:
+        self._require_control("a live settings change")
         try:
             update = self.settings_store.update(change, source=source)
         except SettingsRejected as rejected:
@@ -416,7 +447,7 @@ class Daemon:
         """Re-apply the live settings a previous daemon of this run kept, where the config still sets what they
         were changed from (a value the config changes since wins)."""
         path = self.run_dir / LIVE_SETTINGS_FILE
-        if self.config.trainer.resume_mode == "disable":
+        if self.config.trainer.resume_mode == "disable" or self.config.trainer.node_rank != 0:
             return
         try:
             kept = json.loads(path.read_text(encoding="utf-8"))
@@ -444,6 +475,7 @@ class Daemon:
                  ", ".join(f"{name}={value!r}" for name, value in live.items()))
 
     def request_checkpoint(self) -> dict[str, Any]:
+        self._require_control("checkpoint now")
         reached = self._send_down(CheckpointNowMessage())
         log.info("checkpoint requested%s", "" if reached else " but no trainer is connected")
         return {"status": "requested" if reached else "no_trainer",
@@ -452,6 +484,7 @@ class Daemon:
 
     def request_stop(self, force: bool = False) -> dict[str, Any]:
         """Idempotent: a second request is the same stop. `force` kills the trainer without a checkpoint."""
+        self._require_control("a stop")
         first = self.supervisor.request_stop(force=force)
         if force:
             return {"status": "killing", "detail": "the trainer is killed without a checkpoint; then the daemon "
@@ -465,32 +498,46 @@ class Daemon:
 
     def _trainer_hello(self, connection: TrainerConnection) -> None:
         hello = connection.hello
+        if not self.ranks.admits(connection.rank):
+            last = self.ranks.first_rank + self.ranks.ranks_per_node - 1
+            log.warning("refused trainer pid %s: it says it is rank %d, but this node (trainer.node_rank=%d) runs "
+                        "ranks %d to %d", connection.pid, connection.rank, self.config.trainer.node_rank,
+                        self.ranks.first_rank, last)
+            connection.close()
+            return
         log.info("trainer pid %s connected (rank %d, step %s of %s)", connection.pid, connection.rank,
                  hello.start_step, hello.total_steps)
+        self.ranks.connected(connection.rank, local_rank=hello.local_rank, pid=connection.pid, step=hello.start_step)
+        self.metrics.set_rank_up(str(connection.rank), True)
         if connection.rank == 0:
             self.progress = self.progress.model_copy(update={"step": hello.start_step,
                                                              "total_steps": hello.total_steps})
             self.metrics.set_total_steps(hello.total_steps)
-        # The current values, every time: a change made before a restart holds in the new trainer.
-        connection.send(self.settings_store.down_message())
-        if connection.rank == 0:
-            self.supervisor.trainer_connected()
+            # The current values, every time: a change made before a restart holds in the new trainer. Rank 0
+            # alone: it passes them on to the other ranks, which all apply them at the same step.
+            connection.send(self.settings_store.down_message())
+        self.supervisor.trainer_connected(connection.rank)
+        self._trainers_changed()
 
     def _trainer_message(self, connection: TrainerConnection, message: UpMessage) -> None:
         """One decoded message (daemon/ipc.py refused the malformed ones and never passes a hello here)."""
-        if connection.rank == 0 and isinstance(message, SIGNS_OF_LIFE):
-            self.supervisor.beat()
+        if not self.ranks.admits(connection.rank):
+            return
+        if isinstance(message, SIGNS_OF_LIFE):
+            self.supervisor.beat(connection.rank)
+            self.ranks.heard(connection.rank)
         match message:
             case StepMessage():
                 self._on_step(connection, message)
             case PhaseMessage():
                 self._on_phase(connection, message)
             case OffloadMessage():
-                self._on_offload(message)
+                self._on_offload(connection, message)
             case LogMessage():
                 # With the time the trainer wrote the line: its lines wait for the connection (those of its
                 # start) or in its queue, so they can arrive after daemon lines written later.
-                self.hub.publish("log", {"level": message.level, "message": message.message, "source": "trainer",
+                text = message.message if connection.rank == 0 else f"[rank {connection.rank}] {message.message}"
+                self.hub.publish("log", {"level": message.level, "message": text, "source": "trainer",
                                          "time": message.time})
             case SettingsAckMessage():
                 self._on_settings_ack(connection, message)
@@ -505,23 +552,32 @@ class Daemon:
                 pass  # only ever the first line, which the IPC server reads itself
 
     def _on_step(self, connection: TrainerConnection, message: StepMessage) -> None:
-        if connection.rank == 0:
-            self.progress = self.progress.model_copy(update={"step": message.step})
-            step_seconds = message.metrics.get("timing_s/step")
-            if step_seconds is not None and step_seconds > 0:
-                self._step_seconds.append(step_seconds)
+        """Rank 0's metrics are the run's; another rank's are its own figures (its memory, its step)."""
+        self.ranks.observe_step(connection.rank, message)
+        self.metrics.observe_rank_step(str(connection.rank), message.metrics)
+        if connection.rank != 0:
+            return
+        self.progress = self.progress.model_copy(update={"step": message.step})
+        step_seconds = message.metrics.get("timing_s/step")
+        if step_seconds is not None and step_seconds > 0:
+            self._step_seconds.append(step_seconds)
         self.hub.publish("step", message)
         self.metrics.observe_step(message.step, message.metrics)
 
     def _on_phase(self, connection: TrainerConnection, message: PhaseMessage) -> None:
-        if connection.rank == 0:
-            self.progress = self.progress.model_copy(update={"phase": message.phase, "phase_since": time.time()})
-            self._phase_step = message.step
+        if connection.rank != 0:  # every rank runs the same phases: rank 0's stand for the run
+            return
+        self.progress = self.progress.model_copy(update={"phase": message.phase, "phase_since": time.time()})
+        self._phase_step = message.step
         self.hub.publish("phase", message)
         self.metrics.observe_phase(message.phase)
 
-    def _on_offload(self, message: OffloadMessage) -> None:
-        self.metrics.observe_offload(message)
+    def _on_offload(self, connection: TrainerConnection, message: OffloadMessage) -> None:
+        """Every rank's copies count under its rank; rank 0's placement and plans are the ones shown."""
+        self.ranks.observe_offload(connection.rank, message)
+        self.metrics.observe_offload(message, rank=str(connection.rank))
+        if connection.rank != 0:
+            return
         if message.summary is not None:
             self.offload_summary = message.summary
         if message.plans is not None:
@@ -529,6 +585,9 @@ class Daemon:
         self.hub.publish("offload", message)
 
     def _on_settings_ack(self, connection: TrainerConnection, message: SettingsAckMessage) -> None:
+        if connection.rank != 0:  # rank 0 acknowledges once every rank applied the version
+            log.debug("ignored a settings acknowledgement of rank %d: rank 0's stands for the run", connection.rank)
+            return
         change = self.settings_store.acknowledge(message.version, message.step)
         if change is not None:
             for name in change.new:
@@ -543,20 +602,37 @@ class Daemon:
         log.warning("ignored a message from trainer pid %s: %s", connection.pid, problem)
 
     def _trainer_disconnected(self, connection: TrainerConnection) -> None:
+        if not self.ranks.admits(connection.rank):
+            return
         log.info("trainer pid %s disconnected", connection.pid)
+        self.supervisor.trainer_disconnected(connection.rank)
+        self.ranks.disconnected(connection.rank)
+        self.metrics.set_rank_up(str(connection.rank), False)
         if connection.rank == 0:
-            self.supervisor.trainer_disconnected()
             self.progress = self.progress.model_copy(update={"phase": None, "phase_since": None})
             self._phase_step = None
+        self._trainers_changed()
 
     # --------------------------------------------------------------------------- supervisor events
 
     def _trainer_started(self, pid: int) -> None:
-        log.info("trainer started: pid %d", pid)
+        log.info("%s started: pid %d", "trainer" if self.world_size == 1 else "launcher of this node's ranks", pid)
+        self._trainers_changed()
+
+    def _trainers_changed(self) -> None:
+        """A trainer process started or a rank (dis)connected: the runtime file and the lock list them all."""
         self._write_runtime_file()
         if self.run_lock is not None:
-            self.run_lock.record_trainers(self.supervisor.pids)
+            self.run_lock.record_trainers(self.trainer_pids())
         self._publish_status()
+
+    @property
+    def world_size(self) -> int:
+        return self.config.trainer.nnodes * self.config.trainer.n_gpus_per_node
+
+    def trainer_pids(self) -> list[int]:
+        """The supervised process and every connected rank (a rank's pid finds this daemon: `verl monitor`)."""
+        return list(dict.fromkeys([*self.supervisor.pids, *self.ranks.pids()]))
 
     def _trainer_exited(self, pid: int, returncode: int) -> None:
         log.info("trainer pid %d exited with code %d", pid, returncode)
@@ -597,15 +673,23 @@ class Daemon:
         self.hub.publish("status", self.status())
 
     def _send_down(self, message: DownMessage) -> bool:
-        """Send to the connected trainer(s); safe from any thread. Whether a trainer was connected."""
+        """Send to the rank-0 trainer, which passes it on to the other ranks; safe from any thread. Whether rank 0
+        was connected."""
         if self.ipc is None:
             return False
-        reached = bool(self.ipc.connections)
+        reached = any(connection.rank == 0 for connection in self.ipc.connections)
         if _on_loop(self._loop):
-            self.ipc.send(message)
+            self.ipc.send(message, rank=0)
         else:
-            self._loop.call_soon_threadsafe(self.ipc.send, message)
+            self._loop.call_soon_threadsafe(functools.partial(self.ipc.send, message, rank=0))
         return reached
+
+    def _local_gpus(self) -> list[int] | None:
+        """The NVML indices of the GPUs this node's ranks compute on (None: every GPU, as for one process)."""
+        trainer = self.config.trainer
+        if self.world_size == 1 or trainer.device == "cpu":
+            return None
+        return local_gpu_indices(trainer.n_gpus_per_node, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def _apply_in_daemon(self, changed: dict[str, Any]) -> None:
         """The settings the daemon acts on itself, at once."""
@@ -633,7 +717,7 @@ class Daemon:
         info = RuntimeInfo(pid=self.pid, url=self.url, token=self.token, run_dir=str(self.run_dir),
                            config_path=str(self.config_path), name=self.name,
                            started_at=process_start_time(self.pid) or self.started_at,
-                           trainer_pids=self.supervisor.pids)
+                           trainer_pids=self.trainer_pids())
         return write_runtime_file(self.state, info)
 
     def _setup_logging(self) -> None:
@@ -705,6 +789,17 @@ class _HubLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self._hub.publish("log", {"level": record.levelname.lower(), "message": record.getMessage(),
                                   "source": "daemon", "time": record.created})
+
+
+def local_gpu_indices(ranks_per_node: int, visible_devices: str | None) -> list[int] | None:
+    """The NVML index of each local rank's GPU: local rank i computes on CUDA device i, which is the i-th entry of
+    CUDA_VISIBLE_DEVICES where that lists indices. None (sample every GPU) where it lists UUIDs or MIG names."""
+    if not visible_devices:
+        return list(range(ranks_per_node))
+    entries = [entry.strip() for entry in visible_devices.split(",") if entry.strip()]
+    if not all(entry.isdigit() for entry in entries):
+        return None
+    return [int(entry) for entry in entries[:ranks_per_node]]
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -19,6 +19,12 @@
 
 The trainer runs in a session of its own, so a signal to the daemon's process group (Ctrl-C,
 `timeout`) reaches the daemon alone, which forwards one stop.
+
+With several ranks the supervised process is their launcher (trainer/distributed/launch.py), and "the trainer"
+above is the whole group: the launcher passes SIGTERM and STACK_DUMP_SIGNAL on to the ranks and ends with
+the first failed rank's exit code, so a rank that dies restarts the group. Every rank that said hello must
+keep sending heartbeats; one silent rank makes the group hang. A kill (forced stop, a stop or hang timeout)
+kills the launcher's descendants too: the ranks run in sessions of their own and may ignore SIGTERM.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from trainer.config.ipc import STACK_DUMP_SIGNAL
 
@@ -108,7 +116,7 @@ class Supervisor:
         self._on_started, self._on_exited, self._on_restart = on_started, on_exited, on_restart
         self._on_state, self._request_trainer_stop = on_state, request_trainer_stop
         self._hang_timeout_s, self._on_hang = hang_timeout_s, on_hang
-        self._heard_at: float | None = None  # monotonic time of the trainer's last sign of life; None: not watched
+        self._heard_at: dict[int, float] = {}  # rank -> monotonic time of its last sign of life (watched ranks only)
         self._hung = False  # the current trainer was killed as hung
         self.state = "starting"
         self.restarts = 0
@@ -149,20 +157,20 @@ class Supervisor:
         self._set_state("finished")
         return EXIT_OK
 
-    def trainer_connected(self) -> None:
-        """The trainer said hello: it is past its start-up, and from now on it must keep sending heartbeats."""
-        self._heard_at = time.monotonic()
+    def trainer_connected(self, rank: int = 0) -> None:
+        """A trainer rank said hello: it is past its start-up, and from now on it must keep sending heartbeats."""
+        self._heard_at[rank] = time.monotonic()
         if self.state in ("starting", "restarting"):
             self._set_state("running")
 
-    def trainer_disconnected(self) -> None:
-        """No link, so no heartbeats to expect until the next hello."""
-        self._heard_at = None
+    def trainer_disconnected(self, rank: int = 0) -> None:
+        """No link, so no heartbeats to expect from that rank until its next hello."""
+        self._heard_at.pop(rank, None)
 
-    def beat(self) -> None:
-        """The trainer's main thread made progress (a heartbeat, phase, step ... message)."""
-        if self._heard_at is not None:
-            self._heard_at = time.monotonic()
+    def beat(self, rank: int = 0) -> None:
+        """A rank's main thread made progress (a heartbeat, phase, step ... message)."""
+        if rank in self._heard_at:
+            self._heard_at[rank] = time.monotonic()
 
     def request_stop(self, *, force: bool = False) -> bool:
         """Ask the trainer to checkpoint and exit (killed after stop_timeout_s). Idempotent: a request while
@@ -180,7 +188,7 @@ class Supervisor:
         if force:
             if alive:
                 log.warning("forced stop: killing the trainer (pid %s) without a checkpoint", pid)
-                _signal(process, signal.SIGKILL)
+                _kill(process)
         elif not first:
             if alive:
                 log.info("already stopping: the trainer (pid %s) checkpoints at its next safe point, then exits "
@@ -197,7 +205,7 @@ class Supervisor:
 
     async def _run_once(self) -> int:
         self._set_state("starting")
-        self._heard_at, self._hung = None, False
+        self._heard_at, self._hung = {}, False
         process = await self._spawn()
         self._process = process
         self._on_started(process.pid)
@@ -239,7 +247,7 @@ class Supervisor:
                 except TimeoutError:
                     log.warning("the trainer did not exit within daemon.stop_timeout_s=%.0f s; killing it",
                                 self.stop_timeout_s)
-                    _signal(process, signal.SIGKILL)
+                    _kill(process)
             return await exited
         finally:
             stop.cancel()
@@ -254,19 +262,23 @@ class Supervisor:
         while True:
             timeout = hang_timeout_s()
             await asyncio.sleep(min(1.0, timeout / 4))
-            heard_at = self._heard_at
-            if heard_at is None or self.stopping or time.monotonic() - heard_at < timeout:
+            if not self._heard_at or self.stopping:
                 continue
+            rank, heard_at = min(self._heard_at.items(), key=lambda item: item[1])
             silent = time.monotonic() - heard_at
-            log.error("the trainer (pid %d) sent no heartbeat for %.0f s (daemon.hang_timeout_s=%.0f): it hangs; "
-                      "its Python stacks go to logs/trainer.log, then it is killed and restarted from its latest "
-                      "checkpoint", process.pid, silent, timeout)
+            if silent < timeout:
+                continue
+            who = f"the trainer (pid {process.pid})" if set(self._heard_at) == {0} else \
+                f"trainer rank {rank} (of the group of launcher pid {process.pid})"
+            log.error("%s sent no heartbeat for %.0f s (daemon.hang_timeout_s=%.0f): it hangs; its Python stacks go "
+                      "to logs/trainer.log, then it is killed and restarted from its latest checkpoint", who, silent,
+                      timeout)
             self._on_hang(process.pid, silent)
             self._hung = True
             _signal(process, STACK_DUMP_SIGNAL)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(process.wait()), STACK_DUMP_WAIT_S)
-            _signal(process, signal.SIGKILL)
+            _kill(process)
             return
 
     def _judge(self, returncode: int) -> int | None:
@@ -299,3 +311,13 @@ class Supervisor:
 def _signal(process: asyncio.subprocess.Process, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         process.send_signal(signum)
+
+
+def _kill(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL to the process and every descendant (a launcher's ranks live in sessions of their own)."""
+    if process.returncode is None:
+        with contextlib.suppress(psutil.Error):
+            for descendant in psutil.Process(process.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    descendant.kill()
+    _signal(process, signal.SIGKILL)

@@ -225,6 +225,14 @@ def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str,
         if missing or unexpected:
             raise CheckpointError(f"the {role} weights in {str(path)!r} do not fit the model "
                                   f"(missing {len(missing)}, unexpected {len(unexpected)} tensors)")
+    return load_trainer_state(path)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's trainer state (optimizer schedules, data position, RNG...), without the weights."""
+    path = Path(path)
+    if not (path / TRAINER_STATE).is_file():
+        raise CheckpointError(f"{str(path)!r} is not a complete checkpoint (no {TRAINER_STATE})")
     try:
         # Our own file, holding numpy and Python RNG states that weights_only loading refuses.
         state: dict[str, Any] = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
@@ -339,3 +347,192 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+# ------------------------------------------------------------------------------ several ranks
+
+SHARDED = "dcp"
+"""A role's folder in a checkpoint of several ranks: torch.distributed.checkpoint's shards of its weights and
+AdamW states, by parameter name (DCP reshards them for any world size on loading)."""
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether `path` was written by several ranks (DCP shards) rather than one (safetensors)."""
+    return (Path(path) / "actor" / SHARDED).is_dir()
+
+
+def parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter `optimizer` steps, in the order of its state_dict's indices."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    ordered = []
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if id(parameter) not in names:
+                raise CheckpointError("the optimizer steps a tensor that is not one of the model's parameters")
+            ordered.append(names[id(parameter)])
+    return ordered
+
+
+def _optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """AdamW's states of every parameter, by parameter name (a sharded parameter's as DTensor shards)."""
+    named = dict(zip(parameter_names(model, optimizer),
+                     (parameter for group in optimizer.param_groups for parameter in group["params"]), strict=True))
+    return {name: dict(optimizer.state[parameter]) for name, parameter in named.items()
+            if optimizer.state.get(parameter)}
+
+
+def _empty_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            like: Any = None) -> dict[str, dict[str, Any]]:
+    """Where DCP loads AdamW's states into: zeros shaped (and sharded) as each trainable parameter, on `like`'s
+    device when given (CPU for one rank's optimizer, which casts them on loading), else the parameter's."""
+    states = {}
+    for name, parameter in zip(parameter_names(model, optimizer),
+                               (p for group in optimizer.param_groups for p in group["params"]), strict=True):
+        def zeros(parameter=parameter) -> torch.Tensor:
+            return torch.zeros(parameter.shape, dtype=torch.float32, device=like) if like is not None \
+                else torch.zeros_like(parameter, dtype=torch.float32)
+        states[name] = {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
+    return states
+
+
+def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+                            state: dict[str, Any], *, ranks, keep: int | None = None) -> Path:
+    """Every rank's shards of `models` (weights and AdamW states, with torch.distributed.checkpoint) and rank 0's
+    `state` for `step`, atomically as `save_checkpoint`: all ranks write into rank 0's partial folder, and rank 0
+    renames it into place once every rank's part is written. Called by every rank; `ranks` is the run's Ranks."""
+    from torch.distributed import checkpoint as dcp
+
+    root = Path(root)
+    final = root / f"global_step_{step}"
+    partial = root / ranks.broadcast_from_main(f".global_step_{step}.partial-{os.getpid()}")
+    failure = None
+    if ranks.is_main:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+        except OSError as error:
+            failure = _one_line(error)
+    failure = ranks.broadcast_from_main(failure)
+    if failure is None:
+        try:
+            for role, (model, optimizer) in models.items():
+                dcp.save({"model": model.state_dict(), "optimizer": _optimizer_states(model, optimizer)},
+                         checkpoint_id=partial / role / SHARDED)
+            if ranks.is_main:
+                torch.save(state, partial / TRAINER_STATE)
+                _fsync_tree(partial)
+        except (OSError, RuntimeError) as error:  # DCP raises a CheckpointException (a RuntimeError) on every rank
+            failure = _one_line(error)
+    failures = [message for message in ranks.gather_objects(failure) if message is not None]
+    if failures:
+        if ranks.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointWriteError(f"could not write the checkpoint of step {step} to {str(root)!r} ({failures[0]})")
+    if ranks.is_main:
+        _move_into_place(partial, final)
+        _write_atomically(root / LATEST, f"{step}\n")
+        if keep is not None:
+            for _, old in list_checkpoints(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    ranks.barrier()  # no rank goes on (and may be killed) before the checkpoint is in place
+    return final
+
+
+def load_sharded_into_sharded(path: Path, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:
+    """A checkpoint of any number of ranks into models sharded over this run's ranks (DCP reshards)."""
+    from torch.distributed import checkpoint as dcp
+
+    for role, (model, optimizer) in models.items():
+        target = {"model": model.state_dict(), "optimizer": _empty_optimizer_states(model, optimizer)}
+        dcp.load(target, checkpoint_id=_sharded_folder(path, role))
+        _set_optimizer_states(model, optimizer, target["optimizer"])
+
+
+def load_sharded_into_single(path: Path, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:
+    """A checkpoint of several ranks into one process's whole models (DCP needs no process group there)."""
+    from torch.distributed import checkpoint as dcp
+
+    for role, (model, optimizer) in models.items():
+        weights = {name: torch.empty(tensor.shape, dtype=tensor.dtype) for name, tensor in model.state_dict().items()}
+        target = {"model": weights, "optimizer": _empty_optimizer_states(model, optimizer, like="cpu")}
+        dcp.load(target, checkpoint_id=_sharded_folder(path, role), no_dist=True)
+        model.load_state_dict(target["model"])
+        names = parameter_names(model, optimizer)
+        loaded = target["optimizer"]
+        optimizer.load_state_dict({"state": {index: loaded[name] for index, name in enumerate(names)},
+                                   "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def load_single_into_sharded(path: Path, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+                             optimizer_states: dict[str, dict[str, Any]]) -> None:
+    """A one-rank checkpoint (safetensors weights, index-keyed AdamW states with their parameter names in
+    `optimizer_states[role]`) into models sharded over this run's ranks: each rank reads the whole and keeps
+    its shards."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for role, (model, optimizer) in models.items():
+        weights = path / role / WEIGHTS
+        if not weights.is_file():
+            raise CheckpointError(f"{str(path)!r} has no weights for the {role}")
+        full = _with_tied_names(model, load_file(str(weights)))
+        missing = sorted(set(model.state_dict()) - set(full))
+        if missing:
+            raise CheckpointError(f"the {role} weights in {str(path)!r} do not fit the model (no {missing[0]!r})")
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        saved = optimizer_states[role]
+        if "parameter_names" not in saved:
+            raise CheckpointError(f"{str(path)!r} predates the parameter names a resume on several ranks needs; "
+                                  "resume it on one rank (trainer.n_gpus_per_node=1)")
+        by_name = dict(zip(saved["parameter_names"], (saved["optimizer"]["state"].get(index) for index in
+                                                      range(len(saved["parameter_names"]))), strict=True))
+        states = {}
+        for name, parameter in zip(parameter_names(model, optimizer),
+                                   (p for group in optimizer.param_groups for p in group["params"]), strict=True):
+            one = by_name.get(name)
+            if one is None:
+                continue
+            assert isinstance(parameter, DTensor)
+            local = parameter.to_local()
+
+            def shard(tensor: torch.Tensor, parameter=parameter, local=local) -> torch.Tensor:
+                spread = distribute_tensor(tensor.detach().to(torch.float32).cpu(), parameter.device_mesh,
+                                           parameter.placements)
+                return DTensor.from_local(spread.to_local().to(local.device), parameter.device_mesh,
+                                          parameter.placements, shape=parameter.shape, stride=parameter.stride())
+            states[name] = {"step": one["step"].detach().float().cpu(), "exp_avg": shard(one["exp_avg"]),
+                            "exp_avg_sq": shard(one["exp_avg_sq"])}
+        _set_optimizer_states(model, optimizer, states)
+
+
+def _with_tied_names(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors' save_model writes a tied weight (a head sharing the embedding) once: `weights` with each
+    tied name given its twin's tensor."""
+    by_parameter: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        by_parameter.setdefault(id(parameter), []).append(name)
+    completed = dict(weights)
+    for names in by_parameter.values():
+        saved = next((name for name in names if name in weights), None)
+        for name in names:
+            if saved is not None and name not in completed:
+                completed[name] = weights[saved]
+    return completed
+
+
+def _set_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          states: dict[str, dict[str, Any]]) -> None:
+    for name, parameter in zip(parameter_names(model, optimizer),
+                               (p for group in optimizer.param_groups for p in group["params"]), strict=True):
+        if name in states:
+            optimizer.state[parameter] = states[name]
+
+
+def _sharded_folder(path: Path, role: str) -> Path:
+    folder = Path(path) / role / SHARDED
+    if not folder.is_dir():
+        raise CheckpointError(f"{str(path)!r} has no weights for the {role}; was it written by a run with the same "
+                              "models?")
+    return folder

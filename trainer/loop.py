@@ -18,15 +18,23 @@ from typing import Protocol
 import torch
 
 from trainer.algorithms import apply_kl_penalty, build_kl_controller, get_advantage_estimator
+from trainer.algorithms.functional import _WHITEN_EPSILON as WHITEN_EPSILON
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
     FinalCheckpointError,
+    is_sharded_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    load_sharded_into_sharded,
+    load_sharded_into_single,
+    load_single_into_sharded,
+    load_trainer_state,
+    parameter_names,
     remove_partial_checkpoints,
     save_checkpoint,
+    save_sharded_checkpoint,
     save_weights,
 )
 from trainer.config import BUILTIN_PREFIX, FSDPConfig, RunConfig, dump_config
@@ -45,13 +53,16 @@ from trainer.config.messages import (
     StopMessage,
     UpMessage,
 )
-from trainer.data import PromptRecord, PromptSampler, load_records
+from trainer.data import PromptRecord, PromptSampler, load_records, rank_share
 from trainer.data.checks import check_prompts, drop_overlong_prompts
+from trainer.distributed.ranks import Ranks, resolve_device
+from trainer.distributed.sharding import cpu_placement, decoder_layers, shard_model
 from trainer.errors import RunSetupError
-from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
+from trainer.memory import MemoryManager, Model, ModelMemory, default_memory_probe, host_memory_available
 from trainer.metrics import (
     MetricsLog,
     StepTimer,
+    combine_rank_metrics,
     data_metrics,
     device_peak_flops,
     memory_metrics,
@@ -89,14 +100,6 @@ HEARTBEAT_INTERVAL_S = 1.0
 """Heartbeats go to the daemon at most this often; the daemon restarts a trainer silent for daemon.hang_timeout_s."""
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RunSetupError("trainer.device: cuda, but no CUDA GPU is visible; set trainer.device=auto or cpu")
-    return torch.device(name)
-
-
 def count_total_steps(config: RunConfig, steps_per_epoch: int) -> int:
     """trainer.total_training_steps when set (verl: it wins), else epochs x steps per epoch."""
     return config.trainer.total_training_steps or steps_per_epoch * config.trainer.total_epochs
@@ -107,22 +110,24 @@ class Trainer:
 
     def __init__(self, config: RunConfig, *, observers: Sequence[StepObserver] = (), log=print, warn=print,
                  telemetry: TelemetryLink | None = None, memory_probe: MemoryProbe | None = None,
-                 host_available: Callable[[], int] | None = None):
+                 host_available: Callable[[], int] | None = None, ranks: Ranks | None = None):
         self.config = config
+        # This process's rank of the run (trainer/distributed/ranks.py); one rank unless torchrun started several.
+        self.ranks = ranks or Ranks.single(resolve_device(config.trainer.device))
         self.telemetry = telemetry
         self.live_settings: LiveSettings = initial_live_settings(config)
         self.settings_listeners: list[Callable[[LiveSettings], None]] = []
         self.run_dir = Path(config.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir = config.trainer.checkpoint_dir  # verl's trainer.default_local_dir, when it is set
-        # The config that actually ran, every default explicit, beside its results.
-        (self.run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
+        if self.ranks.is_main:  # the config that actually ran, every default explicit, beside its results
+            (self.run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
         self.observers = list(observers)
         self.log, self.warn = log, warn
         if config.trainer.cpu_threads is not None:
             torch.set_num_threads(config.trainer.cpu_threads)
-        self.device = resolve_device(config.trainer.device)
-        seed_everything(config.trainer.seed)
+        self.device = self.ranks.device
+        seed_everything(config.trainer.seed)  # the same on every rank: each shards the same initial weights
         self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.tokenizer_path
                                         or config.actor_rollout_ref.model.path,
                                         trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
@@ -142,6 +147,7 @@ class Trainer:
         self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
         # Every model's placement; dynamic offload follows the live settings (initialised from the
         # actor's dynamic_offload section). The log and warnings go where self.log and self.warn point.
+        self._sharded_layers: dict[str, int] = {}  # several ranks: each model's decoder layers on the device
         self.memory = MemoryManager(self.device, settings=lambda: self.live_settings,
                                     probe=memory_probe or default_memory_probe(self.device),
                                     host_available=host_available or host_memory_available,
@@ -149,15 +155,18 @@ class Trainer:
         self._build_models()
         self.reward_fn = self._build_reward()
         self.memory.finish_placement()
+        if self.ranks.distributed:  # the ranks sample their own shares of the prompts with their own streams
+            seed_everything(config.trainer.seed + self.ranks.rank)
         # Dynamic offload acts between decode chunks too (a heartbeat goes with it).
         self.rollout = HFRollout(self.actor.model, self.tokenizer, config.actor_rollout_ref.rollout,
                                  config.data.max_response_length,
                                  safe_point=self._rollout_safe_point if self.memory.moves_layers else None,
-                                 graph_safety=self.memory.engine(Role.ACTOR))
+                                 graph_safety=self.memory.engine(Role.ACTOR), synced=self.ranks.distributed)
         self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
         self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        # Only rank 0 writes the run's metrics (the run-wide ones); the others' MetricsLog is never appended to.
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", warn=lambda message: self.warn(message))
         self.peak_flops = device_peak_flops(self.device)  # None: no MFU figures (a CPU, an unknown GPU)
         self.checkpoint_failures = 0  # saves that failed since the last step's metrics (checkpoint/failures)
@@ -171,6 +180,7 @@ class Trainer:
         self._heartbeat_at = -math.inf
         self._over_budget_warned = False  # rollout.gpu_memory_utilization leaves no room: said once
         self.stop_requested = threading.Event()
+        self._stop_agreed = False  # several ranks: the stop they agreed on at the last safe point
 
     # ------------------------------------------------------------------------------------- build
 
@@ -192,18 +202,19 @@ class Trainer:
         actor_model, self.actor_adapter = with_adapter(
             policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
             LoraSettings.of(model_config, "actor_rollout_ref.model"), role="actor", seed=seed)
-        actor_model = self.memory.place(actor_model, actor_config.fsdp_config, Role.ACTOR)
+        actor_model = self._place(actor_model, actor_config.fsdp_config, Role.ACTOR)
         self.actor = Actor(actor_model,
                            actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
                            log_prob_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
-                           total_steps=self.total_steps, seed=seed, memory=self.memory.for_role(Role.ACTOR),
+                           total_steps=self.total_steps, seed=seed, memory=self._worker_memory(Role.ACTOR),
+                           ranks=self.ranks,
                            remove_padding=model_config.use_remove_padding,
                            log_prob_max_token_len=(rollout.log_prob_max_token_len_per_gpu
                                                    if rollout.log_prob_use_dynamic_bsz else None))
         self.reference = None
         if config.use_reference and self.actor_adapter is None:
             reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
-            self.reference = self.memory.place(reference, config.actor_rollout_ref.ref.fsdp_config, Role.REF)
+            self.reference = self._place(reference, config.actor_rollout_ref.ref.fsdp_config, Role.REF)
         self._log_adapters()
         self.critic, self.critic_adapter = None, None
         if config.use_critic:
@@ -216,9 +227,35 @@ class Trainer:
                                                       role="critic", seed=seed + 1)
             if self.critic_adapter is not None:
                 self.log(describe_adapter(self.critic_adapter, "critic"))
-            self.critic = Critic(self.memory.place(model, critic.fsdp_config, Role.CRITIC), critic, rollout_n=rollout.n,
+            self.critic = Critic(self._place(model, critic.fsdp_config, Role.CRITIC), critic, rollout_n=rollout.n,
                                  forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
-                                 total_steps=self.total_steps, memory=self.memory.for_role(Role.CRITIC))
+                                 total_steps=self.total_steps, memory=self._worker_memory(Role.CRITIC),
+                                 ranks=self.ranks)
+
+    def _place(self, model: Model, fsdp_config: FSDPConfig, role: Role) -> Model:
+        """One rank: the memory manager places the model's groups (the offload engine). Several: FSDP2 shards it
+        over the ranks, CPU placement through its CPUOffloadPolicy (trainer/distributed/sharding.py)."""
+        if not self.ranks.distributed:
+            return self.memory.place(model, fsdp_config, role)
+        layers_on_cpu, _ = cpu_placement(fsdp_config)
+        self._sharded_layers[role] = 0 if layers_on_cpu else len(decoder_layers(model))
+        return shard_model(model, fsdp_config, self.ranks, role=role, log=lambda message: self.log(message))
+
+    def _placement_metrics(self) -> dict[str, float]:
+        """The memory manager's step metrics; with sharded models the same keys, of FSDP2's placement: each
+        model's decoder layers whose shards stay on the device (none move while the run goes on)."""
+        if not self.ranks.distributed:
+            return self.memory.step_metrics()
+        layers = self._sharded_layers
+        return {"perf/oom_recoveries": 0.0, "offload/transformer_layers_on_gpu": float(sum(layers.values())),
+                **{f"offload/{role}/transformer_layers_on_gpu": float(count)
+                   for role, count in layers.items()},
+                "offload/moves_to_cpu": 0.0, "offload/moves_to_gpu": 0.0, "offload/phase_swaps": 0.0}
+
+    def _worker_memory(self, role: Role) -> ModelMemory | None:
+        """The memory manager's side for a worker; None for a sharded model, which it does not place (the
+        worker's optimizer is then torch's AdamW over the local shards, and errors propagate)."""
+        return None if self.ranks.distributed else self.memory.for_role(role)
 
     def _log_adapters(self) -> None:
         """Say what the actor's LoRA adapter trains, and that the reference policy is the actor without it."""
@@ -268,10 +305,10 @@ class Trainer:
                                    setting="reward_model.model.tokenizer_path")
         model = load_reward_model(network.path, tokenizer, dtype=torch_dtype(network.fsdp_config.model_dtype),
                                   seed=config.trainer.seed, trust_remote_code=network.trust_remote_code)
-        return ModelReward(self.memory.place(model, network.fsdp_config, Role.REWARD), self.tokenizer, tokenizer,
+        return ModelReward(self._place(model, network.fsdp_config, Role.REWARD), self.tokenizer, tokenizer,
                            micro_batch_size=config.reward_model.micro_batch_size_per_gpu,
                            max_length=config.data.max_prompt_length + config.data.max_response_length,
-                           memory=self.memory.for_role(Role.REWARD))
+                           memory=self._worker_memory(Role.REWARD))
 
     # -------------------------------------------------------------------------------------- loop
 
@@ -294,14 +331,15 @@ class Trainer:
             if self._checkpoint_requested and self._saved_at != self.step:
                 self.save()
             self._checkpoint_requested = False
-            if self.step >= self.total_steps or self.stop_requested.is_set():
+            if self.step >= self.total_steps or self._stopping():
                 break
             self.memory.safe_point()
-            records = [self.records[index] for index in self.sampler.next_batch()]
-            metrics = self.train_step(records)
+            records = [self.records[index] for index in self._share_of(self.sampler.next_batch())]
+            local = self.train_step(records)
             self.step += 1
-            self._record_step({**metrics, "training/global_step": self.step, **self._maybe_validate(),
-                               **self._checkpoint_metrics()})
+            local.update({"training/global_step": self.step, **self._maybe_validate(), **self._checkpoint_metrics()})
+            self._record_step(self._run_wide(local, sequences=len(records) * self.config.actor_rollout_ref.rollout.n),
+                              local=local)
             # The last step's save is the final one, below.
             if (self.config.trainer.save_freq > 0 and self.step % self.config.trainer.save_freq == 0
                     and self.step < self.total_steps):
@@ -318,14 +356,33 @@ class Trainer:
         metrics = self.validate()
         self._record_step({**metrics, "timing_s/testing": time.perf_counter() - start, "training/global_step": 0})
 
-    def _record_step(self, metrics: dict[str, float]) -> None:
-        """metrics.jsonl, the daemon and every observer (the console) get the step's metrics."""
+    def _share_of(self, batch: list[int]) -> list[int]:
+        """This rank's prompts of the global batch (all of it on one rank): a slice of each actor mini-batch."""
+        if not self.ranks.distributed:
+            return batch
+        return rank_share(batch, rank=self.ranks.rank, world_size=self.ranks.world_size,
+                          mini_batch_size=self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
+
+    def _run_wide(self, local: dict[str, float], *, sequences: int) -> dict[str, float]:
+        """The step's metrics over every rank (the same keys; metrics.rank_reduction says how each combines)."""
+        if not self.ranks.distributed:
+            return local
+        tokens = local.get("perf/total_num_response_tokens", 0.0)
+        return combine_rank_metrics(self.ranks.gather_objects((local, float(sequences), float(tokens))))
+
+    def _record_step(self, metrics: dict[str, float], local: dict[str, float] | None = None) -> None:
+        """metrics.jsonl, the daemon and every observer (the console) get the step's metrics: rank 0 the
+        run-wide `metrics`; another rank sends its `local` figures to the daemon and its own log, and writes
+        no metrics.jsonl."""
+        if not self.ranks.is_main:
+            metrics = metrics if local is None else local
         for key, value in metrics.items():
             if key.endswith("skipped_steps") and value > 0:
                 self.warn(f"STEP {self.step}: {key.split('/')[0]} skipped its optimizer update on a non-finite "
                           f"gradient norm ({key} {value:g}); its weights did not change. Lower the learning rate "
                           "or check the data and the reward if it goes on")
-        self.metrics_log.append(self.step, metrics)
+        if self.ranks.is_main:
+            self.metrics_log.append(self.step, metrics)
         self._send(StepMessage(step=self.step, metrics=metrics))
         if self.telemetry is not None:
             # The placement summary goes with the first report of each trainer process.
@@ -379,7 +436,7 @@ class Trainer:
                                     prompt_length=self.config.data.max_prompt_length))
         metrics.update(throughput_metrics(batch, timer.seconds["step"]))
         metrics.update(memory_metrics(self.device, peaks=self.memory.step_peaks()))
-        metrics.update(self.memory.step_metrics())
+        metrics.update(self._placement_metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
 
@@ -416,6 +473,7 @@ class Trainer:
         prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
                                                  max_length=self.config.data.max_prompt_length,
                                                  truncation=self.config.data.truncation)
+        prompt_ids, prompt_mask = self._pad_like_other_ranks(prompt_ids, prompt_mask)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         rollout = rollout or self.rollout  # either samples with the actor's weights
         self.heartbeat()  # once per validation batch too
@@ -424,14 +482,32 @@ class Trainer:
             pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
                                                                          prompt_mask[first:first + count]),
                                    len(repeated), self._rollout_rows(len(repeated), prompt_ids.shape[1]),
-                                   memory=self.memory.for_role(Role.ACTOR))
+                                   memory=self._worker_memory(Role.ACTOR))
         response_ids = torch.cat([ids for ids, _ in pieces])
         response_mask = torch.cat([mask for _, mask in pieces])
         group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated)
 
+    def _pad_like_other_ranks(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With several ranks, every rank's prompts left-padded to the longest of all of them: each sequence then
+        has the same positions and padding as in a one-rank run of the whole batch."""
+        width = self.ranks.max(prompt_ids.shape[1])
+        padding = width - prompt_ids.shape[1]
+        if padding == 0:
+            return prompt_ids, prompt_mask
+        pad_id = self.tokenizer.pad_token_id
+        return (torch.nn.functional.pad(prompt_ids, (padding, 0), value=pad_id),
+                torch.nn.functional.pad(prompt_mask, (padding, 0), value=0))
+
     def _rollout_rows(self, rows: int, prompt_length: int) -> int:
+        """`_rows_that_fit`, the fewest of any rank's: every rank of a sharded model must run as many generate
+        calls (each forward gathers the layers' shards from all of them)."""
+        fitting = self._rows_that_fit(rows, prompt_length)
+        return int(self.ranks.reduce_many([float(fitting)], "min")[0]) if self.ranks.distributed else fitting
+
+    def _rows_that_fit(self, rows: int, prompt_length: int) -> int:
         """How many of `rows` sequences decode at once: all of them, or as many as rollout.gpu_memory_utilization
         leaves room for beside what is in use now (trainer/rollout/budget.py; a GPU only)."""
         utilization = self.config.actor_rollout_ref.rollout.gpu_memory_utilization
@@ -460,7 +536,7 @@ class Trainer:
         with adapter_off:
             return compute_log_probs(model, batch, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
                                      temperature=self.config.actor_rollout_ref.rollout.temperature,
-                                     memory=self.memory.for_role(role),
+                                     memory=self._worker_memory(role),
                                      remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
                                      max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
                                      else None)
@@ -481,11 +557,23 @@ class Trainer:
         if algorithm.adv_estimator == "gae":
             batch.advantages, batch.returns = self.advantage_fn(
                 batch.token_level_rewards, batch.values, batch.response_mask, gamma=algorithm.gamma, lam=algorithm.lam)
+            if self.ranks.distributed:
+                batch.advantages = self._whitened_over_ranks(batch.returns - batch.values, batch.response_mask)
         else:
             batch.advantages, batch.returns = self.advantage_fn(
                 batch.token_level_rewards, batch.response_mask, batch.group_index,
                 norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo)
         return metrics
+
+    def _whitened_over_ranks(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """GAE's advantages whitened over the whole batch, every rank's response tokens (as one rank whitens
+        its whole batch: masked_whiten's unbiased variance), not over this rank's share alone."""
+        advantages = advantages * mask
+        count, total, squares = self.ranks.sum_tensor(torch.stack(
+            [mask.sum(), advantages.sum(), (advantages ** 2).sum()]).double()).tolist()
+        mean = total / max(count, 1.0)
+        variance = max(squares / max(count, 1.0) - mean ** 2, 0.0) * count / max(count - 1, 1.0)
+        return ((advantages - mean) * (variance + WHITEN_EPSILON) ** -0.5 * mask).to(advantages.dtype)
 
     def _maybe_validate(self) -> dict[str, float]:
         frequency = self.config.trainer.test_freq
@@ -498,17 +586,31 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Greedy responses to the validation prompts, mean score per data source (verl's val-core keys)."""
+        """Greedy responses to the validation prompts, mean score per data source (verl's val-core keys).
+        With several ranks each scores its share of every validation batch, and the scores are gathered."""
         greedy = HFRollout(self.actor.model, self.tokenizer,
                            self.config.actor_rollout_ref.rollout.model_copy(update={"do_sample": False}),
-                           self.config.data.max_response_length, graph_safety=self.memory.engine(Role.ACTOR))
+                           self.config.data.max_response_length, graph_safety=self.memory.engine(Role.ACTOR),
+                           synced=self.ranks.distributed)
         scores: dict[str, list[float]] = {}
         size = self.config.data.val_batch_size or len(self.val_records)  # null: all at once, as verl
         for start in range(0, len(self.val_records), size):
-            batch = self.generate(self.val_records[start:start + size], rollout=greedy, n=1)
-            for record, score in zip(batch.records, self.reward_fn(batch).tolist(), strict=True):
-                scores.setdefault(record.data_source, []).append(score)
+            records, scored = self._validation_share(self.val_records[start:start + size])
+            batch = self.generate(records, rollout=greedy, n=1)
+            mine = [(record.data_source, score)
+                    for record, score in zip(batch.records, self.reward_fn(batch).tolist(), strict=True)][:scored]
+            for rank_scores in self.ranks.gather_objects(mine):
+                for source, score in rank_scores:
+                    scores.setdefault(source, []).append(score)
         return {f"val-core/{source}/reward/mean@1": sum(values) / len(values) for source, values in scores.items()}
+
+    def _validation_share(self, records: Sequence[PromptRecord]) -> tuple[list[PromptRecord], int]:
+        """This rank's slice of a validation batch and how many of it count. Every rank generates as many
+        sequences (the sharded model's forwards are collective, and so are the pieces a batch decodes in): a
+        short slice is filled up with the batch's first prompt, unscored."""
+        share = math.ceil(len(records) / self.ranks.world_size)
+        mine = list(records[self.ranks.rank * share:(self.ranks.rank + 1) * share])
+        return mine + [records[0]] * (share - len(mine)), len(mine)
 
     # ------------------------------------------------------------------------------- checkpoints
 
@@ -541,8 +643,15 @@ class Trainer:
             "rng": rng_state(),
         }
         try:
-            path = save_checkpoint(self.checkpoint_dir, self.step, self._models(), state,
-                                   keep=self.config.checkpoints_to_keep)
+            if self.ranks.distributed:
+                state["rank_rngs"] = self.ranks.gather_objects(state["rng"])  # each rank's own sampling streams
+                path = save_sharded_checkpoint(self.checkpoint_dir, self.step, self._trained(), state,
+                                               ranks=self.ranks, keep=self.config.checkpoints_to_keep)
+            else:
+                # The names of the optimizers' parameters let a resume on several ranks find each one's states.
+                state["parameter_names"] = self._parameter_names()
+                path = save_checkpoint(self.checkpoint_dir, self.step, self._models(), state,
+                                       keep=self.config.checkpoints_to_keep)
         except CheckpointWriteError as error:
             self._checkpoint_failed(error, final=final)
             return None
@@ -551,6 +660,23 @@ class Trainer:
         self.log(f"checkpoint saved: {path}")
         self._send(CheckpointMessage(step=self.step, path=str(path)))
         return path
+
+    def _parameter_names(self) -> dict[str, list[str]]:
+        """Each trained model's optimizer parameters by name, where they are the model's own (an offloaded bf16
+        model's fp32 masters are not: that checkpoint resumes on one rank only)."""
+        names = {}
+        for role, (model, optimizer) in self._trained().items():
+            with contextlib.suppress(CheckpointError):
+                names[role] = parameter_names(model, optimizer)
+        return names
+
+    def _trained(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        """Each trained model with its optimizer, by the checkpoint's role names."""
+        trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {
+            "actor": (self.actor.model, self.actor.optimizer)}
+        if self.critic is not None:
+            trained["critic"] = (self.critic.model, self.critic.optimizer)
+        return trained
 
     def _checkpoint_failed(self, error: CheckpointWriteError, *, final: bool) -> None:
         self.checkpoint_failures += 1
@@ -561,6 +687,9 @@ class Trainer:
             self.warn(f"CHECKPOINT NOT SAVED: {error}; training goes on and the next save tries again (the latest "
                       f"complete checkpoint, which a restart resumes from: {latest})")
             return
+        if self.ranks.distributed:
+            raise FinalCheckpointError(f"the final checkpoint of step {self.step} was not saved: {error}; the latest "
+                                       f"complete checkpoint: {latest}") from None
         try:
             weights = save_weights(self.checkpoint_dir, self.step, self._models()["actor"])
         except CheckpointWriteError as weights_error:
@@ -587,7 +716,9 @@ class Trainer:
         """Continue from the checkpoint resume_mode points at, or start at step 0."""
         mode = self.config.trainer.resume_mode
         self._resumed = True
-        remove_partial_checkpoints(self.checkpoint_dir)
+        if self.ranks.is_main:  # one rank clears the shared folder while the others wait
+            remove_partial_checkpoints(self.checkpoint_dir)
+        self.ranks.barrier()
         if mode == "disable":
             if list_checkpoints(self.checkpoint_dir):
                 raise RunSetupError(f"trainer.resume_mode: disable, but {self.checkpoint_dir} already holds "
@@ -599,13 +730,15 @@ class Trainer:
         else:
             path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
-            self.metrics_log.truncate_after(-1)  # a fresh start: not even a step 0 (validation) line stays
+            if self.ranks.is_main:
+                self.metrics_log.truncate_after(-1)  # a fresh start: not even a step 0 (validation) line stays
             return
         self._restore(path)
 
     def _restore(self, path: Path) -> None:
         try:
-            state = load_checkpoint(path, self._models())
+            state = (self._restore_models(path) if self.ranks.distributed or is_sharded_checkpoint(path)
+                     else load_checkpoint(path, self._models()))
             self.actor.load_state_dict(state["actor"])
             if self.critic is not None:
                 self.critic.load_state_dict(state["critic"])
@@ -613,33 +746,79 @@ class Trainer:
         except ValueError as error:
             raise CheckpointError(f"cannot resume from {path}: {error}") from None
         self.kl_controller.load_state_dict(state["kl_controller"])
-        set_rng_state(state["rng"])
+        rank_rngs = state.get("rank_rngs")  # written by several ranks; at another world size every rank takes rank 0's
+        set_rng_state(rank_rngs[self.ranks.rank] if rank_rngs is not None and len(rank_rngs) == self.ranks.world_size
+                      else state["rng"])
         self.step = state["step"]
-        self.metrics_log.truncate_after(self.step)
+        if self.ranks.is_main:
+            self.metrics_log.truncate_after(self.step)
         self.log(f"resumed from {path} at step {self.step}")
+
+    def _restore_models(self, path: Path) -> dict:
+        """Weights and optimizer states across world sizes: a checkpoint of several ranks (DCP shards) into this
+        run's sharded or whole models, or a one-rank checkpoint into sharded ones. Returns the trainer state."""
+        state = load_trainer_state(path)
+        trained = self._trained()
+        if is_sharded_checkpoint(path):
+            (load_sharded_into_sharded if self.ranks.distributed else load_sharded_into_single)(path, trained)
+            return state
+        names = state.get("parameter_names", {})
+        load_single_into_sharded(path, trained, {role: {"optimizer": state[role]["optimizer"],
+                                                        **({"parameter_names": names[role]} if role in names else {})}
+                                                 for role in trained})
+        for role in trained:
+            state[role]["optimizer"] = None  # loaded into the shards above
+        return state
 
     # ------------------------------------------------------------------------------------ control
 
     def handle_control_messages(self) -> None:
-        """The safe point between steps: apply live settings, note checkpoint and stop requests."""
-        if self.telemetry is None:
+        """The safe point between steps: apply live settings, note checkpoint and stop requests.
+
+        With several ranks this is a collective: rank 0 (which holds the daemon's control) broadcasts what
+        arrived, every rank applies it here, at the same step, and a stop any rank was signalled stops all."""
+        if self.telemetry is None and not self.ranks.distributed:
             return
         self.heartbeat()
-        for message in self.telemetry.poll():
+        for message in self._agreed_messages(self.telemetry.poll() if self.telemetry is not None else []):
             self._dispatch(message)
+        if self.ranks.distributed:
+            stop = self.ranks.reduce_many([float(self.stop_requested.is_set())], "max")[0]
+            if stop:
+                self.stop_requested.set()
+            self._stop_agreed = bool(stop)
+
+    def _agreed_messages(self, messages: list[DownMessage]) -> list[DownMessage]:
+        """Rank 0's messages on every rank (another rank's own connection only reports: what its daemon sends
+        it is dropped)."""
+        return self.ranks.broadcast_from_main(messages if self.ranks.is_main else [])
+
+    def _stopping(self) -> bool:
+        """Whether the loop stops now: on several ranks, what they agreed at the last safe point (a signal
+        arriving since must not stop one rank a step before the others)."""
+        return self._stop_agreed if self.ranks.distributed else self.stop_requested.is_set()
 
     def receive_initial_settings(self, timeout_s: float = 5.0) -> bool:
         """Wait (once, before the first step) for the daemon's current settings, so a change made
-        before a restart holds from the restarted trainer's first step. False if none came."""
+        before a restart holds from the restarted trainer's first step. False if a daemon is there but sent
+        none (on several ranks rank 0 waits and every rank applies what it received)."""
+        received: list[DownMessage] = []
+        waiting = self.telemetry is not None and self.ranks.is_main
         deadline = time.monotonic() + timeout_s
-        while self.telemetry is not None and time.monotonic() < deadline:
+        while waiting and self.telemetry is not None and time.monotonic() < deadline:
             messages = self.telemetry.poll()
-            for message in messages:
-                self._dispatch(message)
+            received += messages
+            if not self.ranks.distributed:
+                for message in messages:
+                    self._dispatch(message)
             if any(isinstance(message, SettingsMessage) for message in messages):
-                return True
+                break
             time.sleep(0.01)
-        return False
+        if self.ranks.distributed:
+            for message in self._agreed_messages(received):
+                self._dispatch(message)
+        answered = not waiting or any(isinstance(message, SettingsMessage) for message in received)
+        return bool(self.ranks.broadcast_from_main(answered))
 
     def _dispatch(self, message: DownMessage) -> None:
         if isinstance(message, SettingsMessage):
@@ -650,11 +829,14 @@ class Trainer:
             self.request_stop()
 
     def apply_live_settings(self, version: int, values: LiveSettings) -> None:
-        """Take the daemon's settings from the next step on, and acknowledge with that step."""
+        """Take the daemon's settings from the next step on, and acknowledge with that step (on several
+        ranks, every rank calls this at the same safe point: rank 0 acknowledges once all have applied)."""
         self.live_settings = values
         for listener in self.settings_listeners:
             listener(self.live_settings)
-        self._send(SettingsAckMessage(version=version, step=self.step + 1, values=self.live_settings))
+        self.ranks.barrier()
+        if self.ranks.is_main:
+            self._send(SettingsAckMessage(version=version, step=self.step + 1, values=self.live_settings))
 
     def heartbeat(self) -> None:
         """Tell the daemon this thread is making progress (at most every HEARTBEAT_INTERVAL_S): call it from

@@ -59,11 +59,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
-        return _report_errors([str(problem) for problem in error.problems])
+        # Every rank finds the same problems and exits 2; one set of lines is enough.
+        return _report_errors([str(problem) for problem in error.problems] if _is_rank_zero() else [])
     dump_stacks_on_signal(config.trainer.run_dir / "logs" / "trainer.log")
 
     use_allocator_defaults()
+    from trainer.distributed.ranks import Ranks
+    from trainer.errors import USER_ERRORS
+
+    try:
+        ranks = Ranks.from_environment(config.trainer.device)  # joins the process group with several ranks
+    except USER_ERRORS as error:
+        return _report_user_error(error, None, None, log_path=config.trainer.run_dir / "logs" / "trainer.log",
+                                  prints=_is_rank_zero())
+    try:
+        return _train(config, ranks)
+    finally:
+        ranks.close()
+
+
+def _train(config, ranks) -> int:
     import torch
+    from rich.console import Console
 
     from trainer.errors import USER_ERRORS
     from trainer.loop import Trainer
@@ -72,34 +89,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.tracking import start_tracking
 
     run_dir = config.trainer.run_dir
+    # Rank 0 writes the run's log and console; another rank keeps its own log file and prints nothing.
+    log_path = run_dir / "logs" / ("trainer.log" if ranks.is_main else f"trainer-rank{ranks.rank}.log")
     # Present when the verl daemon started this process; None when run by hand.
-    telemetry = TelemetryClient.from_env(run_dir=str(run_dir))
+    telemetry = TelemetryClient.from_env(run_dir=str(run_dir), rank=ranks.rank)
     reporter = tracking = None
     finished = False  # the trackers' runs are marked failed unless training returns
     try:
-        trainer = Trainer(config, log=print, telemetry=telemetry)
-        reporter = ConsoleReporter(total_steps=trainer.total_steps, log_path=run_dir / "logs" / "trainer.log",
+        trainer = Trainer(config, log=print if ranks.is_main else _quiet, telemetry=telemetry, ranks=ranks)
+        reporter = ConsoleReporter(total_steps=trainer.total_steps, log_path=log_path,
+                                   console=None if ranks.is_main else Console(quiet=True),
                                    forward=_log_forwarder(telemetry), print_steps="console" in config.trainer.logger)
         trainer.log, trainer.warn = reporter.info, reporter.warning
         trainer.observers.append(reporter)
         trainer.settings_listeners.append(lambda settings: reporter.set_level(settings.log_level))
         for line in trainer.memory.summary_lines():
             reporter.info(line)
-        reporter.info(f"run directory {run_dir}; device {trainer.device}; {trainer.total_steps} steps")
+        where = f"; rank {ranks.rank} of {ranks.world_size}" if ranks.distributed else ""
+        reporter.info(f"run directory {run_dir}; device {trainer.device}{where}; {trainer.total_steps} steps")
         trainer.install_signal_handlers()
         trainer.resume()
         if telemetry is not None:
             telemetry.hello(start_step=trainer.step, total_steps=trainer.total_steps)
-            if not trainer.receive_initial_settings():
-                reporter.warning("the daemon sent no live settings within 5 s; starting with the config's")
-        # After resuming: a tracker drops what it had logged past the checkpoint's step.
-        tracking = start_tracking(config, start_step=trainer.step, warn=reporter.warning, log=reporter.info)
-        trainer.observers.append(tracking)
+        if not trainer.receive_initial_settings():
+            reporter.warning("the daemon sent no live settings within 5 s; starting with the config's")
+        if ranks.is_main:  # the trackers get the run-wide metrics, once
+            # After resuming: a tracker drops what it had logged past the checkpoint's step.
+            tracking = start_tracking(config, start_step=trainer.step, warn=reporter.warning, log=reporter.info)
+            trainer.observers.append(tracking)
         reporter.start(trainer.step)
         trainer.fit()
         finished = True
     except USER_ERRORS as error:
-        return _report_user_error(error, reporter, telemetry, log_path=run_dir / "logs" / "trainer.log")
+        return _report_user_error(error, reporter, telemetry, log_path=log_path, prints=ranks.is_main)
     except torch.OutOfMemoryError as error:  # the trainer's own recovery (offload more, split) did not suffice
         return _report_out_of_memory(error, reporter, telemetry)
     finally:
@@ -110,6 +132,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if telemetry is not None:
             telemetry.close()
     return EXIT_OK
+
+
+def _is_rank_zero() -> bool:
+    """Rank 0 of a torchrun launch, or a process torchrun did not start (before torch is imported)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _quiet(*_: object) -> None:
+    """The log of a rank other than 0 before its reporter exists: rank 0 says the same."""
 
 
 def _log_forwarder(telemetry):
@@ -135,7 +166,7 @@ def _report_out_of_memory(error: BaseException, reporter, telemetry) -> int:
     return EXIT_OUT_OF_MEMORY
 
 
-def _report_user_error(error: BaseException, reporter, telemetry, *, log_path: Path) -> int:
+def _report_user_error(error: BaseException, reporter, telemetry, *, log_path: Path, prints: bool = True) -> int:
     """One ERROR line for a problem the user can fix, in the terminal, the run's log and the daemon's stream;
     the log also gets the traceback when the user's own code raised (a custom reward function)."""
     from trainer.rewards import RewardFunctionError
@@ -148,7 +179,8 @@ def _report_user_error(error: BaseException, reporter, telemetry, *, log_path: P
             message += f" (its traceback is in {log_path})"
         reporter.logger.error(message + details)
         reporter.close()  # the progress bar off the terminal before the line goes there
-    print(f"ERROR: {message}", file=sys.stderr, flush=True)
+    if prints:  # with several ranks, rank 0's line stands for all of them (each one's log has its own)
+        print(f"ERROR: {message}", file=sys.stderr, flush=True)
     if telemetry is not None:
         from trainer.config.messages import LogMessage
 

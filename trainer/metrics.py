@@ -280,3 +280,47 @@ def _json_number(value: float) -> float | None:
     # JSON has no NaN or infinity; null keeps the line parseable by every reader.
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+# How a step's metric combines over the ranks, by its name: each rank measures its share of the batch.
+_SUMMED = ("reward/errors", "perf/total_num_tokens", "perf/total_num_response_tokens", "perf/num_ooms",
+           "perf/oom_recoveries", "perf/cpu_memory_peak_gb", "checkpoint/failures", "offload/moves_to_cpu",
+           "offload/moves_to_gpu", "offload/phase_swaps")
+_TOKEN_WEIGHTED = ("critic/advantages/", "critic/returns/", "critic/values/")
+
+
+def rank_reduction(key: str) -> str:
+    """How `key` combines over the ranks: "sum" (counts, tokens, every process's memory), "max" (a maximum,
+    a rank's device memory, the host's memory in use, the step's timings: the step waits for the slowest rank),
+    "min", or "mean" (weighted by each rank's sequences, or tokens for the token-level summaries)."""
+    if key in _SUMMED or key.endswith("skipped_steps"):
+        return "sum"
+    if (key.endswith("/max") or key.startswith(("timing_s/", "perf/max_memory_")) or key in (
+            "perf/time_per_step", "perf/cpu_memory_used_gb", "checkpoint/failing")):
+        return "max"
+    if key.endswith("/min"):
+        return "min"
+    return "mean"
+
+
+def combine_rank_metrics(per_rank: Sequence[tuple[Mapping[str, float], float, float]]) -> dict[str, float]:
+    """One step's run-wide metrics from every rank's (metrics, sequences, response tokens), under the same keys
+    (a key some rank lacks combines over the ranks that have it)."""
+    keys = list(dict.fromkeys(key for metrics, _, _ in per_rank for key in metrics))
+    combined = {}
+    for key in keys:
+        present = [(metrics[key], sequences, tokens) for metrics, sequences, tokens in per_rank if key in metrics]
+        values = [value for value, _, _ in present]
+        how = rank_reduction(key)
+        if how == "sum":
+            combined[key] = float(sum(values))
+        elif how == "max":
+            combined[key] = float(max(values))
+        elif how == "min":
+            combined[key] = float(min(values))
+        else:
+            weights = [tokens if key.startswith(_TOKEN_WEIGHTED) else sequences for _, sequences, tokens in present]
+            total = sum(weights)
+            combined[key] = (float(sum(value * weight for value, weight in zip(values, weights, strict=True)) / total)
+                             if total > 0 else float(sum(values) / len(values)))
+    return combined

@@ -1,6 +1,6 @@
 """The trainer's side of the telemetry link: sends up to the daemon, never waits on it.
 
-Usage in the trainer (rank 0)::
+Usage in the trainer (every rank: each reports to its node's daemon with its rank)::
 
     client = TelemetryClient.from_env()          # None when not started by a daemon
     if client is not None:
@@ -62,13 +62,13 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 class TelemetryClient:
     """A non-blocking line-JSON link to the daemon (see the module docstring)."""
 
-    def __init__(self, socket_path: str, token: str, *, rank: int = 0, run_dir: str = "",
+    def __init__(self, socket_path: str, token: str, *, rank: int = 0, local_rank: int = 0, run_dir: str = "",
                  start_step: int | None = None, total_steps: int | None = None, queue_size: int = 4096,
                  reconnect_interval_s: float = 1.0, send_timeout_s: float = 1.0):
         self.socket_path = socket_path
         self._token = token
-        self._hello_fields: dict[str, Any] = {"rank": rank, "run_dir": run_dir, "start_step": start_step,
-                                              "total_steps": total_steps}
+        self._hello_fields: dict[str, Any] = {"rank": rank, "local_rank": local_rank, "run_dir": run_dir,
+                                              "start_step": start_step, "total_steps": total_steps}
         self._hello_ready = threading.Event()
         if start_step is not None and total_steps is not None:
             self._hello_ready.set()
@@ -92,12 +92,16 @@ class TelemetryClient:
     def from_env(cls, **hello_fields: Any) -> TelemetryClient | None:
         """A client for the daemon named by VERL_IPC_SOCKET/VERL_IPC_TOKEN, or None when unset.
 
-        `hello_fields` (rank, run_dir, start_step, total_steps) go to the constructor; give start_step and
-        total_steps here or later through `hello`: the client connects once both are known.
+        `hello_fields` (rank, local_rank, run_dir, start_step, total_steps) go to the constructor; give start_step
+        and total_steps here or later through `hello`: the client connects once both are known. rank and local_rank
+        default to torch.distributed's RANK and LOCAL_RANK (0 outside a launched group).
         """
         path = os.environ.get(ENV_SOCKET)
         if not path:
             return None
+        for field, variable in (("rank", "RANK"), ("local_rank", "LOCAL_RANK")):
+            if field not in hello_fields and os.environ.get(variable, "").isdigit():
+                hello_fields[field] = int(os.environ[variable])
         return cls(path, os.environ.get(ENV_TOKEN, ""), **hello_fields)
 
     # -------------------------------------------------------------------------------- trainer API
@@ -181,7 +185,8 @@ class TelemetryClient:
         fields = self._hello_fields
         start_step = fields["start_step"] if self._last_step is None else self._last_step
         hello = encode(HelloMessage(protocol=PROTOCOL_VERSION, token=self._token, pid=os.getpid(),
-                                    rank=fields["rank"], run_dir=fields["run_dir"], start_step=start_step,
+                                    rank=fields["rank"], local_rank=fields["local_rank"], run_dir=fields["run_dir"],
+                                    start_step=start_step,
                                     total_steps=fields["total_steps"]))
         try:
             connection.connect(self.socket_path)

@@ -7,7 +7,7 @@ import pytest
 from api.advisor import Snapshot, advise
 from api.schemas import LatestBody, OffloadSummary, StepSnapshot
 from tests.support import run_status
-from trainer.config.messages import Group, OffloadSummaryRow, Role, RunState
+from trainer.config.messages import Group, OffloadSummaryRow, RankStatus, Role, RunState
 
 NOW = 1_700_000_000.0
 TOTAL = 80 * 2**30
@@ -133,3 +133,42 @@ def test_a_failing_checkpoint_save_gets_a_hint_until_one_is_written():
                                "often a full disk): a crash now loses every step since the last checkpoint written")
     assert "trainer.max_ckpt_to_keep" in hints[0]
     assert advise(at_step(0.0)) == [], "a save went through since"
+
+
+# --------------------------------------------------------------------------------------- several ranks
+
+
+def ranked_snapshot(*ranks: tuple[float | None, float | None], connected: bool = True) -> Snapshot:
+    """A snapshot whose ranks have these (GPU memory GiB, mean copy ms)."""
+    snapshot = make_snapshot(history=gpu_samples(0.85, 0.7))
+    rows = [RankStatus(rank=rank, local_rank=rank, pid=100 + rank, connected=connected, step=5, heard_s_ago=0.5,
+                       gpu_memory_bytes=None if memory is None else memory * 2**30,
+                       copy_latency_mean_s=None if copy_ms is None else copy_ms / 1e3)
+            for rank, (memory, copy_ms) in enumerate(ranks)]
+    return {**snapshot, "status": snapshot["status"].model_copy(update={"ranks": rows})}
+
+
+def test_ranks_with_memory_more_than_20_percent_apart_are_named_in_one_line():
+    hints = advise(ranked_snapshot((8.0, 2.0), (10.0, 2.1)))
+    assert len(hints) == 1
+    assert hints[0].startswith("ranks are unbalanced: GPU memory of rank 1 is 10.0 GiB against 8.0 GiB on rank 0 "
+                               "(25% more, over 20%)")
+
+
+def test_a_rank_with_slow_copies_is_named():
+    hints = advise(ranked_snapshot((8.0, 2.0), (8.0, 2.0), (8.1, 3.0)))
+    assert len(hints) == 1 and "offload copy latency of rank 2 is 3.0 ms against 2.0 ms on rank 0" in hints[0]
+    assert "PCIe" in hints[0]
+
+
+@pytest.mark.parametrize("ranks", [
+    ((8.0, 2.0), (9.6, 2.4)),           # exactly 20% apart: the limit itself is no hint
+    ((8.0, 2.0),),                      # one rank: nothing to compare
+    ((8.0, None), (None, 2.0)),         # no figure known on two ranks
+])
+def test_ranks_within_20_percent_or_without_figures_get_no_hint(ranks):
+    assert advise(ranked_snapshot(*ranks)) == []
+
+
+def test_ranks_not_connected_are_not_compared():
+    assert advise(ranked_snapshot((8.0, 2.0), (12.0, 2.0), connected=False)) == []

@@ -33,6 +33,7 @@ from trainer.config.messages import (
     Phase,
     PhasePlanRow,
     Progress,
+    RankStatus,
     Restarts,
     Role,
     RunInfo,
@@ -496,3 +497,31 @@ def test_the_summary_of_a_stopped_or_failed_run_says_so_and_what_it_lacks(tmp_pa
     # Without trainer.total_training_steps (the trainer derives it from total_epochs) no total to compare with.
     ended = RunSummary.from_run_dir(tmp_path / "run", name="r", total_steps=None, elapsed_s=5, failed=False)
     assert ended.lines()[0] == "run r ended at step 7 after 0:05"
+
+
+def test_the_view_shows_a_row_per_rank_of_the_node():
+    ranks = [RankStatus(rank=2, local_rank=0, pid=5001, connected=True, step=45, heard_s_ago=0.4,
+                        gpu_memory_bytes=8 * GIB, copy_latency_mean_s=0.0021),
+             RankStatus(rank=3, local_rank=1, pid=None, connected=False, step=44, heard_s_ago=30.0,
+                        gpu_memory_bytes=None, copy_latency_mean_s=None)]
+    base = run_status()
+    status = base.model_copy(update={"ranks": ranks, "run": base.run.model_copy(
+        update={"node_rank": 1, "nnodes": 2, "world_size": 4})})
+    lines = rendered(snapshot(status=status)).splitlines()
+    first = next(line for line in lines if "rank 2" in line)
+    assert "GPU 0 · pid 5001 · step 45 · peak 8.0 GiB · copies 2.1 ms" in first
+    assert "GPU 1 · not connected" in next(line for line in lines if "rank 3" in line)
+    assert any("node 1 of 2" in line for line in lines)
+    one_process = rendered(snapshot())
+    assert "rank 0" not in one_process, "a run of one process shows no rank rows"
+
+
+def test_the_status_lines_list_the_nodes_ranks():
+    ranks = [RankStatus(rank=0, local_rank=0, pid=5001, connected=True, step=45, heard_s_ago=0.4,
+                        gpu_memory_bytes=None, copy_latency_mean_s=None),
+             RankStatus(rank=1, local_rank=1, pid=None, connected=False, step=None, heard_s_ago=None,
+                        gpu_memory_bytes=None, copy_latency_mean_s=None)]
+    base = run_status()
+    status = base.model_copy(update={"ranks": ranks, "run": base.run.model_copy(update={"world_size": 2})})
+    assert describe_status(status)[-1] == "ranks: 0 (GPU 0, pid 5001), 1 (GPU 1, down); 2 in the run"
+    assert not any(line.startswith("ranks:") for line in describe_status(base))

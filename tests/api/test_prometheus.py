@@ -41,7 +41,7 @@ DOCUMENTED = [
     "verl_setting_dynamic_offload_enabled", "verl_setting_gpu_sample_interval_seconds",
     "verl_setting_pcie_sample_interval_seconds", "verl_setting_updates_total", "verl_telemetry_nvml_up",
     "verl_telemetry_dropped_messages_total", "verl_run_info", "verl_offload_transformer_layers_on_gpu",
-    "verl_offload_model_transformer_layers_on_gpu",
+    "verl_offload_model_transformer_layers_on_gpu", "verl_trainer_rank_up",
     "verl_offload_moves_total", "verl_trainer_oom_recoveries_total", "verl_rollout_embedding_cache_hit_ratio",
     "verl_trainer_checkpoint_failures_total",
 ]
@@ -77,8 +77,10 @@ def fed_metrics(clock=time.monotonic) -> tuple[TelemetryMetrics, CollectorRegist
                                clock=clock)
     metrics.set_total_steps(200)
     metrics.observe_gpu(GPU_SAMPLE)
-    metrics.observe_step(1, STEP_METRICS)
-    metrics.observe_step(2, {**STEP_METRICS, "timing_s/step": 0.8, "perf/num_ooms": 1})
+    metrics.set_rank_up("0", True)
+    for step, step_metrics in ((1, STEP_METRICS), (2, {**STEP_METRICS, "timing_s/step": 0.8, "perf/num_ooms": 1})):
+        metrics.observe_step(step, step_metrics)  # as the daemon feeds rank 0's metrics: the run's, and its own
+        metrics.observe_rank_step("0", step_metrics)
     metrics.observe_phase(Phase.UPDATE_ACTOR)
     metrics.observe_offload(OffloadMessage(
         copies=[CopySample(direction="h2d", group="transformer", bytes=400_000_000, seconds=0.0081),
@@ -137,7 +139,8 @@ def test_step_metrics_become_counters_gauges_and_histograms_in_base_units() -> N
     assert value(registry, "verl_trainer_tokens_total", phase="rollout") == 2 * 6144
     assert value(registry, "verl_trainer_policy_loss") == pytest.approx(-0.0123)
     assert value(registry, "verl_trainer_score_mean") == pytest.approx(0.375)
-    assert value(registry, "verl_trainer_gpu_memory_max_allocated_bytes") == 1.5 * GIB
+    assert value(registry, "verl_trainer_gpu_memory_max_allocated_bytes", rank="0") == 1.5 * GIB
+    assert value(registry, "verl_trainer_rank_up", rank="0") == 1
     assert value(registry, "verl_trainer_step_duration_seconds_count") == 2
     assert value(registry, "verl_trainer_step_duration_seconds_sum") == pytest.approx(4.0)
     assert value(registry, "verl_trainer_step_duration_seconds_bucket", le="1.0") == 1
@@ -161,12 +164,14 @@ def test_gpu_host_offload_phase_and_settings_values() -> None:
     assert value(registry, "verl_gpu_process_memory_used_bytes", **gpu, role="other") == 3 * GIB
     assert value(registry, "verl_process_resident_memory_bytes", process="trainer") == 9_000_000_000
     assert value(registry, "verl_host_cpu_utilization_ratio") == 0.25
-    assert value(registry, "verl_offload_copied_bytes_total", direction="h2d", group="transformer") == 400_000_000
+    assert value(registry, "verl_offload_copied_bytes_total", direction="h2d", group="transformer",
+                 rank="0") == 400_000_000
     assert value(registry, "verl_offload_copy_duration_seconds_bucket", direction="h2d", group="transformer",
-                 le="0.01") == 1
+                 rank="0", le="0.01") == 1
     assert value(registry, "verl_offload_copy_duration_seconds_bucket", direction="d2h", group="embedding",
-                 le="0.0001") == 1
-    assert value(registry, "verl_offload_group_bytes", role="actor", group="embedding", device="cpu") == 272_000_000
+                 rank="0", le="0.0001") == 1
+    assert value(registry, "verl_offload_group_bytes", role="actor", group="embedding", device="cpu",
+                 rank="0") == 272_000_000
     assert value(registry, "verl_trainer_phase", phase="update_actor") == 1
     assert value(registry, "verl_trainer_phase", phase="gen") == 0
     assert value(registry, "verl_trainer_restarts_total", reason="crash") == 1
@@ -323,16 +328,16 @@ def test_offload_counts_feed_the_copy_and_byte_counters_and_the_sample_the_histo
     metrics.observe_offload(OffloadMessage(
         copies=[CopySample(direction="h2d", group="transformer", bytes=1000, seconds=0.002)],
         counts=[CopyCount(direction="h2d", group="transformer", copies=16, bytes=16000)]))
-    labels = {"direction": "h2d", "group": "transformer"}
+    labels = {"direction": "h2d", "group": "transformer", "rank": "0"}
     assert value(registry, "verl_offload_copies_total", **labels) == 16
     assert value(registry, "verl_offload_copied_bytes_total", **labels) == 16000
     assert value(registry, "verl_offload_copy_duration_seconds_count", **labels) == 1
     # A step without a timed copy of a group still counts its copies.
     metrics.observe_offload(OffloadMessage(copies=[], counts=[CopyCount(direction="d2h", group="norm", copies=2,
                                                                         bytes=20)]))
-    assert value(registry, "verl_offload_copies_total", direction="d2h", group="norm") == 2
-    assert value(registry, "verl_offload_copied_bytes_total", direction="d2h", group="norm") == 20
-    assert value(registry, "verl_offload_copy_duration_seconds_count", direction="d2h", group="norm") is None
+    assert value(registry, "verl_offload_copies_total", direction="d2h", group="norm", rank="0") == 2
+    assert value(registry, "verl_offload_copied_bytes_total", direction="d2h", group="norm", rank="0") == 20
+    assert value(registry, "verl_offload_copy_duration_seconds_count", direction="d2h", group="norm", rank="0") is None
 
 
 
@@ -378,3 +383,36 @@ def test_the_setting_labels_are_the_live_settings_and_log_levels() -> None:
     TelemetryMetrics(registry, run="r").set_setting("log_level", "info")
     assert labels_of(registry, "verl_setting_updates_total", "setting") == {*SETTING_NAMES, "unknown"}
     assert labels_of(registry, "verl_setting_log_level", "level") == set(get_args(LogLevel))
+
+
+# ------------------------------------------------------------------------------------ several ranks
+
+
+def test_each_rank_has_its_own_offload_and_memory_series_and_the_exposition_parses() -> None:
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    for rank, seconds, memory_gb in (("0", 0.002, 6.0), ("1", 0.004, 9.0)):
+        metrics.set_rank_up(rank, True)
+        metrics.observe_rank_step(rank, {"perf/max_memory_allocated_gb": memory_gb})
+        metrics.observe_offload(OffloadMessage(
+            copies=[CopySample(direction="h2d", group="transformer", bytes=1000, seconds=seconds)],
+            counts=[CopyCount(direction="h2d", group="transformer", copies=4, bytes=4000)],
+            summary=[OffloadSummaryRow(role="actor", group="transformer", placement="cpu", device="cpu",
+                                       bytes=500 + int(rank))]), rank=rank)
+    metrics.set_rank_up("1", False)
+    copies = {"direction": "h2d", "group": "transformer"}
+    assert value(registry, "verl_offload_copy_duration_seconds_sum", **copies, rank="1") == pytest.approx(0.004)
+    assert value(registry, "verl_offload_copies_total", **copies, rank="0") == 4
+    assert value(registry, "verl_trainer_gpu_memory_max_allocated_bytes", rank="1") == 9 * GIB
+    assert [value(registry, "verl_trainer_rank_up", rank=rank) for rank in "01"] == [1, 0]
+    # a rank's new placement replaces its own rows only
+    metrics.observe_offload(OffloadMessage(copies=[], counts=[], summary=[
+        OffloadSummaryRow(role="actor", group="transformer", placement="gpu", device="gpu", bytes=7)]), rank="1")
+    group = {"role": "actor", "group": "transformer"}
+    assert value(registry, "verl_offload_group_bytes", **group, device="cpu", rank="0") == 500
+    assert value(registry, "verl_offload_group_bytes", **group, device="cpu", rank="1") is None
+    assert value(registry, "verl_offload_group_bytes", **group, device="gpu", rank="1") == 7
+    assert labels_of(registry, "verl_offload_copies_total", "rank") == {"0", "1"}
+    # the run-wide series carry no rank: rank 0's step metrics are the run's
+    metrics.observe_step(3, {"perf/throughput": 10.0})
+    assert value(registry, "verl_trainer_throughput_tokens_per_second") == 10.0

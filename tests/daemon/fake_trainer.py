@@ -14,6 +14,11 @@ Environment:
   FAKE_CRASH_RUNS    ... on the first this many starts (default: every start)
   FAKE_CRASH_FILE    also crash (SIGKILL) as soon as this file exists; the file is removed first
   FAKE_IGNORE_STOP   "1": ignore SIGTERM and the IPC stop (the daemon must kill it)
+  FAKE_CRASH_RANK    crash (FAKE_CRASH, FAKE_CRASH_FILE) only as this rank
+
+As a rank of a group (trainer/distributed/launch.py runs it with `-- fake_trainer.py`; RANK set), each event
+also names the rank; every rank steps in time with the others (they share the progress file, as ranks share
+a checkpoint), and only rank 0 reads down messages (it would pass them on to the others).
 """
 
 from __future__ import annotations
@@ -43,15 +48,20 @@ EVENTS = FOLDER / "events.jsonl"
 PROGRESS = FOLDER / "progress"
 
 
+RANK = int(os.environ["RANK"]) if os.environ.get("RANK") else None
+
+
 def record(event: str, **fields) -> None:
+    ranked = {} if RANK is None else {"rank": RANK}
     with EVENTS.open("a", encoding="utf-8") as file:
-        file.write(json.dumps({"event": event, "pid": os.getpid(), "time": time.time(), **fields}) + "\n")
+        file.write(json.dumps({"event": event, "pid": os.getpid(), "time": time.time(), **ranked, **fields}) + "\n")
 
 
 def starts_so_far() -> int:
     if not EVENTS.exists():
         return 0
-    return sum(json.loads(line)["event"] == "start" for line in EVENTS.read_text().splitlines())
+    return sum(event["event"] == "start" and event.get("rank") == RANK
+               for event in map(json.loads, EVENTS.read_text().splitlines()))
 
 
 def crash(how: str) -> None:
@@ -72,6 +82,8 @@ def main() -> int:
     crash_at = int(os.environ.get("FAKE_CRASH_AT_STEP", "2"))
     crash_runs = int(os.environ.get("FAKE_CRASH_RUNS", "1000000"))
     crash_file = Path(os.environ["FAKE_CRASH_FILE"]) if os.environ.get("FAKE_CRASH_FILE") else None
+    if os.environ.get("FAKE_CRASH_RANK") and int(os.environ["FAKE_CRASH_RANK"]) != RANK:
+        crash_how = crash_file = None
     run = starts_so_far() + 1
     step = int(PROGRESS.read_text()) if PROGRESS.exists() else 0
     record("start", step=step, run=run)
@@ -86,7 +98,7 @@ def main() -> int:
         client.hello(start_step=step, total_steps=total)
 
     def safe_point(next_step: int) -> None:
-        for message in client.poll() if client is not None else []:
+        for message in client.poll() if client is not None and not RANK else []:
             record("down", message=message.model_dump(mode="json", by_alias=True))
             if isinstance(message, SettingsMessage):
                 client.send(SettingsAckMessage(version=message.version, step=next_step, values=message.values))
@@ -101,7 +113,7 @@ def main() -> int:
             client.send(PhaseMessage(step=step + 1, phase=Phase.GEN))
         time.sleep(step_s)
         if crash_file is not None and crash_file.exists():
-            crash_file.unlink()
+            crash_file.unlink(missing_ok=True)
             crash("kill")
         if crash_how and step + 1 == crash_at and run <= crash_runs:
             crash(crash_how)

@@ -199,3 +199,33 @@ def test_the_real_client_talks_to_the_server_and_reconnects_after_a_daemon_resta
             await server.close()
 
     asyncio.run(scenario())
+
+
+def test_one_client_per_rank_and_down_messages_to_one_rank(socket_path: Path, monkeypatch) -> None:
+    recorder = Recorder()
+    monkeypatch.setenv("VERL_IPC_SOCKET", str(socket_path))
+    monkeypatch.setenv("VERL_IPC_TOKEN", TOKEN)
+
+    async def scenario():
+        server = recorder.server(socket_path)
+        await server.start()
+        clients = []
+        for rank in (0, 1):  # as torch.distributed's launcher starts each rank: RANK and LOCAL_RANK set
+            monkeypatch.setenv("RANK", str(rank + 2))
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            clients.append(TelemetryClient.from_env(start_step=0, total_steps=10, reconnect_interval_s=0.05))
+        try:
+            await eventually(lambda: len(recorder.hellos) == 2)
+            assert sorted((connection.rank, connection.hello.local_rank) for connection in recorder.hellos) == [
+                (2, 0), (3, 1)]
+            assert server.send(CheckpointNowMessage(), rank=2) == 1
+            await eventually(lambda: clients[0]._received)
+            await asyncio.sleep(0.2)
+            assert clients[0].poll() == [CheckpointNowMessage()] and clients[1].poll() == []
+            assert server.send(CheckpointNowMessage()) == 2  # no rank: every trainer
+        finally:
+            for client in clients:
+                client.close(timeout=1.0)
+            await server.close()
+
+    asyncio.run(scenario())

@@ -266,3 +266,14 @@ def test_the_provisioning_files_point_at_prometheus_and_the_dashboards() -> None
     assert providers["apiVersion"] == 1
     assert [provider["type"] for provider in providers["providers"]] == ["file"]
 
+
+
+RANK_SERIES = ("verl_offload_copy_duration_seconds", "verl_offload_copied_bytes_total", "verl_offload_group_bytes",
+               "verl_trainer_gpu_memory_max_allocated_bytes")
+
+
+def test_the_per_rank_series_follow_the_rank_variable(overview) -> None:
+    variables = {variable["name"]: variable for variable in overview["templating"]["list"]}
+    assert variables["rank"]["includeAll"] and "$instance" in q.variable_promql(variables["rank"])
+    per_rank = [query for query in q.queries(overview) if any(name in query.expr for name in RANK_SERIES)]
+    assert per_rank and all('rank=~"$rank"' in query.expr for query in per_rank)

@@ -151,9 +151,10 @@ def test_interpolations_in_the_file_resolve_too(tmp_path: Path) -> None:
 
 def test_schema_and_cross_field_problems_come_in_one_report() -> None:
     problems = problems_of(None, ["data.max_prompt_length=abc", "algorithm.adv_estimator=grpo",
-                                  "trainer.n_gpus_per_node=8", "trainer.test_freq=5"])
+                                  "trainer.n_gpus_per_node=3", "trainer.test_freq=5"])
     assert {problem.path for problem in problems} == {
-        "data.max_prompt_length", "actor_rollout_ref.rollout.n", "trainer.n_gpus_per_node", "trainer.test_freq"}
+        "data.max_prompt_length", "actor_rollout_ref.rollout.n", "data.train_batch_size",
+        "actor_rollout_ref.actor.ppo_mini_batch_size", "trainer.test_freq"}
 
 
 def test_a_cross_field_check_that_reads_a_refused_value_is_skipped() -> None:

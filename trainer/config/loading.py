@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.overrides import apply_overrides, resolve_interpolations
-from trainer.config.schema import ConfigError, ConfigProblem, RunConfig, read_yaml, validate_config
+from trainer.config.schema import (
+    ConfigError,
+    ConfigProblem,
+    RunConfig,
+    launch_keys_from_environment,
+    read_yaml,
+    validate_config,
+)
 from trainer.config.verl import translate
 
 
@@ -26,7 +33,9 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[
     problems = resolve_interpolations(raw)
     if problems:
         raise ConfigError(problems)
+    environment_problems = launch_keys_from_environment(raw, os.environ)
     tree, problems, aliases = translate(raw)
+    problems += environment_problems
     try:
         config = validate_config(tree)
     except ConfigError as error:

@@ -167,6 +167,9 @@ class HelloMessage(Message):
     """VERL_IPC_TOKEN, as the daemon put it in the trainer's environment."""
     pid: int
     rank: int = Field(ge=0)
+    """The trainer's global rank (0 when the run is one process)."""
+    local_rank: int = Field(0, ge=0)
+    """Its rank on its node: the index of the local GPU it computes on (LOCAL_RANK)."""
     run_dir: str
     start_step: int = Field(ge=0)
     """The last step completed (after a reconnect: the last one reported)."""
@@ -308,6 +311,11 @@ class RunInfo(Message):
     uptime_s: float
     url: str
     """The API's base URL."""
+    node_rank: int = Field(0, ge=0)
+    """The node this daemon serves (trainer.node_rank); node 0's daemon holds the run-wide control."""
+    nnodes: int = Field(1, ge=1)
+    world_size: int = Field(1, ge=1)
+    """Trainer ranks of the whole run (trainer.nnodes * trainer.n_gpus_per_node)."""
 
 
 class Progress(Message):
@@ -361,6 +369,26 @@ class OffloadPlacement(Message):
     plans: list[PhasePlanRow] = []
 
 
+class RankStatus(Message):
+    """One trainer rank of this daemon's node, as it last reported."""
+
+    rank: int = Field(ge=0)
+    """Its global rank."""
+    local_rank: int = Field(ge=0)
+    """Its rank on the node: the local GPU it computes on."""
+    pid: int | None
+    """Its process (null: not connected yet in this attempt)."""
+    connected: bool
+    step: int | None = Field(ge=0)
+    """The last step it completed (null: none reported yet)."""
+    heard_s_ago: float | None = Field(ge=0)
+    """Seconds since its last message (null: never heard from)."""
+    gpu_memory_bytes: float | None = Field(ge=0)
+    """Peak device memory torch allocated in its latest step (perf/max_memory_allocated_gb)."""
+    copy_latency_mean_s: float | None = Field(ge=0)
+    """Mean time of its recent timed offload copies (null: none timed yet)."""
+
+
 class RunStatus(Message):
     """The GET /v1/status body."""
 
@@ -370,3 +398,5 @@ class RunStatus(Message):
     settings: SettingsState
     telemetry: TelemetryHealth
     offload: OffloadPlacement
+    ranks: list[RankStatus] = []
+    """Every trainer rank of this node, by rank (one with rank 0 for a single-process run)."""

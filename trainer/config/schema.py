@@ -17,7 +17,7 @@ import itertools
 import re
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -604,9 +604,13 @@ class TrainerConfig(Section):
     seed: int = 1
     """Seed of model init, sampling and everything else random."""
     nnodes: int = Field(1, ge=1)
-    """Nodes (several need torchrun; not supported yet)."""
+    """Nodes of the run: one `verl train` on each, all given the same trainer.rdzv_endpoint."""
     n_gpus_per_node: int = Field(1, ge=1)
-    """GPUs per node (several need torchrun; not supported yet)."""
+    """GPUs (ranks) per node; above 1 they run under torch.distributed's elastic launcher (device cpu: gloo ranks)."""
+    node_rank: int = Field(0, ge=0)
+    """This node's place in trainer.nnodes (0: global rank 0); unset: NODE_RANK, PET_NODE_RANK or SLURM_NODEID."""
+    rdzv_endpoint: str | None = None
+    """host:port of node 0 where the nodes meet; unset: PET_RDZV_ENDPOINT or MASTER_ADDR:MASTER_PORT."""
     logger: list[TrackerBackend] = ["console"]
     """Trackers for each step's metrics, one or a list of: console, wandb, tensorboard, mlflow, swanlab, file."""
 
@@ -870,7 +874,7 @@ def _rules() -> tuple[Callable[[RunConfig], list[ConfigProblem]], ...]:
             _check_val_files, _check_reward_function_file,
             _check_batch_sizes, _check_token_budgets, _grpo_needs_several_responses, _gae_needs_a_critic,
             _clip_range_is_positive,
-            _resume_path_is_set, _validation_needs_data, _check_devices, _check_offload,
+            _resume_path_is_set, _validation_needs_data, _check_devices, _check_launch, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
             _actor_lora_keys, _critic_lora_keys, _checkpoint_counts_agree, _critic_warmup_needs_a_critic,
@@ -1252,6 +1256,7 @@ def _check_data_file(key: str, value: str) -> ConfigProblem | None:
 
 def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
     problems = []
+    world = world_size(config)
     batch = config.data.train_batch_size
     n = config.actor_rollout_ref.rollout.n
     actor = config.actor_rollout_ref.actor
@@ -1270,12 +1275,13 @@ def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
             problems.append(ConfigProblem(f"{prefix}.ppo_mini_batch_size", f"got {mini}, which {why} "
                                           f"data.train_batch_size ({batch}); allowed: a divisor of {batch}, "
                                           f"e.g. {_largest_divisor(batch, mini)}"))
-        elif not by_tokens and (mini * n) % micro:
-            sequences = mini * n
+        elif not by_tokens and mini % world == 0 and (mini * n // world) % micro:
+            # Each rank's share of the mini-batch is what its micro-batches split.
+            sequences, per_rank = mini * n // world, f" / {world} ranks" if world > 1 else ""
             problems.append(ConfigProblem(
                 f"{prefix}.ppo_micro_batch_size_per_gpu",
                 f"got {micro}, which does not divide the mini-batch of {sequences} sequences "
-                f"(ppo_mini_batch_size {mini} x rollout.n {n}); allowed: a divisor of {sequences}, "
+                f"(ppo_mini_batch_size {mini} x rollout.n {n}{per_rank}); allowed: a divisor of {sequences}, "
                 f"e.g. {_largest_divisor(sequences, micro)}"))
     return problems
 
@@ -1360,21 +1366,145 @@ def _validation_needs_data(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _check_devices(config: RunConfig) -> list[ConfigProblem]:
-    problems = []
-    trainer = config.trainer
-    devices = trainer.nnodes * trainer.n_gpus_per_node
-    if devices > 1:
-        key = "trainer.nnodes" if trainer.nnodes > 1 else "trainer.n_gpus_per_node"
-        problems.append(ConfigProblem(key, f"got {trainer.n_gpus_per_node} GPU(s) per node on "
-                                      f"{trainer.nnodes} node(s), but only single-device runs exist yet; "
-                                      "allowed: nnodes=1 and n_gpus_per_node=1"))
+    devices = world_size(config)
+    problems = _batch_sizes_for_ranks(config) + _single_rank_features(config) if devices > 1 else []
     actor = config.actor_rollout_ref.actor
     for key, size in (("actor_rollout_ref.actor", actor.ulysses_sequence_parallel_size),
                       ("critic", config.critic.ulysses_sequence_parallel_size)):
         if size > devices:
             problems.append(ConfigProblem(f"{key}.ulysses_sequence_parallel_size", f"got {size}, more than "
                                           f"the run's {devices} device(s); allowed: at most {devices}"))
+        elif size > 1:
+            problems.append(ConfigProblem(f"{key}.ulysses_sequence_parallel_size", f"got {size}, but the trainer "
+                                          "does not split sequences over ranks yet (trainer/distributed/ulysses.py "
+                                          "is not wired into its models); allowed: 1"))
     return problems
+
+
+NODE_RANK_ENVIRONMENT = ("NODE_RANK", "PET_NODE_RANK", "SLURM_NODEID")
+"""Where trainer.node_rank comes from when the config leaves it unset (torchrun's names, then Slurm's)."""
+RDZV_ENDPOINT_ENVIRONMENT = "PET_RDZV_ENDPOINT"
+"""torchrun's name for --rdzv-endpoint; else MASTER_ADDR and MASTER_PORT (or PET_MASTER_ADDR/PET_MASTER_PORT)."""
+
+
+def launch_keys_from_environment(raw: dict[str, Any], environment: Mapping[str, str]) -> list[ConfigProblem]:
+    """Fill trainer.node_rank and trainer.rdzv_endpoint of a several-node run from the environment where the
+    config leaves them out, as torchrun and Slurm users expect; a key the config sets always wins. A value
+    read here is written into the resolved config, so every process of the run sees the same one."""
+    trainer = raw.get("trainer")
+    if not isinstance(trainer, dict) or not _several_nodes(trainer.get("nnodes")):
+        return []
+    problems = []
+    if "node_rank" not in trainer:
+        name = next((name for name in NODE_RANK_ENVIRONMENT if environment.get(name, "").strip()), None)
+        if name is not None:
+            value = environment[name].strip()
+            if value.isdigit():
+                trainer["node_rank"] = int(value)
+            else:
+                problems.append(ConfigProblem("trainer.node_rank", f"got {value!r} from ${name}; allowed: a whole "
+                                              "number from 0 (or set trainer.node_rank)"))
+    if "rdzv_endpoint" not in trainer:
+        address = environment.get("MASTER_ADDR") or environment.get("PET_MASTER_ADDR")
+        port = environment.get("MASTER_PORT") or environment.get("PET_MASTER_PORT")
+        if environment.get(RDZV_ENDPOINT_ENVIRONMENT):
+            trainer["rdzv_endpoint"] = environment[RDZV_ENDPOINT_ENVIRONMENT].strip()
+        elif address and port:
+            trainer["rdzv_endpoint"] = f"{address.strip()}:{port.strip()}"
+    return problems
+
+
+def _several_nodes(nnodes: Any) -> bool:
+    try:
+        return int(nnodes) > 1
+    except (TypeError, ValueError):
+        return False
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int] | None:
+    """("host", port) of "host:port" (an IPv6 host in brackets: "[::1]:29500"), or None when it is not one."""
+    host, separator, port = endpoint.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not separator or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def _check_launch(config: RunConfig) -> list[ConfigProblem]:
+    trainer = config.trainer
+    problems = []
+    if trainer.node_rank >= trainer.nnodes:
+        problems.append(ConfigProblem("trainer.node_rank", f"got {trainer.node_rank}, but trainer.nnodes is "
+                                      f"{trainer.nnodes}; allowed: 0 to {trainer.nnodes - 1}"))
+    if trainer.rdzv_endpoint is not None and parse_endpoint(trainer.rdzv_endpoint) is None:
+        problems.append(ConfigProblem("trainer.rdzv_endpoint", f"got {trainer.rdzv_endpoint!r}; allowed: "
+                                      "host:port of node 0, e.g. node0.cluster:29500"))
+    elif trainer.rdzv_endpoint is None and trainer.nnodes > 1:
+        problems.append(ConfigProblem("trainer.rdzv_endpoint", f"is not set, but trainer.nnodes is "
+                                      f"{trainer.nnodes}; allowed: host:port of node 0, the same on every node "
+                                      f"(or set ${RDZV_ENDPOINT_ENVIRONMENT}, or MASTER_ADDR and MASTER_PORT)"))
+    return problems
+
+
+def world_size(config: RunConfig) -> int:
+    """The run's ranks: trainer.nnodes x trainer.n_gpus_per_node (CPU ranks with trainer.device: cpu)."""
+    return config.trainer.nnodes * config.trainer.n_gpus_per_node
+
+
+def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
+    """verl's semantics: data.train_batch_size and ppo_mini_batch_size count prompts of the whole run, divided
+    among the data-parallel ranks (the *_micro_batch_size_per_gpu keys count per rank), so each divides by the
+    world size."""
+    world = world_size(config)
+    sizes = [("data.train_batch_size", config.data.train_batch_size),
+             ("actor_rollout_ref.actor.ppo_mini_batch_size", config.actor_rollout_ref.actor.ppo_mini_batch_size)]
+    if config.use_critic and config.critic.ppo_mini_batch_size is not None:
+        sizes.append(("critic.ppo_mini_batch_size", config.critic.ppo_mini_batch_size))
+    return [ConfigProblem(key, f"got {size}, which does not divide among the run's {world} ranks (trainer.nnodes x "
+                               f"trainer.n_gpus_per_node; it counts the prompts of all of them); allowed: a multiple "
+                               f"of {world}, e.g. {max(world, size - size % world)}")
+            for key, size in sizes if size % world]
+
+
+def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
+    """What works on one rank only: the project's own offload engine (dynamic offload, delayed updates, bf16 host
+    gradients, where the offloaded update runs, the embedding cache) places whole models, and LoRA, token-budget
+    micro-batches and the static decoder are not built for sharded models."""
+    world = world_size(config)
+    why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
+    found: list[tuple[str, object, object]] = []
+    for role, fsdp in config.fsdp_configs().items():
+        prefix = FSDP_PREFIX[role]
+        if fsdp.dynamic_offload.enabled:
+            found.append((f"{prefix}.dynamic_offload.enabled", True, False))
+        if fsdp.delayed_update:
+            found.append((f"{prefix}.delayed_update", True, False))
+        if fsdp.offload_grad_dtype != "fp32":
+            found.append((f"{prefix}.offload_grad_dtype", fsdp.offload_grad_dtype, "fp32"))
+        if fsdp.optimizer_update != "auto":  # FSDP2's CPUOffloadPolicy steps the optimizer on the CPU
+            found.append((f"{prefix}.optimizer_update", fsdp.optimizer_update, "auto"))
+    section = config.actor_rollout_ref
+    model, actor, rollout = section.model, section.actor, section.rollout
+    if model.lora_rank:
+        found.append(("actor_rollout_ref.model.lora_rank", model.lora_rank, 0))
+    if config.use_critic and config.critic.model.lora_rank:
+        found.append(("critic.model.lora_rank", config.critic.model.lora_rank, 0))
+    dynamic = [("actor_rollout_ref.actor.use_dynamic_bsz", actor.use_dynamic_bsz),
+               ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", rollout.log_prob_use_dynamic_bsz),
+               ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", section.ref.log_prob_use_dynamic_bsz)]
+    if config.use_critic:
+        dynamic.append(("critic.use_dynamic_bsz", config.critic.use_dynamic_bsz))
+    found += [(key, True, False) for key, value in dynamic if value]
+    if rollout.decode == "static":
+        found.append(("actor_rollout_ref.rollout.decode", "static", "generate or auto"))
+    if rollout.embedding_cache.enabled:
+        found.append(("actor_rollout_ref.rollout.embedding_cache.enabled", True, False))
+    return [ConfigProblem(key, f"got {_yaml_value(value)}, which {why}; allowed: {_yaml_value(allowed)}")
+            for key, value, allowed in found]
+
+
+def _yaml_value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # ------------------------------------------------------------------------------------------- YAML

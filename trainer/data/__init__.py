@@ -2,7 +2,7 @@
 
 from trainer.data.builtin import BUILTIN_DATASETS, counting_records
 from trainer.data.records import DataError, PromptRecord, load_records, write_records
-from trainer.data.sampler import PromptSampler
+from trainer.data.sampler import PromptSampler, rank_share
 
 __all__ = [
     "BUILTIN_DATASETS",
@@ -11,5 +11,6 @@ __all__ = [
     "PromptSampler",
     "counting_records",
     "load_records",
+    "rank_share",
     "write_records",
 ]

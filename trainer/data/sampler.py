@@ -80,3 +80,16 @@ class PromptSampler:
                 self._order = list(range(self.num_records))
             self._order_epoch = self.epoch
         return self._order
+
+
+def rank_share(batch: list[int], *, rank: int, world_size: int, mini_batch_size: int) -> list[int]:
+    """Rank `rank`'s disjoint share of a global batch of prompt indices: its 1/world_size slice of each
+    mini-batch of `mini_batch_size` prompts, so that the ranks' local mini-batches together are exactly the
+    global ones a single rank would take (the same prompts in each optimizer step). Whole prompts are split,
+    before each is repeated rollout.n times, so a GRPO group stays on one rank."""
+    if len(batch) % world_size or mini_batch_size % world_size or len(batch) % mini_batch_size:
+        raise ValueError(f"a batch of {len(batch)} prompts in mini-batches of {mini_batch_size} does not split "
+                         f"among {world_size} ranks")
+    share = mini_batch_size // world_size
+    return [index for start in range(0, len(batch), mini_batch_size)
+            for index in batch[start + rank * share: start + (rank + 1) * share]]

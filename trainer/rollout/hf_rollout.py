@@ -55,8 +55,14 @@ class HFRollout:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
                  response_length: int, *, safe_point: Callable[[], object] | None = None,
-                 graph_safety: GraphSafety | None = None):
+                 graph_safety: GraphSafety | None = None, synced: bool = False):
         self.model = model
+        # A model sharded over several ranks (FSDP2) gathers each layer's shards from all of them in every
+        # forward, so every rank must run as many forwards. transformers' synced_gpus keeps a rank whose
+        # responses have all ended stepping (its outputs discarded) until every rank's have. Unsharding the
+        # whole model for the rollout instead would hold every weight on every rank at once: the memory that
+        # sharding is there to save.
+        self.synced = synced
         self.safe_point = safe_point  # called between decode chunks (dynamic offload)
         self.response_length = response_length
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -84,6 +90,8 @@ class HFRollout:
     def _decodes_static(self, device: torch.device) -> bool:
         """rollout.decode: static, or auto on a GPU for a model transformers marks as fit for a static cache and
         a captured step (the flag its own generate reads before compiling one)."""
+        if self.synced:
+            return False  # its captured steps are not synced across ranks (decode=static is refused there)
         if self.decode == "static":
             return True
         model_class = type(self.model)
@@ -107,7 +115,7 @@ class HFRollout:
                 stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])
                 sequences = self.model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
-                    stopping_criteria=stopping,
+                    stopping_criteria=stopping, synced_gpus=self.synced,
                 )
                 responses = sequences[:, prompt_ids.shape[1]:]
         finally:

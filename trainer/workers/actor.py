@@ -15,8 +15,15 @@ from trainer.algorithms import (
     scaled_logits,
 )
 from trainer.config import ActorConfig
+from trainer.distributed.ranks import Ranks
 from trainer.rollout.batch import RolloutBatch
-from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
+from trainer.workers.optimization import (
+    build_optimizer,
+    build_scheduler,
+    response_logits,
+    restore_schedule,
+    run_updates,
+)
 from trainer.workers.packing import check_packable, plan_micro_batches
 from trainer.workers.recovery import WorkerMemory, run_pieces
 
@@ -54,8 +61,10 @@ class Actor:
 
     def __init__(self, model: PreTrainedModel, config: ActorConfig, *, temperature: float, rollout_n: int,
                  log_prob_micro_batch_size: int, total_steps: int, seed: int, memory: WorkerMemory | None = None,
-                 remove_padding: bool = False, log_prob_max_token_len: int | None = None):
+                 remove_padding: bool = False, log_prob_max_token_len: int | None = None,
+                 ranks: Ranks | None = None):
         self.model = model
+        self.ranks = ranks  # several: the model is sharded and the batches are this rank's share
         # The memory manager's side for this model: its optimizer, dynamic offload between
         # micro-batches and relief after an out-of-memory error. None: plain AdamW, errors propagate.
         self.memory = memory
@@ -74,6 +83,10 @@ class Actor:
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.shuffle_generator = torch.Generator().manual_seed(seed) if config.shuffle else None
 
+    @property
+    def _world_size(self) -> int:
+        return self.ranks.world_size if self.ranks is not None else 1
+
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
                                  temperature=self.temperature, memory=self.memory,
@@ -83,7 +96,7 @@ class Actor:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""
         metrics = run_updates(
             self.model, self.optimizer, batch, self._loss,
-            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n,
+            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n // self._world_size,
             micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,
@@ -91,6 +104,7 @@ class Actor:
             memory=self.memory,
             max_token_len=self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
             loss_agg_mode=self.config.loss_agg_mode,
+            ranks=self.ranks,
         )
         recovered = metrics.pop("oom_recoveries")
         if self.memory is not None:
@@ -132,11 +146,15 @@ class Actor:
         return loss, metrics
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        """Its optimizer's states (None when sharded: the checkpoint's DCP shards hold them), schedule and
+        mini-batch shuffle."""
+        return {"optimizer": None if self._world_size > 1 else self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
                 "shuffle_generator": self.shuffle_generator.get_state() if self.shuffle_generator else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        restore_schedule(self.scheduler, self.optimizer, state["scheduler"])
         if self.shuffle_generator is not None and state["shuffle_generator"] is not None:
             self.shuffle_generator.set_state(state["shuffle_generator"])

@@ -7,8 +7,15 @@ from transformers import PreTrainedModel
 
 from trainer.algorithms import compute_value_loss
 from trainer.config import CriticConfig
+from trainer.distributed.ranks import Ranks
 from trainer.rollout.batch import RolloutBatch
-from trainer.workers.optimization import build_optimizer, build_scheduler, response_logits, run_updates
+from trainer.workers.optimization import (
+    build_optimizer,
+    build_scheduler,
+    response_logits,
+    restore_schedule,
+    run_updates,
+)
 from trainer.workers.packing import check_packable, plan_micro_batches
 from trainer.workers.recovery import WorkerMemory, run_pieces
 
@@ -17,8 +24,10 @@ class Critic:
     """Owns the critic's weights, optimizer and schedule."""
 
     def __init__(self, model: PreTrainedModel, config: CriticConfig, *, rollout_n: int,
-                 forward_micro_batch_size: int, total_steps: int, memory: WorkerMemory | None = None):
+                 forward_micro_batch_size: int, total_steps: int, memory: WorkerMemory | None = None,
+                 ranks: Ranks | None = None):
         self.model = model
+        self.ranks = ranks  # several: the model is sharded and the batches are this rank's share
         # The memory manager's side for this model: its optimizer, dynamic offload between
         # micro-batches and relief after an out-of-memory error. None: plain AdamW, errors propagate.
         self.memory = memory
@@ -53,9 +62,11 @@ class Critic:
             self.model.train(was_training)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
+        world_size = self.ranks.world_size if self.ranks is not None else 1
         metrics = run_updates(
             self.model, self.optimizer, batch, self._loss,
-            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n,
+            # A global count of prompts (verl's), shared among the ranks.
+            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n // world_size,
             micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,
@@ -63,6 +74,7 @@ class Critic:
             memory=self.memory,
             max_token_len=self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
             loss_agg_mode=self.config.loss_agg_mode,
+            ranks=self.ranks,
         )
         recovered = metrics.pop("oom_recoveries")
         if self.memory is not None:
@@ -81,8 +93,11 @@ class Critic:
         return loss, {"vf_loss": loss.item(), "vf_clipfrac": clipfrac.item(), "vpred_mean": mean_prediction.item()}
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Its optimizer's states (None when sharded: the checkpoint's DCP shards hold them) and schedule."""
+        sharded = self.ranks is not None and self.ranks.distributed
+        return {"optimizer": None if sharded else self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        restore_schedule(self.scheduler, self.optimizer, state["scheduler"])

@@ -9,10 +9,12 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from trainer.algorithms import aggregation_weight
 from trainer.config import OptimConfig
+from trainer.distributed.ranks import Ranks
 from trainer.offload import OffloadEngine
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.packing import packed_response_outputs, plan_micro_batches
@@ -75,6 +77,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, total
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def restore_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer,
+                     state: dict) -> None:
+    """Load a schedule saved with any number of parameter groups: one rank's offload engine keeps a group per
+    layer, a sharded model one group, and every group follows the same schedule from the same learning rate.
+    The optimizer's groups take the schedule's current rate."""
+    scheduler.load_state_dict(state)
+    groups = len(optimizer.param_groups)
+    if len(scheduler.base_lrs) != groups:
+        scheduler.base_lrs = [scheduler.base_lrs[0]] * groups
+        scheduler._last_lr = [scheduler.get_last_lr()[0]] * groups
+    for group, rate in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = rate
+
+
 def run_updates(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
@@ -89,6 +105,7 @@ def run_updates(
     memory: WorkerMemory | None = None,
     max_token_len: int | None = None,
     loss_agg_mode: str = "token-mean",
+    ranks: Ranks | None = None,
 ) -> dict[str, list[float]]:
     """PPO's inner loop: `epochs` passes, one optimizer step per mini-batch of `mini_batch_size`
     sequences, gradients accumulated over micro-batches of `micro_batch_size` sequences or, with
@@ -99,6 +116,9 @@ def run_updates(
     With `memory` (the run's memory manager, for this model), a safe point comes before each
     micro-batch (nothing in flight: dynamic offload may move layers) and an out-of-memory error is
     recovered from (`accumulate_gradients`); without it, the error propagates.
+
+    With several `ranks` (a model sharded with FSDP2), each rank's `batch` is its share of the global
+    batch, mini-batch by mini-batch, and the gradient and its norm are the global batch's.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
     recoveries = 0
@@ -110,7 +130,7 @@ def run_updates(
             optimizer.zero_grad(set_to_none=True)
             micro_metrics, recovered = accumulate_gradients(model, optimizer, mini_batch, loss_fn, micro_batch_size,
                                                             memory=memory, max_token_len=max_token_len,
-                                                            loss_agg_mode=loss_agg_mode)
+                                                            loss_agg_mode=loss_agg_mode, ranks=ranks)
             recoveries += recovered
             for key, values in micro_metrics.items():
                 metrics[key].extend(values)
@@ -118,6 +138,8 @@ def run_updates(
             clip = getattr(optimizer, "clip_grad_norm_", None)
             grad_norm = clip(grad_clip) if clip is not None else torch.nn.utils.clip_grad_norm_(
                 model.parameters(), grad_clip)
+            if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over every rank's shards
+                grad_norm = grad_norm.full_tensor()
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:
@@ -139,6 +161,7 @@ def accumulate_gradients(
     memory: WorkerMemory | None = None,
     max_token_len: int | None = None,
     loss_agg_mode: str = "token-mean",
+    ranks: Ranks | None = None,
 ) -> tuple[dict[str, list[float]], int]:
     """The gradient of the mini-batch's loss, summed over micro-batches (of `micro_batch_size` sequences,
     or by token budget with `max_token_len`); their metrics, and the out-of-memory errors recovered from.
@@ -153,10 +176,17 @@ def accumulate_gradients(
     result), otherwise with the failed micro-batch split in two (the same result, by the weighting above;
     its metrics are merged back into one entry, weighted by size). One sequence that does not fit with
     nothing left to free raises the CUDA error.
+
+    With several `ranks`, `mini_batch` is this rank's share: the weight it is divided by is the whole
+    mini-batch's, all ranks' (verl's global token count), and FSDP2's average of the ranks' gradients is
+    undone (times the world size), so that the sum of the ranks' gradients is one rank's on the whole.
     """
     plan = plan_micro_batches(mini_batch, micro_batch_size, max_token_len)
     arranged = plan.arrange(mini_batch)
     whole = aggregation_weight(mini_batch.response_mask, loss_agg_mode).clamp(min=1)
+    if ranks is not None and ranks.distributed:
+        whole = ranks.sum_tensor(aggregation_weight(mini_batch.response_mask, loss_agg_mode)).clamp(min=1) \
+            / ranks.world_size
 
     def backward(piece: Piece) -> dict[str, float]:
         if memory is not None:

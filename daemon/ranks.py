@@ -1,0 +1,98 @@
+"""What the daemon knows of each trainer rank of its node: one entry per rank that said hello.
+
+A run of one process has one rank, 0. With several, every rank's trainer reports to its node's daemon
+(its hello names its global and local rank); rank 0's step metrics are the run's, the others' are their
+local figures, kept here for /v1/status, the monitor's rows and the advisor's imbalance hint.
+
+The ranks a node runs are fixed by the config (trainer.node_rank * trainer.n_gpus_per_node on), so the
+table, and the `rank` label of the metrics built from it, has at most trainer.n_gpus_per_node entries;
+a hello from any other rank is refused a place (`admits`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from trainer.config.messages import OffloadMessage, RankStatus, StepMessage
+
+GIB = 1024**3
+MEMORY_KEY = "perf/max_memory_allocated_gb"
+COPY_SAMPLES_KEPT = 512
+"""Each rank's latest timed offload copies that its mean copy latency is taken over."""
+
+
+@dataclass
+class RankState:
+    rank: int
+    local_rank: int
+    pid: int | None = None
+    connected: bool = False
+    step: int | None = None
+    heard_at: float | None = None
+    gpu_memory_bytes: float | None = None
+    copy_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=COPY_SAMPLES_KEPT))
+
+    def status(self, now: float) -> RankStatus:
+        copies = list(self.copy_seconds)
+        return RankStatus(rank=self.rank, local_rank=self.local_rank, pid=self.pid if self.connected else None,
+                          connected=self.connected, step=self.step,
+                          heard_s_ago=None if self.heard_at is None else max(0.0, now - self.heard_at),
+                          gpu_memory_bytes=self.gpu_memory_bytes,
+                          copy_latency_mean_s=sum(copies) / len(copies) if copies else None)
+
+
+class RankTable:
+    """The ranks of one node: global ranks `first_rank` .. `first_rank + ranks_per_node - 1`."""
+
+    def __init__(self, *, node_rank: int, ranks_per_node: int, clock: Callable[[], float] = time.time):
+        self.first_rank = node_rank * ranks_per_node
+        self.ranks_per_node = ranks_per_node
+        self._clock = clock
+        self._ranks: dict[int, RankState] = {}
+
+    def admits(self, rank: int) -> bool:
+        return self.first_rank <= rank < self.first_rank + self.ranks_per_node
+
+    def connected(self, rank: int, *, local_rank: int, pid: int, step: int) -> RankState:
+        state = self._ranks.get(rank) or RankState(rank=rank, local_rank=local_rank)
+        state.local_rank, state.pid, state.connected, state.step = local_rank, pid, True, step
+        state.heard_at = self._clock()
+        self._ranks[rank] = state
+        return state
+
+    def disconnected(self, rank: int) -> None:
+        if rank in self._ranks:
+            self._ranks[rank].connected = False
+
+    def heard(self, rank: int) -> None:
+        if rank in self._ranks:
+            self._ranks[rank].heard_at = self._clock()
+
+    def observe_step(self, rank: int, message: StepMessage) -> None:
+        state = self._ranks.get(rank)
+        if state is None:
+            return
+        state.step = message.step
+        memory = message.metrics.get(MEMORY_KEY)
+        if memory is not None:
+            state.gpu_memory_bytes = memory * GIB
+
+    def observe_offload(self, rank: int, message: OffloadMessage) -> None:
+        state = self._ranks.get(rank)
+        if state is not None:
+            state.copy_seconds.extend(copy.seconds for copy in message.copies)
+
+    def pids(self) -> list[int]:
+        """The connected ranks' processes (the GPU sampler's thread asks too: one C-level copy of the entries)."""
+        return [state.pid for state in tuple(self._ranks.values()) if state.connected and state.pid is not None]
+
+    def statuses(self) -> list[RankStatus]:
+        now = self._clock()
+        return [self._ranks[rank].status(now) for rank in sorted(self._ranks)]
+
+    def local_ranks(self) -> Iterable[tuple[int, int]]:
+        """(global rank, local rank) of each rank seen."""
+        return [(state.rank, state.local_rank) for state in self._ranks.values()]

@@ -1,0 +1,221 @@
+"""Training on several ranks (FSDP2 over gloo, 2 CPU ranks) as a user launches it: `python -m torch.distributed.run
+--nproc-per-node 2 -m trainer --config X`, against the same run on one rank (`python -m trainer`).
+
+The runs are greedy (rollout.do_sample: false), so one rank and two sample the same responses to the same
+prompts; GRPO's advantages are then 0 (a group's responses are alike), and the entropy bonus is what trains.
+Four launches serve every test of the module (starting ranks costs seconds here): one rank and two for three
+steps each, then each resumed at the other world size from the other's step-2 checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from trainer.data import counting_records, rank_share, write_records
+
+REPOSITORY = Path(__file__).resolve().parents[3]
+TOLERANCE = 1e-5
+"""fp32: the largest difference allowed between parameters trained on one rank and on two (Adam's steps here
+move them by about 1e-3 each; sums over different splits differ in the last bits)."""
+MACHINE_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/")
+RUN = [
+    "actor_rollout_ref.model.path=builtin:tiny-qwen2",
+    "actor_rollout_ref.model.override_config={num_hidden_layers: 2, hidden_size: 32, intermediate_size: 64}",
+    "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=1e-3",
+    "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.rollout.do_sample=false", "algorithm.adv_estimator=grpo", "data.max_prompt_length=8",
+    "data.max_response_length=6", "trainer.device=cpu", "trainer.total_training_steps=3", "trainer.save_freq=2",
+]
+
+
+def launch(ranks: int, runs_dir: Path, name: str, *overrides: str, config: Path | None = None
+           ) -> subprocess.CompletedProcess:
+    """The trainer on `ranks` CPU ranks (torchrun for several, as the verl daemon starts them)."""
+    if config is None:
+        config = runs_dir / "empty.yaml"
+        config.write_text("{}\n")
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(variable, None)
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+                if ranks > 1 else [sys.executable])
+    command = [*launcher, "-m", "trainer", "--config", str(config), *RUN, f"trainer.n_gpus_per_node={ranks}",
+               f"trainer.runs_dir={runs_dir}", f"trainer.experiment_name={name}", *overrides]
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+
+
+def actor_weights(checkpoint: Path, role: str = "actor") -> dict[str, torch.Tensor]:
+    """A model's whole weights of a checkpoint of one rank (safetensors) or several (DCP shards)."""
+    shards = checkpoint / role / "dcp"
+    if shards.is_dir():
+        whole = checkpoint.parent / f".{checkpoint.name}.{role}.pt"
+        dcp_to_torch_save(shards, whole)
+        return torch.load(whole, weights_only=False)["model"]
+    return load_file(checkpoint / role / "model.safetensors")
+
+
+def largest_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
+    names = set(first) & set(second)
+    assert len(names) >= len(first) - 1, "a tied head may be saved under one name only"
+    return max((first[name].float() - second[name].float()).abs().max().item() for name in names)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_metrics(run: Path, step: int) -> dict:
+    [row] = [row for row in metrics(run) if row["step"] == step]
+    return row
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """runs/one and runs/two: 3 steps on 1 and 2 ranks, validated before the first and after the last (5 prompts in
+    batches of 3: the ranks' shares are uneven); one_from_two and two_from_one: step 3 resumed at the other world
+    size from step 2 of two and one; two_from_two: at the same one, with the actor's shards on the CPU."""
+    root = tmp_path_factory.mktemp("ranks")
+    write_records(counting_records(5, seed=1), root / "validation.jsonl")
+    validation = [f"data.val_files={root / 'validation.jsonl'}", "trainer.test_freq=3", "data.val_batch_size=3"]
+    for ranks, name in ((1, "one"), (2, "two")):
+        finished = launch(ranks, root, name, *validation)
+        assert finished.returncode == 0, finished.stderr[-4000:]
+    # The restart of a run at its own world size resumes with its shards on the CPU (FSDP2's CPUOffloadPolicy).
+    for ranks, name, source, *placement in ((1, "one_from_two", "two"), (2, "two_from_one", "one"),
+                                            (2, "two_from_two", "two", "actor_rollout_ref.actor.fsdp_config."
+                                                                      "param_offload=true")):
+        finished = launch(ranks, root, name, "trainer.resume_mode=resume_path", *placement,
+                          f"trainer.resume_from_path={root / source / 'checkpoints' / 'global_step_2'}")
+        assert finished.returncode == 0, finished.stderr[-4000:]
+        assert "resumed from" in finished.stderr + finished.stdout
+    return root
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_same_parameters_as_one_on_the_same_global_batch(runs):
+    for step in (2, 3):
+        one = actor_weights(runs / "one" / "checkpoints" / f"global_step_{step}")
+        two = actor_weights(runs / "two" / "checkpoints" / f"global_step_{step}")
+        assert largest_difference(one, two) < TOLERANCE, step
+    # The comparison can fail: one step moves the weights by far more than the tolerance.
+    moved = largest_difference(actor_weights(runs / "one" / "checkpoints" / "global_step_2"),
+                               actor_weights(runs / "one" / "checkpoints" / "global_step_3"))
+    assert moved > 100 * TOLERANCE
+    # The same computed figures, run-wide on rank 0 (means over both ranks' sequences, counts summed).
+    for row_one, row_two in zip(metrics(runs / "one"), metrics(runs / "two"), strict=True):
+        for key, value in row_one.items():
+            if not key.startswith(MACHINE_METRICS) and key != "actor/grad_norm":
+                assert row_two[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        if "actor/grad_norm" in row_one:  # not in the validation before training (step 0)
+            assert row_two["actor/grad_norm"] == pytest.approx(row_one["actor/grad_norm"], rel=1e-3)
+
+
+def test_ppo_with_a_critic_on_two_ranks_trains_both_models_as_one_rank(tmp_path):
+    """The critic is sharded too, and GAE's advantages are whitened over both ranks' tokens, as one rank whitens
+    its whole batch."""
+    ppo = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "critic.optim.lr=1e-3",
+           "actor_rollout_ref.actor.entropy_coeff=0", "trainer.total_training_steps=2"]
+    for ranks, name in ((1, "one"), (2, "two")):
+        finished = launch(ranks, tmp_path, name, *ppo)
+        assert finished.returncode == 0, finished.stderr[-4000:]
+    for role in ("actor", "critic"):
+        one, two = (actor_weights(tmp_path / name / "checkpoints" / "global_step_2", role) for name in ("one", "two"))
+        assert largest_difference(one, two) < TOLERANCE, role
+    assert metrics(tmp_path / "two")[1]["critic/advantages/mean"] == pytest.approx(
+        metrics(tmp_path / "one")[1]["critic/advantages/mean"], abs=1e-5)
+
+
+def test_metrics_have_the_same_keys_on_two_ranks_and_only_rank_0_writes_them(runs):
+    one, two = metrics(runs / "one"), metrics(runs / "two")
+    assert [row["step"] for row in two] == [0, 1, 2, 3]  # one line per step, not one per rank
+    # Validation before training and after the last step: each rank scored its share, the mean is of all 5.
+    assert "val-core/counting/reward/mean@1" in two[0] and "val-core/counting/reward/mean@1" in two[3]
+    assert [sorted(row) for row in one] == [sorted(row) for row in two]
+    assert two[1]["perf/total_num_tokens"] == pytest.approx(one[1]["perf/total_num_tokens"])  # summed over ranks
+    assert (runs / "two" / "logs" / "trainer-rank1.log").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed, straight", [("one_from_two", "one"), ("two_from_one", "two"),
+                                               ("two_from_two", "two")], ids=["2->1", "1->2", "2->2-offloaded"])
+def test_a_checkpoint_resumes_at_the_other_world_size_with_the_same_weights_and_optimizer_states(runs, resumed,
+                                                                                                 straight):
+    # Step 3 after the resume is step 3 of the run that never stopped: the weights and Adam's moments (which
+    # set the size of step 3's update) came through the change of world size.
+    weights = actor_weights(runs / resumed / "checkpoints" / "global_step_3")
+    assert largest_difference(weights, actor_weights(runs / straight / "checkpoints" / "global_step_3")) < TOLERANCE
+    assert [row["step"] for row in metrics(runs / resumed)] == [3]
+    assert step_metrics(runs / resumed, 3)["actor/entropy"] == pytest.approx(
+        step_metrics(runs / straight, 3)["actor/entropy"], rel=1e-5)
+
+
+def test_each_rank_takes_a_disjoint_slice_of_every_mini_batch_of_whole_prompts():
+    batch = [7, 3, 9, 1, 4, 8, 2, 6]
+    shares = [rank_share(batch, rank=rank, world_size=2, mini_batch_size=4) for rank in range(2)]
+    assert shares == [[7, 3, 4, 8], [9, 1, 2, 6]]
+    # Mini-batch k of each rank is its half of global mini-batch k: the same prompts in each optimizer step.
+    assert sorted(shares[0][:2] + shares[1][:2]) == sorted(batch[:4])
+    assert sorted(shares[0] + shares[1]) == sorted(batch)
+    with pytest.raises(ValueError, match="does not split among 4 ranks"):
+        rank_share(batch, rank=0, world_size=4, mini_batch_size=2)
+
+
+def test_grpo_groups_stay_whole_on_one_rank(tmp_path):
+    """Prompts are split before they are repeated rollout.n times: each rank's batch holds whole groups."""
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    config = load_config(None, [*RUN, "trainer.n_gpus_per_node=1", f"trainer.runs_dir={tmp_path}"])
+    trainer = Trainer(config, log=lambda *_: None)
+    share = [trainer.records[index] for index in rank_share(list(range(8)), rank=1, world_size=2, mini_batch_size=4)]
+    batch = trainer.generate(share)
+    assert batch.group_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [record.prompt for record in batch.records] == [record.prompt for record in share for _ in range(2)]
+
+
+def test_a_batch_size_that_does_not_divide_among_the_ranks_is_one_config_line_and_exit_2_on_every_rank(tmp_path):
+    bad = ["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=6"]
+    line = ("ERROR: actor_rollout_ref.actor.ppo_mini_batch_size: got 3, which does not divide among the run's 2 ranks "
+            "(trainer.nnodes x trainer.n_gpus_per_node; it counts the prompts of all of them); allowed: a multiple "
+            "of 2, e.g. 2")
+    finished = launch(2, tmp_path, "bad", *bad)
+    output = finished.stdout + finished.stderr
+    assert [text for text in output.splitlines() if "ERROR:" in text] == [line]
+    assert "failed (exitcode: 2)" in output and "ConfigError" not in output  # torchrun's report, no trainer traceback
+    # Each rank on its own (torchrun stops the others once one has exited): 2, and only rank 0 prints the line.
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    for rank in (0, 1):
+        environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "RANK": str(rank), "WORLD_SIZE": "2"}
+        alone = subprocess.run([sys.executable, "-m", "trainer", "--config", str(tmp_path / "empty.yaml"), *RUN,
+                                "trainer.n_gpus_per_node=2", f"trainer.runs_dir={tmp_path}", *bad],
+                               env=environment, capture_output=True, text=True, timeout=120)
+        assert alone.returncode == 2
+        assert alone.stderr.splitlines() == ([line] if rank == 0 else [])
+
+
+def test_a_live_setting_checkpoint_and_stop_apply_at_the_same_step_on_both_ranks(tmp_path):
+    out = tmp_path / "reports"
+    out.mkdir()
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(Path(__file__).with_name("control_ranks.py")), str(out), str(tmp_path / "runs")]
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    zero, one = (json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2))
+    # Sent to rank 0 during step 1: both ranks apply it at the safe point after step 1 and train step 2 with it.
+    assert zero["applied_at"] == one["applied_at"] == [1]
+    assert zero["threshold"] == one["threshold"] == 0.6
+    assert zero["acks"] == [[4, 2]] and one["acks"] == []  # rank 0 acknowledges, once all have applied it
+    # Checkpoint-now at the same safe point; rank 1's stop (a signal to it alone) stops both after step 3.
+    assert zero["checkpoints"] == one["checkpoints"] == [1, 3]
+    assert zero["final_step"] == one["final_step"] == 3

@@ -1,0 +1,148 @@
+"""Which rank of the run this process is, from torchrun's environment, and the collectives the trainer uses.
+
+`python -m torch.distributed.run` (and the verl daemon through it) starts one trainer per rank with RANK,
+WORLD_SIZE, LOCAL_RANK and GROUP_RANK set. A process without them, or with WORLD_SIZE=1, is the whole run:
+no process group is made and every helper below is the identity, so a one-rank run does exactly what it
+did before several ranks existed.
+
+    ranks = Ranks.from_environment("cpu")   # init_process_group and the ("dp",) mesh when WORLD_SIZE > 1
+    try:
+        ...
+    finally:
+        ranks.close()                       # destroy_process_group
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainer.errors import RunSetupError
+
+DATA_PARALLEL = "dp"
+"""The mesh dimension the models are sharded and the prompts split over."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """trainer.device as a torch device: auto is a GPU where one is visible."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RunSetupError("trainer.device: cuda, but no CUDA GPU is visible; set trainer.device=auto or cpu")
+    return torch.device(name)
+
+
+def environment_rank(environ: Mapping[str, str] = os.environ) -> int:
+    """This process's global rank as torchrun set it (0 when it did not start this process)."""
+    return int(environ.get("RANK", "0"))
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run: its global rank of `world_size`, its rank on its node, its node's
+    rank, the device it computes on and, with several ranks, the 1-D data-parallel mesh."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    node_rank: int = 0
+    mesh: DeviceMesh | None = None
+
+    @classmethod
+    def single(cls, device: torch.device) -> Ranks:
+        """The whole run in this one process: no process group."""
+        return cls(device=device)
+
+    @classmethod
+    def from_environment(cls, device_name: str, environ: Mapping[str, str] = os.environ) -> Ranks:
+        """This process's ranks from torchrun's variables, joining the process group when there are several.
+
+        gloo carries CPU tensors even on GPU runs (the metrics' and control's objects), NCCL the GPU ones."""
+        world_size = int(environ.get("WORLD_SIZE", "1"))
+        device = resolve_device(device_name)
+        if world_size == 1:
+            return cls.single(device)
+        local_rank = int(environ.get("LOCAL_RANK", "0"))
+        if device.type == "cuda":
+            if local_rank >= torch.cuda.device_count():
+                raise RunSetupError(f"trainer.n_gpus_per_node: local rank {local_rank} has no GPU of its own (this "
+                                    f"node shows {torch.cuda.device_count()}); allowed: at most "
+                                    f"{torch.cuda.device_count()} ranks per node")
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=(DATA_PARALLEL,))
+        return cls(device=device, rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
+                   node_rank=int(environ.get("GROUP_RANK", "0")), mesh=mesh)
+
+    @property
+    def distributed(self) -> bool:
+        """Whether other ranks share the run (collectives are real)."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: it writes the run's files and the console's step lines, and holds the daemon's control."""
+        return self.rank == 0
+
+    def close(self) -> None:
+        """Leave the process group (at exit; a no-op for a one-rank run)."""
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------------------ collectives
+
+    def sum(self, value: float) -> float:
+        """`value` summed over the ranks."""
+        return self._reduce([value], dist.ReduceOp.SUM)[0]
+
+    def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the ranks (a new tensor; autograd does not flow through it)."""
+        if not self.distributed:
+            return tensor
+        total = tensor.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total
+
+    def max(self, value: int) -> int:
+        return int(self._reduce([float(value)], dist.ReduceOp.MAX)[0])
+
+    def _reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
+        if not self.distributed:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)  # on the CPU: gloo's side of the group
+        dist.all_reduce(tensor, op=op)
+        return tensor.tolist()
+
+    def reduce_many(self, values: list[float], op: str) -> list[float]:
+        """Each of `values` reduced over the ranks by `op` (sum, max or min), in one collective."""
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        return self._reduce(values, ops[op])
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def broadcast_from_main(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (the others' own values are ignored)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
