@@ -263,6 +263,10 @@ class Trainer:
         `sequence_split` its attention is Ulysses' first."""
         if sequence_split is not None:
             sequence_split.prepare(model)
+            ranks = self.ranks
+            self.log(f"{role}: Ulysses sequence parallelism: each of the {ranks.sp_size} ranks of a group computes "
+                     f"1/{ranks.sp_size} of every sequence ({ranks.dp_size} data-parallel group(s) of the prompts); "
+                     f"FSDP2 shards the model over all {ranks.world_size} ranks")
         if not self.ranks.distributed:
             return self.memory.place(model, fsdp_config, role)
         layers_on_cpu, _ = cpu_placement(fsdp_config)

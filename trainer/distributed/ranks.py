@@ -81,8 +81,9 @@ class Ranks:
         `sequence_parallel_size` (the config checked it divides the world size) adds the (dp, sp) mesh."""
         world_size = int(environ.get("WORLD_SIZE", "1"))
         if world_size % sequence_parallel_size:
-            raise RunSetupError(f"ulysses_sequence_parallel_size: got {sequence_parallel_size}, which does not "
-                                f"divide the {world_size} ranks torchrun started; allowed: a divisor of {world_size}")
+            raise RunSetupError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size: the run's sequence-parallel "
+                                f"degree {sequence_parallel_size} does not divide the {world_size} ranks torchrun "
+                                "started; set trainer.nnodes x trainer.n_gpus_per_node to the ranks it starts")
         device = resolve_device(device_name)
         if world_size == 1:
             return cls.single(device)
