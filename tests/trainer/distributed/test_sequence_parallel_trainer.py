@@ -145,3 +145,20 @@ def test_every_rank_refuses_a_degree_above_the_ranks_and_one_line_is_printed(tmp
     assert finished.returncode != 0
     lines = [line for line in finished.stderr.splitlines() if line.startswith("ERROR")]
     assert len(lines) == 1 and f"{ACTOR_DEGREE}: got 4" in lines[0], finished.stderr
+
+
+def test_verl_s_fsdp_config_keys_set_each_model_s_degree():
+    """verl's newer places: the actor's and the critic's fsdp_config (the critic's under critic.model, as verl
+    writes it); the reference's is accepted at the actor's degree, which it runs with."""
+    from trainer.config import load_config
+
+    config = load_config(None, ["trainer.n_gpus_per_node=2", "algorithm.adv_estimator=gae",
+                                "actor_rollout_ref.actor.use_kl_loss=true", f"{VERL_ACTOR_DEGREE}=2",
+                                f"{VERL_CRITIC_DEGREE}=2",
+                                "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=2"])
+    assert config.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    assert config.critic.ulysses_sequence_parallel_size == 2
+    assert config.sequence_parallel_size == 2
+    one_model = load_config(None, ["trainer.n_gpus_per_node=2", f"{VERL_ACTOR_DEGREE}=2"])
+    assert one_model.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    assert one_model.critic.ulysses_sequence_parallel_size == 1  # GRPO: no critic, whatever its degree
