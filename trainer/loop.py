@@ -649,13 +649,14 @@ class Trainer:
         return {f"val-core/{source}/reward/mean@1": sum(values) / len(values) for source, values in scores.items()}
 
     def _validation_share(self, records: Sequence[PromptRecord]) -> tuple[list[PromptRecord], int]:
-        """This rank's slice of a validation batch and how many of it count. Every rank generates (the sharded
-        model's forwards are collective): a rank whose slice is empty repeats the batch's first prompt, unscored."""
-        # By data-parallel group: the ranks of a sequence-parallel group generate alike (`generate` makes their
-        # responses one), and their repeated scores leave each source's mean as it is.
+        """This rank's slice of a validation batch and how many of it count. Every rank generates as many
+        sequences (the sharded model's forwards are collective, and so are the pieces a batch decodes in): a
+        short slice is filled up with the batch's first prompt, unscored. By data-parallel group: the ranks of a
+        sequence-parallel group generate alike (`generate` makes their responses one), and their repeated scores
+        leave each source's mean as it is."""
         share = math.ceil(len(records) / self.ranks.dp_size)
         mine = list(records[self.ranks.dp_rank * share:(self.ranks.dp_rank + 1) * share])
-        return (mine, len(mine)) if mine else ([records[0]], 0)
+        return mine + [records[0]] * (share - len(mine)), len(mine)
 
     # ------------------------------------------------------------------------------- checkpoints
 
