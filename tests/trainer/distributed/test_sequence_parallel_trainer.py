@@ -25,6 +25,7 @@ from tests.trainer.distributed.test_ranks import (
     launch,
     metrics,
 )
+from trainer.data import counting_records, write_records
 
 SEQUENCE_PARALLEL = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
 TIE_METRICS = ("critic/vf_clipfrac",)
@@ -39,8 +40,10 @@ def assert_same_metrics(one: list[dict], two: list[dict]) -> None:
                 assert row_two[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
             elif key.endswith("grad_norm"):
                 assert row_two[key] == pytest.approx(value, rel=1e-3), key
-        # Counts are each sequence's once, not once per rank of the sp group that shares it.
-        assert row_two["perf/total_num_tokens"] == row_one["perf/total_num_tokens"]
+        assert sorted(row_two) == sorted(row_one)
+        if "perf/total_num_tokens" in row_one:  # a training step's line (not validation's step 0)
+            # Counts are each sequence's once, not once per rank of the sp group that shares it.
+            assert row_two["perf/total_num_tokens"] == row_one["perf/total_num_tokens"]
 
 
 def ran_on_sequence_shards(finished: subprocess.CompletedProcess, role: str) -> bool:
@@ -50,9 +53,12 @@ def ran_on_sequence_shards(finished: subprocess.CompletedProcess, role: str) -> 
 @pytest.mark.slow
 def test_grpo_with_a_reference_on_two_sequence_parallel_ranks_trains_as_one_rank(tmp_path):
     """The actor's update and log-probs and the reference's log-probs run on sequence shards (the KL loss reads
-    the reference's); the parameters after each step are one rank's on the same global batch."""
+    the reference's); the parameters are one rank's on the same global batch, and so are the metrics, the
+    validation scores included."""
+    write_records(counting_records(5, seed=1), tmp_path / "validation.jsonl")
     grpo = ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
-            "trainer.total_training_steps=2"]
+            "trainer.total_training_steps=2", f"data.val_files={tmp_path / 'validation.jsonl'}",
+            "trainer.test_freq=2", "data.val_batch_size=3"]
     one = launch(1, tmp_path, "one", *grpo)
     assert one.returncode == 0, one.stderr[-4000:]
     two = launch(2, tmp_path, "sp", *grpo, SEQUENCE_PARALLEL)
@@ -62,6 +68,8 @@ def test_grpo_with_a_reference_on_two_sequence_parallel_ranks_trains_as_one_rank
                               actor_weights(tmp_path / "sp" / "checkpoints" / "global_step_2")) < TOLERANCE
     assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "sp"))
     assert metrics(tmp_path / "one")[1]["actor/kl_loss"] > 0  # the reference's log-probs took part
+    # Validated after the last step: the ranks of the sp group decode the same share, scored as one rank's.
+    assert any(key.startswith("val-core/") for key in metrics(tmp_path / "sp")[-1])
 
 
 @pytest.mark.slow
