@@ -80,9 +80,6 @@ WHY: tuple[tuple[str, str], ...] = (
     ("reward_model.rollout.*", "a generative reward model (served by a rollout engine) is not built"),
     ("actor_rollout_ref.rollout.skip_*", "replaying dumped rollouts is not built"),
     ("actor_rollout_ref.rollout.*", _ENGINE),
-    ("actor_rollout_ref.ref*ulysses_sequence_parallel_size", "the reference runs with the actor's "
-                                                             "sequence-parallel degree: set "
-                                                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
     ("reward_model.ulysses_sequence_parallel_size", "the reward model scores whole sequences on every rank (no "
                                                     "sequence parallelism)"),
     ("*.fsdp_config.*", _SHARDING),
@@ -263,7 +260,8 @@ SEQUENCE_PARALLEL_KEY = "ulysses_sequence_parallel_size"
 def _sequence_parallel_degrees(raw: dict[str, Any], tree: dict[str, Any], problems: list[ConfigProblem],
                                aliases: dict[str, str]) -> None:
     """fsdp_config.ulysses_sequence_parallel_size -> the model's own key (after critic.model.fsdp_config moved to
-    critic.fsdp_config); the reference's fsdp_config key dropped where it is the actor's degree."""
+    critic.fsdp_config); the reference's keys (its own and its fsdp_config's) accepted at the actor's degree,
+    which the reference runs with, and refused at any other."""
     for section_path, written_places in ((("actor_rollout_ref", "actor"), ["actor_rollout_ref.actor.fsdp_config"]),
                                          (("critic",), ["critic.model.fsdp_config", "critic.fsdp_config"])):
         section = _node(tree, section_path)
@@ -285,11 +283,17 @@ def _sequence_parallel_degrees(raw: dict[str, Any], tree: dict[str, Any], proble
             aliases[canonical] = written
         section[SEQUENCE_PARALLEL_KEY] = value
     actor = _node(tree, ("actor_rollout_ref", "actor"))
-    reference = _node(tree, ("actor_rollout_ref", "ref", "fsdp_config"))
-    if reference is not None and SEQUENCE_PARALLEL_KEY in reference:
-        degree = actor.get(SEQUENCE_PARALLEL_KEY, 1) if actor is not None else 1
-        if _same(reference[SEQUENCE_PARALLEL_KEY], degree):
-            del reference[SEQUENCE_PARALLEL_KEY]
+    degree = actor.get(SEQUENCE_PARALLEL_KEY, 1) if isinstance(actor, dict) else 1  # 1: the schema's default
+    for place in (("actor_rollout_ref", "ref"), ("actor_rollout_ref", "ref", "fsdp_config")):
+        reference = _node(tree, place)
+        if not isinstance(reference, dict) or SEQUENCE_PARALLEL_KEY not in reference:
+            continue
+        value = reference.pop(SEQUENCE_PARALLEL_KEY)
+        if not _same(value, degree):
+            problems.append(ConfigProblem(".".join((*place, SEQUENCE_PARALLEL_KEY)), f"got {_show(value)}, but the "
+                                          "reference runs with the actor's sequence-parallel degree, "
+                                          f"actor_rollout_ref.actor.{SEQUENCE_PARALLEL_KEY}: {_show(degree)}; "
+                                          "allowed: that degree, or leave the key out"))
 
 
 def _node(tree: Any, path: Sequence[str]) -> Any:

@@ -170,3 +170,15 @@ def test_verl_s_fsdp_config_keys_set_each_model_s_degree():
     one_model = load_config(None, ["trainer.n_gpus_per_node=2", f"{VERL_ACTOR_DEGREE}=2"])
     assert one_model.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
     assert one_model.critic.ulysses_sequence_parallel_size == 1  # GRPO: no critic, whatever its degree
+
+
+def test_the_reference_s_degree_other_than_the_actor_s_is_one_line():
+    from trainer.config import load_config
+    from trainer.config.schema import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.use_kl_loss=true",
+                           f"{VERL_ACTOR_DEGREE}=2", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1"])
+    assert [str(problem) for problem in caught.value.problems] == [
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size: got 1, but the reference runs with the actor's "
+        f"sequence-parallel degree, {ACTOR_DEGREE}: 2; allowed: that degree, or leave the key out"]
