@@ -1462,8 +1462,8 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     """What works on one rank only: the project's own offload engine (dynamic offload, delayed updates, bf16 host
-    gradients, the embedding cache) places whole models, and LoRA, token-budget micro-batches and the static
-    decoder are not built for sharded models."""
+    gradients, where the offloaded update runs, the embedding cache) places whole models, and LoRA, token-budget
+    micro-batches and the static decoder are not built for sharded models."""
     world = world_size(config)
     why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
     found: list[tuple[str, object, object]] = []
@@ -1475,6 +1475,8 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
             found.append((f"{prefix}.delayed_update", True, False))
         if fsdp.offload_grad_dtype != "fp32":
             found.append((f"{prefix}.offload_grad_dtype", fsdp.offload_grad_dtype, "fp32"))
+        if fsdp.optimizer_update != "auto":  # FSDP2's CPUOffloadPolicy steps the optimizer on the CPU
+            found.append((f"{prefix}.optimizer_update", fsdp.optimizer_update, "auto"))
     section = config.actor_rollout_ref
     model, actor, rollout = section.model, section.actor, section.rollout
     if model.lora_rank:

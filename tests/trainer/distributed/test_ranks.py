@@ -81,17 +81,20 @@ def step_metrics(run: Path, step: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """runs/one and runs/two: 3 steps on 1 and 2 ranks, validated after the last (5 prompts in batches of 3: the
-    ranks' shares are uneven); one_from_two and two_from_one: step 3 resumed at the other world size from step 2
-    of two and one."""
+    """runs/one and runs/two: 3 steps on 1 and 2 ranks, validated before the first and after the last (5 prompts in
+    batches of 3: the ranks' shares are uneven); one_from_two and two_from_one: step 3 resumed at the other world
+    size from step 2 of two and one; two_from_two: at the same one, with the actor's shards on the CPU."""
     root = tmp_path_factory.mktemp("ranks")
     write_records(counting_records(5, seed=1), root / "validation.jsonl")
     validation = [f"data.val_files={root / 'validation.jsonl'}", "trainer.test_freq=3", "data.val_batch_size=3"]
     for ranks, name in ((1, "one"), (2, "two")):
         finished = launch(ranks, root, name, *validation)
         assert finished.returncode == 0, finished.stderr[-4000:]
-    for ranks, name, source in ((1, "one_from_two", "two"), (2, "two_from_one", "one")):
-        finished = launch(ranks, root, name, "trainer.resume_mode=resume_path",
+    # The restart of a run at its own world size resumes with its shards on the CPU (FSDP2's CPUOffloadPolicy).
+    for ranks, name, source, *placement in ((1, "one_from_two", "two"), (2, "two_from_one", "one"),
+                                            (2, "two_from_two", "two", "actor_rollout_ref.actor.fsdp_config."
+                                                                      "param_offload=true")):
+        finished = launch(ranks, root, name, "trainer.resume_mode=resume_path", *placement,
                           f"trainer.resume_from_path={root / source / 'checkpoints' / 'global_step_2'}")
         assert finished.returncode == 0, finished.stderr[-4000:]
         assert "resumed from" in finished.stderr + finished.stdout
@@ -143,8 +146,8 @@ def test_metrics_have_the_same_keys_on_two_ranks_and_only_rank_0_writes_them(run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resumed, straight", [("one_from_two", "one"), ("two_from_one", "two")],
-                         ids=["2->1", "1->2"])
+@pytest.mark.parametrize("resumed, straight", [("one_from_two", "one"), ("two_from_one", "two"),
+                                               ("two_from_two", "two")], ids=["2->1", "1->2", "2->2-offloaded"])
 def test_a_checkpoint_resumes_at_the_other_world_size_with_the_same_weights_and_optimizer_states(runs, resumed,
                                                                                                  straight):
     # Step 3 after the resume is step 3 of the run that never stopped: the weights and Adam's moments (which
