@@ -67,6 +67,7 @@ from trainer.metrics import (
     device_peak_flops,
     memory_metrics,
     mfu_metrics,
+    rank_reduction,
     reduce_metrics,
     throughput_metrics,
     timing_per_token_metrics,
@@ -86,6 +87,7 @@ from trainer.rollout.prompts import encode_prompts
 from trainer.workers.actor import Actor, compute_log_probs
 from trainer.workers.critic import Critic
 from trainer.workers.recovery import run_in_pieces
+from trainer.workers.sequence_split import SequenceSplit
 
 
 class TelemetryLink(Protocol):
@@ -156,7 +158,8 @@ class Trainer:
         self.reward_fn = self._build_reward()
         self.memory.finish_placement()
         if self.ranks.distributed:  # the ranks sample their own shares of the prompts with their own streams
-            seed_everything(config.trainer.seed + self.ranks.rank)
+            # (the ranks of a sequence-parallel group share theirs, and draw the same samples from one stream)
+            seed_everything(config.trainer.seed + self.ranks.dp_rank)
         # Dynamic offload acts between decode chunks too (a heartbeat goes with it).
         self.rollout = HFRollout(self.actor.model, self.tokenizer, config.actor_rollout_ref.rollout,
                                  config.data.max_response_length,
@@ -197,24 +200,29 @@ class Trainer:
                                trust_remote_code=model_config.trust_remote_code)
 
         actor_config = config.actor_rollout_ref.actor
+        # Ulysses (trainer/workers/sequence_split.py): the policy's forwards run on this rank's sequence shards.
+        policy_split = self._sequence_split(actor_config.ulysses_sequence_parallel_size)
         # With LoRA the adapter is in the model before the engine lays it out; self.actor_adapter (peft's
         # wrapper) disables it for the reference policy and saves it in the checkpoints.
         actor_model, self.actor_adapter = with_adapter(
             policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing),
             LoraSettings.of(model_config, "actor_rollout_ref.model"), role="actor", seed=seed)
-        actor_model = self._place(actor_model, actor_config.fsdp_config, Role.ACTOR)
+        actor_model = self._place(actor_model, self._policy_placement(actor_config.fsdp_config), Role.ACTOR,
+                                  policy_split)
         self.actor = Actor(actor_model,
                            actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
                            log_prob_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
                            total_steps=self.total_steps, seed=seed, memory=self._worker_memory(Role.ACTOR),
-                           ranks=self.ranks,
+                           ranks=self.ranks, sequence_split=policy_split,
                            remove_padding=model_config.use_remove_padding,
                            log_prob_max_token_len=(rollout.log_prob_max_token_len_per_gpu
                                                    if rollout.log_prob_use_dynamic_bsz else None))
         self.reference = None
+        self.reference_split = policy_split  # the reference runs with the actor's degree
         if config.use_reference and self.actor_adapter is None:
             reference = policy(config.actor_rollout_ref.ref.fsdp_config, False).eval().requires_grad_(False)
-            self.reference = self._place(reference, config.actor_rollout_ref.ref.fsdp_config, Role.REF)
+            self.reference = self._place(reference, self._policy_placement(config.actor_rollout_ref.ref.fsdp_config),
+                                         Role.REF, policy_split)
         self._log_adapters()
         self.critic, self.critic_adapter = None, None
         if config.use_critic:
@@ -227,14 +235,38 @@ class Trainer:
                                                       role="critic", seed=seed + 1)
             if self.critic_adapter is not None:
                 self.log(describe_adapter(self.critic_adapter, "critic"))
-            self.critic = Critic(self._place(model, critic.fsdp_config, Role.CRITIC), critic, rollout_n=rollout.n,
+            critic_split = self._sequence_split(critic.ulysses_sequence_parallel_size)
+            self.critic = Critic(self._place(model, critic.fsdp_config, Role.CRITIC, critic_split), critic,
+                                 rollout_n=rollout.n,
                                  forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
                                  total_steps=self.total_steps, memory=self._worker_memory(Role.CRITIC),
-                                 ranks=self.ranks)
+                                 ranks=self.ranks, sequence_split=critic_split)
 
-    def _place(self, model: Model, fsdp_config: FSDPConfig, role: Role) -> Model:
+    def _sequence_split(self, degree: int) -> SequenceSplit | None:
+        """The sequence split of a model of Ulysses `degree` (1 or the run's, as the config checked): None for
+        degree 1, whose forwards run whole sequences (its sp group's ranks repeat them)."""
+        return SequenceSplit.of(self.ranks, self.tokenizer.pad_token_id) if degree > 1 else None
+
+    def _policy_placement(self, fsdp_config: FSDPConfig) -> FSDPConfig:
+        """actor.sequence_parallel_offload: the policy's embedding and head on the CPU (FSDP2's CPUOffloadPolicy
+        over all ranks), so each rank keeps and copies only its own 1/world of their rows: no rank of a
+        sequence-parallel group carries the whole vocabulary's copies."""
+        if not self.config.actor_rollout_ref.actor.sequence_parallel_offload:
+            return fsdp_config
+        policy = fsdp_config.offload_policy.model_copy(update={"embedding": "cpu", "lm_head": "cpu"})
+        return fsdp_config.model_copy(update={"offload_policy": policy})
+
+    def _place(self, model: Model, fsdp_config: FSDPConfig, role: Role,
+               sequence_split: SequenceSplit | None = None) -> Model:
         """One rank: the memory manager places the model's groups (the offload engine). Several: FSDP2 shards it
-        over the ranks, CPU placement through its CPUOffloadPolicy (trainer/distributed/sharding.py)."""
+        over the ranks, CPU placement through its CPUOffloadPolicy (trainer/distributed/sharding.py); with a
+        `sequence_split` its attention is Ulysses' first."""
+        if sequence_split is not None:
+            sequence_split.prepare(model)
+            ranks = self.ranks
+            self.log(f"{role}: Ulysses sequence parallelism: each of the {ranks.sp_size} ranks of a group computes "
+                     f"1/{ranks.sp_size} of every sequence ({ranks.dp_size} data-parallel group(s) of the prompts); "
+                     f"FSDP2 shards the model over all {ranks.world_size} ranks")
         if not self.ranks.distributed:
             return self.memory.place(model, fsdp_config, role)
         layers_on_cpu, _ = cpu_placement(fsdp_config)
@@ -360,7 +392,8 @@ class Trainer:
         """This rank's prompts of the global batch (all of it on one rank): a slice of each actor mini-batch."""
         if not self.ranks.distributed:
             return batch
-        return rank_share(batch, rank=self.ranks.rank, world_size=self.ranks.world_size,
+        # The ranks of a sequence-parallel group take the same share: they split its sequences instead.
+        return rank_share(batch, rank=self.ranks.dp_rank, world_size=self.ranks.dp_size,
                           mini_batch_size=self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
 
     def _run_wide(self, local: dict[str, float], *, sequences: int) -> dict[str, float]:
@@ -368,7 +401,14 @@ class Trainer:
         if not self.ranks.distributed:
             return local
         tokens = local.get("perf/total_num_response_tokens", 0.0)
-        return combine_rank_metrics(self.ranks.gather_objects((local, float(sequences), float(tokens))))
+        gathered = self.ranks.gather_objects((local, float(sequences), float(tokens)))
+        combined = combine_rank_metrics(gathered)
+        if self.ranks.sp_size > 1:
+            # The ranks of a sequence-parallel group (consecutive ranks) hold the same sequences: counts and other
+            # sums take each group's once; means and extremes are unchanged by the repeats.
+            once = combine_rank_metrics(gathered[::self.ranks.sp_size])
+            combined.update({key: value for key, value in once.items() if rank_reduction(key) == "sum"})
+        return combined
 
     def _record_step(self, metrics: dict[str, float], local: dict[str, float] | None = None) -> None:
         """metrics.jsonl, the daemon and every observer (the console) get the step's metrics: rank 0 the
@@ -485,6 +525,10 @@ class Trainer:
                                    memory=self._worker_memory(Role.ACTOR))
         response_ids = torch.cat([ids for ids, _ in pieces])
         response_mask = torch.cat([mask for _, mask in pieces])
+        # The ranks of a sequence-parallel group sampled the same prompts from the same random stream; their first
+        # rank's responses go to the others, so that a kernel not bitwise deterministic on another device cannot
+        # give the group different sequences to split.
+        response_ids, response_mask = self.ranks.broadcast_in_sequence_group([response_ids, response_mask])
         group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated)
@@ -536,7 +580,7 @@ class Trainer:
         with adapter_off:
             return compute_log_probs(model, batch, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
                                      temperature=self.config.actor_rollout_ref.rollout.temperature,
-                                     memory=self._worker_memory(role),
+                                     memory=self._worker_memory(role), sequence_split=self.reference_split,
                                      remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
                                      max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
                                      else None)
@@ -569,7 +613,7 @@ class Trainer:
         """GAE's advantages whitened over the whole batch, every rank's response tokens (as one rank whitens
         its whole batch: masked_whiten's unbiased variance), not over this rank's share alone."""
         advantages = advantages * mask
-        count, total, squares = self.ranks.sum_tensor(torch.stack(
+        count, total, squares = self.ranks.sum_tensor_over_data(torch.stack(
             [mask.sum(), advantages.sum(), (advantages ** 2).sum()]).double()).tolist()
         mean = total / max(count, 1.0)
         variance = max(squares / max(count, 1.0) - mean ** 2, 0.0) * count / max(count - 1, 1.0)
@@ -607,9 +651,11 @@ class Trainer:
     def _validation_share(self, records: Sequence[PromptRecord]) -> tuple[list[PromptRecord], int]:
         """This rank's slice of a validation batch and how many of it count. Every rank generates as many
         sequences (the sharded model's forwards are collective, and so are the pieces a batch decodes in): a
-        short slice is filled up with the batch's first prompt, unscored."""
-        share = math.ceil(len(records) / self.ranks.world_size)
-        mine = list(records[self.ranks.rank * share:(self.ranks.rank + 1) * share])
+        short slice is filled up with the batch's first prompt, unscored. By data-parallel group: the ranks of a
+        sequence-parallel group generate alike (`generate` makes their responses one), and their repeated scores
+        leave each source's mean as it is."""
+        share = math.ceil(len(records) / self.ranks.dp_size)
+        mine = list(records[self.ranks.dp_rank * share:(self.ranks.dp_rank + 1) * share])
         return mine + [records[0]] * (share - len(mine)), len(mine)
 
     # ------------------------------------------------------------------------------- checkpoints

@@ -68,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.errors import USER_ERRORS
 
     try:
-        ranks = Ranks.from_environment(config.trainer.device)  # joins the process group with several ranks
+        # Joins the process group with several ranks, and builds the (dp, sp) mesh with Ulysses.
+        ranks = Ranks.from_environment(config.trainer.device, sequence_parallel_size=config.sequence_parallel_size)
     except USER_ERRORS as error:
         return _report_user_error(error, None, None, log_path=config.trainer.run_dir / "logs" / "trainer.log",
                                   prints=_is_rank_zero())

@@ -29,6 +29,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from trainer.config.hub import HubModelNotCached, resolve_model_path
+from trainer.config.sequence_parallel import model_heads, sequence_parallel_problems
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-qwen2",)
@@ -320,9 +321,9 @@ class ActorConfig(Section):
     grad_clip: float = Field(1.0, gt=0.0)
     """Clip the gradient norm to this value."""
     ulysses_sequence_parallel_size: int = Field(1, ge=1)
-    """Ulysses sequence-parallel degree (needs several GPUs)."""
+    """Ulysses degree S of the actor and reference: S ranks split each sequence (also verl's fsdp_config key)."""
     sequence_parallel_offload: bool = False
-    """Offload sequence-parallel activations to the CPU."""
+    """The policy's embedding and head on the CPU, each rank keeping and copying its 1/world shard (needs S > 1)."""
     optim: OptimConfig = OptimConfig()
     """Optimizer of the actor."""
     fsdp_config: FSDPConfig = FSDPConfig()
@@ -470,7 +471,7 @@ class CriticConfig(Section):
     grad_clip: float = Field(1.0, gt=0.0)
     """Clip the gradient norm to this value."""
     ulysses_sequence_parallel_size: int = Field(1, ge=1)
-    """Ulysses sequence-parallel degree (needs several GPUs)."""
+    """Ulysses degree of the critic: 1 or the actor's (also verl's critic.model.fsdp_config key)."""
     fsdp_config: FSDPConfig = FSDPConfig()
     """Placement and dtype of the critic."""
 
@@ -744,6 +745,16 @@ class RunConfig(Section):
     def use_reference(self) -> bool:
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The run's Ulysses degree S: the ranks that share each sequence (the data splits over world size / S
+        groups). The actor's (the reference runs with it) or the critic's, whichever is set above 1: the other
+        is 1 or the same (checked at load), and a model of degree 1 runs whole sequences of its group's samples."""
+        sizes = [self.actor_rollout_ref.actor.ulysses_sequence_parallel_size]
+        if self.use_critic:
+            sizes.append(self.critic.ulysses_sequence_parallel_size)
+        return max(sizes)
+
     def fsdp_configs(self) -> dict[str, FSDPConfig]:
         """The placement config of every model the run builds, by role."""
         configs = {"actor": self.actor_rollout_ref.actor.fsdp_config}
@@ -1014,9 +1025,6 @@ def _settings_not_built_yet(config: RunConfig) -> list[ConfigProblem]:
             problems.append(_ignored(f"{FSDP_PREFIX[role]}.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params,
                                      default, "wrapping by size shapes sharding over several GPUs, and only "
                                      "single-device runs exist yet"))
-    if config.actor_rollout_ref.actor.sequence_parallel_offload:
-        problems.append(_ignored("actor_rollout_ref.actor.sequence_parallel_offload", True, False,
-                                 "sequence parallelism is not built yet (it needs several GPUs)"))
     return problems
 
 
@@ -1256,7 +1264,7 @@ def _check_data_file(key: str, value: str) -> ConfigProblem | None:
 
 def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
     problems = []
-    world = world_size(config)
+    world, sp = data_parallel_size(config), config.sequence_parallel_size
     batch = config.data.train_batch_size
     n = config.actor_rollout_ref.rollout.n
     actor = config.actor_rollout_ref.actor
@@ -1276,8 +1284,9 @@ def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
                                           f"data.train_batch_size ({batch}); allowed: a divisor of {batch}, "
                                           f"e.g. {_largest_divisor(batch, mini)}"))
         elif not by_tokens and mini % world == 0 and (mini * n // world) % micro:
-            # Each rank's share of the mini-batch is what its micro-batches split.
-            sequences, per_rank = mini * n // world, f" / {world} ranks" if world > 1 else ""
+            # Each data-parallel group's share of the mini-batch is what its micro-batches split.
+            sequences = mini * n // world
+            per_rank = "" if world == 1 else f" / {world} data-parallel groups" if sp > 1 else f" / {world} ranks"
             problems.append(ConfigProblem(
                 f"{prefix}.ppo_micro_batch_size_per_gpu",
                 f"got {micro}, which does not divide the mini-batch of {sequences} sequences "
@@ -1367,17 +1376,11 @@ def _validation_needs_data(config: RunConfig) -> list[ConfigProblem]:
 
 def _check_devices(config: RunConfig) -> list[ConfigProblem]:
     devices = world_size(config)
-    problems = _batch_sizes_for_ranks(config) + _single_rank_features(config) if devices > 1 else []
-    actor = config.actor_rollout_ref.actor
-    for key, size in (("actor_rollout_ref.actor", actor.ulysses_sequence_parallel_size),
-                      ("critic", config.critic.ulysses_sequence_parallel_size)):
-        if size > devices:
-            problems.append(ConfigProblem(f"{key}.ulysses_sequence_parallel_size", f"got {size}, more than "
-                                          f"the run's {devices} device(s); allowed: at most {devices}"))
-        elif size > 1:
-            problems.append(ConfigProblem(f"{key}.ulysses_sequence_parallel_size", f"got {size}, but the trainer "
-                                          "does not split sequences over ranks yet (trainer/distributed/ulysses.py "
-                                          "is not wired into its models); allowed: 1"))
+    problems = _check_sequence_parallel(config)
+    if devices > 1 and not problems:  # the data-parallel degree is known once S fits the ranks
+        problems += _batch_sizes_for_ranks(config)
+    if devices > 1:
+        problems += _single_rank_features(config)
     return problems
 
 
@@ -1451,18 +1454,78 @@ def world_size(config: RunConfig) -> int:
     return config.trainer.nnodes * config.trainer.n_gpus_per_node
 
 
+def data_parallel_size(config: RunConfig) -> int:
+    """The groups the prompts split over: the world size over the Ulysses degree (its ranks share sequences)."""
+    return max(1, world_size(config) // config.sequence_parallel_size)
+
+
+def _check_sequence_parallel(config: RunConfig) -> list[ConfigProblem]:
+    """Ulysses' degrees against the ranks and the models' heads (trainer/config/sequence_parallel.py), the one
+    degree of the run, and the settings that go with it."""
+    actor, critic = config.actor_rollout_ref.actor, config.critic
+    actor_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    critic_key = "critic.ulysses_sequence_parallel_size"
+    model = config.actor_rollout_ref.model
+    degrees = [(actor_key, actor.ulysses_sequence_parallel_size, model.path, model.override_config,
+                "actor_rollout_ref.model.use_remove_padding", model.use_remove_padding)]
+    if config.use_critic:
+        degrees.append((critic_key, critic.ulysses_sequence_parallel_size, critic.model.path or model.path,
+                        critic.model.override_config or model.override_config, "critic.model.use_remove_padding",
+                        critic.model.use_remove_padding))
+    problems = []
+    for key, size, path, override_config, padding_key, remove_padding in degrees:
+        heads = model_heads(path, override_config, BUILTIN_PREFIX) if size > 1 else None
+        if heads is not None:
+            problems += [ConfigProblem(problem.path, problem.message) for problem in
+                         sequence_parallel_problems(size, world_size=world_size(config), heads=heads, key=key)]
+        if size > 1 and remove_padding:
+            problems.append(ConfigProblem(padding_key, f"got true, but {key} is {size}: the padding-free forward "
+                                          "packs sequences in one row, which Ulysses does not split; allowed: false "
+                                          "with sequence parallelism (or the degree 1)"))
+    sizes = {size for _, size, *_ in degrees if size > 1}
+    if len(sizes) > 1:
+        problems.append(ConfigProblem(critic_key, f"got {critic.ulysses_sequence_parallel_size}, but {actor_key} is "
+                                      f"{actor.ulysses_sequence_parallel_size}: a run has one sequence-parallel "
+                                      "degree (its (dp, sp) mesh); allowed: 1 or the actor's"))
+    if actor.sequence_parallel_offload:
+        problems += _sequence_parallel_offload_problems(config)
+    return problems
+
+
+def _sequence_parallel_offload_problems(config: RunConfig) -> list[ConfigProblem]:
+    """sequence_parallel_offload puts the policy's embedding and head on the CPU, sharded over every rank."""
+    actor = config.actor_rollout_ref.actor
+    key = "actor_rollout_ref.actor.sequence_parallel_offload"
+    if actor.ulysses_sequence_parallel_size == 1:
+        return [ConfigProblem(key, "got true, but actor_rollout_ref.actor.ulysses_sequence_parallel_size is 1: "
+                              "it offloads each sequence-parallel rank's own shard of the embedding and head; "
+                              "allowed: false, or a degree above 1 (to offload them on one rank, set "
+                              "fsdp_config.offload_policy.embedding and lm_head to cpu)")]
+    problems = []
+    for role in ("actor", "ref"):
+        policy = config.fsdp_configs().get(role)
+        for group in ("embedding", "lm_head"):
+            if policy is not None and getattr(policy.offload_policy, group) == "gpu":
+                problems.append(ConfigProblem(f"{FSDP_PREFIX[role]}.offload_policy.{group}", f"got gpu, but {key} "
+                                              f"is true, which keeps the policy's {group} on the CPU; allowed: cpu "
+                                              "or unset, or sequence_parallel_offload false"))
+    return problems
+
+
 def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
     """verl's semantics: data.train_batch_size and ppo_mini_batch_size count prompts of the whole run, divided
     among the data-parallel ranks (the *_micro_batch_size_per_gpu keys count per rank), so each divides by the
     world size."""
-    world = world_size(config)
+    world, sp = data_parallel_size(config), config.sequence_parallel_size
+    groups = (f"{world} data-parallel groups ({world_size(config)} ranks over the sequence-parallel degree {sp}"
+              if sp > 1 else f"{world} ranks (trainer.nnodes x trainer.n_gpus_per_node")
     sizes = [("data.train_batch_size", config.data.train_batch_size),
              ("actor_rollout_ref.actor.ppo_mini_batch_size", config.actor_rollout_ref.actor.ppo_mini_batch_size)]
     if config.use_critic and config.critic.ppo_mini_batch_size is not None:
         sizes.append(("critic.ppo_mini_batch_size", config.critic.ppo_mini_batch_size))
-    return [ConfigProblem(key, f"got {size}, which does not divide among the run's {world} ranks (trainer.nnodes x "
-                               f"trainer.n_gpus_per_node; it counts the prompts of all of them); allowed: a multiple "
-                               f"of {world}, e.g. {max(world, size - size % world)}")
+    return [ConfigProblem(key, f"got {size}, which does not divide among the run's {groups}; it counts the prompts "
+                               f"of all of them); allowed: a multiple of {world}, e.g. "
+                               f"{max(world, size - size % world)}")
             for key, size in sizes if size % world]
 
 

@@ -4,6 +4,11 @@ verl's default value only.
 
 - ``critic.model.fsdp_config`` (verl's place) is read as ``critic.fsdp_config`` (the canonical place: beside
   ``model``, as for the actor and reference); giving both with different values is an error naming both.
+- ``fsdp_config.ulysses_sequence_parallel_size`` (verl's newer place) is read as the model's own
+  ``ulysses_sequence_parallel_size`` (the canonical place, where verl's example scripts set it): the actor's
+  ``actor_rollout_ref.actor.fsdp_config``, the critic's ``critic.model.fsdp_config`` (or ``critic.fsdp_config``);
+  both given with different values is one line naming both. The reference runs with the actor's degree, so its
+  ``ref.fsdp_config`` key is accepted at that degree.
 - A boolean ``fsdp_config.offload_policy`` (verl's FSDP2 switch): true puts every module group on the CPU and,
   for a model that trains, its optimizer too; false is verl's default and changes nothing.
 - Every other key of verl's ``ppo_trainer.yaml`` (verl_ppo_trainer.yaml beside this module, verl's generated
@@ -75,6 +80,8 @@ WHY: tuple[tuple[str, str], ...] = (
     ("reward_model.rollout.*", "a generative reward model (served by a rollout engine) is not built"),
     ("actor_rollout_ref.rollout.skip_*", "replaying dumped rollouts is not built"),
     ("actor_rollout_ref.rollout.*", _ENGINE),
+    ("reward_model.ulysses_sequence_parallel_size", "the reward model scores whole sequences on every rank (no "
+                                                    "sequence parallelism)"),
     ("*.fsdp_config.*", _SHARDING),
     ("*ulysses_sequence_parallel_size", _SHARDING),
     ("actor_rollout_ref.nccl_timeout", _SHARDING),
@@ -217,6 +224,7 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[ConfigProblem],
     canonical_given = isinstance(critic, dict) and "fsdp_config" in critic
     if _move_critic_fsdp(tree, problems) and not canonical_given:
         aliases["critic.fsdp_config"] = "critic.model.fsdp_config"
+    _sequence_parallel_degrees(raw, tree, problems, aliases)
     for path, trains in _FSDP_SECTIONS.items():
         problems += _offload_policy(tree, path, trains)
     context = _Context(raw)
@@ -244,6 +252,58 @@ def _move_critic_fsdp(tree: dict[str, Any], problems: list[Any] | None = None) -
     for location, value in _leaves(verl_place, []):
         _set_leaf(canonical, location, value, problems)
     return True
+
+
+SEQUENCE_PARALLEL_KEY = "ulysses_sequence_parallel_size"
+
+
+def _sequence_parallel_degrees(raw: dict[str, Any], tree: dict[str, Any], problems: list[ConfigProblem],
+                               aliases: dict[str, str]) -> None:
+    """fsdp_config.ulysses_sequence_parallel_size -> the model's own key (after critic.model.fsdp_config moved to
+    critic.fsdp_config); the reference's keys (its own and its fsdp_config's) accepted at the actor's degree,
+    which the reference runs with, and refused at any other."""
+    for section_path, written_places in ((("actor_rollout_ref", "actor"), ["actor_rollout_ref.actor.fsdp_config"]),
+                                         (("critic",), ["critic.model.fsdp_config", "critic.fsdp_config"])):
+        section = _node(tree, section_path)
+        fsdp = section.get("fsdp_config") if section is not None else None
+        if section is None or not isinstance(fsdp, dict) or SEQUENCE_PARALLEL_KEY not in fsdp:
+            continue
+        value = fsdp.pop(SEQUENCE_PARALLEL_KEY)
+        written = next((place for place in written_places
+                        if isinstance(_node(raw, (*place.split("."), SEQUENCE_PARALLEL_KEY)), int)),
+                       written_places[-1]) + "." + SEQUENCE_PARALLEL_KEY
+        canonical = ".".join((*section_path, SEQUENCE_PARALLEL_KEY))
+        if SEQUENCE_PARALLEL_KEY in section and not _same(section[SEQUENCE_PARALLEL_KEY], value):
+            problems.append(ConfigProblem(written, f"got {_show(value)}, but {canonical} is "
+                                          f"{_show(section[SEQUENCE_PARALLEL_KEY])}: the two are one setting "
+                                          f"({canonical} is its canonical place); allowed: one of them, or the "
+                                          "same value"))
+            continue
+        if SEQUENCE_PARALLEL_KEY not in section:
+            aliases[canonical] = written
+        section[SEQUENCE_PARALLEL_KEY] = value
+    actor = _node(tree, ("actor_rollout_ref", "actor"))
+    degree = actor.get(SEQUENCE_PARALLEL_KEY, 1) if isinstance(actor, dict) else 1  # 1: the schema's default
+    for place in (("actor_rollout_ref", "ref"), ("actor_rollout_ref", "ref", "fsdp_config")):
+        reference = _node(tree, place)
+        if not isinstance(reference, dict) or SEQUENCE_PARALLEL_KEY not in reference:
+            continue
+        value = reference.pop(SEQUENCE_PARALLEL_KEY)
+        if not _same(value, degree):
+            problems.append(ConfigProblem(".".join((*place, SEQUENCE_PARALLEL_KEY)), f"got {_show(value)}, but the "
+                                          "reference runs with the actor's sequence-parallel degree, "
+                                          f"actor_rollout_ref.actor.{SEQUENCE_PARALLEL_KEY}: {_show(degree)}; "
+                                          "allowed: that degree, or leave the key out"))
+
+
+def _node(tree: Any, path: Sequence[str]) -> Any:
+    """The value at `path` in nested mappings, or None where a step is missing or not a mapping."""
+    node = tree
+    for part in path:
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
 
 
 def _set_leaf(node: dict[str, Any], location: list[str], value: Any, problems: list[ConfigProblem] | None) -> None:

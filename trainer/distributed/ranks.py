@@ -6,6 +6,7 @@ no process group is made and every helper below is the identity, so a one-rank r
 did before several ranks existed.
 
     ranks = Ranks.from_environment("cpu")   # init_process_group and the ("dp",) mesh when WORLD_SIZE > 1
+    ranks = Ranks.from_environment("cpu", sequence_parallel_size=2)   # and the (dp, sp) mesh of Ulysses
     try:
         ...
     finally:
@@ -26,7 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from trainer.errors import RunSetupError
 
 DATA_PARALLEL = "dp"
-"""The mesh dimension the models are sharded and the prompts split over."""
+"""The mesh dimension the prompts are split over (and, without sequence parallelism, the models sharded over)."""
+SEQUENCE_PARALLEL = "sp"
+"""The mesh dimension whose ranks share every sequence (Ulysses, trainer/distributed/ulysses.py)."""
+FLATTENED = "dp_sp"
+"""With sequence parallelism, the 1-D mesh of all ranks that the models are sharded over (FSDP2), as verl's
+fsdp mesh beside its (dp, sp) Ulysses mesh: each rank holds and moves 1/world of every model."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,7 +52,10 @@ def environment_rank(environ: Mapping[str, str] = os.environ) -> int:
 @dataclass(frozen=True)
 class Ranks:
     """This process's place in the run: its global rank of `world_size`, its rank on its node, its node's
-    rank, the device it computes on and, with several ranks, the 1-D data-parallel mesh."""
+    rank, the device it computes on and, with several ranks, the 1-D mesh of all ranks the models are sharded
+    over. With a sequence-parallel degree `sp_size` above 1 the ranks also form a (dp, sp) mesh: ranks
+    r*sp_size ... (r+1)*sp_size - 1 are one sp group, which shares every sequence of the same samples, and
+    the prompts split over the world_size / sp_size data-parallel groups."""
 
     device: torch.device
     rank: int = 0
@@ -54,6 +63,9 @@ class Ranks:
     local_rank: int = 0
     node_rank: int = 0
     mesh: DeviceMesh | None = None
+    sp_size: int = 1
+    sequence_mesh: DeviceMesh | None = None
+    """The (dp, sp) mesh when sp_size > 1; None otherwise."""
 
     @classmethod
     def single(cls, device: torch.device) -> Ranks:
@@ -61,11 +73,17 @@ class Ranks:
         return cls(device=device)
 
     @classmethod
-    def from_environment(cls, device_name: str, environ: Mapping[str, str] = os.environ) -> Ranks:
+    def from_environment(cls, device_name: str, environ: Mapping[str, str] = os.environ, *,
+                         sequence_parallel_size: int = 1) -> Ranks:
         """This process's ranks from torchrun's variables, joining the process group when there are several.
 
-        gloo carries CPU tensors even on GPU runs (the metrics' and control's objects), NCCL the GPU ones."""
+        gloo carries CPU tensors even on GPU runs (the metrics' and control's objects), NCCL the GPU ones.
+        `sequence_parallel_size` (the config checked it divides the world size) adds the (dp, sp) mesh."""
         world_size = int(environ.get("WORLD_SIZE", "1"))
+        if world_size % sequence_parallel_size:
+            raise RunSetupError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size: the run's sequence-parallel "
+                                f"degree {sequence_parallel_size} does not divide the {world_size} ranks torchrun "
+                                "started; set trainer.nnodes x trainer.n_gpus_per_node to the ranks it starts")
         device = resolve_device(device_name)
         if world_size == 1:
             return cls.single(device)
@@ -79,14 +97,41 @@ class Ranks:
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=(DATA_PARALLEL,))
+        sequence_mesh = None
+        if sequence_parallel_size > 1:
+            sequence_mesh = init_device_mesh(device.type, (world_size // sequence_parallel_size,
+                                                           sequence_parallel_size),
+                                             mesh_dim_names=(DATA_PARALLEL, SEQUENCE_PARALLEL))
+        flat_name = FLATTENED if sequence_parallel_size > 1 else DATA_PARALLEL
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=(flat_name,))
         return cls(device=device, rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
-                   node_rank=int(environ.get("GROUP_RANK", "0")), mesh=mesh)
+                   node_rank=int(environ.get("GROUP_RANK", "0")), mesh=mesh, sp_size=sequence_parallel_size,
+                   sequence_mesh=sequence_mesh)
 
     @property
     def distributed(self) -> bool:
         """Whether other ranks share the run (collectives are real)."""
         return self.world_size > 1
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel groups the prompts split over (world_size without sequence parallelism)."""
+        return self.world_size // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group: which share of the prompts it trains on (its sp group's)."""
+        return self.rank // self.sp_size
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sequence-parallel group: which slice of each sequence it computes."""
+        return self.rank % self.sp_size
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that share this rank's sequences (None without sequence parallelism)."""
+        return None if self.sequence_mesh is None else self.sequence_mesh.get_group(SEQUENCE_PARALLEL)
 
     @property
     def is_main(self) -> bool:
@@ -111,6 +156,24 @@ class Ranks:
         total = tensor.detach().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total
+
+    def sum_tensor_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the data-parallel groups, once per group: the S ranks of an sp group hold the
+        same samples, so a sum over all ranks would count each S times."""
+        if self.sequence_mesh is None:
+            return self.sum_tensor(tensor)
+        total = tensor.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.sequence_mesh.get_group(DATA_PARALLEL))
+        return total
+
+    def broadcast_in_sequence_group(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The first rank of this rank's sp group's `tensors` (any shapes), on every rank of the group."""
+        group = self.sp_group
+        if group is None:
+            return tensors
+        box: list[Any] = [[tensor.cpu() for tensor in tensors]]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return [tensor.to(original.device) for tensor, original in zip(box[0], tensors, strict=True)]
 
     def max(self, value: int) -> int:
         return int(self._reduce([float(value)], dist.ReduceOp.MAX)[0])

@@ -1,7 +1,8 @@
 """FSDP2 sharding of a run's models over the data-parallel ranks (world size > 1).
 
 Each model is wrapped with `torch.distributed.fsdp.fully_shard`, every decoder layer (the classes the
-model lists in `_no_split_modules`) then the root, on the ranks' ("dp",) mesh: a rank keeps 1/world of
+model lists in `_no_split_modules`) then the root, on the ranks' 1-D mesh of all ranks (("dp",), or ("dp_sp",)
+beside Ulysses' (dp, sp) mesh: the ranks of a sequence-parallel group shard the models too): a rank keeps 1/world of
 every parameter as a DTensor shard and gathers a layer's whole weights only around its forward and
 backward. Optimizers built over `model.parameters()` then update the local shards, and
 `torch.nn.utils.clip_grad_norm_` computes the global norm over DTensor gradients.

@@ -30,7 +30,11 @@ rank running the whole sequence. That is verl's convention (its gather's grad_sc
 Generation and any forward without `sequence_parallel` in its inputs run the wrapped implementation as
 it is, so one model serves rollout and the sharded update.
 
-`sequence_parallel_offload`: what the offload engine sees under Ulysses.
+`sequence_parallel_offload`: in the trainer, with FSDP2 over all ranks (trainer/distributed/sharding.py), the key
+puts the policy's embedding and head units on the CPU through CPUOffloadPolicy; FSDP2 shards them by rows, so
+each rank keeps and copies only its 1/world of the embedding rows and of the head's vocabulary chunks, and
+all-gathers the rest around each forward and backward. What the project's single-device offload engine would
+see under Ulysses instead (not a configuration the trainer runs: that engine places whole models on one rank):
 - Embedding rows: the model embeds `shard.input_ids`, the local positions only, so an embedding on the CPU
   (trainer/offload/rows.py) gathers and ships only the rows of the rank's own tokens, and only their
   gradients come back. Nothing more is needed from the engine.

@@ -7,6 +7,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config
 
+from trainer.config.builtin_models import TINY_QWEN2
+
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # Digits and a few symbols cover the built-in tasks (counting, short arithmetic); any other
 # word maps to <unk>. A small vocabulary keeps a random policy's chance of a right token high
@@ -17,17 +19,6 @@ VOCABULARY = [PAD, EOS, UNK, *WORDS]
 # Responses are words separated by spaces; the template joins the messages' contents the same way.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 
-TINY_QWEN2 = dict(
-    hidden_size=64,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-)
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -26,21 +26,25 @@ from trainer.workers.optimization import (
 )
 from trainer.workers.packing import check_packable, plan_micro_batches
 from trainer.workers.recovery import WorkerMemory, run_pieces
+from trainer.workers.sequence_split import SequenceSplit
 
 
 @torch.no_grad()
 def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
                       temperature: float, memory: WorkerMemory | None = None, remove_padding: bool = False,
-                      max_token_len: int | None = None) -> torch.Tensor:
+                      max_token_len: int | None = None, sequence_split: SequenceSplit | None = None) -> torch.Tensor:
     """[B, R] log-probs of the sampled responses under `model` at the sampling temperature, in micro-batches
     of `micro_batch_size` sequences or, with `max_token_len`, of at most that many real tokens; with
-    `remove_padding`, each from a padding-free forward. With `memory` (the memory manager's, for `model`),
-    a micro-batch that runs out of device memory is retried or split."""
+    `remove_padding`, each from a padding-free forward; with `sequence_split`, each on this rank's sequence
+    shard (Ulysses). With `memory` (the memory manager's, for `model`), a micro-batch that runs out of device
+    memory is retried or split."""
     plan = plan_micro_batches(batch, micro_batch_size, max_token_len)
     arranged = plan.arrange(batch)
 
     def score(first: int, count: int) -> torch.Tensor:
         micro_batch = arranged.select(torch.arange(first, first + count))
+        if sequence_split is not None:
+            return sequence_split.log_probs_and_entropy(model, micro_batch, temperature, entropy=False)[0]
         logits = response_logits(model, micro_batch, remove_padding=remove_padding)
         # At temperature 1 half-precision logits go as they are: log_probs_from_logits upcasts them a row at a
         # time, instead of one float32 copy of the whole [B, R, V].
@@ -62,9 +66,10 @@ class Actor:
     def __init__(self, model: PreTrainedModel, config: ActorConfig, *, temperature: float, rollout_n: int,
                  log_prob_micro_batch_size: int, total_steps: int, seed: int, memory: WorkerMemory | None = None,
                  remove_padding: bool = False, log_prob_max_token_len: int | None = None,
-                 ranks: Ranks | None = None):
+                 ranks: Ranks | None = None, sequence_split: SequenceSplit | None = None):
         self.model = model
         self.ranks = ranks  # several: the model is sharded and the batches are this rank's share
+        self.sequence_split = sequence_split  # Ulysses: every forward on this rank's slice of the sequences
         # The memory manager's side for this model: its optimizer, dynamic offload between
         # micro-batches and relief after an out-of-memory error. None: plain AdamW, errors propagate.
         self.memory = memory
@@ -87,16 +92,22 @@ class Actor:
     def _world_size(self) -> int:
         return self.ranks.world_size if self.ranks is not None else 1
 
+    @property
+    def _data_parallel_size(self) -> int:
+        """The groups the batch is shared among (the ranks of a sequence-parallel group hold the same share)."""
+        return self.ranks.dp_size if self.ranks is not None else 1
+
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
                                  temperature=self.temperature, memory=self.memory,
-                                 remove_padding=self.remove_padding, max_token_len=self.log_prob_max_token_len)
+                                 remove_padding=self.remove_padding, max_token_len=self.log_prob_max_token_len,
+                                 sequence_split=self.sequence_split)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""
         metrics = run_updates(
             self.model, self.optimizer, batch, self._loss,
-            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n // self._world_size,
+            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n // self._data_parallel_size,
             micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,
@@ -116,18 +127,12 @@ class Actor:
 
     def _loss(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config
-        logits = scaled_logits(response_logits(self.model, batch, remove_padding=self.remove_padding),
-                               self.temperature)
-        log_probs = log_probs_from_logits(logits, batch.response_ids)
+        log_probs, entropies = self._log_probs_and_entropy(batch)
         low, high = config.clip_range
         policy = compute_policy_loss(batch.old_log_probs, log_probs, batch.advantages, batch.response_mask,
                                      clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=config.clip_ratio_c,
                                      loss_agg_mode=config.loss_agg_mode)
-        # Without an entropy bonus the entropy is a metric only: computed without its graph, so its backward
-        # keeps no float32 softmax of [B, R, V] (0.6 GB for 8 x 128 tokens of a 152k vocabulary); the gradient
-        # is the same (it added zeros).
-        with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coeff != 0):
-            entropy = aggregate_loss(entropy_from_logits(logits), batch.response_mask, config.loss_agg_mode)
+        entropy = aggregate_loss(entropies, batch.response_mask, config.loss_agg_mode)
         metrics = {
             "pg_loss": policy.loss.item(),
             "pg_clipfrac": policy.clipfrac.item(),
@@ -144,6 +149,23 @@ class Actor:
         loss = actor_loss(policy.loss, entropy, kl_loss, entropy_coeff=config.entropy_coeff,
                           kl_loss_coef=config.kl_loss_coef)
         return loss, metrics
+
+    def _log_probs_and_entropy(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, R] log-probs and entropies of the responses under the policy at the sampling temperature."""
+        # Without an entropy bonus the entropy is a metric only: computed without its graph, so its backward
+        # keeps no float32 softmax of [B, R, V] (0.6 GB for 8 x 128 tokens of a 152k vocabulary); the gradient
+        # is the same (it added zeros).
+        entropy_graph = self.config.entropy_coeff != 0
+        if self.sequence_split is not None:
+            log_probs, entropies = self.sequence_split.log_probs_and_entropy(
+                self.model, batch, self.temperature, entropy=True, entropy_graph=entropy_graph)
+            assert entropies is not None
+            return log_probs, entropies
+        logits = scaled_logits(response_logits(self.model, batch, remove_padding=self.remove_padding),
+                               self.temperature)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_graph):
+            entropies = entropy_from_logits(logits)
+        return log_probs_from_logits(logits, batch.response_ids), entropies
 
     def state_dict(self) -> dict:
         """Its optimizer's states (None when sharded: the checkpoint's DCP shards hold them), schedule and

@@ -18,6 +18,7 @@ from trainer.workers.optimization import (
 )
 from trainer.workers.packing import check_packable, plan_micro_batches
 from trainer.workers.recovery import WorkerMemory, run_pieces
+from trainer.workers.sequence_split import SequenceSplit
 
 
 class Critic:
@@ -25,9 +26,10 @@ class Critic:
 
     def __init__(self, model: PreTrainedModel, config: CriticConfig, *, rollout_n: int,
                  forward_micro_batch_size: int, total_steps: int, memory: WorkerMemory | None = None,
-                 ranks: Ranks | None = None):
+                 ranks: Ranks | None = None, sequence_split: SequenceSplit | None = None):
         self.model = model
         self.ranks = ranks  # several: the model is sharded and the batches are this rank's share
+        self.sequence_split = sequence_split  # Ulysses: every forward on this rank's slice of the sequences
         # The memory manager's side for this model: its optimizer, dynamic offload between
         # micro-batches and relief after an out-of-memory error. None: plain AdamW, errors propagate.
         self.memory = memory
@@ -42,6 +44,8 @@ class Critic:
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
         # The head's output at the position before each response token is that state's value.
+        if self.sequence_split is not None:
+            return self.sequence_split.values(self.model, batch).float() * batch.response_mask
         outputs = response_logits(self.model, batch, remove_padding=self.config.model.use_remove_padding)
         return outputs.squeeze(-1).float() * batch.response_mask
 
@@ -62,11 +66,12 @@ class Critic:
             self.model.train(was_training)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
-        world_size = self.ranks.world_size if self.ranks is not None else 1
+        # The ranks of a sequence-parallel group hold the same share of the batch.
+        data_parallel = self.ranks.dp_size if self.ranks is not None else 1
         metrics = run_updates(
             self.model, self.optimizer, batch, self._loss,
-            # A global count of prompts (verl's), shared among the ranks.
-            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n // world_size,
+            # A global count of prompts (verl's), shared among the data-parallel groups.
+            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n // data_parallel,
             micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,

@@ -180,6 +180,10 @@ def accumulate_gradients(
     With several `ranks`, `mini_batch` is this rank's share: the weight it is divided by is the whole
     mini-batch's, all ranks' (verl's global token count), and FSDP2's average of the ranks' gradients is
     undone (times the world size), so that the sum of the ranks' gradients is one rank's on the whole.
+    With Ulysses the S ranks of a sequence-parallel group hold the same share, so the weight summed over all
+    ranks counts it S times; each rank's loss is the whole sequences' too, and the gathers' backward sums the
+    group's S copies of its gradient onto each rank's positions: the two factors of S cancel, and the average
+    is still the global batch's gradient (test_sequence_parallel_trainer.py checks it against one rank).
     """
     plan = plan_micro_batches(mini_batch, micro_batch_size, max_token_len)
     arranged = plan.arrange(mini_batch)

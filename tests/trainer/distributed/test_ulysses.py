@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.distributed.constraints import (
+from trainer.config.sequence_parallel import (
     ACTOR_FSDP_KEY,
     ACTOR_KEY,
     AttentionHeads,
@@ -159,6 +159,6 @@ def test_head_counts_from_config_json():
 
 def test_constraints_import_no_torch():
     """The config layer (torch-free) calls these checks."""
-    code = "import sys, trainer.distributed.constraints; assert 'torch' not in sys.modules"
+    code = "import sys, trainer.config.sequence_parallel; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPOSITORY,
                    env={**os.environ, "PYTHONPATH": str(REPOSITORY)})

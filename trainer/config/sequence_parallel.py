@@ -6,16 +6,22 @@ heads are split too, or, when there are fewer of them than S, each repeated so t
 one: S must be a multiple of their number then. The S ranks of a group are S of the run's ranks, so S divides
 the world size (the data-parallel degree is world size / S).
 
-The config layer calls `sequence_parallel_problems` with the numbers of the model's config.json and the run's
-world size (trainer.nnodes x trainer.n_gpus_per_node) and turns each `Problem` into one of its own
-ConfigProblems: `ConfigProblem(problem.path, problem.message)`.
+The schema (trainer/config/schema.py, in the same pass as its other checks) calls `sequence_parallel_problems`
+with the head counts `model_heads` reads from the model's config.json (or a built-in model's shape), with the
+run's override_config on top, and the run's world size (trainer.nnodes x trainer.n_gpus_per_node), and turns
+each `Problem` into one of its own ConfigProblems.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from trainer.config.builtin_models import BUILTIN_MODEL_CONFIGS
+from trainer.config.hub import HubModelNotCached, resolve_model_path
 
 ACTOR_KEY = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
 """Where verl's example scripts set the degree."""
@@ -50,6 +56,27 @@ def attention_heads(model_config: Mapping[str, Any]) -> AttentionHeads:
     # Configs without the key predate grouped-query attention: one key-value head per query head.
     key_value = config.get("num_key_value_heads")
     return AttentionHeads(attention, attention if key_value is None else int(key_value))
+
+
+def model_heads(path: str, override_config: Mapping[str, Any], builtin_prefix: str = "builtin:"
+                ) -> AttentionHeads | None:
+    """The head counts of the model at `path` (a built-in one, a local directory or a cached hub id) with
+    `override_config` applied; None when its config cannot be read (the path's own check says why)."""
+    if path.startswith(builtin_prefix):
+        shape = BUILTIN_MODEL_CONFIGS.get(path.removeprefix(builtin_prefix))
+        if shape is None:
+            return None
+        config: dict[str, Any] = dict(shape)
+    else:
+        try:
+            config_file = Path(resolve_model_path(path)).expanduser() / "config.json"
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (HubModelNotCached, OSError, ValueError):
+            return None
+    try:
+        return attention_heads({**config, **override_config})
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def allowed_sizes(world_size: int, heads: AttentionHeads) -> list[int]:

@@ -1,0 +1,77 @@
+"""The workers' forwards on sequence shards: Ulysses sequence parallelism (trainer/distributed/ulysses.py) in
+the actor's, reference's and critic's log-prob, value and update passes.
+
+The S ranks of a sequence-parallel group hold the same micro-batch (the data is split over the data-parallel
+groups only). Each rank pads the [B, T] sequences on the right to a multiple of S, takes its [B, T/S] slice
+of the positions, and runs the model on it with `ulysses_sdpa` attention: the embedding, the MLPs, the norms
+and the head see the local positions only, and attention sees the whole sequence for 1/S of the heads. What
+comes out of the head stays local: log-probs, entropies and values are computed on each shard, and only those
+[B, T/S] figures are gathered along the sequence, never the [B, T, V] logits. The gathered [B, T] tensors are
+cut to the response positions, as the padded forward's `response_logits` cuts its logits.
+
+Every rank of the group then computes the same loss; the gathers' backward sums their gradients back onto
+each rank's positions, so FSDP2's average over all ranks is one rank's gradient of the whole sequence (see
+ulysses.py). The rollout does not go through here: generation runs whole sequences on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from trainer.algorithms import entropy_from_logits, scaled_logits
+from trainer.distributed.ranks import Ranks
+from trainer.distributed.ulysses import SequenceParallel, SequenceShard, use_ulysses_attention
+from trainer.rollout.batch import RolloutBatch
+
+
+class SequenceSplit:
+    """One rank's side of its sequence-parallel group for the workers' forwards."""
+
+    def __init__(self, parallel: SequenceParallel, pad_token_id: int):
+        self.parallel = parallel
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def of(cls, ranks: Ranks, pad_token_id: int) -> SequenceSplit | None:
+        """The split of `ranks`' sp group; None without sequence parallelism (the padded forward runs)."""
+        if ranks.sequence_mesh is None:
+            return None
+        return cls(SequenceParallel.from_mesh(ranks.sequence_mesh), pad_token_id)
+
+    @staticmethod
+    def prepare(model: PreTrainedModel) -> str:
+        """Switch `model` to Ulysses attention (generation without sharded inputs runs it as plain SDPA)."""
+        return use_ulysses_attention(model)
+
+    def log_probs_and_entropy(self, model: PreTrainedModel, batch: RolloutBatch, temperature: float, *,
+                              entropy: bool, entropy_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, R] log-probs of the responses at `temperature` and, with `entropy`, [B, R] entropies of the
+        policy at each response position (with their autograd graph only when `entropy_graph`)."""
+        logits, shard = self._forward(model, batch)
+        logits = scaled_logits(logits, temperature)
+        log_probs = self._responses(shard.log_probs(logits), batch)
+        if not entropy:
+            return log_probs, None
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_graph):
+            entropies = self._responses(shard.gather(entropy_from_logits(logits)), batch)
+        return log_probs, entropies
+
+    def values(self, model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+        """[B, R] a value model's one output at the position before each response token."""
+        outputs, shard = self._forward(model, batch)
+        return self._responses(shard.gather(outputs.squeeze(-1)), batch)
+
+    def _forward(self, model: PreTrainedModel, batch: RolloutBatch) -> tuple[torch.Tensor, SequenceShard]:
+        """The model's output on this rank's positions ([B, T/S, ...]) and the shard that gathers it."""
+        shard = self.parallel.shard(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                    position_ids=batch.position_ids, pad_token_id=self.pad_token_id)
+        output = model(**shard.model_inputs(), use_cache=False)
+        return output.logits, shard
+
+    @staticmethod
+    def _responses(per_position: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+        """[B, T] figures of each position -> [B, R] those of the positions that predict the response tokens
+        (position t predicts token t + 1: the last prompt position predicts the first response token)."""
+        start = batch.prompt_ids.shape[1] - 1
+        return per_position[:, start:start + batch.response_ids.shape[1]]
