@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from trainer.algorithms import apply_kl_penalty, build_kl_controller, get_advantage_estimator
-from trainer.algorithms.functional import _WHITEN_EPSILON as WHITEN_EPSILON
+from trainer.algorithms.functional import WHITEN_EPSILON
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointWriteError,

@@ -25,7 +25,7 @@ KL_ESTIMATOR_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
 _LOG_RATIO_LIMIT = 20.0
 # verl clamps k3 to this range: a single token far off the reference must not dominate the KL.
 _LOW_VAR_KL_LIMIT = 10.0
-_WHITEN_EPSILON = 1e-8
+WHITEN_EPSILON = 1e-8
 
 
 # ------------------------------------------------------------------------------ masked statistics
@@ -70,7 +70,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     no meaning, so callers multiply by ``mask`` afterwards.
     """
     mean = masked_mean(values, mask)
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + _WHITEN_EPSILON)
+    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + WHITEN_EPSILON)
     return whitened if shift_mean else whitened + mean
 
 
