@@ -14,6 +14,7 @@ optimizer states stay in (pinned) host memory and the optimizer step runs on the
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from torch import nn
@@ -49,6 +50,10 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
                 log: Callable[[str], None]) -> nn.Module:
     """`model` sharded in place over `ranks.mesh` (per decoder layer, then the root); returns it."""
     assert ranks.mesh is not None, "sharding needs several ranks"
+    # A value model's output (transformers' token classifier) is a view, which FSDP2 warns about at every
+    # forward: an in-place op on it would skip the pre-backward hook. The workers only read model outputs
+    # out of place (the sharded critic trains as one rank does: tests/trainer/distributed/test_ranks.py).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     layers_on_cpu, root_on_cpu = cpu_placement(fsdp_config)
     on_gpu = ranks.device.type == "cuda"
     # Pinned host memory only exists beside a GPU (its copies are what pinning speeds up).
