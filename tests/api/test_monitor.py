@@ -384,12 +384,22 @@ def test_the_live_view_ends_when_asked_or_when_the_daemon_goes_away():
     stop = threading.Event()
     with serve(fake.app) as url, ApiClient(url, TOKEN) as client:
         console = Console(file=io.StringIO(), force_terminal=True, width=100)
-        threading.Timer(0.3, stop.set).start()
+
+        def polls() -> int:
+            return len([path for path, _ in fake.requests if path == "/v1/status"])
+
+        def stop_after_three_polls() -> None:  # not after a fixed time: a slow first frame made that flaky
+            deadline = time.monotonic() + 4
+            while polls() < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stop.set()
+
+        threading.Thread(target=stop_after_three_polls, daemon=True).start()
         started = time.monotonic()
         assert run_monitor(client, once=False, as_json=False, refresh_s=0.02, console=console, stop=stop) == 0
         assert time.monotonic() - started < 5
         assert "45/200" in console.file.getvalue()
-        assert len([path for path, _ in fake.requests if path == "/v1/status"]) >= 3, "it polled until stopped"
+        assert polls() >= 3, "it polled until stopped"
 
     console = Console(file=io.StringIO(), force_terminal=True, width=100)
     result: list[int] = []
