@@ -44,14 +44,24 @@ def launch(ranks: int, runs_dir: Path, name: str, *overrides: str, config: Path 
     if config is None:
         config = runs_dir / "empty.yaml"
         config.write_text("{}\n")
+    command = [*trainer_command(ranks, config), *RUN, f"trainer.n_gpus_per_node={ranks}",
+               f"trainer.runs_dir={runs_dir}", f"trainer.experiment_name={name}", *overrides]
+    return subprocess.run(command, env=rank_environment(), capture_output=True, text=True, timeout=300)
+
+
+def rank_environment() -> dict[str, str]:
+    """This environment without a torchrun rank of its own (the test may run under one), the repository first."""
     environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         environment.pop(variable, None)
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-                if ranks > 1 else [sys.executable])
-    command = [*launcher, "-m", "trainer", "--config", str(config), *RUN, f"trainer.n_gpus_per_node={ranks}",
-               f"trainer.runs_dir={runs_dir}", f"trainer.experiment_name={name}", *overrides]
-    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    return environment
+
+
+def trainer_command(processes: int, config: Path) -> list[str]:
+    """`python -m trainer --config config`, under torchrun with `processes` processes when more than one."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+                if processes > 1 else [sys.executable])
+    return [*launcher, "-m", "trainer", "--config", str(config)]
 
 
 def actor_weights(checkpoint: Path, role: str = "actor") -> dict[str, torch.Tensor]:

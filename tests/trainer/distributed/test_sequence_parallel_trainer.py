@@ -9,21 +9,20 @@ shards, so a silent fall-back to whole sequences cannot pass for Ulysses.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.trainer.distributed.test_ranks import (
     MACHINE_METRICS,
-    REPOSITORY,
     TOLERANCE,
     actor_weights,
     largest_difference,
     launch,
     metrics,
+    rank_environment,
+    trainer_command,
 )
 from trainer.data import counting_records, write_records
 
@@ -103,15 +102,10 @@ def run_config_check(folder: Path, *overrides: str, processes: int = 1) -> subpr
     the config check refuses before any model is built (in each of `processes`: torchrun's, or one plain one)."""
     config = folder / "empty.yaml"
     config.write_text("{}\n")
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
-    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        environment.pop(variable, None)
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
-                if processes > 1 else [sys.executable])
-    command = [*launcher, "-m", "trainer", "--config", str(config), "trainer.device=cpu", "trainer.n_gpus_per_node=2",
+    command = [*trainer_command(processes, config), "trainer.device=cpu", "trainer.n_gpus_per_node=2",
                "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", *overrides]
-    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, env=rank_environment(), capture_output=True, text=True, timeout=120)
 
 
 ACTOR_DEGREE = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
