@@ -59,36 +59,42 @@ OFFLOADED = ["model_dtype=bf16", "optimizer_offload=true", "offload_grad_dtype=b
              "offload_policy={embedding: cpu, lm_head: cpu}", "dynamic_offload.enabled=true"]
 
 
-def test_offloaded_steps_give_the_all_gpu_losses_with_layers_streamed_and_planned_per_phase(tmp_path):
+def test_offloaded_steps_give_the_resident_losses_with_layers_streamed_and_planned_per_phase(tmp_path):
     """Issue 14: whole steps of the trainer, offloaded (AdamW and the masters on the CPU, the embedding and head
-    streamed, layers planned per phase under a budget that cannot hold every layer) against all on the GPU, on
-    the same data and seed: the same losses and values within bf16 noise after several steps."""
-    # Small steps: after an update bf16 AdamW on the GPU and fp32 masters on the host round differently, and a
-    # large step would let the runs sample different tokens.
+    streamed, layers planned per phase under a budget that cannot hold every layer) against the same models
+    resident on the GPU with their fp32 masters on the host, on the same data and seed: the same losses and
+    values within bf16 noise after several steps, whichever path (host or device) runs the update.
+
+    The reference keeps fp32 masters because a bf16 model updated in place does not train the same: an update
+    of 1e-5 is below bf16's resolution for most weights, which then do not move (on an H200, 2026-12-02, the
+    offloaded runs' fourth pg_loss was 0.0090 against 0.0197 for the all-bf16 run, while the host and device
+    updates agreed to 1e-4)."""
     steps = ["trainer.total_training_steps=4", "dynamic_offload.min_transformer_layers_on_gpu=0",
              "actor_rollout_ref.actor.optim.lr=1e-5", "critic.optim.lr=1e-5"]
-    resident = cuda_trainer(tmp_path, *steps, "trainer.experiment_name=resident")
+    roles = ("actor_rollout_ref.actor", "critic")
+    masters = [f"{role}.fsdp_config.{setting}" for role in roles for setting in OFFLOADED[:3]]
+    resident = cuda_trainer(tmp_path, *steps, *masters, "trainer.experiment_name=resident")
     resident.fit()
-    budget = TightBudget()
-    overrides = [f"{role}.fsdp_config.{setting}" for role in ("actor_rollout_ref.actor", "critic")
-                 for setting in OFFLOADED]
-    config = load_config("examples/quickstart.yaml", [*CUDA_BF16, f"trainer.runs_dir={tmp_path}", *steps, *overrides,
-                                                      "trainer.experiment_name=offloaded"])
-    offloaded = Trainer(config, log=lambda *_: None, memory_probe=budget)
-    layer_bytes = sum(engine.layer_bytes for engine in offloaded.memory.dynamic_engines)
-    # Room for about three layers besides what is held now: the phases take turns with them.
-    budget.total = int((torch.cuda.memory_allocated() + 3 * layer_bytes) / 0.9)
-    offloaded.fit()
-    rows, expected = offloaded.metrics_log.read(), resident.metrics_log.read()
-    total_layers = sum(len(engine.transformer_units) for engine in offloaded.memory.dynamic_engines)
-    assert all(row["offload/transformer_layers_on_gpu"] < total_layers for row in rows[1:])
-    for key in ("actor/pg_loss", "critic/vf_loss"):
-        assert [row[key] for row in rows] == pytest.approx([row[key] for row in expected], rel=5e-2, abs=5e-3), key
-    # The values drift further apart (0.006 of a mean of 0.05 at step 3, measured on an H200): an update of 1e-5
-    # is below bf16's resolution for most of the resident critic's weights, which then do not move, while the
-    # offloaded critic's fp32 masters take it.
-    assert [row["critic/values/mean"] for row in rows] == pytest.approx(
-        [row["critic/values/mean"] for row in expected], abs=2e-2)
+    expected = resident.metrics_log.read()
+    for update in ("cpu", "gpu"):
+        budget = TightBudget()
+        overrides = [f"{role}.fsdp_config.{setting}" for role in roles
+                     for setting in (*OFFLOADED, f"optimizer_update={update}")]
+        config = load_config("examples/quickstart.yaml", [*CUDA_BF16, f"trainer.runs_dir={tmp_path}", *steps,
+                                                          *overrides, f"trainer.experiment_name=offloaded-{update}"])
+        offloaded = Trainer(config, log=lambda *_: None, memory_probe=budget)
+        layer_bytes = sum(engine.layer_bytes for engine in offloaded.memory.dynamic_engines)
+        # Room for about three layers besides what is held now: the phases take turns with them.
+        budget.total = int((torch.cuda.memory_allocated() + 3 * layer_bytes) / 0.9)
+        offloaded.fit()
+        rows = offloaded.metrics_log.read()
+        total_layers = sum(len(engine.transformer_units) for engine in offloaded.memory.dynamic_engines)
+        assert all(row["offload/transformer_layers_on_gpu"] < total_layers for row in rows[1:])
+        for key in ("actor/pg_loss", "critic/vf_loss", "critic/values/mean", "critic/score/mean"):
+            assert [row[key] for row in rows] == pytest.approx([row[key] for row in expected], rel=2e-2,
+                                                               abs=2e-3), (update, key)
+        del offloaded
+        torch.cuda.empty_cache()
 
 
 def test_the_mfu_figures_of_a_gpu_run_are_fractions_of_the_devices_peak(tmp_path):

@@ -106,6 +106,14 @@ class OffloadAdamW(torch.optim.AdamW):
         """One unit's AdamW step on `path`; either gives the same states, step counts and weights."""
         try:
             written: set[int] = set()
+            if path == "host" and self.engine.device_update is not None:
+                # Page-locked as the device path keeps them, so that a unit the split sends to the device at a
+                # later step streams its states at once (torch's own first step makes them in pageable memory).
+                for parameter in group["params"]:
+                    if parameter.grad is not None:
+                        self._fresh_state(parameter)
+                pinned_states([self.state[parameter] for parameter in group["params"] if parameter in self.state],
+                              self.engine.device)
             if path == "device":
                 written = self._step_on_device(group, grad_scale, unit)
             elif any(parameter.grad is not None and parameter.grad.dtype != parameter.dtype
