@@ -28,15 +28,14 @@
 # in one call (`tests` is 100 s; `SECTIONS=static_profile rollout` 15 s). A refused start (no machine free) costs about
 # 90 s of the budget, and so does every helper's call: one session holds the device calls.
 #
-# Not run on a GPU yet (2026-12-02 14:00-17:00 had no machine), in priority order for the next session's calls:
-#   1. `tests`: the new GPU tests (LoRA streamed from pinned memory; the device update with `both`).
-#   2. VARIANTS=all_gpu,offload,offload_both_update,offload_lora STEPS=5 TIMEOUT=200 e2e-ppo3b: `both` against `gpu`
-#      (decides what optimizer_update=auto means on a GPU), LoRA against full fine-tuning with offload.
-#   3. `timeout 90 python3 benchmarks/offload_bench.py --only remove_padding`: use_remove_padding's speed.
-#   4. SECTIONS=allgpu_static_graphs,allgpu_static_graphs_repeat_kv rollout: the packed decoded-token attention
-#      (trainer/models/attention.py) against transformers 5.17's repeat_kv, side by side.
-#   5. VARIANTS=offload_lora,offload STEPS=3 WARMUP=1 e2e-headline: the 7B-shaped LoRA run (issue 18's figure).
-#
+# Run 2026-12-02 19:00-21:00 (results in benchmarks/results/*2026-12-02T19*/T20*, tables in benchmarks/README.md):
+# `tests` (43 passed), the update's paths (both within noise of gpu), LoRA against full fine-tuning at 7B,
+# remove_padding, the packed decode attention, the 7B shape all-GPU against offloaded. Measured call times:
+#   `tests` 75 s; `--only remove_padding` 60 s; SECTIONS=allgpu_static_graphs,allgpu_static_graphs_repeat_kv 30 s;
+#   VARIANTS=all_gpu,offload,offload_both_update STEPS=4 TIMEOUT=150 e2e-ppo3b 180 s (with 4 variants and
+#   STEPS=5, 300 s was not enough for the JSON); VARIANTS=all_gpu,offload STEPS=3 WARMUP=1 e2e-headline 150 s.
+# Next, in priority order: the 7B shape profiled offloaded (PROFILE=1 VARIANTS=offload STEPS=3 WARMUP=1
+# e2e-headline: where gen's 6.3 s goes under 40 GiB), then torch.compile of the decode step (issue 15).
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core 1.3.8, omegaconf 2.3.1 and

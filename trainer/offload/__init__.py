@@ -60,8 +60,9 @@ def update_mode(fsdp_config: FSDPConfig, device: torch.device) -> UpdateMode:
     one, but not under a delayed update, which runs beside the rollout's decoding (on the host's cores it takes
     nothing from the GPU that decodes). It is not "both": the split's own makespan is never longer than either
     path's alone once its estimates are right, but its host share takes the host's cores and memory bandwidth
-    from whatever runs beside it (the other model's update, the main thread's launches, the bus's own DMA), which
-    only a GPU measurement of whole steps can weigh (not made yet)."""
+    from whatever runs beside it (the other model's update, the main thread's launches, the bus's own DMA). Whole
+    PPO steps of a 3B actor and critic on an H200 (2026-12-02) put the two inside each other's noise (4.15 against
+    4.30 s in one run, 5.87 against 5.62 s in another), so the simpler path is the default."""
     if fsdp_config.optimizer_update == "auto":
         return "gpu" if device.type == "cuda" and not fsdp_config.delayed_update else "cpu"
     return fsdp_config.optimizer_update
