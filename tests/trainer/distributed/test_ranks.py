@@ -84,6 +84,11 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+PPO = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "critic.optim.lr=1e-3",
+       "actor_rollout_ref.actor.entropy_coeff=0", "trainer.total_training_steps=2", "trainer.save_freq=1"]
+"""PPO with a critic, 2 steps, a checkpoint after each (conftest.ppo_one_rank runs it once on one rank)."""
+
+
 def step_metrics(run: Path, step: int) -> dict:
     [row] = [row for row in metrics(run) if row["step"] == step]
     return row
@@ -130,19 +135,17 @@ def test_two_ranks_train_the_same_parameters_as_one_on_the_same_global_batch(run
             assert row_two["actor/grad_norm"] == pytest.approx(row_one["actor/grad_norm"], rel=1e-3)
 
 
-def test_ppo_with_a_critic_on_two_ranks_trains_both_models_as_one_rank(tmp_path):
+def test_ppo_with_a_critic_on_two_ranks_trains_both_models_as_one_rank(tmp_path, ppo_one_rank):
     """The critic is sharded too, and GAE's advantages are whitened over both ranks' tokens, as one rank whitens
     its whole batch."""
-    ppo = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "critic.optim.lr=1e-3",
-           "actor_rollout_ref.actor.entropy_coeff=0", "trainer.total_training_steps=2"]
-    for ranks, name in ((1, "one"), (2, "two")):
-        finished = launch(ranks, tmp_path, name, *ppo)
-        assert finished.returncode == 0, finished.stderr[-4000:]
+    finished = launch(2, tmp_path, "two", *PPO)
+    assert finished.returncode == 0, finished.stderr[-4000:]
     for role in ("actor", "critic"):
-        one, two = (actor_weights(tmp_path / name / "checkpoints" / "global_step_2", role) for name in ("one", "two"))
+        one, two = (actor_weights(run / "checkpoints" / "global_step_2", role)
+                    for run in (ppo_one_rank, tmp_path / "two"))
         assert largest_difference(one, two) < TOLERANCE, role
     assert metrics(tmp_path / "two")[1]["critic/advantages/mean"] == pytest.approx(
-        metrics(tmp_path / "one")[1]["critic/advantages/mean"], abs=1e-5)
+        metrics(ppo_one_rank)[1]["critic/advantages/mean"], abs=1e-5)
 
 
 def test_metrics_have_the_same_keys_on_two_ranks_and_only_rank_0_writes_them(runs):

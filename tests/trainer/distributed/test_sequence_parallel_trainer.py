@@ -16,6 +16,7 @@ import pytest
 
 from tests.trainer.distributed.test_ranks import (
     MACHINE_METRICS,
+    PPO,
     TOLERANCE,
     actor_weights,
     largest_difference,
@@ -72,29 +73,26 @@ def test_grpo_with_a_reference_on_two_sequence_parallel_ranks_trains_as_one_rank
 
 
 @pytest.mark.slow
-def test_ppo_with_a_sequence_parallel_critic_and_verl_s_fsdp_config_key_trains_both_models_as_one_rank(tmp_path):
+def test_ppo_with_a_sequence_parallel_critic_and_verl_s_fsdp_config_key_trains_both_models_as_one_rank(
+        tmp_path, ppo_one_rank):
     """verl's newer key (actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size) sets the actor's degree,
     the critic's values and update run on sequence shards too, and sequence_parallel_offload keeps the policy's
     embedding and head shards on the CPU; both models train as on one rank."""
-    ppo = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "critic.optim.lr=1e-3",
-           "actor_rollout_ref.actor.entropy_coeff=0", "trainer.total_training_steps=2", "trainer.save_freq=1"]
-    one = launch(1, tmp_path, "one", *ppo)
-    assert one.returncode == 0, one.stderr[-4000:]
-    two = launch(2, tmp_path, "sp", *ppo, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
+    two = launch(2, tmp_path, "sp", *PPO, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
                  "critic.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.sequence_parallel_offload=true")
     assert two.returncode == 0, two.stderr[-4000:]
     assert ran_on_sequence_shards(two, "actor") and ran_on_sequence_shards(two, "critic")
     assert "actor: 2 ranks shard the model with FSDP2; the embedding, head and norm keep their local shards'" \
         in two.stdout
     for role in ("actor", "critic"):
-        one_weights, two_weights = (actor_weights(tmp_path / name / "checkpoints" / "global_step_2", role)
-                                    for name in ("one", "sp"))
+        one_weights, two_weights = (actor_weights(run / "checkpoints" / "global_step_2", role)
+                                    for run in (ppo_one_rank, tmp_path / "sp"))
         assert largest_difference(one_weights, two_weights) < TOLERANCE, role
     # The comparison can fail: two steps move the critic by far more than the tolerance.
-    assert largest_difference(actor_weights(tmp_path / "one" / "checkpoints" / "global_step_2", "critic"),
-                              actor_weights(tmp_path / "one" / "checkpoints" / "global_step_1", "critic")
+    assert largest_difference(actor_weights(ppo_one_rank / "checkpoints" / "global_step_2", "critic"),
+                              actor_weights(ppo_one_rank / "checkpoints" / "global_step_1", "critic")
                               ) > 100 * TOLERANCE
-    assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "sp"))
+    assert_same_metrics(metrics(ppo_one_rank), metrics(tmp_path / "sp"))
 
 
 def run_config_check(folder: Path, *overrides: str, processes: int = 1) -> subprocess.CompletedProcess:
