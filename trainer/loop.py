@@ -76,7 +76,7 @@ from trainer.models import load_critic, load_policy, load_reward_model, load_tok
 from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
 from trainer.offload import OffloadEngine, offload_message
 from trainer.offload.dynamic import MemoryProbe
-from trainer.randomness import rng_state, seed_everything, set_rng_state
+from trainer.randomness import restore_rank_streams, rng_state, seed_everything
 from trainer.reporting import StepObserver
 from trainer.rewards import resolve_compute_score
 from trainer.rewards.manager import ModelReward, RewardFunction, RuleReward, place_on_last_token
@@ -792,9 +792,8 @@ class Trainer:
         except ValueError as error:
             raise CheckpointError(f"cannot resume from {path}: {error}") from None
         self.kl_controller.load_state_dict(state["kl_controller"])
-        rank_rngs = state.get("rank_rngs")  # written by several ranks; at another world size every rank takes rank 0's
-        set_rng_state(rank_rngs[self.ranks.rank] if rank_rngs is not None and len(rank_rngs) == self.ranks.world_size
-                      else state["rng"])
+        restore_rank_streams(state["rng"], state.get("rank_rngs"), rank=self.ranks.rank, dp_rank=self.ranks.dp_rank,
+                             world_size=self.ranks.world_size, seed=self.config.trainer.seed, step=state["step"])
         self.step = state["step"]
         if self.ranks.is_main:
             self.metrics_log.truncate_after(self.step)

@@ -28,3 +28,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def restore_rank_streams(saved: dict[str, Any], rank_states: list[dict[str, Any]] | None, *, rank: int, dp_rank: int,
+                         world_size: int, seed: int, step: int) -> None:
+    """Set this rank's sampling streams from a checkpoint: its own saved ones when the checkpoint was written by
+    as many ranks (`rank_states`, one per rank); otherwise rank 0's (`saved`) on data-parallel rank 0, and on every
+    other data-parallel rank a stream of its own drawn from (seed, step, its rank), so that at another world size
+    the ranks still sample their prompts independently (the ranks of one sequence-parallel group share a
+    data-parallel rank, and so one stream, as they do from the start)."""
+    if rank_states is not None and len(rank_states) == world_size:
+        set_rng_state(rank_states[rank])
+        return
+    set_rng_state(saved)
+    if dp_rank > 0:
+        seed_everything(int(np.random.SeedSequence([seed, step, dp_rank]).generate_state(1)[0]))
