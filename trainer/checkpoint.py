@@ -160,6 +160,18 @@ _FILE_BYTES = 2 * 4096
 _ZIP_FIXED_BYTES = 4096
 
 
+def _local_shard_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """At least the bytes this rank's part of a model's DCP checkpoint takes: its local shards of the weights
+    (a tied weight once) and of the AdamW states, and a file's overhead for each."""
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's own shard
+
+    weights = {local(tensor).data_ptr(): local(tensor) for tensor in model.state_dict().values()}
+    states = [local(value) for state in optimizer.state.values() for value in state.values()
+              if isinstance(value, torch.Tensor)]
+    return sum(int(tensor.nbytes) for tensor in (*weights.values(), *states)) + 4 * _FILE_BYTES
+
+
 def checkpoint_bytes(models: dict[str, torch.nn.Module], state: dict[str, Any]) -> int:
     """At least the bytes a checkpoint of `models` and `state` takes on disk: each model's tensors
     (safetensors writes a tied weight once) with their headers, the storages `state` holds (torch.save
@@ -406,14 +418,29 @@ def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch
     final = root / f"global_step_{step}"
     partial = root / ranks.broadcast_from_main(f".global_step_{step}.partial-{os.getpid()}")
     failure = None
+    # Every rank's shards go under one folder (rank 0's; on several nodes a shared file system), so their sum
+    # is what the disk must hold; tested before a byte is written, as on one rank.
+    needed = sum(ranks.gather_objects(sum(_local_shard_bytes(model, optimizer) for model, optimizer in models.values())
+                                      + (checkpoint_bytes({}, state) if ranks.is_main else 0)))
     if ranks.is_main:
         try:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
+            free = shutil.disk_usage(root).free
+            if needed > free:
+                raise CheckpointWriteError(
+                    f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: its {ranks.world_size} "
+                    f"ranks' shards need about {format_bytes(needed)} and {format_bytes(free)} is free; free some "
+                    "space, keep fewer checkpoints (trainer.max_ckpt_to_keep) or write the checkpoints elsewhere "
+                    "(trainer.default_local_dir)")
             partial.mkdir()
+        except CheckpointWriteError as error:
+            failure = str(error)
         except OSError as error:
             failure = _one_line(error)
     failure = ranks.broadcast_from_main(failure)
+    if failure is not None and failure.startswith("not enough disk space"):
+        raise CheckpointWriteError(failure)
     if failure is None:
         try:
             for role, (model, optimizer) in models.items():
