@@ -34,8 +34,9 @@
 #   `tests` 75 s; `--only remove_padding` 60 s; SECTIONS=allgpu_static_graphs,allgpu_static_graphs_repeat_kv 30 s;
 #   VARIANTS=all_gpu,offload,offload_both_update STEPS=4 TIMEOUT=150 e2e-ppo3b 180 s (with 4 variants and
 #   STEPS=5, 300 s was not enough for the JSON); VARIANTS=all_gpu,offload STEPS=3 WARMUP=1 e2e-headline 150 s.
-# Next, in priority order: the 7B shape profiled offloaded (PROFILE=1 VARIANTS=offload STEPS=3 WARMUP=1
-# e2e-headline: where gen's 6.3 s goes under 40 GiB), then torch.compile of the decode step (issue 15).
+# PROFILE=1 VARIANTS=offload STEPS=2 WARMUP=1 TIMEOUT=170 e2e-headline: 146 s (gen waits 2.4 s for the actor's
+# update, then decodes at 51 ms a token with layers streamed). Next, in priority order: torch.compile of the
+# decode step (issue 15), then any change to the 7B rollout's wait or streaming, measured with that same command.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core 1.3.8, omegaconf 2.3.1 and
