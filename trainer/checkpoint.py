@@ -74,12 +74,10 @@ def save_checkpoint(root: Path, step: int, models: dict[str, torch.nn.Module], s
     final = root / f"global_step_{step}"
     partial = root / f".global_step_{step}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
-    needed, free = checkpoint_bytes(models, state), shutil.disk_usage(root).free
-    if needed > free:
-        raise CheckpointWriteError(f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: it "
-                                   f"needs about {format_bytes(needed)} and {format_bytes(free)} is free; free some "
-                                   "space, keep fewer checkpoints (trainer.max_ckpt_to_keep) or write the checkpoints "
-                                   "elsewhere (trainer.default_local_dir)")
+    needed = checkpoint_bytes(models, state)
+    shortage = _no_room(root, step, needed, "it needs")
+    if shortage is not None:
+        raise CheckpointWriteError(shortage)
     try:
         partial.mkdir()
         for role, model in models.items():
@@ -133,6 +131,17 @@ def save_weights(root: Path, step: int, model: torch.nn.Module) -> Path:
     except (OSError, RuntimeError) as error:
         raise _write_failure(f"the weights of step {step}", root, partial, needed, error) from None
     return final
+
+
+def _no_room(root: Path, step: int, needed: int, whose: str) -> str | None:
+    """The one-line refusal of a checkpoint of `needed` bytes that the free space in `root` cannot hold, or None;
+    `whose` says what needs the bytes ("it needs", "its 2 ranks' shards need")."""
+    free = shutil.disk_usage(root).free
+    if needed <= free:
+        return None
+    return (f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: {whose} about "
+            f"{format_bytes(needed)} and {format_bytes(free)} is free; free some space, keep fewer checkpoints "
+            "(trainer.max_ckpt_to_keep) or write the checkpoints elsewhere (trainer.default_local_dir)")
 
 
 def _write_failure(what: str, root: Path, partial: Path, needed: int, error: BaseException) -> CheckpointWriteError:
@@ -417,7 +426,7 @@ def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch
     root = Path(root)
     final = root / f"global_step_{step}"
     partial = root / ranks.broadcast_from_main(f".global_step_{step}.partial-{os.getpid()}")
-    failure = None
+    failure = shortage = None
     # Every rank's shards go under one folder (rank 0's; on several nodes a shared file system), so their sum
     # is what the disk must hold; tested before a byte is written, as on one rank.
     needed = sum(ranks.gather_objects(sum(_local_shard_bytes(model, optimizer) for model, optimizer in models.values())
@@ -425,22 +434,15 @@ def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch
     if ranks.is_main:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            free = shutil.disk_usage(root).free
-            if needed > free:
-                raise CheckpointWriteError(
-                    f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: its {ranks.world_size} "
-                    f"ranks' shards need about {format_bytes(needed)} and {format_bytes(free)} is free; free some "
-                    "space, keep fewer checkpoints (trainer.max_ckpt_to_keep) or write the checkpoints elsewhere "
-                    "(trainer.default_local_dir)")
-            partial.mkdir()
-        except CheckpointWriteError as error:
-            failure = str(error)
+            shortage = _no_room(root, step, needed, f"its {ranks.world_size} ranks' shards need")
+            if shortage is None:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir()
         except OSError as error:
             failure = _one_line(error)
-    failure = ranks.broadcast_from_main(failure)
-    if failure is not None and failure.startswith("not enough disk space"):
-        raise CheckpointWriteError(failure)
+    shortage, failure = ranks.broadcast_from_main((shortage, failure))
+    if shortage is not None:
+        raise CheckpointWriteError(shortage)
     if failure is None:
         try:
             for role, (model, optimizer) in models.items():

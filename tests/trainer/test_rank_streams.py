@@ -15,6 +15,12 @@ def saved_states(world_size: int) -> list[dict]:
     return states
 
 
+def first_draws(state: dict) -> torch.Tensor:
+    """What a generator set to `state` draws first."""
+    torch.set_rng_state(state["torch"])
+    return torch.rand(8)
+
+
 def draws(*, rank: int, dp_rank: int, world_size: int, rank_states: list[dict] | None, saved: dict,
           step: int = 2) -> torch.Tensor:
     restore_rank_streams(saved, rank_states, rank=rank, dp_rank=dp_rank, world_size=world_size, seed=7, step=step)
@@ -24,14 +30,13 @@ def draws(*, rank: int, dp_rank: int, world_size: int, rank_states: list[dict] |
 def test_at_the_same_world_size_each_rank_takes_its_own_saved_streams():
     states = saved_states(2)
     for rank in range(2):
-        expected = (torch.set_rng_state(states[rank]["torch"]), torch.rand(8))[1]
         assert torch.equal(draws(rank=rank, dp_rank=rank, world_size=2, rank_states=states, saved=states[0]),
-                           expected)
+                           first_draws(states[rank]))
 
 
 def test_at_another_world_size_the_ranks_sample_independently_and_reproducibly():
     one = saved_states(1)[0]
-    expected_rank_0 = (torch.set_rng_state(one["torch"]), torch.rand(8))[1]
+    expected_rank_0 = first_draws(one)
     # A one-rank checkpoint resumed on 2 ranks (the same holds for 2 ranks' streams on 4: a count that differs).
     rank_0 = draws(rank=0, dp_rank=0, world_size=2, rank_states=None, saved=one)
     rank_1 = draws(rank=1, dp_rank=1, world_size=2, rank_states=None, saved=one)
