@@ -407,7 +407,8 @@ class Bench:
 
             def safe_point() -> None:  # what the memory manager does between decode chunks
                 used, total = probe()
-                layers = ModelLayers("actor", engine.layers_on_gpu, len(engine.transformer_units), engine.layer_bytes)
+                layers = ModelLayers("actor", engine.layers_on_gpu, len(engine.transformer_units), engine.layer_bytes,
+                                     engine.ring_slots)
                 for decision in plan_layers([layers], used=used, total=total, settings=settings).values():
                     engine.set_transformer_layers_on_gpu(decision.layers_on_gpu)
                     torch.cuda.empty_cache()

@@ -193,7 +193,8 @@ class MemoryManager:
             total = len(engine.transformer_units)
             fit = layers_that_fit(probe, threshold=self.settings().gpu_memory_threshold,
                                   layer_bytes=engine.layer_bytes, total_layers=total,
-                                  reserve_bytes=sum(engine.stageable_bytes().values()))
+                                  reserve_bytes=sum(engine.stageable_bytes().values()),
+                                  ring_slots=engine.ring_slots if engine.layers_on_gpu < total else 0)
             engine.set_transformer_layers_on_gpu(fit)
             engine.moves = {"to_cpu": 0, "to_gpu": 0}  # where it starts, not a move
             if engine.layers_on_gpu < total:
@@ -355,8 +356,8 @@ class MemoryManager:
         return self.meter.step_peaks() if isinstance(self.meter, DevicePeakMeter) else None
 
     def _layers(self) -> list[ModelLayers]:
-        return [ModelLayers(engine.role, engine.layers_on_gpu, len(engine.transformer_units), engine.layer_bytes)
-                for engine in self._dynamic]
+        return [ModelLayers(engine.role, engine.layers_on_gpu, len(engine.transformer_units), engine.layer_bytes,
+                            engine.ring_slots) for engine in self._dynamic]
 
     def _move_layers(self, decisions: dict[str, Decision]) -> None:
         for role, decision in decisions.items():

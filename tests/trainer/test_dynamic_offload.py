@@ -174,6 +174,50 @@ def test_a_phase_never_goes_below_the_minimum_and_paused_moves_nothing():
         {"actor": 5, "critic": 5}, False)
 
 
+def test_the_ring_its_streamed_layers_need_counts_so_a_phase_keeps_every_layer_when_that_costs_no_more():
+    """The H200 headline's rollout (issue 14): a 7B actor's 28 layers of 0.43 GB with 3 ring slots, after an update
+    that kept 14 (so 17 slots in use). Counting only the layers, 27 fitted and one layer streamed through a ring slot
+    of its own size: the memory of all 28, and a decode without CUDA graphs (one layer streamed: 28-51 ms a token)."""
+    layer = int(0.4345 * GB)
+    actor = ModelLayers("actor", 14, 28, layer, ring_slots=3)
+
+    def rollout(room_in_layers: float) -> int:
+        """The actor's layers on the GPU for a rollout with room for this many layers' bytes below 0.88."""
+        planner = PhasePlanner()
+        planner.learn("rollout/actor", 2 * GB)
+        rest = 88 * GB - 2 * GB - room_in_layers * layer  # other models, the working memory: the rest of 0.88
+        placed = planner.plan("rollout/actor", "actor", [actor], used=int(rest + actor.device_bytes(14)),
+                              total=100 * GB, settings=settings(gpu_memory_threshold=0.9,
+                                                                min_transformer_layers_on_gpu=0))
+        return placed.counts["actor"]
+
+    assert rollout(28.2) == 28
+    # Room for 27.5 layers: 24 stay (24 layers and 3 ring slots are 27 layers' worth), never 25 to 27.
+    assert rollout(27.5) == 24
+    assert rollout(10) == 7
+
+
+def test_layers_leave_in_numbers_that_free_memory_and_trading_places_with_the_ring_frees_none():
+    layer = GB
+    resident = ModelLayers("actor", 10, 10, layer, ring_slots=3)
+    # 0.5 GB over: one layer streamed takes a ring slot of its size, so it takes four to free one layer's bytes.
+    assert plan([resident], 0.855, gpu_memory_threshold=0.85) == {"actor": 6}
+    assert resident.device_bytes(10) - resident.device_bytes(6) == layer
+    # After an out-of-memory error: half of what the layers above the minimum could free (7 of them: 7 - 3 ring)...
+    from trainer.offload.dynamic import relieve_layers
+    assert relieve_layers([resident], 3) == {"actor": 5}
+    # ... and nothing when they would only trade places with ring slots (then the caller drops kept groups instead).
+    assert relieve_layers([ModelLayers("actor", 3, 3, layer, ring_slots=3)], 0) == {}
+    # The start: every layer streamed, its 3 ring slots in use among 13 GB. Below 20 GB, all 10 layers fit in the ring's
+    # and the 7 more layers' bytes (counting only the layers, 7 stayed and 3 streamed through the same memory)...
+    from trainer.offload.dynamic import layers_that_fit
+    assert layers_that_fit(lambda: (13 * GB, 100 * GB), threshold=0.2, layer_bytes=layer, total_layers=10,
+                           ring_slots=3) == 10
+    # ... and below 18 GB, 5 layers and the ring.
+    assert layers_that_fit(lambda: (13 * GB, 100 * GB), threshold=0.18, layer_bytes=layer, total_layers=10,
+                           ring_slots=3) == 5
+
+
 class Step:
     """A device and a step of four phases, each needing some working memory besides the layers (training
     also the running model's layer gradients), planned the way the memory manager plans them."""
@@ -357,15 +401,16 @@ SHAPE_AND_DYNAMIC_OFFLOAD = {
 
 
 def trainer_whose_threshold_drops(tmp_path, role: str, steps: int):
-    """A tiny PPO run where only `role` has dynamic offload (3 transformer layers, at least 1 on the GPU) on a
-    probed GPU 80% in use; after step 1 the daemon lowers the live threshold from 0.9 to 0.7."""
+    """A tiny PPO run where only `role` has dynamic offload (6 transformer layers, at least 1 on the GPU) on a
+    probed GPU 80% in use; after step 1 the daemon lowers the live threshold from 0.9 to 0.7. (Six: with the
+    engine's three ring slots, a model of three layers frees nothing by streaming two of them.)"""
     from tests.trainer.test_training import TINY, FakeDaemonLink
     from trainer.config import load_config
     from trainer.loop import Trainer
 
     shape, fsdp = SHAPE_AND_DYNAMIC_OFFLOAD[role]
     config = load_config(None, [
-        *TINY, f"{shape}={{num_hidden_layers: 3, hidden_size: 32, intermediate_size: 64}}",
+        *TINY, f"{shape}={{num_hidden_layers: 6, hidden_size: 32, intermediate_size: 64}}",
         f"{fsdp}.dynamic_offload.enabled=true",
         "dynamic_offload={gpu_memory_threshold: 0.9, min_transformer_layers_on_gpu: 1}",
         f"trainer.total_training_steps={steps}", f"trainer.runs_dir={tmp_path}"])
@@ -382,19 +427,19 @@ def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
     trainer.fit()
     rows = trainer.metrics_log.read()
     others = sum(other.layers_on_gpu for other in trainer.memory.engines if other is not engine)
-    assert [row["offload/transformer_layers_on_gpu"] - others for row in rows] == [3, 1, 1]
+    assert [row["offload/transformer_layers_on_gpu"] - others for row in rows] == [6, 1, 1]
     # Each model's own count too: the actor's is the one that moved.
-    assert [row[f"offload/{engine.role}/transformer_layers_on_gpu"] for row in rows] == [3, 1, 1]
+    assert [row[f"offload/{engine.role}/transformer_layers_on_gpu"] for row in rows] == [6, 1, 1]
     assert {key for key in rows[0] if key.endswith("/transformer_layers_on_gpu")} == {
         "offload/transformer_layers_on_gpu", *(f"offload/{other.role}/transformer_layers_on_gpu"
                                                for other in trainer.memory.engines)}
-    assert [row["offload/moves_to_cpu"] for row in rows] == [0, 2, 0]
+    assert [row["offload/moves_to_cpu"] for row in rows] == [0, 5, 0]
     assert [row["offload/moves_to_gpu"] for row in rows] == [0, 0, 0]
     assert all(row["perf/oom_recoveries"] == 0 for row in rows)
     assert engine.layers_on_gpu == 1
     # 10 GB over the threshold and layers of a few KiB: all it may move go at once, down to the minimum.
     assert [line for line in logs if line.startswith("dynamic offload")] == [
-        "dynamic offload: 2 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [actor]"]
+        "dynamic offload: 5 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [actor]"]
     # Each offload message carries the phases' plans, for /v1/status.
     plans = trainer.telemetry.of_type(OffloadMessage)[-1].plans
     assert [plan.phase for plan in plans] == ["rollout/actor", "scoring/actor", "training/actor"]
@@ -407,25 +452,31 @@ def test_a_run_where_only_the_critic_enables_dynamic_offload_moves_the_critics_l
     so a run where only the critic enabled it started paused and never moved a layer."""
     trainer, logs = trainer_whose_threshold_drops(tmp_path, "critic", steps=2)
     trainer.fit()
-    assert [row["offload/critic/transformer_layers_on_gpu"] for row in trainer.metrics_log.read()] == [3, 1]
+    assert [row["offload/critic/transformer_layers_on_gpu"] for row in trainer.metrics_log.read()] == [6, 1]
     assert [line for line in logs if line.startswith("dynamic offload")] == [
-        "dynamic offload: 2 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [critic]"]
+        "dynamic offload: 5 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [critic]"]
+
+
+def layer_slot_bytes(engine) -> int:
+    """Device bytes of an engine's transformer layers: those kept on the device, and the ring slots its streamed
+    layers rotate through."""
+    return (engine.layers_on_gpu + len(engine.streamer.layer_ring)) * engine.layer_bytes
 
 
 class LayerProbe:
-    """A device that holds `base` bytes and the transformer layers the run's dynamic engines keep on it, of
-    `total` (set once the run is built, from its layers' size)."""
+    """A device that holds `base` bytes and the transformer layers the run's dynamic engines keep on it (their ring
+    slots too), of `total` (set once the run is built, from its layers' size)."""
 
     def __init__(self):
         self.base, self.total, self.engines = 0, 1 << 40, []
 
     def __call__(self) -> tuple[int, int]:
-        return self.base + sum(engine.layers_on_gpu * engine.layer_bytes for engine in self.engines), self.total
+        return self.base + sum(layer_slot_bytes(engine) for engine in self.engines), self.total
 
 
 @pytest.mark.parametrize("reference_micro_batch", [16, 4], ids=["one_pass", "four_passes"])
 def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(tmp_path, reference_micro_batch):
-    """GRPO with a reference, both models' layers dynamic, on a device with room for 5 of their 8 layers: the
+    """GRPO with a reference, both models' layers dynamic, on a device with room for 12 of their 16 layers' slots: the
     rollout and the update take the room they need from the reference, the reference's scoring takes the actor's
     when it runs its layers more than once (4 micro-batches of the 16 sequences), else streams what the free room
     does not hold (a layer taken would cost the actor a copy, as much as streaming it once; issue 14: a model used
@@ -435,9 +486,9 @@ def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(t
     from trainer.config import load_config
     from trainer.loop import Trainer
 
-    four = "{num_hidden_layers: 4, hidden_size: 32, intermediate_size: 64}"
+    eight = "{num_hidden_layers: 8, hidden_size: 32, intermediate_size: 64}"
     config = load_config(None, [
-        *TINY, f"actor_rollout_ref.model.override_config={four}", "algorithm.adv_estimator=grpo",
+        *TINY, f"actor_rollout_ref.model.override_config={eight}", "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.rollout.n=2", "critic.enable=false", "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true",
         "actor_rollout_ref.ref.fsdp_config.dynamic_offload.enabled=true",
@@ -451,7 +502,8 @@ def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(t
     assert set(engines) == {"actor", "ref"}
     layer = engines["actor"].layer_bytes
     probe.engines = list(engines.values())
-    probe.base, probe.total = 10 * layer, int(15.5 * layer / 0.9)  # 5.5 layers' room below the threshold
+    # 12 layers' room below the threshold less the planner's margin (0.88 of the device), beside 10 of the rest.
+    probe.base, probe.total = 10 * layer, int(22.01 * layer / 0.88)
     seen: dict[str, list[tuple[int, int]]] = {}
     placed_for = trainer.memory.placed_for
 
@@ -474,16 +526,17 @@ def test_a_grpo_run_gives_each_phase_the_room_of_the_model_it_runs_and_settles(t
     rows = trainer.metrics_log.read()
     assert [row["offload/moves_to_cpu"] + row["offload/moves_to_gpu"] for row in rows][2:] == [0, 0, 0]
     # From the second step on (the first learns) each phase places the same: the model it runs takes what room it may
-    # from the other, which keeps what is left. In the update a layer costs twice (its gradients): 2 of the actor's
-    # fit and the reference gives all of its; the rollout then brings the actor's other 2 back. The reference's
-    # scoring of 4 micro-batches takes 3 of them for its 4; of one micro-batch it gets the free room, 1 layer.
-    # (No reward model: its scoring places nothing.)
+    # from the other, which keeps what is left. A model that streams any layer also holds its 3 ring slots. In the
+    # update a layer costs twice (its gradients): 3 of the actor's fit (6 + its ring 3 + the reference's ring 3 = 12);
+    # the rollout then brings the actor's other 5 back (8 + the reference's ring). The reference's scoring of 4
+    # micro-batches takes the actor's layers for all 8 of its own (the actor keeps 1 and its ring); of one
+    # micro-batch it gets the free room, 1 layer. (No reward model: its scoring places nothing.)
     takes = reference_micro_batch == 4
-    expected = {"rollout/actor": (4, 0), "scoring/reward": (4, 0), "scoring/actor": (4, 0),
-                "scoring/ref": (1, 4) if takes else (4, 1), "training/actor": (2, 0)}
+    expected = {"rollout/actor": (8, 0), "scoring/reward": (8, 0), "scoring/actor": (8, 0),
+                "scoring/ref": (1, 8) if takes else (8, 1), "training/actor": (3, 0)}
     assert {phase: set(counts[1:]) for phase, counts in seen.items()} == {
         phase: {counts} for phase, counts in expected.items()}, seen
-    # Layers copied in a step: 2 (rollout) + 4 (reference) + 1 (update), or 2 + 1 + 0.
-    assert [row["offload/phase_swaps"] for row in rows][2:] == ([7] * 3 if takes else [3] * 3)
+    # Layers copied in a step: 5 (rollout) + 8 (reference) + 2 (update), or 5 + 1 + 0.
+    assert [row["offload/phase_swaps"] for row in rows][2:] == ([15] * 3 if takes else [6] * 3)
     assert [plan.split(":")[0] for plan in trainer.memory.plan_lines()] == [
         "rollout/actor", "scoring/actor", "scoring/ref", "training/actor"]

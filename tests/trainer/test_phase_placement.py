@@ -396,18 +396,20 @@ def test_dynamic_layers_come_to_the_gpu_once_every_model_is_placed_leaving_room_
 
     fsdp = "actor_rollout_ref.actor.fsdp_config"
     config = load_config(None, [
-        *TINY, "actor_rollout_ref.model.override_config={num_hidden_layers: 3, hidden_size: 32, intermediate_size: 64}",
+        *TINY, "actor_rollout_ref.model.override_config={num_hidden_layers: 6, hidden_size: 32, intermediate_size: 64}",
         f"{fsdp}.offload_policy={{embedding: cpu, lm_head: cpu}}", f"{fsdp}.dynamic_offload.enabled=true",
         "trainer.total_training_steps=1", f"trainer.runs_dir={tmp_path}"])
     sizes = {}
 
     class SizedProbe:
-        """Room below the 0.85 threshold for the kept head and embedding and one and a half layers."""
+        """Room below the 0.85 threshold for the kept head and embedding and four and a half layers: one layer and the
+        three ring slots its five streamed ones rotate through fit, two layers and the ring do not. In use: the ring
+        slots the layers stream through while all of them stream."""
 
         def __call__(self):
             if not sizes:
                 return 0, 10**12  # while the models are placed
-            return 0, int((sizes["kept"] + 1.5 * sizes["layer"]) / 0.85)
+            return sizes["ring"], int((sizes["kept"] + 4.5 * sizes["layer"]) / 0.85)
 
     logs = []
     original = MemoryManager.finish_placement
@@ -415,12 +417,13 @@ def test_dynamic_layers_come_to_the_gpu_once_every_model_is_placed_leaving_room_
     def fit_with_sizes(memory):
         [engine] = memory.dynamic_engines
         assert engine.layers_on_gpu == 0 and len(memory.engines) == 2  # the critic is placed too
-        sizes.update(kept=sum(engine.stageable_bytes().values()), layer=engine.layer_bytes)
+        sizes.update(kept=sum(engine.stageable_bytes().values()), layer=engine.layer_bytes,
+                     ring=len(engine.streamer.layer_ring) * engine.layer_bytes)
         original(memory)
 
     monkeypatch.setattr(MemoryManager, "finish_placement", fit_with_sizes)
     trainer = Trainer(config, log=logs.append, memory_probe=SizedProbe())
     [engine] = trainer.memory.dynamic_engines
     assert engine.layers_on_gpu == 1 and engine.moves == {"to_cpu": 0, "to_gpu": 0}
-    assert "dynamic offload: the actor starts with 1 of 3 transformer layers on the GPU (GPU memory threshold " \
+    assert "dynamic offload: the actor starts with 1 of 6 transformer layers on the GPU (GPU memory threshold " \
            "0.85)" in logs

@@ -26,7 +26,6 @@ the engines (OffloadEngine.set_transformer_layers_on_gpu). Two deciders:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -152,15 +151,17 @@ class ProbePeakMeter:
 
 
 def layers_that_fit(probe: MemoryProbe, *, threshold: float, layer_bytes: int, total_layers: int,
-                    reserve_bytes: int = 0) -> int:
+                    reserve_bytes: int = 0, ring_slots: int = 0) -> int:
     """How many transformer layers of `layer_bytes` fit on the device now, below `threshold` of its
     memory with `reserve_bytes` kept free for the rest (activations, the KV cache, staged groups):
-    where a run with dynamic offload starts, so that one the GPU cannot hold whole still starts."""
+    where a run with dynamic offload starts (every layer streamed, through `ring_slots` slots already
+    in use), so that one the GPU cannot hold whole still starts."""
     used, total = probe()
-    room = threshold * total - used - reserve_bytes
     if layer_bytes <= 0:
         return total_layers
-    return max(0, min(total_layers, int(room // layer_bytes)))
+    model = ModelLayers("", 0, total_layers, layer_bytes, ring_slots)
+    room = threshold * total - (used - model.device_bytes(0)) - reserve_bytes
+    return model.most_that_fit(total_layers, layer_bytes, room)
 
 
 USE_ORDER = ("actor", "critic", "ref", "reward")
@@ -178,6 +179,28 @@ class ModelLayers:
     total_layers: int
     layer_bytes: int
     """Device bytes of one transformer layer (what moving one frees or takes)."""
+    ring_slots: int = 0
+    """Device slots of a layer's size that the streamed layers rotate through (the engine's prefetch + 1), held
+    while any layer streams: min(ring_slots, layers streamed) of them. So the last few layers to leave the GPU free
+    nothing (each takes a ring slot of its size), and the last few to come back cost nothing: measured on an H200,
+    a 7B actor's rollout kept 27 of its 28 layers, decoding at 28-51 ms a token with one layer streamed (no CUDA
+    graph while a layer streams), in the memory that holds all 28 (issue 14)."""
+
+    def device_bytes(self, on_gpu: int, per_layer: int | None = None) -> int:
+        """Device bytes of the model's transformer layers with `on_gpu` of them kept on the GPU, each costing
+        `per_layer` there (its weights, by default; in a training phase its gradients too), and the ring slots
+        the streamed rest rotate through."""
+        per_layer = self.layer_bytes if per_layer is None else per_layer
+        return on_gpu * per_layer + min(self.ring_slots, self.total_layers - on_gpu) * self.layer_bytes
+
+    def most_that_fit(self, most: int, per_layer: int, room: float, least: int = 0) -> int:
+        """The most layers on the GPU, from `least` to `most`, whose device bytes (`device_bytes`) fit in `room`.
+        When none does, the most that take no more than `least` do (streaming more would only add ring slots)."""
+        room = max(room, self.device_bytes(least, per_layer))
+        for count in range(most, least, -1):
+            if self.device_bytes(count, per_layer) <= room:
+                return count
+        return least
 
 
 def plan_layers(models: Sequence[ModelLayers], *, used: int, total: int,
@@ -195,7 +218,8 @@ def plan_layers(models: Sequence[ModelLayers], *, used: int, total: int,
     counts = {model.role: model.layers_on_gpu for model in models}
     used += _raise_to_minimum(models, counts, settings.min_transformer_layers_on_gpu)
     if used > threshold * total:
-        _take_off(reversed(_by_use(models)), counts, used - threshold * total, settings.min_transformer_layers_on_gpu)
+        _take_off(list(reversed(_by_use(models))), counts, used - threshold * total,
+                  settings.min_transformer_layers_on_gpu)
     usage = used / total
     return {model.role: Decision(counts[model.role], model.layers_on_gpu, usage, threshold)
             for model in models if counts[model.role] != model.layers_on_gpu}
@@ -207,7 +231,7 @@ def _raise_to_minimum(models: Sequence[ModelLayers], counts: dict[str, int], min
     for model in models:
         floor = min(minimum, model.total_layers)
         if counts[model.role] < floor:
-            added += (floor - counts[model.role]) * model.layer_bytes
+            added += model.device_bytes(floor) - model.device_bytes(counts[model.role])
             counts[model.role] = floor
     return added
 
@@ -216,12 +240,13 @@ def relieve_layers(models: Sequence[ModelLayers], minimum: int) -> dict[str, int
     """After an out-of-memory error: layers worth half the bytes all models keep on the GPU above the
     minimum leave it (at least one layer), from the least used model first. The new layers on the GPU of
     the models that change; none when every model is at its minimum."""
-    spare = sum(max(0, model.layers_on_gpu - min(minimum, model.total_layers)) * max(model.layer_bytes, 1)
-                for model in models)
-    if spare == 0:
+    if all(model.layers_on_gpu <= min(minimum, model.total_layers) for model in models):
         return {}
+    spare = sum(max(0, _freed(model, model.layers_on_gpu, min(minimum, model.total_layers))) for model in models)
+    if spare <= 0:
+        return {}  # the layers above the minimum would only trade places with ring slots
     counts = {model.role: model.layers_on_gpu for model in models}
-    _take_off(reversed(_by_use(models)), counts, spare / 2, minimum)
+    _take_off(list(reversed(_by_use(models))), counts, spare / 2, minimum)
     return {model.role: counts[model.role] for model in models if counts[model.role] != model.layers_on_gpu}
 
 
@@ -236,9 +261,26 @@ def _give_up_to_minimum(models: Iterable[ModelLayers], counts: dict[str, int], m
     for model in models:
         floor = min(minimum, model.total_layers)
         if counts[model.role] > floor:
-            freed += (counts[model.role] - floor) * model.layer_bytes
+            freed += model.device_bytes(counts[model.role]) - model.device_bytes(floor)
             counts[model.role] = floor
     return freed
+
+
+def _freed(model: ModelLayers, before: int, after: int) -> int:
+    """Device bytes freed when the model goes from `before` to `after` layers on the GPU (its ring slots counted);
+    with layers of unknown size, one byte a layer, so that taking layers still frees something."""
+    if model.layer_bytes <= 0:
+        return before - after
+    return model.device_bytes(before) - model.device_bytes(after)
+
+
+def _fewest_to_free(model: ModelLayers, count: int, floor: int, needed: float) -> int:
+    """The fewest layers the model gives (down to `floor`) to free `needed` bytes; all it can when that is too few,
+    none when giving them all frees nothing (they would only trade places with ring slots)."""
+    for given in range(1, count - floor + 1):
+        if _freed(model, count, count - given) >= needed:
+            return given
+    return count - floor if _freed(model, count, floor) > 0 else 0
 
 
 def _take_for(short: float, models: Sequence[ModelLayers], counts: dict[str, int], minimum: int) -> int:
@@ -248,24 +290,27 @@ def _take_for(short: float, models: Sequence[ModelLayers], counts: dict[str, int
     for model in reversed(models):
         if short - taken <= 0:
             break
-        spare = counts[model.role] - min(minimum, model.total_layers)
-        if spare <= 0:
+        count, floor = counts[model.role], min(minimum, model.total_layers)
+        if count <= floor:
             continue
-        layers = min(spare, math.ceil((short - taken) / model.layer_bytes) if model.layer_bytes > 0 else spare)
-        counts[model.role] -= layers
-        taken += layers * model.layer_bytes
+        given = _fewest_to_free(model, count, floor, short - taken) if model.layer_bytes > 0 else count - floor
+        taken += _freed(model, count, count - given) if model.layer_bytes > 0 else 0
+        counts[model.role] -= given
     return taken
 
 
-def _take_off(models: Iterable[ModelLayers], counts: dict[str, int], excess: float, minimum: int) -> None:
+def _take_off(models: Sequence[ModelLayers], counts: dict[str, int], excess: float, minimum: int) -> None:
+    """Layers off the GPU from `models` in their order, down to the minimum, until `excess` bytes are freed (at least
+    one layer; of unknown size, one a model)."""
     for model in models:
-        spare = counts[model.role] - min(minimum, model.total_layers)
-        if spare <= 0:
+        count, floor = counts[model.role], min(minimum, model.total_layers)
+        if count <= floor:
             continue
-        needed = math.ceil(excess / model.layer_bytes) if model.layer_bytes > 0 else 1
-        moved = min(spare, max(1, needed))
-        counts[model.role] -= moved
-        excess -= moved * max(model.layer_bytes, 1)
+        given = _fewest_to_free(model, count, floor, excess) if model.layer_bytes > 0 else 1
+        if given == 0:
+            continue
+        counts[model.role] -= given
+        excess -= _freed(model, count, count - given)
         if excess <= 0:
             return
 
@@ -340,19 +385,21 @@ class PhasePlanner:
         if passes is not None and passes < TAKING_PASSES:
             others = []  # taking a layer would cost more than streaming this one
         run = by_role[running]
-        # Room for the running model's layers: below the threshold less the margin, less the rest.
-        room = (threshold - self.margin) * total - (used - counts[running] * run.layer_bytes) - reserve - (working or 0)
+        # Room for the running model's layers (and the ring its streamed ones need): below the threshold less
+        # the margin, less the rest.
+        room = (threshold - self.margin) * total - (used - run.device_bytes(counts[running])) - reserve - (working or 0)
         if working is None:
             # The phase's first run: what it needs is not known. The models it does not run give their
             # layers (down to the minimum) and the running model keeps what it has; its peak is learned.
             room += _give_up_to_minimum(others, counts, minimum)
             fits = counts[running]
         else:
-            room += _take_for(run.total_layers * cost - room, others, counts, minimum)
+            room += _take_for(run.device_bytes(run.total_layers, cost) - room, others, counts, minimum)
             fits = run.total_layers
+        floor = min(minimum, run.total_layers)
         if cost > 0:
-            fits = min(fits, int(max(room, 0) // cost))
-        counts[running] = max(min(minimum, run.total_layers), min(run.total_layers, fits))
+            fits = run.most_that_fit(fits, cost, room, least=min(floor, fits))
+        counts[running] = max(floor, min(run.total_layers, fits))
         new = last is None or last.counts != counts
         self.plans[phase] = PhasePlan(dict(counts), threshold, learned=working is not None)
         return PlacedPhase(counts, new=new)
@@ -364,7 +411,8 @@ class PhasePlanner:
         with the phase's need, moved to that plan) below the threshold and every model at its minimum."""
         if not last.learned or last.threshold != threshold or set(last.counts) != set(counts):
             return False
-        moved = sum((last.counts[role] - counts[role]) * by_role[role].layer_bytes for role in counts)
+        moved = sum(by_role[role].device_bytes(last.counts[role]) - by_role[role].device_bytes(counts[role])
+                    for role in counts)
         gradients = (cost - by_role[running].layer_bytes) * last.counts[running]
         floors = all(last.counts[role] >= min(minimum, by_role[role].total_layers) for role in counts)
         return used + moved + gradients <= threshold * total and floors

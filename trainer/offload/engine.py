@@ -201,6 +201,11 @@ class OffloadEngine:
         """Device bytes of the largest transformer block (what moving one to the CPU frees, at most)."""
         return self.layout.layer_bytes
 
+    @property
+    def ring_slots(self) -> int:
+        """Device slots of a block's size that streamed transformer blocks rotate through while any streams."""
+        return self.options.prefetch + 1
+
 
 
 
