@@ -47,6 +47,7 @@ from trainer.config.schema import FSDP_PREFIX
 from trainer.config.schema import EmbeddingCache as EmbeddingCacheConfig
 from trainer.errors import RunSetupError
 from trainer.offload import HostMemoryError, OffloadEngine, attach_offload, format_bytes
+from trainer.offload.bus import BusTurns
 from trainer.offload.dynamic import (
     USE_ORDER,
     Decision,
@@ -133,6 +134,7 @@ class MemoryManager:
         self._recoveries = 0  # out-of-memory errors recovered from since the last step's metrics
         self._roles: dict[str, ModelMemory] = {}
         self.embedding_cache: EmbeddingCache | None = None
+        self.bus = BusTurns()  # the models' device updates take turns on the bus, the most used first
 
     # --------------------------------------------------------------------------------- placement
 
@@ -170,6 +172,7 @@ class MemoryManager:
                                 ) from None
         host = engine.host_bytes()
         self._host_pending += host["gradients"] + host["optimizer"]
+        engine.share_bus(self.bus)
         self._engines[role] = engine
         if dynamic.enabled and self.probe is not None:
             self._dynamic.append(engine)
@@ -252,7 +255,9 @@ class MemoryManager:
         # A rollout under a delayed update reads the weights from before the update running meanwhile
         # (fsdp_config.delayed_update); everything it places (layers, kept groups) copies those.
         stale = engine.stale_reads() if engine is not None and phase == "rollout" else contextlib.nullcontext()
-        with stale, self._layers_for_phase(phase, role, passes):
+        # A model's training phase and its updates have the bus before the less used models' updates (bus.py).
+        bus = engine.claiming_bus() if engine is not None and phase == "training" else contextlib.nullcontext()
+        with stale, bus, self._layers_for_phase(phase, role, passes):
             if engine is None or not engine.stageable_bytes() or self.probe is None:
                 yield  # nothing on the CPU to keep, or no GPU to keep it on
                 return

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from trainer.offload.bus import BusTurns
 from trainer.offload.copies import CopyLog, CopyStreams
 from trainer.offload.device_update import DeviceUpdate
 from trainer.offload.embedding_cache import EmbeddingCache
@@ -151,6 +152,8 @@ class OffloadEngine:
         self.update_split = UpdateSplit.guessed(self.device_update.bytes_each_way()) \
             if self.device_update is not None and self.layout.split_update else None
         """With optimizer_update both: which units each step updates on the device and which on the host."""
+        self.bus_turns: BusTurns | None = None
+        """The run's turns on the bus for device updates, across its models (`share_bus`); None: never held."""
         self.update_paths: dict[str, UpdatePath] = {}
         """Where each unit's latest optimizer update went, by unit name."""
         self._update_timings: list[UpdateTiming] = []  # appended by the workers, read once they are drained
@@ -282,8 +285,33 @@ class OffloadEngine:
         worker = self._worker(path)
         unit.ready.clear()
         self.update_paths[unit.name] = path
-        self._update_tasks.append(worker.submit(self._timed(update, path, update_elements(unit)), *args,
-                                                inline=not self.options.pipelined_update))
+        task = self._timed(update, path, update_elements(unit))
+        if path == "device" and self.bus_turns is not None and self.options.pipelined_update:
+            task = self.bus_turns.in_turn(self.role, task)
+        self._update_tasks.append(worker.submit(task, *args, inline=not self.options.pipelined_update))
+
+    def share_bus(self, turns: BusTurns) -> None:
+        """Take turns on the bus with the run's other models (bus.py): this model's device updates wait while a
+        more used model claims it, unless something waits for them."""
+        self.bus_turns = turns
+        for unit in self.units:
+            unit.ready.before_wait = functools.partial(turns.hurry, self.role)
+
+    @contextlib.contextmanager
+    def claiming_bus(self) -> Iterator[None]:
+        """A training phase of this model: the bus is its own (the updates of less used models wait) until the
+        phase's device updates have run."""
+        turns = self.bus_turns
+        if turns is None or self.device_update is None:
+            yield
+            return
+        turns.claim(self.role)
+        try:
+            yield
+        except BaseException:
+            turns.release(self.role)
+            raise
+        self.after_updates(functools.partial(turns.release, self.role), path="device")
 
     def _worker(self, path: UpdatePath) -> HostWorker:
         if path == "host":
@@ -328,6 +356,8 @@ class OffloadEngine:
         """Block until every pending optimizer update has landed, on the host path and on the device path (and
         raise if one failed)."""
         tasks, self._update_tasks = self._update_tasks, []
+        if self.bus_turns is not None and not all(task.done() for task in tasks):
+            self.bus_turns.hurry(self.role)  # this thread waits for them: they may not wait for it
         for task in tasks:
             task.result()
         for unit in self.units:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -143,6 +144,20 @@ class UnitPass:
         return {index for index, _ in self.landed}
 
 
+class UpdateDone(threading.Event):
+    """Set while no optimizer update of a unit runs (Unit.ready). A wait for it that would block first calls
+    `before_wait` (the engine's: let the unit's model's updates cross the bus now, bus.BusTurns.hurry)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_wait: Callable[[], None] | None = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.is_set() and self.before_wait is not None:
+            self.before_wait()
+        return super().wait(timeout)
+
+
 @dataclass(eq=False)
 class Unit:
     """Parameters placed, packed and moved together: the embedding, one transformer block, the norm, the head."""
@@ -182,7 +197,7 @@ class Unit:
     frozen_entries: frozenset[int] = frozenset()
     """The entries that did not train when `frozen_version` was last set."""
     master_version: int = 0
-    ready: threading.Event = field(default_factory=threading.Event)
+    ready: UpdateDone = field(default_factory=UpdateDone)
     """Set while no optimizer update of the unit runs."""
     grads_after_update: str | None = None
     """What zero_grad asked for while the unit's update was still running: "none" or "zero"."""
