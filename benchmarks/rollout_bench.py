@@ -10,9 +10,11 @@ EOS: every variant decodes exactly the same number of steps). ms/step is (genera
 time) / (new tokens - 1), the prefill time being that of a generate of one token; `vs GPU` is the
 all-GPU ms/step over the variant's (its decode throughput relative to all-GPU).
 
-Sections (--only): allgpu, allgpu_static, allgpu_static_graphs, accelerate, fsdp2, ours_layered, ours_phase,
-ours_phase_static, capped (`_static`: the same variant decoded by rollout.decode=static,
-trainer/rollout/static_decode.py, instead of generate; `_graphs`: with its per-token step in CUDA graphs).
+Sections (--only): allgpu, allgpu_static, allgpu_static_graphs, allgpu_static_graphs_unfused,
+allgpu_static_graphs_repeat_kv, accelerate, fsdp2, ours_layered, ours_phase, ours_phase_static, capped (`_static`:
+the same variant decoded by rollout.decode=static, trainer/rollout/static_decode.py, instead of generate; `_graphs`:
+with its per-token step in CUDA graphs; `_unfused`: with transformers' own RMSNorm instead of the fused kernel the
+static decode runs; `_repeat_kv`: with transformers' own SDPA attention instead of trainer/models/attention.py's).
 `capped` runs last: it caps this process's GPU memory below the model's weights, where the all-GPU rollout
 cannot run and the engine's dynamic offload keeps only the layers that fit. Each section writes its rows to
 --out as soon as it finishes; a section that fails records its error and the others still run.
@@ -55,7 +57,8 @@ from trainer.models import attention  # noqa: E402
 from trainer.offload import OffloadOptions, attach_offload  # noqa: E402
 from trainer.rollout.static_decode import Sampling, StaticDecoder  # noqa: E402
 
-SECTIONS = ("allgpu", "allgpu_static", "allgpu_static_graphs", "allgpu_static_graphs_repeat_kv", "accelerate", "fsdp2",
+SECTIONS = ("allgpu", "allgpu_static", "allgpu_static_graphs", "allgpu_static_graphs_unfused",
+            "allgpu_static_graphs_repeat_kv", "accelerate", "fsdp2",
             "ours_layered", "ours_phase", "ours_phase_static", "capped", "static_profile")
 DEFAULT_SECTIONS = SECTIONS[:-1]
 """What a run without --only measures (static_profile is a diagnosis, not a comparison)."""
@@ -219,6 +222,16 @@ class Bench:
         self.warm_up(model, decoder=decoder)
         self.record("allgpu_static_graphs", self.decode(model, decoder=decoder),
                     "the whole model on the GPU, rollout.decode=static with each token's step in a CUDA graph")
+
+    def allgpu_static_graphs_unfused(self) -> None:
+        """allgpu_static_graphs with transformers' own RMSNorm (about seven kernels each) instead of torch's fused
+        one (trainer/rollout/fused_norms.py): against allgpu_static_graphs, what fusing the norms gives."""
+        model = self.build(on_gpu=True)
+        decoder = _static_decoder(model, cuda_graphs=True)
+        decoder.fuse_norms = False
+        self.warm_up(model, decoder=decoder)
+        self.record("allgpu_static_graphs_unfused", self.decode(model, decoder=decoder),
+                    "allgpu_static_graphs with transformers' own RMSNorm forwards (not fused)")
 
     def allgpu_static_graphs_repeat_kv(self) -> None:
         """allgpu_static_graphs with the installed transformers' own SDPA attention, which before its 5.2x

@@ -24,13 +24,14 @@ THRESHOLD = 0.85
 
 class Device:
     """A device's memory as the probe reads it: `base` bytes in use, plus the transformer layers the
-    watched engines keep on it; `total` bytes in all."""
+    watched engines keep on it and the ring slots their streamed layers rotate through; `total` bytes in all."""
 
     def __init__(self, total: int = 10**12, base: int = 0):
         self.total, self.base, self.engines = total, base, []
 
     def __call__(self) -> tuple[int, int]:
-        layers = sum(engine.layers_on_gpu * engine.layer_bytes for engine in self.engines)
+        layers = sum((engine.layers_on_gpu + len(engine.streamer.layer_ring)) * engine.layer_bytes
+                     for engine in self.engines)
         return self.base + layers, self.total
 
 
@@ -44,8 +45,11 @@ class Run:
         self.memory = MemoryManager(torch.device("cpu"), settings=lambda: self.settings, probe=probe,
                                     host_available=host_available, log=self.logs.append, warn=self.logs.append)
 
-    def place(self, role: str, settings: dict):
-        model = self.memory.place(policy(), FSDPConfig.model_validate(settings), role)
+    def place(self, role: str, settings: dict, layers: int = 4):
+        """A tiny policy of `layers` transformer layers placed as `role`. Eight where layers move: with the engine's
+        three ring slots, a model of four frees nothing by streaming fewer than all of them."""
+        model = self.memory.place(policy(override_config={"num_hidden_layers": layers}),
+                                  FSDPConfig.model_validate(settings), role)
         return model, self.memory.engine(role)
 
 
@@ -79,16 +83,17 @@ def test_a_placement_counts_what_the_models_placed_before_it_will_need_on_the_ho
 def test_dynamic_layers_come_to_the_gpu_once_every_model_is_placed_first_placed_first_fitted():
     device = Device()
     run = Run(probe=device)
-    _, actor = run.place("actor", DYNAMIC)
-    _, critic = run.place("critic", DYNAMIC)
+    _, actor = run.place("actor", DYNAMIC, layers=8)
+    _, critic = run.place("critic", DYNAMIC, layers=8)
     assert (actor.layers_on_gpu, critic.layers_on_gpu) == (0, 0)  # streamed while the models are placed
     assert run.memory.dynamic_engines == [actor, critic] and run.memory.moves_layers
-    # Below the threshold: room for five and a half layers.
-    device.total, device.engines = int(5.5 * actor.layer_bytes / THRESHOLD), run.memory.engines
+    # Below the threshold: room for 13 layers' bytes. Each model streams through 3 ring slots while any of its layers
+    # streams: the actor's 8 fit beside the critic's ring, then the critic's 2 and its ring (2 + 3) in the 5 left.
+    device.total, device.engines = int(13.5 * actor.layer_bytes / THRESHOLD), run.memory.engines
     run.memory.finish_placement()
-    assert (actor.layers_on_gpu, critic.layers_on_gpu) == (4, 1)
+    assert (actor.layers_on_gpu, critic.layers_on_gpu) == (8, 2)
     assert actor.moves == critic.moves == {"to_cpu": 0, "to_gpu": 0}  # where they start, not moves
-    assert run.logs == ["dynamic offload: the critic starts with 1 of 4 transformer layers on the GPU "
+    assert run.logs == ["dynamic offload: the critic starts with 2 of 8 transformer layers on the GPU "
                         f"(GPU memory threshold {THRESHOLD})"]
 
 
@@ -132,8 +137,10 @@ def test_a_phase_keeps_groups_within_the_room_below_the_threshold_and_says_so_wh
 
 def test_relief_moves_half_the_layers_above_the_minimum_first_then_drops_the_kept_groups():
     run = Run(probe=Device(), min_transformer_layers_on_gpu=0)
-    _, engine = run.place("actor", {**LAYERED, **DYNAMIC})
+    _, engine = run.place("actor", {**LAYERED, **DYNAMIC}, layers=8)
     run.memory.finish_placement()
+    # Its 8 layers on the GPU take 8 layers' bytes; streamed they would take the 3 ring slots: 5 to free. Half of
+    # that frees 2.5 layers' bytes: 6 layers off (2 on the GPU and 3 ring slots); then half of what is left, twice.
     relieved = []
     with run.memory.placed_for("rollout", "actor"):
         while run.memory.relieve_memory():
@@ -149,8 +156,10 @@ def test_relief_moves_half_the_layers_above_the_minimum_first_then_drops_the_kep
 
 def test_relief_respects_the_live_minimum_and_moves_no_layer_while_dynamic_offload_is_off():
     run = Run(probe=Device(), min_transformer_layers_on_gpu=3)
-    _, engine = run.place("actor", {**LAYERED, **DYNAMIC})
+    _, engine = run.place("actor", {**LAYERED, **DYNAMIC}, layers=8)
     run.memory.finish_placement()
+    # Above the minimum of 3 (and its 3 ring slots), 2 layers' bytes to free: half of them, then the rest.
+    assert run.memory.relieve_memory() and engine.layers_on_gpu == 4
     assert run.memory.relieve_memory() and engine.layers_on_gpu == 3
     assert not run.memory.relieve_memory()  # at the minimum, and no phase keeps groups
     run.settings = run.settings.model_copy(update={"min_transformer_layers_on_gpu": 0,
@@ -236,16 +245,17 @@ class PhaseMeter:
         return self.device()[0] + self.working
 
 
-def phase_run(layers_each: int = 4, total_layers: int = 20, base_layers: int = 2, **settings):
-    """An actor and a critic whose layers move dynamically on a device of `total_layers` layers' bytes."""
-    _, sizing = Run().place("actor", DYNAMIC)
+def phase_run(layers_each: int = 4, total_layers: int = 20, base_layers: int = 2, layers: int = 4, **settings):
+    """An actor and a critic of `layers` transformer layers each, which move dynamically on a device of
+    `total_layers` layers' bytes."""
+    _, sizing = Run().place("actor", DYNAMIC, layers=layers)
     layer = sizing.layer_bytes
     device = Device(total=total_layers * layer, base=base_layers * layer)
     run = Run(probe=device, **settings)
     meter = PhaseMeter(device)
     run.memory.meter = meter
-    _, actor = run.place("actor", DYNAMIC)
-    _, critic = run.place("critic", DYNAMIC)
+    _, actor = run.place("actor", DYNAMIC, layers=layers)
+    _, critic = run.place("critic", DYNAMIC, layers=layers)
     device.engines += [actor, critic]
     actor.set_transformer_layers_on_gpu(layers_each)
     critic.set_transformer_layers_on_gpu(layers_each)
@@ -258,7 +268,7 @@ def test_a_phase_takes_the_room_of_the_models_it_does_not_run_and_then_places_th
     decoded token. The rollout's first run frees the critic's layers (down to the live minimum) and learns what it
     needs; from the second on the actor has every layer that fits. The same plan each step is the phase's
     placement (offload/phase_swaps), not a dynamic-offload move."""
-    run, actor, critic, meter, layer = phase_run(total_layers=14, min_transformer_layers_on_gpu=1)
+    run, actor, critic, meter, layer = phase_run(total_layers=22, layers=8, min_transformer_layers_on_gpu=1)
     moves, swaps = [], []
     for _ in range(4):
         with run.memory.placed_for("rollout", "actor"):
@@ -270,19 +280,20 @@ def test_a_phase_takes_the_room_of_the_models_it_does_not_run_and_then_places_th
         metrics = run.memory.step_metrics()
         moves.append(metrics["offload/moves_to_cpu"] + metrics["offload/moves_to_gpu"])
         swaps.append(metrics["offload/phase_swaps"])
-    # The first step frees the room of the model a phase does not run; the second plans: below 0.85 - 0.02 of 14
-    # layers (11.6), the rollout's 2 besides + 3 working + the critic's 1 leave the actor all its 4; the critic's
-    # training, 2 besides + 2 working + the actor's 1 (the minimum), 3 of its layers at twice their size
-    # (gradients). From then on the same plans: no move, and the 5 layers they bring to the GPU are swaps.
-    assert rollout == (4, 1) and training == (1, 3)
-    assert moves == [6, 5, 0, 0] and swaps == [0, 3, 5, 5], (moves, swaps)
+    # The first step frees the room of the model a phase does not run; the second plans: below 0.85 - 0.02 of 22
+    # layers (18.3), the rollout's 2 besides + 3 working + the critic's 1 and the 3 ring slots its streamed layers
+    # need leave the actor all its 8; the critic's training, 2 besides + 2 working + the actor's 1 (the minimum)
+    # and its ring, 3 of its layers at twice their size (gradients) and its own ring (3 x 2 + 3 = 9). From then on
+    # the same plans: no move, and the 9 layers they bring to the GPU (7 of the actor's, 2 of the critic's) are swaps.
+    assert rollout == (8, 1) and training == (1, 3)
+    assert moves == [6, 16, 0, 0] and swaps == [0, 0, 9, 9], (moves, swaps)
     assert ("placement plan: rollout/actor: actor 4, critic 1 layers on the GPU (working memory not yet learned)"
             in run.logs)
-    assert run.memory.plan_lines()[0].startswith("rollout/actor: actor 4, critic 1 layers on the GPU")
-    assert run.memory.plan_rows()[0] == {"phase": "rollout/actor", "layers_on_gpu": {"actor": 4, "critic": 1},
+    assert run.memory.plan_lines()[0].startswith("rollout/actor: actor 8, critic 1 layers on the GPU")
+    assert run.memory.plan_rows()[0] == {"phase": "rollout/actor", "layers_on_gpu": {"actor": 8, "critic": 1},
                                          "working_bytes": 3 * layer, "threshold": THRESHOLD}
     assert run.memory.summary_lines()[-1].startswith(
-        "dynamic offload: transformer layers on the GPU now: actor 1 of 4, critic 3 of 4. Each phase of a step "
+        "dynamic offload: transformer layers on the GPU now: actor 1 of 8, critic 3 of 8. Each phase of a step "
         "gives them to the model it runs, less what the phase needs besides them, taken from the models it does "
         "not run in this order: critic, actor;")
 
@@ -308,13 +319,13 @@ def test_a_phase_that_runs_out_of_memory_learns_it_and_plans_for_it_next_time():
 
 def test_relief_takes_the_layers_of_the_least_used_model_first():
     run = Run(probe=Device(), min_transformer_layers_on_gpu=0)
-    _, actor = run.place("actor", DYNAMIC)
-    _, critic = run.place("critic", DYNAMIC)
+    _, actor = run.place("actor", DYNAMIC, layers=8)
+    _, critic = run.place("critic", DYNAMIC, layers=8)
     run.memory.finish_placement()
-    assert (actor.layers_on_gpu, critic.layers_on_gpu) == (4, 4)
-    # Half of the 8 layers above the minimum: all four of the critic's, none of the actor's (which the rollout
-    # reads at every decoded token); then half of the actor's four.
-    assert run.memory.relieve_memory() and (actor.layers_on_gpu, critic.layers_on_gpu) == (4, 0)
+    assert (actor.layers_on_gpu, critic.layers_on_gpu) == (8, 8)
+    # Half of the 10 layers' bytes the two could free (each 8 less its ring's 3): all five of the critic's, none of
+    # the actor's (which the rollout reads at every decoded token); then half of the actor's five.
+    assert run.memory.relieve_memory() and (actor.layers_on_gpu, critic.layers_on_gpu) == (8, 0)
     assert run.memory.relieve_memory() and (actor.layers_on_gpu, critic.layers_on_gpu) == (2, 0)
     assert [line for line in run.logs if line.startswith("out of GPU memory")] == [
         "out of GPU memory: critic keeps 0 transformer layers on GPU, retrying",

@@ -253,3 +253,40 @@ def test_the_engine_says_when_a_forward_may_be_captured_and_what_it_reads(tokeni
         assert engine.graph_key() is None  # not on a GPU
     finally:
         engine.close()
+
+
+def test_the_norms_that_compute_rms_norm_run_the_fused_kernel_and_decode_the_same_tokens(tokenizer, policy):
+    """fused_norms.py swaps a norm's forward for torch's F.rms_norm only where the two agree on a random input and
+    weight (checked once per class), and only while decoding on a GPU. On this CPU the swap is forced by naming a
+    GPU device: the greedy tokens are generate's, and the model's own forwards come back afterwards."""
+    from torch import nn
+
+    from trainer.rollout.fused_norms import fused_rms_norms
+
+    norms = [module for module in policy.modules() if type(module).__name__ == "Qwen2RMSNorm"]
+    assert norms
+    with fused_rms_norms(policy, torch.device("cpu")) as swapped:
+        assert swapped == 0  # on the CPU the kernels are the same either way
+    prompt_ids, prompt_mask = prompts(tokenizer)
+    expected = generate(policy, prompt_ids, prompt_mask, eos_ids=[1], pad_id=tokenizer.pad_token_id, new_tokens=12,
+                        do_sample=False)
+    with fused_rms_norms(policy, torch.device("cuda")) as swapped:
+        assert swapped == len(norms) and all("forward" in norm.__dict__ for norm in norms)
+        decoder = StaticDecoder(policy, eos_ids=[1], pad_id=tokenizer.pad_token_id, sampling=Sampling(do_sample=False))
+        assert torch.equal(decoder.generate(prompt_ids, prompt_mask, 12), expected)
+    assert not any("forward" in norm.__dict__ for norm in norms)
+
+    class ScaledByOnePlusWeight(nn.Module):  # Gemma's RMSNorm: 1 + weight, which F.rms_norm does not compute
+        def __init__(self, size: int):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(size))
+            self.eps = 1e-6
+
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            normed = hidden.float() * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            return (normed * (1.0 + self.weight.float())).type_as(hidden)
+
+    ScaledByOnePlusWeight.__name__ = "GemmaLikeRMSNorm"
+    other = nn.Sequential(ScaledByOnePlusWeight(16))
+    with fused_rms_norms(other, torch.device("cuda")) as swapped:
+        assert swapped == 0

@@ -27,6 +27,7 @@ eagerly, or under a new graph).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, StaticCache
+
+from trainer.rollout.fused_norms import fused_rms_norms
 
 SAFE_POINT_EVERY = 8
 """Decoded tokens between two safe points of a rollout (a memory reading each: microseconds)."""
@@ -155,6 +158,10 @@ class StaticDecoder:
         self.safety: GraphSafety = safety or _Resident()
         self.replays = 0
         """Steps the last generate ran as CUDA graph replays (the others ran eagerly)."""
+        self.fuse_norms = True
+        """On a GPU, whether the model's RMSNorms run torch's fused kernel while decoding (fused_norms.py)."""
+        self.fused_norms = 0
+        """How many RMSNorms the last generate ran fused."""
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
@@ -171,6 +178,14 @@ class StaticDecoder:
         if rows == 0 or max_new_tokens == 0:
             self.log_probs = self.log_probs[:, :0]
             return out[:, :0]
+        fused = fused_rms_norms(self.model, device) if self.fuse_norms else contextlib.nullcontext(0)
+        with fused as self.fused_norms:
+            return self._generate(prompt_ids, prompt_mask, max_new_tokens, safe_point, out)
+
+    def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
+                  safe_point: Callable[[], object] | None, out: torch.Tensor) -> torch.Tensor:
+        rows, prompt_length = prompt_ids.shape
+        device = prompt_ids.device
         cache = StaticCache(config=self.model.config, max_cache_len=prompt_length + max_new_tokens)
         # Left padding: a row's first real token is at position 0 (generate's position ids).
         positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
