@@ -4,7 +4,8 @@
 #
 #   benchmarks/gpu_session.sh tests        # every test marked gpu                      (~1 min)
 #   benchmarks/gpu_session.sh rollout      # rollout_bench.py, all sections              (~6 min; SECTIONS=a,b picks some:
-#                                          # allgpu,allgpu_static,allgpu_static_graphs,ours_phase,ours_phase_static
+#                                          # allgpu,allgpu_static,allgpu_static_graphs,allgpu_static_graphs_unfused,
+#                                          # ours_phase,ours_phase_static; BATCH=128 decodes 128 sequences at once
 #                                          # compares the decode paths; SECTIONS=static_profile: where a decode step's device time goes)
 #   benchmarks/gpu_session.sh offload      # offload_bench.py: bandwidth, all-GPU, layered (~2 min)
 #   benchmarks/gpu_session.sh headline     # grpo_headline.py under a 40 GiB cap          (~4 min)
@@ -37,6 +38,16 @@
 # PROFILE=1 VARIANTS=offload STEPS=2 WARMUP=1 TIMEOUT=170 e2e-headline: 146 s (gen waits 2.4 s for the actor's
 # update, then decodes at 51 ms a token with layers streamed). Next, in priority order: torch.compile of the
 # decode step (issue 15), then any change to the 7B rollout's wait or streaming, measured with that same command.
+# Run 2026-12-03 17:10-17:42 (results in benchmarks/results/*2026-12-03T17*, tables in benchmarks/README.md): the
+# ring-aware planner (7B headline 9.06 -> 7.01 s), turns on the bus (3B PPO 4.85 -> 4.20 s), fused RMSNorm in the
+# decode (7B, batch 32: 7.2 ms a token against 8.3; batch 128: 8.2 against 9.9), optimizer_update both (7B 6.69 s
+# against 7.25; 3B slower). Measured call times: VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 e2e-headline plus
+# VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 PROFILE=1 e2e-ppo3b 320 s; `tests` 92 s; three e2e-headline variants
+# and two e2e-ppo3b variants 446 s; BATCH=128 SECTIONS=allgpu_static_graphs,allgpu_static_graphs_unfused rollout 20 s.
+# One start was refused (no machine could be started): it cost about 2 minutes. Every call must install the wheels
+# first (a call without them fails at `import hydra`). Next, in priority order: the delayed update replaying graphs
+# while the update runs (`offload_delayed`), RoPE fused in the decode (`SECTIONS=static_profile rollout` shows it),
+# the world-size-1 check of issue 16 (a run through the distributed path against today's, same shape).
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core 1.3.8, omegaconf 2.3.1 and
@@ -53,8 +64,8 @@ case "${1:-}" in
     files=$(grep -rl --include='*.py' 'pytest.mark.gpu' tests)
     python3 -m pytest -q -p no:cacheprovider -m gpu -rfs $files 2>&1 | tail -60 | tee "$out/gpu_tests.txt" ;;
   rollout)
-    timeout 580 python3 benchmarks/rollout_bench.py ${SECTIONS:+--only $SECTIONS} --out "$out/rollout.json" 2>&1 \
-      | tee "$out/rollout.txt" | tail -30 ;;
+    timeout 580 python3 benchmarks/rollout_bench.py ${SECTIONS:+--only $SECTIONS} ${BATCH:+--batch $BATCH} --out "$out/rollout${BATCH:+-b$BATCH}.json" 2>&1 \
+      | tee "$out/rollout${BATCH:+-b$BATCH}.txt" | tail -30 ;;
   offload)
     timeout 580 python3 benchmarks/offload_bench.py --only bandwidth,allgpu,ours_layered --out "$out/offload.json" ${PROFILE:+--profile "$out/profile"} \
       2>&1 | tee "$out/offload.txt" | tail -30 ;;

@@ -591,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 layers, batch 8, prompt 32, 16 new tokens")
     parser.add_argument("--cap-gib", type=float, help="GPU memory cap of the capped section (default: 12, quick: 3)")
     parser.add_argument("--iters", type=int, help="timed generates per variant (default: 3, quick: 1)")
+    parser.add_argument("--batch", type=int, help="sequences decoded at once (default: 32, quick: 8)")
     args = parser.parse_args(argv)
     sections = chosen_sections(args.only, SECTIONS)
     if sections is None:
@@ -609,6 +610,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ERROR: --iters must be at least 1, got {args.iters}", file=sys.stderr)
             return 2
         plan = dataclasses.replace(plan, iters=args.iters)
+    if args.batch is not None:
+        if args.batch < 1:
+            print(f"ERROR: --batch must be at least 1, got {args.batch}", file=sys.stderr)
+            return 2
+        plan = dataclasses.replace(plan, batch=args.batch)
     torch.manual_seed(0)
     # As the trainer's model loading does: a decoded token attends on the key/value heads on any transformers.
     print("attention: a decoded token on the key/value heads by " +
