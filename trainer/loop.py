@@ -583,7 +583,7 @@ class Trainer:
                                      memory=self._worker_memory(role), sequence_split=self.reference_split,
                                      remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
                                      max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
-                                     else None)
+                                     else None, ranks=self.ranks)
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (less the KL penalty when it is in the reward), then advantages and returns."""

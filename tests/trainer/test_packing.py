@@ -285,3 +285,39 @@ def test_a_budget_too_small_is_reported_in_the_same_round_as_a_schema_error():
                            "actor_rollout_ref.actor.ppo_epochs=zero"])
     assert [line.split(":")[0] for line in str(error.value).splitlines()] == [
         "actor_rollout_ref.actor.ppo_epochs", "critic.ppo_max_token_len_per_gpu"]
+
+
+def test_ranks_agree_on_as_many_token_budget_micro_batches_as_the_rank_that_needs_the_most():
+    """Two ranks in threads, agreeing through a barrier as Ranks.max does through an all-reduce: the same number of
+    agreements on each, as many groups on each, every group within the budget, every sequence once."""
+    import threading
+
+    from trainer.workers.packing import agreed_partitions
+
+    shares = {0: [3, 3, 3, 3, 3, 3], 1: [9, 8, 7, 2, 9, 8]}  # rank 1 needs 5 groups of at most 10 tokens, rank 0 2
+    counts: dict[int, int] = {}
+    barrier = threading.Barrier(2)
+    calls: dict[int, int] = {0: 0, 1: 0}
+    results: dict[int, list[list[int]]] = {}
+
+    def agree(rank: int, count: int) -> int:
+        calls[rank] += 1
+        counts[rank] = count
+        barrier.wait()
+        largest = max(counts.values())
+        barrier.wait()
+        return largest
+
+    threads = [threading.Thread(target=lambda rank=rank: results.__setitem__(
+        rank, agreed_partitions(shares[rank], 10, lambda count: agree(rank, count)))) for rank in shares]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(results[0]) == len(results[1]) == len(token_budget_partitions(shares[1], 10)) == 5
+    assert calls[0] == calls[1]
+    for rank, groups in results.items():
+        assert sorted(index for group in groups for index in group) == list(range(6))
+        assert all(sum(shares[rank][index] for index in group) <= 10 for group in groups)
+    # One rank: the fewest groups, as before.
+    assert len(token_budget_partitions(shares[0], 10)) == 2

@@ -1531,8 +1531,9 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     """What works on one rank only: the project's own offload engine (dynamic offload, delayed updates, bf16 host
-    gradients, where the offloaded update runs, the embedding cache) places whole models, and LoRA, token-budget
-    micro-batches and the static decoder are not built for sharded models."""
+    gradients, where the offloaded update runs, the embedding cache) places whole models, and LoRA and the static
+    decoder are not built for sharded models. (Token-budget micro-batches are: every rank splits its share into as
+    many, packing.plan_micro_batches.)"""
     world = world_size(config)
     why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
     found: list[tuple[str, object, object]] = []
@@ -1547,17 +1548,11 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
         if fsdp.optimizer_update != "auto":  # FSDP2's CPUOffloadPolicy steps the optimizer on the CPU
             found.append((f"{prefix}.optimizer_update", fsdp.optimizer_update, "auto"))
     section = config.actor_rollout_ref
-    model, actor, rollout = section.model, section.actor, section.rollout
+    model, rollout = section.model, section.rollout
     if model.lora_rank:
         found.append(("actor_rollout_ref.model.lora_rank", model.lora_rank, 0))
     if config.use_critic and config.critic.model.lora_rank:
         found.append(("critic.model.lora_rank", config.critic.model.lora_rank, 0))
-    dynamic = [("actor_rollout_ref.actor.use_dynamic_bsz", actor.use_dynamic_bsz),
-               ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", rollout.log_prob_use_dynamic_bsz),
-               ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", section.ref.log_prob_use_dynamic_bsz)]
-    if config.use_critic:
-        dynamic.append(("critic.use_dynamic_bsz", config.critic.use_dynamic_bsz))
-    found += [(key, True, False) for key, value in dynamic if value]
     if rollout.decode == "static":
         found.append(("actor_rollout_ref.rollout.decode", "static", "generate or auto"))
     if rollout.embedding_cache.enabled:

@@ -16,7 +16,7 @@ did before several ranks existed.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +177,12 @@ class Ranks:
 
     def max(self, value: int) -> int:
         return int(self._reduce([float(value)], dist.ReduceOp.MAX)[0])
+
+    @property
+    def count_agreement(self) -> Callable[[int], int] | None:
+        """`max` where there are ranks to agree with (the token budget's micro-batch count, packing.plan_micro_batches);
+        None on one rank."""
+        return self.max if self.distributed else None
 
     def _reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
         if not self.distributed:

@@ -32,13 +32,15 @@ from trainer.workers.sequence_split import SequenceSplit
 @torch.no_grad()
 def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
                       temperature: float, memory: WorkerMemory | None = None, remove_padding: bool = False,
-                      max_token_len: int | None = None, sequence_split: SequenceSplit | None = None) -> torch.Tensor:
+                      max_token_len: int | None = None, sequence_split: SequenceSplit | None = None,
+                      ranks: Ranks | None = None) -> torch.Tensor:
     """[B, R] log-probs of the sampled responses under `model` at the sampling temperature, in micro-batches
-    of `micro_batch_size` sequences or, with `max_token_len`, of at most that many real tokens; with
-    `remove_padding`, each from a padding-free forward; with `sequence_split`, each on this rank's sequence
-    shard (Ulysses). With `memory` (the memory manager's, for `model`), a micro-batch that runs out of device
-    memory is retried or split."""
-    plan = plan_micro_batches(batch, micro_batch_size, max_token_len)
+    of `micro_batch_size` sequences or, with `max_token_len`, of at most that many real tokens (as many on
+    every one of several `ranks`); with `remove_padding`, each from a padding-free forward; with
+    `sequence_split`, each on this rank's sequence shard (Ulysses). With `memory` (the memory manager's, for
+    `model`), a micro-batch that runs out of device memory is retried or split."""
+    plan = plan_micro_batches(batch, micro_batch_size, max_token_len,
+                              agree=ranks.count_agreement if ranks is not None else None)
     arranged = plan.arrange(batch)
 
     def score(first: int, count: int) -> torch.Tensor:
@@ -101,7 +103,7 @@ class Actor:
         return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
                                  temperature=self.temperature, memory=self.memory,
                                  remove_padding=self.remove_padding, max_token_len=self.log_prob_max_token_len,
-                                 sequence_split=self.sequence_split)
+                                 sequence_split=self.sequence_split, ranks=self.ranks)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""

@@ -54,7 +54,8 @@ class Critic:
         """[B, R] values of the states before each response token (micro-batches by token budget with
         critic.use_dynamic_bsz: critic.forward_max_token_len_per_gpu)."""
         plan = plan_micro_batches(batch, self.forward_micro_batch_size,
-                                  self.config.forward_max_token_len_per_gpu if self.config.use_dynamic_bsz else None)
+                                  self.config.forward_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
+                                  agree=self.ranks.count_agreement if self.ranks is not None else None)
         arranged = plan.arrange(batch)
         was_training = self.model.training
         self.model.eval()

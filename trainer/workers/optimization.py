@@ -185,7 +185,8 @@ def accumulate_gradients(
     group's S copies of its gradient onto each rank's positions: the two factors of S cancel, and the average
     is still the global batch's gradient (test_sequence_parallel_trainer.py checks it against one rank).
     """
-    plan = plan_micro_batches(mini_batch, micro_batch_size, max_token_len)
+    plan = plan_micro_batches(mini_batch, micro_batch_size, max_token_len,
+                              agree=ranks.count_agreement if ranks is not None else None)
     arranged = plan.arrange(mini_batch)
     whole = aggregation_weight(mini_batch.response_mask, loss_agg_mode).clamp(min=1)
     if ranks is not None and ranks.distributed:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,12 +111,23 @@ class MicroBatches:
         return results[torch.argsort(self.order).to(results.device)]
 
 
-def plan_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_token_len: int | None) -> MicroBatches:
-    """Micro-batches of `micro_batch_size` sequences in order or, with `max_token_len`, by token budget."""
+AgreeCount = Callable[[int], int]
+"""Every rank's count in, the largest out (Ranks.max): a collective, so every rank calls it as often."""
+
+
+def plan_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_token_len: int | None,
+                       agree: AgreeCount | None = None) -> MicroBatches:
+    """Micro-batches of `micro_batch_size` sequences in order or, with `max_token_len`, by token budget.
+
+    With several ranks (`agree`, the largest of every rank's count), the token budget's micro-batches are as
+    many on every rank: a sharded model's forward and backward are collectives (FSDP2's gathers), and a rank
+    that ran one micro-batch fewer would leave the others waiting for it. Each rank splits its share into the
+    most any rank needs (verl's rearrange_micro_batches does the same over its data-parallel group)."""
     if max_token_len is None:
         return MicroBatches(None, split_into_pieces(len(batch), micro_batch_size))
     lengths = batch.attention_mask.sum(dim=1).tolist()
-    groups = token_budget_partitions(lengths, max_token_len)
+    groups = (token_budget_partitions(lengths, max_token_len) if agree is None
+              else agreed_partitions(lengths, max_token_len, agree))
     pieces, first = [], 0
     for number, group in enumerate(groups):
         pieces.append(Piece(first, len(group), number))
@@ -124,9 +135,23 @@ def plan_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_token_len
     return MicroBatches(torch.tensor([index for group in groups for index in group], dtype=torch.long), pieces)
 
 
-def token_budget_partitions(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices of `lengths` in the fewest balanced groups (from ceil(total / max_tokens) up) whose lengths
-    each sum to at most `max_tokens`; each group's indices ascending, groups by their first index.
+def agreed_partitions(lengths: Sequence[int], max_tokens: int, agree: AgreeCount) -> list[list[int]]:
+    """token_budget_partitions into as many groups on every rank: the most any rank needs. A balanced split
+    into that many can overflow the budget on some rank, which then needs one more; the ranks agree again
+    until none does. Every rank holds as many sequences (the config divides the batches among them), and a
+    rank never needs more groups than sequences, so the count stops there at the latest."""
+    count = len(token_budget_partitions(lengths, max_tokens))
+    while True:
+        agreed = agree(count)
+        groups = token_budget_partitions(lengths, max_tokens, at_least=agreed)
+        count = len(groups)
+        if agree(count) == agreed:  # no rank needed more than was agreed
+            return groups
+
+
+def token_budget_partitions(lengths: Sequence[int], max_tokens: int, at_least: int = 1) -> list[list[int]]:
+    """Indices of `lengths` in the fewest balanced groups (from ceil(total / max_tokens), or `at_least`, up) whose
+    lengths each sum to at most `max_tokens`; each group's indices ascending, groups by their first index.
 
     Balancing is the longest-first greedy (each sequence to the lightest group), written here as verl's
     own Karmarkar-Karp partitioner has no library to take it from; a split that overflows a group tries
@@ -137,7 +162,7 @@ def token_budget_partitions(lengths: Sequence[int], max_tokens: int) -> list[lis
     longest = max(lengths)
     if longest > max_tokens:
         raise TokenBudgetError(f"a token budget of {max_tokens} is smaller than one sequence of {longest} tokens")
-    count = max(1, math.ceil(sum(lengths) / max_tokens))
+    count = min(len(lengths), max(1, at_least, math.ceil(sum(lengths) / max_tokens)))
     while True:
         groups = _balanced_groups(lengths, count)
         if all(sum(lengths[index] for index in group) <= max_tokens for group in groups):

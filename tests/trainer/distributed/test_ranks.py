@@ -232,3 +232,25 @@ def test_a_live_setting_checkpoint_and_stop_apply_at_the_same_step_on_both_ranks
     # Checkpoint-now at the same safe point; rank 1's stop (a signal to it alone) stops both after step 3.
     assert zero["checkpoints"] == one["checkpoints"] == [1, 3]
     assert zero["final_step"] == one["final_step"] == 3
+
+
+DYNAMIC_BATCHES = ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=14",
+                   "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                   "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=14", "critic.use_dynamic_bsz=true",
+                   "critic.ppo_max_token_len_per_gpu=14", "critic.forward_max_token_len_per_gpu=14"]
+"""verl's use_dynamic_bsz with budgets of 14 tokens (a sequence here is at most 8 + 6; these are 9 tokens, or 4 or 5
+when the response ends early): one or two sequences a micro-batch as their lengths allow, so in some mini-batches
+one rank's share needs one micro-batch ([9, 4]) and the other's two ([9, 9])."""
+
+
+def test_token_budget_micro_batches_on_two_ranks_train_as_one_rank(tmp_path, ppo_one_rank):
+    """Each rank splits its share into as many micro-batches as the rank that needs the most (a sharded forward and
+    backward are collectives: a rank one micro-batch short would leave the other waiting). The gradient does not
+    depend on how the batch is split, so both models train as the one-rank run without token budgets."""
+    finished = launch(2, tmp_path, "two", *PPO, *DYNAMIC_BATCHES)
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    for role in ("actor", "critic"):
+        one, two = (actor_weights(run / "checkpoints" / "global_step_2", role)
+                    for run in (ppo_one_rank, tmp_path / "two"))
+        assert largest_difference(one, two) < TOLERANCE, role
