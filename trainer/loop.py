@@ -164,7 +164,8 @@ class Trainer:
         self.rollout = HFRollout(self.actor.model, self.tokenizer, config.actor_rollout_ref.rollout,
                                  config.data.max_response_length,
                                  safe_point=self._rollout_safe_point if self.memory.moves_layers else None,
-                                 graph_safety=self.memory.engine(Role.ACTOR), synced=self.ranks.distributed)
+                                 graph_safety=self.memory.engine(Role.ACTOR), synced=self.ranks.distributed,
+                                 agree_active=self.ranks.count_agreement)
         self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
         self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
         kl = config.algorithm.kl_ctrl
@@ -635,7 +636,7 @@ class Trainer:
         greedy = HFRollout(self.actor.model, self.tokenizer,
                            self.config.actor_rollout_ref.rollout.model_copy(update={"do_sample": False}),
                            self.config.data.max_response_length, graph_safety=self.memory.engine(Role.ACTOR),
-                           synced=self.ranks.distributed)
+                           synced=self.ranks.distributed, agree_active=self.ranks.count_agreement)
         scores: dict[str, list[float]] = {}
         size = self.config.data.val_batch_size or len(self.val_records)  # null: all at once, as verl
         for start in range(0, len(self.val_records), size):

@@ -290,3 +290,29 @@ def test_the_norms_that_compute_rms_norm_run_the_fused_kernel_and_decode_the_sam
     other = nn.Sequential(ScaledByOnePlusWeight(16))
     with fused_rms_norms(other, torch.device("cuda")) as swapped:
         assert swapped == 0
+
+
+def test_a_rank_whose_rows_have_finished_decodes_pads_until_every_ranks_rows_have(tokenizer, policy):
+    """Synced over ranks (agree_active: the largest count of rows still decoding on any rank): the same tokens as
+    alone, and as many forwards as the rank that decodes longest, here one that keeps a row decoding for 12 tokens."""
+    prompt_ids, prompt_mask = prompts(tokenizer)
+    first = StaticDecoder(policy, eos_ids=[1], pad_id=tokenizer.pad_token_id,
+                          sampling=Sampling(do_sample=False)).generate(prompt_ids, prompt_mask, 12)
+    eos_ids = sorted(set(first[:, 2].tolist()))  # every row ends by its third token
+    forwards = []
+    handle = policy.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        results = {}
+        for other_rank_active in (None, 0, 1):
+            forwards.clear()
+            agree = None if other_rank_active is None else (lambda active, other=other_rank_active: max(active, other))
+            decoder = StaticDecoder(policy, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+                                    sampling=Sampling(do_sample=False), agree_active=agree)
+            results[other_rank_active] = (decoder.generate(prompt_ids, prompt_mask, 12), len(forwards))
+    finally:
+        handle.remove()
+    alone, alone_forwards = results[None]
+    assert alone.shape[1] <= 3 and alone_forwards < 12
+    assert torch.equal(results[0][0], alone) and results[0][1] == alone_forwards  # no other rank decoding longer
+    # Another rank still decodes: this one steps as often (the prefill and 11 steps), its tokens the same.
+    assert torch.equal(results[1][0], alone) and results[1][1] == 12

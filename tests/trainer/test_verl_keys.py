@@ -140,8 +140,8 @@ REFUSED: list[tuple[list[str], dict[str, str]]] = [
     (["data.train_max_samples=100"], {"data.train_max_samples": "each data file is read whole"}),
     (["ray_kwargs.ray_init.num_cpus=8"], {"ray_kwargs.ray_init.num_cpus": "there is no Ray here"}),
     (["trainer.nnodes=2"], {"trainer.rdzv_endpoint": "is not set, but trainer.nnodes is 2"}),
-    (["trainer.nnodes=2", "trainer.rdzv_endpoint=node0:29500", f"{ARO}.rollout.decode=static"],
-     {f"{ARO}.rollout.decode": "works on one rank only"}),
+    (["trainer.nnodes=2", "trainer.rdzv_endpoint=node0:29500", f"{ARO}.model.lora_rank=8"],
+     {f"{ARO}.model.lora_rank": "works on one rank only"}),
     (["data.max_prompt_length=1024", f"{ARO}.rollout.prompt_length=512"],
      {f"{ARO}.rollout.prompt_length": "it mirrors data.max_prompt_length; set that; allowed: verl's default 1024"}),
     # a misspelt key is still the schema's unknown key, not one of verl's

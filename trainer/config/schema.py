@@ -1531,9 +1531,9 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     """What works on one rank only: the project's own offload engine (dynamic offload, delayed updates, bf16 host
-    gradients, where the offloaded update runs, the embedding cache) places whole models, and LoRA and the static
-    decoder are not built for sharded models. (Token-budget micro-batches are: every rank splits its share into as
-    many, packing.plan_micro_batches.)"""
+    gradients, where the offloaded update runs, the embedding cache) places whole models, and LoRA is not built for
+    sharded models. (Token-budget micro-batches are: every rank splits its share into as many,
+    packing.plan_micro_batches; and the static decoder: every rank decodes until every rank's rows have finished.)"""
     world = world_size(config)
     why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
     found: list[tuple[str, object, object]] = []
@@ -1553,8 +1553,6 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
         found.append(("actor_rollout_ref.model.lora_rank", model.lora_rank, 0))
     if config.use_critic and config.critic.model.lora_rank:
         found.append(("critic.model.lora_rank", config.critic.model.lora_rank, 0))
-    if rollout.decode == "static":
-        found.append(("actor_rollout_ref.rollout.decode", "static", "generate or auto"))
     if rollout.embedding_cache.enabled:
         found.append(("actor_rollout_ref.rollout.embedding_cache.enabled", True, False))
     return [ConfigProblem(key, f"got {_yaml_value(value)}, which {why}; allowed: {_yaml_value(allowed)}")

@@ -55,7 +55,8 @@ class HFRollout:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
                  response_length: int, *, safe_point: Callable[[], object] | None = None,
-                 graph_safety: GraphSafety | None = None, synced: bool = False):
+                 graph_safety: GraphSafety | None = None, synced: bool = False,
+                 agree_active: Callable[[int], int] | None = None):
         self.model = model
         # A model sharded over several ranks (FSDP2) gathers each layer's shards from all of them in every
         # forward, so every rank must run as many forwards. transformers' synced_gpus keeps a rank whose
@@ -63,6 +64,8 @@ class HFRollout:
         # whole model for the rollout instead would hold every weight on every rank at once: the memory that
         # sharding is there to save.
         self.synced = synced
+        if synced and agree_active is None and config.decode == "static":
+            raise ValueError("a static decode synced over several ranks needs their agreement (agree_active)")
         self.safe_point = safe_point  # called between decode chunks (dynamic offload)
         self.response_length = response_length
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -85,15 +88,17 @@ class HFRollout:
             model, eos_ids=self.eos_ids, pad_id=self.pad_id,
             sampling=Sampling(do_sample=config.do_sample, temperature=config.temperature,
                               top_k=max(config.top_k, 0), top_p=config.top_p),
-            cuda_graphs=not config.enforce_eager, safety=graph_safety)
+            cuda_graphs=not config.enforce_eager, safety=graph_safety, agree_active=agree_active if synced else None)
 
     def _decodes_static(self, device: torch.device) -> bool:
         """rollout.decode: static, or auto on a GPU for a model transformers marks as fit for a static cache and
         a captured step (the flag its own generate reads before compiling one)."""
-        if self.synced:
-            return False  # its captured steps are not synced across ranks (decode=static is refused there)
         if self.decode == "static":
             return True
+        if self.synced:
+            # auto: transformers' generate, synced_gpus (the static decode, synced, captures no graph: on several
+            # GPUs it is not measured against generate yet).
+            return False
         model_class = type(self.model)
         return (device.type == "cuda" and bool(getattr(model_class, "_can_compile_fullgraph", False))
                 and not getattr(model_class, "_is_stateful", False))

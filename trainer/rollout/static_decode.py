@@ -143,8 +143,13 @@ class StaticDecoder:
 
     def __init__(self, model: PreTrainedModel, *, eos_ids: list[int], pad_id: int, sampling: Sampling,
                  compact: bool = True, cuda_graphs: bool = False, safety: GraphSafety | None = None,
-                 check_every: int = CHECK_EVERY):
+                 check_every: int = CHECK_EVERY, agree_active: Callable[[int], int] | None = None):
         self.model, self.sampling, self.compact, self.check_every = model, sampling, compact, check_every
+        self.agree_active = agree_active
+        """With a model sharded over several ranks: every rank's count of rows still decoding in, the largest out
+        (Ranks.max). Each forward gathers the layers' shards from every rank, so every rank decodes until every
+        rank's rows have finished (a rank whose rows have decodes pads meanwhile), and none captures a graph (the
+        gathers are collectives a replay would not redo)."""
         self.eos_ids, self.pad_id = eos_ids, pad_id
         self.bucket_history: list[int] = []
         """The batch sizes the last generate decoded with, in order (the buckets it went through)."""
@@ -202,7 +207,7 @@ class StaticDecoder:
             chosen=_chosen(logits, tokens) if self.keep_log_probs else None)
         self._record(out, state, 0)
         mask_4d = self._full_attention_only()
-        capturable = self.cuda_graphs and device.type == "cuda" and mask_4d
+        capturable = self.cuda_graphs and device.type == "cuda" and mask_4d and self.agree_active is None
         key = self.safety.graph_key() if capturable else None
         pool = torch.cuda.graph_pool_handle() if capturable else None  # one pool: graphs replay one at a time
         graphs: dict[tuple[int, Hashable], torch.cuda.CUDAGraph] = {}
@@ -213,7 +218,7 @@ class StaticDecoder:
         for length in range(2, max_new_tokens + 1):
             if (length - 2) % self.check_every == 0:
                 active = int((~state.done).sum())  # waits for the device: whether to stop, or to shrink the batch
-                if active == 0:
+                if (active if self.agree_active is None else self.agree_active(active)) == 0:
                     length -= 1
                     break
                 if self.compact and len(sizes) > 1 and active <= sizes[1]:

@@ -254,3 +254,17 @@ def test_token_budget_micro_batches_on_two_ranks_train_as_one_rank(tmp_path, ppo
         one, two = (actor_weights(run / "checkpoints" / "global_step_2", role)
                     for run in (ppo_one_rank, tmp_path / "two"))
         assert largest_difference(one, two) < TOLERANCE, role
+
+
+def test_the_static_decode_on_two_ranks_samples_and_trains_as_one_rank(tmp_path, ppo_one_rank):
+    """rollout.decode=static with the actor sharded: each decoded token is a forward that gathers every rank's shards,
+    so every rank decodes until every rank's rows have finished (those whose rows have decode pads). Greedy, the
+    static decode's tokens are generate's: both models train as the one-rank run that decoded with generate."""
+    finished = launch(2, tmp_path, "two", *PPO, "actor_rollout_ref.rollout.decode=static")
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    for role in ("actor", "critic"):
+        one, two = (actor_weights(run / "checkpoints" / "global_step_2", role)
+                    for run in (ppo_one_rank, tmp_path / "two"))
+        assert largest_difference(one, two) < TOLERANCE, role
+    assert [row["response_length/mean"] for row in metrics(tmp_path / "two")] == pytest.approx(
+        [row["response_length/mean"] for row in metrics(ppo_one_rank)])
