@@ -244,23 +244,17 @@ when the response ends early): one or two sequences a micro-batch as their lengt
 one rank's share needs one micro-batch ([9, 4]) and the other's two ([9, 9])."""
 
 
-def test_token_budget_micro_batches_on_two_ranks_train_as_one_rank(tmp_path, ppo_one_rank):
-    """Each rank splits its share into as many micro-batches as the rank that needs the most (a sharded forward and
-    backward are collectives: a rank one micro-batch short would leave the other waiting). The gradient does not
-    depend on how the batch is split, so both models train as the one-rank run without token budgets."""
-    finished = launch(2, tmp_path, "two", *PPO, *DYNAMIC_BATCHES)
-    assert finished.returncode == 0, finished.stderr[-4000:]
-    for role in ("actor", "critic"):
-        one, two = (actor_weights(run / "checkpoints" / "global_step_2", role)
-                    for run in (ppo_one_rank, tmp_path / "two"))
-        assert largest_difference(one, two) < TOLERANCE, role
+def test_token_budget_micro_batches_and_the_static_decode_on_two_ranks_train_as_one_rank(tmp_path, ppo_one_rank):
+    """Two features whose passes are collectives on sharded models, in one launch (starting ranks costs seconds):
 
+    - use_dynamic_bsz: each rank splits its share into as many micro-batches as the rank that needs the most (a
+      rank one micro-batch short would leave the other waiting in its gathers);
+    - rollout.decode=static: each decoded token is a forward that gathers every rank's shards, so every rank decodes
+      until every rank's rows have finished (those whose rows have decode pads).
 
-def test_the_static_decode_on_two_ranks_samples_and_trains_as_one_rank(tmp_path, ppo_one_rank):
-    """rollout.decode=static with the actor sharded: each decoded token is a forward that gathers every rank's shards,
-    so every rank decodes until every rank's rows have finished (those whose rows have decode pads). Greedy, the
-    static decode's tokens are generate's: both models train as the one-rank run that decoded with generate."""
-    finished = launch(2, tmp_path, "two", *PPO, "actor_rollout_ref.rollout.decode=static")
+    The gradient does not depend on how the batch is split, and greedy the static decode's tokens are generate's:
+    both models train as the one-rank run with fixed micro-batches that decoded with generate."""
+    finished = launch(2, tmp_path, "two", *PPO, *DYNAMIC_BATCHES, "actor_rollout_ref.rollout.decode=static")
     assert finished.returncode == 0, finished.stderr[-4000:]
     for role in ("actor", "critic"):
         one, two = (actor_weights(run / "checkpoints" / "global_step_2", role)
