@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -503,14 +504,23 @@ def load_single_into_sharded(path: Path, models: dict[str, tuple[torch.nn.Module
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for role, (model, optimizer) in models.items():
-        weights = path / role / WEIGHTS
+        names = adapter_file_names(model.state_dict())  # LoRA: the model the run trains holds its layers
+        adapted = bool(names) and (path / role / ADAPTER_WEIGHTS).is_file()
+        weights = path / role / (ADAPTER_WEIGHTS if adapted else WEIGHTS)
         if not weights.is_file():
             raise CheckpointError(f"{str(path)!r} has no weights for the {role}")
-        full = _with_tied_names(model, load_file(str(weights)))
-        missing = sorted(set(model.state_dict()) - set(full))
+        if adapted:
+            # A LoRA run's one-rank checkpoint holds the adapter alone (peft's names); the frozen base weights are
+            # the model's own, loaded from its path by every rank before it was sharded.
+            full = {names[name]: tensor for name, tensor in load_file(str(weights)).items() if name in names}
+            wanted = set(names.values())
+        else:
+            full = _with_tied_names(model, load_file(str(weights)))
+            wanted = set(model.state_dict())
+        missing = sorted(wanted - set(full))
         if missing:
             raise CheckpointError(f"the {role} weights in {str(path)!r} do not fit the model (no {missing[0]!r})")
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=not adapted))
         saved = optimizer_states[role]
         if "parameter_names" not in saved:
             raise CheckpointError(f"{str(path)!r} predates the parameter names a resume on several ranks needs; "
@@ -534,6 +544,21 @@ def load_single_into_sharded(path: Path, models: dict[str, tuple[torch.nn.Module
             states[name] = {"step": one["step"].detach().float().cpu(), "exp_avg": shard(one["exp_avg"]),
                             "exp_avg_sq": shard(one["exp_avg_sq"])}
         _set_optimizer_states(model, optimizer, states)
+
+
+def adapter_file_names(names: Iterable[str]) -> dict[str, str]:
+    """Of a model's state-dict `names` (a model that holds a LoRA adapter's layers: the model peft wraps), each
+    adapter tensor's name by its name in the adapter's file: peft saves `base_model.model.<name>` without the
+    adapter's name (`...q_proj.lora_A.weight` for `...q_proj.lora_A.default.weight`, and `...score.weight` for the
+    value head it trains whole, `...score.modules_to_save.default.weight`). Empty for a model without an adapter."""
+    found = {}
+    for name in names:
+        saved = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+        if saved == name:
+            saved = re.sub(r"(\.lora_[A-Za-z_]+)\.[^.]+\.", r"\1.", name)
+        if saved != name:
+            found[f"base_model.model.{saved}"] = name
+    return found
 
 
 def _with_tied_names(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -240,3 +240,28 @@ def test_bad_lora_keys_are_named_all_at_once():
         "effect; allowed: the default (16; leave the key out), or set critic.model.lora_rank (e.g. 8) to train an "
         "adapter",
     ]
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_the_adapter_files_names_map_to_the_models_own(tmp_path, role):
+    """checkpoint.adapter_file_names (what a one-rank LoRA checkpoint resumed on several ranks loads by): every tensor
+    peft saves, the value head it trains whole included, names one of the model's, and nothing else does."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint import adapter_file_names
+    from trainer.models.lora import save_adapter
+
+    tokenizer = load_tokenizer("builtin:tiny-qwen2")
+    build = load_policy if role == "actor" else load_critic
+    model = build("builtin:tiny-qwen2", tokenizer, seed=1, override_config={"num_hidden_layers": 1},
+                  dtype=torch.float32)
+    adapted = apply_lora(model, LoraSettings(rank=4, alpha=8, target_modules="all-linear", exclude_modules=None,
+                                             setting="x"), role=role, seed=1)
+    save_adapter(adapted, tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    names = adapter_file_names(adapted.get_base_model().state_dict())
+    assert sorted(names) == sorted(saved)
+    state = adapted.get_base_model().state_dict()
+    assert all(torch.equal(saved[key], state[name]) for key, name in names.items())
+    assert not adapter_file_names(build("builtin:tiny-qwen2", tokenizer, seed=1, dtype=torch.float32,
+                                        override_config={"num_hidden_layers": 1}).state_dict())

@@ -1531,9 +1531,10 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     """What works on one rank only: the project's own offload engine (dynamic offload, delayed updates, bf16 host
-    gradients, where the offloaded update runs, the embedding cache) places whole models, and LoRA is not built for
-    sharded models. (Token-budget micro-batches are: every rank splits its share into as many,
-    packing.plan_micro_batches; and the static decoder: every rank decodes until every rank's rows have finished.)"""
+    gradients, where the offloaded update runs, the embedding cache) places whole models. (Token-budget
+    micro-batches work on several: every rank splits its share into as many, packing.plan_micro_batches; so does
+    the static decoder: every rank decodes until every rank's rows have finished; and LoRA: FSDP2 shards the model
+    with its adapter's layers.)"""
     world = world_size(config)
     why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
     found: list[tuple[str, object, object]] = []
@@ -1548,12 +1549,7 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
         if fsdp.optimizer_update != "auto":  # FSDP2's CPUOffloadPolicy steps the optimizer on the CPU
             found.append((f"{prefix}.optimizer_update", fsdp.optimizer_update, "auto"))
     section = config.actor_rollout_ref
-    model, rollout = section.model, section.rollout
-    if model.lora_rank:
-        found.append(("actor_rollout_ref.model.lora_rank", model.lora_rank, 0))
-    if config.use_critic and config.critic.model.lora_rank:
-        found.append(("critic.model.lora_rank", config.critic.model.lora_rank, 0))
-    if rollout.embedding_cache.enabled:
+    if section.rollout.embedding_cache.enabled:
         found.append(("actor_rollout_ref.rollout.embedding_cache.enabled", True, False))
     return [ConfigProblem(key, f"got {_yaml_value(value)}, which {why}; allowed: {_yaml_value(allowed)}")
             for key, value, allowed in found]

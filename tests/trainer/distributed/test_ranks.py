@@ -262,3 +262,31 @@ def test_token_budget_micro_batches_and_the_static_decode_on_two_ranks_train_as_
         assert largest_difference(one, two) < TOLERANCE, role
     assert [row["response_length/mean"] for row in metrics(tmp_path / "two")] == pytest.approx(
         [row["response_length/mean"] for row in metrics(ppo_one_rank)])
+
+
+LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.actor.use_kl_loss=true", "trainer.total_training_steps=2", "trainer.save_freq=1"]
+"""GRPO with a LoRA adapter on the actor, its KL loss against the reference policy: the actor with the adapter
+disabled (no second model)."""
+
+
+def test_a_lora_adapter_trains_on_two_ranks_as_on_one_and_resumes_from_a_one_rank_checkpoint(tmp_path):
+    """One rank trains 2 steps (its checkpoints hold the adapter alone, in peft's format); two ranks resume its
+    step-1 checkpoint (every rank loads the adapter into its shards, the base weights being the model's own) and
+    train step 2 on the sharded model: the adapter comes out as the one rank's."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint import adapter_file_names
+
+    finished = launch(1, tmp_path, "one", *LORA)
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    finished = launch(2, tmp_path, "two_from_one", *LORA, "trainer.resume_mode=resume_path",
+                      f"trainer.resume_from_path={tmp_path / 'one' / 'checkpoints' / 'global_step_1'}")
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    assert "resumed from" in finished.stderr + finished.stdout
+    one = load_file(tmp_path / "one" / "checkpoints" / "global_step_2" / "actor" / "adapter_model.safetensors")
+    sharded = actor_weights(tmp_path / "two_from_one" / "checkpoints" / "global_step_2")
+    names = adapter_file_names(sharded)
+    assert sorted(names) == sorted(one) and len(one) == 2 * 7 * 2  # lora_A and lora_B of 7 linears, 2 layers
+    assert max((one[saved] - sharded[name]).abs().max().item() for saved, name in names.items()) < TOLERANCE
+    assert max(one[saved].abs().max().item() for saved in one if "lora_B" in saved) > 0  # the adapter trained
