@@ -309,15 +309,19 @@ def _phase(status: RunStatus, now: float) -> Text:
 
 
 def _rank_lines(ranks: Sequence[RankStatus]) -> list[tuple[str, Text]]:
-    """One row per trainer rank of this node: its GPU, process, step, memory, copies and last word."""
+    """One row per trainer rank of the run this daemon knows (its node's; node 0's: every node's): its node when
+    there are several, its GPU, process, step, memory, copies and last word."""
     if not ranks:
         return [("ranks", Text("none connected yet", style="dim"))]
+    several_nodes = len({rank.node_rank for rank in ranks}) > 1
     lines = []
     for rank in ranks:
+        where = f"node {rank.node_rank} · GPU {rank.local_rank}" if several_nodes else f"GPU {rank.local_rank}"
         if not rank.connected:
-            lines.append((f"rank {rank.rank}", Text(f"GPU {rank.local_rank} · not connected", style="dim")))
+            lines.append((f"rank {rank.rank}", Text(f"{where} · not connected", style="dim")))
             continue
-        text = Text(f"GPU {rank.local_rank} · pid {rank.pid} · step {'-' if rank.step is None else rank.step}")
+        process = f"pid {rank.pid}" if rank.pid is not None else "reported by rank 0"
+        text = Text(f"{where} · {process} · step {'-' if rank.step is None else rank.step}")
         text.append(f" · peak {_gib(rank.gpu_memory_bytes)} GiB" if rank.gpu_memory_bytes is not None else "")
         if rank.copy_latency_mean_s is not None:
             text.append(f" · copies {rank.copy_latency_mean_s * 1e3:.1f} ms")
@@ -435,10 +439,20 @@ def describe_status(status: RunStatus) -> list[str]:
     lines += [f"placement plan: {describe_plan(plan)}" for plan in status.offload.plans]
     if run.world_size > 1:
         where = f"node {run.node_rank} of {run.nnodes}: " if run.nnodes > 1 else ""
-        ranks = ", ".join(f"{rank.rank} (GPU {rank.local_rank}, {'pid ' + str(rank.pid) if rank.connected else 'down'})"
+        ranks = ", ".join(f"{rank.rank} ({_rank_place(rank, run.node_rank)}, {_rank_process(rank)})"
                           for rank in status.ranks) or "none connected yet"
         lines.append(f"ranks: {where}{ranks}; {run.world_size} in the run")
     return lines
+
+
+def _rank_place(rank: RankStatus, node_rank: int) -> str:
+    return f"GPU {rank.local_rank}" if rank.node_rank == node_rank else f"node {rank.node_rank} GPU {rank.local_rank}"
+
+
+def _rank_process(rank: RankStatus) -> str:
+    if not rank.connected:
+        return "down"
+    return f"pid {rank.pid}" if rank.pid is not None else "as rank 0 reports it"
 
 
 def describe_plan(plan: PhasePlanRow) -> str:

@@ -7,6 +7,10 @@ local figures, kept here for /v1/status, the monitor's rows and the advisor's im
 The ranks a node runs are fixed by the config (trainer.node_rank * trainer.n_gpus_per_node on), so the
 table, and the `rank` label of the metrics built from it, has at most trainer.n_gpus_per_node entries;
 a hello from any other rank is refused a place (`admits`).
+
+On a run of several nodes, node 0's daemon also shows the other nodes' ranks: rank 0 gathers every rank's figures
+at each step's end and sends them (RanksMessage, `observe_remote`). Those rows have no process here, and at most
+the run's world size of them are kept.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from trainer.config.messages import OffloadMessage, RankStatus, StepMessage
+from trainer.config.messages import OffloadMessage, RanksMessage, RankStatus, StepMessage
 
 GIB = 1024**3
 MEMORY_KEY = "perf/max_memory_allocated_gb"
@@ -35,9 +39,10 @@ class RankState:
     gpu_memory_bytes: float | None = None
     copy_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=COPY_SAMPLES_KEPT))
 
-    def status(self, now: float) -> RankStatus:
+    def status(self, now: float, node_rank: int) -> RankStatus:
         copies = list(self.copy_seconds)
-        return RankStatus(rank=self.rank, local_rank=self.local_rank, pid=self.pid if self.connected else None,
+        return RankStatus(rank=self.rank, local_rank=self.local_rank, node_rank=node_rank,
+                          pid=self.pid if self.connected else None,
                           connected=self.connected, step=self.step,
                           heard_s_ago=None if self.heard_at is None else max(0.0, now - self.heard_at),
                           gpu_memory_bytes=self.gpu_memory_bytes,
@@ -47,11 +52,15 @@ class RankState:
 class RankTable:
     """The ranks of one node: global ranks `first_rank` .. `first_rank + ranks_per_node - 1`."""
 
-    def __init__(self, *, node_rank: int, ranks_per_node: int, clock: Callable[[], float] = time.time):
+    def __init__(self, *, node_rank: int, ranks_per_node: int, clock: Callable[[], float] = time.time,
+                 world_size: int | None = None):
+        self.node_rank = node_rank
         self.first_rank = node_rank * ranks_per_node
         self.ranks_per_node = ranks_per_node
+        self.world_size = ranks_per_node if world_size is None else world_size
         self._clock = clock
         self._ranks: dict[int, RankState] = {}
+        self._remote: dict[int, tuple[float, RankStatus]] = {}  # other nodes' ranks: when reported, what
 
     def admits(self, rank: int) -> bool:
         return self.first_rank <= rank < self.first_rank + self.ranks_per_node
@@ -85,13 +94,28 @@ class RankTable:
         if state is not None:
             state.copy_seconds.extend(copy.seconds for copy in message.copies)
 
+    def observe_remote(self, message: RanksMessage) -> None:
+        """Rank 0's report of every rank's figures at a step's end: the other nodes' ranks are kept (this node's
+        report themselves)."""
+        now = self._clock()
+        for report in message.ranks:
+            if self.admits(report.rank) or not 0 <= report.rank < self.world_size:
+                continue
+            self._remote[report.rank] = (now, RankStatus(
+                rank=report.rank, local_rank=report.local_rank, node_rank=report.node_rank, pid=None, connected=True,
+                step=report.step, heard_s_ago=0.0, gpu_memory_bytes=report.gpu_memory_bytes, copy_latency_mean_s=None))
+
     def pids(self) -> list[int]:
         """The connected ranks' processes (the GPU sampler's thread asks too: one C-level copy of the entries)."""
         return [state.pid for state in tuple(self._ranks.values()) if state.connected and state.pid is not None]
 
     def statuses(self) -> list[RankStatus]:
+        """This node's ranks, and (node 0) the other nodes' as last reported, by rank."""
         now = self._clock()
-        return [self._ranks[rank].status(now) for rank in sorted(self._ranks)]
+        rows = {rank: state.status(now, self.node_rank) for rank, state in self._ranks.items()}
+        for rank, (reported, status) in self._remote.items():
+            rows[rank] = status.model_copy(update={"heard_s_ago": max(0.0, now - reported)})
+        return [rows[rank] for rank in sorted(rows)]
 
     def local_ranks(self) -> Iterable[tuple[int, int]]:
         """(global rank, local rank) of each rank seen."""

@@ -57,7 +57,7 @@ from api.prometheus import TelemetryMetrics
 from api.schemas import NotControlNodeError, SettingsBody, SettingsRejectedError
 from daemon.gpu import GpuSampler
 from daemon.ipc import MAX_SOCKET_PATH_BYTES, IpcServer, TrainerConnection
-from daemon.ranks import RankTable
+from daemon.ranks import GIB, MEMORY_KEY, RankTable
 from daemon.runtime import (
     RunDirInUse,
     RunLock,
@@ -88,6 +88,7 @@ from trainer.config.messages import (
     PhaseMessage,
     PhasePlanRow,
     Progress,
+    RanksMessage,
     Restarts,
     RunInfo,
     RunStatus,
@@ -195,7 +196,8 @@ class Daemon:
             on_state=self._state_changed, request_trainer_stop=lambda: self._send_down(StopMessage()),
             hang_timeout_s=self.hang_timeout_s, on_hang=self._trainer_hangs)
         self.run_lock = run_lock
-        self.ranks = RankTable(node_rank=config.trainer.node_rank, ranks_per_node=config.trainer.n_gpus_per_node)
+        self.ranks = RankTable(node_rank=config.trainer.node_rank, ranks_per_node=config.trainer.n_gpus_per_node,
+                               world_size=config.trainer.nnodes * config.trainer.n_gpus_per_node)
         self._step_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self._first_signal_at: float | None = None
         self._nvml = nvml
@@ -548,6 +550,9 @@ class Daemon:
                 self.metrics.count_dropped("trainer", message.count)
             case HeartbeatMessage():
                 pass  # a sign of life, counted above
+            case RanksMessage():
+                if connection.rank == 0:  # rank 0 gathers them (several nodes): the other nodes' ranks
+                    self._on_ranks(message)
             case HelloMessage():
                 pass  # only ever the first line, which the IPC server reads itself
 
@@ -563,6 +568,15 @@ class Daemon:
             self._step_seconds.append(step_seconds)
         self.hub.publish("step", message)
         self.metrics.observe_step(message.step, message.metrics)
+
+    def _on_ranks(self, message: RanksMessage) -> None:
+        """The other nodes' ranks, as rank 0 gathered them: in /v1/status (and so the monitor and the advisor) and
+        their peak memory in /metrics under their rank, as this node's ranks' own."""
+        self.ranks.observe_remote(message)
+        for report in message.ranks:
+            if not self.ranks.admits(report.rank) and report.rank < self.ranks.world_size \
+                    and report.gpu_memory_bytes is not None:
+                self.metrics.observe_rank_step(str(report.rank), {MEMORY_KEY: report.gpu_memory_bytes / GIB})
 
     def _on_phase(self, connection: TrainerConnection, message: PhaseMessage) -> None:
         if connection.rank != 0:  # every rank runs the same phases: rank 0's stand for the run

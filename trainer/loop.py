@@ -46,6 +46,8 @@ from trainer.config.messages import (
     HeartbeatMessage,
     Phase,
     PhaseMessage,
+    RankReport,
+    RanksMessage,
     Role,
     SettingsAckMessage,
     SettingsMessage,
@@ -403,6 +405,7 @@ class Trainer:
             return local
         tokens = local.get("perf/total_num_response_tokens", 0.0)
         gathered = self.ranks.gather_objects((local, float(sequences), float(tokens)))
+        self._report_ranks([figures for figures, _, _ in gathered])
         combined = combine_rank_metrics(gathered)
         if self.ranks.sp_size > 1:
             # The ranks of a sequence-parallel group (consecutive ranks) hold the same sequences: counts and other
@@ -410,6 +413,18 @@ class Trainer:
             once = combine_rank_metrics(gathered[::self.ranks.sp_size])
             combined.update({key: value for key, value in once.items() if rank_reduction(key) == "sum"})
         return combined
+
+    def _report_ranks(self, every_rank: list[dict[str, float]]) -> None:
+        """Rank 0 of a run of several nodes: every rank's own figures of the step (gathered for the run-wide metrics
+        already) to node 0's daemon, which shows the other nodes' ranks beside its own (RanksMessage)."""
+        trainer = self.config.trainer
+        if not self.ranks.is_main or trainer.nnodes <= 1 or not every_rank:
+            return
+        reports = [RankReport(rank=rank, local_rank=rank % trainer.n_gpus_per_node,
+                              node_rank=rank // trainer.n_gpus_per_node, step=self.step,
+                              gpu_memory_bytes=_bytes_of_gib(figures.get("perf/max_memory_allocated_gb")))
+                   for rank, figures in enumerate(every_rank)]
+        self._send(RanksMessage(step=self.step, ranks=reports))
 
     def _record_step(self, metrics: dict[str, float], local: dict[str, float] | None = None) -> None:
         """metrics.jsonl, the daemon and every observer (the console) get the step's metrics: rank 0 the
@@ -915,3 +930,7 @@ class Trainer:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _bytes_of_gib(gib: float | None) -> float | None:
+    return None if gib is None or gib != gib else max(0.0, gib) * 2**30

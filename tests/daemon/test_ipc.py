@@ -141,7 +141,7 @@ def test_messages_are_dispatched_bad_lines_skipped_and_down_messages_delivered(s
             assert recorder.invalid == [
                 "not a message of this protocol: input tag 'made_up' found using 'type' does not match any of the "
                 "expected tags: 'hello', 'step', 'phase', 'offload', 'log', 'settings_ack', 'checkpoint', 'dropped', "
-                "'heartbeat'",
+                "'heartbeat', 'ranks'",
                 "not a JSON line (invalid JSON: key must be a string at line 1 column 2)",
                 "bad step message: metrics: field required",
                 "bad phase message: step: input should be a valid integer, unable to parse string as an integer, "

@@ -194,3 +194,31 @@ def test_sigterm_to_the_daemon_stops_every_rank_with_a_checkpoint(tmp_path: Path
     assert asyncio.run(scenario()) == 0
     exits = [event for event in fake_events(tmp_path) if event["event"] == "exit"]
     assert sorted(event["rank"] for event in exits) == [0, 1] and all(event["stopped"] for event in exits)
+
+
+def test_node_0_shows_the_other_nodes_ranks_as_rank_0_reports_them() -> None:
+    """Each rank reports to its own node's daemon; on a run of several nodes rank 0 sends every rank's figures at each
+    step's end, and node 0's table shows the other nodes' ranks beside its own (no process there), by rank."""
+    from daemon.ranks import RankTable
+    from trainer.config.messages import RankReport, RanksMessage
+
+    now = [100.0]
+    table = RankTable(node_rank=0, ranks_per_node=2, world_size=4, clock=lambda: now[0])
+    table.connected(0, local_rank=0, pid=11, step=0)
+    table.connected(1, local_rank=1, pid=12, step=0)
+    reports = [RankReport(rank=rank, local_rank=rank % 2, node_rank=rank // 2, step=5,
+                          gpu_memory_bytes=float(rank) * 2**30) for rank in range(4)]
+    table.observe_remote(RanksMessage(step=5, ranks=[*reports, RankReport(rank=9, local_rank=1, node_rank=4, step=5,
+                                                                          gpu_memory_bytes=None)]))
+    now[0] = 103.0
+    rows = table.statuses()
+    assert [(row.rank, row.node_rank, row.local_rank, row.pid) for row in rows] == [
+        (0, 0, 0, 11), (1, 0, 1, 12), (2, 1, 0, None), (3, 1, 1, None)]  # rank 9 is not of this run
+    assert rows[0].step == 0, "this node's ranks report themselves"
+    assert (rows[3].step, rows[3].gpu_memory_bytes, rows[3].heard_s_ago, rows[3].connected) == (5, 3 * 2**30, 3.0,
+                                                                                                 True)
+    assert table.pids() == [11, 12]  # the GPU sampler watches this node's processes alone
+    # Node 1's daemon: its own ranks only (rank 0 reports to node 0's).
+    other = RankTable(node_rank=1, ranks_per_node=2, world_size=4)
+    other.connected(2, local_rank=0, pid=21, step=5)
+    assert [row.node_rank for row in other.statuses()] == [1]

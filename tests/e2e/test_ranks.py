@@ -97,8 +97,13 @@ def test_two_nodes_on_loopback_train_and_stop_cleanly_and_node_1_points_to_node_
 
     with node(0) as first, node(1) as second:
         first.wait(lambda: current_step(first) >= 2, timeout=180, what="node 0 past step 2")
-        assert [rank["rank"] for rank in connected_ranks(first)] == [0]
-        assert [rank["rank"] for rank in connected_ranks(second)] == [1], "each node's daemon serves its own rank"
+        # Each node's daemon serves its own rank; node 0's shows node 1's too, as rank 0 reports it each step.
+        assert [(rank["rank"], rank["node_rank"], rank["pid"] is not None) for rank in connected_ranks(first)] == [
+            (0, 0, True), (1, 1, False)]
+        assert [rank["rank"] for rank in connected_ranks(second)] == [1]
+        assert connected_ranks(first)[1]["step"] >= 1
+        shown = first.verl("status", "--pid", str(first.process.pid))
+        assert "1 (node 1 GPU 0, as rank 0 reports it)" in shown.stdout, shown.stdout
         assert second.json("/v1/status")["run"]["node_rank"] == 1
 
         refused = second.verl("set", "gpu_memory_threshold=0.7", "--pid", str(second.process.pid))

@@ -186,6 +186,28 @@ class StepMessage(Message):
     time: float = Field(default_factory=epoch_seconds)
 
 
+class RankReport(Message):
+    """One rank's own figures at a step's end (RanksMessage)."""
+
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+    node_rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    gpu_memory_bytes: float | None = Field(ge=0)
+    """Peak device memory torch allocated in that step (its perf/max_memory_allocated_gb)."""
+
+
+class RanksMessage(Message):
+    """Every rank's own figures at a step's end, which rank 0 gathers with the step's metrics, on a run of several
+    nodes: each rank reports to its own node's daemon, so node 0's would otherwise know only node 0's ranks, and a
+    monitor attached there would show a part of the run."""
+
+    type: Literal["ranks"] = "ranks"
+    step: int = Field(ge=0)
+    ranks: list[RankReport]
+    time: float = Field(default_factory=epoch_seconds)
+
+
 class PhaseMessage(Message):
     """The trainer entered a phase."""
 
@@ -260,7 +282,8 @@ class HeartbeatMessage(Message):
 
 
 UpMessage = Annotated[HelloMessage | StepMessage | PhaseMessage | OffloadMessage | LogMessage | SettingsAckMessage
-                      | CheckpointMessage | DroppedMessage | HeartbeatMessage, Field(discriminator="type")]
+                      | CheckpointMessage | DroppedMessage | HeartbeatMessage | RanksMessage,
+                      Field(discriminator="type")]
 """Any message from a trainer to its daemon."""
 
 # --------------------------------------------------------------------------------- down messages
@@ -370,14 +393,17 @@ class OffloadPlacement(Message):
 
 
 class RankStatus(Message):
-    """One trainer rank of this daemon's node, as it last reported."""
+    """One trainer rank, as it last reported: one of this daemon's node or, on node 0's daemon, one of another node
+    (as rank 0 gathered its figures at the last step's end: no process here, and no copy latency)."""
 
     rank: int = Field(ge=0)
     """Its global rank."""
     local_rank: int = Field(ge=0)
-    """Its rank on the node: the local GPU it computes on."""
+    """Its rank on its node: the local GPU it computes on."""
+    node_rank: int = Field(0, ge=0)
+    """The node it runs on (trainer.node_rank of that node's daemon)."""
     pid: int | None
-    """Its process (null: not connected yet in this attempt)."""
+    """Its process (null: not connected yet in this attempt, or on another node)."""
     connected: bool
     step: int | None = Field(ge=0)
     """The last step it completed (null: none reported yet)."""
@@ -399,4 +425,5 @@ class RunStatus(Message):
     telemetry: TelemetryHealth
     offload: OffloadPlacement
     ranks: list[RankStatus] = []
-    """Every trainer rank of this node, by rank (one with rank 0 for a single-process run)."""
+    """Every trainer rank of this node, by rank (one with rank 0 for a single-process run); on node 0's daemon of a
+    run of several nodes, the other nodes' ranks too."""
