@@ -47,7 +47,8 @@
 # One start was refused (no machine could be started): it cost about 2 minutes. Every call must install the wheels
 # first (a call without them fails at `import hydra`). Next, in priority order: the delayed update replaying graphs
 # while the update runs (`offload_delayed`), RoPE fused in the decode (`SECTIONS=static_profile rollout` shows it),
-# the world-size-1 check of issue 16 (a run through the distributed path against today's, same shape).
+# `SECTIONS=capped rollout` (issue 15's 12 GiB decode, not measured since the fused norms and the ring-aware
+# planner), the world-size-1 check of issue 16 (a run through the distributed path against today's, same shape).
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core 1.3.8, omegaconf 2.3.1 and
