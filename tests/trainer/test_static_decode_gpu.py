@@ -13,13 +13,18 @@ from trainer.workers.actor import compute_log_probs
 pytestmark = pytest.mark.gpu
 
 
-def test_the_static_decodes_log_probs_agree_with_the_training_forward_in_bf16():
+def bf16_policy_and_prompts():
+    """A small bf16 policy on the GPU (4 layers, 2 key/value heads) and 32 left-padded prompts there."""
     tokenizer = load_tokenizer("builtin:tiny-qwen2")
     policy = load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.bfloat16, seed=3,
                          override_config={"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
                                           "num_attention_heads": 4, "num_key_value_heads": 2}).cuda().eval()
     prompt_ids, prompt_mask = encode_prompts(["1 2 3", "4", "5 6", "7 8 9 0"] * 8, tokenizer, max_length=8)
-    prompt_ids, prompt_mask = prompt_ids.cuda(), prompt_mask.cuda()
+    return tokenizer, policy, prompt_ids.cuda(), prompt_mask.cuda()
+
+
+def test_the_static_decodes_log_probs_agree_with_the_training_forward_in_bf16():
+    tokenizer, policy, prompt_ids, prompt_mask = bf16_policy_and_prompts()
     decoder = StaticDecoder(policy, eos_ids=[1, 4], pad_id=tokenizer.pad_token_id, sampling=Sampling())
     decoder.keep_log_probs = True
     torch.manual_seed(0)
@@ -116,12 +121,7 @@ def test_a_safe_point_that_moves_layers_drops_the_graphs_it_invalidates():
 def test_the_fused_norms_decode_what_the_models_own_norms_decode():
     """bf16 on the GPU: the fused kernel rounds once where transformers' RMSNorm rounds twice; greedy tokens agree
     on nearly every position and the kept log-probs within bf16's noise."""
-    tokenizer = load_tokenizer("builtin:tiny-qwen2")
-    policy = load_policy("builtin:tiny-qwen2", tokenizer, dtype=torch.bfloat16, seed=3,
-                         override_config={"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
-                                          "num_attention_heads": 4, "num_key_value_heads": 2}).cuda().eval()
-    prompt_ids, prompt_mask = encode_prompts(["1 2 3", "4", "5 6", "7 8 9 0"] * 8, tokenizer, max_length=8)
-    prompt_ids, prompt_mask = prompt_ids.cuda(), prompt_mask.cuda()
+    tokenizer, policy, prompt_ids, prompt_mask = bf16_policy_and_prompts()
     results = {}
     for fuse in (False, True):
         decoder = StaticDecoder(policy, eos_ids=[1], pad_id=tokenizer.pad_token_id, sampling=Sampling(do_sample=False),
