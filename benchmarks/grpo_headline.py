@@ -39,6 +39,7 @@ from benchmarks.offload_bench import GIB, SHAPE, machine, random_bf16  # noqa: E
 from trainer.config import load_config  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.models import load_tokenizer  # noqa: E402
+from trainer.offload.units import UpdateDone  # noqa: E402
 from trainer.rollout.hf_rollout import SAFE_POINT_EVERY  # noqa: E402
 
 REWARD_SHAPE = dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
@@ -93,6 +94,19 @@ class Profile:
         trainer._phase = on_phase
         for engine in trainer.memory.engines:
             self._wrap_engine(engine)
+        bus = trainer.memory.bus
+        wait_turn = bus.wait_turn
+
+        def timed_wait_turn(role: str) -> None:  # a device update held while a more used model has the bus
+            phase, step, started = self.phase, self.trainer.step + 1, time.perf_counter()
+            try:
+                wait_turn(role)
+            finally:
+                waited = time.perf_counter() - started
+                if waited > 1e-4:
+                    self.add(f"{role} update waits for its turn on the bus", waited, phase, step)
+
+        bus.wait_turn = timed_wait_turn
         optimizer = trainer.actor.optimizer
         for method in ("clip_grad_norm_", "step", "zero_grad", "_step_sliced", "_step_groups"):
             if hasattr(optimizer, method):  # the offload optimizer's; a plain one (e2e_bench's fsdp2) has some
@@ -146,19 +160,20 @@ class Profile:
         staging.take = self._timed(staging.take, f"{role} staging ring take")
         profile = self
 
-        class TimedEvent(threading.Event):
+        class TimedEvent(UpdateDone):
             def wait(self, timeout=None):
                 if self.is_set():
                     return True
                 started = time.perf_counter()
                 try:
-                    return super().wait(timeout)
+                    return super().wait(timeout)  # (lets a held update go first, as the unit's own event does)
                 finally:
                     profile.add(f"{role} main waits for an update ({threading.current_thread().name})",
                                 time.perf_counter() - started)
 
         for unit in engine.units:
             event = TimedEvent()
+            event.before_wait = unit.ready.before_wait
             if unit.ready.is_set():
                 event.set()
             unit.ready = event
