@@ -183,6 +183,7 @@ class Trainer:
         self._checkpoint_requested = False
         self._saved_at = 0
         self._summary_sent = False
+        self._decode_memory_logged = 0.0  # GiB the static decode held when the log last said so
         self._heartbeat_at = -math.inf
         self._over_budget_warned = False  # rollout.gpu_memory_utilization leaves no room: said once
         self.stop_requested = threading.Event()
@@ -456,6 +457,7 @@ class Trainer:
             with timer.phase("gen"):
                 batch = self.generate(records)
                 self.memory.end_rollout()
+            metrics.update(self._decode_memory())
             size, reward_errors = len(batch), self.reward_fn.errors
             with timer.phase("reward"), self.memory.placed_for("scoring", Role.REWARD,
                                                                self._passes("scoring", Role.REWARD, size)):
@@ -513,6 +515,20 @@ class Trainer:
                        Role.CRITIC: self.critic.forward_micro_batch_size if self.critic is not None else size,
                        Role.REWARD: config.reward_model.micro_batch_size_per_gpu}[role]
         return math.ceil(size / max(1, micro_batch))
+
+    def _decode_memory(self) -> dict[str, float]:
+        """The static decode's KV cache and CUDA graphs' pool (rollout/kv_cache_gb, rollout/graph_pool_gb), said in
+        the log the first time and when they grow by more than a tenth: device memory the rollout holds besides the
+        weights, which the phase planner counts in the rollout's working memory."""
+        held = self.rollout.decode_memory()
+        if held:
+            total = held["rollout/kv_cache_gb"] + held["rollout/graph_pool_gb"]
+            if total > 1.1 * self._decode_memory_logged:
+                self._decode_memory_logged = total
+                self.log(f"static decode: KV cache {held['rollout/kv_cache_gb']:.2f} GiB, CUDA graphs' pool "
+                         f"{held['rollout/graph_pool_gb']:.2f} GiB on the device beside the weights (the rollout's "
+                         "working memory, which the phase planner learns)")
+        return held
 
     @property
     def offload_engines(self) -> list[OffloadEngine]:

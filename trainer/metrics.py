@@ -296,7 +296,8 @@ def rank_reduction(key: str) -> str:
     if key in _SUMMED or key.endswith("skipped_steps"):
         return "sum"
     if (key.endswith("/max") or key.startswith(("timing_s/", "perf/max_memory_")) or key in (
-            "perf/time_per_step", "perf/cpu_memory_used_gb", "checkpoint/failing")):
+            "perf/time_per_step", "perf/cpu_memory_used_gb", "checkpoint/failing", "rollout/kv_cache_gb",
+            "rollout/graph_pool_gb")):
         return "max"
     if key.endswith("/min"):
         return "min"

@@ -172,16 +172,31 @@ def test_a_training_run_samples_with_the_static_decoder(tmp_path):
     from trainer.config import load_config
     from trainer.loop import Trainer
 
+    logs: list[str] = []
     trainer = Trainer(load_config("examples/quickstart.yaml", [
         f"trainer.runs_dir={tmp_path}", "trainer.device=cpu", "trainer.total_training_steps=2", "trainer.save_freq=-1",
         "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.decode=static",
-    ]), log=lambda *_: None)
+    ]), log=logs.append)
     assert trainer.rollout.decoder is not None
     trainer.fit()
     rows = trainer.metrics_log.read()
     assert [row["step"] for row in rows] == [1, 2]
     assert all(math.isfinite(row["actor/pg_loss"]) and row["response_length/mean"] > 0 for row in rows)
+    # The static cache's bytes are reported each step (and said once in the log): keys and values of every layer
+    # for each row's prompt and response positions, in the model's dtype. No CUDA graph on the CPU.
+    config = trainer.actor.model.config
+    rows_decoded = 16 * trainer.config.actor_rollout_ref.rollout.n
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    positions = trainer.config.data.max_prompt_length + trainer.config.data.max_response_length
+    element = next(trainer.actor.model.parameters()).element_size()
+    per_position = 2 * config.num_hidden_layers * rows_decoded * config.num_key_value_heads * head_dim * element
+    for row in rows:
+        assert row["rollout/graph_pool_gb"] == 0
+        # The cache spans the batch's longest prompt (at most max_prompt_length) and max_response_length.
+        held = row["rollout/kv_cache_gb"] * 2**30 / per_position
+        assert held == int(held) and trainer.config.data.max_response_length < held <= positions, held
+    assert len([line for line in logs if line.startswith("static decode: KV cache")]) == 1
 
 
 def test_the_log_probs_kept_while_sampling_are_the_training_forwards(tokenizer, policy):

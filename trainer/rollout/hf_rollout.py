@@ -84,6 +84,7 @@ class HFRollout:
             use_cache=True,
         )
         self.decode = config.decode
+        self._decoded_static = False  # whether the last generate decoded with the static decoder
         self.decoder = None if config.decode == "generate" else StaticDecoder(
             model, eos_ids=self.eos_ids, pad_id=self.pad_id,
             sampling=Sampling(do_sample=config.do_sample, temperature=config.temperature,
@@ -103,6 +104,15 @@ class HFRollout:
         return (device.type == "cuda" and bool(getattr(model_class, "_can_compile_fullgraph", False))
                 and not getattr(model_class, "_is_stateful", False))
 
+    def decode_memory(self) -> dict[str, float]:
+        """What the last static decode held on the device besides the weights, as step metrics (GB): its KV cache
+        and its CUDA graphs' pool (the phase planner learns them within the rollout's peak); nothing after a
+        generate."""
+        if self.decoder is None or not self._decoded_static:
+            return {}
+        return {"rollout/kv_cache_gb": self.decoder.cache_bytes / 2**30,
+                "rollout/graph_pool_gb": self.decoder.graph_pool_bytes / 2**30}
+
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, P] left-padded prompts -> ([B, R] response ids right-padded, [B, R] response mask)."""
@@ -114,7 +124,8 @@ class HFRollout:
         # call, the model's defaults are transformers' global ones, which change nothing.
         self.model.generation_config = GenerationConfig()
         try:
-            if self.decoder is not None and self._decodes_static(prompt_ids.device):
+            self._decoded_static = self.decoder is not None and self._decodes_static(prompt_ids.device)
+            if self.decoder is not None and self._decoded_static:
                 responses = self.decoder.generate(prompt_ids, prompt_mask, self.response_length, self.safe_point)
             else:
                 stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])

@@ -98,6 +98,14 @@ class Sampling:
         return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
 
 
+def _cache_bytes(cache: StaticCache) -> int:
+    """Device bytes the cache's layers hold (keys and values; a layer the prefill did not reach holds none)."""
+    tensors = [tensor for layer in cache.layers for tensor in (getattr(layer, "keys", None),
+                                                               getattr(layer, "values", None))
+               if isinstance(tensor, torch.Tensor)]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
 def buckets(batch: int) -> list[int]:
     """The batch sizes decoding goes through as sequences finish: the batch, then the powers of two below it."""
     sizes = [batch]
@@ -167,6 +175,10 @@ class StaticDecoder:
         """On a GPU, whether the model's RMSNorms run torch's fused kernel while decoding (fused_norms.py)."""
         self.fused_norms = 0
         """How many RMSNorms the last generate ran fused."""
+        self.cache_bytes = 0
+        """Device bytes of the last generate's static KV cache (keys and values of every layer, allocated whole)."""
+        self.graph_pool_bytes = 0
+        """Device memory the last generate's CUDA graph captures reserved (their private pool)."""
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
@@ -195,6 +207,7 @@ class StaticDecoder:
         # Left padding: a row's first real token is at position 0 (generate's position ids).
         positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         logits = self._forward(prompt_ids, positions, prompt_mask, cache)[:, -1]
+        self.cache_bytes, self.graph_pool_bytes = _cache_bytes(cache), 0  # the prefill allocated the cache
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
         tokens = self.sampling.next_tokens(logits)
         state = _Rows(
@@ -240,8 +253,10 @@ class StaticDecoder:
                 # Recorded, not run: the replay runs this token's step. thread_local: the offload engines' workers go
                 # on meanwhile (another model's update on the GPU, page-locking its states), and under the default
                 # ("global") a CUDA call of theirs that is unsafe during a capture would invalidate this one.
+                reserved = torch.cuda.memory_reserved(device)
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self._step(state, cache, eos, mask_4d=True)
+                self.graph_pool_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)
             if graph is not None:
                 graph.replay()
                 self.safety.replayed()
