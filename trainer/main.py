@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -182,6 +183,8 @@ def _report_user_error(error: BaseException, reporter, telemetry, *, log_path: P
         reporter.close()  # the progress bar off the terminal before the line goes there
     if prints:  # with several ranks, rank 0's line stands for all of them (each one's log has its own)
         print(f"ERROR: {message}", file=sys.stderr, flush=True)
+    elif not _is_rank_zero():
+        time.sleep(RANK_ZERO_FIRST_S)  # rank 0's line first (_report_errors)
     if telemetry is not None:
         from trainer.config.messages import LogMessage
 
@@ -189,7 +192,14 @@ def _report_user_error(error: BaseException, reporter, telemetry, *, log_path: P
     return EXIT_USAGE
 
 
+RANK_ZERO_FIRST_S = 3.0
+"""How long a rank other than 0 waits before it exits on an error that rank 0 reports: torchrun stops the group at
+the first rank's exit, and under load a silent rank could exit (and rank 0 be stopped) before rank 0's line is out."""
+
+
 def _report_errors(messages: Sequence[str]) -> int:
     for message in messages:
-        print(f"ERROR: {message}", file=sys.stderr)
+        print(f"ERROR: {message}", file=sys.stderr, flush=True)
+    if not messages and not _is_rank_zero():
+        time.sleep(RANK_ZERO_FIRST_S)
     return EXIT_USAGE
