@@ -280,7 +280,7 @@ class MemoryManager:
         training = phase == "training"
         used, total = self.probe()
         placed = self.planner.plan(key, role, self._layers(), used=used, total=total, settings=settings,
-                                   reserve=sum(running.stageable_bytes().values()), training=training,
+                                   reserve=sum(running.stageable_bytes(phase).values()), training=training,
                                    passes=passes)
         self._place_layers(key, placed)
         measured = _RunningPhase(key, running, training, start=self.probe()[0], total=total)

@@ -164,6 +164,21 @@ def test_a_phase_keeps_its_plan_while_it_fits_and_plans_again_when_it_does_not()
                  min_transformer_layers_on_gpu=0) == ({"actor": 40, "critic": 26}, True)
 
 
+def test_the_groups_a_phase_keeps_count_once_its_working_memory_is_learned():
+    """A phase's working memory is measured from its start, before it keeps its head and embedding on the GPU, so the
+    learned figure holds them: the plan subtracts it alone, not the kept groups (`reserve`) on top. Unlearned, the
+    kept groups are what the plan reserves."""
+    models = [layers("actor", 0, 40, GB), layers("critic", 40, 40, GB)]
+    first = place(PhasePlanner(), "rollout/actor", "actor", models, 50, reserve_gb=3, gpu_memory_threshold=0.9,
+                  min_transformer_layers_on_gpu=0)[0]
+    assert first == {"actor": 0, "critic": 0}  # the first run frees the room; what it needs is learned
+    planner = PhasePlanner()
+    planner.learn("rollout/actor", 5 * GB)  # 3 GB of kept groups and 2 of the decode's own
+    # 88 GB less 10 of the rest, 40 of the critic's and 5 of working memory: 33 for the actor's 40; the critic gives 7.
+    assert place(planner, "rollout/actor", "actor", models, 50, reserve_gb=3, gpu_memory_threshold=0.9,
+                 min_transformer_layers_on_gpu=0)[0] == {"actor": 40, "critic": 33}
+
+
 def test_a_phase_never_goes_below_the_minimum_and_paused_moves_nothing():
     planner = PhasePlanner()
     planner.learn("rollout/actor", 95 * GB)

@@ -152,6 +152,19 @@ def test_groups_on_the_gpu_have_nothing_to_keep_and_a_bad_phase_is_refused():
             pass
 
 
+def test_what_each_phase_may_keep_is_what_the_planner_reserves_for_it():
+    """The phase planner reserves, for a phase whose working memory it has not learned yet, the groups that phase may
+    keep: the head and the embedding in a no-grad phase, the head alone in training (its embedding's gradient rows
+    come from the CPU gather)."""
+    engine = offloaded(policy(), LAYERED)
+    every = engine.stageable_bytes()
+    assert set(every) == {"embedding", "lm_head"}
+    assert engine.stageable_bytes("rollout") == engine.stageable_bytes("scoring") == every
+    assert engine.stageable_bytes("training") == {"lm_head": every["lm_head"]}
+    with engine.placed_for("training") as kept:
+        assert kept == ["lm_head"]
+
+
 def test_a_tied_model_keeps_its_one_table():
     reference = policy(override_config={"num_hidden_layers": 2, "tie_word_embeddings": True}).eval()
     model = policy(override_config={"num_hidden_layers": 2, "tie_word_embeddings": True}).eval()

@@ -360,7 +360,9 @@ class PhasePlanner:
              settings: DynamicSettings, reserve: int = 0, training: bool = False,
              passes: int | None = None) -> PlacedPhase:
         """The layers on the GPU of each of `models` for `phase`, which runs the model `running`; `used`
-        of `total` bytes are in use now, `reserve` more will be (the groups the phase keeps on the GPU).
+        of `total` bytes are in use now, `reserve` more will be (the groups the phase keeps on the GPU) until
+        the phase's working memory is learned: that is measured from the phase's start, before it keeps them,
+        so it holds them already (counted twice: 2 GiB of the 7B headline's update, two layers with their gradients).
         In a training phase each of the running model's layers on the GPU also holds its gradients.
 
         `passes`: how many times the phase runs each of its model's layers (the decoded tokens, the
@@ -377,8 +379,9 @@ class PhasePlanner:
         by_role = {model.role: model for model in models}
         cost = layer_cost(by_role[running], training)
         working = self.working.get(phase)
+        besides = reserve if working is None else working  # what the phase needs beside the layers
         last = self.plans.get(phase)
-        if last is not None and self._still_fits(last, by_role, counts, running, used=used + reserve + (working or 0),
+        if last is not None and self._still_fits(last, by_role, counts, running, used=used + besides,
                                                  total=total, threshold=threshold, minimum=minimum, cost=cost):
             return PlacedPhase(dict(last.counts), new=False)  # the plan still fits: keep it (steady state)
         others = [model for model in _by_use(models) if model.role != running]
@@ -387,7 +390,7 @@ class PhasePlanner:
         run = by_role[running]
         # Room for the running model's layers (and the ring its streamed ones need): below the threshold less
         # the margin, less the rest.
-        room = (threshold - self.margin) * total - (used - run.device_bytes(counts[running])) - reserve - (working or 0)
+        room = (threshold - self.margin) * total - (used - run.device_bytes(counts[running])) - besides
         if working is None:
             # The phase's first run: what it needs is not known. The models it does not run give their
             # layers (down to the minimum) and the running model keeps what it has; its peak is learned.

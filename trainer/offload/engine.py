@@ -416,9 +416,10 @@ class OffloadEngine:
     def phase(self) -> str:
         return str(self.staging.phase)
 
-    def stageable_bytes(self) -> dict[str, int]:
-        """The CPU-resident groups a no-grad phase may copy whole to the device (Layout.stageable_bytes)."""
-        return self.layout.stageable_bytes()
+    def stageable_bytes(self, phase: str | None = None) -> dict[str, int]:
+        """The CPU-resident groups a no-grad phase may copy whole to the device (Layout.stageable_bytes); of those,
+        with `phase`, the ones that phase may keep (training: the head alone)."""
+        return self.layout.stageable_bytes() if phase is None else self.staging.keepable_bytes(phase)
 
     def placed_for(self, phase: str, *,
                    budget_bytes: int | None = None) -> contextlib.AbstractContextManager[list[str]]:

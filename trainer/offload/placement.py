@@ -75,11 +75,17 @@ class PhaseStaging:
             self.forget()
             self.phase = previous
 
-    def _stage_within(self, budget: int | None) -> list[str]:
+    def keepable_bytes(self, phase: str) -> dict[str, int]:
+        """The CPU-resident groups `phase` may keep on the device, with their bytes, in the order it keeps them:
+        the head and the embedding in a no-grad phase, the head alone in training."""
         candidates = self.layout.stageable_bytes()
-        if self.phase == Phase.TRAINING:
+        if Phase(phase) == Phase.TRAINING:
             # The embedding's gradient rows come from its CPU gather; a tied table is both.
             candidates = {group: nbytes for group, nbytes in candidates.items() if group == "lm_head"}
+        return candidates
+
+    def _stage_within(self, budget: int | None) -> list[str]:
+        candidates = self.keepable_bytes(self.phase)
         staged: list[str] = []
         for group, nbytes in candidates.items():
             if budget is not None and nbytes > budget:
