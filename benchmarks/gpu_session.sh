@@ -45,7 +45,9 @@
 # VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 PROFILE=1 e2e-ppo3b 320 s; `tests` 92 s; three e2e-headline variants
 # and two e2e-ppo3b variants 446 s; BATCH=128 SECTIONS=allgpu_static_graphs,allgpu_static_graphs_unfused rollout 20 s.
 # One start was refused (no machine could be started): it cost about 2 minutes. Every call must install the wheels
-# first (a call without them fails at `import hydra`). Next, in priority order: the delayed update replaying graphs
+# first (a call without them fails at `import hydra`). Next, in priority order: `VARIANTS=all_gpu,offload STEPS=4
+# WARMUP=2 e2e-headline` and the same `e2e-ppo3b` (not measured: the planner counted the groups a phase keeps twice,
+# 7825e7a; the 7B update should keep about two layers more than 17:10's 12), the delayed update replaying graphs
 # while the update runs (`offload_delayed`), RoPE fused in the decode (`SECTIONS=static_profile rollout` shows it),
 # `SECTIONS=capped rollout` (issue 15's 12 GiB decode, not measured since the fused norms and the ring-aware
 # planner), the world-size-1 check of issue 16 (a run through the distributed path against today's, same shape).
