@@ -239,7 +239,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         if args.variant == "fsdp2":
             place_actor_on_fsdp2(device)
         config = load_config(None, overrides(args.shape, args.variant, args.device, Path(scratch) / "runs",
-                                             args.models, args.steps, args.decode))
+                                             args.models, args.steps, args.decode) + list(args.set))
         logs: list[str] = []
 
         def log(line: str) -> None:  # kept for the result, and on stderr: the variant's log file
@@ -338,7 +338,7 @@ def run_shape(args: argparse.Namespace, out: Path, logs: Path) -> dict[str, Any]
     variants = [variant for variant in args.variants if variant != "fsdp2" or args.device == "cuda"]
     result: dict[str, Any] = {**(machine() if args.device == "cuda" else {}), "shape": args.shape,
                               "spec": SHAPES[args.shape], "steps": args.steps, "warmup": args.warmup,
-                              "decode": args.decode,
+                              "decode": args.decode, "set": list(args.set),
                               "variants": {}}
     with tempfile.TemporaryDirectory(dir=args.scratch, prefix="e2e_models_") as models:
         started = time.perf_counter()
@@ -366,6 +366,7 @@ def run_one(args: argparse.Namespace, variant: str, models: Path, log_path: Path
                "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--scratch", str(args.scratch), "--models", str(models), "--decode", args.decode,
                *(["--profile"] if args.profile else []),
+               *(f"--set={setting}" for setting in args.set),
                "--out", str(child_out)]
     print(f"[{variant}]", flush=True)
     started = time.perf_counter()
@@ -449,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also time, per step and phase, the engines' worker tasks (gradient landing, the CPU "
                              "AdamW), the waits for them, the optimizer's calls and the decode's ms per token")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every variant, after the shape's own (repeatable), e.g. "
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--models", type=Path, help=argparse.SUPPRESS)

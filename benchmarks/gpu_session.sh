@@ -16,7 +16,8 @@
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_host_update][,offload_both_update]
 # [,offload_lora]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
-# variant may take; e2e_bench's default 900), PROFILE (set: --profile) and DECODE (auto, generate or static: rollout.decode; auto, the default, is static with CUDA graphs on a GPU).
+# variant may take; e2e_bench's default 900), SET (one config override for every variant, KEY=VALUE), TAG (a suffix of
+# the result's file names, to keep several runs of a call apart), PROFILE (set: --profile) and DECODE (auto, generate or static: rollout.decode; auto, the default, is static with CUDA graphs on a GPU).
 # The shape's models are drawn once on the GPU (20 s for ppo3b) and each variant loads them (10 s). One 10-minute call fits about (measured 2026-12-02):
 #   VARIANTS=all_gpu,offload,fsdp2 STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b   (~4 min with generate; fsdp2 OOMs at 12 GiB)
 #   VARIANTS=all_gpu,offload STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b         (165 s with the default decode, 2026-12-02)
@@ -45,15 +46,25 @@
 # VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 PROFILE=1 e2e-ppo3b 320 s; `tests` 92 s; three e2e-headline variants
 # and two e2e-ppo3b variants 446 s; BATCH=128 SECTIONS=allgpu_static_graphs,allgpu_static_graphs_unfused rollout 20 s.
 # One start was refused (no machine could be started): it cost about 2 minutes. Every call must install the wheels
-# first (a call without them fails at `import hydra`). Next, in priority order: `VARIANTS=all_gpu,offload STEPS=4
-# WARMUP=2 e2e-headline` and the same `e2e-ppo3b` (not measured: the planner counted the groups a phase keeps twice,
-# 7825e7a; the 7B update should keep about two layers more than 17:10's 12), the delayed update replaying graphs
-# while the update runs (`offload_delayed`), RoPE fused in the decode (`SECTIONS=static_profile rollout` shows it),
-# `SECTIONS=capped rollout` (issue 15's 12 GiB decode, not measured since the fused norms and the ring-aware
-# planner), the world-size-1 check of issue 16 (a run through the distributed path against today's, same shape).
+# first (a call without them fails at `import hydra`).
+# Run 2026-12-04 00:33-01:04 (results in benchmarks/results/*2026-12-04T00*/T01*, tables in benchmarks/README.md): the
+# planner counting kept groups once (7B 6.48 s, 2.39x; 3B 4.22 s, 2.64x), the 7B update profiled, micro-batches of
+# 16 and 32 (`SET=actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 TAG=-micro32 ... e2e-headline`: update_actor
+# 2.36 -> 1.07 s), the 12 GiB capped decode (110.8 ms a token, 1.01x its PCIe floor), then merged micro-batches by
+# default (7B 6.27 s, 2.05x, update_actor 1.30x; 3B 4.90 s, 2.40x, update_actor 1.51x). Measured call times: `tests`
+# plus two e2e stages of two variants 377 s; a profiled offload-only e2e-headline plus `SECTIONS=capped rollout`
+# 230 s; two offload-only e2e-headline runs 291 s; three GPU test files plus two e2e stages 518 s. One machine's
+# host link ran at 44 GB/s up (55 on the others): compare ratios within a call only. The 30 minutes ran out there.
+# At most 8 files come back from a call: `tests` with two e2e stages of two variants makes 9 (gpu_tests.txt was left).
+# Next, in priority order: `tests` (test_training_gpu's offloaded-against-resident losses failed at 01:00 with
+# merged micro-batches, before a mini-batch's metrics were weighed by their shares: the fix is checked on the CPU
+# only); `PROFILE=1 VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 e2e-ppo3b` (the 3B rollout waited 1.82 s for the actor's
+# update at 01:04 against 0.96 s at 00:37: find whether the critic's update shares the bus then); `VARIANTS=offload,
+# offload_both_update` on both shapes (the host's cores no longer add gradients during the update: `both` may win
+# now); the delayed update replaying graphs (`offload_delayed`); RoPE fused in the decode.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
-# pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core 1.3.8, omegaconf 2.3.1 and
+# pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
 # antlr4-python3-runtime 4.9.3, which is an sdist only: `pip wheel --no-deps` it into .whl/ here).
 set -u
 out=${OUT:-gpu-results}
@@ -85,10 +96,10 @@ case "${1:-}" in
     done ;;
   e2e-headline)
     timeout 590 python3 benchmarks/e2e_bench.py --shape headline --variants ${VARIANTS:-all_gpu,offload} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
-      ${DECODE:+--decode $DECODE} --out "$out/e2e-headline.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-headline.txt" | tail -30 ;;
+      ${DECODE:+--decode $DECODE} ${SET:+--set $SET} --out "$out/e2e-headline${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-headline${TAG:-}.txt" | tail -30 ;;
   e2e-ppo3b)
     timeout 590 python3 benchmarks/e2e_bench.py --shape ppo3b --variants ${VARIANTS:-all_gpu,offload,fsdp2} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
-      ${DECODE:+--decode $DECODE} --out "$out/e2e-ppo3b.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b.txt" | tail -30 ;;
+      ${DECODE:+--decode $DECODE} ${SET:+--set $SET} --out "$out/e2e-ppo3b${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b${TAG:-}.txt" | tail -30 ;;
   *)
     echo "usage: $0 tests|rollout|offload|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b" >&2
     exit 2 ;;

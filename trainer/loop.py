@@ -484,6 +484,11 @@ class Trainer:
                 with timer.phase("update_actor"), self.memory.placed_for("training", Role.ACTOR,
                                                                          self._passes("training", Role.ACTOR, size)):
                     metrics.update(reduce_metrics(self.actor.update(batch)))
+        for role, worker in (("critic", self.critic), ("actor", self.actor)):
+            if worker is not None:
+                for line in worker.merging.news:
+                    self.log(f"{role}: {line}")
+                worker.merging.news.clear()
         metrics.update(timer.metrics())
         metrics.update(timing_per_token_metrics(batch, timer.seconds))
         metrics.update(mfu_metrics(batch, timer.seconds, peak_flops=self.peak_flops,

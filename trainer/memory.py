@@ -463,6 +463,10 @@ class ModelMemory:
     def build_optimizer(self, model: PreTrainedModel, config: OptimConfig) -> torch.optim.Optimizer:
         return build_optimizer(model, config, self.manager.engine(self.role))
 
+    def update_streams_layers(self) -> bool:
+        engine = self.manager.engine(self.role)
+        return engine is not None and engine.layers_on_gpu < len(engine.transformer_units)
+
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         engine = self.manager.engine(self.role)
         return engine.accumulating() if engine is not None else contextlib.nullcontext()

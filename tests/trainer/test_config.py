@@ -237,7 +237,8 @@ def test_the_same_keys_are_active_on_a_model_the_run_builds() -> None:
     assert config.use_reference and config.use_critic
 
 
-@pytest.mark.parametrize("key", ["optimizer_offload=true", "offload_grad_dtype=bf16", "delayed_update=true"])
+@pytest.mark.parametrize("key", ["optimizer_offload=true", "offload_grad_dtype=bf16", "delayed_update=true",
+                                 "merge_micro_batches=false"])
 @pytest.mark.parametrize(("prefix", "enable", "what"), [
     ("actor_rollout_ref.ref.fsdp_config", "actor_rollout_ref.actor.use_kl_loss=true", "the reference policy"),
     ("reward_model.model.fsdp_config", "reward_model.enable=true", "the reward model"),
@@ -245,11 +246,11 @@ def test_the_same_keys_are_active_on_a_model_the_run_builds() -> None:
 def test_optimizer_settings_of_a_frozen_model_are_errors(model_dir: Path, prefix: str, enable: str, what: str,
                                                          key: str) -> None:
     name, _, value = key.partition("=")
-    default = "'fp32'" if name == "offload_grad_dtype" else "false"
+    default = {"offload_grad_dtype": "'fp32'", "merge_micro_batches": "true"}.get(name, "false")
     problems = problems_of(None, [enable, f"reward_model.model.path={model_dir}", f"{prefix}.{key}"])
     # Only this one: the check that bf16 host gradients sit beside fp32 masters has no gradients to judge.
     assert [str(problem) for problem in problems] == [
-        f"{prefix}.{name}: got {value if value == 'true' else repr(value)}, but {what} is frozen (no gradients, "
+        f"{prefix}.{name}: got {value if value in ('true', 'false') else repr(value)}, but {what} is frozen (no gradients, "
         f"no optimizer): it would have no effect; allowed: the default ({default}; leave the key out)"]
 
 

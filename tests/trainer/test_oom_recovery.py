@@ -38,6 +38,9 @@ class Memory:
     def count_recoveries(self, count: int) -> None:
         self.recoveries += count
 
+    def update_streams_layers(self):
+        return self.engine is not None and self.engine.layers_on_gpu < len(self.engine.transformer_units)
+
     def accumulating(self):
         return self.engine.accumulating() if self.engine is not None else contextlib.nullcontext()
 

@@ -195,6 +195,8 @@ class FSDPConfig(Section):
     """Dtype of CPU gradients beside fp32 masters (bf16 halves their host memory; needs optimizer_offload, bf16)."""
     delayed_update: bool = False
     """The actor's CPU update runs during the next rollout, which samples with the weights before it."""
+    merge_micro_batches: bool = True
+    """While the update streams layers from the CPU, run each mini-batch as one micro-batch (the same gradient)."""
 
     def placement(self, group: str) -> Placement:
         """Where a module group lives once param_offload and offload_policy are combined."""
@@ -849,7 +851,8 @@ FSDP_PREFIX = {
 }
 # The models that never train: an optimizer or gradient setting of theirs has nothing to act on.
 FROZEN_ROLES = ("ref", "reward_model")
-_TRAINING_ONLY_KEYS = ("optimizer_offload", "optimizer_update", "offload_grad_dtype", "delayed_update")
+_TRAINING_ONLY_KEYS = ("optimizer_offload", "optimizer_update", "offload_grad_dtype", "delayed_update",
+                       "merge_micro_batches")
 
 
 def _fsdp_configs_by_role(config: RunConfig) -> dict[str, FSDPConfig]:

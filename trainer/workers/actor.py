@@ -18,6 +18,7 @@ from trainer.config import ActorConfig
 from trainer.distributed.ranks import Ranks
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import (
+    MicroBatchMerging,
     build_optimizer,
     build_scheduler,
     response_logits,
@@ -89,6 +90,8 @@ class Actor:
                           else build_optimizer(model, config.optim))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.shuffle_generator = torch.Generator().manual_seed(seed) if config.shuffle else None
+        # Fewer, larger micro-batches while the update streams layers (issue 14).
+        self.merging = MicroBatchMerging(config.fsdp_config.merge_micro_batches)
 
     @property
     def _world_size(self) -> int:
@@ -118,6 +121,7 @@ class Actor:
             max_token_len=self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
             loss_agg_mode=self.config.loss_agg_mode,
             ranks=self.ranks,
+            merging=self.merging,
         )
         recovered = metrics.pop("oom_recoveries")
         if self.memory is not None:

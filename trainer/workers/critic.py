@@ -10,6 +10,7 @@ from trainer.config import CriticConfig
 from trainer.distributed.ranks import Ranks
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import (
+    MicroBatchMerging,
     build_optimizer,
     build_scheduler,
     response_logits,
@@ -39,6 +40,8 @@ class Critic:
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
                           else build_optimizer(model, config.optim))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
+        # Fewer, larger micro-batches while the update streams layers (issue 14).
+        self.merging = MicroBatchMerging(config.fsdp_config.merge_micro_batches)
         if config.model.use_remove_padding:
             check_packable(model, "critic.model.use_remove_padding")
 
@@ -81,6 +84,7 @@ class Critic:
             max_token_len=self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
             loss_agg_mode=self.config.loss_agg_mode,
             ranks=self.ranks,
+            merging=self.merging,
         )
         recovered = metrics.pop("oom_recoveries")
         if self.memory is not None:

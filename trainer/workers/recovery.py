@@ -64,6 +64,11 @@ class WorkerMemory(OutOfMemoryRelief, Protocol):
         where optimizer_offload puts it)."""
         ...
 
+    def update_streams_layers(self) -> bool:
+        """Whether the model's update, placed for now, streams transformer layers from the CPU (its micro-batches
+        then merge: optimization.MicroBatchMerging)."""
+        ...
+
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """Around the micro-batches of one mini-batch: gradients the device can keep add up there and
         go to the host once (OffloadEngine.accumulating)."""
