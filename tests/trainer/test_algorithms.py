@@ -24,10 +24,12 @@ from trainer.algorithms import (
     entropy_from_logits,
     get_advantage_estimator,
     kl_penalty,
+    log_probs_and_entropy_from_logits,
     log_probs_from_logits,
     masked_mean,
     masked_var,
     masked_whiten,
+    scaled_logits,
 )
 from trainer.config import ActorConfig
 from trainer.config.schema import KLEstimator
@@ -445,3 +447,51 @@ def test_scaled_logits_are_the_float32_quotient_with_one_copy_at_most_and_the_sa
     (gradient,) = torch.autograd.grad((scaled * torch.arange(4.0)).sum(), weights)
     reference = torch.autograd.grad(((hidden @ weights).float() / temperature * torch.arange(4.0)).sum(), weights)[0]
     torch.testing.assert_close(gradient, reference, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------- log-probs and entropy, chunk by chunk
+
+
+def _composed(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+    scaled = scaled_logits(logits, temperature)
+    return log_probs_from_logits(scaled, labels), entropy_from_logits(scaled)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, {"rtol": 1e-4, "atol": 1e-5}),
+                                              (torch.bfloat16, {"rtol": 2e-2, "atol": 2e-2})], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("rows", [1, 2, 64], ids=["a_row_a_chunk", "two_rows", "one_chunk"])
+def test_chunked_log_probs_and_entropy_match_the_composed_ops_and_their_gradients(dtype, tolerance, temperature,
+                                                                                  rows, monkeypatch):
+    # Rows a chunk: LOSS_CHUNK_ELEMENTS over a row's elements (5 positions x 50 logits).
+    monkeypatch.setattr("trainer.algorithms.functional.LOSS_CHUNK_ELEMENTS", rows * 5 * 50)
+    generator = torch.Generator().manual_seed(0)
+    # A slice of a model's [B, T, V] output, as response_logits gives it (not contiguous).
+    output = (3 * torch.randn(3, 9, 50, generator=generator)).to(dtype)
+    labels = torch.randint(0, 50, (3, 5), generator=generator)
+    weights = torch.randn(2, 3, 5, generator=generator)
+    chunked, composed = output.clone().requires_grad_(), output.clone().requires_grad_()
+    log_probs, entropies = log_probs_and_entropy_from_logits(chunked[:, 2:7], labels, temperature)
+    expected_log_probs, expected_entropies = _composed(composed[:, 2:7], labels, temperature)
+    torch.testing.assert_close(log_probs, expected_log_probs, **tolerance)
+    torch.testing.assert_close(entropies, expected_entropies, **tolerance)
+    assert log_probs.dtype == entropies.dtype == torch.float32
+    ((log_probs * weights[0]).sum() + (entropies * weights[1]).sum()).backward()
+    ((expected_log_probs * weights[0]).sum() + (expected_entropies * weights[1]).sum()).backward()
+    torch.testing.assert_close(chunked.grad, composed.grad, **tolerance)
+    assert chunked.grad.dtype == dtype and float(chunked.grad[:, :2].abs().sum()) == 0.0
+    assert output.equal(chunked.detach())  # the input is left as it was (float32 logits are not scaled in place)
+
+
+def test_an_entropy_without_its_graph_adds_nothing_to_the_gradient():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 4, 30, generator=generator)
+    labels = torch.randint(0, 30, (2, 4), generator=generator)
+    with_graph, without = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    log_probs, entropies = log_probs_and_entropy_from_logits(with_graph, labels)
+    log_probs.sum().backward()
+    metric_log_probs, metric_entropies = log_probs_and_entropy_from_logits(without, labels, entropy_graph=False)
+    assert not metric_entropies.requires_grad
+    (metric_log_probs.sum() + 0 * metric_entropies.sum()).backward()
+    torch.testing.assert_close(without.grad, with_graph.grad)
+    torch.testing.assert_close(metric_entropies, entropies.detach())

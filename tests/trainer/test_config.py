@@ -250,8 +250,8 @@ def test_optimizer_settings_of_a_frozen_model_are_errors(model_dir: Path, prefix
     problems = problems_of(None, [enable, f"reward_model.model.path={model_dir}", f"{prefix}.{key}"])
     # Only this one: the check that bf16 host gradients sit beside fp32 masters has no gradients to judge.
     assert [str(problem) for problem in problems] == [
-        f"{prefix}.{name}: got {value if value in ('true', 'false') else repr(value)}, but {what} is frozen (no gradients, "
-        f"no optimizer): it would have no effect; allowed: the default ({default}; leave the key out)"]
+        f"{prefix}.{name}: got {value if value in ('true', 'false') else repr(value)}, but {what} is frozen "
+        f"(no gradients, no optimizer): it would have no effect; allowed: the default ({default}; leave the key out)"]
 
 
 def test_keys_left_at_their_defaults_on_a_model_not_built_are_fine(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ and the mini-batch / micro-batch loop with gradient accumulation."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,16 +29,20 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_paddi
     `remove_padding`, from one padding-free forward over the real tokens (zeros where responses are padding)."""
     if remove_padding:
         return packed_response_outputs(model, batch)
+    response_length = batch.response_ids.shape[1]
+    # Only the last response_length + 1 positions go through the head (a causal LM's logits_to_keep): the
+    # prompt's [P, V] logits are never read. A forward without the keyword (a value model) gives every position.
+    kept = "logits_to_keep" in inspect.signature(model.forward).parameters
     output = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
+        **({"logits_to_keep": response_length + 1} if kept else {}),
     )
-    prompt_length = batch.prompt_ids.shape[1]
-    response_length = batch.response_ids.shape[1]
     # Position t predicts token t + 1: the last prompt position predicts the first response token.
-    return output.logits[:, prompt_length - 1: prompt_length - 1 + response_length]
+    first = output.logits.shape[1] - response_length - 1
+    return output.logits[:, first: first + response_length]
 
 
 def build_optimizer(model: PreTrainedModel, config: OptimConfig,
