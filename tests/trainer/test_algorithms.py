@@ -460,11 +460,12 @@ def _composed(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, {"rtol": 1e-4, "atol": 1e-5}),
                                               (torch.bfloat16, {"rtol": 2e-2, "atol": 2e-2})], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("rows", [1, 2, 64], ids=["a_row_a_chunk", "two_rows", "one_chunk"])
+@pytest.mark.parametrize("chunk", [2 * 50, 5 * 50, 2 * 5 * 50, 64 * 5 * 50],
+                         ids=["two_positions", "a_row", "two_rows", "all_at_once"])
 def test_chunked_log_probs_and_entropy_match_the_composed_ops_and_their_gradients(dtype, tolerance, temperature,
-                                                                                  rows, monkeypatch):
-    # Rows a chunk: LOSS_CHUNK_ELEMENTS over a row's elements (5 positions x 50 logits).
-    monkeypatch.setattr("trainer.algorithms.functional.LOSS_CHUNK_ELEMENTS", rows * 5 * 50)
+                                                                                  chunk, monkeypatch):
+    # Logits a chunk: 50 a position, 5 positions a sequence, 3 sequences.
+    monkeypatch.setattr("trainer.algorithms.functional.LOSS_CHUNK_ELEMENTS", chunk)
     generator = torch.Generator().manual_seed(0)
     # A slice of a model's [B, T, V] output, as response_logits gives it (not contiguous).
     output = (3 * torch.randn(3, 9, 50, generator=generator)).to(dtype)

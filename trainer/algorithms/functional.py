@@ -387,13 +387,15 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
 
 
 LOSS_CHUNK_ELEMENTS = 1 << 24
-"""Logits a chunk of `log_probs_and_entropy_from_logits` widens to float32 at once (64 MB), rows of whole sequences."""
+"""Logits a chunk of `log_probs_and_entropy_from_logits` widens to float32 at once (64 MB): whole sequences, or runs
+of one sequence's positions where a sequence is larger (`_loss_chunks`)."""
 
 
 class _LogProbsAndEntropy(torch.autograd.Function):
-    """Per position: log softmax(z / T)[label] and the entropy of softmax(z / T), from logits z of any dtype, a chunk
-    of sequences at a time, in float32. What it keeps for the backward is the logits as they came (bf16: half of
-    one float32 copy) and one logsumexp per position; the backward computes the softmax again, chunk by chunk.
+    """Per position: log softmax(z / T)[label] and the entropy of softmax(z / T), from [B, R, V] logits z of any
+    dtype, a chunk at a time (`_loss_chunks`), in float32. What it keeps for the backward is the logits as they came
+    (bf16: half of one float32 copy) and one logsumexp per position; the backward computes the softmax again, chunk
+    by chunk.
 
     Written by hand because the composed ops keep several float32 [B, R, V] tensors alive at once (the upcast
     logits, the softmax and its product for the entropy, the gradient): 1.2 GB each for 16 x 128 tokens of a
@@ -403,19 +405,18 @@ class _LogProbsAndEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                chunks: list[tuple[slice, slice]]) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # an unused output (the entropy as a metric) gets no gradient at all
         log_probs = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
         entropies, totals = torch.empty_like(log_probs), torch.empty_like(log_probs)
-        for first in range(0, logits.shape[0], rows):
-            part = slice(first, first + rows)
+        for part in chunks:
             scaled = _scaled_chunk(logits[part], temperature)
             total = torch.logsumexp(scaled, dim=-1)
             totals[part] = total
             log_probs[part] = scaled.gather(-1, labels[part].unsqueeze(-1)).squeeze(-1) - total
             entropies[part] = total - (torch.exp(scaled - total.unsqueeze(-1)) * scaled).sum(-1)
         ctx.save_for_backward(logits, labels, totals)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.chunks = temperature, chunks
         return log_probs, entropies
 
     @staticmethod
@@ -425,8 +426,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         if grad_log_probs is None and grad_entropies is None:
             return None, None, None, None
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for first in range(0, logits.shape[0], ctx.rows):
-            part = slice(first, first + ctx.rows)
+        for part in ctx.chunks:
             scaled = _scaled_chunk(logits[part], ctx.temperature, own=True)  # changed in place below
             probs = torch.exp(scaled - totals[part].unsqueeze(-1))
             # d entropy / dz_j = -p_j (z_j - sum_i p_i z_i); d log p_label / dz_j = [j = label] - p_j (over T).
@@ -443,6 +443,18 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _loss_chunks(shape: torch.Size, budget: int) -> list[tuple[slice, slice]]:
+    """(sequences, positions) of each chunk of `shape`'s [B, R, V] logits: as many whole sequences as `budget`
+    elements hold, or runs of one sequence's positions where a sequence alone is more (long responses)."""
+    sequences, positions, vocabulary = shape
+    per_chunk = max(1, budget // max(1, vocabulary))  # positions
+    if per_chunk >= positions:
+        rows = per_chunk // max(1, positions)
+        return [(slice(first, first + rows), slice(None)) for first in range(0, sequences, rows)]
+    return [(slice(row, row + 1), slice(first, first + per_chunk))
+            for row in range(sequences) for first in range(0, positions, per_chunk)]
+
+
 def _scaled_chunk(logits: torch.Tensor, temperature: float, *, own: bool = False) -> torch.Tensor:
     """`logits` / `temperature` in float32; with `own` a tensor of its own even where that is `logits` unchanged
     (float32 at temperature 1), which may then be changed in place."""
@@ -457,8 +469,8 @@ def log_probs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor
     softmax(logits / temperature), as `log_probs_from_logits` and `entropy_from_logits` of `scaled_logits` give them
     (to float32 rounding) with a fraction of their memory (`_LogProbsAndEntropy`). Without `entropy_graph` the
     entropies carry no gradient (a metric)."""
-    rows = max(1, LOSS_CHUNK_ELEMENTS // max(1, logits[0].numel()))
-    log_probs, entropies = _LogProbsAndEntropy.apply(logits, labels, temperature, rows)
+    chunks = _loss_chunks(logits.shape, LOSS_CHUNK_ELEMENTS)
+    log_probs, entropies = _LogProbsAndEntropy.apply(logits, labels, temperature, chunks)
     return log_probs, entropies if entropy_graph else entropies.detach()
 
 
