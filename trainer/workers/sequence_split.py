@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from trainer.algorithms import entropy_from_logits, scaled_logits
+from trainer.algorithms import log_probs_and_entropy_from_logits, scaled_logits
 from trainer.distributed.ranks import Ranks
 from trainer.distributed.ulysses import SequenceParallel, SequenceShard, use_ulysses_attention
 from trainer.rollout.batch import RolloutBatch
@@ -49,13 +49,13 @@ class SequenceSplit:
         """[B, R] log-probs of the responses at `temperature` and, with `entropy`, [B, R] entropies of the
         policy at each response position (with their autograd graph only when `entropy_graph`)."""
         logits, shard = self._forward(model, batch)
-        logits = scaled_logits(logits, temperature)
-        log_probs = self._responses(shard.log_probs(logits), batch)
         if not entropy:
-            return log_probs, None
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_graph):
-            entropies = self._responses(shard.gather(entropy_from_logits(logits)), batch)
-        return log_probs, entropies
+            return self._responses(shard.log_probs(scaled_logits(logits, temperature)), batch), None
+        # Chunk by chunk in float32, keeping the logits as the model gave them (as one rank's update does).
+        local_log_probs, local_entropies = log_probs_and_entropy_from_logits(logits, shard.labels, temperature,
+                                                                             entropy_graph=entropy_graph)
+        return (self._responses(shard.gather(local_log_probs), batch),
+                self._responses(shard.gather(local_entropies), batch))
 
     def values(self, model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
         """[B, R] a value model's one output at the position before each response token."""
