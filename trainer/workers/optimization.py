@@ -117,7 +117,7 @@ class MicroBatchMerging:
         """The largest token budget of merged micro-batches by token budget (None: the whole mini-batch's)."""
         self.news: list[str] = []
         """What changed, for the run's log (the training loop takes it): the first merge, a limit after an error."""
-        self._said: tuple[object, ...] | None = None
+        self._announced = False
 
     def sizes(self, mini_batch: RolloutBatch, micro_batch_size: int, max_token_len: int | None,
               streaming: bool) -> tuple[int, int | None]:
@@ -129,17 +129,14 @@ class MicroBatchMerging:
             merged: tuple[int, int | None] = (max(micro_batch_size, min(len(mini_batch), most)), None)
             what = (f"micro-batches of {merged[0]} sequences instead of ppo_micro_batch_size_per_gpu "
                     f"{micro_batch_size}")
-            said: tuple[object, ...] = merged
         else:
             tokens = int(mini_batch.attention_mask.sum())
             most = tokens if self.tokens is None else self.tokens
             merged = (micro_batch_size, max(max_token_len, min(tokens, most)))
-            what = ("one token budget of the whole mini-batch" if self.tokens is None else
-                    f"micro-batches of up to {self.tokens} tokens") + \
-                f" instead of ppo_max_token_len_per_gpu {max_token_len}"
-            said = ("tokens", self.tokens)  # the mini-batch's tokens change every step: said once, and at a new limit
-        if merged != (micro_batch_size, max_token_len) and said != self._said:
-            self._said = said
+            what = f"one token budget of the whole mini-batch instead of ppo_max_token_len_per_gpu {max_token_len}"
+        # Said once (a mini-batch's tokens change every step); a new limit is said where it is set.
+        if merged != (micro_batch_size, max_token_len) and not self._announced:
+            self._announced = True
             self.news.append(f"the update streams layers from the CPU, so a mini-batch of {len(mini_batch)} "
                              f"sequences runs in {what} (the same gradient; fsdp_config.merge_micro_batches)")
         return merged
