@@ -944,9 +944,18 @@ class Trainer:
         """Checkpoint at the end of the current step and return from fit(). Safe from a signal handler."""
         self.stop_requested.set()
 
-    def install_signal_handlers(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: self.request_stop())
+    def install_signal_handlers(self) -> Callable[[], None]:
+        """SIGTERM and SIGINT ask for a stop at the next safe point; returns the function that puts the previous
+        handlers back. Call it when training ends: a handler is a reference from the interpreter to this trainer,
+        whose sharded models hold the process groups, and a group still alive when the interpreter finalizes can
+        abort the process (its gloo threads then drop tensors without a live interpreter)."""
+        previous = {signum: signal.signal(signum, lambda *_: self.request_stop())
+                    for signum in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore() -> None:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return restore
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

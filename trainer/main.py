@@ -10,11 +10,13 @@ to change); any other non-zero code is a crash.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -75,9 +77,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report_user_error(error, None, None, log_path=config.trainer.run_dir / "logs" / "trainer.log",
                                   prints=_is_rank_zero())
     try:
-        return _train(config, ranks)
+        code = _train(config, ranks)
     finally:
         ranks.close()
+    if ranks.distributed:
+        _end_rank(code)
+    return code
+
+
+def _end_rank(code: int) -> NoReturn:
+    """End a rank of several with `code`, its files flushed, without the interpreter's finalization.
+
+    A rank that trained to the end, destroyed its process group and returned was seen to abort at exit
+    ("terminate called without an active exception", SIGABRT; torchrun then reports the whole run failed). torch
+    keeps references to a destroyed gloo group that Python cannot see, so the group's C++ threads meet the
+    interpreter's teardown (pytorch#179291 describes the crash; its atexit fix was abandoned). Every file this
+    trainer writes is closed by now, so skipping the teardown loses nothing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _train(config, ranks) -> int:
@@ -95,7 +114,7 @@ def _train(config, ranks) -> int:
     log_path = run_dir / "logs" / ("trainer.log" if ranks.is_main else f"trainer-rank{ranks.rank}.log")
     # Present when the verl daemon started this process; None when run by hand.
     telemetry = TelemetryClient.from_env(run_dir=str(run_dir), rank=ranks.rank)
-    reporter = tracking = None
+    reporter = tracking = restore_signal_handlers = None
     finished = False  # the trackers' runs are marked failed unless training returns
     try:
         trainer = Trainer(config, log=print if ranks.is_main else _quiet, telemetry=telemetry, ranks=ranks)
@@ -109,7 +128,7 @@ def _train(config, ranks) -> int:
             reporter.info(line)
         where = f"; rank {ranks.rank} of {ranks.world_size}" if ranks.distributed else ""
         reporter.info(f"run directory {run_dir}; device {trainer.device}{where}; {trainer.total_steps} steps")
-        trainer.install_signal_handlers()
+        restore_signal_handlers = trainer.install_signal_handlers()
         trainer.resume()
         if telemetry is not None:
             telemetry.hello(start_step=trainer.step, total_steps=trainer.total_steps)
@@ -127,6 +146,8 @@ def _train(config, ranks) -> int:
     except torch.OutOfMemoryError as error:  # the trainer's own recovery (offload more, split) did not suffice
         return _report_out_of_memory(error, reporter, telemetry)
     finally:
+        if restore_signal_handlers is not None:  # the interpreter's last reference to the trainer
+            restore_signal_handlers()
         if tracking is not None:
             tracking.close(failed=not finished)
         if reporter is not None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import math
 import os
 import re
 import shutil
+import signal
+import weakref
 from typing import TypeVar
 
 import pytest
@@ -137,6 +140,31 @@ def test_stop_request_checkpoints_at_the_end_of_the_step(tmp_path):
     trainer.fit()
     assert [step for step, _ in list_checkpoints(trainer.checkpoint_dir)] == [2]
     assert len(trainer.metrics_log.read()) == 2
+
+
+def test_signal_handlers_stop_at_the_safe_point_and_give_the_trainer_back_when_removed(tmp_path):
+    """A SIGTERM asks for a stop; the handlers, once removed, no longer hold the trainer (whose sharded models hold
+    the process groups: a group alive at interpreter exit can abort a rank that trained to the end)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    trainer = make_trainer(tmp_path, "trainer.total_training_steps=5")
+
+    class TerminatedAfterTwo:
+        def on_step(self, step, metrics):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer.observers.append(TerminatedAfterTwo())
+    restore = trainer.install_signal_handlers()
+    try:
+        trainer.fit()
+    finally:
+        restore()
+    assert [step for step, _ in list_checkpoints(trainer.checkpoint_dir)] == [2]
+    assert signal.getsignal(signal.SIGTERM) is previous
+    alive = weakref.ref(trainer)
+    del trainer
+    gc.collect()
+    assert alive() is None
 
 
 def test_metrics_use_verls_names(tmp_path):

@@ -15,6 +15,7 @@ did before several ranks existed.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -139,9 +140,11 @@ class Ranks:
         return self.rank == 0
 
     def close(self) -> None:
-        """Leave the process group (at exit; a no-op for a one-rank run)."""
+        """Leave the process group (at exit; a no-op for a one-rank run), and collect the reference cycles that
+        held sharded models (and through them the groups' tensors) while the interpreter is whole."""
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+            gc.collect()
 
     # ------------------------------------------------------------------------------ collectives
 
