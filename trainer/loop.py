@@ -58,7 +58,7 @@ from trainer.config.messages import (
 from trainer.data import PromptRecord, PromptSampler, load_records, rank_share
 from trainer.data.checks import check_prompts, drop_overlong_prompts
 from trainer.distributed.ranks import Ranks, resolve_device
-from trainer.distributed.sharding import cpu_placement, decoder_layers, shard_model
+from trainer.distributed.sharding import shard_model
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory, default_memory_probe, host_memory_available
 from trainer.metrics import (
@@ -273,9 +273,9 @@ class Trainer:
                      f"FSDP2 shards the model over all {ranks.world_size} ranks")
         if not self.ranks.distributed:
             return self.memory.place(model, fsdp_config, role)
-        layers_on_cpu, _ = cpu_placement(fsdp_config)
-        self._sharded_layers[role] = 0 if layers_on_cpu else len(decoder_layers(model))
-        return shard_model(model, fsdp_config, self.ranks, role=role, log=lambda message: self.log(message))
+        sharded = shard_model(model, fsdp_config, self.ranks, role=role, log=lambda message: self.log(message))
+        self._sharded_layers[role] = sharded.layers_on_device
+        return model
 
     def _placement_metrics(self) -> dict[str, float]:
         """The memory manager's step metrics; with sharded models the same keys, of FSDP2's placement: each

@@ -1,75 +1,113 @@
-"""FSDP2 sharding of a run's models over the data-parallel ranks (world size > 1).
+"""FSDP2 sharding of a run's models over the data-parallel ranks (world size > 1), each group placed as configured.
 
-Each model is wrapped with `torch.distributed.fsdp.fully_shard`, every decoder layer (the classes the
-model lists in `_no_split_modules`) then the root, on the ranks' 1-D mesh of all ranks (("dp",), or ("dp_sp",)
-beside Ulysses' (dp, sp) mesh: the ranks of a sequence-parallel group shard the models too): a rank keeps 1/world of
-every parameter as a DTensor shard and gathers a layer's whole weights only around its forward and
+Each model is wrapped with `torch.distributed.fsdp.fully_shard` on the ranks' 1-D mesh of all ranks (("dp",), or
+("dp_sp",) beside Ulysses' (dp, sp) mesh: the ranks of a sequence-parallel group shard the models too). The units
+are the groups that offload_policy places (trainer/offload/groups.py): one per decoder layer, the embedding, the
+final norm and the head, then the root, which keeps whatever is left (parameters of no group). A rank keeps
+1/world of every parameter as a DTensor shard and gathers a unit's whole weights only around its forward and
 backward. Optimizers built over `model.parameters()` then update the local shards, and
 `torch.nn.utils.clip_grad_norm_` computes the global norm over DTensor gradients.
 
-The project's own offload engine (trainer/offload/) lays out whole single-device models, not local shards,
-so with several ranks CPU placement is FSDP2's `CPUOffloadPolicy`: the shards' parameters, gradients and
-optimizer states stay in (pinned) host memory and the optimizer step runs on the CPU.
+A group placed on the CPU (param_offload, offload_policy; sequence_parallel_offload for the policy's embedding and
+head) is a unit with FSDP2's `CPUOffloadPolicy`: its local shards' parameters, gradients and optimizer states stay
+in (pinned) host memory, and its part of the optimizer step runs on the CPU. The project's own offload engine
+(trainer/offload/) lays out whole single-device models, not local shards, so with several ranks this is the
+placement. Two rules follow from FSDP2 keeping a unit's parameters, gradients and optimizer states together:
+optimizer_offload places every group on the CPU, and a head tied to the embedding (tie_word_embeddings) is one
+weight, so both stay in the root's unit, on the device if either group is (as on one rank:
+trainer/offload/layout.py).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from trainer.config import FSDPConfig
 from trainer.distributed.ranks import Ranks
-
-NON_ROOT_GROUPS = ("embedding", "lm_head", "norm")
-"""The module groups that stay in the root's FSDP unit (everything outside the decoder layers)."""
+from trainer.offload.groups import GROUPS, TITLES, ModelParts, find_parts
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's decoder layers: the modules of the classes HuggingFace keeps whole (`_no_split_modules`)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [module for module in model.modules() if type(module).__name__ in names]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard by")
-    return layers
-
-
-def cpu_placement(fsdp_config: FSDPConfig) -> tuple[bool, bool]:
-    """(decoder layers on the CPU, root groups on the CPU) as param_offload, offload_policy and
-    optimizer_offload ask. FSDP2 offloads a unit's parameters, gradients and optimizer states together,
-    so optimizer_offload alone puts every unit on the CPU."""
+def group_placements(fsdp_config: FSDPConfig, parts: ModelParts) -> dict[str, bool]:
+    """Whether each group's local shards live on the CPU, from param_offload, offload_policy and
+    optimizer_offload (which places them all there: FSDP2 offloads a unit's optimizer states with its
+    parameters)."""
     if fsdp_config.optimizer_offload:
-        return True, True
-    return (fsdp_config.placement("transformer") == "cpu",
-            any(fsdp_config.placement(group) == "cpu" for group in NON_ROOT_GROUPS))
+        return dict.fromkeys(GROUPS, True)
+    on_cpu = {group: fsdp_config.placement(group) == "cpu" for group in GROUPS}
+    if parts.tied:  # one weight: on the device if either group wants it there
+        on_cpu["embedding"] = on_cpu["lm_head"] = on_cpu["embedding"] and on_cpu["lm_head"]
+    return on_cpu
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """How shard_model placed a model: whether each group's local shards live on the CPU, and its decoder layers."""
+
+    on_cpu: dict[str, bool]
+    layers: int
+
+    @property
+    def layers_on_device(self) -> int:
+        return 0 if self.on_cpu["transformer"] else self.layers
 
 
 def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role: str,
-                log: Callable[[str], None]) -> nn.Module:
-    """`model` sharded in place over `ranks.mesh` (per decoder layer, then the root); returns it."""
+                log: Callable[[str], None]) -> Sharded:
+    """`model` sharded in place over `ranks.mesh`: a unit per decoder layer and per group, then the root."""
     assert ranks.mesh is not None, "sharding needs several ranks"
     # A value model's output (transformers' token classifier) is a view, which FSDP2 warns about at every
     # forward: an in-place op on it would skip the pre-backward hook. The workers only read model outputs
     # out of place (the sharded critic trains as one rank does: tests/trainer/distributed/test_ranks.py).
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
-    layers_on_cpu, root_on_cpu = cpu_placement(fsdp_config)
-    on_gpu = ranks.device.type == "cuda"
+    parts = find_parts(model, fsdp_config.wrap_policy.transformer_layer_cls_to_wrap)
+    on_cpu = group_placements(fsdp_config, parts)
     # Pinned host memory only exists beside a GPU (its copies are what pinning speeds up).
-    offload = CPUOffloadPolicy(pin_memory=on_gpu)
-    if layers_on_cpu or root_on_cpu:
-        where = ("every group" if layers_on_cpu and root_on_cpu
-                 else "the decoder layers" if layers_on_cpu else "the embedding, head and norm")
-        log(f"{role}: {ranks.world_size} ranks shard the model with FSDP2; {where} keep their local shards' "
-            "parameters, gradients and optimizer states on the CPU through FSDP2's CPUOffloadPolicy (the "
-            "project's own offload engine places whole models on one rank only)")
-    if not (layers_on_cpu and root_on_cpu):
-        model.to(ranks.device)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=ranks.mesh, offload_policy=offload if layers_on_cpu else OffloadPolicy())
-    fully_shard(model, mesh=ranks.mesh, offload_policy=offload if root_on_cpu else OffloadPolicy())
-    return model
+    offloaded = CPUOffloadPolicy(pin_memory=ranks.device.type == "cuda")
+
+    def unit(modules: nn.Module | list[nn.Module], group: str) -> None:
+        # fully_shard moves each unit's states to the device and then its shards to the CPU where offloaded:
+        # the device holds one unit's whole weights at a time, never the model's.
+        fully_shard(modules, mesh=ranks.mesh, offload_policy=offloaded if on_cpu[group] else OffloadPolicy())
+
+    for layer in parts.layers:
+        unit(layer, "transformer")
+    if not parts.tied:
+        unit(parts.embedding, "embedding")
+        if parts.head is not None:
+            unit(parts.head, "lm_head")
+    if parts.norm is not None:
+        unit(parts.norm, "norm")
+    # The root: the tied embedding and head when they are one weight, and parameters of no group (on the device,
+    # as on one rank, unless optimizer_offload places everything on the CPU).
+    root_on_cpu = on_cpu["embedding"] if parts.tied else fsdp_config.optimizer_offload
+    fully_shard(model, mesh=ranks.mesh, offload_policy=offloaded if root_on_cpu else OffloadPolicy())
+    log(describe_sharding(role, ranks.world_size, on_cpu, parts))
+    return Sharded(on_cpu, len(parts.layers))
+
+
+def describe_sharding(role: str, world_size: int, on_cpu: dict[str, bool], parts: ModelParts) -> str:
+    """The start-of-run line that says how a model is sharded and which groups' shards live on the CPU."""
+    present = [group for group in GROUPS if group != "lm_head" or parts.head is not None]
+    names = [TITLES[group].lower() if group != "lm_head" else "head" for group in present]
+    names = ["decoder layers" if group == "transformer" else name for group, name in zip(present, names, strict=True)]
+    where = [name for group, name in zip(present, names, strict=True) if on_cpu[group]]
+    tied = " (the head, tied to the embedding, shares its unit)" if parts.tied else ""
+    line = f"{role}: {world_size} ranks shard the model with FSDP2, a unit per decoder layer and per group{tied}"
+    if not where:
+        return line + "; every group's shards on the device"
+    holders = ("every group keeps its" if len(where) == len(present)
+               else f"the {where[0]} keeps its" if len(where) == 1 else f"the {_listed(where)} keep their")
+    return (f"{line}; {holders} local shards' parameters, gradients and optimizer states on the CPU through "
+            "FSDP2's CPUOffloadPolicy (the project's own offload engine places whole models on one rank only)")
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -82,8 +82,8 @@ def test_ppo_with_a_sequence_parallel_critic_and_verl_s_fsdp_config_key_trains_b
                  "critic.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.sequence_parallel_offload=true")
     assert two.returncode == 0, two.stderr[-4000:]
     assert ran_on_sequence_shards(two, "actor") and ran_on_sequence_shards(two, "critic")
-    assert "actor: 2 ranks shard the model with FSDP2; the embedding, head and norm keep their local shards'" \
-        in two.stdout
+    assert ("actor: 2 ranks shard the model with FSDP2, a unit per decoder layer and per group; the embedding and "
+            "head keep their local shards'") in two.stdout
     for role in ("actor", "critic"):
         one_weights, two_weights = (actor_weights(run / "checkpoints" / "global_step_2", role)
                                     for run in (ppo_one_rank, tmp_path / "sp"))

@@ -1,0 +1,103 @@
+"""One rank of the per-group sharding checks, run by torch.distributed.run (2 CPU ranks over gloo) from
+test_sharding.py.
+
+For each case a tiny model is sharded by trainer.distributed.sharding.shard_model with an fsdp_config, and the
+rank reports, per parameter name, whether FSDP2 keeps its local shard on the CPU (its CPUOffloadPolicy), the
+start-of-run line, and, for the cases that train, the largest difference between the parameters after one AdamW
+step on the rank's half of a batch and those of the same model trained whole in this process on the whole batch.
+Everything is written to OUT/rank<r>.json; the test asserts on it.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 sharding_ranks.py OUT
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+
+from trainer.config import FSDPConfig
+from trainer.distributed.ranks import Ranks
+from trainer.distributed.sharding import shard_model
+
+VOCABULARY, LENGTH, BATCH = 24, 7, 4
+
+CASES = {
+    # name: (model, fsdp_config, trains)
+    "untied/embedding_and_head": ("untied", {"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}, True),
+    "untied/param_offload_norm_on_gpu": ("untied", {"param_offload": True, "offload_policy": {"norm": "gpu"}}, True),
+    "tied/embedding_only": ("tied", {"offload_policy": {"embedding": "cpu"}}, True),
+    "tied/embedding_and_head": ("tied", {"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}, True),
+    "critic/score": ("critic", {"offload_policy": {"lm_head": "cpu"}}, False),
+    "untied/optimizer_offload": ("untied", {"optimizer_offload": True}, False),
+    "untied/all_on_device": ("untied", {}, False),
+}
+
+
+def tiny_model(kind: str) -> torch.nn.Module:
+    config = Qwen2Config(vocab_size=VOCABULARY, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                         tie_word_embeddings=kind == "tied", pad_token_id=0, num_labels=1, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = Qwen2ForTokenClassification(config) if kind == "critic" else Qwen2ForCausalLM(config)
+    return model.float()
+
+
+def offloaded(model: torch.nn.Module) -> dict[str, bool]:
+    """Each parameter's name, and whether its FSDP2 unit keeps the local shard on the CPU."""
+    by_parameter: dict[int, bool] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    by_parameter[id(fsdp_param.sharded_param)] = fsdp_param.offload_to_cpu
+    return {name: by_parameter[id(parameter)] for name, parameter in model.named_parameters()}
+
+
+def one_step(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+    """One AdamW step on the mean next-token loss of `input_ids`."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logits = model(input_ids=input_ids).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY), input_ids[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+
+
+def largest_difference(sharded: torch.nn.Module, whole: torch.nn.Module) -> float:
+    expected = dict(whole.named_parameters())
+    worst = 0.0
+    for name, parameter in sharded.named_parameters():
+        value = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        worst = max(worst, float((value.detach() - expected[name].detach()).abs().max()))
+    return worst
+
+
+def main(out: Path) -> None:
+    ranks = Ranks.from_environment("cpu")
+    batch = torch.randint(1, VOCABULARY, (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
+    share = batch.chunk(ranks.world_size)[ranks.rank]
+    results: dict[str, dict] = {}
+    for name, (kind, settings, trains) in CASES.items():
+        whole = tiny_model(kind)
+        model = copy.deepcopy(whole)
+        lines: list[str] = []
+        sharded = shard_model(model, FSDPConfig.model_validate(settings), ranks, role="actor", log=lines.append)
+        results[name] = {"offloaded": offloaded(model), "lines": lines, "layers_on_device": sharded.layers_on_device}
+        if trains:
+            one_step(model, share)  # FSDP2 averages the ranks' gradients: the whole batch's mean loss
+            one_step(whole, batch)
+            results[name]["difference"] = largest_difference(model, whole)
+            # The check can fail: a step moves the weights by far more than the tolerance.
+            results[name]["moved"] = largest_difference(model, tiny_model(kind))
+    (out / f"rank{ranks.rank}.json").write_text(json.dumps(results, indent=1))
+    ranks.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

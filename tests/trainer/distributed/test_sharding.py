@@ -1,0 +1,119 @@
+"""FSDP2 sharding per group: each group's local shards where param_offload and offload_policy place them.
+
+The two-rank checks run once, in one torch.distributed.run launch of sharding_ranks.py; each test below asserts on
+what both ranks reported. The placement rules themselves are checked here without ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from trainer.config import FSDPConfig
+from trainer.distributed.sharding import describe_sharding, group_placements
+from trainer.offload.groups import find_parts
+
+REPOSITORY = Path(__file__).resolve().parents[3]
+RANKS = 2
+TOLERANCE = 1e-6  # fp32: the sharded step sums the ranks' gradients in another order
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    """What each of the 2 ranks reported (sharding_ranks.py), one dict per rank."""
+    out = tmp_path_factory.mktemp("sharding")
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
+               str(Path(__file__).with_name("sharding_ranks.py")), str(out)]
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+
+
+def on_cpu(report: dict, case: str) -> set[str]:
+    """The kinds of parameters ("embedding", "layers", "norm", "head") whose shards a case keeps on the CPU."""
+    kinds = set()
+    for name, offloaded in report[case]["offloaded"].items():
+        kind = ("embedding" if "embed_tokens" in name else "layers" if ".layers." in name
+                else "norm" if name.startswith("model.norm") else "head")
+        if offloaded:
+            kinds.add(kind)
+    return kinds
+
+
+def mixed(report: dict, case: str) -> set[str]:
+    """The kinds some of whose parameters are on the CPU and others not (a group split across units)."""
+    seen: dict[str, set[bool]] = {}
+    for name, offloaded in report[case]["offloaded"].items():
+        kind = "layers" if ".layers." in name else name
+        seen.setdefault(kind, set()).add(offloaded)
+    return {kind for kind, places in seen.items() if len(places) > 1}
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("untied/embedding_and_head", {"embedding", "head"}),
+    ("untied/param_offload_norm_on_gpu", {"embedding", "layers", "head"}),
+    ("tied/embedding_only", set()),  # one weight: on the GPU, as the head asks
+    ("tied/embedding_and_head", {"embedding"}),  # the tied head is the embedding's weight (named once)
+    ("critic/score", {"head"}),  # a value model's head is its score layer
+    ("untied/optimizer_offload", {"embedding", "layers", "norm", "head"}),
+    ("untied/all_on_device", set()),
+])
+def test_each_group_keeps_its_local_shards_where_the_config_places_it(reports, case, expected):
+    for report in reports:
+        assert on_cpu(report, case) == expected
+        assert mixed(report, case) == set()
+    assert reports[0][case]["lines"] == reports[1][case]["lines"]
+
+
+@pytest.mark.parametrize("case", ["untied/embedding_and_head", "untied/param_offload_norm_on_gpu",
+                                  "tied/embedding_only", "tied/embedding_and_head"])
+def test_a_step_of_two_ranks_with_groups_on_the_cpu_trains_as_one_process(reports, case):
+    for report in reports:
+        assert report[case]["difference"] < TOLERANCE
+        assert report[case]["moved"] > 100 * TOLERANCE  # the comparison can fail
+
+
+def test_the_start_of_the_run_names_the_groups_on_the_cpu_and_the_decoder_layers_left_on_the_device(reports):
+    report = reports[0]
+    assert report["untied/embedding_and_head"]["lines"] == [
+        "actor: 2 ranks shard the model with FSDP2, a unit per decoder layer and per group; the embedding and head "
+        "keep their local shards' parameters, gradients and optimizer states on the CPU through FSDP2's "
+        "CPUOffloadPolicy (the project's own offload engine places whole models on one rank only)"]
+    assert "(the head, tied to the embedding, shares its unit); every group's shards on the device" in \
+        report["tied/embedding_only"]["lines"][0]
+    assert [report[case]["layers_on_device"] for case in ("untied/embedding_and_head",
+                                                          "untied/param_offload_norm_on_gpu")] == [2, 0]
+
+
+def tiny_parts(tied: bool):
+    config = Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    return find_parts(Qwen2ForCausalLM(config))
+
+
+@pytest.mark.parametrize(("settings", "tied", "expected"), [
+    ({"param_offload": True}, False, {"embedding", "transformer", "norm", "lm_head"}),
+    ({"param_offload": True, "offload_policy": {"lm_head": "gpu"}}, False, {"embedding", "transformer", "norm"}),
+    ({"param_offload": True, "offload_policy": {"lm_head": "gpu"}}, True, {"transformer", "norm"}),
+    ({"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}, True, {"embedding", "lm_head"}),
+    ({"optimizer_offload": True, "offload_policy": {"embedding": "gpu"}}, False,
+     {"embedding", "transformer", "norm", "lm_head"}),
+])
+def test_group_placements_follow_the_one_rank_rules(settings, tied, expected):
+    placements = group_placements(FSDPConfig.model_validate(settings), tiny_parts(tied))
+    assert {group for group, cpu in placements.items() if cpu} == expected
+
+
+def test_the_line_names_one_group_in_the_singular():
+    parts = tiny_parts(False)
+    line = describe_sharding("critic", 4, group_placements(
+        FSDPConfig.model_validate({"offload_policy": {"norm": "cpu"}}), parts), parts)
+    assert line.startswith("critic: 4 ranks shard the model with FSDP2, a unit per decoder layer and per group; "
+                           "the norm keeps its local shards' parameters")
