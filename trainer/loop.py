@@ -513,7 +513,7 @@ class Trainer:
         if phase == "training":
             worker = self.critic if role == Role.CRITIC else self.actor
             assert worker is not None
-            return 2 * worker.config.ppo_epochs * math.ceil(size / worker.config.ppo_micro_batch_size_per_gpu)
+            return 2 * worker.config.ppo_epochs * worker.update_micro_batches(size)
         # The micro-batches each scoring runs in (the workers' own sizes where they keep them).
         micro_batch = {Role.ACTOR: self.actor.log_prob_micro_batch_size,
                        Role.REF: config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,

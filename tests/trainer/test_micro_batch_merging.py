@@ -107,6 +107,18 @@ def test_a_merged_micro_batch_that_runs_out_of_memory_is_split_and_later_ones_ho
     assert "they hold at most 2 sequences from now on" in merging.news[-1]
 
 
+def test_the_planner_counts_the_merged_micro_batches_of_an_update():
+    """_passes("training") weighs a layer kept on the device by them: a 7B update of 64 sequences in mini-batches
+    of 32 streams its layers in 2 micro-batches, not the 8 that ppo_micro_batch_size_per_gpu 8 would make."""
+    assert MicroBatchMerging(False).micro_batches(64, 32, 8) == 8
+    merging = MicroBatchMerging()
+    assert merging.micro_batches(64, 32, 8) == 2
+    assert merging.micro_batches(20, 32, 8) == 1  # a batch smaller than a mini-batch is one
+    merging.ran_out_of_memory(32, None, 8, None)  # after an error, merged micro-batches hold 16
+    assert merging.micro_batches(64, 32, 8) == 4
+    assert merging.micro_batches(64, 32, 48) == 2  # never below the configured size
+
+
 def test_the_setting_defaults_on():
     # Off on a frozen model is an error (test_config.py: test_optimizer_settings_of_a_frozen_model_are_errors).
     assert FSDPConfig().merge_micro_batches is True

@@ -102,6 +102,16 @@ class Actor:
         """The groups the batch is shared among (the ranks of a sequence-parallel group hold the same share)."""
         return self.ranks.dp_size if self.ranks is not None else 1
 
+    @property
+    def mini_batch_size(self) -> int:
+        """Sequences per mini-batch on this rank: verl's global count of prompts, times rollout.n, over the
+        data-parallel groups."""
+        return self.config.ppo_mini_batch_size * self.rollout_n // self._data_parallel_size
+
+    def update_micro_batches(self, size: int) -> int:
+        """Micro-batches an update of `size` sequences runs in per epoch while its layers stream."""
+        return self.merging.micro_batches(size, self.mini_batch_size, self.config.ppo_micro_batch_size_per_gpu)
+
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
                                  temperature=self.temperature, memory=self.memory,
@@ -112,7 +122,7 @@ class Actor:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""
         metrics = run_updates(
             self.model, self.optimizer, batch, self._loss,
-            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n // self._data_parallel_size,
+            mini_batch_size=self.mini_batch_size,
             micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,

@@ -69,13 +69,20 @@ class Critic:
         finally:
             self.model.train(was_training)
 
+    @property
+    def mini_batch_size(self) -> int:
+        """Sequences per mini-batch on this rank: verl's global count of prompts, times rollout.n, over the
+        data-parallel groups (the ranks of a sequence-parallel group hold the same share)."""
+        return self.config.ppo_mini_batch_size * self.rollout_n // (self.ranks.dp_size if self.ranks is not None else 1)
+
+    def update_micro_batches(self, size: int) -> int:
+        """Micro-batches an update of `size` sequences runs in per epoch while its layers stream."""
+        return self.merging.micro_batches(size, self.mini_batch_size, self.config.ppo_micro_batch_size_per_gpu)
+
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
-        # The ranks of a sequence-parallel group hold the same share of the batch.
-        data_parallel = self.ranks.dp_size if self.ranks is not None else 1
         metrics = run_updates(
             self.model, self.optimizer, batch, self._loss,
-            # A global count of prompts (verl's), shared among the data-parallel groups.
-            mini_batch_size=self.config.ppo_mini_batch_size * self.rollout_n // data_parallel,
+            mini_batch_size=self.mini_batch_size,
             micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,

@@ -141,6 +141,16 @@ class MicroBatchMerging:
                              f"sequences runs in {what} (the same gradient; fsdp_config.merge_micro_batches)")
         return merged
 
+    def micro_batches(self, size: int, mini_batch_size: int, micro_batch_size: int) -> int:
+        """How many micro-batches an update of `size` sequences runs in while it streams layers: merged ones where
+        merging is on (within its limit after an error), the configured ones otherwise. What the phase planner
+        weighs a layer kept on the device by (token budgets are counted as the sequences they hold)."""
+        mini_batch = max(1, min(mini_batch_size, size))
+        per = micro_batch_size
+        if self.enabled:
+            per = max(micro_batch_size, min(mini_batch, mini_batch if self.sequences is None else self.sequences))
+        return math.ceil(size / mini_batch) * math.ceil(mini_batch / max(1, per))
+
     def ran_out_of_memory(self, size: int, budget: int | None, micro_batch_size: int,
                           max_token_len: int | None) -> None:
         """A mini-batch in micro-batches of `size` (or `budget` tokens) ran out of memory: merge at most half."""
