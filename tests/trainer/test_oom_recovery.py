@@ -183,8 +183,8 @@ def test_the_retry_helper_keeps_the_pieces_done_unless_a_discard_voids_them():
     events = []
     kept = retry_out_of_memory(failing_once_on(2, 2, events), split_into_pieces(6, 2), Relief(events))
     assert events == [(0, 2), (2, 2), "release", "relieve", (2, 1), (3, 1), (4, 2)]
-    assert [(piece.first, piece.origin, result) for piece, result in kept.done] == [
-        (0, 0, 0), (2, 1, 2), (3, 1, 3), (4, 2, 4)]
+    assert [(piece.first, piece.count, result) for piece, result in kept.done] == [
+        (0, 2, 0), (2, 1, 2), (3, 1, 3), (4, 2, 4)]
     assert kept.recoveries == 1
     # Accumulating pieces (gradients): the discard comes after the release, and every piece is redone.
     events = []

@@ -4,7 +4,6 @@ and the mini-batch / micro-batch loop with gradient accumulation."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from trainer.config import OptimConfig
 from trainer.distributed.ranks import Ranks
 from trainer.offload import OffloadEngine
 from trainer.rollout.batch import RolloutBatch
-from trainer.workers.packing import packed_response_outputs, plan_micro_batches
+from trainer.workers.packing import packed_response_outputs, plan_micro_batches, takes_logits_to_keep
 from trainer.workers.recovery import Piece, WorkerMemory, retry_out_of_memory
 
 LossFn = Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -30,9 +29,8 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_paddi
     if remove_padding:
         return packed_response_outputs(model, batch)
     response_length = batch.response_ids.shape[1]
-    # Only the last response_length + 1 positions go through the head (a causal LM's logits_to_keep): the
-    # prompt's [P, V] logits are never read. A forward without the keyword (a value model) gives every position.
-    kept = "logits_to_keep" in inspect.signature(model.forward).parameters
+    # Only the last response_length + 1 positions go through the head: the prompt's [P, V] logits are never read.
+    kept = takes_logits_to_keep(model)
     output = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,

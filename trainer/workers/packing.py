@@ -52,6 +52,12 @@ def check_packable(model: PreTrainedModel, setting: str) -> None:
                             f"the sequence boundaries of a packed row; set {setting}=false")
 
 
+def takes_logits_to_keep(model: PreTrainedModel) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (a causal LM's: only those positions go through the head,
+    so logits no one reads are never made); a value model's gives every position."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
     """[B, R, ...] the model's output at the positions that predict (or value) each response token, from one
     padding-free forward; zeros where the response is padding."""
@@ -70,8 +76,8 @@ def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torc
     longest = int(lengths.max())
     # Only the kept positions go through the head (a causal LM's logits_to_keep): for a long prompt most
     # of the [T, V] logits the padded forward computes are never read.
+    head_only_kept = takes_logits_to_keep(model)
     parameters = inspect.signature(model.forward).parameters
-    head_only_kept = "logits_to_keep" in parameters
     # flash_attention_2/3 take the boundaries from these (sdpa and eager ignore them); a forward without
     # **kwargs (remote code) gets none, and flash attention then infers them from the position ids.
     boundary_keywords = ({"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": longest,
@@ -129,8 +135,8 @@ def plan_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_token_len
     groups = (token_budget_partitions(lengths, max_token_len) if agree is None
               else agreed_partitions(lengths, max_token_len, agree))
     pieces, first = [], 0
-    for number, group in enumerate(groups):
-        pieces.append(Piece(first, len(group), number))
+    for group in groups:
+        pieces.append(Piece(first, len(group)))
         first += len(group)
     return MicroBatches(torch.tensor([index for group in groups for index in group], dtype=torch.long), pieces)
 

@@ -77,16 +77,15 @@ class WorkerMemory(OutOfMemoryRelief, Protocol):
 
 @dataclass(frozen=True)
 class Piece:
-    """Items [first, first + count) of a batch; `origin` numbers the piece it was split from."""
+    """Items [first, first + count) of a batch."""
 
     first: int
     count: int
-    origin: int
 
 
 def split_into_pieces(total: int, size: int) -> list[Piece]:
-    """Consecutive pieces of at most `size` of `total` items, each its own origin."""
-    return [Piece(first, min(size, total - first), number) for number, first in enumerate(range(0, total, size))]
+    """Consecutive pieces of at most `size` of `total` items."""
+    return [Piece(first, min(size, total - first)) for first in range(0, total, size)]
 
 
 @dataclass
@@ -139,8 +138,7 @@ def retry_out_of_memory(run: Callable[[Piece], T], pieces: Sequence[Piece], reli
                 raise failure
             raise torch.OutOfMemoryError(single_item_error)
         half = piece.count // 2
-        pieces[failed:failed + 1] = [Piece(piece.first, half, piece.origin),
-                                     Piece(piece.first + half, piece.count - half, piece.origin)]
+        pieces[failed:failed + 1] = [Piece(piece.first, half), Piece(piece.first + half, piece.count - half)]
         recoveries += 1
     return Retried(done, recoveries)
 
