@@ -108,8 +108,8 @@ def test_a_merged_micro_batch_that_runs_out_of_memory_is_split_and_later_ones_ho
 
 
 def test_the_planner_counts_the_merged_micro_batches_of_an_update():
-    """_passes("training") weighs a layer kept on the device by them: a 7B update of 64 sequences in mini-batches
-    of 32 streams its layers in 2 micro-batches, not the 8 that ppo_micro_batch_size_per_gpu 8 would make."""
+    """_passes("training") weighs a layer kept on the device by them: an update of 64 sequences in mini-batches of
+    32 streams its layers in 2 micro-batches, not the 8 that ppo_micro_batch_size_per_gpu 8 would make."""
     assert MicroBatchMerging(False).micro_batches(64, 32, 8) == 8
     merging = MicroBatchMerging()
     assert merging.micro_batches(64, 32, 8) == 2

@@ -16,6 +16,10 @@ placement. Two rules follow from FSDP2 keeping a unit's parameters, gradients an
 optimizer_offload places every group on the CPU, and a head tied to the embedding (tie_word_embeddings) is one
 weight, so both stay in the root's unit, on the device if either group is (as on one rank:
 trainer/offload/layout.py).
+
+A trained bf16 model with optimizer_offload keeps fp32 masters, as one rank's engine does: its shards become fp32,
+and FSDP2's MixedPrecisionPolicy gathers them in bf16 for the forward and backward and reduces the gradients in
+fp32, so the checkpoints hold fp32 weights that one rank's engine resumes from (and the other way round).
 """
 
 from __future__ import annotations
@@ -24,8 +28,15 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from trainer.config import FSDPConfig
 from trainer.distributed.ranks import Ranks
@@ -68,11 +79,13 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
     on_cpu = group_placements(fsdp_config, parts)
     # Pinned host memory only exists beside a GPU (its copies are what pinning speeds up).
     offloaded = CPUOffloadPolicy(pin_memory=ranks.device.type == "cuda")
+    precision = fp32_masters(model, fsdp_config)
 
     def unit(modules: nn.Module | list[nn.Module], group: str) -> None:
         # fully_shard moves each unit's states to the device and then its shards to the CPU where offloaded:
         # the device holds one unit's whole weights at a time, never the model's.
-        fully_shard(modules, mesh=ranks.mesh, offload_policy=offloaded if on_cpu[group] else OffloadPolicy())
+        fully_shard(modules, mesh=ranks.mesh, offload_policy=offloaded if on_cpu[group] else OffloadPolicy(),
+                    mp_policy=precision)
 
     for layer in parts.layers:
         unit(layer, "transformer")
@@ -85,9 +98,32 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
     # The root: the tied embedding and head when they are one weight, and parameters of no group (on the device,
     # as on one rank, unless optimizer_offload places everything on the CPU).
     root_on_cpu = on_cpu["embedding"] if parts.tied else fsdp_config.optimizer_offload
-    fully_shard(model, mesh=ranks.mesh, offload_policy=offloaded if root_on_cpu else OffloadPolicy())
-    log(describe_sharding(role, ranks.world_size, on_cpu, parts))
+    fully_shard(model, mesh=ranks.mesh, offload_policy=offloaded if root_on_cpu else OffloadPolicy(),
+                mp_policy=precision)
+    line = describe_sharding(role, ranks.world_size, on_cpu, parts)
+    if precision.param_dtype is not None:
+        line += (f"; fp32 masters of the {_dtype_name(precision.param_dtype)} weights, which the forward and "
+                 "backward gather in that dtype (FSDP2's MixedPrecisionPolicy; gradients reduced in fp32)")
+    log(line)
     return Sharded(on_cpu, len(parts.layers))
+
+
+def fp32_masters(model: nn.Module, fsdp_config: FSDPConfig) -> MixedPrecisionPolicy:
+    """The precision of a model's shards: with optimizer_offload a trained model in bf16 (or fp16) keeps fp32
+    masters, as on one rank (trainer/offload/layout.py), so its parameters become fp32 here and FSDP2 gathers them
+    in the model's dtype for the forward and backward and reduces the gradients in fp32. Anything else computes
+    and updates in the dtype it was loaded in (no policy)."""
+    dtype = next(model.parameters()).dtype
+    trains = any(parameter.requires_grad for parameter in model.parameters())
+    if not (fsdp_config.optimizer_offload and trains and dtype in (torch.bfloat16, torch.float16)):
+        return MixedPrecisionPolicy()
+    for parameter in model.parameters():  # exact: every bf16 value is an fp32 one (buffers keep their dtype)
+        parameter.data = parameter.data.float()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def describe_sharding(role: str, world_size: int, on_cpu: dict[str, bool], parts: ModelParts) -> str:

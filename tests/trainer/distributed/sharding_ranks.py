@@ -37,6 +37,7 @@ CASES = {
     "critic/score": ("critic", {"offload_policy": {"lm_head": "cpu"}}, False),
     "untied/optimizer_offload": ("untied", {"optimizer_offload": True}, False),
     "untied/all_on_device": ("untied", {}, False),
+    "bf16/optimizer_offload": ("bf16", {"optimizer_offload": True, "model_dtype": "bf16"}, True),
 }
 
 
@@ -46,7 +47,7 @@ def tiny_model(kind: str) -> torch.nn.Module:
                          tie_word_embeddings=kind == "tied", pad_token_id=0, num_labels=1, initializer_range=0.2)
     torch.manual_seed(0)
     model = Qwen2ForTokenClassification(config) if kind == "critic" else Qwen2ForCausalLM(config)
-    return model.float()
+    return model.to(torch.bfloat16) if kind == "bf16" else model.float()
 
 
 def offloaded(model: torch.nn.Module) -> dict[str, bool]:
@@ -69,13 +70,43 @@ def one_step(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
     optimizer.step()
 
 
+def one_mixed_step(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.nn.Module:
+    """One AdamW step as one rank takes it with optimizer_offload on a bf16 model: the gradient computed in bf16,
+    the update on fp32 masters; returns the masters (an fp32 copy of the model)."""
+    model.zero_grad()
+    logits = model(input_ids=input_ids).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY), input_ids[:, 1:].reshape(-1))
+    loss.backward()
+    masters = copy.deepcopy(model).float()
+    for master, parameter in zip(masters.parameters(), model.parameters(), strict=True):
+        master.grad = parameter.grad.float()
+    torch.optim.AdamW(masters.parameters(), lr=1e-2).step()
+    return masters
+
+
+def full(parameter: torch.Tensor) -> torch.Tensor:
+    return (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter).detach()
+
+
 def largest_difference(sharded: torch.nn.Module, whole: torch.nn.Module) -> float:
     expected = dict(whole.named_parameters())
-    worst = 0.0
-    for name, parameter in sharded.named_parameters():
-        value = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-        worst = max(worst, float((value.detach() - expected[name].detach()).abs().max()))
-    return worst
+    return max(float((full(parameter) - expected[name].detach()).abs().max())
+               for name, parameter in sharded.named_parameters())
+
+
+def precision(sharded: torch.nn.Module, masters: torch.nn.Module, input_ids: torch.Tensor) -> dict:
+    """A bf16 model with fp32 masters after a step: the shards' dtype, the forward's, the share of elements equal to
+    one rank's update (a gradient rounded in another order can flip the sign of a tiny one: AdamW's first step moves
+    each element by the learning rate), and the share a bf16 update could not have given (not a bf16 value)."""
+    expected = dict(masters.named_parameters())
+    values = {name: full(parameter) for name, parameter in sharded.named_parameters()}
+    elements = sum(value.numel() for value in values.values())
+    equal = sum(int(torch.isclose(value, expected[name].detach(), rtol=0, atol=1e-6).sum())
+                for name, value in values.items())
+    beyond_bf16 = sum(int((value != value.bfloat16().float()).sum()) for value in values.values())
+    return {"shard_dtypes": sorted({str(value.dtype) for value in values.values()}),
+            "forward_dtype": str(sharded(input_ids=input_ids).logits.dtype),
+            "equal": equal / elements, "beyond_bf16": beyond_bf16 / elements}
 
 
 def main(out: Path) -> None:
@@ -89,7 +120,10 @@ def main(out: Path) -> None:
         lines: list[str] = []
         sharded = shard_model(model, FSDPConfig.model_validate(settings), ranks, role="actor", log=lines.append)
         results[name] = {"offloaded": offloaded(model), "lines": lines, "layers_on_device": sharded.layers_on_device}
-        if trains:
+        if trains and kind == "bf16":
+            one_step(model, share)
+            results[name] |= precision(model, one_mixed_step(whole, batch), share)
+        elif trains:
             one_step(model, share)  # FSDP2 averages the ranks' gradients: the whole batch's mean loss
             one_step(whole, batch)
             results[name]["difference"] = largest_difference(model, whole)

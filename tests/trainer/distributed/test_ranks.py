@@ -290,3 +290,28 @@ def test_a_lora_adapter_trains_on_two_ranks_as_on_one_and_resumes_from_a_one_ran
     assert sorted(names) == sorted(one) and len(one) == 2 * 7 * 2  # lora_A and lora_B of 7 linears, 2 layers
     assert max((one[saved] - sharded[name]).abs().max().item() for saved, name in names.items()) < TOLERANCE
     assert max(one[saved].abs().max().item() for saved in one if "lora_B" in saved) > 0  # the adapter trained
+
+
+FP32_MASTERS = ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "trainer.total_training_steps=2",
+                "trainer.save_freq=1"]
+"""A bf16 actor with optimizer_offload: fp32 masters on one rank (the offload engine) and on several (FSDP2)."""
+
+
+def test_a_bf16_actor_with_optimizer_offload_keeps_fp32_masters_on_two_ranks_and_resumes_on_one(tmp_path):
+    """Two ranks keep fp32 masters of the bf16 weights (FSDP2's MixedPrecisionPolicy over fp32 shards), as one
+    rank's offload engine does: their checkpoints hold fp32 weights, and one rank resumes step 1 of them and trains
+    step 2 to the two ranks' weights. (The step itself against one rank's: tests/trainer/distributed/
+    test_sharding.py.)"""
+    finished = launch(2, tmp_path, "two", *FP32_MASTERS)
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    assert "fp32 masters of the bf16 weights" in finished.stdout
+    finished = launch(1, tmp_path, "one_from_two", *FP32_MASTERS, "trainer.resume_mode=resume_path",
+                      f"trainer.resume_from_path={tmp_path / 'two' / 'checkpoints' / 'global_step_1'}")
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    two, one = (actor_weights(tmp_path / run / "checkpoints" / "global_step_2") for run in ("two", "one_from_two"))
+    assert {value.dtype for value in two.values()} == {torch.float32}
+    # fp32 masters move by updates that a bf16 weight would round away: most are not bf16 values.
+    moved = torch.cat([value.flatten() for value in two.values()])
+    assert (moved != moved.bfloat16().float()).float().mean() > 0.5
+    assert largest_difference(one, two) < TOLERANCE

@@ -117,3 +117,15 @@ def test_the_line_names_one_group_in_the_singular():
         FSDPConfig.model_validate({"offload_policy": {"norm": "cpu"}}), parts), parts)
     assert line.startswith("critic: 4 ranks shard the model with FSDP2, a unit per decoder layer and per group; "
                            "the norm keeps its local shards' parameters")
+
+
+def test_a_bf16_model_with_optimizer_offload_keeps_fp32_masters_and_computes_in_bf16(reports):
+    """One rank's offload engine keeps fp32 masters of a bf16 model with optimizer_offload; so do the shards."""
+    for report in reports:
+        case = report["bf16/optimizer_offload"]
+        assert case["shard_dtypes"] == ["torch.float32"] and case["forward_dtype"] == "torch.bfloat16"
+        # One rank's step, but for the odd tiny gradient whose sign another order of summation flips.
+        assert case["equal"] > 0.99
+        assert case["beyond_bf16"] > 0.5  # a bf16 update could give none of these: the check can fail
+        assert "; fp32 masters of the bf16 weights, which the forward and backward gather in that dtype" in \
+            case["lines"][0]
