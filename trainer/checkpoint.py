@@ -407,12 +407,16 @@ def _empty_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optim
                             like: Any = None) -> dict[str, dict[str, Any]]:
     """Where DCP loads AdamW's states into: zeros shaped (and sharded) as each trainable parameter, on `like`'s
     device when given (CPU for one rank's optimizer, which casts them on loading), else the parameter's."""
+    from trainer.distributed.host_adamw import host_zeros
+
+    on_host = getattr(optimizer, "states_on_cpu", False)  # HostAdamW: the device never holds the moments
     states = {}
     for name, parameter in zip(parameter_names(model, optimizer),
                                (p for group in optimizer.param_groups for p in group["params"]), strict=True):
         def zeros(parameter=parameter) -> torch.Tensor:
-            return torch.zeros(parameter.shape, dtype=torch.float32, device=like) if like is not None \
-                else torch.zeros_like(parameter, dtype=torch.float32)
+            if like is not None:
+                return torch.zeros(parameter.shape, dtype=torch.float32, device=like)
+            return host_zeros(parameter) if on_host else torch.zeros_like(parameter, dtype=torch.float32)
         states[name] = {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
     return states
 
@@ -534,12 +538,13 @@ def load_single_into_sharded(path: Path, models: dict[str, tuple[torch.nn.Module
             if one is None:
                 continue
             assert isinstance(parameter, DTensor)
-            local = parameter.to_local()
+            # Where the optimizer keeps its states: the parameter's device, or the CPU (HostAdamW's).
+            device = torch.device("cpu") if getattr(optimizer, "states_on_cpu", False) else parameter.to_local().device
 
-            def shard(tensor: torch.Tensor, parameter=parameter, local=local) -> torch.Tensor:
+            def shard(tensor: torch.Tensor, parameter=parameter, device=device) -> torch.Tensor:
                 spread = distribute_tensor(tensor.detach().to(torch.float32).cpu(), parameter.device_mesh,
                                            parameter.placements)
-                return DTensor.from_local(spread.to_local().to(local.device), parameter.device_mesh,
+                return DTensor.from_local(spread.to_local().to(device), parameter.device_mesh,
                                           parameter.placements, shape=parameter.shape, stride=parameter.stride())
             states[name] = {"step": one["step"].detach().float().cpu(), "exp_avg": shard(one["exp_avg"]),
                             "exp_avg_sq": shard(one["exp_avg_sq"])}

@@ -12,14 +12,15 @@ A group placed on the CPU (param_offload, offload_policy; sequence_parallel_offl
 head) is a unit with FSDP2's `CPUOffloadPolicy`: its local shards' parameters, gradients and optimizer states stay
 in (pinned) host memory, and its part of the optimizer step runs on the CPU. The project's own offload engine
 (trainer/offload/) lays out whole single-device models, not local shards, so with several ranks this is the
-placement. Two rules follow from FSDP2 keeping a unit's parameters, gradients and optimizer states together:
-optimizer_offload places every group on the CPU, and a head tied to the embedding (tie_word_embeddings) is one
-weight, so both stay in the root's unit, on the device if either group is (as on one rank:
-trainer/offload/layout.py).
+placement. A head tied to the embedding (tie_word_embeddings) is one weight, so both stay in the root's unit, on
+the device if either group is (as on one rank: trainer/offload/layout.py).
 
-A trained bf16 model with optimizer_offload keeps fp32 masters, as one rank's engine does: its shards become fp32,
-and FSDP2's MixedPrecisionPolicy gathers them in bf16 for the forward and backward and reduces the gradients in
-fp32, so the checkpoints hold fp32 weights that one rank's engine resumes from (and the other way round).
+optimizer_offload keeps AdamW's states and arithmetic on the CPU wherever the parameters are: the workers step
+a sharded model with HostAdamW (trainer/distributed/host_adamw.py), which copies each step's gradient shards down
+and the step up. A trained bf16 model with optimizer_offload keeps fp32 masters, as one rank's engine does: its
+shards become fp32, and FSDP2's MixedPrecisionPolicy gathers them in bf16 for the forward and backward and reduces
+the gradients in fp32, so the checkpoints hold fp32 weights that one rank's engine resumes from (and the other way
+round).
 """
 
 from __future__ import annotations
@@ -44,11 +45,8 @@ from trainer.offload.groups import GROUPS, TITLES, ModelParts, find_parts
 
 
 def group_placements(fsdp_config: FSDPConfig, parts: ModelParts) -> dict[str, bool]:
-    """Whether each group's local shards live on the CPU, from param_offload, offload_policy and
-    optimizer_offload (which places them all there: FSDP2 offloads a unit's optimizer states with its
-    parameters)."""
-    if fsdp_config.optimizer_offload:
-        return dict.fromkeys(GROUPS, True)
+    """Whether each group's local shards live on the CPU, from param_offload and offload_policy (optimizer_offload
+    places AdamW's states, not the parameters: HostAdamW)."""
     on_cpu = {group: fsdp_config.placement(group) == "cpu" for group in GROUPS}
     if parts.tied:  # one weight: on the device if either group wants it there
         on_cpu["embedding"] = on_cpu["lm_head"] = on_cpu["embedding"] and on_cpu["lm_head"]
@@ -96,11 +94,14 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
     if parts.norm is not None:
         unit(parts.norm, "norm")
     # The root: the tied embedding and head when they are one weight, and parameters of no group (on the device,
-    # as on one rank, unless optimizer_offload places everything on the CPU).
-    root_on_cpu = on_cpu["embedding"] if parts.tied else fsdp_config.optimizer_offload
+    # as on one rank).
+    root_on_cpu = on_cpu["embedding"] if parts.tied else False
     fully_shard(model, mesh=ranks.mesh, offload_policy=offloaded if root_on_cpu else OffloadPolicy(),
                 mp_policy=precision)
     line = describe_sharding(role, ranks.world_size, on_cpu, parts)
+    if fsdp_config.optimizer_offload and any(parameter.requires_grad for parameter in model.parameters()):
+        line += ("; AdamW's states and arithmetic on the CPU (optimizer_offload: each step copies the gradient "
+                 "shards down and the update up)")
     if precision.param_dtype is not None:
         line += (f"; fp32 masters of the {_dtype_name(precision.param_dtype)} weights, which the forward and "
                  "backward gather in that dtype (FSDP2's MixedPrecisionPolicy; gradients reduced in fp32)")

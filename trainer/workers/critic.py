@@ -38,7 +38,8 @@ class Critic:
         self.rollout_n = rollout_n
         self.forward_micro_batch_size = forward_micro_batch_size
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
-                          else build_optimizer(model, config.optim))
+                          else build_optimizer(model, config.optim,
+                                               states_on_host=config.fsdp_config.optimizer_offload))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         # Fewer, larger micro-batches while the update streams layers (issue 14).
         self.merging = MicroBatchMerging(config.fsdp_config.merge_micro_batches)

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from trainer.algorithms import aggregation_weight
 from trainer.config import OptimConfig
+from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
 from trainer.offload import OffloadEngine
 from trainer.rollout.batch import RolloutBatch
@@ -43,13 +44,16 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_paddi
     return output.logits[:, first: first + response_length]
 
 
-def build_optimizer(model: PreTrainedModel, config: OptimConfig,
-                    engine: OffloadEngine | None = None) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters; `engine`'s when the model has one."""
+def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: OffloadEngine | None = None, *,
+                    states_on_host: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the model's trainable parameters; `engine`'s when the model has one; with `states_on_host` (a
+    sharded model with optimizer_offload) its moments and arithmetic on the CPU, the parameters where they are."""
     if engine is not None:
         # Per-layer parameter groups, and the update on the CPU when optimizer_offload is set.
         return engine.optimizer(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    if states_on_host:
+        return HostAdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from trainer.config import FSDPConfig
+from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
 from trainer.distributed.sharding import shard_model
 
@@ -35,7 +36,8 @@ CASES = {
     "tied/embedding_only": ("tied", {"offload_policy": {"embedding": "cpu"}}, True),
     "tied/embedding_and_head": ("tied", {"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}, True),
     "critic/score": ("critic", {"offload_policy": {"lm_head": "cpu"}}, False),
-    "untied/optimizer_offload": ("untied", {"optimizer_offload": True}, False),
+    "untied/optimizer_offload": ("untied", {"optimizer_offload": True}, True),
+    "untied/optimizer_and_param_offload": ("untied", {"optimizer_offload": True, "param_offload": True}, True),
     "untied/all_on_device": ("untied", {}, False),
     "bf16/optimizer_offload": ("bf16", {"optimizer_offload": True, "model_dtype": "bf16"}, True),
 }
@@ -61,13 +63,15 @@ def offloaded(model: torch.nn.Module) -> dict[str, bool]:
     return {name: by_parameter[id(parameter)] for name, parameter in model.named_parameters()}
 
 
-def one_step(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
-    """One AdamW step on the mean next-token loss of `input_ids`."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def one_step(model: torch.nn.Module, input_ids: torch.Tensor, host: bool = False) -> torch.optim.Optimizer:
+    """One AdamW step on the mean next-token loss of `input_ids` (with `host`, the trainer's HostAdamW, as
+    optimizer_offload steps a sharded model); returns the optimizer."""
+    optimizer = (HostAdamW(model.parameters(), lr=1e-2) if host else torch.optim.AdamW(model.parameters(), lr=1e-2))
     logits = model(input_ids=input_ids).logits.float()
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY), input_ids[:, 1:].reshape(-1))
     loss.backward()
     optimizer.step()
+    return optimizer
 
 
 def one_mixed_step(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.nn.Module:
@@ -120,11 +124,12 @@ def main(out: Path) -> None:
         lines: list[str] = []
         sharded = shard_model(model, FSDPConfig.model_validate(settings), ranks, role="actor", log=lines.append)
         results[name] = {"offloaded": offloaded(model), "lines": lines, "layers_on_device": sharded.layers_on_device}
+        host = bool(settings.get("optimizer_offload"))
         if trains and kind == "bf16":
-            one_step(model, share)
+            one_step(model, share, host)
             results[name] |= precision(model, one_mixed_step(whole, batch), share)
         elif trains:
-            one_step(model, share)  # FSDP2 averages the ranks' gradients: the whole batch's mean loss
+            one_step(model, share, host)  # FSDP2 averages the ranks' gradients: the whole batch's mean loss
             one_step(whole, batch)
             results[name]["difference"] = largest_difference(model, whole)
             # The check can fail: a step moves the weights by far more than the tolerance.

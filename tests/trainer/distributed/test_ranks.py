@@ -292,26 +292,31 @@ def test_a_lora_adapter_trains_on_two_ranks_as_on_one_and_resumes_from_a_one_ran
     assert max(one[saved].abs().max().item() for saved in one if "lora_B" in saved) > 0  # the adapter trained
 
 
-FP32_MASTERS = ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
-                "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "trainer.total_training_steps=2",
-                "trainer.save_freq=1"]
-"""A bf16 actor with optimizer_offload: fp32 masters on one rank (the offload engine) and on several (FSDP2)."""
+OPTIMIZER_OFFLOAD = ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                     "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "trainer.total_training_steps=3",
+                     "trainer.save_freq=1"]
+"""A bf16 actor with optimizer_offload: fp32 masters and AdamW's states on the CPU, on one rank (the offload
+engine) and on several (FSDP2 shards on the device, HostAdamW)."""
 
 
-def test_a_bf16_actor_with_optimizer_offload_keeps_fp32_masters_on_two_ranks_and_resumes_on_one(tmp_path):
-    """Two ranks keep fp32 masters of the bf16 weights (FSDP2's MixedPrecisionPolicy over fp32 shards), as one
-    rank's offload engine does: their checkpoints hold fp32 weights, and one rank resumes step 1 of them and trains
-    step 2 to the two ranks' weights. (The step itself against one rank's: tests/trainer/distributed/
-    test_sharding.py.)"""
-    finished = launch(2, tmp_path, "two", *FP32_MASTERS)
+def test_optimizer_offload_of_a_bf16_actor_on_two_ranks_resumes_from_and_into_one_rank_with_the_same_weights(tmp_path):
+    """One rank trains 3 steps; two ranks resume its step 1 (AdamW's states loaded onto the CPU for HostAdamW) and
+    train steps 2 and 3; one rank resumes the two ranks' step 2 and trains step 3. The three step-3 actors are the
+    same, in fp32: two ranks keep fp32 masters of the bf16 weights (FSDP2's MixedPrecisionPolicy over fp32 shards)
+    as one rank's engine does. (One step against torch's AdamW: test_sharding.py, test_host_adamw.py.)"""
+    finished = launch(1, tmp_path, "one", *OPTIMIZER_OFFLOAD)
     assert finished.returncode == 0, finished.stderr[-4000:]
-    assert "fp32 masters of the bf16 weights" in finished.stdout
-    finished = launch(1, tmp_path, "one_from_two", *FP32_MASTERS, "trainer.resume_mode=resume_path",
-                      f"trainer.resume_from_path={tmp_path / 'two' / 'checkpoints' / 'global_step_1'}")
-    assert finished.returncode == 0, finished.stderr[-4000:]
-    two, one = (actor_weights(tmp_path / run / "checkpoints" / "global_step_2") for run in ("two", "one_from_two"))
+    for ranks, name, source, step in ((2, "two_from_one", "one", 1), (1, "one_from_two", "two_from_one", 2)):
+        finished = launch(ranks, tmp_path, name, *OPTIMIZER_OFFLOAD, "trainer.resume_mode=resume_path",
+                          f"trainer.resume_from_path={tmp_path / source / 'checkpoints' / f'global_step_{step}'}")
+        assert finished.returncode == 0, finished.stderr[-4000:]
+        if ranks == 2:
+            assert "AdamW's states and arithmetic on the CPU" in finished.stdout
+            assert "fp32 masters of the bf16 weights" in finished.stdout
+    one, two, back = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3")
+                      for run in ("one", "two_from_one", "one_from_two"))
     assert {value.dtype for value in two.values()} == {torch.float32}
     # fp32 masters move by updates that a bf16 weight would round away: most are not bf16 values.
     moved = torch.cat([value.flatten() for value in two.values()])
     assert (moved != moved.bfloat16().float()).float().mean() > 0.5
-    assert largest_difference(one, two) < TOLERANCE
+    assert largest_difference(one, two) < TOLERANCE and largest_difference(one, back) < TOLERANCE

@@ -1,0 +1,73 @@
+"""HostAdamW: torch.optim.AdamW's update with the moments and their arithmetic on the CPU (optimizer_offload on
+several ranks). Its sharded use is in test_sharding.py (2 ranks) and test_ranks.py (through verl train)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trainer.distributed.host_adamw import HostAdamW
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+
+
+def steps(optimizer_class, device: str, **settings) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    """Five steps on three parameters, the learning rate falling, the second one without a gradient at step 3."""
+    generator = torch.Generator().manual_seed(0)
+    parameters = [torch.randn(shape, generator=generator).to(device).requires_grad_()
+                  for shape in ((7, 5), (5,), (3, 2, 4))]
+    optimizer = optimizer_class(parameters, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, **settings)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    for step in range(5):
+        for index, parameter in enumerate(parameters):
+            skipped = step == 3 and index == 1
+            parameter.grad = None if skipped else torch.randn(parameter.shape, generator=generator).to(device)
+        optimizer.step()
+        scheduler.step()
+    return parameters, optimizer
+
+
+def test_five_steps_equal_torchs_adamw_with_weight_decay_a_schedule_and_a_missing_gradient():
+    expected, adamw = steps(torch.optim.AdamW, "cpu", eps=1e-8)
+    actual, host = steps(HostAdamW, "cpu", eps=1e-8)
+    for mine, theirs in zip(actual, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    # The same states under the same keys: checkpoints read them as AdamW's.
+    for parameter, reference in zip(actual, expected, strict=True):
+        state, expected_state = host.state[parameter], adamw.state[reference]
+        assert set(state) == set(expected_state) == {"step", "exp_avg", "exp_avg_sq"}
+        assert float(state["step"]) == float(expected_state["step"])
+        torch.testing.assert_close(state["exp_avg_sq"], expected_state["exp_avg_sq"])
+    assert float(host.state[actual[1]]["step"]) == 4  # the step without a gradient left it alone
+    # The check can fail: the parameters moved by far more than the tolerance.
+    start = torch.randn((7, 5), generator=torch.Generator().manual_seed(0))
+    assert (actual[0].detach() - start).abs().max() > 1e-3
+
+
+def test_a_state_dict_round_trip_resumes_the_same_steps():
+    parameters, optimizer = steps(HostAdamW, "cpu")
+    saved = copy.deepcopy(optimizer.state_dict())  # (a state dict holds the optimizer's own tensors)
+    copies = [parameter.detach().clone().requires_grad_() for parameter in parameters]
+    resumed = HostAdamW(copies, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    resumed.load_state_dict(saved)
+    for optimizer_, tensors in ((optimizer, parameters), (resumed, copies)):
+        for tensor in tensors:
+            tensor.grad = torch.ones_like(tensor)
+        optimizer_.step()
+    for mine, theirs in zip(copies, parameters, strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_on_a_gpu_the_parameters_stay_there_and_the_moments_live_on_the_cpu():
+    expected, _ = steps(torch.optim.AdamW, "cuda")
+    actual, host = steps(HostAdamW, "cuda")
+    for mine, theirs in zip(actual, expected, strict=True):
+        assert mine.device.type == "cuda"
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    devices = {value.device.type for state in host.state.values() for key, value in state.items() if key != "step"}
+    assert devices == {"cpu"}
+    assert all(buffer.is_pinned() for buffer in host._buffers.values())

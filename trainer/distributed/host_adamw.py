@@ -1,0 +1,117 @@
+"""AdamW whose states and arithmetic live on the host while a sharded model's parameters stay on the device.
+
+With several ranks, `optimizer_offload: true` without `param_offload` asks what one rank's engine does: AdamW's
+states on the CPU, the weights the forward reads on the GPU. FSDP2's CPUOffloadPolicy cannot say that: it keeps a
+unit's parameters, gradients and states together, on the CPU, and copies every shard up at every gather (each
+forward, backward and decoded token). So the units stay on the device and this optimizer splits the update
+(ZeRO-Offload's split, on FSDP2's local shards):
+
+- each step copies a parameter's local gradient shard down into a (pinned) host buffer;
+- the host updates AdamW's moments there and computes the step direction m̂ / (√v̂ + ε) into the same buffer;
+- the direction goes up and the device applies AdamW's decoupled update to the shard it already holds:
+  p ← p·(1 − lr·wd) − lr·direction.
+
+One gradient copy down and one direction copy up per step, each 1/world of the model in fp32, and the device never
+holds AdamW's moments (8 bytes a parameter). The parameters are the masters: a bf16 model's shards are fp32 under
+FSDP2's MixedPrecisionPolicy (trainer/distributed/sharding.py), so nothing the update needs is on the host but the
+moments. `state[p]` holds AdamW's own keys (step, exp_avg, exp_avg_sq in fp32, sharded as `p`, local tensors on
+the CPU), so checkpoints are AdamW's and resume on any number of ranks.
+
+A unit kept on the CPU (param_offload) has its shards and gradients there already: the same arithmetic runs on
+them with no copy. Written by hand because torch's AdamW steps tensors on one device only (its states follow the
+parameters); the arithmetic is torch.optim.AdamW's, equal to it to float32 rounding (tests/trainer/distributed/
+test_host_adamw.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def host_zeros(parameter: torch.Tensor) -> torch.Tensor:
+    """fp32 zeros shaped and sharded as `parameter`, whose local tensor is on the CPU (a moment of AdamW)."""
+    local = torch.zeros(_local(parameter).shape, dtype=torch.float32, device="cpu")
+    if isinstance(parameter, DTensor):
+        return DTensor.from_local(local, parameter.device_mesh, parameter.placements, shape=parameter.shape,
+                                  stride=parameter.stride(), run_check=False)
+    return local
+
+
+class HostAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments, no amsgrad) with the moments and
+    their arithmetic on the CPU; LR schedulers, zero_grad and state_dict work as on any optimizer."""
+
+    states_on_cpu = True
+    """Where checkpoint loading makes this optimizer's states (trainer/checkpoint.py reads it)."""
+
+    def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self._buffers: dict[torch.Tensor, torch.Tensor] = {}
+        """Per parameter: the host buffer its gradient comes down into, then its step direction goes up from."""
+
+    def _buffer(self, parameter: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(parameter)
+        if buffer is None:
+            # Pinned beside a GPU: the copies then run asynchronously on the copy engine.
+            buffer = torch.empty(local.shape, dtype=torch.float32, pin_memory=local.device.type == "cuda")
+            self._buffers[parameter] = buffer
+        return buffer
+
+    def _state(self, parameter: torch.Tensor) -> dict[str, torch.Tensor]:
+        """AdamW's state of `parameter`, made at its first step; a state loaded elsewhere (a checkpoint's, on the
+        parameter's device) is moved to the CPU once."""
+        state = self.state[parameter]
+        if not state:
+            state.update(step=torch.tensor(0.0), exp_avg=host_zeros(parameter), exp_avg_sq=host_zeros(parameter))
+        for key in ("exp_avg", "exp_avg_sq"):
+            if _local(state[key]).device.type != "cpu" or _local(state[key]).dtype != torch.float32:
+                moved = host_zeros(parameter)
+                _local(moved).copy_(_local(state[key]))
+                state[key] = moved
+        if not isinstance(state["step"], torch.Tensor):
+            state["step"] = torch.tensor(float(state["step"]))
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            parameters = [parameter for parameter in group["params"] if parameter.grad is not None]
+            # Every gradient on its way down before the host touches any (the copies queue on one stream).
+            gradients = []
+            for parameter in parameters:
+                grad = _local(parameter.grad)
+                gradients.append(self._buffer(parameter, grad).copy_(grad, non_blocking=True))
+            for device in {_local(parameter).device for parameter in parameters}:
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+            beta1, beta2 = group["betas"]
+            lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+            for parameter, direction in zip(parameters, gradients, strict=True):
+                state = self._state(parameter)
+                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                state["step"] += 1
+                step = float(state["step"])
+                exp_avg.lerp_(direction, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(direction, direction, value=1 - beta2)
+                # The buffer's gradient is spent: it takes the direction m̂ / (√v̂ + ε) (torch's AdamW order).
+                torch.sqrt(exp_avg_sq, out=direction)
+                direction.div_(math.sqrt(1 - beta2 ** step)).add_(eps)
+                torch.div(exp_avg, direction, out=direction)
+                direction.div_(1 - beta1 ** step)
+                shard = _local(parameter)
+                shard.mul_(1 - lr * weight_decay)
+                shard.add_(direction.to(shard.device, non_blocking=True), alpha=-lr)
+        return loss
