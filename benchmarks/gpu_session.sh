@@ -13,6 +13,10 @@
 #   benchmarks/gpu_session.sh telemetry    # telemetry_bench.py overhead, small and tiny  (~4 min)
 #   benchmarks/gpu_session.sh e2e-headline # e2e_bench.py: 7B GRPO whole steps, all-GPU vs offloaded at 40 GiB
 #   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
+#   benchmarks/gpu_session.sh ranks        # ranks_bench.py on every GPU of the machine (kind nvidia-h200-x2 or more):
+#                                          # all-GPU vs optimizer_offload (HostAdamW) vs embedding/head on the CPU vs
+#                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP;
+#                                          # then the distributed GPU tests (not timed yet)
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_host_update][,offload_both_update]
 # [,offload_lora]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
@@ -56,7 +60,11 @@
 # 230 s; two offload-only e2e-headline runs 291 s; three GPU test files plus two e2e stages 518 s. One machine's
 # host link ran at 44 GB/s up (55 on the others): compare ratios within a call only. The 30 minutes ran out there.
 # At most 8 files come back from a call: `tests` with two e2e stages of two variants makes 9 (gpu_tests.txt was left).
-# Next, in priority order: `tests` (test_training_gpu's offloaded-against-resident losses failed at 01:00 with
+# 2026-12-04 03:54-06:54: no device time was left to this session (70 s): nothing measured. Multi-rank work landed
+# unmeasured on a GPU: per-group FSDP2 units, fp32 masters under MixedPrecisionPolicy, HostAdamW for optimizer_offload.
+# Next, in priority order: `tests` (now also test_host_adamw's GPU test); on an nvidia-h200-x2 machine when one is
+# lent, `ranks` (issue 16's anchor: HostAdamW and per-group units against FSDP2's CPUOffloadPolicy at 2 ranks);
+# then, from the previous session's list: `tests` (test_training_gpu's offloaded-against-resident losses failed at 01:00 with
 # merged micro-batches, before a mini-batch's metrics were weighed by their shares: the fix is checked on the CPU
 # only); `PROFILE=1 VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 e2e-ppo3b` (the 3B rollout waited 1.82 s for the actor's
 # update at 01:04 against 0.96 s at 00:37: find whether the critic's update shares the bus then); `VARIANTS=offload,
@@ -100,7 +108,12 @@ case "${1:-}" in
   e2e-ppo3b)
     timeout 590 python3 benchmarks/e2e_bench.py --shape ppo3b --variants ${VARIANTS:-all_gpu,offload,fsdp2} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
       ${DECODE:+--decode $DECODE} ${SET:+--set $SET} --out "$out/e2e-ppo3b${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b${TAG:-}.txt" | tail -30 ;;
+  ranks)
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    timeout 590 python3 benchmarks/ranks_bench.py --shape ${SHAPE:-ppo3b} --ranks "$gpus" ${VARIANTS:+--variants $VARIANTS} \
+      --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} --out "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.json" 2>&1 \
+      | tee "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.txt" | tail -30 ;;
   *)
-    echo "usage: $0 tests|rollout|offload|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b" >&2
+    echo "usage: $0 tests|rollout|offload|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b|ranks" >&2
     exit 2 ;;
 esac

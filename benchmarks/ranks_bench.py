@@ -1,0 +1,185 @@
+"""Whole training steps on several ranks, by where the shards and AdamW live (issue 16's measure).
+
+    python benchmarks/ranks_bench.py --shape ppo3b --ranks 2 --out r.json     # 3B-class PPO with a critic, 2 GPUs
+    python benchmarks/ranks_bench.py --shape headline --ranks 2 --out r.json  # 7B GRPO + reference + reward model
+    python benchmarks/ranks_bench.py --shape quick --ranks 2 --device cpu     # the smoke shape the suite runs (gloo)
+
+Each variant is `python -m torch.distributed.run --standalone --nproc-per-node RANKS -m trainer` on the same
+models (e2e_bench.py's shapes, drawn once and loaded from disk), data and seed: the rank group `verl train` starts.
+The trained models (actor, critic) are placed as:
+
+- `all_gpu`: every shard and AdamW on the GPUs (FSDP2, bf16);
+- `optimizer_offload`: the shards on the GPUs as fp32 masters under FSDP2's MixedPrecisionPolicy, AdamW's states
+  and arithmetic on the host (HostAdamW: one gradient copy down and one update up a step);
+- `embedding_head_cpu`: `optimizer_offload` with the embedding's and the head's shards on the CPU too (their own
+  FSDP2 units on CPUOffloadPolicy);
+- `fsdp2_cpu_offload`: every unit on FSDP2's CPUOffloadPolicy (`param_offload` and `optimizer_offload`), the
+  anchor a verl user has today at the same world size.
+
+It prints each phase's seconds (verl's timing_s/*, the slowest rank's) as ratios against `all_gpu`, and the peak
+GPU memory (the largest rank's); the JSON goes to --out (default benchmarks/results/ranks-<shape>-<time>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.e2e_bench import SHAPES, fsdp_overrides, overrides, steady_state  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPOSITORY = Path(__file__).resolve().parents[1]
+VARIANTS = ("all_gpu", "optimizer_offload", "embedding_head_cpu", "fsdp2_cpu_offload")
+PLACEMENTS: dict[str, dict[str, Any]] = {
+    "all_gpu": {},
+    "optimizer_offload": {"optimizer_offload": True},
+    "embedding_head_cpu": {"optimizer_offload": True, "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}},
+    "fsdp2_cpu_offload": {"optimizer_offload": True, "param_offload": True},
+}
+"""Each variant's settings of the trained models' fsdp_config, beside model_dtype: bf16."""
+KEPT = ("timing_s/", "perf/max_memory", "actor/pg_loss", "actor/skipped_steps", "critic/skipped_steps")
+
+
+def variant_overrides(shape: str, variant: str, ranks: int, device: str, runs_dir: Path, models: Path,
+                      steps: int) -> list[str]:
+    """e2e_bench's all-GPU run of the shape on `ranks` ranks, with the variant's placement of the trained models."""
+    spec = SHAPES[shape]
+    # A rank's share of a mini-batch: e2e_bench's micro-batches of 8 where it holds as many.
+    micro = min(8, spec["prompts"] * spec["n"] // ranks)
+    rows = overrides(shape, "all_gpu", device, runs_dir, models, steps) + [
+        f"trainer.n_gpus_per_node={ranks}", f"trainer.experiment_name={variant}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}"]
+    placement = {"model_dtype": "bf16", **PLACEMENTS[variant]}
+    rows += fsdp_overrides("actor_rollout_ref.actor.fsdp_config", placement)
+    if spec["algorithm"] == "gae":
+        rows += [*fsdp_overrides("critic.fsdp_config", placement), f"critic.ppo_micro_batch_size_per_gpu={micro}"]
+    return rows
+
+
+def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: Path, log_path: Path) -> dict[str, Any]:
+    """One variant's rank group; its steady state, or its error with the end of its log."""
+    runs_dir = scratch / "runs"
+    config = scratch / "empty.yaml"
+    config.write_text("{}\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
+               "-m", "trainer", "--config", str(config),
+               *variant_overrides(args.shape, variant, args.ranks, args.device, runs_dir, models, args.steps)]
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(name, None)
+    print(f"[{variant}]", flush=True)
+    started = time.perf_counter()
+    with log_path.open("w") as log_file:
+        try:
+            completed = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment,
+                                       timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            completed = None
+    wall = time.perf_counter() - started
+    lines = log_path.read_text(errors="replace").strip().splitlines()
+    tail = [line for line in lines if line.startswith("ERROR")][:3] or lines[-12:]
+    if completed is None or completed.returncode != 0:
+        why = (f"did not finish within --timeout {args.timeout:.0f} s" if completed is None
+               else f"exit code {completed.returncode}")
+        return {"error": "\n".join([*tail, f"{why} (log: {log_path})"]), "wall_s": wall}
+    metrics = [next(runs_dir.rglob("metrics.jsonl"))]
+    rows = [json.loads(line) for line in metrics[0].read_text().splitlines()]
+    per_step = [{key: row[key] for key in row if key.startswith(KEPT)} for row in rows]
+    placement = [line for line in log_path.read_text(errors="replace").splitlines() if "shard the model" in line]
+    return {"wall_s": wall, "steps": len(rows), **steady_state(per_step, args.warmup),
+            "peak_gpu_gib": max(row.get("perf/max_memory_allocated_gb", 0.0) for row in rows),
+            "skipped_updates": sum(row.get(f"{role}/skipped_steps", 0) for row in rows
+                                   for role in ("actor", "critic")),
+            "losses": [row.get("actor/pg_loss") for row in rows], "per_step": per_step, "placement": placement}
+
+
+def table(result: dict[str, Any]) -> str:
+    variants = result["variants"]
+    base = variants.get("all_gpu", {}).get("phases_s", {})
+    lines = [f"{result['device']} x {result['ranks']} ranks, shape {result['shape']}, steps {result['steps']} (the "
+             f"first {result['warmup']} not counted)", f"{'phase':<16}" + "".join(f"{name:>24}" for name in variants)]
+    phases = sorted({phase for run in variants.values() for phase in run.get("phases_s", {})},
+                    key=lambda phase: (phase != "step", phase))
+    for phase in phases:
+        cells = []
+        for run in variants.values():
+            seconds = run.get("phases_s", {}).get(phase)
+            ratio = f" ({seconds / base[phase]:.2f}x)" if seconds is not None and base.get(phase) else ""
+            cells.append(f"{seconds:.3f} s{ratio}" if seconds is not None else "-")
+        lines.append(f"{phase:<16}" + "".join(f"{cell:>24}" for cell in cells))
+    for name, run in variants.items():
+        if "error" in run:
+            lines.append(f"{name}: FAILED: {' | '.join(run['error'].splitlines()[-3:])}")
+        else:
+            lines.append(f"{name}: peak GPU {run['peak_gpu_gib']:.2f} GiB a rank"
+                         + (f"; UPDATES SKIPPED {run['skipped_updates']:.0f}" if run["skipped_updates"] else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="quick")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks on this machine (GPUs with --device cuda)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps not counted (optimizer states, CUDA)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a variant may take")
+    parser.add_argument("--scratch", type=Path, default=None, help="where the models and runs go (a temporary folder)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    variants = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or not variants:
+        return _refuse(f"--variants: got {args.variants!r}; allowed: some of {', '.join(VARIANTS)}")
+    if args.ranks < 2:
+        return _refuse(f"--ranks: got {args.ranks}; allowed: 2 or more (one rank is e2e_bench.py's)")
+    if args.steps <= args.warmup:
+        return _refuse(f"--steps must be more than --warmup ({args.warmup}, the steps not counted), got {args.steps}")
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < args.ranks:
+            return _refuse(f"--ranks {args.ranks} needs as many GPUs; this machine shows "
+                           f"{torch.cuda.device_count()} (--device cpu runs gloo ranks)")
+    stamp = time.strftime("%Y-%m-%dT%H%M%S")
+    out = args.out or RESULTS / f"ranks-{args.shape}-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"shape": args.shape, "spec": SHAPES[args.shape], "ranks": args.ranks,
+                              "device": args.device, "steps": args.steps, "warmup": args.warmup, "variants": {}}
+    with tempfile.TemporaryDirectory(dir=args.scratch, prefix="ranks_bench_") as scratch:
+        models = Path(scratch) / "models"
+        # e2e_bench's child draws the shape's models on one device and saves them, in a process of its own.
+        prepared = subprocess.run([sys.executable, str(Path(__file__).with_name("e2e_bench.py")), "--child",
+                                   "--prepare", "--shape", args.shape, "--device", args.device, "--models",
+                                   str(models), "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                                  capture_output=True, text=True)
+        if prepared.returncode != 0:
+            raise SystemExit(f"ERROR: the shape's models could not be made:\n{prepared.stderr[-3000:]}")
+        for variant in variants:
+            folder = Path(scratch) / variant
+            folder.mkdir()
+            result["variants"][variant] = run_variant(args, variant, models, folder,
+                                                      out.with_name(f"{out.stem}-{variant}.log"))
+            out.write_text(json.dumps(result, indent=2))
+    print(table(result))
+    print(f"written {out}")
+    return 0 if all("error" not in run for run in result["variants"].values()) else 1
+
+
+def _refuse(message: str) -> int:
+    print(f"ERROR: {message}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
