@@ -15,8 +15,8 @@
 #   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
 #   benchmarks/gpu_session.sh ranks        # ranks_bench.py on every GPU of the machine (kind nvidia-h200-x2 or more):
 #                                          # all-GPU vs optimizer_offload (HostAdamW) vs embedding/head on the CPU vs
-#                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP;
-#                                          # then the distributed GPU tests (not timed yet)
+#                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP
+#                                          # (not timed yet)
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_host_update][,offload_both_update]
 # [,offload_lora]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
