@@ -11,7 +11,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -58,7 +58,7 @@ from trainer.config.messages import (
 from trainer.data import PromptRecord, PromptSampler, load_records, rank_share
 from trainer.data.checks import check_prompts, drop_overlong_prompts
 from trainer.distributed.ranks import Ranks, resolve_device
-from trainer.distributed.sharding import shard_model
+from trainer.distributed.sharding import WHOLE_WEIGHTS_SHARE, Sharded, shard_model, whole_weights
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory, default_memory_probe, host_memory_available
 from trainer.metrics import (
@@ -151,7 +151,8 @@ class Trainer:
         self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
         # Every model's placement; dynamic offload follows the live settings (initialised from the
         # actor's dynamic_offload section). The log and warnings go where self.log and self.warn point.
-        self._sharded_layers: dict[str, int] = {}  # several ranks: each model's decoder layers on the device
+        self._sharded: dict[str, Sharded] = {}  # several ranks: how each model is sharded
+        self._whole_weights_said: bool | None = None  # several ranks: whether the rollout's decision was said
         self.memory = MemoryManager(self.device, settings=lambda: self.live_settings,
                                     probe=memory_probe or default_memory_probe(self.device),
                                     host_available=host_available or host_memory_available,
@@ -274,7 +275,7 @@ class Trainer:
         if not self.ranks.distributed:
             return self.memory.place(model, fsdp_config, role)
         sharded = shard_model(model, fsdp_config, self.ranks, role=role, log=lambda message: self.log(message))
-        self._sharded_layers[role] = sharded.layers_on_device
+        self._sharded[role] = sharded
         return model
 
     def _placement_metrics(self) -> dict[str, float]:
@@ -282,7 +283,7 @@ class Trainer:
         model's decoder layers whose shards stay on the device (none move while the run goes on)."""
         if not self.ranks.distributed:
             return self.memory.step_metrics()
-        layers = self._sharded_layers
+        layers = {role: sharded.layers_on_device for role, sharded in self._sharded.items()}
         return {"perf/oom_recoveries": 0.0, "offload/transformer_layers_on_gpu": float(sum(layers.values())),
                 **{f"offload/{role}/transformer_layers_on_gpu": float(count)
                    for role, count in layers.items()},
@@ -554,7 +555,8 @@ class Trainer:
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         rollout = rollout or self.rollout  # either samples with the actor's weights
         self.heartbeat()  # once per validation batch too
-        with self.memory.placed_for("rollout", Role.ACTOR, self._passes("rollout", Role.ACTOR, len(repeated))):
+        with self.memory.placed_for("rollout", Role.ACTOR, self._passes("rollout", Role.ACTOR, len(repeated))), \
+                self._whole_actor_weights():
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
                                                                          prompt_mask[first:first + count]),
@@ -569,6 +571,24 @@ class Trainer:
         group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated)
+
+    @contextlib.contextmanager
+    def _whole_actor_weights(self) -> Iterator[None]:
+        """Several ranks: the sharded actor's whole weights on every rank for the rollout where they fit (gathered
+        once, not at every decoded token: sharding.whole_weights); the decision said when it changes."""
+        sharded = self._sharded.get(Role.ACTOR)
+        if sharded is None:
+            yield
+            return
+        with whole_weights(self.actor.model, sharded, self.ranks) as whole:
+            if whole != self._whole_weights_said:
+                self._whole_weights_said = whole
+                size = f"{sharded.whole_bytes / 2**30:.2f} GiB"
+                self.log(f"rollout: every rank holds the actor's whole weights ({size}) while it decodes: one gather "
+                         "of each unit a rollout, not one a decoded token" if whole else
+                         f"rollout: the actor's whole weights ({size}) take more than {WHOLE_WEIGHTS_SHARE:.0%} of "
+                         "some rank's free device memory: each decoded token gathers every unit's shards")
+            yield
 
     def _pad_like_other_ranks(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor]:

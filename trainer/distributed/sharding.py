@@ -25,8 +25,10 @@ round).
 
 from __future__ import annotations
 
+import contextlib
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +57,12 @@ def group_placements(fsdp_config: FSDPConfig, parts: ModelParts) -> dict[str, bo
 
 @dataclass(frozen=True)
 class Sharded:
-    """How shard_model placed a model: whether each group's local shards live on the CPU, and its decoder layers."""
+    """How shard_model placed a model: whether each group's local shards live on the CPU, its decoder layers, and
+    the bytes of its whole weights in the dtype its forward gathers them in."""
 
     on_cpu: dict[str, bool]
     layers: int
+    whole_bytes: int = 0
 
     @property
     def layers_on_device(self) -> int:
@@ -106,7 +110,48 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
         line += (f"; fp32 masters of the {_dtype_name(precision.param_dtype)} weights, which the forward and "
                  "backward gather in that dtype (FSDP2's MixedPrecisionPolicy; gradients reduced in fp32)")
     log(line)
-    return Sharded(on_cpu, len(parts.layers))
+    gathered = precision.param_dtype
+    whole = sum(parameter.numel() * (gathered or parameter.dtype).itemsize for parameter in model.parameters())
+    return Sharded(on_cpu, len(parts.layers), whole)
+
+
+WHOLE_WEIGHTS_SHARE = 0.5
+"""The most of a rank's free device memory the whole weights may take for a decode (the rest: KV cache, logits)."""
+
+
+def free_device_bytes(device: torch.device) -> float:
+    """What the device can still give: the driver's free memory and what torch's allocator holds unused (infinite
+    on the CPU, where the host's memory holds every weight anyway)."""
+    if device.type != "cuda":
+        return math.inf
+    free, _ = torch.cuda.mem_get_info(device)
+    return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+@contextlib.contextmanager
+def whole_weights(model: nn.Module, sharded: Sharded, ranks: Ranks) -> Iterator[bool]:
+    """Inside: every rank holds the sharded model's whole weights, gathered once, if they fit in
+    WHOLE_WEIGHTS_SHARE of every rank's free device memory (yields whether they do). A decode's forwards then
+    gather nothing, where FSDP2 would gather every unit's shards for every decoded token (and copy the shards of
+    units on the CPU up each time). Afterwards the whole weights are freed and FSDP2 gathers around each forward
+    again (its defaults: every unit but the root frees them after its forward). Every rank must enter together:
+    the decision and the gathers are collective."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    fits = bool(units) and sharded.whole_bytes <= WHOLE_WEIGHTS_SHARE * free_device_bytes(ranks.device)
+    if not units or ranks.sum(float(fits)) < ranks.world_size:
+        yield False
+        return
+    root = units[0]
+    root.set_reshard_after_forward(False)
+    try:
+        for unit in units:
+            unit.unshard()
+        yield True
+    finally:
+        root.set_reshard_after_forward(True)
+        root.set_reshard_after_forward(False, recurse=False)  # FSDP2's default for the root
+        for unit in units:
+            unit.reshard()
 
 
 def fp32_masters(model: nn.Module, fsdp_config: FSDPConfig) -> MixedPrecisionPolicy:

@@ -60,9 +60,9 @@ class HFRollout:
         self.model = model
         # A model sharded over several ranks (FSDP2) gathers each layer's shards from all of them in every
         # forward, so every rank must run as many forwards. transformers' synced_gpus keeps a rank whose
-        # responses have all ended stepping (its outputs discarded) until every rank's have. Unsharding the
-        # whole model for the rollout instead would hold every weight on every rank at once: the memory that
-        # sharding is there to save.
+        # responses have all ended stepping (its outputs discarded) until every rank's have. Where the whole
+        # weights fit, the training loop holds them on every rank for the rollout instead (gathered once:
+        # sharding.whole_weights), and the forwards gather nothing; the ranks still step together.
         self.synced = synced
         if synced and agree_active is None and config.decode == "static":
             raise ValueError("a static decode synced over several ranks needs their agreement (agree_active)")

@@ -12,10 +12,13 @@ Everything is written to OUT/rank<r>.json; the test asserts on it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import math
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -23,9 +26,10 @@ from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from trainer.config import FSDPConfig
+from trainer.distributed import sharding
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
-from trainer.distributed.sharding import shard_model
+from trainer.distributed.sharding import shard_model, whole_weights
 
 VOCABULARY, LENGTH, BATCH = 24, 7, 4
 
@@ -113,6 +117,57 @@ def precision(sharded: torch.nn.Module, masters: torch.nn.Module, input_ids: tor
             "equal": equal / elements, "beyond_bf16": beyond_bf16 / elements}
 
 
+class GatherCount:
+    """Counts the all-gathers FSDP2 runs (torch.distributed.all_gather_single, or all_gather_into_tensor in older
+    torch) while inside."""
+
+    def __enter__(self) -> GatherCount:
+        import torch.distributed as dist
+
+        self.count = 0
+        self.name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        self.original = getattr(dist, self.name)
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        setattr(dist, self.name, counted)
+        return self
+
+    def __exit__(self, *_) -> None:
+        import torch.distributed as dist
+
+        setattr(dist, self.name, self.original)
+
+
+def decode_checks(ranks: Ranks) -> dict:
+    """Greedy decoding of 6 tokens by a sharded model (an offloaded embedding and head, layers on the device), with
+    its whole weights held (sharding.whole_weights) and without: the same tokens, and how many all-gathers each ran."""
+    model = tiny_model("untied")
+    sharded = shard_model(model, FSDPConfig.model_validate({"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}}),
+                          ranks, role="actor", log=lambda _: None)
+    prompts = torch.randint(1, VOCABULARY, (2, 4), generator=torch.Generator().manual_seed(ranks.rank + 2))
+    results: dict = {}
+    for whole in (False, True):
+        with GatherCount() as gathers:
+            with whole_weights(model, sharded, ranks) if whole else contextlib.nullcontext(False) as held:
+                tokens = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
+                                        min_new_tokens=6, do_sample=False, synced_gpus=True, pad_token_id=0)
+        results[f"whole={whole}"] = {"held": bool(held), "gathers": gathers.count, "tokens": tokens.tolist()}
+    # Rank 1 short of device memory: neither rank holds the whole weights (a rank alone would wait in its gathers).
+    short = mock.patch.object(sharding, "free_device_bytes", lambda device: 1.0 if ranks.rank == 1 else math.inf)
+    with short, GatherCount() as gathers, whole_weights(model, sharded, ranks) as held:
+        model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
+                       min_new_tokens=6, do_sample=False, synced_gpus=True, pad_token_id=0)
+    results["one_rank_short"] = {"held": bool(held), "gathers": gathers.count}
+    # Afterwards FSDP2 gathers around each forward again, and a training step still works.
+    one_step(model, prompts)
+    results["units"] = sum(isinstance(module, FSDPModule) for module in model.modules())
+    results["trains_after"] = bool(all(torch.isfinite(full(parameter)).all() for parameter in model.parameters()))
+    return results
+
+
 def main(out: Path) -> None:
     ranks = Ranks.from_environment("cpu")
     batch = torch.randint(1, VOCABULARY, (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
@@ -134,6 +189,7 @@ def main(out: Path) -> None:
             results[name]["difference"] = largest_difference(model, whole)
             # The check can fail: a step moves the weights by far more than the tolerance.
             results[name]["moved"] = largest_difference(model, tiny_model(kind))
+    results["decode"] = decode_checks(ranks)
     (out / f"rank{ranks.rank}.json").write_text(json.dumps(results, indent=1))
     ranks.close()
 

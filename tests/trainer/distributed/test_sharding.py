@@ -130,3 +130,17 @@ def test_a_bf16_model_with_optimizer_offload_keeps_fp32_masters_and_computes_in_
         assert case["beyond_bf16"] > 0.5  # a bf16 update could give none of these: the check can fail
         assert "; fp32 masters of the bf16 weights, which the forward and backward gather in that dtype" in \
             case["lines"][0]
+
+
+def test_a_decode_holds_the_whole_weights_once_instead_of_gathering_every_unit_at_every_token(reports):
+    """sharding.whole_weights around a greedy generate of 6 tokens: the same tokens with one all-gather per unit
+    that holds parameters, where FSDP2 alone gathers each of them at every token; where one rank lacks the memory,
+    neither holds them (the decision is collective), and the model trains afterwards."""
+    for report in reports:
+        decode = report["decode"]
+        held, gathered = decode["whole=True"], decode["whole=False"]
+        assert held["held"] and not gathered["held"]
+        assert held["tokens"] == gathered["tokens"]
+        assert gathered["gathers"] == 6 * held["gathers"] and 0 < held["gathers"] < decode["units"]
+        assert decode["one_rank_short"] == {"held": False, "gathers": gathered["gathers"]}
+        assert decode["trains_after"]
