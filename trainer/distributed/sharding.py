@@ -163,8 +163,11 @@ def fp32_masters(model: nn.Module, fsdp_config: FSDPConfig) -> MixedPrecisionPol
     trains = any(parameter.requires_grad for parameter in model.parameters())
     if not (fsdp_config.optimizer_offload and trains and dtype in (torch.bfloat16, torch.float16)):
         return MixedPrecisionPolicy()
-    for parameter in model.parameters():  # exact: every bf16 value is an fp32 one (buffers keep their dtype)
-        parameter.data = parameter.data.float()
+    # Exact: every bf16 value is an fp32 one. Frozen weights (a LoRA adapter's base) keep their dtype: no update
+    # needs their precision, and FSDP2 gathers a unit's parameters of several dtypes in param_dtype alike.
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 

@@ -190,6 +190,13 @@ def main(out: Path) -> None:
             # The check can fail: a step moves the weights by far more than the tolerance.
             results[name]["moved"] = largest_difference(model, tiny_model(kind))
     results["decode"] = decode_checks(ranks)
+    # A frozen weight (as a LoRA adapter's base) keeps the model's dtype beside the fp32 masters of the trained ones.
+    frozen = tiny_model("bf16")
+    frozen.model.embed_tokens.requires_grad_(False)
+    shard_model(frozen, FSDPConfig.model_validate({"optimizer_offload": True, "model_dtype": "bf16"}), ranks,
+                role="actor", log=lambda _: None)
+    results["frozen_embedding_dtypes"] = {name: str(parameter.dtype) for name, parameter in frozen.named_parameters()
+                                          if "layers.1" not in name}
     (out / f"rank{ranks.rank}.json").write_text(json.dumps(results, indent=1))
     ranks.close()
 

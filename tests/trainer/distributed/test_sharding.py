@@ -130,6 +130,10 @@ def test_a_bf16_model_with_optimizer_offload_keeps_fp32_masters_and_computes_in_
         assert case["beyond_bf16"] > 0.5  # a bf16 update could give none of these: the check can fail
         assert "; fp32 masters of the bf16 weights, which the forward and backward gather in that dtype" in \
             case["lines"][0]
+        # Only trained weights get masters: a frozen one (a LoRA adapter's base) stays bf16.
+        dtypes = report["frozen_embedding_dtypes"]
+        assert dtypes.pop("model.embed_tokens.weight") == "torch.bfloat16"
+        assert set(dtypes.values()) == {"torch.float32"}
 
 
 def test_a_decode_holds_the_whole_weights_once_instead_of_gathering_every_unit_at_every_token(reports):
