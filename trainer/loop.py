@@ -57,6 +57,7 @@ from trainer.config.messages import (
 )
 from trainer.data import PromptRecord, PromptSampler, load_records, rank_share
 from trainer.data.checks import check_prompts, drop_overlong_prompts
+from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks, resolve_device
 from trainer.distributed.sharding import WHOLE_WEIGHTS_SHARE, Sharded, shard_model, whole_weights
 from trainer.errors import RunSetupError
@@ -77,6 +78,7 @@ from trainer.metrics import (
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
 from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
 from trainer.offload import OffloadEngine, offload_message
+from trainer.offload.copies import CopyLog
 from trainer.offload.dynamic import MemoryProbe
 from trainer.randomness import restore_rank_streams, rng_state, seed_everything
 from trainer.reporting import StepObserver
@@ -445,7 +447,7 @@ class Trainer:
         if self.telemetry is not None:
             # The placement summary goes with the first report of each trainer process.
             self._send(offload_message(self.offload_engines, with_summary=not self._summary_sent,
-                                       plans=self.memory.plan_rows()))
+                                       plans=self.memory.plan_rows(), logs=self._host_optimizer_copies()))
             self._summary_sent = True
         for observer in self.observers:
             observer.on_step(self.step, metrics)
@@ -571,6 +573,13 @@ class Trainer:
         group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated)
+
+    def _host_optimizer_copies(self) -> list[CopyLog]:
+        """The copy logs of the optimizers that step sharded models on the host (HostAdamW: several ranks with
+        optimizer_offload), for the offload report beside the engines' copies."""
+        workers = [worker for worker in (self.actor, self.critic) if worker is not None]
+        return [worker.optimizer.copies for worker in workers
+                if isinstance(worker.optimizer, HostAdamW) and worker.optimizer.copies is not None]
 
     @contextlib.contextmanager
     def _whole_actor_weights(self) -> Iterator[None]:

@@ -25,7 +25,9 @@ def connected_ranks(run: LiveRun) -> list[dict]:
 
 
 def test_two_ranks_train_report_per_rank_and_stop_with_a_checkpoint(tmp_path: Path) -> None:
-    with verl_train(tmp_path, *TWO_RANKS, "trainer.total_training_steps=400") as run:
+    # optimizer_offload: each rank's HostAdamW copies (gradients down, updates up) are its offload copies.
+    with verl_train(tmp_path, *TWO_RANKS, "trainer.total_training_steps=400",
+                    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true") as run:
         run.wait(lambda: len(connected_ranks(run)) == 2 and current_step(run) >= 2, timeout=120,
                  what="two ranks past step 2")
         ranks = connected_ranks(run)
@@ -36,6 +38,13 @@ def test_two_ranks_train_report_per_rank_and_stop_with_a_checkpoint(tmp_path: Pa
         assert 'verl_trainer_rank_up{rank="0"} 1.0' in metrics and 'verl_trainer_rank_up{rank="1"} 1.0' in metrics
         # every rank's own figures under its rank (a CPU run's torch peak on the device is 0)
         assert 'verl_trainer_gpu_memory_max_allocated_bytes{rank="1"} 0.0' in metrics
+        for rank in ("0", "1"):
+            for direction in ("d2h", "h2d"):
+                copies = re.search(rf'verl_offload_copies_total{{direction="{direction}",group="transformer",'
+                                   rf'rank="{rank}"}} ([0-9.e+]+)', metrics)
+                assert copies is not None and float(copies.group(1)) > 0, (rank, direction)
+        run.wait(lambda: all(rank["copy_latency_mean_s"] is not None for rank in connected_ranks(run)),
+                 timeout=60, what="each rank's offload copy latency in /v1/status (the advisor compares them)")
 
         # a rank's pid leads to the daemon (walking up through the launcher), and its live view has a row per rank
         snapshot = run.verl("monitor", "--pid", str(rank_pids[1]), "--once", "--json")

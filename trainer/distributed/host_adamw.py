@@ -18,18 +18,22 @@ moments. `state[p]` holds AdamW's own keys (step, exp_avg, exp_avg_sq in fp32, s
 the CPU), so checkpoints are AdamW's and resume on any number of ranks.
 
 A unit kept on the CPU (param_offload) has its shards and gradients there already: the same arithmetic runs on
-them with no copy. Written by hand because torch's AdamW steps tensors on one device only (its states follow the
-parameters); the arithmetic is torch.optim.AdamW's, equal to it to float32 rounding (tests/trainer/distributed/
-test_host_adamw.py).
+them with no copy. The copies go through a CopyLog, as the offload engine's do: counted per direction and group,
+a sample timed with CUDA events, and sent to the daemon with each step's offload report (copy latency per rank).
+
+Written by hand because torch's AdamW steps tensors on one device only (its states follow the parameters); the
+arithmetic is torch.optim.AdamW's, equal to it to float32 rounding (tests/trainer/distributed/test_host_adamw.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from trainer.offload.copies import CopyLog
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -53,10 +57,14 @@ class HostAdamW(torch.optim.Optimizer):
     """Where checkpoint loading makes this optimizer's states (trainer/checkpoint.py reads it)."""
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01):
+                 eps: float = 1e-8, weight_decay: float = 0.01, groups: Mapping[int, str] | None = None):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         """Per parameter: the host buffer its gradient comes down into, then its step direction goes up from."""
+        self._groups = dict(groups or {})
+        """Each parameter's module group by id (groups.parameter_groups), for its copies' records; else "other"."""
+        self.copies: CopyLog | None = None
+        """Every copy between the host and the device, counted and a sample timed; made at the first step."""
 
     def _buffer(self, parameter: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(parameter)
@@ -81,6 +89,18 @@ class HostAdamW(torch.optim.Optimizer):
             state["step"] = torch.tensor(float(state["step"]))
         return state
 
+    def _copy(self, direction: str, parameter: torch.Tensor, nbytes: int, device: torch.device,
+              copy: Callable[[], object]) -> None:
+        """Run `copy` on the current stream, through the copy log when it crosses between the host and a device
+        (a CPU-only run logs its copies too, timed on the host's clock, as the offload engine's are)."""
+        if self.copies is None:
+            self.copies = CopyLog(cuda=device.type == "cuda")
+        if device.type == "cuda" or not self.copies.cuda:
+            stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+            self.copies.timed(direction, self._groups.get(id(parameter), "other"), nbytes, stream, copy)
+        else:
+            copy()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
@@ -93,7 +113,10 @@ class HostAdamW(torch.optim.Optimizer):
             gradients = []
             for parameter in parameters:
                 grad = _local(parameter.grad)
-                gradients.append(self._buffer(parameter, grad).copy_(grad, non_blocking=True))
+                buffer = self._buffer(parameter, grad)
+                self._copy("d2h", parameter, grad.numel() * grad.element_size(), grad.device,
+                           lambda buffer=buffer, grad=grad: buffer.copy_(grad, non_blocking=True))
+                gradients.append(buffer)
             for device in {_local(parameter).device for parameter in parameters}:
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
@@ -113,5 +136,9 @@ class HostAdamW(torch.optim.Optimizer):
                 direction.div_(1 - beta1 ** step)
                 shard = _local(parameter)
                 shard.mul_(1 - lr * weight_decay)
-                shard.add_(direction.to(shard.device, non_blocking=True), alpha=-lr)
+                landed: list[torch.Tensor] = []
+                self._copy("h2d", parameter, direction.numel() * direction.element_size(), shard.device,
+                           lambda direction=direction, shard=shard, landed=landed: landed.append(
+                               direction.to(shard.device, non_blocking=True)))
+                shard.add_(landed[0], alpha=-lr)
         return loss

@@ -15,7 +15,7 @@ from torch import nn
 
 from trainer.config import FSDPConfig
 from trainer.config.messages import CopyCount, Direction, Group, OffloadMessage
-from trainer.offload.copies import MAX_RECORDS_PER_DRAIN
+from trainer.offload.copies import MAX_RECORDS_PER_DRAIN, CopyLog
 from trainer.offload.engine import OffloadEngine, OffloadOptions, UpdateMode
 from trainer.offload.groups import GROUPS, UnsupportedModel
 from trainer.offload.layout import HostMemoryError, format_bytes
@@ -74,19 +74,20 @@ def updates_on_device(fsdp_config: FSDPConfig, device: torch.device) -> bool:
 
 
 def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool,
-                    plans: Sequence[dict[str, object]] | None = None) -> OffloadMessage:
-    """The OffloadMessage for all of a run's engines: the timed copies drained since the last call,
-    at most MAX_RECORDS_PER_DRAIN of them in all (the rest folded per direction and group), the count
-    and bytes of every copy since the last call, the placement summary of every role when
-    `with_summary`, and the phases' `plans` of the dynamic layers (MemoryManager.plan_rows) when given.
+                    plans: Sequence[dict[str, object]] | None = None, logs: Sequence[CopyLog] = ()) -> OffloadMessage:
+    """The OffloadMessage for all of a run's engines and the other copy `logs` (HostAdamW's, on several ranks):
+    the timed copies drained since the last call, at most MAX_RECORDS_PER_DRAIN of them in all (the rest folded
+    per direction and group), the count and bytes of every copy since the last call, the placement summary of
+    every role when `with_summary`, and the phases' `plans` of the dynamic layers (MemoryManager.plan_rows) when
+    given.
 
     The engines report plain rows; they become the message's models here, validated in one call
     (pydantic's compiled validator: about 30% cheaper than building each row's model in Python).
     """
-    budget = MAX_RECORDS_PER_DRAIN // max(1, len(engines))
+    budget = MAX_RECORDS_PER_DRAIN // max(1, len(engines) + len(logs))
     counts: dict[tuple[Direction, Group], CopyCount] = {}
-    for engine in engines:
-        for row in engine.drain_copy_counts():
+    for rows in [engine.drain_copy_counts() for engine in engines] + [log.drain_counts() for log in logs]:
+        for row in rows:
             count = CopyCount.model_validate(row)
             before = counts.get((count.direction, count.group))
             if before is not None:  # several models copy the same groups: one row each for the daemon
@@ -94,7 +95,8 @@ def offload_message(engines: Sequence[OffloadEngine], *, with_summary: bool,
                                   bytes=before.bytes + count.bytes)
             counts[(count.direction, count.group)] = count
     return OffloadMessage.model_validate({
-        "copies": [copy for engine in engines for copy in engine.drain_copy_stats(budget)],
+        "copies": [copy for engine in engines for copy in engine.drain_copy_stats(budget)]
+                  + [copy for log in logs for copy in log.drain(budget)],
         "counts": list(counts.values()),
         "summary": [row for engine in engines for row in engine.summary()] if with_summary else None,
         "plans": list(plans) if plans is not None else None,

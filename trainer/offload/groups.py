@@ -73,7 +73,8 @@ def find_parts(model: nn.Module, layer_classes: Sequence[str] | None = None) -> 
     if not classes:
         raise UnsupportedModel(f"cannot tell the transformer blocks of {type(model).__name__}: set "
                                "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap to their class name")
-    layers = [module for module in model.modules() if type(module).__name__ in classes]
+    # By the class's name, which FSDP2 prefixes when it shards a block (Qwen2DecoderLayer: FSDPQwen2DecoderLayer).
+    layers = [module for module in model.modules() if type(module).__name__.removeprefix("FSDP") in classes]
     if not layers:
         raise UnsupportedModel(f"no module of class {sorted(classes)} in {type(model).__name__}: set "
                                "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap to the block class name")
@@ -87,6 +88,19 @@ def find_parts(model: nn.Module, layer_classes: Sequence[str] | None = None) -> 
                     None)
     tied = head is not None and getattr(head, "weight", None) is not None and head.weight is embedding.weight
     return ModelParts(embedding=embedding, layers=layers, norm=norm, head=head, tied=tied)
+
+
+def parameter_groups(parts: ModelParts) -> dict[int, str]:
+    """Each parameter's group (embedding, transformer, norm, lm_head) by id; a parameter of none is not there."""
+    holders = [("embedding", [parts.embedding]), ("transformer", parts.layers),
+               ("norm", [parts.norm] if parts.norm is not None else []),
+               ("lm_head", [parts.head] if parts.head is not None else [])]
+    groups: dict[int, str] = {}
+    for group, modules in holders:
+        for module in modules:
+            for parameter in module.parameters():
+                groups.setdefault(id(parameter), group)  # a tied head's weight is the embedding's
+    return groups
 
 
 def entries_of(modules: Sequence[nn.Module], prefix_of: dict[int, str]) -> list[Entry]:

@@ -88,7 +88,8 @@ class Actor:
             check_packable(model, "actor_rollout_ref.model.use_remove_padding")
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
                           else build_optimizer(model, config.optim,
-                                               states_on_host=config.fsdp_config.optimizer_offload))
+                                               states_on_host=config.fsdp_config.optimizer_offload,
+                                               layer_classes=config.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.shuffle_generator = torch.Generator().manual_seed(seed) if config.shuffle else None
         # Fewer, larger micro-batches while the update streams layers (issue 14).

@@ -39,7 +39,8 @@ class Critic:
         self.forward_micro_batch_size = forward_micro_batch_size
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
                           else build_optimizer(model, config.optim,
-                                               states_on_host=config.fsdp_config.optimizer_offload))
+                                               states_on_host=config.fsdp_config.optimizer_offload,
+                                               layer_classes=config.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         # Fewer, larger micro-batches while the update streams layers (issue 14).
         self.merging = MicroBatchMerging(config.fsdp_config.merge_micro_batches)

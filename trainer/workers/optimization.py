@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,6 +17,7 @@ from trainer.config import OptimConfig
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
 from trainer.offload import OffloadEngine
+from trainer.offload.groups import find_parts, parameter_groups
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.packing import packed_response_outputs, plan_micro_batches, takes_logits_to_keep
 from trainer.workers.recovery import Piece, WorkerMemory, retry_out_of_memory
@@ -45,15 +46,17 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_paddi
 
 
 def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: OffloadEngine | None = None, *,
-                    states_on_host: bool = False) -> torch.optim.Optimizer:
+                    states_on_host: bool = False, layer_classes: Sequence[str] | None = None) -> torch.optim.Optimizer:
     """AdamW over the model's trainable parameters; `engine`'s when the model has one; with `states_on_host` (a
-    sharded model with optimizer_offload) its moments and arithmetic on the CPU, the parameters where they are."""
+    sharded model with optimizer_offload) its moments and arithmetic on the CPU, the parameters where they are (its
+    copies recorded by the module groups of the model, whose blocks are of `layer_classes`)."""
     if engine is not None:
         # Per-layer parameter groups, and the update on the CPU when optimizer_offload is set.
         return engine.optimizer(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     if states_on_host:
-        return HostAdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        return HostAdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
+                         groups=parameter_groups(find_parts(model, layer_classes)))
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 

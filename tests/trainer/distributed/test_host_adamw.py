@@ -71,3 +71,20 @@ def test_on_a_gpu_the_parameters_stay_there_and_the_moments_live_on_the_cpu():
     devices = {value.device.type for state in host.state.values() for key, value in state.items() if key != "step"}
     assert devices == {"cpu"}
     assert all(buffer.is_pinned() for buffer in host._buffers.values())
+
+
+def test_each_step_counts_a_gradient_copy_down_and_an_update_up_per_parameter_by_group_for_the_offload_report():
+    from trainer.offload import offload_message
+
+    parameters = [torch.zeros(4, 3, requires_grad=True), torch.zeros(5, requires_grad=True)]
+    optimizer = HostAdamW(parameters, lr=1e-2, groups={id(parameters[0]): "transformer"})
+    for _ in range(2):
+        for parameter in parameters:
+            parameter.grad = torch.ones_like(parameter)
+        optimizer.step()
+    message = offload_message([], with_summary=False, logs=[optimizer.copies])
+    counts = {(row.direction, row.group): (row.copies, row.bytes) for row in message.counts}
+    assert counts == {("d2h", "transformer"): (2, 2 * 48), ("h2d", "transformer"): (2, 2 * 48),
+                      ("d2h", "other"): (2, 2 * 20), ("h2d", "other"): (2, 2 * 20)}
+    assert message.copies and all(copy.seconds >= 0 for copy in message.copies)  # timed on the host's clock here
+    assert offload_message([], with_summary=False, logs=[optimizer.copies]).counts == []  # drained

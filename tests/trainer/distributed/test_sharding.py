@@ -148,3 +148,17 @@ def test_a_decode_holds_the_whole_weights_once_instead_of_gathering_every_unit_a
         assert gathered["gathers"] == 6 * held["gathers"] and 0 < held["gathers"] < decode["units"]
         assert decode["one_rank_short"] == {"held": False, "gathers": gathered["gathers"]}
         assert decode["trains_after"]
+
+
+def test_the_groups_are_found_again_once_fsdp2_swapped_the_blocks_classes():
+    """fully_shard gives each sharded block a subclass (FSDPQwen2DecoderLayer); HostAdamW's copy records find the
+    groups of the sharded model by the block class's name all the same."""
+    from trainer.offload.groups import parameter_groups
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    for layer in model.model.layers:
+        layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
+    groups = parameter_groups(find_parts(model))
+    assert {groups[id(parameter)] for parameter in model.model.layers.parameters()} == {"transformer"}
+    assert groups[id(model.lm_head.weight)] == "lm_head" and groups[id(model.model.norm.weight)] == "norm"
