@@ -136,12 +136,15 @@ def whole_weights(model: nn.Module, sharded: Sharded, ranks: Ranks) -> Iterator[
     units on the CPU up each time). Afterwards the whole weights are freed and FSDP2 gathers around each forward
     again (its defaults: every unit but the root frees them after its forward). Every rank must enter together:
     the decision and the gathers are collective."""
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    fits = bool(units) and sharded.whole_bytes <= WHOLE_WEIGHTS_SHARE * free_device_bytes(ranks.device)
-    if not units or ranks.sum(float(fits)) < ranks.world_size:
+    if not isinstance(model, FSDPModule):
         yield False
         return
-    root = units[0]
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]  # the root first
+    fits = sharded.whole_bytes <= WHOLE_WEIGHTS_SHARE * free_device_bytes(ranks.device)
+    if ranks.sum(float(fits)) < ranks.world_size:
+        yield False
+        return
+    root: FSDPModule = model
     root.set_reshard_after_forward(False)
     try:
         for unit in units:
@@ -177,7 +180,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def describe_sharding(role: str, world_size: int, on_cpu: dict[str, bool], parts: ModelParts) -> str:
     """The start-of-run line that says how a model is sharded and which groups' shards live on the CPU."""
-    present = [group for group in GROUPS if group != "lm_head" or parts.head is not None]
+    present = [group for group in GROUPS
+               if not (group == "lm_head" and parts.head is None or group == "norm" and parts.norm is None)]
     names = [TITLES[group].lower() if group != "lm_head" else "head" for group in present]
     names = ["decoder layers" if group == "transformer" else name for group, name in zip(present, names, strict=True)]
     where = [name for group, name in zip(present, names, strict=True) if on_cpu[group]]
