@@ -90,16 +90,17 @@ class HostAdamW(torch.optim.Optimizer):
         return state
 
     def _copy(self, direction: str, parameter: torch.Tensor, nbytes: int, device: torch.device,
-              copy: Callable[[], object]) -> None:
+              copy: Callable[[], object]) -> torch.cuda.Event | None:
         """Run `copy` on the current stream, through the copy log when it crosses between the host and a device
-        (a CPU-only run logs its copies too, timed on the host's clock, as the offload engine's are)."""
+        (a CPU-only run logs its copies too, timed on the host's clock, as the offload engine's are); returns the
+        event that marks a device copy's end (None for a copy done when this returns)."""
         if self.copies is None:
             self.copies = CopyLog(cuda=device.type == "cuda")
         if device.type == "cuda" or not self.copies.cuda:
             stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            self.copies.timed(direction, self._groups.get(id(parameter), "other"), nbytes, stream, copy)
-        else:
-            copy()
+            return self.copies.timed(direction, self._groups.get(id(parameter), "other"), nbytes, stream, copy)
+        copy()
+        return None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -109,20 +110,21 @@ class HostAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             parameters = [parameter for parameter in group["params"] if parameter.grad is not None]
-            # Every gradient on its way down before the host touches any (the copies queue on one stream).
-            gradients = []
+            # Every gradient on its way down first (the copies queue on one stream); the host starts on each as
+            # soon as it has landed, while the later ones are still coming, and its update goes up while the host
+            # works on the next.
+            gradients, landed_at = [], []
             for parameter in parameters:
                 grad = _local(parameter.grad)
                 buffer = self._buffer(parameter, grad)
-                self._copy("d2h", parameter, grad.numel() * grad.element_size(), grad.device,
-                           lambda buffer=buffer, grad=grad: buffer.copy_(grad, non_blocking=True))
+                landed_at.append(self._copy("d2h", parameter, grad.numel() * grad.element_size(), grad.device,
+                                            lambda buffer=buffer, grad=grad: buffer.copy_(grad, non_blocking=True)))
                 gradients.append(buffer)
-            for device in {_local(parameter).device for parameter in parameters}:
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()
             beta1, beta2 = group["betas"]
             lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-            for parameter, direction in zip(parameters, gradients, strict=True):
+            for parameter, direction, landed_event in zip(parameters, gradients, landed_at, strict=True):
+                if landed_event is not None:
+                    landed_event.synchronize()
                 state = self._state(parameter)
                 exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 state["step"] += 1
