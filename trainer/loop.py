@@ -77,7 +77,7 @@ from trainer.metrics import (
 )
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
 from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
-from trainer.offload import OffloadEngine, offload_message
+from trainer.offload import OffloadEngine, format_bytes, offload_message
 from trainer.offload.copies import CopyLog
 from trainer.offload.dynamic import MemoryProbe
 from trainer.randomness import restore_rank_streams, rng_state, seed_everything
@@ -154,7 +154,7 @@ class Trainer:
         # Every model's placement; dynamic offload follows the live settings (initialised from the
         # actor's dynamic_offload section). The log and warnings go where self.log and self.warn point.
         self._sharded: dict[str, Sharded] = {}  # several ranks: how each model is sharded
-        self._whole_weights_said: bool | None = None  # several ranks: whether the rollout's decision was said
+        self._whole_weights_said: dict[str, bool] = {}  # several ranks: each model's last whole_weights decision
         self.memory = MemoryManager(self.device, settings=lambda: self.live_settings,
                                     probe=memory_probe or default_memory_probe(self.device),
                                     host_available=host_available or host_memory_available,
@@ -463,19 +463,23 @@ class Trainer:
             metrics.update(self._decode_memory())
             size, reward_errors = len(batch), self.reward_fn.errors
             with timer.phase("reward"), self.memory.placed_for("scoring", Role.REWARD,
-                                                               self._passes("scoring", Role.REWARD, size)):
+                                                               self._passes("scoring", Role.REWARD, size)), \
+                    self._whole_weights(Role.REWARD):
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
             metrics["reward/errors"] = self.reward_fn.errors - reward_errors
             with timer.phase("old_log_prob"), self.memory.placed_for("scoring", Role.ACTOR,
-                                                                     self._passes("scoring", Role.ACTOR, size)):
+                                                                     self._passes("scoring", Role.ACTOR, size)), \
+                    self._whole_weights(Role.ACTOR):
                 batch.old_log_probs = self.actor.compute_log_probs(batch)
             if self.config.use_reference:
                 role = Role.REF if self.reference is not None else Role.ACTOR  # LoRA: the actor, adapter off
-                with timer.phase("ref"), self.memory.placed_for("scoring", role, self._passes("scoring", role, size)):
+                with timer.phase("ref"), self.memory.placed_for("scoring", role, self._passes("scoring", role, size)), \
+                        self._whole_weights(role):
                     batch.ref_log_probs = self._reference_log_probs(batch)
             if self.critic is not None:
                 with timer.phase("values"), self.memory.placed_for("scoring", Role.CRITIC,
-                                                                   self._passes("scoring", Role.CRITIC, size)):
+                                                                   self._passes("scoring", Role.CRITIC, size)), \
+                        self._whole_weights(Role.CRITIC):
                     batch.values = self.critic.compute_values(batch)
             with timer.phase("adv"):
                 metrics.update(self.compute_advantages(batch))
@@ -558,7 +562,7 @@ class Trainer:
         rollout = rollout or self.rollout  # either samples with the actor's weights
         self.heartbeat()  # once per validation batch too
         with self.memory.placed_for("rollout", Role.ACTOR, self._passes("rollout", Role.ACTOR, len(repeated))), \
-                self._whole_actor_weights():
+                self._whole_weights(Role.ACTOR):
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
                                                                          prompt_mask[first:first + count]),
@@ -582,21 +586,22 @@ class Trainer:
                 if isinstance(worker.optimizer, HostAdamW) and worker.optimizer.copies is not None]
 
     @contextlib.contextmanager
-    def _whole_actor_weights(self) -> Iterator[None]:
-        """Several ranks: the sharded actor's whole weights on every rank for the rollout where they fit (gathered
-        once, not at every decoded token: sharding.whole_weights); the decision said when it changes."""
-        sharded = self._sharded.get(Role.ACTOR)
+    def _whole_weights(self, role: str) -> Iterator[None]:
+        """Several ranks: the sharded model's whole weights on every rank for a phase without gradients (the rollout,
+        a scoring) where they fit, gathered once, not at every forward (sharding.whole_weights); the decision is
+        said when it changes. One rank: nothing."""
+        sharded = self._sharded.get(role)
         if sharded is None:
             yield
             return
-        with whole_weights(self.actor.model, sharded, self.ranks) as whole:
-            if whole != self._whole_weights_said:
-                self._whole_weights_said = whole
-                size = f"{sharded.whole_bytes / 2**30:.2f} GiB"
-                self.log(f"rollout: every rank holds the actor's whole weights ({size}) while it decodes: one gather "
-                         "of each unit a rollout, not one a decoded token" if whole else
-                         f"rollout: the actor's whole weights ({size}) take more than {WHOLE_WEIGHTS_SHARE:.0%} of "
-                         "some rank's free device memory: each decoded token gathers every unit's shards")
+        with whole_weights(sharded, self.ranks) as whole:
+            if whole != self._whole_weights_said.get(role):
+                self._whole_weights_said[role] = whole
+                size = format_bytes(sharded.whole_bytes)
+                self.log(f"{role}: every rank holds the whole weights ({size}) for the forwards without gradients "
+                         "(rollout, scoring): one gather of each unit a phase, not one a forward" if whole else
+                         f"{role}: the whole weights ({size}) take more than {WHOLE_WEIGHTS_SHARE:.0%} of some rank's "
+                         "free device memory: each forward without gradients gathers every unit's shards")
             yield
 
     def _pad_like_other_ranks(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor

@@ -57,9 +57,10 @@ def group_placements(fsdp_config: FSDPConfig, parts: ModelParts) -> dict[str, bo
 
 @dataclass(frozen=True)
 class Sharded:
-    """How shard_model placed a model: whether each group's local shards live on the CPU, its decoder layers, and
-    the bytes of its whole weights in the dtype its forward gathers them in."""
+    """How shard_model placed a model: the model, whether each group's local shards live on the CPU, its decoder
+    layers, and the bytes of its whole weights in the dtype its forward gathers them in."""
 
+    model: nn.Module
     on_cpu: dict[str, bool]
     layers: int
     whole_bytes: int = 0
@@ -112,11 +113,12 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
     log(line)
     gathered = precision.param_dtype
     whole = sum(parameter.numel() * (gathered or parameter.dtype).itemsize for parameter in model.parameters())
-    return Sharded(on_cpu, len(parts.layers), whole)
+    return Sharded(model, on_cpu, len(parts.layers), whole)
 
 
 WHOLE_WEIGHTS_SHARE = 0.5
-"""The most of a rank's free device memory the whole weights may take for a decode (the rest: KV cache, logits)."""
+"""The most of a rank's free device memory the whole weights may take for a phase's forwards without gradients
+(the rest: the KV cache, activations and logits)."""
 
 
 def free_device_bytes(device: torch.device) -> float:
@@ -129,13 +131,14 @@ def free_device_bytes(device: torch.device) -> float:
 
 
 @contextlib.contextmanager
-def whole_weights(model: nn.Module, sharded: Sharded, ranks: Ranks) -> Iterator[bool]:
+def whole_weights(sharded: Sharded, ranks: Ranks) -> Iterator[bool]:
     """Inside: every rank holds the sharded model's whole weights, gathered once, if they fit in
-    WHOLE_WEIGHTS_SHARE of every rank's free device memory (yields whether they do). A decode's forwards then
-    gather nothing, where FSDP2 would gather every unit's shards for every decoded token (and copy the shards of
-    units on the CPU up each time). Afterwards the whole weights are freed and FSDP2 gathers around each forward
-    again (its defaults: every unit but the root frees them after its forward). Every rank must enter together:
-    the decision and the gathers are collective."""
+    WHOLE_WEIGHTS_SHARE of every rank's free device memory (yields whether they do). Forwards without gradients
+    (a decode's tokens, a scoring's micro-batches) then gather nothing, where FSDP2 would gather every unit's
+    shards for every forward (and copy the shards of units on the CPU up each time). Afterwards the whole weights
+    are freed and FSDP2 gathers around each forward again (its defaults: every unit but the root frees them after
+    its forward). Every rank must enter together: the decision and the gathers are collective."""
+    model = sharded.model
     if not isinstance(model, FSDPModule):
         yield False
         return

@@ -151,13 +151,13 @@ def decode_checks(ranks: Ranks) -> dict:
     results: dict = {}
     for whole in (False, True):
         with GatherCount() as gathers:
-            with whole_weights(model, sharded, ranks) if whole else contextlib.nullcontext(False) as held:
+            with whole_weights(sharded, ranks) if whole else contextlib.nullcontext(False) as held:
                 tokens = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
                                         min_new_tokens=6, do_sample=False, synced_gpus=True, pad_token_id=0)
         results[f"whole={whole}"] = {"held": bool(held), "gathers": gathers.count, "tokens": tokens.tolist()}
     # Rank 1 short of device memory: neither rank holds the whole weights (a rank alone would wait in its gathers).
     short = mock.patch.object(sharding, "free_device_bytes", lambda device: 1.0 if ranks.rank == 1 else math.inf)
-    with short, GatherCount() as gathers, whole_weights(model, sharded, ranks) as held:
+    with short, GatherCount() as gathers, whole_weights(sharded, ranks) as held:
         model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
                        min_new_tokens=6, do_sample=False, synced_gpus=True, pad_token_id=0)
     results["one_rank_short"] = {"held": bool(held), "gathers": gathers.count}
