@@ -521,6 +521,11 @@ BAD_CONFIGS = [
     ("a feature of one rank on several", None,
      ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true"],
      "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled", "works on one rank only, and this run has 2"),
+    ("an update on the GPU on several ranks", None,
+     ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+      "actor_rollout_ref.actor.fsdp_config.optimizer_update=gpu"],
+     "actor_rollout_ref.actor.fsdp_config.optimizer_update", "works on one rank only, and this run has 2 "
+     "(trainer.nnodes x trainer.n_gpus_per_node); allowed: auto or cpu"),
     ("sequence_parallel_offload without sequence parallelism", None,
      ["actor_rollout_ref.actor.sequence_parallel_offload=true"],
      "actor_rollout_ref.actor.sequence_parallel_offload", "ulysses_sequence_parallel_size is 1"),
@@ -710,3 +715,11 @@ def test_the_schema_documents_every_field() -> None:
                 sections.append(annotation)
     assert len(seen) > 15  # the walk reached the nested sections
     assert undocumented == []
+
+
+def test_several_ranks_accept_an_offloaded_update_on_the_host() -> None:
+    """optimizer_update cpu is what HostAdamW does on several ranks; gpu and both need one rank's engine."""
+    config = load_config(None, ["trainer.n_gpus_per_node=2",
+                                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                                "actor_rollout_ref.actor.fsdp_config.optimizer_update=cpu"])
+    assert config.actor_rollout_ref.actor.fsdp_config.optimizer_update == "cpu"

@@ -1534,7 +1534,8 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     """What works on one rank only: the project's own offload engine (dynamic offload, delayed updates, bf16 host
-    gradients, where the offloaded update runs, the embedding cache) places whole models. (Token-budget
+    gradients, an offloaded update on the GPU, the embedding cache) places whole models; several ranks update an
+    offloaded optimizer on the host (HostAdamW: optimizer_update auto or cpu). (Token-budget
     micro-batches work on several: every rank splits its share into as many, packing.plan_micro_batches; so does
     the static decoder: every rank decodes until every rank's rows have finished; and LoRA: FSDP2 shards the model
     with its adapter's layers.)"""
@@ -1549,8 +1550,8 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
             found.append((f"{prefix}.delayed_update", True, False))
         if fsdp.offload_grad_dtype != "fp32":
             found.append((f"{prefix}.offload_grad_dtype", fsdp.offload_grad_dtype, "fp32"))
-        if fsdp.optimizer_update != "auto":  # FSDP2's CPUOffloadPolicy steps the optimizer on the CPU
-            found.append((f"{prefix}.optimizer_update", fsdp.optimizer_update, "auto"))
+        if fsdp.optimizer_update not in ("auto", "cpu"):  # several ranks update on the host (HostAdamW)
+            found.append((f"{prefix}.optimizer_update", fsdp.optimizer_update, "auto or cpu"))
     section = config.actor_rollout_ref
     if section.rollout.embedding_cache.enabled:
         found.append(("actor_rollout_ref.rollout.embedding_cache.enabled", True, False))
