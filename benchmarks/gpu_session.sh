@@ -61,10 +61,11 @@
 # host link ran at 44 GB/s up (55 on the others): compare ratios within a call only. The 30 minutes ran out there.
 # At most 8 files come back from a call: `tests` with two e2e stages of two variants makes 9 (gpu_tests.txt was left).
 # 2026-12-04 03:54-06:54: no device time was left to this session (70 s): nothing measured. Multi-rank work landed
-# unmeasured on a GPU: per-group FSDP2 units, fp32 masters under MixedPrecisionPolicy, HostAdamW for optimizer_offload.
+# unmeasured on a GPU: per-group FSDP2 units, fp32 masters under MixedPrecisionPolicy, HostAdamW for optimizer_offload
+# (its copies overlapped per parameter with CUDA events), whole weights for phases without gradients.
 # Next, in priority order: `tests` (now also test_host_adamw's GPU test); on an nvidia-h200-x2 machine when one is
-# lent, `ranks` (issue 16's anchor: HostAdamW and per-group units against FSDP2's CPUOffloadPolicy at 2 ranks);
-# then, from the previous session's list: `tests` (test_training_gpu's offloaded-against-resident losses failed at 01:00 with
+# lent, `ranks` (issue 16's anchor: HostAdamW and per-group units against FSDP2's CPUOffloadPolicy at 2 ranks); then,
+# from the previous session's list: `tests` (test_training_gpu's offloaded-against-resident losses failed at 01:00 with
 # merged micro-batches, before a mini-batch's metrics were weighed by their shares: the fix is checked on the CPU
 # only); `PROFILE=1 VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 e2e-ppo3b` (the 3B rollout waited 1.82 s for the actor's
 # update at 01:04 against 0.96 s at 00:37: find whether the critic's update shares the bus then); `VARIANTS=offload,

@@ -369,9 +369,15 @@ def run_overhead(args: argparse.Namespace) -> dict:
                    "--cycles", str(args.cycles), "--warmup-steps", str(args.warmup_steps)]
         daemon = Daemon(config, config_path, trainer_command=command, state=work / "state")
         daemon.supervisor.env[CONTROL_ENV] = str(control)
-        conductor = threading.Thread(target=conduct, args=(daemon, control, config), daemon=True)
+        attached: list[tuple[threading.Event, threading.Thread]] = []
+        conductor = threading.Thread(target=conduct, args=(daemon, control, config, attached), daemon=True)
         conductor.start()
-        code = asyncio.run(daemon.run())
+        try:
+            code = asyncio.run(daemon.run())
+        finally:  # the last block's clients go with the daemon (they would scrape a closed port in the next test)
+            for stop, client in list(attached):
+                stop.set()
+                client.join(timeout=5)
         if code != 0 or not result_path.exists():
             log = config.trainer.run_dir / "logs"
             raise BenchError(f"the trainer side failed (daemon exit {code}); see the output above and {log}")
@@ -379,15 +385,16 @@ def run_overhead(args: argparse.Namespace) -> dict:
     return summarize_overhead(args, result)
 
 
-def conduct(daemon, control: Path, config) -> None:
+def conduct(daemon, control: Path, config, attached: list[tuple[threading.Event, threading.Thread]]) -> None:
     """The daemon's side of each block: on, NVML at the configured cadence and two clients attached;
-    off, the sampler all but idle and nobody attached."""
-    attached: list[threading.Event] = []
+    off, the sampler all but idle and nobody attached. `attached` holds the clients of the current block (with
+    the events that stop them), for the caller to stop at the end."""
     with control.open("r") as lines:
         for line in lines:
             mode = line.strip()
-            for stop in attached:
+            for stop, client in attached:
                 stop.set()
+                client.join(timeout=5)
             attached.clear()
             sampler = daemon.sampler
             if mode in ("on", "daemon"):
@@ -396,8 +403,9 @@ def conduct(daemon, control: Path, config) -> None:
                                           pcie_interval_s=config.telemetry.pcie_sample_interval_s)
                 for target in (follow_stream, scrape_metrics):
                     stop = threading.Event()
-                    threading.Thread(target=target, args=(daemon.url, daemon.token, stop), daemon=True).start()
-                    attached.append(stop)
+                    client = threading.Thread(target=target, args=(daemon.url, daemon.token, stop), daemon=True)
+                    client.start()
+                    attached.append((stop, client))
             elif sampler is not None:
                 sampler.set_intervals(gpu_interval_s=60.0, pcie_interval_s=600.0)
 
