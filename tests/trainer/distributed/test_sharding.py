@@ -1,4 +1,5 @@
-"""FSDP2 sharding per group: each group's local shards where param_offload and offload_policy place them.
+"""FSDP2 sharding per group: each group's local shards where param_offload and offload_policy place them, fp32
+masters with optimizer_offload, and the whole weights held for a decode.
 
 The two-rank checks run once, in one torch.distributed.run launch of sharding_ranks.py; each test below asserts on
 what both ranks reported. The placement rules themselves are checked here without ranks.
