@@ -387,13 +387,11 @@ def run_one(args: argparse.Namespace, variant: str, models: Path, log_path: Path
     return run
 
 
-def table(result: dict[str, Any]) -> str:
-    """Each phase's seconds per variant and the ratio to all-GPU; copies against the PCIe floor; moves."""
-    variants = result["variants"]
+def phase_rows(variants: dict[str, dict[str, Any]], *, width: int) -> list[str]:
+    """A header of the variants' names, then each phase's seconds per variant (the step first) and its ratio to
+    the all_gpu variant's where there is one."""
     base = variants.get("all_gpu", {}).get("phases_s", {})
-    header = (f"{result.get('gpu', 'CPU')}, shape {result['shape']} {result['spec']}, steps {result['steps']}"
-              f" (the first {result.get('warmup', 1)} not counted), rollout.decode {result.get('decode', 'generate')}")
-    lines = [header, f"{'phase':<16}" + "".join(f"{name:>22}" for name in variants)]
+    rows = [f"{'phase':<16}" + "".join(f"{name:>{width}}" for name in variants)]
     phases = sorted({phase for run in variants.values() for phase in run.get("phases_s", {})},
                     key=lambda phase: (phase != "step", phase))
     for phase in phases:
@@ -402,7 +400,16 @@ def table(result: dict[str, Any]) -> str:
             seconds = run.get("phases_s", {}).get(phase)
             ratio = f" ({seconds / base[phase]:.2f}x)" if seconds is not None and base.get(phase) else ""
             cells.append(f"{seconds:.3f} s{ratio}" if seconds is not None else "-")
-        lines.append(f"{phase:<16}" + "".join(f"{cell:>22}" for cell in cells))
+        rows.append(f"{phase:<16}" + "".join(f"{cell:>{width}}" for cell in cells))
+    return rows
+
+
+def table(result: dict[str, Any]) -> str:
+    """Each phase's seconds per variant and the ratio to all-GPU; copies against the PCIe floor; moves."""
+    variants = result["variants"]
+    header = (f"{result.get('gpu', 'CPU')}, shape {result['shape']} {result['spec']}, steps {result['steps']}"
+              f" (the first {result.get('warmup', 1)} not counted), rollout.decode {result.get('decode', 'generate')}")
+    lines = [header, *phase_rows(variants, width=22)]
     for name, run in variants.items():
         if "error" in run:
             lines.append(f"{name}: FAILED: {' | '.join(run['error'].splitlines()[-3:]) or '?'}")

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.e2e_bench import SHAPES, fsdp_overrides, overrides, steady_state  # noqa: E402
+from benchmarks.e2e_bench import SHAPES, fsdp_overrides, overrides, phase_rows, steady_state  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -104,18 +104,8 @@ def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: P
 
 def table(result: dict[str, Any]) -> str:
     variants = result["variants"]
-    base = variants.get("all_gpu", {}).get("phases_s", {})
     lines = [f"{result['device']} x {result['ranks']} ranks, shape {result['shape']}, steps {result['steps']} (the "
-             f"first {result['warmup']} not counted)", f"{'phase':<16}" + "".join(f"{name:>24}" for name in variants)]
-    phases = sorted({phase for run in variants.values() for phase in run.get("phases_s", {})},
-                    key=lambda phase: (phase != "step", phase))
-    for phase in phases:
-        cells = []
-        for run in variants.values():
-            seconds = run.get("phases_s", {}).get(phase)
-            ratio = f" ({seconds / base[phase]:.2f}x)" if seconds is not None and base.get(phase) else ""
-            cells.append(f"{seconds:.3f} s{ratio}" if seconds is not None else "-")
-        lines.append(f"{phase:<16}" + "".join(f"{cell:>24}" for cell in cells))
+             f"first {result['warmup']} not counted)", *phase_rows(variants, width=24)]
     for name, run in variants.items():
         if "error" in run:
             lines.append(f"{name}: FAILED: {' | '.join(run['error'].splitlines()[-3:])}")
