@@ -21,6 +21,7 @@ from trainer.workers.optimization import (
     MicroBatchMerging,
     build_optimizer,
     build_scheduler,
+    rank_mini_batch_size,
     response_logits,
     restore_schedule,
     run_updates,
@@ -87,9 +88,7 @@ class Actor:
         if remove_padding:
             check_packable(model, "actor_rollout_ref.model.use_remove_padding")
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
-                          else build_optimizer(model, config.optim,
-                                               states_on_host=config.fsdp_config.optimizer_offload,
-                                               layer_classes=config.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap))
+                          else build_optimizer(model, config.optim, fsdp_config=config.fsdp_config))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.shuffle_generator = torch.Generator().manual_seed(seed) if config.shuffle else None
         # Fewer, larger micro-batches while the update streams layers (issue 14).
@@ -100,15 +99,8 @@ class Actor:
         return self.ranks.world_size if self.ranks is not None else 1
 
     @property
-    def _data_parallel_size(self) -> int:
-        """The groups the batch is shared among (the ranks of a sequence-parallel group hold the same share)."""
-        return self.ranks.dp_size if self.ranks is not None else 1
-
-    @property
     def mini_batch_size(self) -> int:
-        """Sequences per mini-batch on this rank: verl's global count of prompts, times rollout.n, over the
-        data-parallel groups."""
-        return self.config.ppo_mini_batch_size * self.rollout_n // self._data_parallel_size
+        return rank_mini_batch_size(self.config.ppo_mini_batch_size, self.rollout_n, self.ranks)
 
     def update_micro_batches(self, size: int) -> int:
         """Micro-batches an update of `size` sequences runs in per epoch while its layers stream."""

@@ -13,6 +13,7 @@ from trainer.workers.optimization import (
     MicroBatchMerging,
     build_optimizer,
     build_scheduler,
+    rank_mini_batch_size,
     response_logits,
     restore_schedule,
     run_updates,
@@ -38,9 +39,7 @@ class Critic:
         self.rollout_n = rollout_n
         self.forward_micro_batch_size = forward_micro_batch_size
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
-                          else build_optimizer(model, config.optim,
-                                               states_on_host=config.fsdp_config.optimizer_offload,
-                                               layer_classes=config.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap))
+                          else build_optimizer(model, config.optim, fsdp_config=config.fsdp_config))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         # Fewer, larger micro-batches while the update streams layers (issue 14).
         self.merging = MicroBatchMerging(config.fsdp_config.merge_micro_batches)
@@ -73,9 +72,7 @@ class Critic:
 
     @property
     def mini_batch_size(self) -> int:
-        """Sequences per mini-batch on this rank: verl's global count of prompts, times rollout.n, over the
-        data-parallel groups (the ranks of a sequence-parallel group hold the same share)."""
-        return self.config.ppo_mini_batch_size * self.rollout_n // (self.ranks.dp_size if self.ranks is not None else 1)
+        return rank_mini_batch_size(self.config.ppo_mini_batch_size, self.rollout_n, self.ranks)
 
     def update_micro_batches(self, size: int) -> int:
         """Micro-batches an update of `size` sequences runs in per epoch while its layers stream."""

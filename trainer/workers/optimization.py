@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from trainer.algorithms import aggregation_weight
-from trainer.config import OptimConfig
+from trainer.config import FSDPConfig, OptimConfig
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
 from trainer.offload import OffloadEngine
@@ -46,18 +46,25 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_paddi
 
 
 def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: OffloadEngine | None = None, *,
-                    states_on_host: bool = False, layer_classes: Sequence[str] | None = None) -> torch.optim.Optimizer:
-    """AdamW over the model's trainable parameters; `engine`'s when the model has one; with `states_on_host` (a
-    sharded model with optimizer_offload) its moments and arithmetic on the CPU, the parameters where they are (its
-    copies recorded by the module groups of the model, whose blocks are of `layer_classes`)."""
+                    fsdp_config: FSDPConfig | None = None) -> torch.optim.Optimizer:
+    """AdamW over the model's trainable parameters; `engine`'s when the model has one; for a sharded model whose
+    `fsdp_config` asks for optimizer_offload, HostAdamW: its moments and arithmetic on the CPU, the parameters where
+    they are (its copies recorded by the model's module groups)."""
     if engine is not None:
         # Per-layer parameter groups, and the update on the CPU when optimizer_offload is set.
         return engine.optimizer(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    if states_on_host:
+    if fsdp_config is not None and fsdp_config.optimizer_offload:
+        parts = find_parts(model, fsdp_config.wrap_policy.transformer_layer_cls_to_wrap)
         return HostAdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
-                         groups=parameter_groups(find_parts(model, layer_classes)))
+                         groups=parameter_groups(parts))
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def rank_mini_batch_size(ppo_mini_batch_size: int, rollout_n: int, ranks: Ranks | None) -> int:
+    """Sequences per mini-batch on this rank: verl's global count of prompts, times rollout.n, shared among the
+    data-parallel groups (the ranks of a sequence-parallel group hold the same share)."""
+    return ppo_mini_batch_size * rollout_n // (ranks.dp_size if ranks is not None else 1)
 
 
 def warmup_steps(config: OptimConfig, total_steps: int) -> int:

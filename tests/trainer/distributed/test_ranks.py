@@ -49,6 +49,16 @@ def launch(ranks: int, runs_dir: Path, name: str, *overrides: str, config: Path 
     return subprocess.run(command, env=rank_environment(), capture_output=True, text=True, timeout=300)
 
 
+def rank_script_reports(script: str, out: Path, *args: str, ranks: int = 2) -> list[dict]:
+    """Run this folder's `script` on `ranks` CPU ranks (torchrun, gloo) with `out` and `args`; each rank's report,
+    OUT/rank<r>.json, in rank order."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               str(Path(__file__).with_name(script)), str(out), *args]
+    finished = subprocess.run(command, env=rank_environment(), capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
 def rank_environment() -> dict[str, str]:
     """This environment without a torchrun rank of its own (the test may run under one), the repository first."""
     environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
@@ -219,12 +229,7 @@ def test_a_batch_size_that_does_not_divide_among_the_ranks_is_one_config_line_an
 def test_a_live_setting_checkpoint_and_stop_apply_at_the_same_step_on_both_ranks(tmp_path):
     out = tmp_path / "reports"
     out.mkdir()
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(Path(__file__).with_name("control_ranks.py")), str(out), str(tmp_path / "runs")]
-    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-4000:]
-    zero, one = (json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2))
+    zero, one = rank_script_reports("control_ranks.py", out, str(tmp_path / "runs"))
     # Sent to rank 0 during step 1: both ranks apply it at the safe point after step 1 and train step 2 with it.
     assert zero["applied_at"] == one["applied_at"] == [1]
     assert zero["threshold"] == one["threshold"] == 0.6

@@ -7,20 +7,14 @@ what both ranks reported. The placement rules themselves are checked here withou
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tests.trainer.distributed.test_ranks import rank_script_reports
 from trainer.config import FSDPConfig
 from trainer.distributed.sharding import describe_sharding, group_placements
 from trainer.offload.groups import find_parts
 
-REPOSITORY = Path(__file__).resolve().parents[3]
 RANKS = 2
 TOLERANCE = 1e-6  # fp32: the sharded step sums the ranks' gradients in another order
 
@@ -28,13 +22,7 @@ TOLERANCE = 1e-6  # fp32: the sharded step sums the ranks' gradients in another 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     """What each of the 2 ranks reported (sharding_ranks.py), one dict per rank."""
-    out = tmp_path_factory.mktemp("sharding")
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-               str(Path(__file__).with_name("sharding_ranks.py")), str(out)]
-    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+    return rank_script_reports("sharding_ranks.py", tmp_path_factory.mktemp("sharding"), ranks=RANKS)
 
 
 def on_cpu(report: dict, case: str) -> set[str]:

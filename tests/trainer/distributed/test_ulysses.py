@@ -6,7 +6,6 @@ seconds here); each test below asserts on what both ranks reported.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.distributed.test_ranks import rank_script_reports
 from trainer.config.sequence_parallel import (
     ACTOR_FSDP_KEY,
     ACTOR_KEY,
@@ -32,13 +32,7 @@ TOLERANCE = 1e-5  # fp32, relative to the largest magnitude of the expected tens
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict[str, float]]:
     """What each of the 2 ranks measured (ulysses_ranks.py), one dict per rank."""
-    out = tmp_path_factory.mktemp("ulysses")
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-               str(Path(__file__).with_name("ulysses_ranks.py")), str(out)]
-    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+    return rank_script_reports("ulysses_ranks.py", tmp_path_factory.mktemp("ulysses"), ranks=RANKS)
 
 
 @pytest.mark.parametrize("key_value_heads", [2, 1], ids=["kv2", "kv1-repeated"])
