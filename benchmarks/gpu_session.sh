@@ -8,6 +8,8 @@
 #                                          # ours_phase,ours_phase_static; BATCH=128 decodes 128 sequences at once
 #                                          # compares the decode paths; SECTIONS=static_profile: where a decode step's device time goes)
 #   benchmarks/gpu_session.sh offload      # offload_bench.py: bandwidth, all-GPU, layered (~2 min)
+#   benchmarks/gpu_session.sh host         # offload_bench.py --only host: both copy directions, host memory and the
+#                                          # host's AdamW, alone and beside each other (what bounds an update; ~1 min)
 #   benchmarks/gpu_session.sh headline     # grpo_headline.py under a 40 GiB cap          (~4 min)
 #   benchmarks/gpu_session.sh uncapped     # grpo_headline.py without the cap             (~4 min)
 #   benchmarks/gpu_session.sh telemetry    # telemetry_bench.py overhead, small and tiny  (~4 min)
@@ -92,6 +94,8 @@ case "${1:-}" in
   offload)
     timeout 580 python3 benchmarks/offload_bench.py --only bandwidth,allgpu,ours_layered --out "$out/offload.json" ${PROFILE:+--profile "$out/profile"} \
       2>&1 | tee "$out/offload.txt" | tail -30 ;;
+  host)
+    timeout 280 python3 benchmarks/offload_bench.py --only host --out "$out/host.json" 2>&1 | tee "$out/host.txt" | tail -12 ;;
   headline)
     timeout 580 python3 benchmarks/grpo_headline.py --cap-gib 40 --out "$out/headline.json" ${PROFILE:+--profile} 2>&1 \
       | tee "$out/headline.txt" | tail -60 ;;
@@ -115,6 +119,6 @@ case "${1:-}" in
       --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} --out "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.json" 2>&1 \
       | tee "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.txt" | tail -30 ;;
   *)
-    echo "usage: $0 tests|rollout|offload|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b|ranks" >&2
+    echo "usage: $0 tests|rollout|offload|host|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b|ranks" >&2
     exit 2 ;;
 esac

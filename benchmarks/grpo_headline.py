@@ -39,6 +39,7 @@ from benchmarks.offload_bench import GIB, SHAPE, machine, random_bf16  # noqa: E
 from trainer.config import load_config  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.models import load_tokenizer  # noqa: E402
+from trainer.offload.engine import update_elements  # noqa: E402
 from trainer.offload.units import UpdateDone  # noqa: E402
 from trainer.rollout.hf_rollout import SAFE_POINT_EVERY  # noqa: E402
 
@@ -83,6 +84,7 @@ class Profile:
         self.trainer = trainer
         self.phase = "start"
         self.seconds: dict[int, dict[str, dict[str, float]]] = {}
+        self.notes: dict[int, list[str]] = {}
         self._lock = threading.Lock()
         original_phase = trainer._phase
 
@@ -151,6 +153,28 @@ class Profile:
             return submit(self._timed(function, f"{role} worker {name}"), *args, inline=inline)
 
         engine.worker.submit = timed_submit
+        if engine.device_worker is not None:  # optimizer_update gpu or both: the device path's own worker
+            device_submit = engine.device_worker.submit
+
+            def timed_device_submit(function, *args, inline=None):
+                name = getattr(function, "__name__", None) or "task"
+                return device_submit(self._timed(function, f"{role} device worker {name}"), *args, inline=inline)
+
+            engine.device_worker.submit = timed_device_submit
+        if engine.update_split is not None:  # optimizer_update both: each step's shares and the estimates
+            plan = engine.plan_update_paths
+
+            def timed_plan(units):
+                paths = plan(units)
+                elements = [update_elements(unit) for unit in units]
+                total = sum(elements) or 1
+                on_host = sum(count for count, path in zip(elements, paths, strict=True) if path == "host")
+                self.add(f"{role} update split: host share of elements", on_host / total)
+                self.notes.setdefault(self.trainer.step + 1, []).append(
+                    f"{role} split: {engine.update_split.describe()}")
+                return paths
+
+            engine.plan_update_paths = timed_plan
         for owner, method, name in ((engine.gradients, "finish", "finish_backward"),
                                     (engine, "wait_for_updates", "wait_for_updates"),
                                     (engine.gradients, "_land", "land"), (engine, "after_update", "after_update")):
@@ -186,6 +210,8 @@ class Profile:
             if gaps:
                 report[str(step)].setdefault("gen", {})["decode ms per token, after the first safe point"] = round(
                     statistics.median(gaps) / SAFE_POINT_EVERY * 1e3, 2)
+        for step, notes in self.notes.items():
+            report.setdefault(str(step), {})["notes"] = {note: 1 for note in notes}
         return report
 
 

@@ -33,6 +33,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -55,7 +56,7 @@ SHAPE = dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944, nu
              num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
              rms_norm_eps=1e-6, use_cache=False)
 SECTIONS = ("bandwidth", "allgpu", "ours_full", "ours_layered", "fsdp2", "accelerate", "checkpointing", "optimizer",
-            "remove_padding")
+            "remove_padding", "host")
 FULL = FSDPConfig(param_offload=True)
 LAYERED = FSDPConfig.model_validate({"offload_policy": {"embedding": "cpu", "lm_head": "cpu"}})
 
@@ -197,6 +198,86 @@ class Bench:
         ms, _ = self.measure(lambda: pinned.copy_(device, non_blocking=True), iters=10, warmup=2)
         self.rows.append({"name": "d2h pinned", "pass": "copy 1 GiB", "ms": ms, "d2h_gbps": nbytes / 1e9 / (ms / 1e3)})
         print(f"  D2H pinned   {nbytes / 1e9 / (ms / 1e3):6.1f} GB/s", flush=True)
+        self.save()
+
+    def host(self) -> None:
+        """What bounds an offloaded update (optimizer_update gpu, cpu or both): both copy directions at once, the
+        host's memory, and the host's fused AdamW, each alone and beside the others (the two update paths share
+        the host's memory: the device path's copies read and write it as the host path's cores do)."""
+        elements = (1 << 28) if self.plan.layers > 4 else (1 << 24)  # 1 GiB of fp32 (64 MiB quick)
+        nbytes = elements * 4
+        up_host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+        down_host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        up_device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        down_device = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        up_stream, down_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def both_ways() -> None:
+            with torch.cuda.stream(up_stream):
+                up_device.copy_(up_host, non_blocking=True)
+            with torch.cuda.stream(down_stream):
+                down_host.copy_(down_device, non_blocking=True)
+            up_stream.synchronize()
+            down_stream.synchronize()
+
+        source, target = torch.ones(elements), torch.empty(elements)
+        master, moment, second = torch.zeros(elements), torch.zeros(elements), torch.zeros(elements)
+        grad = torch.full((elements,), 1e-3)
+        step = torch.zeros(())
+
+        def host_copy() -> None:
+            target.copy_(source)
+
+        def adamw() -> None:
+            torch._fused_adamw_([master], [grad], [moment], [second], [], [step], amsgrad=False, lr=1e-6,
+                                beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False,
+                                grad_scale=None, found_inf=None)
+
+        def timed(run: Callable[[], None], repeats: int = 5) -> float:
+            run()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        def beside(run: Callable[[], None], other: Callable[[], None]) -> tuple[float, float]:
+            """(seconds of `run`, seconds of `other`), each repeating on a thread of its own until both ran 5 times."""
+            counts, seconds, stop = [0, 0], [[], []], threading.Event()
+
+            def loop(index: int, work: Callable[[], None]) -> None:
+                while counts[index] < 5 or not stop.is_set():
+                    start = time.perf_counter()
+                    work()
+                    seconds[index].append(time.perf_counter() - start)
+                    counts[index] += 1
+                    if min(counts) >= 5:
+                        stop.set()
+            threads = [threading.Thread(target=loop, args=(0, run)), threading.Thread(target=loop, args=(1, other))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            return statistics.median(seconds[0][1:]), statistics.median(seconds[1][1:])
+
+        gb = nbytes / 1e9
+        alone = {"both ways": timed(both_ways), "host copy": timed(host_copy), "host AdamW": timed(adamw)}
+        rows = [("both copy directions at once", alone["both ways"], 2 * gb, "GB/s over the bus, both ways summed"),
+                ("host memory copy (read + write)", alone["host copy"], 2 * gb, "GB/s of host memory"),
+                ("host fused AdamW, fp32", alone["host AdamW"], None, "ns per element")]
+        for name, other in (("host copy", host_copy), ("host AdamW", adamw)):
+            copies, work = beside(both_ways, other)
+            bus = "GB/s over the bus, both ways summed"
+            rows.append((f"both copy directions beside a {name}", copies, 2 * gb, bus))
+            copy = name == "host copy"
+            rows.append((f"{name} beside both copy directions", work, 2 * gb if copy else None,
+                         "GB/s of host memory" if copy else "ns per element"))
+        for name, seconds, moved, unit in rows:
+            value = moved / seconds if moved is not None else seconds / elements * 1e9
+            self.rows.append({"name": name, "pass": f"{nbytes >> 20} MiB", "ms": seconds * 1e3, "value": value,
+                              "unit": unit})
+            print(f"  {name:<45} {seconds * 1e3:8.1f} ms  {value:7.2f} {unit}", flush=True)
         self.save()
 
     def forward_backward(self, model, ids) -> Callable[[], None]:
@@ -638,13 +719,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bench = Bench(QUICK_PLAN if args.quick else FULL_PLAN, args.out, args.profile)
     print(f"{bench.meta['gpu']}, {bench.meta['host_cores']} host cores", flush=True)
-    if "bandwidth" not in sections and any(name != "optimizer" for name in sections):
+    if "bandwidth" not in sections and any(name not in ("optimizer", "host") for name in sections):
         sections.insert(0, "bandwidth")  # every floor needs the pinned bandwidth of this run
     runs = {"bandwidth": bench.bandwidth, "allgpu": bench.allgpu,
             "ours_full": lambda: bench.ours("ours full streaming", FULL),
             "ours_layered": bench.layered,
             "fsdp2": bench.fsdp2, "accelerate": bench.accelerate, "checkpointing": bench.checkpointing,
-            "optimizer": bench.optimizer, "remove_padding": bench.remove_padding}
+            "optimizer": bench.optimizer, "remove_padding": bench.remove_padding, "host": bench.host}
     run_sections(bench, [name for name in SECTIONS if name in sections], lambda name: runs[name]())
     bench.report()
     return 0

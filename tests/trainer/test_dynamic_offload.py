@@ -139,6 +139,22 @@ def test_a_phase_that_runs_its_layers_once_takes_no_other_models_room():
         assert first.counts["actor"] == (10 if passes < 3 else 0)
 
 
+def test_a_phase_of_few_passes_still_takes_the_room_it_needs_to_run():
+    """Few passes spare the other models' layers only while the phase fits without them: at its minimum of layers
+    it takes what its working memory needs. And a training phase's first run (one merged micro-batch: two passes)
+    frees the other models' room, as any first run of many passes does."""
+    models = [layers("actor", 10, 10, GB), layers("ref", 0, 10, GB)]
+    planner = PhasePlanner()
+    planner.learn("scoring/ref", 12 * GB)  # 88 - 80 = 8 GB of room, 4 short: the actor gives 4 layers
+    assert place(planner, "scoring/ref", "ref", models, 80, gpu_memory_threshold=0.9,
+                 min_transformer_layers_on_gpu=0, passes=1)[0] == {"actor": 6, "ref": 0}
+    critic = [layers("actor", 10, 10, GB), layers("critic", 0, 10, GB)]
+    first = PhasePlanner().plan("training/critic", "critic", critic, used=80 * GB, total=100 * GB, passes=2,
+                                training=True,
+                                settings=settings(gpu_memory_threshold=0.9, min_transformer_layers_on_gpu=0))
+    assert first.counts == {"actor": 0, "critic": 0}
+
+
 def test_a_phase_keeps_its_plan_while_it_fits_and_plans_again_when_it_does_not():
     planner = PhasePlanner()
     planner.learn("rollout/actor", 10 * GB)

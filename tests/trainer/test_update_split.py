@@ -55,13 +55,14 @@ def test_the_longer_path_never_takes_longer_than_either_path_alone():
         assert abs(ends["device"] - ends["host"]) <= max(sizes) * max(device, host) * (1 + 1e-12)
 
 
-def test_learning_is_a_moving_average_of_each_paths_seconds_per_element():
+def test_a_paths_first_measurement_replaces_its_guess_and_later_ones_are_a_moving_average():
     chooser = split(1e-9, 4e-9, smoothing=0.5)
     chooser.learn([UpdateTiming("host", 100, 1e-7), UpdateTiming("host", 300, 3e-7)])  # 1 ns an element
-    assert chooser.seconds_per_element["host"] == pytest.approx(2.5e-9)
+    assert chooser.seconds_per_element["host"] == pytest.approx(1e-9)
     assert chooser.seconds_per_element["device"] == 1e-9  # it measured nothing: its estimate stays
-    chooser.learn([UpdateTiming("device", 1000, 3e-6), UpdateTiming("host", 1000, 1e-6)])
-    assert chooser.seconds_per_element == pytest.approx({"device": 2e-9, "host": 1.75e-9})
+    chooser.learn([UpdateTiming("device", 1000, 3e-6), UpdateTiming("host", 1000, 2e-6)])
+    # The device's first measurement (3 ns) replaces its guess; the host's second (2 ns) moves it halfway.
+    assert chooser.seconds_per_element == pytest.approx({"device": 3e-9, "host": 1.5e-9})
 
 
 def test_what_is_learned_moves_the_split_toward_the_path_that_proved_faster():

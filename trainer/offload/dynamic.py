@@ -369,8 +369,12 @@ class PhasePlanner:
         micro-batches; None: many). A layer streamed costs a copy a pass, overlapped with the compute; one
         taken from another model costs a copy at the phase's start and one when that model needs it back,
         neither overlapped. So a phase of fewer than TAKING_PASSES passes (a scoring of one or two
-        micro-batches: the reference's, once a step) takes no other model's room: it streams what the
-        free room does not hold."""
+        micro-batches: the reference's, once a step) takes no other model's room to keep its own layers: it
+        streams what the free room does not hold. It still takes what it needs to run at all (its working
+        memory and its layers at the minimum), and a training phase's first run frees the other models' room
+        as every phase's first run with many passes does: an update of one merged micro-batch is two passes,
+        and its working memory, unknown then, is the step's largest (measured on an H200, 2026-12-04: a 3B
+        critic's first update beside the actor's 36 layers ran out of memory at a 12 GiB cap)."""
         counts = {model.role: model.layers_on_gpu for model in models}
         if not settings.dynamic_offload_enabled or total <= 0:
             return PlacedPhase(counts, new=False)
@@ -385,21 +389,23 @@ class PhasePlanner:
                                                  total=total, threshold=threshold, minimum=minimum, cost=cost):
             return PlacedPhase(dict(last.counts), new=False)  # the plan still fits: keep it (steady state)
         others = [model for model in _by_use(models) if model.role != running]
-        if passes is not None and passes < TAKING_PASSES:
-            others = []  # taking a layer would cost more than streaming this one
+        # Whether keeping one more of its own layers is worth taking another model's: not for a few passes.
+        takes_room = passes is None or passes >= TAKING_PASSES
         run = by_role[running]
+        floor = min(minimum, run.total_layers)
         # Room for the running model's layers (and the ring its streamed ones need): below the threshold less
         # the margin, less the rest.
         room = (threshold - self.margin) * total - (used - run.device_bytes(counts[running])) - besides
         if working is None:
             # The phase's first run: what it needs is not known. The models it does not run give their
             # layers (down to the minimum) and the running model keeps what it has; its peak is learned.
-            room += _give_up_to_minimum(others, counts, minimum)
+            if takes_room or training:
+                room += _give_up_to_minimum(others, counts, minimum)
             fits = counts[running]
         else:
-            room += _take_for(run.device_bytes(run.total_layers, cost) - room, others, counts, minimum)
+            wanted = run.total_layers if takes_room else floor  # else only what running at all needs
+            room += _take_for(run.device_bytes(wanted, cost) - room, others, counts, minimum)
             fits = run.total_layers
-        floor = min(minimum, run.total_layers)
         if cost > 0:
             fits = run.most_that_fit(fits, cost, room, least=min(floor, fits))
         counts[running] = max(floor, min(run.total_layers, fits))

@@ -157,6 +157,7 @@ class OffloadEngine:
         self.update_paths: dict[str, UpdatePath] = {}
         """Where each unit's latest optimizer update went, by unit name."""
         self._update_timings: list[UpdateTiming] = []  # appended by the workers, read once they are drained
+        self._planned_updates = 0  # optimizer steps planned so far (the first one's timings are not learned)
         self.passes = PassState()
         self.gradients = GradientPath(self.layout, self.streams, self.log, self.options, self.worker, self.passes,
                                       self.device, finish=self._finish_backward)
@@ -275,7 +276,9 @@ class OffloadEngine:
             return ["device" if self.device_update is not None else "host"] * len(units)
         self.wait_for_updates()  # (done already when the optimizer asks: every timing of the last step is in)
         timings, self._update_timings = self._update_timings, []
-        self.update_split.learn(timings)
+        if self._planned_updates > 1:  # the first step's updates made the states: not what a step takes
+            self.update_split.learn(timings)
+        self._planned_updates += 1
         return self.update_split.assign([update_elements(unit) for unit in units])
 
     def submit_update(self, unit: Unit, update: Callable[..., None], *args: Any, path: UpdatePath = "host") -> None:
