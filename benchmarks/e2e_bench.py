@@ -23,7 +23,9 @@ actor's delayed parameter update: each rollout samples with the weights before t
 run unless asked for), `offload_host_update` (`offload` with `optimizer_update: cpu`: AdamW on the host's
 cores instead of on the GPU over the streamed states; not run unless asked for), `offload_both_update` (`offload`
 with `optimizer_update: both`: each step's units split between the GPU's streamed update and the host's cores,
-running at once; not run unless asked for) and `offload_lora` (`offload`
+running at once; what `auto` picks on a GPU since 2026-12-04; not run unless asked for), `offload_device_update`
+(`offload` with `optimizer_update: gpu`: the device path alone, `auto`'s pick before; not run unless asked for)
+and `offload_lora` (`offload`
 with a rank-64 LoRA adapter on the actor's and the critic's linear layers, so the reference is the actor with its
 adapter off: issue 18's LoRA against full fine-tuning with offload, step time and peak GPU memory; not run unless
 asked for).
@@ -70,7 +72,7 @@ STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer
              "perf/oom_recoveries", "response_length/", "actor/skipped_steps", "critic/skipped_steps")
 """The metrics of each step a result keeps (besides the steady state's means)."""
 VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_host_update", "offload_both_update",
-            "offload_lora")
+            "offload_device_update", "offload_lora")
 LORA = {"lora_rank": 64, "lora_alpha": 32}
 """The `offload_lora` variant's adapter (model.*: verl's LoRA example scripts' rank and alpha), on all-linear."""
 QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
@@ -113,12 +115,15 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
     the reward model from `models`/reward_model; the rollout decodes as `decode` says (rollout.decode)."""
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
-    offloaded = variant in ("offload", "offload_delayed", "offload_host_update", "offload_both_update", "offload_lora")
+    offloaded = variant in ("offload", "offload_delayed", "offload_host_update", "offload_both_update",
+                            "offload_device_update", "offload_lora")
     trained = OFFLOADED if offloaded else {"model_dtype": "bf16"}
     if variant == "offload_host_update":
         trained = {**trained, "optimizer_update": "cpu"}
     if variant == "offload_both_update":
         trained = {**trained, "optimizer_update": "both"}
+    if variant == "offload_device_update":
+        trained = {**trained, "optimizer_update": "gpu"}
     actor_settings = {**trained, "delayed_update": True} if variant == "offload_delayed" else trained
     plain = {"model_dtype": "bf16"}
     # The reference's and the reward model's settings. The headline's stay on the GPU: their host arenas (15 GB

@@ -255,8 +255,9 @@ def test_auto_updates_on_a_gpu_but_not_under_a_delayed_update():
     both = FSDPConfig.model_validate({**offloaded, "optimizer_update": "both"})
     assert update_mode(both, torch.device("cuda")) == update_mode(both, torch.device("cpu")) == "both"
     assert updates_on_device(both, torch.device("cpu"))
-    # auto stays the device path alone on a GPU (the split is not measured on whole GPU steps yet).
-    assert update_mode(FSDPConfig.model_validate(offloaded), torch.device("cuda")) == "gpu"
+    # auto splits the update between the two paths on a GPU, and keeps it on the host's cores on a CPU.
+    assert update_mode(FSDPConfig.model_validate(offloaded), torch.device("cuda")) == "both"
+    assert update_mode(FSDPConfig.model_validate(offloaded), torch.device("cpu")) == "cpu"
 
 
 def test_optimizer_update_without_optimizer_offload_is_one_line_naming_the_key(tmp_path):

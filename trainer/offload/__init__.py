@@ -56,15 +56,16 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
 
 
 def update_mode(fsdp_config: FSDPConfig, device: torch.device) -> UpdateMode:
-    """Where an offloaded optimizer's update runs (fsdp_config.optimizer_update). "auto" is the GPU when there is
-    one, but not under a delayed update, which runs beside the rollout's decoding (on the host's cores it takes
-    nothing from the GPU that decodes). It is not "both": the split's own makespan is never longer than either
-    path's alone once its estimates are right, but its host share takes the host's cores and memory bandwidth
-    from whatever runs beside it (the other model's update, the main thread's launches, the bus's own DMA). Whole
-    PPO steps of a 3B actor and critic on an H200 (2026-12-02) put the two inside each other's noise (4.15 against
-    4.30 s in one run, 5.87 against 5.62 s in another), so the simpler path is the default."""
+    """Where an offloaded optimizer's update runs (fsdp_config.optimizer_update). "auto" is both paths at once on a
+    GPU (the device's over states streamed through the bus, and the host's cores: they use different resources,
+    so their split ends sooner than either alone), but the host's alone under a delayed update, which runs
+    beside the rollout's decoding (on the host's cores it takes nothing from the GPU that decodes). Measured on an
+    H200 (2026-12-04, benchmarks/README.md), once merged micro-batches had taken the gradients' adding off the
+    host's cores during the update: a 7B GRPO step 4.85 s with both against 5.47 s on the device path alone, a
+    3B PPO step with a critic 5.57 against 6.64 s (before, 2026-12-02/03, the two were inside each other's noise
+    at 3B and "both" was 0.46 s slower once)."""
     if fsdp_config.optimizer_update == "auto":
-        return "gpu" if device.type == "cuda" and not fsdp_config.delayed_update else "cpu"
+        return "both" if device.type == "cuda" and not fsdp_config.delayed_update else "cpu"
     return fsdp_config.optimizer_update
 
 
