@@ -62,17 +62,18 @@
 # 230 s; two offload-only e2e-headline runs 291 s; three GPU test files plus two e2e stages 518 s. One machine's
 # host link ran at 44 GB/s up (55 on the others): compare ratios within a call only. The 30 minutes ran out there.
 # At most 8 files come back from a call: `tests` with two e2e stages of two variants makes 9 (gpu_tests.txt was left).
-# 2026-12-04 03:54-06:54: no device time was left to this session (70 s): nothing measured. Multi-rank work landed
-# unmeasured on a GPU: per-group FSDP2 units, fp32 masters under MixedPrecisionPolicy, HostAdamW for optimizer_offload
-# (its copies overlapped per parameter with CUDA events), whole weights for phases without gradients.
-# Next, in priority order: `tests` (now also test_host_adamw's GPU test); on an nvidia-h200-x2 machine when one is
-# lent, `ranks` (issue 16's anchor: HostAdamW and per-group units against FSDP2's CPUOffloadPolicy at 2 ranks); then,
-# from the previous session's list: `tests` (test_training_gpu's offloaded-against-resident losses failed at 01:00 with
-# merged micro-batches, before a mini-batch's metrics were weighed by their shares: the fix is checked on the CPU
-# only); `PROFILE=1 VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 e2e-ppo3b` (the 3B rollout waited 1.82 s for the actor's
-# update at 01:04 against 0.96 s at 00:37: find whether the critic's update shares the bus then); `VARIANTS=offload,
-# offload_both_update` on both shapes (the host's cores no longer add gradients during the update: `both` may win
-# now); the delayed update replaying graphs (`offload_delayed`); RoPE fused in the decode.
+# 2026-12-04 03:54-06:54: no device time was left to that session (70 s): nothing measured.
+# Run 2026-12-04 06:32-07:06 (results in benchmarks/results/*2026-12-04T06*/T07*, tables in benchmarks/README.md):
+# `tests` (45 passed, HostAdamW's GPU test among them), the split against the device path at 7B, `host` (both copy
+# directions, host memory, host AdamW, alone and beside each other), a profiled split at 7B, the 3B regression (the
+# planner's, fixed), then auto = both at both shapes (3B 3.92 s, 1.81x; 7B 5.12 s, 2.07x). Measured call times:
+# `tests` plus three e2e-headline variants 357 s; `host` plus one profiled e2e-headline variant plus three e2e-ppo3b
+# variants 480 s; `tests` plus three e2e-ppo3b variants plus two profiled e2e-headline variants 517 s. More than 8
+# files come back only as one archive: set OUT=/tmp/o, run the stages, `tar -czf $REAL_OUT/r.tgz -C /tmp/o .` after each.
+# Next, in priority order: on an nvidia-h200-x2 machine when one is lent, `ranks` (issue 16's anchor); `VARIANTS=
+# all_gpu,offload,offload_delayed e2e-headline` (the delayed update since merged micro-batches and the split: the only
+# way under the exact update's floor); the 7B update phase's 0.45 s in clip_grad_norm_ (waiting for the backward's
+# last gradient copies); RoPE fused in the decode.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and

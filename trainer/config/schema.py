@@ -182,7 +182,8 @@ class FSDPConfig(Section):
     optimizer_offload: bool = False
     """Keep fp32 master weights and optimizer states on the CPU (optimizer_update says where the update runs)."""
     optimizer_update: Literal["auto", "cpu", "gpu", "both"] = "auto"
-    """Where offloaded AdamW runs: gpu (streamed), cpu (host), both (the two at once), auto (gpu unless delayed)."""
+    """Where offloaded AdamW runs: gpu (streamed), cpu (host), both (the two at once), auto (both on a GPU unless
+    delayed_update, else cpu; several ranks: cpu)."""
     offload_policy: OffloadPolicy = OffloadPolicy()
     """Placement of each module group: embedding, lm_head, transformer, norm."""
     dynamic_offload: DynamicOffload = DynamicOffload()
