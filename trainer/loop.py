@@ -58,6 +58,7 @@ from trainer.config.messages import (
 from trainer.data import PromptRecord, PromptSampler, load_records, rank_share
 from trainer.data.checks import check_prompts, drop_overlong_prompts
 from trainer.distributed.host_adamw import HostAdamW
+from trainer.distributed.layer_moves import ShardedLayers
 from trainer.distributed.ranks import Ranks, resolve_device
 from trainer.distributed.sharding import WHOLE_WEIGHTS_SHARE, Sharded, shard_model, whole_weights
 from trainer.errors import RunSetupError
@@ -278,18 +279,23 @@ class Trainer:
             return self.memory.place(model, fsdp_config, role)
         sharded = shard_model(model, fsdp_config, self.ranks, role=role, log=lambda message: self.log(message))
         self._sharded[role] = sharded
+        if sharded.layers:
+            layers = ShardedLayers(role, model, self.device,
+                                   layer_class=fsdp_config.wrap_policy.transformer_layer_cls_to_wrap,
+                                   optimizer=lambda: self._optimizer_of(role))
+            self.memory.add_sharded(layers, dynamic=fsdp_config.dynamic_offload.enabled
+                                    and not sharded.on_cpu["transformer"])
         return model
 
+    def _optimizer_of(self, role: str) -> torch.optim.Optimizer | None:
+        """The optimizer that steps the model placed as `role` (built after it is placed); None for a frozen one."""
+        worker = {Role.ACTOR: getattr(self, "actor", None), Role.CRITIC: getattr(self, "critic", None)}.get(role)
+        return getattr(worker, "optimizer", None)
+
     def _placement_metrics(self) -> dict[str, float]:
-        """The memory manager's step metrics; with sharded models the same keys, of FSDP2's placement: each
-        model's decoder layers whose shards stay on the device (none move while the run goes on)."""
-        if not self.ranks.distributed:
-            return self.memory.step_metrics()
-        layers = {role: sharded.layers_on_device for role, sharded in self._sharded.items()}
-        return {"perf/oom_recoveries": 0.0, "offload/transformer_layers_on_gpu": float(sum(layers.values())),
-                **{f"offload/{role}/transformer_layers_on_gpu": float(count)
-                   for role, count in layers.items()},
-                "offload/moves_to_cpu": 0.0, "offload/moves_to_gpu": 0.0, "offload/phase_swaps": 0.0}
+        """The memory manager's step metrics: each model's decoder layers on the device and their moves (with
+        sharded models, the layers whose local shards are on this rank's device)."""
+        return self.memory.step_metrics()
 
     def _worker_memory(self, role: Role) -> ModelMemory | None:
         """The memory manager's side for a worker; None for a sharded model, which it does not place (the

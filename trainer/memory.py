@@ -32,9 +32,9 @@ log) are passed in, so tests build it with fakes:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import psutil
 import torch
@@ -92,13 +92,34 @@ def _default_meter(device: torch.device, probe: MemoryProbe | None) -> PeakMeter
     return ProbePeakMeter(probe)  # an injected probe (tests): what it says is in use, at each reading
 
 
+class LayerHolder(Protocol):
+    """A model whose transformer layers the manager moves: one rank's offload engine, or a sharded model's layers
+    on several ranks (trainer/distributed/layer_moves.py)."""
+
+    role: str
+    ring_slots: int
+    layer_bytes: int
+    moves: dict[str, int]
+    placements: dict[str, str]
+
+    @property
+    def layers_on_gpu(self) -> int: ...
+
+    @property
+    def transformer_units(self) -> Sequence[object]: ...
+
+    def stageable_bytes(self, phase: str | None = None) -> dict[str, int]: ...
+
+    def set_transformer_layers_on_gpu(self, count: int) -> tuple[int, int]: ...
+
+
 @dataclass
 class _RunningPhase:
     """The phase whose working memory is being measured: its plan's key, its model, and what was in
     use when it started (or after the last relief)."""
 
     key: str
-    engine: OffloadEngine
+    engine: LayerHolder
     training: bool
     start: int
     total: int
@@ -126,8 +147,10 @@ class MemoryManager:
         self.host_available = host_available
         self.log, self.warn = log, warn
         self._engines: dict[str, OffloadEngine] = {}  # by role, in placement order
-        # Engines whose transformer layers move with memory pressure (plan_layers decides for all of them).
-        self._dynamic: list[OffloadEngine] = []
+        # Models whose transformer layers move with memory pressure (plan_layers decides for all of them): engines,
+        # and on several ranks sharded models (add_sharded).
+        self._dynamic: list[LayerHolder] = []
+        self._sharded: dict[str, LayerHolder] = {}  # several ranks: every sharded model's layers, by role
         self._host_pending = 0  # host bytes placed engines will allocate once they train
         self._staged_logged: dict[tuple[str, str], tuple[str, ...]] = {}
         self._moves_reported = {"to_cpu": 0, "to_gpu": 0}
@@ -146,7 +169,24 @@ class MemoryManager:
     @property
     def dynamic_engines(self) -> list[OffloadEngine]:
         """The engines whose transformer layers move with memory pressure."""
-        return list(self._dynamic)
+        return [holder for holder in self._dynamic if isinstance(holder, OffloadEngine)]
+
+    def add_sharded(self, layers: LayerHolder, *, dynamic: bool) -> None:
+        """Several ranks: a sharded model's layers (layer_moves.ShardedLayers), which this rank moves between its
+        device and its host from its own memory when `dynamic` (dynamic_offload.enabled), as one rank moves an
+        engine's; counted in the step metrics either way."""
+        self._sharded[layers.role] = layers
+        if not dynamic:
+            return
+        if self.probe is not None:
+            self._dynamic.append(layers)
+        else:
+            self.warn(f"dynamic offload of the {layers.role} needs a GPU to measure memory on; on {self.device} its "
+                      "transformer layers stay where the offload policy puts them")
+
+    def _holder(self, role: str) -> LayerHolder | None:
+        """The model placed as `role` whose layers move dynamically; None when there is none."""
+        return next((holder for holder in self._dynamic if holder.role == role), None)
 
     def engine(self, role: Role) -> OffloadEngine | None:
         """The engine of the model placed as `role`; None when there is none."""
@@ -190,7 +230,7 @@ class MemoryManager:
         probe = self.probe
         if probe is None:
             return  # no GPU to measure: no layer moves dynamically (`place`)
-        for engine in self._dynamic:
+        for engine in self.dynamic_engines:  # (a sharded model's layers start on the device: FSDP2 put them there)
             if engine.placements["transformer"] != "gpu":
                 continue  # placed on the CPU: dynamic offload only ever takes layers off the GPU
             total = len(engine.transformer_units)
@@ -270,9 +310,9 @@ class MemoryManager:
         takes the room of the ones the phase does not run, less the phase's learned working memory),
         and learn the phase's working memory from its peak. Nothing moves while dynamic offload is
         paused, or when the running model's layers do not move dynamically."""
-        running = self._engines.get(role)
+        running = self._holder(role)
         settings = self.settings()
-        if (running is None or running not in self._dynamic or self.probe is None or self.meter is None
+        if (running is None or self.probe is None or self.meter is None
                 or not settings.dynamic_offload_enabled):
             yield
             return
@@ -366,7 +406,8 @@ class MemoryManager:
 
     def _move_layers(self, decisions: dict[str, Decision]) -> None:
         for role, decision in decisions.items():
-            engine = self._engines[role]
+            engine = self._holder(role)
+            assert engine is not None
             engine.set_transformer_layers_on_gpu(decision.layers_on_gpu)
             if decision.layers_on_gpu < decision.previous and engine.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the freed slots back, so the next reading sees them gone
@@ -386,9 +427,10 @@ class MemoryManager:
         relieved = relieve_layers(self._layers(), settings.min_transformer_layers_on_gpu) \
             if settings.dynamic_offload_enabled else {}
         for role, count in relieved.items():
-            engine = self._engines[role]
-            engine.set_transformer_layers_on_gpu(count)
-            self.log(f"out of GPU memory: {role} keeps {engine.layers_on_gpu} transformer layers on GPU, retrying")
+            holder = self._holder(role)
+            assert holder is not None
+            holder.set_transformer_layers_on_gpu(count)
+            self.log(f"out of GPU memory: {role} keeps {holder.layers_on_gpu} transformer layers on GPU, retrying")
         if running is not None and self.probe is not None and self.meter is not None:
             running.start = self.probe()[0]  # the retry's peak is measured from here
             self.meter.reset()
@@ -423,7 +465,7 @@ class MemoryManager:
     def step_metrics(self) -> dict[str, float]:
         """Out-of-memory errors recovered from, transformer layers on the GPU (all models, and each
         model's) and their moves, since the last call; the embedding cache's hit ratio."""
-        engines = self._engines.values()
+        engines: list[LayerHolder] = [*self._engines.values(), *self._sharded.values()]
         result = {"perf/oom_recoveries": float(self._recoveries),
                   "offload/transformer_layers_on_gpu": sum(engine.layers_on_gpu for engine in engines),
                   **{f"offload/{engine.role}/transformer_layers_on_gpu": engine.layers_on_gpu for engine in engines}}

@@ -182,8 +182,7 @@ class FSDPConfig(Section):
     optimizer_offload: bool = False
     """Keep fp32 master weights and optimizer states on the CPU (optimizer_update says where the update runs)."""
     optimizer_update: Literal["auto", "cpu", "gpu", "both"] = "auto"
-    """Where offloaded AdamW runs: gpu (streamed), cpu (host), both (the two at once), auto (both on a GPU unless
-    delayed_update, else cpu; several ranks: cpu)."""
+    """Where offloaded AdamW runs: gpu (streamed), cpu (host), both (at once), auto (both on a GPU, else cpu)."""
     offload_policy: OffloadPolicy = OffloadPolicy()
     """Placement of each module group: embedding, lm_head, transformer, norm."""
     dynamic_offload: DynamicOffload = DynamicOffload()
@@ -1534,9 +1533,10 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
-    """What works on one rank only: the project's own offload engine (dynamic offload, delayed updates, bf16 host
-    gradients, an offloaded update on the GPU, the embedding cache) places whole models; several ranks update an
-    offloaded optimizer on the host (HostAdamW: optimizer_update auto or cpu). (Token-budget
+    """What works on one rank only: the project's own offload engine (delayed updates, bf16 host gradients, an
+    offloaded update on the GPU, the embedding cache) places whole models; several ranks update an offloaded
+    optimizer on the host (HostAdamW: optimizer_update auto or cpu), and move their shards' decoder layers with
+    dynamic offload themselves (trainer/distributed/layer_moves.py). (Token-budget
     micro-batches work on several: every rank splits its share into as many, packing.plan_micro_batches; so does
     the static decoder: every rank decodes until every rank's rows have finished; and LoRA: FSDP2 shards the model
     with its adapter's layers.)"""
@@ -1545,8 +1545,6 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     found: list[tuple[str, object, object]] = []
     for role, fsdp in config.fsdp_configs().items():
         prefix = FSDP_PREFIX[role]
-        if fsdp.dynamic_offload.enabled:
-            found.append((f"{prefix}.dynamic_offload.enabled", True, False))
         if fsdp.delayed_update:
             found.append((f"{prefix}.delayed_update", True, False))
         if fsdp.offload_grad_dtype != "fp32":

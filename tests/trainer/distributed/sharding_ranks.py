@@ -98,7 +98,7 @@ def full(parameter: torch.Tensor) -> torch.Tensor:
 
 def largest_difference(sharded: torch.nn.Module, whole: torch.nn.Module) -> float:
     expected = dict(whole.named_parameters())
-    return max(float((full(parameter) - expected[name].detach()).abs().max())
+    return max(float((full(parameter) - full(expected[name])).abs().max())
                for name, parameter in sharded.named_parameters())
 
 
@@ -168,6 +168,70 @@ def decode_checks(ranks: Ranks) -> dict:
     return results
 
 
+def loss_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=input_ids).logits.float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY), input_ids[:, 1:].reshape(-1))
+
+
+def moves_checks(ranks: Ranks, share: torch.Tensor) -> dict:
+    """Dynamic offload of a sharded model's layers (layer_moves.ShardedLayers), moved by this rank alone: three
+    steps of two micro-batches each, rank 0 moving layers between micro-batches (a gradient adding up) and between
+    steps, rank 1 never, against the same model never moved. For torch's AdamW (its states move with the shards)
+    and HostAdamW (states on the CPU). Then the memory manager moving them from a probe that reads over the
+    threshold on rank 0 only."""
+    from types import SimpleNamespace
+
+    from trainer.distributed.layer_moves import ShardedLayers
+    from trainer.memory import MemoryManager
+
+    results: dict = {}
+    plan = {(1, 1): 1, (2, 0): 0, (2, 1): 2, (3, 0): 1}  # (step, micro-batch) -> layers on the device after it
+    for optimizer_name in ("adamw", "host"):
+        models = {}
+        for moving in (False, True):
+            model = tiny_model("untied")
+            shard_model(model, FSDPConfig(), ranks, role="actor", log=lambda _: None)
+            models[moving] = model
+        optimizers = {moving: (HostAdamW if optimizer_name == "host" else torch.optim.AdamW)(
+            model.parameters(), lr=1e-2) for moving, model in models.items()}
+        moving_optimizer = optimizers[True]
+        layers = ShardedLayers("actor", models[True], ranks.device, optimizer=lambda moving=moving_optimizer: moving)
+        identities = [id(parameter) for parameter in models[True].parameters()]
+        seen = []
+        for step in (1, 2, 3):
+            for moving, model in models.items():
+                optimizers[moving].zero_grad()
+                for micro, half in enumerate(share.chunk(2)):
+                    (loss_of(model, half) / 2).backward()
+                    if moving and ranks.rank == 0 and (step, micro) in plan:
+                        layers.set_transformer_layers_on_gpu(plan[(step, micro)])
+                        seen.append([fsdp_param.offload_to_cpu for unit in layers.transformer_units
+                                     for fsdp_param in unit._get_fsdp_state()._fsdp_param_group.fsdp_params][::4])
+                optimizers[moving].step()
+        results[optimizer_name] = {
+            "difference": largest_difference(models[True], models[False]),
+            "moved": largest_difference(models[False], tiny_model("untied")),
+            "same_objects": identities == [id(parameter) for parameter in models[True].parameters()],
+            "offloaded_after_each_move": seen, "moves": layers.moves, "layers_on_gpu": layers.layers_on_gpu,
+            "layer_bytes": layers.layer_bytes}
+    # The memory manager: over the threshold on rank 0 only, so only rank 0's layers leave.
+    model = tiny_model("untied")
+    shard_model(model, FSDPConfig(), ranks, role="actor", log=lambda _: None)
+    layers = ShardedLayers("actor", model, ranks.device)
+    settings = SimpleNamespace(dynamic_offload_enabled=True, gpu_memory_threshold=0.5, min_transformer_layers_on_gpu=0)
+    used = (0.9 if ranks.rank == 0 else 0.1) * 100 * layers.layer_bytes
+    total = 100 * layers.layer_bytes
+    manager = MemoryManager(ranks.device, settings=lambda: settings, probe=lambda: (int(used), total),
+                            host_available=lambda: 1 << 40, log=lambda _: None, warn=lambda _: None)
+    manager.add_sharded(layers, dynamic=True)
+    manager.safe_point()
+    metrics = manager.step_metrics()
+    results["manager"] = {"layers_on_gpu": layers.layers_on_gpu, "moves_to_cpu": metrics["offload/moves_to_cpu"],
+                          "metric": metrics["offload/actor/transformer_layers_on_gpu"],
+                          "trains": bool(torch.isfinite(loss_of(model, share)).item())}
+    return results
+
+
 def main(out: Path) -> None:
     ranks = Ranks.from_environment("cpu")
     batch = torch.randint(1, VOCABULARY, (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
@@ -190,6 +254,7 @@ def main(out: Path) -> None:
             # The check can fail: a step moves the weights by far more than the tolerance.
             results[name]["moved"] = largest_difference(model, tiny_model(kind))
     results["decode"] = decode_checks(ranks)
+    results["moves"] = moves_checks(ranks, share)
     # A frozen weight (as a LoRA adapter's base) keeps the model's dtype beside the fp32 masters of the trained ones.
     frozen = tiny_model("bf16")
     frozen.model.embed_tokens.requires_grad_(False)

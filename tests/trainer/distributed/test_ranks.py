@@ -61,7 +61,9 @@ def rank_script_reports(script: str, out: Path, *args: str, ranks: int = 2) -> l
 
 def rank_environment() -> dict[str, str]:
     """This environment without a torchrun rank of its own (the test may run under one), the repository first."""
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
+    # The repository first, then what the caller's path holds (packages installed with --target, as on the GPU image).
+    path = os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         environment.pop(variable, None)
     return environment

@@ -151,3 +151,26 @@ def test_the_groups_are_found_again_once_fsdp2_swapped_the_blocks_classes():
     groups = parameter_groups(find_parts(model))
     assert {groups[id(parameter)] for parameter in model.model.layers.parameters()} == {"transformer"}
     assert groups[id(model.lm_head.weight)] == "lm_head" and groups[id(model.model.norm.weight)] == "norm"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "host"])
+def test_a_rank_moving_its_layers_shards_alone_trains_as_one_that_never_moves_them(reports, optimizer):
+    """Rank 0 moves layers between micro-batches (a gradient adding up) and between steps; rank 1 never does."""
+    moved, still = (report["moves"][optimizer] for report in reports)
+    for result in (moved, still):
+        assert result["difference"] == 0.0 and result["same_objects"]
+        assert result["moved"] > 1e-3  # the check can fail: the steps moved the weights
+    # Each move flips the moved layers' shards' offload flags (layer 0's three samples, then layer 1's).
+    assert moved["offloaded_after_each_move"] == [[False] * 3 + [True] * 3, [True] * 6, [False] * 6,
+                                                  [False] * 3 + [True] * 3]
+    assert moved["moves"] == {"to_cpu": 3, "to_gpu": 2} and moved["layers_on_gpu"] == 1
+    assert still["offloaded_after_each_move"] == [] and still["layers_on_gpu"] == 2
+
+
+def test_each_ranks_memory_manager_moves_its_own_layers_from_its_own_memory(reports):
+    """Over the threshold on rank 0 only: rank 0's layers leave its device, rank 1's stay, and the step metrics
+    say so per rank."""
+    manager = [report["moves"]["manager"] for report in reports]
+    assert manager[0]["layers_on_gpu"] == manager[0]["metric"] == 0 and manager[0]["moves_to_cpu"] == 2
+    assert manager[1]["layers_on_gpu"] == manager[1]["metric"] == 2 and manager[1]["moves_to_cpu"] == 0
+    assert all(rank["trains"] for rank in manager)
