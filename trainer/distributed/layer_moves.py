@@ -31,10 +31,14 @@ from torch.distributed.tensor import DTensor
 from trainer.offload.groups import find_parts
 
 
-def _fsdp_params(unit: FSDPModule) -> list[Any]:
-    """The unit's FSDPParams (FSDP2's per-parameter records)."""
+def fsdp_params_of(unit: FSDPModule) -> list[Any]:
+    """The unit's FSDPParams (FSDP2's per-parameter records: one parameter group a unit in torch 2.11, a list of
+    them in 2.13)."""
     state = unit._get_fsdp_state()
-    return [fsdp_param for group in state._fsdp_param_groups for fsdp_param in group.fsdp_params]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
 
 
 def _moved_dtensor(tensor: DTensor, device: torch.device) -> DTensor:
@@ -56,12 +60,12 @@ class ShardedLayers:
         self.transformer_units: list[FSDPModule] = [
             layer for layer in find_parts(model, layer_class).layers if isinstance(layer, FSDPModule)]
         self.optimizer = optimizer  # read at each move: built after the model is placed
-        self._on_device = [all(not fsdp_param.offload_to_cpu for fsdp_param in _fsdp_params(unit))
+        self._on_device = [all(not fsdp_param.offload_to_cpu for fsdp_param in fsdp_params_of(unit))
                            for unit in self.transformer_units]
         self.placements = {"transformer": "gpu" if all(self._on_device) else "cpu"}
         self.layer_bytes = max((sum(fsdp_param._sharded_param_data.numel()
                                     * fsdp_param._sharded_param_data.element_size()
-                                    for fsdp_param in _fsdp_params(unit)) for unit in self.transformer_units),
+                                    for fsdp_param in fsdp_params_of(unit)) for unit in self.transformer_units),
                                default=0)
         """Device bytes one layer's local shards take (what moving one frees or takes on this rank)."""
         self.moves = {"to_cpu": 0, "to_gpu": 0}
@@ -97,7 +101,7 @@ class ShardedLayers:
         target = self.device if to_device else torch.device("cpu")
         pinned = not to_device and self.device.type == "cuda"
         optimizer = self.optimizer()
-        for fsdp_param in _fsdp_params(unit):
+        for fsdp_param in fsdp_params_of(unit):
             old: nn.Parameter = fsdp_param.sharded_param
             data = fsdp_param._sharded_param_data
             flat = torch.empty(data.shape, dtype=data.dtype, device=target, pin_memory=pinned)

@@ -65,10 +65,6 @@ class Sharded:
     layers: int
     whole_bytes: int = 0
 
-    @property
-    def layers_on_device(self) -> int:
-        return 0 if self.on_cpu["transformer"] else self.layers
-
 
 def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role: str,
                 log: Callable[[str], None]) -> Sharded:

@@ -23,11 +23,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from tests.trainer.distributed.sharding_ranks import LENGTH, VOCABULARY, full, loss_of, tiny_model
 from trainer.config import FSDPConfig
 from trainer.distributed.host_adamw import HostAdamW
-from trainer.distributed.layer_moves import ShardedLayers, _fsdp_params
+from trainer.distributed.layer_moves import ShardedLayers, fsdp_params_of
 from trainer.distributed.sharding import shard_model
 
 PLAN = {(1, 1): 1, (2, 0): 0, (2, 1): 2, (3, 0): 1}
 """(step, micro-batch) -> the layers kept on the device after it."""
+
+
+def where(tensor: torch.Tensor) -> str:
+    return tensor.device.type + ("/pinned" if tensor.is_pinned() else "")
 
 
 def main(out: Path) -> None:
@@ -57,9 +61,8 @@ def main(out: Path) -> None:
                         before = torch.cuda.memory_allocated(device)
                         layers.set_transformer_layers_on_gpu(PLAN[(step, micro)])
                         freed.append(before - torch.cuda.memory_allocated(device))
-                        places.append([[fsdp_param.sharded_param._local_tensor.device.type
-                                        + ("/pinned" if fsdp_param.sharded_param._local_tensor.is_pinned() else "")
-                                        for fsdp_param in _fsdp_params(unit)][0] for unit in layers.transformer_units])
+                        places.append([where(fsdp_params_of(unit)[0].sharded_param._local_tensor)
+                                       for unit in layers.transformer_units])
                 optimizers[moving].step()
         expected = dict(models[False].named_parameters())
         results[name] = {

@@ -28,6 +28,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassificat
 from trainer.config import FSDPConfig
 from trainer.distributed import sharding
 from trainer.distributed.host_adamw import HostAdamW
+from trainer.distributed.layer_moves import ShardedLayers, fsdp_params_of
 from trainer.distributed.ranks import Ranks
 from trainer.distributed.sharding import shard_model, whole_weights
 
@@ -61,9 +62,8 @@ def offloaded(model: torch.nn.Module) -> dict[str, bool]:
     by_parameter: dict[int, bool] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for fsdp_param in group.fsdp_params:
-                    by_parameter[id(fsdp_param.sharded_param)] = fsdp_param.offload_to_cpu
+            for fsdp_param in fsdp_params_of(module):
+                by_parameter[id(fsdp_param.sharded_param)] = fsdp_param.offload_to_cpu
     return {name: by_parameter[id(parameter)] for name, parameter in model.named_parameters()}
 
 
@@ -181,7 +181,6 @@ def moves_checks(ranks: Ranks, share: torch.Tensor) -> dict:
     threshold on rank 0 only."""
     from types import SimpleNamespace
 
-    from trainer.distributed.layer_moves import ShardedLayers
     from trainer.memory import MemoryManager
 
     results: dict = {}
@@ -206,7 +205,7 @@ def moves_checks(ranks: Ranks, share: torch.Tensor) -> dict:
                     if moving and ranks.rank == 0 and (step, micro) in plan:
                         layers.set_transformer_layers_on_gpu(plan[(step, micro)])
                         seen.append([fsdp_param.offload_to_cpu for unit in layers.transformer_units
-                                     for fsdp_param in unit._get_fsdp_state()._fsdp_param_group.fsdp_params][::4])
+                                     for fsdp_param in fsdp_params_of(unit)][::4])
                 optimizers[moving].step()
         results[optimizer_name] = {
             "difference": largest_difference(models[True], models[False]),
@@ -241,8 +240,9 @@ def main(out: Path) -> None:
         whole = tiny_model(kind)
         model = copy.deepcopy(whole)
         lines: list[str] = []
-        sharded = shard_model(model, FSDPConfig.model_validate(settings), ranks, role="actor", log=lines.append)
-        results[name] = {"offloaded": offloaded(model), "lines": lines, "layers_on_device": sharded.layers_on_device}
+        shard_model(model, FSDPConfig.model_validate(settings), ranks, role="actor", log=lines.append)
+        layers_on_device = ShardedLayers("actor", model, ranks.device).layers_on_gpu  # what the step metrics say
+        results[name] = {"offloaded": offloaded(model), "lines": lines, "layers_on_device": layers_on_device}
         host = bool(settings.get("optimizer_offload"))
         if trains and kind == "bf16":
             one_step(model, share, host)

@@ -149,9 +149,11 @@ def test_two_ranks_train_the_same_parameters_as_one_on_the_same_global_batch(run
 
 def test_ppo_with_a_critic_on_two_ranks_trains_both_models_as_one_rank(tmp_path, ppo_one_rank):
     """The critic is sharded too, and GAE's advantages are whitened over both ranks' tokens, as one rank whitens
-    its whole batch."""
-    finished = launch(2, tmp_path, "two", *PPO)
+    its whole batch. Dynamic offload is accepted on several ranks (each rank moves its own shards' layers from its
+    GPU's memory); on a CPU there is no device memory to watch, and the run says so."""
+    finished = launch(2, tmp_path, "two", *PPO, "critic.fsdp_config.dynamic_offload.enabled=true")
     assert finished.returncode == 0, finished.stderr[-4000:]
+    assert "dynamic offload of the critic needs a GPU to measure memory on" in finished.stdout + finished.stderr
     for role in ("actor", "critic"):
         one, two = (actor_weights(run / "checkpoints" / "global_step_2", role)
                     for run in (ppo_one_rank, tmp_path / "two"))
