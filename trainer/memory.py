@@ -97,6 +97,7 @@ class LayerHolder(Protocol):
     on several ranks (trainer/distributed/layer_moves.py)."""
 
     role: str
+    device: torch.device
     ring_slots: int
     layer_bytes: int
     moves: dict[str, int]
@@ -270,7 +271,8 @@ class MemoryManager:
         if self._dynamic:
             layers = ", ".join(f"{engine.role} {engine.layers_on_gpu} of {len(engine.transformer_units)}"
                                for engine in self._dynamic)
-            order = ", ".join(role for role in reversed(USE_ORDER) if role in self._engines)
+            moving = {holder.role for holder in self._dynamic}
+            order = ", ".join(role for role in reversed(USE_ORDER) if role in moving)
             lines.append(f"dynamic offload: transformer layers on the GPU now: {layers}. Each phase of a step "
                          "gives them to the model it runs, less what the phase needs besides them, taken from the "
                          f"models it does not run in this order: {order}; the first step learns what each phase "

@@ -19,12 +19,13 @@ TRAINER_GROWTH_MIB = 16.0
 
 @pytest.mark.slow
 def test_a_short_soak_keeps_descriptors_flat_and_memory_bounded(tmp_path: Path) -> None:
-    result = soak.soak(duration_s=65, history_s=10, settle_s=15, sample_interval_s=1.0, scrape_interval_s=0.5,
+    # 48 s: about 26 samples a process after the settling, 90 scrapes and 7000 streamed events on the 2-core machine.
+    result = soak.soak(duration_s=48, history_s=10, settle_s=12, sample_interval_s=1.0, scrape_interval_s=0.5,
                        save_freq=10, overrides=[], folder=tmp_path)
     processes = result["processes"]
     for name, allowed in (("daemon", DAEMON_GROWTH_MIB), ("trainer", TRAINER_GROWTH_MIB)):
         figures = processes[name]
-        assert figures["samples"] >= 30, (name, figures)
+        assert figures["samples"] >= 20, (name, figures)
         assert len(figures["pids"]) == 1, (name, figures)  # no restart
         assert figures["fds_flat"], (name, figures)
         assert figures["rss_mib_max"] - figures["rss_mib_first"] < allowed, (name, figures)
