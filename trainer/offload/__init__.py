@@ -62,7 +62,7 @@ def update_mode(fsdp_config: FSDPConfig, device: torch.device) -> UpdateMode:
     beside the rollout's decoding (on the host's cores it takes nothing from the GPU that decodes). Measured on an
     H200 (2026-12-04, benchmarks/README.md), once merged micro-batches had taken the gradients' adding off the
     host's cores during the update: a 7B GRPO step 4.85 s with both against 5.47 s on the device path alone, a
-    3B PPO step with a critic 5.57 against 6.64 s (before, 2026-12-02/03, the two were inside each other's noise
+    3B PPO step with a critic 3.92 against 3.95 s (before, 2026-12-02/03, the two were inside each other's noise
     at 3B and "both" was 0.46 s slower once)."""
     if fsdp_config.optimizer_update == "auto":
         return "both" if device.type == "cuda" and not fsdp_config.delayed_update else "cpu"
