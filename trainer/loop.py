@@ -60,6 +60,7 @@ from trainer.data.checks import check_prompts, drop_overlong_prompts
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.layer_moves import ShardedLayers
 from trainer.distributed.ranks import Ranks, resolve_device
+from trainer.distributed.shard_copies import watch_shard_copies
 from trainer.distributed.sharding import WHOLE_WEIGHTS_SHARE, Sharded, shard_model, whole_weights
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory, default_memory_probe, host_memory_available
@@ -81,6 +82,7 @@ from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
 from trainer.offload import OffloadEngine, format_bytes, offload_message
 from trainer.offload.copies import CopyLog
 from trainer.offload.dynamic import MemoryProbe
+from trainer.offload.groups import find_parts, parameter_groups
 from trainer.randomness import restore_rank_streams, rng_state, seed_everything
 from trainer.reporting import StepObserver
 from trainer.rewards import resolve_compute_score
@@ -155,6 +157,7 @@ class Trainer:
         # Every model's placement; dynamic offload follows the live settings (initialised from the
         # actor's dynamic_offload section). The log and warnings go where self.log and self.warn point.
         self._sharded: dict[str, Sharded] = {}  # several ranks: how each model is sharded
+        self._shard_copies: list[CopyLog] = []  # several ranks: FSDP2's copies up of each model's CPU shards
         self._whole_weights_said: dict[str, bool] = {}  # several ranks: each model's last whole_weights decision
         self.memory = MemoryManager(self.device, settings=lambda: self.live_settings,
                                     probe=memory_probe or default_memory_probe(self.device),
@@ -279,9 +282,12 @@ class Trainer:
             return self.memory.place(model, fsdp_config, role)
         sharded = shard_model(model, fsdp_config, self.ranks, role=role, log=lambda message: self.log(message))
         self._sharded[role] = sharded
+        layer_class = fsdp_config.wrap_policy.transformer_layer_cls_to_wrap
+        copies = CopyLog(cuda=self.device.type == "cuda")
+        watch_shard_copies(model, copies, parameter_groups(find_parts(model, layer_class)))
+        self._shard_copies.append(copies)
         if sharded.layers:
-            layers = ShardedLayers(role, model, self.device,
-                                   layer_class=fsdp_config.wrap_policy.transformer_layer_cls_to_wrap,
+            layers = ShardedLayers(role, model, self.device, layer_class=layer_class,
                                    optimizer=lambda: self._optimizer_of(role))
             self.memory.add_sharded(layers, dynamic=fsdp_config.dynamic_offload.enabled
                                     and not sharded.on_cpu["transformer"])
@@ -453,7 +459,7 @@ class Trainer:
         if self.telemetry is not None:
             # The placement summary goes with the first report of each trainer process.
             self._send(offload_message(self.offload_engines, with_summary=not self._summary_sent,
-                                       plans=self.memory.plan_rows(), logs=self._host_optimizer_copies()))
+                                       plans=self.memory.plan_rows(), logs=self._rank_copies()))
             self._summary_sent = True
         for observer in self.observers:
             observer.on_step(self.step, metrics)
@@ -584,12 +590,14 @@ class Trainer:
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated)
 
-    def _host_optimizer_copies(self) -> list[CopyLog]:
-        """The copy logs of the optimizers that step sharded models on the host (HostAdamW: several ranks with
-        optimizer_offload), for the offload report beside the engines' copies."""
+    def _rank_copies(self) -> list[CopyLog]:
+        """Several ranks: the copy logs of FSDP2's copies of the shards kept on the CPU (shard_copies.py) and of the
+        optimizers that step sharded models on the host (HostAdamW: optimizer_offload), for the offload report
+        beside the engines' copies."""
         workers = [worker for worker in (self.actor, self.critic) if worker is not None]
-        return [worker.optimizer.copies for worker in workers
+        host = [worker.optimizer.copies for worker in workers
                 if isinstance(worker.optimizer, HostAdamW) and worker.optimizer.copies is not None]
+        return [*self._shard_copies, *host]
 
     @contextlib.contextmanager
     def _whole_weights(self, role: str) -> Iterator[None]:

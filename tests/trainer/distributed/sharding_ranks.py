@@ -30,7 +30,10 @@ from trainer.distributed import sharding
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.layer_moves import ShardedLayers, fsdp_params_of
 from trainer.distributed.ranks import Ranks
+from trainer.distributed.shard_copies import watch_shard_copies
 from trainer.distributed.sharding import shard_model, whole_weights
+from trainer.offload.copies import CopyLog
+from trainer.offload.groups import find_parts, parameter_groups
 
 VOCABULARY, LENGTH, BATCH = 24, 7, 4
 
@@ -242,6 +245,8 @@ def main(out: Path) -> None:
         lines: list[str] = []
         shard_model(model, FSDPConfig.model_validate(settings), ranks, role="actor", log=lines.append)
         layers_on_device = ShardedLayers("actor", model, ranks.device).layers_on_gpu  # what the step metrics say
+        copies = CopyLog(cuda=False)
+        watch_shard_copies(model, copies, parameter_groups(find_parts(model, None)))
         results[name] = {"offloaded": offloaded(model), "lines": lines, "layers_on_device": layers_on_device}
         host = bool(settings.get("optimizer_offload"))
         if trains and kind == "bf16":
@@ -253,6 +258,9 @@ def main(out: Path) -> None:
             results[name]["difference"] = largest_difference(model, whole)
             # The check can fail: a step moves the weights by far more than the tolerance.
             results[name]["moved"] = largest_difference(model, tiny_model(kind))
+        if trains:  # the copies up FSDP2 made of the shards on the CPU, by group: [copies, bytes]
+            results[name]["copies"] = {row["group"]: [row["copies"], row["bytes"]] for row in copies.drain_counts()
+                                       if row["direction"] == "h2d"}
     results["decode"] = decode_checks(ranks)
     results["moves"] = moves_checks(ranks, share)
     # A frozen weight (as a LoRA adapter's base) keeps the model's dtype beside the fp32 masters of the trained ones.

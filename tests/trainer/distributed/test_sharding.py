@@ -174,3 +174,23 @@ def test_each_ranks_memory_manager_moves_its_own_layers_from_its_own_memory(repo
     assert manager[0]["layers_on_gpu"] == manager[0]["metric"] == 0 and manager[0]["moves_to_cpu"] == 2
     assert manager[1]["layers_on_gpu"] == manager[1]["metric"] == 2 and manager[1]["moves_to_cpu"] == 0
     assert all(rank["trains"] for rank in manager)
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("untied/embedding_and_head", {"embedding", "lm_head"}),
+    ("untied/param_offload_norm_on_gpu", {"embedding", "transformer", "lm_head"}),
+    ("tied/embedding_only", set()),
+    ("tied/embedding_and_head", {"embedding"}),  # the tied weight, counted under the embedding
+    ("untied/optimizer_offload", set()),
+    ("untied/optimizer_and_param_offload", {"embedding", "transformer", "norm", "lm_head"}),
+])
+def test_fsdp2s_copies_of_the_shards_on_the_cpu_are_counted_per_group(reports, case, expected):
+    """Every all-gather of a unit whose shards live on the CPU copies them up first: the per-rank offload report
+    counts those copies by group (shard_copies.py), and none of the groups on the device."""
+    for report in reports:
+        copies = report[case]["copies"]
+        assert set(copies) == expected
+        for group, (count, nbytes) in copies.items():
+            # A unit gathers for the forward and again for the backward; the root (a tied table) keeps its whole
+            # weights from its forward to its backward, as FSDP2 keeps the root's.
+            assert count >= (1 if case.startswith("tied/") else 2) and nbytes > 0, (group, count)
