@@ -272,11 +272,37 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         losses=[row.get("actor/pg_loss") for row in rows],
         per_step=per_step,
         plans=trainer.memory.plan_lines(),
+        update_split=update_estimates(trainer.memory.engines),
         profile=profile.report() if profile is not None else None,
         log=[line for line in logs if line.startswith(("dynamic offload", "per-phase placement", "out of GPU",
                                                         "placement plan"))][-30:],
     )
     return result
+
+
+def update_estimates(engines: list[Any]) -> dict[str, dict[str, Any]]:
+    """Per model whose offloaded update is split between the device and the host (optimizer_update both): each
+    path's seconds per element as the split learned them from the run's steps (the two running beside each other),
+    and the elements an update steps (its trained parameters on the host)."""
+    estimates = {}
+    for engine in engines:
+        if engine.update_split is None:
+            continue
+        elements = sum(entry.parameter.numel() for unit in engine.units if unit.offloaded
+                       for entry in unit.entries if entry.parameter.requires_grad)
+        estimates[engine.role] = {"seconds_per_element": dict(engine.update_split.seconds_per_element),
+                                  "elements": elements}
+    return estimates
+
+
+def exact_update_floor(all_gpu_step: float, estimate: dict[str, Any]) -> tuple[float, float]:
+    """(the update's seconds, the step's floor): with exact updates the next rollout's first token needs every layer
+    as the actor's update left it, so nothing the step needs overlaps that update; split ideally between the two
+    paths at the speeds the run learned, it takes elements / (1/device + 1/host). The step's floor is the all-GPU
+    step (whose AdamW on the GPU is milliseconds) plus that."""
+    rate = estimate["seconds_per_element"]
+    update = estimate["elements"] / (1 / rate["device"] + 1 / rate["host"])
+    return update, all_gpu_step + update
 
 
 def steady_state(per_step: list[dict[str, float]], warmup: int) -> dict[str, Any]:
@@ -429,6 +455,18 @@ def table(result: dict[str, Any]) -> str:
                      f"OOMs recovered {run['oom_recoveries']:.0f}"
                      + (f"; UPDATES SKIPPED {run['skipped_updates']:.0f} (non-finite gradient norms: its times do not "
                         "count)" if run.get("skipped_updates") else ""))
+    all_gpu_step = variants.get("all_gpu", {}).get("phases_s", {}).get("step")
+    for name, run in variants.items():
+        actor = (run.get("update_split") or {}).get("actor")
+        step = run.get("phases_s", {}).get("step")
+        if actor and all_gpu_step and step:
+            update, floor = exact_update_floor(all_gpu_step, actor)
+            rate = actor["seconds_per_element"]
+            lines.append(f"{name}: exact-update floor {floor:.3f} s ({floor / all_gpu_step:.2f}x all-GPU): the all-GPU "
+                         f"step and the actor's update of {actor['elements'] / 1e9:.3g} G elements split ideally at "
+                         f"the speeds this run learned (device {rate['device'] * 1e9:.3f}, host "
+                         f"{rate['host'] * 1e9:.3f} ns an element), {update:.3f} s; this step is {step / floor:.2f}x "
+                         "that floor")
     for name, run in variants.items():
         profile = run.get("profile") or {}
         # The last step run (a CPU update of the last step may be timed under the step after it).

@@ -142,6 +142,7 @@ def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_t
     printed = capsys.readouterr().out
     assert "update_actor" in printed and "x)" in printed and "layer moves a step" in printed
     assert len(offloaded["per_step"]) == 2 and "placement plan" not in printed  # a CPU run plans no layers
+    assert offloaded["update_split"] == {}  # a CPU run updates on the host alone: no split, no floor line
     # The CPU update of the actor runs on the engine's worker, timed in the phase it ran in.
     assert any("actor worker _update_unit" in table for phases in offloaded["profile"].values()
                for table in phases.values()) and "offload profile of step 2" in printed
@@ -152,6 +153,21 @@ def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_t
     assert "(the first 0 not counted)" in capsys.readouterr().out
     assert e2e_bench.with_warmup(result, 0)["variants"]["offload"]["phases_s"]["step"] == pytest.approx(
         sum(row["timing_s/step"] for row in offloaded["per_step"]) / 2)
+
+
+def test_the_whole_step_table_says_the_exact_update_floor_of_a_split_update():
+    """7.6 G elements at 0.373 (device) and 0.967 (host) ns an element, split ideally: 2.046 s; beside a 2.473 s
+    all-GPU step the floor is 4.519 s (1.83x), and a 5.117 s step is 1.13x it (the H200's figures of 2026-12-04)."""
+    estimate = {"seconds_per_element": {"device": 0.373e-9, "host": 0.967e-9}, "elements": 7.6e9}
+    update, floor = e2e_bench.exact_update_floor(2.473, estimate)
+    assert update == pytest.approx(2.046, abs=1e-3) and floor == pytest.approx(4.519, abs=1e-3)
+    run = {"phases_s": {"step": 5.117}, "copied_bytes_per_step": {"h2d": 0, "d2h": 0},
+           "bandwidth_gbps": {"h2d": 55.0, "d2h": 55.0}, "layer_moves_per_step": 0, "peak_gpu_gib": 36.2,
+           "oom_recoveries": 0, "update_split": {"actor": estimate}}
+    resident = {**run, "phases_s": {"step": 2.473}, "update_split": {}}
+    printed = e2e_bench.table({"shape": "headline", "spec": {}, "steps": 4, "variants": {"all_gpu": resident,
+                                                                                        "offload": run}})
+    assert "offload: exact-update floor 4.519 s (1.83x all-GPU)" in printed and "is 1.13x that floor" in printed
 
 
 def test_the_whole_step_benchmark_refuses_an_unknown_variant_in_one_line(capsys):
