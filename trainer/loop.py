@@ -82,7 +82,7 @@ from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
 from trainer.offload import OffloadEngine, format_bytes, offload_message
 from trainer.offload.copies import CopyLog
 from trainer.offload.dynamic import MemoryProbe
-from trainer.offload.groups import find_parts, parameter_groups
+from trainer.offload.groups import parameter_groups
 from trainer.randomness import restore_rank_streams, rng_state, seed_everything
 from trainer.reporting import StepObserver
 from trainer.rewards import resolve_compute_score
@@ -282,13 +282,11 @@ class Trainer:
             return self.memory.place(model, fsdp_config, role)
         sharded = shard_model(model, fsdp_config, self.ranks, role=role, log=lambda message: self.log(message))
         self._sharded[role] = sharded
-        layer_class = fsdp_config.wrap_policy.transformer_layer_cls_to_wrap
         copies = CopyLog(cuda=self.device.type == "cuda")
-        watch_shard_copies(model, copies, parameter_groups(find_parts(model, layer_class)))
+        watch_shard_copies(model, copies, parameter_groups(sharded.parts))
         self._shard_copies.append(copies)
-        if sharded.layers:
-            layers = ShardedLayers(role, model, self.device, layer_class=layer_class,
-                                   optimizer=lambda: self._optimizer_of(role))
+        if sharded.parts.layers:
+            layers = ShardedLayers(role, sharded.parts.layers, self.device, optimizer=lambda: self._optimizer_of(role))
             self.memory.add_sharded(layers, dynamic=fsdp_config.dynamic_offload.enabled
                                     and not sharded.on_cpu["transformer"])
         return model

@@ -101,7 +101,6 @@ class LayerHolder(Protocol):
     ring_slots: int
     layer_bytes: int
     moves: dict[str, int]
-    placements: dict[str, str]
 
     @property
     def layers_on_gpu(self) -> int: ...

@@ -20,15 +20,13 @@ change a unit's offload policy after `fully_shard` (torch 2.11 and 2.13 checked 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-
-from trainer.offload.groups import find_parts
 
 
 def fsdp_params_of(unit: FSDPModule) -> list[Any]:
@@ -47,22 +45,21 @@ def _moved_dtensor(tensor: DTensor, device: torch.device) -> DTensor:
 
 
 class ShardedLayers:
-    """A sharded model's decoder layers as the memory manager moves them (the same surface as an offload engine's:
-    role, layers_on_gpu, transformer_units, layer_bytes, moves, set_transformer_layers_on_gpu). The first
-    `layers_on_gpu` layers keep their shards on the device, the others on the host (pinned beside a GPU)."""
+    """A sharded model's decoder layers (`layers`: its FSDP2 units, Sharded.parts.layers) as the memory manager moves
+    them (the same surface as an offload engine's: role, layers_on_gpu, transformer_units, layer_bytes, moves,
+    set_transformer_layers_on_gpu). The first `layers_on_gpu` layers keep their shards on the device, the others on
+    the host (pinned beside a GPU)."""
 
     ring_slots = 0
     """Streamed layers take no slots of their own: FSDP2 gathers each into memory it frees after the forward."""
 
-    def __init__(self, role: str, model: nn.Module, device: torch.device, *, layer_class: str | None = None,
+    def __init__(self, role: str, layers: Sequence[nn.Module], device: torch.device, *,
                  optimizer: Callable[[], torch.optim.Optimizer | None] = lambda: None):
         self.role, self.device = role, device
-        self.transformer_units: list[FSDPModule] = [
-            layer for layer in find_parts(model, layer_class).layers if isinstance(layer, FSDPModule)]
+        self.transformer_units: list[FSDPModule] = [layer for layer in layers if isinstance(layer, FSDPModule)]
         self.optimizer = optimizer  # read at each move: built after the model is placed
         self._on_device = [all(not fsdp_param.offload_to_cpu for fsdp_param in fsdp_params_of(unit))
                            for unit in self.transformer_units]
-        self.placements = {"transformer": "gpu" if all(self._on_device) else "cpu"}
         self.layer_bytes = max((sum(fsdp_param._sharded_param_data.numel()
                                     * fsdp_param._sharded_param_data.element_size()
                                     for fsdp_param in fsdp_params_of(unit)) for unit in self.transformer_units),

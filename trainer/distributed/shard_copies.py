@@ -48,11 +48,9 @@ class _CountedFSDPParam(FSDPParam):
         return result[0]
 
 
-def watch_shard_copies(model: nn.Module, copies: CopyLog, groups: Mapping[int, str]) -> int:
+def watch_shard_copies(model: nn.Module, copies: CopyLog, groups: Mapping[int, str]) -> None:
     """Count (and time a sample of) the copies up of sharded `model`'s offloaded shards in `copies`, each under its
-    parameter's group (`groups`: by the sharded parameter's id, groups.parameter_groups; else "other"); returns
-    the FSDPParams watched."""
-    watched = 0
+    parameter's group (`groups`: by the sharded parameter's id, groups.parameter_groups; else "other")."""
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -61,5 +59,3 @@ def watch_shard_copies(model: nn.Module, copies: CopyLog, groups: Mapping[int, s
                 fsdp_param.__class__ = _CountedFSDPParam
             fsdp_param.copies = copies
             fsdp_param.copy_group = groups.get(id(fsdp_param.sharded_param), "other")
-            watched += 1
-    return watched

@@ -57,12 +57,12 @@ def group_placements(fsdp_config: FSDPConfig, parts: ModelParts) -> dict[str, bo
 
 @dataclass(frozen=True)
 class Sharded:
-    """How shard_model placed a model: the model, whether each group's local shards live on the CPU, its decoder
-    layers, and the bytes of its whole weights in the dtype its forward gathers them in."""
+    """How shard_model placed a model: the model, whether each group's local shards live on the CPU, its groups'
+    modules (FSDP2 units now), and the bytes of its whole weights in the dtype its forward gathers them in."""
 
     model: nn.Module
     on_cpu: dict[str, bool]
-    layers: int
+    parts: ModelParts
     whole_bytes: int = 0
 
 
@@ -109,7 +109,7 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
     log(line)
     gathered = precision.param_dtype
     whole = sum(parameter.numel() * (gathered or parameter.dtype).itemsize for parameter in model.parameters())
-    return Sharded(model, on_cpu, len(parts.layers), whole)
+    return Sharded(model, on_cpu, parts, whole)
 
 
 WHOLE_WEIGHTS_SHARE = 0.5

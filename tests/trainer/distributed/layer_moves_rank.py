@@ -45,11 +45,11 @@ def main(out: Path) -> None:
         models = {}
         for moving in (False, True):
             model = tiny_model("untied").to(device)
-            shard_model(model, FSDPConfig(), ranks, role="actor", log=lambda _: None)
+            layer_units = shard_model(model, FSDPConfig(), ranks, role="actor", log=lambda _: None).parts.layers
             models[moving] = model
         optimizers = {moving: optimizer_class(model.parameters(), lr=1e-2) for moving, model in models.items()}
         moving_optimizer = optimizers[True]
-        layers = ShardedLayers("actor", models[True], device, optimizer=lambda moving=moving_optimizer: moving)
+        layers = ShardedLayers("actor", layer_units, device, optimizer=lambda moving=moving_optimizer: moving)
         freed, places = [], []
         for step in (1, 2, 3):
             for moving, model in models.items():

@@ -33,7 +33,7 @@ from trainer.distributed.ranks import Ranks
 from trainer.distributed.shard_copies import watch_shard_copies
 from trainer.distributed.sharding import shard_model, whole_weights
 from trainer.offload.copies import CopyLog
-from trainer.offload.groups import find_parts, parameter_groups
+from trainer.offload.groups import parameter_groups
 
 VOCABULARY, LENGTH, BATCH = 24, 7, 4
 
@@ -70,13 +70,17 @@ def offloaded(model: torch.nn.Module) -> dict[str, bool]:
     return {name: by_parameter[id(parameter)] for name, parameter in model.named_parameters()}
 
 
+def loss_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross-entropy of `input_ids`."""
+    logits = model(input_ids=input_ids).logits.float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY), input_ids[:, 1:].reshape(-1))
+
+
 def one_step(model: torch.nn.Module, input_ids: torch.Tensor, host: bool = False) -> torch.optim.Optimizer:
     """One AdamW step on the mean next-token loss of `input_ids` (with `host`, the trainer's HostAdamW, as
     optimizer_offload steps a sharded model); returns the optimizer."""
     optimizer = (HostAdamW(model.parameters(), lr=1e-2) if host else torch.optim.AdamW(model.parameters(), lr=1e-2))
-    logits = model(input_ids=input_ids).logits.float()
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY), input_ids[:, 1:].reshape(-1))
-    loss.backward()
+    loss_of(model, input_ids).backward()
     optimizer.step()
     return optimizer
 
@@ -85,9 +89,7 @@ def one_mixed_step(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.nn.
     """One AdamW step as one rank takes it with optimizer_offload on a bf16 model: the gradient computed in bf16,
     the update on fp32 masters; returns the masters (an fp32 copy of the model)."""
     model.zero_grad()
-    logits = model(input_ids=input_ids).logits.float()
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY), input_ids[:, 1:].reshape(-1))
-    loss.backward()
+    loss_of(model, input_ids).backward()
     masters = copy.deepcopy(model).float()
     for master, parameter in zip(masters.parameters(), model.parameters(), strict=True):
         master.grad = parameter.grad.float()
@@ -171,11 +173,6 @@ def decode_checks(ranks: Ranks) -> dict:
     return results
 
 
-def loss_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=input_ids).logits.float()
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY), input_ids[:, 1:].reshape(-1))
-
-
 def moves_checks(ranks: Ranks, share: torch.Tensor) -> dict:
     """Dynamic offload of a sharded model's layers (layer_moves.ShardedLayers), moved by this rank alone: three
     steps of two micro-batches each, rank 0 moving layers between micro-batches (a gradient adding up) and between
@@ -192,12 +189,12 @@ def moves_checks(ranks: Ranks, share: torch.Tensor) -> dict:
         models = {}
         for moving in (False, True):
             model = tiny_model("untied")
-            shard_model(model, FSDPConfig(), ranks, role="actor", log=lambda _: None)
+            layer_units = shard_model(model, FSDPConfig(), ranks, role="actor", log=lambda _: None).parts.layers
             models[moving] = model
         optimizers = {moving: (HostAdamW if optimizer_name == "host" else torch.optim.AdamW)(
             model.parameters(), lr=1e-2) for moving, model in models.items()}
         moving_optimizer = optimizers[True]
-        layers = ShardedLayers("actor", models[True], ranks.device, optimizer=lambda moving=moving_optimizer: moving)
+        layers = ShardedLayers("actor", layer_units, ranks.device, optimizer=lambda moving=moving_optimizer: moving)
         identities = [id(parameter) for parameter in models[True].parameters()]
         seen = []
         for step in (1, 2, 3):
@@ -218,8 +215,8 @@ def moves_checks(ranks: Ranks, share: torch.Tensor) -> dict:
             "layer_bytes": layers.layer_bytes}
     # The memory manager: over the threshold on rank 0 only, so only rank 0's layers leave.
     model = tiny_model("untied")
-    shard_model(model, FSDPConfig(), ranks, role="actor", log=lambda _: None)
-    layers = ShardedLayers("actor", model, ranks.device)
+    sharded = shard_model(model, FSDPConfig(), ranks, role="actor", log=lambda _: None)
+    layers = ShardedLayers("actor", sharded.parts.layers, ranks.device)
     settings = SimpleNamespace(dynamic_offload_enabled=True, gpu_memory_threshold=0.5, min_transformer_layers_on_gpu=0)
     used = (0.9 if ranks.rank == 0 else 0.1) * 100 * layers.layer_bytes
     total = 100 * layers.layer_bytes
@@ -243,10 +240,10 @@ def main(out: Path) -> None:
         whole = tiny_model(kind)
         model = copy.deepcopy(whole)
         lines: list[str] = []
-        shard_model(model, FSDPConfig.model_validate(settings), ranks, role="actor", log=lines.append)
-        layers_on_device = ShardedLayers("actor", model, ranks.device).layers_on_gpu  # what the step metrics say
+        sharded = shard_model(model, FSDPConfig.model_validate(settings), ranks, role="actor", log=lines.append)
+        layers_on_device = ShardedLayers("actor", sharded.parts.layers, ranks.device).layers_on_gpu  # as the metrics
         copies = CopyLog(cuda=False)
-        watch_shard_copies(model, copies, parameter_groups(find_parts(model, None)))
+        watch_shard_copies(model, copies, parameter_groups(sharded.parts))
         results[name] = {"offloaded": offloaded(model), "lines": lines, "layers_on_device": layers_on_device}
         host = bool(settings.get("optimizer_offload"))
         if trains and kind == "bf16":
