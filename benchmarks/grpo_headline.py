@@ -84,7 +84,6 @@ class Profile:
         self.trainer = trainer
         self.phase = "start"
         self.seconds: dict[int, dict[str, dict[str, float]]] = {}
-        self.notes: dict[int, list[str]] = {}
         self._lock = threading.Lock()
         original_phase = trainer._phase
 
@@ -128,11 +127,13 @@ class Profile:
 
         rollout.safe_point = timed_safe_point
 
-    def add(self, name: str, seconds: float, phase: str | None = None, step: int | None = None) -> None:
+    def add(self, name: str, seconds: float, phase: str | None = None, step: int | None = None, *,
+            replace: bool = False) -> None:
+        """Add `seconds` to the step's and phase's figure `name` (with `replace`: set it, a figure not a time)."""
         with self._lock:
             step = self.trainer.step + 1 if step is None else step
             table = self.seconds.setdefault(step, {}).setdefault(phase or self.phase, {})
-            table[name] = table.get(name, 0.0) + seconds
+            table[name] = seconds if replace else table.get(name, 0.0) + seconds
 
     def _timed(self, function, name: str):
         @functools.wraps(function)  # keeps what torch marks on optimizer.step for its LR schedulers
@@ -169,9 +170,10 @@ class Profile:
                 elements = [update_elements(unit) for unit in units]
                 total = sum(elements) or 1
                 on_host = sum(count for count, path in zip(elements, paths, strict=True) if path == "host")
-                self.add(f"{role} update split: host share of elements", on_host / total)
-                self.notes.setdefault(self.trainer.step + 1, []).append(
-                    f"{role} split: {engine.update_split.describe()}")
+                # The step's last optimizer step's figures (not summed over its mini-batches, as times are).
+                self.add(f"{role} update split: host share of elements", on_host / total, replace=True)
+                for path, seconds in engine.update_split.seconds_per_element.items():
+                    self.add(f"{role} update split: {path} ns/element, estimated", seconds * 1e9, replace=True)
                 return paths
 
             engine.plan_update_paths = timed_plan
@@ -210,8 +212,6 @@ class Profile:
             if gaps:
                 report[str(step)].setdefault("gen", {})["decode ms per token, after the first safe point"] = round(
                     statistics.median(gaps) / SAFE_POINT_EVERY * 1e3, 2)
-        for step, notes in self.notes.items():
-            report.setdefault(str(step), {})["notes"] = {note: 1 for note in notes}
         return report
 
 
