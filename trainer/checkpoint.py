@@ -507,6 +507,8 @@ def load_single_into_sharded(path: Path, models: dict[str, tuple[torch.nn.Module
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from trainer.distributed.host_adamw import shard_like
+
     for role, (model, optimizer) in models.items():
         names = adapter_file_names(model.state_dict())  # LoRA: the model the run trains holds its layers
         adapted = bool(names) and (path / role / ADAPTER_WEIGHTS).is_file()
@@ -544,8 +546,7 @@ def load_single_into_sharded(path: Path, models: dict[str, tuple[torch.nn.Module
             def shard(tensor: torch.Tensor, parameter=parameter, device=device) -> torch.Tensor:
                 spread = distribute_tensor(tensor.detach().to(torch.float32).cpu(), parameter.device_mesh,
                                            parameter.placements)
-                return DTensor.from_local(spread.to_local().to(device), parameter.device_mesh,
-                                          parameter.placements, shape=parameter.shape, stride=parameter.stride())
+                return shard_like(spread.to_local().to(device), parameter)
             states[name] = {"step": one["step"].detach().float().cpu(), "exp_avg": shard(one["exp_avg"]),
                             "exp_avg_sq": shard(one["exp_avg_sq"])}
         _set_optimizer_states(model, optimizer, states)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainer.offload.copies import CopyLog
 
@@ -40,13 +41,20 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def shard_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor sharded as `like` (same mesh, placements, global shape and stride) whose local shard is `local`,
+    on whatever device `local` is on. `DTensor.from_local` would move a CPU shard of a GPU mesh to the GPU (it
+    converts the local tensor to the mesh's device type), so this builds the DTensor from its spec, as FSDP2 does for
+    the shards and gradients it keeps on the CPU (CPUOffloadPolicy)."""
+    spec = DTensorSpec(like.device_mesh, like.placements,
+                       tensor_meta=TensorMeta(like.shape, like.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
 def host_zeros(parameter: torch.Tensor) -> torch.Tensor:
     """fp32 zeros shaped and sharded as `parameter`, whose local tensor is on the CPU (a moment of AdamW)."""
     local = torch.zeros(_local(parameter).shape, dtype=torch.float32, device="cpu")
-    if isinstance(parameter, DTensor):
-        return DTensor.from_local(local, parameter.device_mesh, parameter.placements, shape=parameter.shape,
-                                  stride=parameter.stride(), run_check=False)
-    return local
+    return shard_like(local, parameter) if isinstance(parameter, DTensor) else local
 
 
 class HostAdamW(torch.optim.Optimizer):

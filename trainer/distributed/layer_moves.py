@@ -28,6 +28,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from trainer.distributed.host_adamw import shard_like
+
 
 def fsdp_params_of(unit: FSDPModule) -> list[Any]:
     """The unit's FSDPParams (FSDP2's per-parameter records: one parameter group a unit in torch 2.11, a list of
@@ -40,8 +42,7 @@ def fsdp_params_of(unit: FSDPModule) -> list[Any]:
 
 
 def _moved_dtensor(tensor: DTensor, device: torch.device) -> DTensor:
-    return DTensor.from_local(tensor._local_tensor.to(device), tensor.device_mesh, tensor.placements,
-                              shape=tensor.shape, stride=tensor.stride(), run_check=False)
+    return shard_like(tensor._local_tensor.to(device), tensor)
 
 
 class ShardedLayers:
@@ -105,9 +106,7 @@ class ShardedLayers:
             flat.copy_(data)
             dim = fsdp_param.fsdp_placement.dim
             local = flat.view(fsdp_param.padded_sharded_param_size).narrow(dim, 0, old._local_tensor.size(dim))
-            new = nn.Parameter(DTensor.from_local(local, old.device_mesh, old.placements, shape=old.shape,
-                                                  stride=old.stride(), run_check=False),
-                               requires_grad=old.requires_grad)
+            new = nn.Parameter(shard_like(local, old), requires_grad=old.requires_grad)
             if old.grad is not None:  # a mini-batch's gradient still adding up across micro-batches
                 new.grad = _moved_dtensor(old.grad, target)
             torch.utils.swap_tensors(old, new)  # `old` is the moved parameter now, still the object everyone holds

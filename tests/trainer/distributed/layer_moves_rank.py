@@ -64,6 +64,10 @@ def main(out: Path) -> None:
                         places.append([where(fsdp_params_of(unit)[0].sharded_param._local_tensor)
                                        for unit in layers.transformer_units])
                 optimizers[moving].step()
+        # Where the moving optimizer's moments of each layer live after the last move (layer 0 on the device).
+        state_places = [sorted({where(value._local_tensor) for fsdp_param in fsdp_params_of(unit)
+                                for key, value in moving_optimizer.state[fsdp_param.sharded_param].items()
+                                if key != "step"}) for unit in layers.transformer_units]
         expected = dict(models[False].named_parameters())
         results[name] = {
             "difference": max(float((full(parameter) - full(expected[key])).abs().max())
@@ -71,7 +75,8 @@ def main(out: Path) -> None:
             "moved": max(float((full(parameter).cpu() - full(original).cpu()).abs().max())
                          for (_, parameter), original in zip(models[False].named_parameters(),
                                                             tiny_model("untied").parameters(), strict=True)),
-            "freed": freed, "places": places, "layer_bytes": layers.layer_bytes, "moves": layers.moves}
+            "freed": freed, "places": places, "state_places": state_places, "layer_bytes": layers.layer_bytes,
+            "moves": layers.moves}
     (out / "rank0.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

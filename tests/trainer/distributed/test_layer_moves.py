@@ -22,6 +22,9 @@ def test_on_a_gpu_a_moved_layer_frees_its_shards_device_memory_and_trains_as_one
         assert result["places"] == [["cuda", "cpu/pinned"], ["cpu/pinned", "cpu/pinned"], ["cuda", "cuda"],
                                     ["cuda", "cpu/pinned"]]
         assert result["moves"] == {"to_cpu": 3, "to_gpu": 2}
+        # torch's AdamW keeps a layer's moments where its shards are; HostAdamW keeps them all on the CPU (not
+        # pinned: only the host's arithmetic reads them; DTensor.from_local put them on the GPU, a bug now fixed).
+        assert result["state_places"] == ([["cuda"], ["cpu"]] if name == "adamw" else [["cpu"], ["cpu"]])
         # A layer leaving frees at least its shards (with torch's AdamW also their states and gradients).
         assert result["freed"][0] >= result["layer_bytes"] and result["freed"][1] >= result["layer_bytes"]
         assert result["freed"][2] < 0  # two layers came back
