@@ -722,6 +722,43 @@ def test_the_gradient_norm_reads_the_device_square_of_a_gradient_sent_once_and_t
     assert all(unit.grad_square is None for unit in engine.units)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("chunked_head", [False, True], ids=["whole_head", "chunked_head"])
+def test_every_gradient_streamed_once_into_a_fresh_host_gradient_has_its_square_taken_on_the_device(chunked_head,
+                                                                                                     tied):
+    """Streamed layers, the head (whole or in chunks) and the embedding's rows send each piece once into an empty
+    host gradient: the sum of the pieces' squares, taken on the device, is the host gradient's square, and the
+    clipping norm reads no host gradient. A tied weight (the head's gradient and the rows added in one place) and
+    a second backward before zero_grad (added on the host) are read on the host. The norm is the same each way."""
+    config = {**FOUR_LAYERS, "tie_word_embeddings": tied}
+    model = policy(override_config=config).train()
+    chunks = OffloadOptions(head_chunk_bytes=4 * 64 * 4)  # four vocabulary rows a chunk
+    engine = offloaded(model, POLICIES["all_cpu_optimizer_offload"], options=chunks if chunked_head else WHOLE_HEAD)
+    engine.gradients.device_squares = True  # the GPU's way (on the CPU the host's norm is the same read)
+    optimizer = engine.optimizer(lr=1e-3)
+    known_after = []
+    for seed in (0, 1):
+        ids = token_batch(seed=seed)
+        model(input_ids=ids, labels=ids).loss.backward()
+        known_after.append({unit.group for unit in engine.units if unit.grad_square is not None})
+        expected = torch.nn.utils.get_total_norm([parameter.grad.clone() for parameter in model.parameters()
+                                                  if parameter.grad is not None])
+        for unit in engine.units:  # a known unit's host gradient is not read: a poisoned one would show it
+            if unit.grad_square is not None:
+                for entry in unit.entries:
+                    entry.parameter.grad.mul_(1e6)
+        torch.testing.assert_close(optimizer.clip_grad_norm_(1.0), expected, rtol=1e-5, atol=0)
+        for unit in engine.units:
+            if unit.grad_square is not None:
+                for entry in unit.entries:
+                    entry.parameter.grad.div_(1e6)
+    shared = {"embedding"} if tied else set()
+    assert known_after[0] == {unit.group for unit in engine.units} - shared
+    assert known_after[1] == set()  # the second backward added onto the first's host gradients
+    optimizer.zero_grad()
+    assert all(unit.grad_square is None for unit in engine.units)
+
+
 def test_a_bf16_gradient_update_writes_each_updated_slice_into_the_arena_as_it_goes():
     """The device's copy of the weights (the arena, bf16) is written slice by slice during the update, not by a
     second pass over the fp32 masters afterwards: the same bytes as that pass would write."""

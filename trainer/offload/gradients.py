@@ -153,20 +153,8 @@ class GradientPath:
         if not units:
             return
         for unit in units:
-            fresh = all(entry.parameter.grad is None for entry in unit.entries)
-            unit.passing.begin(fresh=fresh)
-            # Sent over an empty host gradient (and not rounded on the way), the device's sum is the whole
-            # gradient: its square is taken here, a read of device memory, not of host memory at the clipping.
-            square = None
-            if fresh and self.device_squares:
-                self.ensure_grad_arena(unit)
-                assert unit.grad_views is not None
-                sent = [compute.grad for compute in unit.compute_params]
-                if not any(grad is not None and view is not None and view.element_size() < grad.element_size()
-                           for view, grad in zip(unit.grad_views, sent, strict=True)):
-                    square = self.squares.of([grad for grad in sent if grad is not None])
+            unit.passing.begin(fresh=all(entry.parameter.grad is None for entry in unit.entries))
             self._flush_accumulated(unit)
-            unit.grad_square = square
         self.finish()
 
     def finish(self) -> None:
@@ -179,11 +167,14 @@ class GradientPath:
         for task in tasks:
             task.result()
         for unit in self.layout.units:
+            if not unit.passing.landed:
+                continue  # nothing sent this pass: its host gradient (and square, if known) is as it was
             for index in unit.passing.landed_entries():
                 parameter = unit.entries[index].parameter
                 if parameter.grad is None:
                     assert unit.grad_views is not None
                     parameter.grad = unit.grad_view(index)
+            unit.grad_square = unit.passing.square if unit.passing.square_exact else None
             unit.passing.landed.clear()
         self.passes.end()
 
@@ -227,6 +218,7 @@ class GradientPath:
         # place, or one after a tied embedding's rows) is added to what is there.
         first_writes = [unit.passing.fresh and not {(index, first), (index, ROWS_PIECE)} & unit.passing.landed
                         for _, index, first in pieces]
+        self.add_square(unit, [(tensor, index) for tensor, index, _ in pieces], exact=all(first_writes))
         unit.passing.landed.update((index, first) for _, index, first in pieces)
         if not self.streams.cuda:
             for (tensor, index, first), copy in zip(pieces, first_writes, strict=True):
@@ -240,6 +232,20 @@ class GradientPath:
             self._send_direct(unit, pieces)
         else:
             self._send_staged(unit, pieces, first_writes)
+
+    def add_square(self, unit: Unit, pieces: list[tuple[torch.Tensor, int]], *, exact: bool) -> None:
+        """Count pieces about to be sent to `unit`'s host gradient (tensor, entry index) in the pass's square:
+        `exact` when each is the first write of its place in a fresh host gradient. The square is taken on the
+        device, on the compute stream before the copies' event, so the clipping norm reads device memory
+        (microseconds) instead of the host gradient (0.45 s of a 7B update on an H200 host, 2026-12-04)."""
+        passing = unit.passing
+        assert unit.grad_views is not None
+        narrowed = any(unit.grad_view(index).element_size() < tensor.element_size() for tensor, index in pieces)
+        if not (exact and passing.square_exact and self.device_squares) or narrowed:
+            passing.square, passing.square_exact = None, False
+            return
+        square = self.squares.of([tensor for tensor, _ in pieces])
+        passing.square = square if passing.square is None else passing.square + square
 
     def _send_direct(self, unit: Unit, pieces: list[Piece]) -> None:
         assert unit.grad_views is not None

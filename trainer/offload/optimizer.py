@@ -215,8 +215,8 @@ class OffloadAdamW(torch.optim.AdamW):
         """The 2-norm of all gradients; the next step() scales them to at most `max_norm`, as
         torch.nn.utils.clip_grad_norm_ would, but inside the update instead of in one more pass.
         The gradients themselves are left as they are."""
-        # A unit whose host gradient is the sum its device sent once has its square already (taken on the
-        # device, GradientPath.send_deferred): its host gradient is not read again.
+        # A unit whose host gradient is exactly what its device sent in one pass has its square already (taken
+        # on the device, GradientPath.add_square): its host gradient is not read again.
         known = [unit.grad_square for unit in self._units if unit.grad_square is not None]
         grads = [parameter.grad for group, unit in zip(self.param_groups, self._units, strict=True)
                  if unit.grad_square is None for parameter in group["params"] if parameter.grad is not None]
@@ -237,7 +237,7 @@ class OffloadAdamW(torch.optim.AdamW):
         if others:
             squares.append(torch.nn.utils.get_total_norm(others, norm_type=2.0).square().float().cpu())
         if known:
-            squares.append(torch.stack([square.to("cpu") for square in known]).sum())
+            squares.append(torch.stack(known).sum().cpu())  # one wait for the device, not one a unit
         total = torch.stack(squares).sum().sqrt()
         # torch.nn.utils.clip_grad_norm_ multiplies by max_norm / (total + 1e-6), at most 1.
         self._grad_scale = ((total + 1e-6) / max_norm).clamp(min=1.0).float()

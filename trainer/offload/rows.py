@@ -117,6 +117,9 @@ class RowsAndChunks:
         # In the host gradient's dtype before the copy: the device converts in microseconds what
         # would take the host tens of milliseconds.
         grad_rows = grad_rows.to(unit.grad_view(index).dtype)
+        # Distinct tokens' rows added into a zeroed gradient are that gradient's only nonzero rows, unless the
+        # head's gradient (tied) or an earlier forward's rows are there too.
+        gradients.add_square(unit, [(grad_rows, index)], exact=first_write and not self.layout.parts.tied)
         nbytes = grad_rows.numel() * grad_rows.element_size()
         if not self.streams.cuda:
             self.log.timed(D2H, unit.group, nbytes, None,

@@ -133,11 +133,18 @@ class UnitPass:
     backward) is added, not copied over."""
     accumulated: int = 0
     """Compute parameters whose gradient autograd finished this pass."""
+    square: torch.Tensor | None = None
+    """The sum of squares (fp32, on the device) of the gradient pieces sent this pass, while each was the first
+    write of its place in a fresh host gradient, not rounded on the way (GradientPath.add_square): the host
+    gradient is then exactly those pieces, and this its square (Unit.grad_square once the pass ends)."""
+    square_exact: bool = True
+    """No piece sent this pass broke that (an addition, a narrower host gradient, no device square taken)."""
 
     def begin(self, *, fresh: bool) -> None:
         self.fresh = fresh
         self.landed.clear()
         self.accumulated = 0
+        self.square, self.square_exact = None, True
 
     def landed_entries(self) -> set[int]:
         """The entries some gradient piece was sent to this pass."""
@@ -182,8 +189,8 @@ class Unit:
     grad_pinned: bool = False
     grad_square: torch.Tensor | None = None
     """The sum of squares (fp32, on the device) of the unit's host gradient, while that gradient is exactly
-    what the device added up and sent once (GradientPath.send_deferred): the gradient norm then reads it
-    instead of the host gradient. Any other landing into the gradient, or clearing it, drops it."""
+    what the device sent in one pass (UnitPass.square): the gradient norm then reads it instead of the host
+    gradient. Any other landing into the gradient, or clearing it, drops it."""
     # On the device (set by the streamer).
     compute_params: list[nn.Parameter] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
