@@ -270,6 +270,47 @@ def test_the_engine_says_when_a_forward_may_be_captured_and_what_it_reads(tokeni
         engine.close()
 
 
+def test_a_rollout_under_a_delayed_update_may_be_captured_and_reads_the_weights_from_before_it(tokenizer):
+    """Under fsdp_config.delayed_update the rollout's reads take the weights from before the update running beside
+    them (engine.stale_reads), which the device copies keep until the update is published: the graph key is the
+    one from before the update there, so the decode keeps its CUDA graphs (without them the decode ran 4 to 9
+    times slower beside the host's update on an H200, 2026-12-04), the same at every token; outside the stale reads
+    there is no key until a forward has published the update, and then a new one."""
+    from trainer.config.schema import FSDPConfig
+    from trainer.offload import attach_offload
+
+    policy = load_policy(TINY, tokenizer, dtype=torch.bfloat16, seed=3, override_config={"num_hidden_layers": 2})
+    settings = FSDPConfig.model_validate({"model_dtype": "bf16", "optimizer_offload": True, "delayed_update": True,
+                                          "offload_policy": {"embedding": "cpu", "lm_head": "cpu"},
+                                          "dynamic_offload": {"enabled": True}})
+    engine = attach_offload(policy, settings, torch.device("cpu"), role="actor")
+    streamer = engine.streamer
+    ids = torch.tensor([[3, 4, 5]])
+    try:
+        engine.set_transformer_layers_on_gpu(2)
+        optimizer = engine.optimizer(lr=1e-2)
+        with engine.placed_for("rollout"), torch.no_grad():
+            before = policy(input_ids=ids).logits.clone()
+        policy.train()
+        policy(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        policy.eval()
+        assert all(unit.publish_pending for unit in engine.units if unit.trainable)
+        with engine.stale_reads(), engine.placed_for("rollout"), torch.no_grad():  # as the memory manager places
+            policy(input_ids=ids)
+            key = streamer.graph_key()
+            assert key is not None and streamer.graph_key() == key
+            assert torch.equal(policy(input_ids=ids).logits, before)
+            assert streamer.graph_key() == key
+        with engine.placed_for("rollout"), torch.no_grad():
+            assert streamer.graph_key() is None  # the update is to be published before the next read
+            after = policy(input_ids=ids).logits
+            assert not torch.equal(after, before)
+            assert streamer.graph_key() not in (None, key)
+    finally:
+        engine.close()
+
+
 def test_the_norms_that_compute_rms_norm_run_the_fused_kernel_and_decode_the_same_tokens(tokenizer, policy):
     """fused_norms.py swaps a norm's forward for torch's F.rms_norm only where the two agree on a random input and
     weight (checked once per class), and only while decoding on a GPU. On this CPU the swap is forced by naming a

@@ -192,16 +192,20 @@ class Streamer:
         """What a CUDA graph of a no-grad forward reads, when one may be captured now (StaticDecoder): every
         hooked block in a device slot of its own holding its unit's current weights with no copy left to
         wait for, every CPU-resident head and embedding kept whole on the device for the phase, and no
-        optimizer update running or to be published. The key holds those tensors' addresses and versions: a
-        graph replays the addresses it captured, so one captured under another key must not be replayed.
-        None when a forward would copy, wait or gather rows on the host."""
+        optimizer update running or to be published that the forward may not read past (a delayed update's, in
+        the rollout's stale reads, it may: the device copies keep the weights from before it until it is
+        published, so the graph reads what an eager forward would). The key holds those tensors' addresses and
+        versions: a graph replays the addresses it captured, so one captured under another key must not be
+        replayed (a publish makes a new version). None when a forward would copy, wait or gather rows on the
+        host."""
         key: list[object] = []
         for unit in self.layout.units:
-            if not unit.ready.is_set() or unit.publish_pending:
+            if not unit.usable or (unit.publish_pending and not unit.stale_ok):
                 return None
             if unit.kind == UnitKind.HOOKED:
                 block = self._in_own_slot(unit)
-                if block is None or block.fetched_event is not None or unit.masters_version() != unit.master_version:
+                if (block is None or block.fetched_event is not None
+                        or (not unit.publish_pending and unit.masters_version() != unit.master_version)):
                     return None
                 assert block.slot.data is not None
                 key.append((block.slot.data.data_ptr(), unit.version))

@@ -37,7 +37,8 @@ def where(tensor: torch.Tensor) -> str:
 def main(out: Path) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl")
+    # As the trainer's ranks (trainer/distributed/ranks.py): a moved layer's CPU shards gather over gloo.
+    dist.init_process_group("cpu:gloo,cuda:nccl")
     ranks = SimpleNamespace(mesh=init_device_mesh("cuda", (1,)), device=device, world_size=1)
     batch = torch.randint(1, VOCABULARY, (4, LENGTH), generator=torch.Generator().manual_seed(1)).to(device)
     results: dict = {}
