@@ -71,7 +71,7 @@ def main(out: Path) -> None:
                                 if key != "step"}) for unit in layers.transformer_units]
         expected = dict(models[False].named_parameters())
         results[name] = {
-            "difference": max(float((full(parameter) - full(expected[key])).abs().max())
+            "difference": max(float((full(parameter).cpu() - full(expected[key]).cpu()).abs().max())
                               for key, parameter in models[True].named_parameters()),
             "moved": max(float((full(parameter).cpu() - full(original).cpu()).abs().max())
                          for (_, parameter), original in zip(models[False].named_parameters(),
