@@ -73,10 +73,20 @@
 # 07:16-07:18: test_layer_moves.py's GPU test (dynamic offload of a sharded model's layers, one NCCL rank) failed on
 # torch 2.11's FSDP2 (one parameter group a unit, `_fsdp_param_group`); fixed at 07:18, not run again (the budget's
 # last seconds went to a machine taken back mid-call).
-# Next, in priority order: `tests` (that GPU test first); on an nvidia-h200-x2 machine when one is lent, `ranks`
-# (issue 16's anchor; add dynamic offload to it); `VARIANTS=all_gpu,offload,offload_delayed e2e-headline` (the delayed update since merged micro-batches and the split: the only
-# way under the exact update's floor); the 7B update phase's 0.45 s in clip_grad_norm_ (waiting for the backward's
-# last gradient copies); RoPE fused in the decode.
+# Run 2026-12-04 09:16-09:56 (results in benchmarks/results/*2026-12-04T09*, tables in benchmarks/README.md): the
+# delayed update decoded eager (46-54 ms a token at 3B: no graph key under stale reads; fixed), the clipping norm's
+# squares on the device (7B offloaded 4.58 s, 1.06x its exact-update floor; update_actor 0.72 s against 0.98
+# all-GPU), the delayed update with graphs (3B 1.45x, 7B 1.61x). test_layer_moves.py's GPU test failed three times,
+# each further (DTensor.from_local moved CPU shards to the GPU; an NCCL-only group; a CPU/CUDA comparison in the
+# test), all fixed, not seen passing: the budget ran out. Measured call times: `tests` plus three e2e-ppo3b
+# variants plus two e2e-headline variants (profiled) 445 s; three GPU test files plus three e2e-ppo3b variants plus
+# one more plus two e2e-headline variants 551 s; `tests` plus three e2e-ppo3b plus two e2e-headline (STEPS=3) 466 s.
+# Keep the whole pytest output of a failing rank test (tail -15 of it lost the traceback once).
+# Next, in priority order: `python3 -m pytest -m gpu tests/trainer/distributed/test_layer_moves.py` (30 s; issue
+# 16); on an nvidia-h200-x2 machine when one is lent, `ranks` (issue 16's anchor; add dynamic offload to it); the
+# split update under delayed_update (7B delayed: old_log_prob waits 2.1 s for a host-only update), measured with
+# `VARIANTS=all_gpu,offload,offload_delayed STEPS=4 WARMUP=2 PROFILE=1 e2e-headline`; the 3B update phase's
+# critic update beside the actor's backward; RoPE fused in the decode.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
