@@ -117,11 +117,13 @@ def _train(config, ranks) -> int:
     reporter = tracking = restore_signal_handlers = None
     finished = False  # the trackers' runs are marked failed unless training returns
     try:
-        trainer = Trainer(config, log=print if ranks.is_main else _quiet, telemetry=telemetry, ranks=ranks)
-        reporter = ConsoleReporter(total_steps=trainer.total_steps, log_path=log_path,
+        # Before the trainer: what building the models says (a warning about a checkpoint's dtype, the placement)
+        # goes to the run's log and the daemon too, not only to the terminal.
+        reporter = ConsoleReporter(total_steps=0, log_path=log_path,
                                    console=None if ranks.is_main else Console(quiet=True),
                                    forward=_log_forwarder(telemetry), print_steps="console" in config.trainer.logger)
-        trainer.log, trainer.warn = reporter.info, reporter.warning
+        trainer = Trainer(config, log=reporter.info, warn=reporter.warning, telemetry=telemetry, ranks=ranks)
+        reporter.total_steps = trainer.total_steps
         trainer.observers.append(reporter)
         trainer.settings_listeners.append(lambda settings: reporter.set_level(settings.log_level))
         for line in trainer.memory.summary_lines():
@@ -160,10 +162,6 @@ def _train(config, ranks) -> int:
 def _is_rank_zero() -> bool:
     """Rank 0 of a torchrun launch, or a process torchrun did not start (before torch is imported)."""
     return os.environ.get("RANK", "0") == "0"
-
-
-def _quiet(*_: object) -> None:
-    """The log of a rank other than 0 before its reporter exists: rank 0 says the same."""
 
 
 def _log_forwarder(telemetry):

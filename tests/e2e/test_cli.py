@@ -37,8 +37,9 @@ def test_the_verl_command_is_installed():
 
 
 def test_train_writes_the_run_directory(tmp_path):
+    # Dynamic offload on a CPU: a warning while the models are built, before the first step.
     result = verl("train", "--config", QUICKSTART, *SMALL, "trainer.total_training_steps=3", "trainer.save_freq=2",
-                  cwd=tmp_path)
+                  "actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled=true", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     run = tmp_path / "runs" / "quickstart"
     assert (run / "config.yaml").is_file()
@@ -50,7 +51,11 @@ def test_train_writes_the_run_directory(tmp_path):
     # One line of metrics per step on the console, and the same in the run's log.
     step_lines = [line for line in result.stderr.splitlines() + result.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in step_lines] == ["1/3", "2/3", "3/3"]
-    assert "step 3/3" in (run / "logs" / "trainer.log").read_text()
+    log = (run / "logs" / "trainer.log").read_text()
+    assert "step 3/3" in log
+    # What the trainer says while it builds the models reaches the log too, not only the terminal.
+    warning = "dynamic offload of the actor needs a GPU to measure memory on"
+    assert f"WARNING {warning}" in log and f"WARNING: {warning}" in result.stderr
 
 
 def test_sigterm_checkpoints_and_a_second_start_resumes(tmp_path):
