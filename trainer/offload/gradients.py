@@ -245,7 +245,8 @@ class GradientPath:
             passing.square, passing.square_exact = None, False
             return
         square = self.squares.of([tensor for tensor, _ in pieces])
-        passing.square = square if passing.square is None else passing.square + square
+        if square is not None:  # (None: no piece)
+            passing.square = square if passing.square is None else passing.square + square
 
     def _send_direct(self, unit: Unit, pieces: list[Piece]) -> None:
         assert unit.grad_views is not None

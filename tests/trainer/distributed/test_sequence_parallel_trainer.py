@@ -47,7 +47,8 @@ def assert_same_metrics(one: list[dict], two: list[dict]) -> None:
 
 
 def ran_on_sequence_shards(finished: subprocess.CompletedProcess, role: str) -> bool:
-    return f"{role}: Ulysses sequence parallelism: each of the 2 ranks of a group computes 1/2" in finished.stdout + finished.stderr
+    output = finished.stdout + finished.stderr
+    return f"{role}: Ulysses sequence parallelism: each of the 2 ranks of a group computes 1/2" in output
 
 
 @pytest.mark.slow
