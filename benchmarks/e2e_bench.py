@@ -20,7 +20,9 @@ Variants: `all_gpu` (every group and the optimizer on the GPU, bf16, no cap: whe
 CPUOffloadPolicy on a one-GPU mesh, the other models on the GPU, under the cap: the trainer has no FSDP2
 path yet, so the benchmark places the actor itself; GPU only) and `offload_delayed` (`offload` with the
 actor's delayed parameter update: each rollout samples with the weights before the previous update; not
-run unless asked for), `offload_host_update` (`offload` with `optimizer_update: cpu`: AdamW on the host's
+run unless asked for), `offload_delayed_both` (`offload_delayed` with `optimizer_update: both`: the delayed update
+split between the GPU's streamed update and the host's cores beside the rollout, where `auto` runs it on the host
+alone; not run unless asked for), `offload_host_update` (`offload` with `optimizer_update: cpu`: AdamW on the host's
 cores instead of on the GPU over the streamed states; not run unless asked for), `offload_both_update` (`offload`
 with `optimizer_update: both`: each step's units split between the GPU's streamed update and the host's cores,
 running at once; what `auto` picks on a GPU since 2026-12-04; not run unless asked for), `offload_device_update`
@@ -71,8 +73,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer_layers_on_gpu", "perf/max_memory",
              "perf/oom_recoveries", "response_length/", "actor/skipped_steps", "critic/skipped_steps")
 """The metrics of each step a result keeps (besides the steady state's means)."""
-VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_host_update", "offload_both_update",
-            "offload_device_update", "offload_lora")
+VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_delayed_both", "offload_host_update",
+            "offload_both_update", "offload_device_update", "offload_lora")
 LORA = {"lora_rank": 64, "lora_alpha": 32}
 """The `offload_lora` variant's adapter (model.*: verl's LoRA example scripts' rank and alpha), on all-linear."""
 QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
@@ -115,16 +117,17 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
     the reward model from `models`/reward_model; the rollout decodes as `decode` says (rollout.decode)."""
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
-    offloaded = variant in ("offload", "offload_delayed", "offload_host_update", "offload_both_update",
-                            "offload_device_update", "offload_lora")
+    offloaded = variant in ("offload", "offload_delayed", "offload_delayed_both", "offload_host_update",
+                            "offload_both_update", "offload_device_update", "offload_lora")
     trained = OFFLOADED if offloaded else {"model_dtype": "bf16"}
     if variant == "offload_host_update":
         trained = {**trained, "optimizer_update": "cpu"}
-    if variant == "offload_both_update":
+    if variant in ("offload_both_update", "offload_delayed_both"):
         trained = {**trained, "optimizer_update": "both"}
     if variant == "offload_device_update":
         trained = {**trained, "optimizer_update": "gpu"}
-    actor_settings = {**trained, "delayed_update": True} if variant == "offload_delayed" else trained
+    delayed = variant in ("offload_delayed", "offload_delayed_both")
+    actor_settings = {**trained, "delayed_update": True} if delayed else trained
     plain = {"model_dtype": "bf16"}
     # The reference's and the reward model's settings. The headline's stay on the GPU: their host arenas (15 GB
     # pinned for the 7B reference) would not fit beside the actor's 118 GiB on the H200 machine's 125 GiB host.
@@ -529,6 +532,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 0 or args.steps <= args.warmup:
         print(f"ERROR: --steps must be more than --warmup ({args.warmup}, the steps not counted), got {args.steps}",
               file=sys.stderr)
+        return 2
+    try:
+        args.scratch.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"ERROR: --scratch {args.scratch}: cannot make the directory ({error.strerror}); name a writable "
+              "directory on disk", file=sys.stderr)
         return 2
     if args.child and args.prepare:
         save_models(args.models, args.shape, args.device)

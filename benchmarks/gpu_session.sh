@@ -20,7 +20,7 @@
 #                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP
 #                                          # (not timed yet)
 #
-# e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_host_update][,offload_both_update]
+# e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_delayed_both][,offload_host_update][,offload_both_update]
 # [,offload_lora]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
 # variant may take; e2e_bench's default 900), SET (one config override for every variant, KEY=VALUE), TAG (a suffix of
 # the result's file names, to keep several runs of a call apart), PROFILE (set: --profile) and DECODE (auto, generate or static: rollout.decode; auto, the default, is static with CUDA graphs on a GPU).
@@ -84,8 +84,9 @@
 # Keep the whole pytest output of a failing rank test (tail -15 of it lost the traceback once).
 # Next, in priority order: `python3 -m pytest -m gpu tests/trainer/distributed/test_layer_moves.py` (30 s; issue
 # 16); on an nvidia-h200-x2 machine when one is lent, `ranks` (issue 16's anchor; add dynamic offload to it); the
-# split update under delayed_update (7B delayed: old_log_prob waits 2.1 s for a host-only update), measured with
-# `VARIANTS=all_gpu,offload,offload_delayed STEPS=4 WARMUP=2 PROFILE=1 e2e-headline`; the 3B update phase's
+# split update under delayed_update (7B delayed: old_log_prob waits 2.1 s for a host-only update; `auto` picks the
+# host alone there on a guess never measured), measured with `VARIANTS=all_gpu,offload_delayed,offload_delayed_both
+# STEPS=4 WARMUP=2 PROFILE=1 e2e-headline` and the same at e2e-ppo3b; if it wins, `auto` = both under it; the 3B update phase's
 # critic update beside the actor's backward; RoPE fused in the decode.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
