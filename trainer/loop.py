@@ -296,11 +296,6 @@ class Trainer:
         worker = {Role.ACTOR: getattr(self, "actor", None), Role.CRITIC: getattr(self, "critic", None)}.get(role)
         return getattr(worker, "optimizer", None)
 
-    def _placement_metrics(self) -> dict[str, float]:
-        """The memory manager's step metrics: each model's decoder layers on the device and their moves (with
-        sharded models, the layers whose local shards are on this rank's device)."""
-        return self.memory.step_metrics()
-
     def _worker_memory(self, role: Role) -> ModelMemory | None:
         """The memory manager's side for a worker; None for a sharded model, which it does not place (the
         worker's optimizer is then torch's AdamW over the local shards, and errors propagate)."""
@@ -516,7 +511,9 @@ class Trainer:
                                     prompt_length=self.config.data.max_prompt_length))
         metrics.update(throughput_metrics(batch, timer.seconds["step"]))
         metrics.update(memory_metrics(self.device, peaks=self.memory.step_peaks()))
-        metrics.update(self._placement_metrics())
+        # Each model's decoder layers on the device and their moves (sharded: the layers whose local shards are on
+        # this rank's device).
+        metrics.update(self.memory.step_metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
 
