@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,16 @@ def variant_overrides(shape: str, variant: str, ranks: int, device: str, runs_di
     return rows
 
 
+def rank_group_environment(parent: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's environment: the caller's, with the repository first on PYTHONPATH before what the caller's
+    held (a device image's wheels), and no rank variables of an enclosing group."""
+    search_path = os.pathsep.join(filter(None, [str(REPOSITORY), parent.get("PYTHONPATH")]))
+    environment = {**parent, "PYTHONPATH": search_path}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(name, None)
+    return environment
+
+
 def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: Path, log_path: Path) -> dict[str, Any]:
     """One variant's rank group; its steady state, or its error with the end of its log."""
     runs_dir = scratch / "runs"
@@ -73,9 +86,7 @@ def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: P
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                "-m", "trainer", "--config", str(config),
                *variant_overrides(args.shape, variant, args.ranks, args.device, runs_dir, models, args.steps)]
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        environment.pop(name, None)
+    environment = rank_group_environment(os.environ)
     print(f"[{variant}]", flush=True)
     started = time.perf_counter()
     with log_path.open("w") as log_file:
@@ -86,7 +97,10 @@ def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: P
             completed = None
     wall = time.perf_counter() - started
     lines = log_path.read_text(errors="replace").strip().splitlines()
-    tail = [line for line in lines if line.startswith("ERROR")][:3] or lines[-12:]
+    # The trainer's one-line errors, else a rank's exception (the launcher's own summary after it says only
+    # which rank failed), else the log's end.
+    raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception): ", line)]
+    tail = [line for line in lines if line.startswith("ERROR")][:3] or raised[:1] or lines[-12:]
     if completed is None or completed.returncode != 0:
         why = (f"did not finish within --timeout {args.timeout:.0f} s" if completed is None
                else f"exit code {completed.returncode}")
@@ -160,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             folder.mkdir()
             result["variants"][variant] = run_variant(args, variant, models, folder,
                                                       out.with_name(f"{out.stem}-{variant}.log"))
+            # Its checkpoints (69 GiB at ppo3b: fp32 masters and AdamW's states of two models) would leave the
+            # next variant's no room: on a 128 GiB disk the fourth variant's final checkpoint failed.
+            shutil.rmtree(folder, ignore_errors=True)
             out.write_text(json.dumps(result, indent=2))
     print(table(result))
     print(f"written {out}")

@@ -86,7 +86,9 @@ def start_run(work: Path, overrides: list[str]) -> tuple[subprocess.Popen[bytes]
     """`verl train` of the quickstart in `work`: the daemon process, its runtime info and environment."""
     from daemon.runtime import live_runs
 
-    env = {**os.environ, "VERL_STATE_DIR": str(work / "state"), "PYTHONPATH": str(REPO)}
+    # The repository first, then whatever the caller's PYTHONPATH held (a device image's wheels).
+    search_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "VERL_STATE_DIR": str(work / "state"), "PYTHONPATH": search_path}
     with (work / "verl.out").open("w") as log:
         process = subprocess.Popen([*verl_command(), "train", "--config", str(QUICKSTART),
                                     f"trainer.runs_dir={work / 'runs'}", *RUN_OVERRIDES, *overrides],

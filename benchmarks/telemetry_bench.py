@@ -94,7 +94,9 @@ def start_run(work: Path, overrides: list[str]) -> tuple[subprocess.Popen, dict]
     """`verl train` of the quickstart in `work`; returns the daemon process and its runtime info."""
     from daemon.runtime import live_runs
 
-    env = {**os.environ, "VERL_STATE_DIR": str(work / "state"), "PYTHONPATH": str(REPO)}
+    # The repository first, then whatever the caller's PYTHONPATH held (a device image's wheels).
+    search_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "VERL_STATE_DIR": str(work / "state"), "PYTHONPATH": search_path}
     log = (work / "verl.out").open("w")
     process = subprocess.Popen([*verl_command(), "train", "--config", str(QUICKSTART),
                                 f"trainer.runs_dir={work / 'runs'}", "trainer.experiment_name=telemetry-bench",

@@ -2,6 +2,7 @@
 costs minutes of a limited budget, so a script that would fail there should fail here first."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,11 @@ def test_the_ranks_benchmark_refuses_bad_arguments_in_one_line(argv, capsys):
     assert ranks_bench.main([*argv, "--device", "cpu"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("ERROR: --") and "\n" not in error
+
+
+def test_the_ranks_benchmark_keeps_the_callers_python_path_behind_the_repository_and_drops_enclosing_rank_variables():
+    # A device image's wheels come through PYTHONPATH: a rank group that lost it could not import the trainer.
+    environment = ranks_bench.rank_group_environment({"PYTHONPATH": "/tmp/site", "RANK": "3", "HOME": "/root"})
+    assert environment["PYTHONPATH"].split(os.pathsep) == [str(ranks_bench.REPOSITORY), "/tmp/site"]
+    assert "RANK" not in environment and environment["HOME"] == "/root"
+    assert ranks_bench.rank_group_environment({})["PYTHONPATH"] == str(ranks_bench.REPOSITORY)
