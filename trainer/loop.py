@@ -59,7 +59,7 @@ from trainer.data import PromptRecord, PromptSampler, load_records, rank_share
 from trainer.data.checks import check_prompts, drop_overlong_prompts
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.layer_moves import ShardedLayers
-from trainer.distributed.ranks import Ranks, resolve_device
+from trainer.distributed.ranks import Ranks, host_threads_per_rank, resolve_device
 from trainer.distributed.shard_copies import watch_shard_copies
 from trainer.distributed.sharding import WHOLE_WEIGHTS_SHARE, Sharded, shard_model, whole_weights
 from trainer.errors import RunSetupError
@@ -135,6 +135,15 @@ class Trainer:
         self.log, self.warn = log, warn
         if config.trainer.cpu_threads is not None:
             torch.set_num_threads(config.trainer.cpu_threads)
+        elif self.ranks.distributed:
+            # torchrun's command line starts each rank with OMP_NUM_THREADS=1, and the launcher used as a library
+            # (verl train) with every core: the host's AdamW and gradient arithmetic of optimizer_offload would run
+            # on one core, or each rank would claim all of them.
+            threads = host_threads_per_rank(config.trainer.n_gpus_per_node)
+            torch.set_num_threads(threads)
+            if self.ranks.is_main:
+                self.log(f"each rank computes on the host with {threads} threads, its share of this node's cores "
+                         "(trainer.cpu_threads sets it)")
         self.device = self.ranks.device
         seed_everything(config.trainer.seed)  # the same on every rank: each shards the same initial weights
         self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.tokenizer_path

@@ -603,7 +603,7 @@ class TrainerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Compute device: auto takes the GPU when there is one."""
     cpu_threads: int | None = Field(None, ge=1)
-    """Threads of the trainer's CPU work (torch intra-op); unset: one per core; cores - 1 leaves the daemon one."""
+    """Threads of the trainer's CPU work (torch intra-op); unset: all cores, or a rank's share; cores - 1 spares one."""
     seed: int = 1
     """Seed of model init, sampling and everything else random."""
     nnodes: int = Field(1, ge=1)

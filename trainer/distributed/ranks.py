@@ -36,6 +36,12 @@ FLATTENED = "dp_sp"
 fsdp mesh beside its (dp, sp) Ulysses mesh: each rank holds and moves 1/world of every model."""
 
 
+def host_threads_per_rank(ranks_per_node: int) -> int:
+    """A rank's share of the cores this process may run on (its affinity), at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, ranks_per_node))
+
+
 def resolve_device(name: str) -> torch.device:
     """trainer.device as a torch device: auto is a GPU where one is visible."""
     if name == "auto":
