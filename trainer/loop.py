@@ -61,7 +61,7 @@ from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.layer_moves import ShardedLayers
 from trainer.distributed.ranks import Ranks, host_threads_per_rank, resolve_device
 from trainer.distributed.shard_copies import watch_shard_copies
-from trainer.distributed.sharding import WHOLE_WEIGHTS_SHARE, Sharded, shard_model, whole_weights
+from trainer.distributed.sharding import WHOLE_WEIGHTS_SHARE, Sharded, plain_forwards, shard_model, whole_weights
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory, default_memory_probe, host_memory_available
 from trainer.metrics import (
@@ -578,7 +578,11 @@ class Trainer:
         rollout = rollout or self.rollout  # either samples with the actor's weights
         self.heartbeat()  # once per validation batch too
         with self.memory.placed_for("rollout", Role.ACTOR, self._passes("rollout", Role.ACTOR, len(repeated))), \
-                self._whole_weights(Role.ACTOR):
+                self._whole_weights(Role.ACTOR) as whole, \
+                plain_forwards(self._sharded[Role.ACTOR].model) if whole else contextlib.nullcontext(False) as plain:
+            # Several ranks that each hold the whole weights, FSDP2's hooks off, decode alone (and in CUDA graphs);
+            # otherwise every forward gathers, and the ranks step together.
+            rollout.synced = self.ranks.distributed and not plain
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
                                                                          prompt_mask[first:first + count]),
@@ -604,13 +608,13 @@ class Trainer:
         return [*self._shard_copies, *host]
 
     @contextlib.contextmanager
-    def _whole_weights(self, role: str) -> Iterator[None]:
+    def _whole_weights(self, role: str) -> Iterator[bool]:
         """Several ranks: the sharded model's whole weights on every rank for a phase without gradients (the rollout,
         a scoring) where they fit, gathered once, not at every forward (sharding.whole_weights); the decision is
-        said when it changes. One rank: nothing."""
+        said when it changes. Yields whether they are held. One rank: nothing (False)."""
         sharded = self._sharded.get(role)
         if sharded is None:
-            yield
+            yield False
             return
         with whole_weights(sharded, self.ranks) as whole:
             if whole != self._whole_weights_said.get(role):
@@ -620,7 +624,7 @@ class Trainer:
                          "(rollout, scoring): one gather of each unit a phase, not one a forward" if whole else
                          f"{role}: the whole weights ({size}) take more than {WHOLE_WEIGHTS_SHARE:.0%} of some rank's "
                          "free device memory: each forward without gradients gathers every unit's shards")
-            yield
+            yield whole
 
     def _pad_like_other_ranks(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -377,3 +377,24 @@ def test_rollout_batch_split_in_order(batch):
     assert [record.prompt for part in parts for record in part.records] == ["p0", "p1", "p2"]
     assert torch.equal(torch.cat([part.response_mask for part in parts]), batch.response_mask)
     assert [len(part) for part in batch.split(5)] == [3]
+
+
+def test_a_rollout_synced_over_ranks_meets_them_only_while_it_is_told_its_forwards_gather(tokenizer, policy):
+    """HFRollout.synced, which the loop sets per rollout: synced, a static decode asks every rank for its count of rows
+    still decoding (agree_active); unsynced (each rank holds the whole weights, FSDP2's hooks off), it decodes alone,
+    asking nothing, the same tokens; and transformers' generate, unsynced, needs no process group (synced_gpus
+    would reduce over one at every token)."""
+    prompt_ids, prompt_mask = encode_prompts(["1 2 3", "4"], tokenizer, max_length=8)
+    asked: list[int] = []
+    shared = HFRollout(policy, tokenizer, RolloutConfig(do_sample=False, decode="static"), 6, synced=True,
+                       agree_active=lambda active: asked.append(active) or active)
+    results = {}
+    for synced in (True, False):
+        asked.clear()
+        shared.synced = synced
+        results[synced] = (shared.generate(prompt_ids, prompt_mask)[0], len(asked))
+    assert torch.equal(results[True][0], results[False][0])
+    assert results[True][1] > 0 and results[False][1] == 0
+    generated = HFRollout(policy, tokenizer, RolloutConfig(do_sample=False, decode="generate"), 6, synced=True)
+    generated.synced = False
+    assert torch.equal(generated.generate(prompt_ids, prompt_mask)[0], results[False][0])

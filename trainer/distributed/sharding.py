@@ -26,8 +26,10 @@ round).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -154,6 +156,48 @@ def whole_weights(sharded: Sharded, ranks: Ranks) -> Iterator[bool]:
         root.set_reshard_after_forward(False, recurse=False)  # FSDP2's default for the root
         for unit in units:
             unit.reshard()
+
+
+@contextlib.contextmanager
+def plain_forwards(model: nn.Module) -> Iterator[bool]:
+    """Inside `whole_weights` (every unit's whole weights held): forwards without gradients (grad mode is off
+    inside) that are the plain modules' own, FSDP2's forward hooks detached from every unit. With nothing to
+    gather those hooks only keep books, and the root's orders FSDP2's gather streams after the compute stream: a
+    CUDA graph capture would take those streams into its graph and end with them unjoined. So a decode's step can be
+    captured, and no rank's forwards wait for another's. Yields whether every unit's hooks were found (FSDP2 binds
+    them, or a grouped unit's wrappers of them, to the unit's state; a torch that hooks otherwise leaves them in
+    place, and yields False). The hooks are put back in their places afterwards.
+
+    Written by hand: FSDP2 has no switch for its hooks (`set_reshard_after_forward` still runs them)."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    found: list[tuple[OrderedDict[int, Callable[..., object]], int]] = []
+    for unit in units:
+        state = fully_shard.state(unit)
+        hooks = [(table, key) for table in (unit._forward_pre_hooks, unit._forward_hooks)
+                 for key, hook in table.items() if _bound_to(hook) is state]
+        found += hooks
+        if len(hooks) != 2:  # a pre-forward and a post-forward hook
+            found = []
+            break
+    tables = {id(table): (table, list(table.items())) for table, _ in found}  # each table's hooks, in order
+    for table, key in found:
+        del table[key]
+    try:
+        with torch.no_grad():
+            yield bool(found)
+    finally:
+        removed = {(id(table), key) for table, key in found}
+        for table, hooks in tables.values():
+            # FSDP2's hooks back at their places among the others; any hook added meanwhile stays, after them.
+            now = list(table.items())
+            table.clear()
+            table.update((key, hook) for key, hook in hooks if (id(table), key) in removed or key in dict(now))
+            table.update(now)
+
+
+def _bound_to(hook: Callable[..., object]) -> object:
+    """The object a hook is a method of, through wrappers (functools.wraps) down to the first bound method."""
+    return getattr(inspect.unwrap(hook, stop=lambda function: hasattr(function, "__self__")), "__self__", None)
 
 
 def fp32_masters(model: nn.Module, fsdp_config: FSDPConfig) -> MixedPrecisionPolicy:

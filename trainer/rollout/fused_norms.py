@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 _VERIFIED: dict[tuple[type[nn.Module], torch.dtype, str], bool] = {}
 """Whether a norm class computes F.rms_norm, per (class, weight dtype, device type): checked once."""
@@ -42,7 +43,9 @@ def _epsilon(module: nn.Module) -> float | None:
 
 def _candidate(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
+    # A DTensor weight is a sharded model's shard (FSDP2 gathers it around the forward): not this module's whole.
+    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor)
+            and not isinstance(weight, DTensor) and weight.dim() == 1
             and _epsilon(module) is not None and not list(module.children()))
 
 
@@ -62,7 +65,8 @@ def _computes_rms_norm(module: nn.Module, epsilon: float) -> bool:
     if key not in _VERIFIED:
         generator = torch.Generator(device=weight.device).manual_seed(0)
         sample = torch.randn((4, weight.numel()), generator=generator, device=weight.device).to(weight.dtype)
-        probe = type(module).__new__(type(module))
+        # object's __new__: an FSDP2 unit's class (FSDPQwen2RMSNorm) has a __new__ that calls __init__.
+        probe = object.__new__(type(module))
         probe.__dict__.update(module.__dict__)
         probe._parameters = dict(module._parameters)
         probe._parameters["weight"] = nn.Parameter(

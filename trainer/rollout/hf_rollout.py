@@ -62,8 +62,12 @@ class HFRollout:
         # forward, so every rank must run as many forwards. transformers' synced_gpus keeps a rank whose
         # responses have all ended stepping (its outputs discarded) until every rank's have. Where the whole
         # weights fit, the training loop holds them on every rank for the rollout instead (gathered once:
-        # sharding.whole_weights), and the forwards gather nothing; the ranks still step together.
+        # sharding.whole_weights), the forwards gather nothing, and it sets `synced` False for that rollout.
         self.synced = synced
+        """Whether this rank's forwards meet other ranks' (the caller sets it per rollout: False while every rank
+        holds the whole weights and FSDP2's hooks are off, `sharding.plain_forwards`: each rank then decodes alone,
+        captured in CUDA graphs like one rank's)."""
+        self._agree_active = agree_active
         if synced and agree_active is None and config.decode == "static":
             raise ValueError("a static decode synced over several ranks needs their agreement (agree_active)")
         self.safe_point = safe_point  # called between decode chunks (dynamic offload)
@@ -89,7 +93,7 @@ class HFRollout:
             model, eos_ids=self.eos_ids, pad_id=self.pad_id,
             sampling=Sampling(do_sample=config.do_sample, temperature=config.temperature,
                               top_k=max(config.top_k, 0), top_p=config.top_p),
-            cuda_graphs=not config.enforce_eager, safety=graph_safety, agree_active=agree_active if synced else None)
+            cuda_graphs=not config.enforce_eager, safety=graph_safety)
 
     def _decodes_static(self, device: torch.device) -> bool:
         """rollout.decode: static, or auto on a GPU for a model transformers marks as fit for a static cache and
@@ -97,8 +101,8 @@ class HFRollout:
         if self.decode == "static":
             return True
         if self.synced:
-            # auto: transformers' generate, synced_gpus (the static decode, synced, captures no graph: on several
-            # GPUs it is not measured against generate yet).
+            # auto: transformers' generate, synced_gpus (the static decode, synced, captures no graph: where each
+            # forward gathers, it is not measured against generate yet).
             return False
         model_class = type(self.model)
         return (device.type == "cuda" and bool(getattr(model_class, "_can_compile_fullgraph", False))
@@ -126,6 +130,7 @@ class HFRollout:
         try:
             self._decoded_static = self.decoder is not None and self._decodes_static(prompt_ids.device)
             if self.decoder is not None and self._decoded_static:
+                self.decoder.agree_active = self._agree_active if self.synced else None
                 responses = self.decoder.generate(prompt_ids, prompt_mask, self.response_length, self.safe_point)
             else:
                 stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])

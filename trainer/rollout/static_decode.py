@@ -309,7 +309,8 @@ class StaticDecoder:
         eager implementation adds its mask, flash-attention takes none of that shape) with no sliding window."""
         config = self.model.config
         layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-        return (getattr(config, "_attn_implementation", None) == "sdpa"
+        # Ulysses' wrapper of SDPA (trainer/distributed/ulysses.py) is SDPA itself in a forward not sequence-parallel.
+        return (getattr(config, "_attn_implementation", None) in ("sdpa", "ulysses_sdpa")
                 and all(kind == "full_attention" for kind in layer_types))
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,

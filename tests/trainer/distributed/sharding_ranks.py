@@ -34,6 +34,7 @@ from trainer.distributed.shard_copies import watch_shard_copies
 from trainer.distributed.sharding import shard_model, whole_weights
 from trainer.offload.copies import CopyLog
 from trainer.offload.groups import parameter_groups
+from trainer.rollout import fused_norms
 
 VOCABULARY, LENGTH, BATCH = 24, 7, 4
 
@@ -146,6 +147,12 @@ class GatherCount:
         setattr(dist, self.name, self.original)
 
 
+def fsdp_hooks(model: torch.nn.Module) -> list[tuple[str, list[int], list[int]]]:
+    """Each FSDP2 unit's forward pre-hooks and hooks (their keys, in order)."""
+    return [(name, list(module._forward_pre_hooks), list(module._forward_hooks)) for name, module
+            in model.named_modules() if isinstance(module, FSDPModule)]
+
+
 def decode_checks(ranks: Ranks) -> dict:
     """Greedy decoding of 6 tokens by a sharded model (an offloaded embedding and head, layers on the device), with
     its whole weights held (sharding.whole_weights) and without: the same tokens, and how many all-gathers each ran."""
@@ -166,6 +173,22 @@ def decode_checks(ranks: Ranks) -> dict:
         model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
                        min_new_tokens=6, do_sample=False, synced_gpus=True, pad_token_id=0)
     results["one_rank_short"] = {"held": bool(held), "gathers": gathers.count}
+    # The whole weights held and FSDP2's hooks off (sharding.plain_forwards): each rank decodes alone, rank 1 half as
+    # many tokens as rank 0 (a forward that met the other rank's would wait for ever), gathering nothing more.
+    before = fsdp_hooks(model)
+    length = 6 if ranks.rank == 0 else 3
+    with GatherCount() as gathers, whole_weights(sharded, ranks) as held, sharding.plain_forwards(model) as plain:
+        inside = {"hooks": sum(len(pre) + len(post) for _, pre, post in fsdp_hooks(model)),
+                  "grad": torch.is_grad_enabled(),
+                  # The final norm is a unit of its own (class FSDPQwen2RMSNorm): the decode's fused norms take it.
+                  "norm_fused": fused_norms._candidate(model.model.norm)
+                  and fused_norms._computes_rms_norm(model.model.norm, model.model.norm.variance_epsilon)}
+        tokens = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=length,
+                                min_new_tokens=length, do_sample=False, synced_gpus=False, pad_token_id=0)
+    inside["norm_sharded_candidate"] = fused_norms._candidate(model.model.norm)  # a shard outside: never fused
+    results["plain"] = {"held": bool(held), "plain": plain, "gathers": gathers.count, "tokens": tokens.tolist(),
+                        **inside, "hooks_back": fsdp_hooks(model) == before,
+                        "hooks_before": sum(len(pre) + len(post) for _, pre, post in before)}
     # Afterwards FSDP2 gathers around each forward again, and a training step still works.
     one_step(model, prompts)
     results["units"] = sum(isinstance(module, FSDPModule) for module in model.modules())

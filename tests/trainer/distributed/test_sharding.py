@@ -139,6 +139,21 @@ def test_a_decode_holds_the_whole_weights_once_instead_of_gathering_every_unit_a
         assert decode["trains_after"]
 
 
+def test_a_rank_holding_the_whole_weights_decodes_alone_with_fsdp2s_hooks_off_and_gets_them_back(reports):
+    """sharding.plain_forwards inside whole_weights: rank 1 decodes 3 tokens while rank 0 decodes 6 (no forward
+    waits for the other rank's), the same tokens as the hooked decode, no gather after the whole weights' own, grad
+    mode off, and every unit's hooks back in their order afterwards (the model then trains: trains_after)."""
+    for rank, report in enumerate(reports):
+        decode = report["decode"]
+        plain, held = decode["plain"], decode["whole=True"]
+        assert plain["held"] and plain["plain"] and not plain["grad"]
+        assert plain["hooks"] == 0 and plain["hooks_before"] == 2 * decode["units"] and plain["hooks_back"]
+        assert plain["gathers"] == held["gathers"]
+        assert plain["norm_fused"] and not plain["norm_sharded_candidate"]
+        length = 6 if rank == 0 else 3
+        assert [row[:4 + length] for row in held["tokens"]] == plain["tokens"]
+
+
 def test_the_groups_are_found_again_once_fsdp2_swapped_the_blocks_classes():
     """fully_shard gives each sharded block a subclass (FSDPQwen2DecoderLayer); HostAdamW's copy records find the
     groups of the sharded model by the block class's name all the same."""
