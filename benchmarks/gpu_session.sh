@@ -18,7 +18,8 @@
 #   benchmarks/gpu_session.sh ranks        # ranks_bench.py on every GPU of the machine (kind nvidia-h200-x2 or more):
 #                                          # all-GPU vs optimizer_offload (HostAdamW) vs embedding/head on the CPU vs
 #                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP
-#                                          # (not timed yet)
+#                                          # (ppo3b, three variants, STEPS=4: 437 s with the machine's start; all
+#                                          # four do not fit one call: all_gpu 88 s, optimizer_offload 135 s, fsdp2 126 s)
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_delayed_both][,offload_host_update][,offload_both_update]
 # [,offload_lora]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
@@ -88,6 +89,16 @@
 # host alone there on a guess never measured), measured with `VARIANTS=all_gpu,offload_delayed,offload_delayed_both
 # STEPS=4 WARMUP=2 PROFILE=1 e2e-headline` and the same at e2e-ppo3b; if it wins, `auto` = both under it; the 3B update phase's
 # critic update beside the actor's backward; RoPE fused in the decode.
+# Run 2026-12-04 11:22-11:58 on nvidia-h200-x2 (results in benchmarks/results/ranks-ppo3b-h200x2-2026-12-04T11*,
+# tables in benchmarks/README.md under ranks_bench.py): tests/trainer/distributed's GPU tests passed (test_layer_moves
+# at last); `ranks` failed at once (ranks_bench replaced PYTHONPATH: no wheels; fixed), then measured 2 ranks at 5x
+# one GPU (gen synced at 64 ms a token; the host AdamW on one core: both fixed), then all_gpu 2.06 s, optimizer_offload
+# 4.54 s, FSDP2 CPUOffloadPolicy about 17 s. One call (128 s) was lost to a machine taken back. No budget was left for
+# the single-GPU stages below.
+# Next, in priority order: `VARIANTS=all_gpu,offload_delayed,offload_delayed_both STEPS=4 WARMUP=2 PROFILE=1
+# e2e-headline` and the same at e2e-ppo3b (the split update under delayed_update; if it wins, auto = both there);
+# on an nvidia-h200-x2 machine `VARIANTS=embedding_head_cpu ranks` and `SHAPE=headline VARIANTS=all_gpu,optimizer_offload
+# ranks`; the 3B update phase's critic update beside the actor's backward; RoPE fused in the decode.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
