@@ -16,7 +16,8 @@
 #   benchmarks/gpu_session.sh e2e-headline # e2e_bench.py: 7B GRPO whole steps, all-GPU vs offloaded at 40 GiB
 #   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
 #   benchmarks/gpu_session.sh ranks        # ranks_bench.py on every GPU of the machine (kind nvidia-h200-x2 or more):
-#                                          # all-GPU vs optimizer_offload (HostAdamW) vs embedding/head on the CPU vs
+#                                          # all-GPU vs optimizer_offload (HostAdamW) vs optimizer_offload_delayed (its
+#                                          # update during the next rollout) vs embedding/head on the CPU vs
 #                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP
 #                                          # (ppo3b, three variants, STEPS=4: 437 s with the machine's start; all
 #                                          # four do not fit one call: all_gpu 88 s, optimizer_offload 135 s, fsdp2 126 s)
@@ -97,7 +98,8 @@
 # the single-GPU stages below.
 # Next, in priority order: `VARIANTS=all_gpu,offload_delayed,offload_delayed_both STEPS=4 WARMUP=2 PROFILE=1
 # e2e-headline` and the same at e2e-ppo3b (the split update under delayed_update; if it wins, auto = both there);
-# on an nvidia-h200-x2 machine `VARIANTS=embedding_head_cpu ranks` and `SHAPE=headline VARIANTS=all_gpu,optimizer_offload
+# on an nvidia-h200-x2 machine `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed ranks` (the delayed update
+# on ranks, built 2026-12-04 after the budget ran out: never run on a GPU), `VARIANTS=embedding_head_cpu ranks` and `SHAPE=headline VARIANTS=all_gpu,optimizer_offload
 # ranks`; the 3B update phase's critic update beside the actor's backward; RoPE fused in the decode.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,

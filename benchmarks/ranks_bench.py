@@ -11,6 +11,8 @@ The trained models (actor, critic) are placed as:
 - `all_gpu`: every shard and AdamW on the GPUs (FSDP2, bf16);
 - `optimizer_offload`: the shards on the GPUs as fp32 masters under FSDP2's MixedPrecisionPolicy, AdamW's states
   and arithmetic on the host (HostAdamW: one gradient copy down and one update up a step);
+- `optimizer_offload_delayed`: `optimizer_offload` with the actor's `delayed_update` (the host computes the update
+  during the next rollout, which samples with the weights from before it);
 - `embedding_head_cpu`: `optimizer_offload` with the embedding's and the head's shards on the CPU too (their own
   FSDP2 units on CPUOffloadPolicy);
 - `fsdp2_cpu_offload`: every unit on FSDP2's CPUOffloadPolicy (`param_offload` and `optimizer_offload`), the
@@ -41,10 +43,11 @@ from benchmarks.e2e_bench import SHAPES, fsdp_overrides, overrides, phase_rows, 
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPOSITORY = Path(__file__).resolve().parents[1]
-VARIANTS = ("all_gpu", "optimizer_offload", "embedding_head_cpu", "fsdp2_cpu_offload")
+VARIANTS = ("all_gpu", "optimizer_offload", "optimizer_offload_delayed", "embedding_head_cpu", "fsdp2_cpu_offload")
 PLACEMENTS: dict[str, dict[str, Any]] = {
     "all_gpu": {},
     "optimizer_offload": {"optimizer_offload": True},
+    "optimizer_offload_delayed": {"optimizer_offload": True, "delayed_update": True},
     "embedding_head_cpu": {"optimizer_offload": True, "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}},
     "fsdp2_cpu_offload": {"optimizer_offload": True, "param_offload": True},
 }
@@ -63,8 +66,9 @@ def variant_overrides(shape: str, variant: str, ranks: int, device: str, runs_di
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}"]
     placement = {"model_dtype": "bf16", **PLACEMENTS[variant]}
     rows += fsdp_overrides("actor_rollout_ref.actor.fsdp_config", placement)
-    if spec["algorithm"] == "gae":
-        rows += [*fsdp_overrides("critic.fsdp_config", placement), f"critic.ppo_micro_batch_size_per_gpu={micro}"]
+    if spec["algorithm"] == "gae":  # the critic: no delayed update (its values read it right after the rollout)
+        critic = {key: value for key, value in placement.items() if key != "delayed_update"}
+        rows += [*fsdp_overrides("critic.fsdp_config", critic), f"critic.ppo_micro_batch_size_per_gpu={micro}"]
     return rows
 
 

@@ -481,10 +481,11 @@ class Trainer:
                     self._whole_weights(Role.REWARD):
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
             metrics["reward/errors"] = self.reward_fn.errors - reward_errors
-            with timer.phase("old_log_prob"), self.memory.placed_for("scoring", Role.ACTOR,
-                                                                     self._passes("scoring", Role.ACTOR, size)), \
-                    self._whole_weights(Role.ACTOR):
-                batch.old_log_probs = self.actor.compute_log_probs(batch)
+            with timer.phase("old_log_prob"):
+                self._publish_updates()  # several ranks' delayed update (one rank's engine publishes its own)
+                with self.memory.placed_for("scoring", Role.ACTOR, self._passes("scoring", Role.ACTOR, size)), \
+                        self._whole_weights(Role.ACTOR):
+                    batch.old_log_probs = self.actor.compute_log_probs(batch)
             if self.config.use_reference:
                 role = Role.REF if self.reference is not None else Role.ACTOR  # LoRA: the actor, adapter off
                 with timer.phase("ref"), self.memory.placed_for("scoring", role, self._passes("scoring", role, size)), \
@@ -725,6 +726,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Greedy responses to the validation prompts, mean score per data source (verl's val-core keys).
         With several ranks each scores its share of every validation batch, and the scores are gathered."""
+        self._publish_updates()  # validation scores the weights after the last step
         greedy = HFRollout(self.actor.model, self.tokenizer,
                            self.config.actor_rollout_ref.rollout.model_copy(update={"do_sample": False}),
                            self.config.data.max_response_length, graph_safety=self.memory.engine(Role.ACTOR),
@@ -772,7 +774,16 @@ class Trainer:
         finally:
             self._checkpoint_seconds += time.perf_counter() - start
 
+    def _publish_updates(self) -> None:
+        """A delayed update of a sharded model's host optimizer (HostAdamW, fsdp_config.delayed_update) applied,
+        waiting for the host's arithmetic: before anything but the rollout reads the weights."""
+        for worker in (self.actor, self.critic):
+            publish = getattr(getattr(worker, "optimizer", None), "publish", None)
+            if publish is not None:
+                publish()
+
     def _save(self, final: bool) -> Path | None:
+        self._publish_updates()  # the checkpoint holds the weights and states after the last step
         state = {
             "step": self.step,
             "actor": self.actor.state_dict(),

@@ -232,13 +232,13 @@ def test_the_remove_padding_sections_passes_run_on_the_cpu_with_gradient_checkpo
 def test_the_ranks_benchmark_runs_its_quick_shape_on_two_cpu_ranks_and_compares_the_placements(tmp_path, capsys):
     out = tmp_path / "ranks.json"
     assert ranks_bench.main(["--shape", "quick", "--device", "cpu", "--ranks", "2", "--steps", "2", "--warmup", "1",
-                             "--variants", "all_gpu,optimizer_offload", "--scratch", str(tmp_path),
+                             "--variants", "all_gpu,optimizer_offload_delayed", "--scratch", str(tmp_path),
                              "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     for name, run in result["variants"].items():
         assert run["steps"] == 2 and run["phases_s"]["step"] > 0 and run["skipped_updates"] == 0, name
         assert {"gen", "update_actor", "update_critic", "ref", "reward"} <= set(run["phases_s"]), name
-    placement = result["variants"]["optimizer_offload"]["placement"]
+    placement = result["variants"]["optimizer_offload_delayed"]["placement"]
     assert any("AdamW's states and arithmetic on the CPU" in line and "fp32 masters" in line for line in placement)
     printed = capsys.readouterr().out
     assert "cpu x 2 ranks, shape quick" in printed and "update_actor" in printed and "(1.00x)" in printed

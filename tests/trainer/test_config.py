@@ -521,8 +521,8 @@ BAD_CONFIGS = [
     ("a feature of one rank on several", None,
      ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
       "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
-      "actor_rollout_ref.actor.fsdp_config.delayed_update=true"],
-     "actor_rollout_ref.actor.fsdp_config.delayed_update", "works on one rank only, and this run has 2"),
+      "actor_rollout_ref.actor.fsdp_config.offload_grad_dtype=bf16"],
+     "actor_rollout_ref.actor.fsdp_config.offload_grad_dtype", "works on one rank only, and this run has 2"),
     ("an update on the GPU on several ranks", None,
      ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
       "actor_rollout_ref.actor.fsdp_config.optimizer_update=gpu"],
@@ -725,3 +725,12 @@ def test_several_ranks_accept_an_offloaded_update_on_the_host() -> None:
                                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
                                 "actor_rollout_ref.actor.fsdp_config.optimizer_update=cpu"])
     assert config.actor_rollout_ref.actor.fsdp_config.optimizer_update == "cpu"
+
+
+def test_several_ranks_accept_the_actors_delayed_update() -> None:
+    """HostAdamW delays its host arithmetic into the next rollout on several ranks as one rank's engine does."""
+    config = load_config(None, ["trainer.n_gpus_per_node=2",
+                                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                                "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+                                "actor_rollout_ref.actor.fsdp_config.delayed_update=true"])
+    assert config.actor_rollout_ref.actor.fsdp_config.delayed_update

@@ -1533,9 +1533,9 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
-    """What works on one rank only: the project's own offload engine (delayed updates, bf16 host gradients, an
-    offloaded update on the GPU, the embedding cache) places whole models; several ranks update an offloaded
-    optimizer on the host (HostAdamW: optimizer_update auto or cpu), and move their shards' decoder layers with
+    """What works on one rank only: the project's own offload engine (bf16 host gradients, an offloaded update on
+    the GPU, the embedding cache) places whole models; several ranks update an offloaded optimizer on the host
+    (HostAdamW: optimizer_update auto or cpu, delayed_update too), and move their shards' decoder layers with
     dynamic offload themselves (trainer/distributed/layer_moves.py). (Token-budget
     micro-batches work on several: every rank splits its share into as many, packing.plan_micro_batches; so does
     the static decoder: every rank decodes until every rank's rows have finished; and LoRA: FSDP2 shards the model
@@ -1545,8 +1545,6 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     found: list[tuple[str, object, object]] = []
     for role, fsdp in config.fsdp_configs().items():
         prefix = FSDP_PREFIX[role]
-        if fsdp.delayed_update:
-            found.append((f"{prefix}.delayed_update", True, False))
         if fsdp.offload_grad_dtype != "fp32":
             found.append((f"{prefix}.offload_grad_dtype", fsdp.offload_grad_dtype, "fp32"))
         if fsdp.optimizer_update not in ("auto", "cpu"):  # several ranks update on the host (HostAdamW)

@@ -17,6 +17,10 @@ FSDP2's MixedPrecisionPolicy (trainer/distributed/sharding.py), so nothing the u
 moments. `state[p]` holds AdamW's own keys (step, exp_avg, exp_avg_sq in fp32, sharded as `p`, local tensors on
 the CPU), so checkpoints are AdamW's and resume on any number of ranks.
 
+With `delayed` (the actor's fsdp_config.delayed_update) a step only sends the gradients down: the host's arithmetic
+runs in a thread of its own while the trainer goes on (the next rollout, which samples with the weights from before
+the step), and `publish` applies the update; the next step, a state_dict and the next mini-batch publish first.
+
 A unit kept on the CPU (param_offload) has its shards and gradients there already: the same arithmetic runs on
 them with no copy. The copies go through a CopyLog, as the offload engine's do: counted per direction and group,
 a sample timed with CUDA events, and sent to the daemon with each step's offload report (copy latency per rank).
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -65,7 +71,8 @@ class HostAdamW(torch.optim.Optimizer):
     """Where checkpoint loading makes this optimizer's states (trainer/checkpoint.py reads it)."""
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, groups: Mapping[int, str] | None = None):
+                 eps: float = 1e-8, weight_decay: float = 0.01, groups: Mapping[int, str] | None = None,
+                 delayed: bool = False):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         """Per parameter: the host buffer its gradient comes down into, then its step direction goes up from."""
@@ -73,6 +80,11 @@ class HostAdamW(torch.optim.Optimizer):
         """Each parameter's module group by id (groups.parameter_groups), for its copies' records; else "other"."""
         self.copies: CopyLog | None = None
         """Every copy between the host and the device, counted and a sample timed; made at the first step."""
+        self.delayed = delayed
+        """fsdp_config.delayed_update: `step` returns once the gradients are on their way down; the host computes
+        the update meanwhile (a thread of its own), and `publish` applies it."""
+        self._pending: Future[list[tuple[torch.Tensor, torch.Tensor, float, float]]] | None = None
+        self._worker: ThreadPoolExecutor | None = None
 
     def _buffer(self, parameter: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(parameter)
@@ -116,39 +128,86 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            parameters = [parameter for parameter in group["params"] if parameter.grad is not None]
-            # Every gradient on its way down first (the copies queue on one stream); the host starts on each as
-            # soon as it has landed, while the later ones are still coming, and its update goes up while the host
-            # works on the next.
-            gradients, landed_at = [], []
-            for parameter in parameters:
-                grad = _local(parameter.grad)
-                buffer = self._buffer(parameter, grad)
-                landed_at.append(self._copy("d2h", parameter, grad.numel() * grad.element_size(), grad.device,
-                                            lambda buffer=buffer, grad=grad: buffer.copy_(grad, non_blocking=True)))
-                gradients.append(buffer)
+        self.publish()  # an update still pending lands before the next one
+        # Every gradient on its way down first (the copies queue on one stream); the host starts on each as soon as
+        # it has landed, while the later ones are still coming.
+        # Each group's hyperparameters as they are now: a scheduler changes them before a delayed update lands.
+        work = [({key: group[key] for key in ("betas", "lr", "eps", "weight_decay")}, self._send_down(group))
+                for group in self.param_groups]
+        if self.delayed:
+            if self._worker is None:
+                # The host's arithmetic with as many threads as the trainer's (a new thread has OpenMP's default).
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="host-adamw",
+                                                  initializer=torch.set_num_threads,
+                                                  initargs=(torch.get_num_threads(),))
+            self._pending = self._worker.submit(self._host_arithmetic, work)
+        else:
+            self._apply(self._host_arithmetic(work))
+        return loss
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """A delayed step's update applied to the parameters, once the host has computed it (re-raising what it
+        raised); nothing when none is pending. The loop calls it before anything reads the weights as updated."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._apply(pending.result())
+
+    @property
+    def pending(self) -> bool:
+        """Whether a delayed step's update has not been applied yet."""
+        return self._pending is not None
+
+    def state_dict(self) -> dict[str, Any]:
+        self.publish()  # a checkpoint holds the states after the last step
+        return super().state_dict()
+
+    def _send_down(self, group: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]]:
+        """Each parameter's gradient shard copied into its host buffer: (parameter, buffer, the copy's end)."""
+        sent = []
+        for parameter in group["params"]:
+            if parameter.grad is None:
+                continue
+            grad = _local(parameter.grad)
+            buffer = self._buffer(parameter, grad)
+            landed = self._copy("d2h", parameter, grad.numel() * grad.element_size(), grad.device,
+                                lambda buffer=buffer, grad=grad: buffer.copy_(grad, non_blocking=True))
+            sent.append((parameter, buffer, landed))
+        return sent
+
+    def _host_arithmetic(self, work: list[tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor,
+                                                                         torch.cuda.Event | None]]]]
+                         ) -> list[tuple[torch.Tensor, torch.Tensor, float, float]]:
+        """AdamW's moments updated on the host and each buffer's gradient turned into the step direction
+        m̂ / (√v̂ + ε) (torch's AdamW order): (parameter, direction, lr, weight decay) to apply, with each group's
+        hyperparameters as the step read them."""
+        directions = []
+        for group, sent in work:
             beta1, beta2 = group["betas"]
             lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-            for parameter, direction, landed_event in zip(parameters, gradients, landed_at, strict=True):
-                if landed_event is not None:
-                    landed_event.synchronize()
+            for parameter, direction, landed in sent:
+                if landed is not None:
+                    landed.synchronize()
                 state = self._state(parameter)
                 exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 state["step"] += 1
                 step = float(state["step"])
                 exp_avg.lerp_(direction, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(direction, direction, value=1 - beta2)
-                # The buffer's gradient is spent: it takes the direction m̂ / (√v̂ + ε) (torch's AdamW order).
-                torch.sqrt(exp_avg_sq, out=direction)
+                torch.sqrt(exp_avg_sq, out=direction)  # the buffer's gradient is spent
                 direction.div_(math.sqrt(1 - beta2 ** step)).add_(eps)
                 torch.div(exp_avg, direction, out=direction)
                 direction.div_(1 - beta1 ** step)
-                shard = _local(parameter)
-                shard.mul_(1 - lr * weight_decay)
-                landed: list[torch.Tensor] = []
-                self._copy("h2d", parameter, direction.numel() * direction.element_size(), shard.device,
-                           lambda direction=direction, shard=shard, landed=landed: landed.append(
-                               direction.to(shard.device, non_blocking=True)))
-                shard.add_(landed[0], alpha=-lr)
-        return loss
+                directions.append((parameter, direction, lr, weight_decay))
+        return directions
+
+    def _apply(self, directions: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -> None:
+        """Each direction up, and AdamW's decoupled update of the shard the device holds."""
+        for parameter, direction, lr, weight_decay in directions:
+            shard = _local(parameter)
+            shard.mul_(1 - lr * weight_decay)
+            landed: list[torch.Tensor] = []
+            self._copy("h2d", parameter, direction.numel() * direction.element_size(), shard.device,
+                       lambda direction=direction, shard=shard, landed=landed: landed.append(
+                           direction.to(shard.device, non_blocking=True)))
+            shard.add_(landed[0], alpha=-lr)

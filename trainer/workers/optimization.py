@@ -57,7 +57,7 @@ def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: Offload
     if fsdp_config is not None and fsdp_config.optimizer_offload:
         parts = find_parts(model, fsdp_config.wrap_policy.transformer_layer_cls_to_wrap)
         return HostAdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
-                         groups=parameter_groups(parts))
+                         groups=parameter_groups(parts), delayed=fsdp_config.delayed_update)
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
@@ -215,6 +215,9 @@ def run_updates(
         order = (torch.randperm(len(batch), generator=shuffle_generator) if shuffle_generator is not None
                  else torch.arange(len(batch)))
         for mini_batch in batch.select(order).split(mini_batch_size):
+            publish = getattr(optimizer, "publish", None)  # a delayed update lands before the next forward
+            if publish is not None:
+                publish()
             optimizer.zero_grad(set_to_none=True)
             size, budget = micro_batch_size, max_token_len
             if merging is not None and memory is not None:

@@ -88,3 +88,23 @@ def test_each_step_counts_a_gradient_copy_down_and_an_update_up_per_parameter_by
                       ("d2h", "other"): (2, 2 * 20), ("h2d", "other"): (2, 2 * 20)}
     assert message.copies and all(copy.seconds >= 0 for copy in message.copies)  # timed on the host's clock here
     assert offload_message([], with_summary=False, logs=[optimizer.copies]).counts == []  # drained
+
+
+def test_a_delayed_step_leaves_the_weights_until_it_is_published_and_then_equals_the_immediate_one():
+    """fsdp_config.delayed_update on several ranks: step() returns with the update still being computed on the host
+    (a thread of its own); the weights change only at publish(), or at the next step() or state_dict(), to what the
+    immediate step gives, at the learning rate of the step (the scheduler has moved on by then)."""
+    immediate, _ = steps(HostAdamW, "cpu")
+    delayed, optimizer = steps(HostAdamW, "cpu", delayed=True)
+    assert optimizer.pending  # the fifth step's update
+    before = [parameter.detach().clone() for parameter in delayed]
+    for parameter, unchanged in zip(delayed, before, strict=True):
+        assert torch.equal(parameter, unchanged)
+    optimizer.state_dict()  # a checkpoint's read publishes it first
+    assert not optimizer.pending
+    assert any(not torch.equal(parameter, unchanged) for parameter, unchanged in zip(delayed, before, strict=True))
+    for mine, theirs in zip(delayed, immediate, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    optimizer.publish()  # nothing pending: nothing happens
+    for mine, theirs in zip(delayed, immediate, strict=True):
+        assert torch.equal(mine, theirs)

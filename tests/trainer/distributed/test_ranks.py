@@ -339,3 +339,23 @@ def test_each_rank_takes_its_share_of_the_nodes_cores_for_its_host_work(monkeypa
 
     monkeypatch.setattr(ranks_module.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert ranks_module.host_threads_per_rank(ranks_per_node) == threads
+
+
+def test_the_actors_delayed_update_on_two_ranks_trains_the_weights_of_one_ranks(tmp_path):
+    """delayed_update: one rank's engine and two ranks' HostAdamW both run the host's update during the next rollout,
+    which samples with the weights from before it, and publish it before the log-probs; the step-3 actors are the
+    same, and not those of the immediate update (the rollouts of steps 2 and 3 sampled other weights)."""
+    # No checkpoint before the last step's: a checkpoint holds the weights after the update, so two ranks apply it
+    # there (one rank's engine saves its host masters and its rollout still reads the weights from before).
+    immediate = [*OPTIMIZER_OFFLOAD, "trainer.save_freq=-1"]
+    delayed = [*immediate, "actor_rollout_ref.actor.fsdp_config.delayed_update=true"]
+    for ranks, name, overrides in ((1, "one", delayed), (2, "two", delayed), (2, "immediate", immediate)):
+        finished = launch(ranks, tmp_path, name, *overrides)
+        assert finished.returncode == 0, finished.stderr[-4000:]
+        if name == "two":
+            assert "during the next rollout, which samples with the weights from before it" in \
+                finished.stdout + finished.stderr
+    one, two, immediate = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3")
+                           for run in ("one", "two", "immediate"))
+    assert largest_difference(one, two) < TOLERANCE
+    assert largest_difference(two, immediate) > 100 * TOLERANCE
