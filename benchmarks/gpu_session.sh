@@ -99,7 +99,8 @@
 # Next, in priority order: `VARIANTS=all_gpu,offload_delayed,offload_delayed_both STEPS=4 WARMUP=2 PROFILE=1
 # e2e-headline` and the same at e2e-ppo3b (the split update under delayed_update; if it wins, auto = both there);
 # on an nvidia-h200-x2 machine `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed ranks` (the delayed update
-# on ranks, built 2026-12-04 after the budget ran out: never run on a GPU), `VARIANTS=embedding_head_cpu ranks` and `SHAPE=headline VARIANTS=all_gpu,optimizer_offload
+# on ranks and HostAdamW's host arithmetic in one fused pass, both built 2026-12-04 after the budget ran out: never run
+# on a GPU; optimizer_offload's update_actor was 1.70 s against all_gpu's 0.50 s before them), `VARIANTS=embedding_head_cpu ranks` and `SHAPE=headline VARIANTS=all_gpu,optimizer_offload
 # ranks`; the 3B update phase's critic update beside the actor's backward; RoPE fused in the decode.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
