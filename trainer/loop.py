@@ -482,7 +482,7 @@ class Trainer:
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
             metrics["reward/errors"] = self.reward_fn.errors - reward_errors
             with timer.phase("old_log_prob"):
-                self._publish_updates()  # several ranks' delayed update (one rank's engine publishes its own)
+                self._publish_updates(engines=False)  # several ranks' delayed update (an engine's units: at reads)
                 with self.memory.placed_for("scoring", Role.ACTOR, self._passes("scoring", Role.ACTOR, size)), \
                         self._whole_weights(Role.ACTOR):
                     batch.old_log_probs = self.actor.compute_log_probs(batch)
@@ -774,13 +774,18 @@ class Trainer:
         finally:
             self._checkpoint_seconds += time.perf_counter() - start
 
-    def _publish_updates(self) -> None:
-        """A delayed update of a sharded model's host optimizer (HostAdamW, fsdp_config.delayed_update) applied,
-        waiting for the host's arithmetic: before anything but the rollout reads the weights."""
-        for worker in (self.actor, self.critic):
+    def _publish_updates(self, *, engines: bool = True) -> None:
+        """A delayed update (fsdp_config.delayed_update) applied, waiting for the host's arithmetic: a sharded
+        model's (HostAdamW) before anything but the rollout reads the weights; with `engines`, one rank's engine's
+        too, before a checkpoint and validation, so that the run after a checkpoint samples as one resumed from it
+        does (elsewhere each of its units publishes at its first read, while the later ones still update)."""
+        for role, worker in ((Role.ACTOR, self.actor), (Role.CRITIC, self.critic)):
             publish = getattr(getattr(worker, "optimizer", None), "publish", None)
             if publish is not None:
                 publish()
+            engine = self.memory.engine(role) if engines and worker is not None else None
+            if engine is not None:
+                engine.publish_updates()
 
     def _save(self, final: bool) -> Path | None:
         self._publish_updates()  # the checkpoint holds the weights and states after the last step

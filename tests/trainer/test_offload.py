@@ -613,6 +613,27 @@ def test_a_delayed_update_lets_the_rollout_read_the_weights_from_before_it_and_p
     assert torch.equal(logits["fresh"], logits["plain"])
 
 
+def test_publishing_a_delayed_update_makes_even_a_stale_read_take_the_updated_weights():
+    """OffloadEngine.publish_updates (before a checkpoint and validation): the update is waited for and published
+    at once, so the next rollout's stale reads take the updated weights, as a run resumed from the checkpoint would;
+    nothing is left pending, and a second call does nothing."""
+    model = policy(dtype=torch.bfloat16).train()
+    engine = attach_offload(model, FSDPConfig.model_validate({**DELAYED, "delayed_update": True}), "cpu", role="actor")
+    ids = token_batch()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits.clone()
+    optimizer = engine.optimizer(lr=1e-2)
+    model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert any(unit.publish_pending for unit in engine.units)
+    engine.publish_updates()
+    assert not any(unit.publish_pending for unit in engine.units)
+    engine.publish_updates()
+    with torch.no_grad(), engine.stale_reads():
+        after = model(input_ids=ids).logits
+    assert not torch.equal(after, before)
+
+
 def test_a_delayed_update_is_refused_where_the_device_reads_the_masters_themselves():
     with pytest.raises(ValueError, match="the actor.s delayed_update needs fp32 masters on the CPU apart"):
         offloaded(policy(), {"optimizer_offload": True, "delayed_update": True})

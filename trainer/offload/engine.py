@@ -371,6 +371,14 @@ class OffloadEngine:
         whose arena copy the update wrote already)."""
         unit.after_update(written)
 
+    def publish_updates(self) -> None:
+        """Under a delayed update: wait for it and publish it to every unit's compute copy now, rather than at each
+        unit's next read (before a checkpoint, so that a run resumed from it samples as the one that saved it
+        goes on to; and before validation)."""
+        for unit in self.units:
+            if unit.publish_pending and not unit.stale_ok:
+                unit.settled()
+
     @contextlib.contextmanager
     def stale_reads(self) -> Iterator[None]:
         """Inside: under a delayed update, reads take the weights from before the update still running (a
