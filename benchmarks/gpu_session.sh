@@ -18,7 +18,7 @@
 #   benchmarks/gpu_session.sh ranks        # ranks_bench.py on every GPU of the machine (kind nvidia-h200-x2 or more):
 #                                          # all-GPU vs optimizer_offload (HostAdamW) vs optimizer_offload_delayed (its
 #                                          # update during the next rollout) vs embedding/head on the CPU vs
-#                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP
+#                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP, SET, TAG
 #                                          # (ppo3b, three variants, STEPS=4: 437 s with the machine's start; all
 #                                          # four do not fit one call: all_gpu 88 s, optimizer_offload 135 s, fsdp2 126 s)
 #
@@ -145,7 +145,7 @@ case "${1:-}" in
   ranks)
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
     timeout 590 python3 benchmarks/ranks_bench.py --shape ${SHAPE:-ppo3b} --ranks "$gpus" ${VARIANTS:+--variants $VARIANTS} \
-      --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} --out "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.json" 2>&1 \
+      --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${SET:+--set $SET} --out "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.json" 2>&1 \
       | tee "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.txt" | tail -30 ;;
   *)
     echo "usage: $0 tests|rollout|offload|host|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b|ranks" >&2

@@ -89,7 +89,8 @@ def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: P
     config.write_text("{}\n")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                "-m", "trainer", "--config", str(config),
-               *variant_overrides(args.shape, variant, args.ranks, args.device, runs_dir, models, args.steps)]
+               *variant_overrides(args.shape, variant, args.ranks, args.device, runs_dir, models, args.steps),
+               *args.set]
     environment = rank_group_environment(os.environ)
     print(f"[{variant}]", flush=True)
     started = time.perf_counter()
@@ -122,8 +123,9 @@ def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: P
 
 def table(result: dict[str, Any]) -> str:
     variants = result["variants"]
+    settings = "".join(f"; {setting}" for setting in result.get("set", []))
     lines = [f"{result['device']} x {result['ranks']} ranks, shape {result['shape']}, steps {result['steps']} (the "
-             f"first {result['warmup']} not counted)", *phase_rows(variants, width=24)]
+             f"first {result['warmup']} not counted){settings}", *phase_rows(variants, width=24)]
     for name, run in variants.items():
         if "error" in run:
             lines.append(f"{name}: FAILED: {' | '.join(run['error'].splitlines()[-3:])}")
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2, help="first steps not counted (optimizer states, CUDA)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a variant may take")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every variant, after the shape's and the variant's (repeatable), "
+                             "e.g. trainer.cpu_threads=8")
     parser.add_argument("--scratch", type=Path, default=None, help="where the models and runs go (a temporary folder)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y-%m-%dT%H%M%S")
     out = args.out or RESULTS / f"ranks-{args.shape}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"shape": args.shape, "spec": SHAPES[args.shape], "ranks": args.ranks,
+    result: dict[str, Any] = {"shape": args.shape, "spec": SHAPES[args.shape], "ranks": args.ranks, "set": args.set,
                               "device": args.device, "steps": args.steps, "warmup": args.warmup, "variants": {}}
     with tempfile.TemporaryDirectory(dir=args.scratch, prefix="ranks_bench_") as scratch:
         models = Path(scratch) / "models"

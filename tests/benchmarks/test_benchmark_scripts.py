@@ -233,8 +233,9 @@ def test_the_ranks_benchmark_runs_its_quick_shape_on_two_cpu_ranks_and_compares_
     out = tmp_path / "ranks.json"
     assert ranks_bench.main(["--shape", "quick", "--device", "cpu", "--ranks", "2", "--steps", "2", "--warmup", "1",
                              "--variants", "all_gpu,optimizer_offload_delayed", "--scratch", str(tmp_path),
-                             "--out", str(out)]) == 0
+                             "--set", "trainer.cpu_threads=1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["set"] == ["trainer.cpu_threads=1"]
     for name, run in result["variants"].items():
         assert run["steps"] == 2 and run["phases_s"]["step"] > 0 and run["skipped_updates"] == 0, name
         assert {"gen", "update_actor", "update_critic", "ref", "reward"} <= set(run["phases_s"]), name
@@ -242,6 +243,7 @@ def test_the_ranks_benchmark_runs_its_quick_shape_on_two_cpu_ranks_and_compares_
     assert any("AdamW's states and arithmetic on the CPU" in line and "fp32 masters" in line for line in placement)
     printed = capsys.readouterr().out
     assert "cpu x 2 ranks, shape quick" in printed and "update_actor" in printed and "(1.00x)" in printed
+    assert "; trainer.cpu_threads=1" in printed
 
 
 @pytest.mark.parametrize("argv", [["--variants", "all_gpu,nonsense"], ["--ranks", "1"], ["--steps", "2"]])
