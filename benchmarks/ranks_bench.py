@@ -40,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.e2e_bench import SHAPES, fsdp_overrides, overrides, phase_rows, steady_state  # noqa: E402
+from benchmarks.environment import repository_first  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -75,8 +76,7 @@ def variant_overrides(shape: str, variant: str, ranks: int, device: str, runs_di
 def rank_group_environment(parent: Mapping[str, str]) -> dict[str, str]:
     """The launcher's environment: the caller's, with the repository first on PYTHONPATH before what the caller's
     held (a device image's wheels), and no rank variables of an enclosing group."""
-    search_path = os.pathsep.join(filter(None, [str(REPOSITORY), parent.get("PYTHONPATH")]))
-    environment = {**parent, "PYTHONPATH": search_path}
+    environment = {**parent, "PYTHONPATH": repository_first(parent)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         environment.pop(name, None)
     return environment

@@ -39,6 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import repository_first  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 # The quickstart shrunk to the e2e tests' size: a step well under a second on two cores, so an hour
@@ -86,9 +88,7 @@ def start_run(work: Path, overrides: list[str]) -> tuple[subprocess.Popen[bytes]
     """`verl train` of the quickstart in `work`: the daemon process, its runtime info and environment."""
     from daemon.runtime import live_runs
 
-    # The repository first, then whatever the caller's PYTHONPATH held (a device image's wheels).
-    search_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "VERL_STATE_DIR": str(work / "state"), "PYTHONPATH": search_path}
+    env = {**os.environ, "VERL_STATE_DIR": str(work / "state"), "PYTHONPATH": repository_first(os.environ)}
     with (work / "verl.out").open("w") as log:
         process = subprocess.Popen([*verl_command(), "train", "--config", str(QUICKSTART),
                                     f"trainer.runs_dir={work / 'runs'}", *RUN_OVERRIDES, *overrides],

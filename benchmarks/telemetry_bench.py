@@ -44,6 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import repository_first  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 SHAPES = {
@@ -94,9 +96,7 @@ def start_run(work: Path, overrides: list[str]) -> tuple[subprocess.Popen, dict]
     """`verl train` of the quickstart in `work`; returns the daemon process and its runtime info."""
     from daemon.runtime import live_runs
 
-    # The repository first, then whatever the caller's PYTHONPATH held (a device image's wheels).
-    search_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "VERL_STATE_DIR": str(work / "state"), "PYTHONPATH": search_path}
+    env = {**os.environ, "VERL_STATE_DIR": str(work / "state"), "PYTHONPATH": repository_first(os.environ)}
     log = (work / "verl.out").open("w")
     process = subprocess.Popen([*verl_command(), "train", "--config", str(QUICKSTART),
                                 f"trainer.runs_dir={work / 'runs'}", "trainer.experiment_name=telemetry-bench",
