@@ -15,22 +15,21 @@ reported: each phase's seconds (verl's timing_s/*) as a ratio against the all-GP
 way per step against the PCIe floor (bytes / the pinned bandwidth measured in the same process), and the
 transformer layers moved per step.
 
-Variants: `all_gpu` (every group and the optimizer on the GPU, bf16, no cap: where it fits), `offload`
-(the shape's offload settings under the cap), `fsdp2` (the actor under torch's fully_shard with
-CPUOffloadPolicy on a one-GPU mesh, the other models on the GPU, under the cap: the trainer has no FSDP2
-path yet, so the benchmark places the actor itself; GPU only) and `offload_delayed` (`offload` with the
-actor's delayed parameter update: each rollout samples with the weights before the previous update; not
-run unless asked for), `offload_delayed_both` (`offload_delayed` with `optimizer_update: both`: the delayed update
-split between the GPU's streamed update and the host's cores beside the rollout, where `auto` runs it on the host
-alone; not run unless asked for), `offload_host_update` (`offload` with `optimizer_update: cpu`: AdamW on the host's
-cores instead of on the GPU over the streamed states; not run unless asked for), `offload_both_update` (`offload`
-with `optimizer_update: both`: each step's units split between the GPU's streamed update and the host's cores,
-running at once; what `auto` picks on a GPU since 2026-12-04; not run unless asked for), `offload_device_update`
-(`offload` with `optimizer_update: gpu`: the device path alone, `auto`'s pick before; not run unless asked for)
-and `offload_lora` (`offload`
-with a rank-64 LoRA adapter on the actor's and the critic's linear layers, so the reference is the actor with its
-adapter off: issue 18's LoRA against full fine-tuning with offload, step time and peak GPU memory; not run unless
-asked for).
+Variants: `all_gpu` (every group and the optimizer on the GPU, bf16, no cap: where it fits), `offload` (the shape's
+offload settings under the cap), `fsdp2` (the actor under torch's fully_shard with CPUOffloadPolicy on a one-GPU
+mesh, the other models on the GPU, under the cap: the trainer has no FSDP2 path yet, so the benchmark places the
+actor itself; GPU only) and `offload_delayed` (`offload` with the actor's delayed parameter update: each rollout
+samples with the weights before the previous update; not run unless asked for; its update split between the GPU's
+streamed update and the host's cores, `auto`'s pick), `offload_delayed_host` (`offload_delayed` with
+`optimizer_update: cpu`: the delayed update on the host's cores alone, `auto`'s pick under it before 2026-12-04
+13:40; not run unless asked for), `offload_host_update` (`offload` with `optimizer_update: cpu`: AdamW on the
+host's cores instead of on the GPU over the streamed states; not run unless asked for), `offload_both_update`
+(`offload` with `optimizer_update: both`: each step's units split between the GPU's streamed update and the host's
+cores, running at once; what `auto` picks on a GPU since 2026-12-04; not run unless asked for),
+`offload_device_update` (`offload` with `optimizer_update: gpu`: the device path alone, `auto`'s pick before; not
+run unless asked for) and `offload_lora` (`offload` with a rank-64 LoRA adapter on the actor's and the critic's
+linear layers, so the reference is the actor with its adapter off: issue 18's LoRA against full fine-tuning with
+offload, step time and peak GPU memory; not run unless asked for).
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer_layers_on_gpu", "perf/max_memory",
              "perf/oom_recoveries", "response_length/", "actor/skipped_steps", "critic/skipped_steps")
 """The metrics of each step a result keeps (besides the steady state's means)."""
-VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_delayed_both", "offload_host_update",
+VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_delayed_host", "offload_host_update",
             "offload_both_update", "offload_device_update", "offload_lora")
 LORA = {"lora_rank": 64, "lora_alpha": 32}
 """The `offload_lora` variant's adapter (model.*: verl's LoRA example scripts' rank and alpha), on all-linear."""
@@ -117,16 +116,16 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
     the reward model from `models`/reward_model; the rollout decodes as `decode` says (rollout.decode)."""
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
-    offloaded = variant in ("offload", "offload_delayed", "offload_delayed_both", "offload_host_update",
+    offloaded = variant in ("offload", "offload_delayed", "offload_delayed_host", "offload_host_update",
                             "offload_both_update", "offload_device_update", "offload_lora")
     trained = OFFLOADED if offloaded else {"model_dtype": "bf16"}
-    if variant == "offload_host_update":
+    if variant in ("offload_host_update", "offload_delayed_host"):
         trained = {**trained, "optimizer_update": "cpu"}
-    if variant in ("offload_both_update", "offload_delayed_both"):
+    if variant == "offload_both_update":
         trained = {**trained, "optimizer_update": "both"}
     if variant == "offload_device_update":
         trained = {**trained, "optimizer_update": "gpu"}
-    delayed = variant in ("offload_delayed", "offload_delayed_both")
+    delayed = variant in ("offload_delayed", "offload_delayed_host")
     actor_settings = {**trained, "delayed_update": True} if delayed else trained
     plain = {"model_dtype": "bf16"}
     # The reference's and the reward model's settings. The headline's stay on the GPU: their host arenas (15 GB

@@ -185,10 +185,10 @@ def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp
     assert run["steps"] == 2 and run["copied_bytes_per_step"]["h2d"] > 0
     assert "actor_rollout_ref.actor.fsdp_config.delayed_update=true" in e2e_bench.overrides(
         "quick", "offload_delayed", "cpu", tmp_path, tmp_path / "models", 2)
-    # The delayed update split between the GPU and the host's cores (auto runs it on the host alone).
+    # The delayed update on the host's cores alone (auto splits it between the GPU and the host's cores).
     assert {"actor_rollout_ref.actor.fsdp_config.delayed_update=true",
-            "actor_rollout_ref.actor.fsdp_config.optimizer_update=both"} <= set(e2e_bench.overrides(
-                "quick", "offload_delayed_both", "cuda", tmp_path, tmp_path / "models", 2))
+            "actor_rollout_ref.actor.fsdp_config.optimizer_update=cpu"} <= set(e2e_bench.overrides(
+                "quick", "offload_delayed_host", "cuda", tmp_path, tmp_path / "models", 2))
 
 
 def test_the_whole_step_benchmark_runs_the_lora_variant_when_asked(tmp_path):

@@ -243,12 +243,13 @@ def test_a_checkpoint_of_the_device_update_resumes_under_the_host_update_and_bac
         torch.testing.assert_close(weights(resumed_model), expected, rtol=1e-6, atol=1e-7)
 
 
-def test_auto_updates_on_a_gpu_but_not_under_a_delayed_update():
+def test_auto_updates_on_a_gpu_with_or_without_a_delayed_update_and_on_the_host_on_a_cpu():
     offloaded = {"optimizer_offload": True, "model_dtype": "bf16"}
     assert updates_on_device(FSDPConfig.model_validate(offloaded), torch.device("cuda"))
     assert not updates_on_device(FSDPConfig.model_validate(offloaded), torch.device("cpu"))
-    assert not updates_on_device(FSDPConfig.model_validate({**offloaded, "delayed_update": True}),
-                                 torch.device("cuda"))
+    delayed = FSDPConfig.model_validate({**offloaded, "delayed_update": True})
+    assert update_mode(delayed, torch.device("cuda")) == "both"
+    assert update_mode(delayed, torch.device("cpu")) == "cpu"
     assert updates_on_device(FSDPConfig.model_validate({**offloaded, "optimizer_update": "gpu"}), torch.device("cpu"))
     assert not updates_on_device(FSDPConfig.model_validate({**offloaded, "optimizer_update": "cpu"}),
                                  torch.device("cuda"))

@@ -58,16 +58,16 @@ def attach_offload(model: nn.Module, fsdp_config: FSDPConfig, device: torch.devi
 def update_mode(fsdp_config: FSDPConfig, device: torch.device) -> UpdateMode:
     """Where an offloaded optimizer's update runs (fsdp_config.optimizer_update). "auto" is both paths at once on a
     GPU (the device's over states streamed through the bus, and the host's cores: they use different resources,
-    so their split ends sooner than either alone), but the host's alone under a delayed update, which runs
-    beside the rollout's decoding (on the host's cores it takes nothing from the GPU that decodes; not yet measured
-    against both there: e2e_bench's offload_delayed_both variant does, and at 7B the host alone left old_log_prob
-    waiting 2.1 s for the update on an H200, 2026-12-04). Measured on an
-    H200 (2026-12-04, benchmarks/README.md), once merged micro-batches had taken the gradients' adding off the
-    host's cores during the update: a 7B GRPO step 4.85 s with both against 5.47 s on the device path alone, a
-    3B PPO step with a critic 3.92 against 3.95 s (before, 2026-12-02/03, the two were inside each other's noise
-    at 3B and "both" was 0.46 s slower once)."""
+    so their split ends sooner than either alone), with or without a delayed update, and the host's alone on a CPU.
+    Measured on an H200 (2026-12-04, benchmarks/README.md), once merged micro-batches had taken the gradients'
+    adding off the host's cores during the update: a 7B GRPO step 4.85 s with both against 5.47 s on the device
+    path alone, a 3B PPO step with a critic 3.92 against 3.95 s (before, 2026-12-02/03, the two were inside each
+    other's noise at 3B and "both" was 0.46 s slower once). Under a delayed update, which runs beside the
+    rollout's decoding, both against the host alone in one run (2026-12-04 13:40): 7B GRPO 3.97 against 4.80 s
+    (old_log_prob, the first read that needs the update, waited 0.25 s for it against 1.48 s), 3B PPO 3.11
+    against 3.38 s."""
     if fsdp_config.optimizer_update == "auto":
-        return "both" if device.type == "cuda" and not fsdp_config.delayed_update else "cpu"
+        return "both" if device.type == "cuda" else "cpu"
     return fsdp_config.optimizer_update
 
 
