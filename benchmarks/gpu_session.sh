@@ -22,7 +22,7 @@
 #                                          # (ppo3b, three variants, STEPS=4: 437 s with the machine's start; all
 #                                          # four do not fit one call: all_gpu 88 s, optimizer_offload 135 s, fsdp2 126 s)
 #
-# e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_delayed_both][,offload_host_update][,offload_both_update]
+# e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_delayed_host][,offload_host_update][,offload_both_update]
 # [,offload_lora]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
 # variant may take; e2e_bench's default 900), SET (one config override for every variant, KEY=VALUE), TAG (a suffix of
 # the result's file names, to keep several runs of a call apart), PROFILE (set: --profile) and DECODE (auto, generate or static: rollout.decode; auto, the default, is static with CUDA graphs on a GPU).
@@ -102,6 +102,19 @@
 # on ranks and HostAdamW's host arithmetic in one fused pass, both built 2026-12-04 after the budget ran out: never run
 # on a GPU; optimizer_offload's update_actor was 1.70 s against all_gpu's 0.50 s before them), `VARIANTS=embedding_head_cpu ranks` and `SHAPE=headline VARIANTS=all_gpu,optimizer_offload
 # ranks`; the 3B update phase's critic update beside the actor's backward; RoPE fused in the decode.
+# Run 2026-12-04 13:36-14:16 on one H200 (x2 was not lent; results in benchmarks/results/*2026-12-04T13*/T14*, tables
+# in benchmarks/README.md): `tests` (47 passed, test_decode_graphs.py's one NCCL rank among them), the delayed update's
+# paths (both beat the host alone at both shapes: auto = both under it now), then the publish on a thread of its
+# own (7B delayed 3.97 -> 3.64 s). One call hung (580 s lost, nothing came back): the publisher waited on an event
+# a read had taken off the unit (fixed, a CPU test holds it; test_offload_gpu.py's delayed tests passed after).
+# Measured call times: `tests` plus three e2e-ppo3b variants 311 s; three e2e-headline variants 258 s (warm); four
+# GPU tests (25 s) plus two e2e-headline plus two e2e-ppo3b variants 323 s. Wrap a test stage in `timeout` with
+# `-o faulthandler_timeout=80`: a hang then costs 100 s and names its stack, not the whole call.
+# Next, in priority order: on an nvidia-h200-x2 machine `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed
+# ranks` (never run: the delayed update on ranks, HostAdamW's fused host arithmetic), `VARIANTS=embedding_head_cpu
+# ranks`, `SHAPE=headline VARIANTS=all_gpu,optimizer_offload ranks`; on one H200, the 7B delayed old_log_prob (1.0 s
+# against 0.14: the wait for the publisher, 0.37 s, and the kept layers' copy again, 0.28 s) with `PROFILE=1
+# VARIANTS=all_gpu,offload_delayed e2e-headline`; RoPE fused in the decode.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and

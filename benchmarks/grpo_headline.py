@@ -162,6 +162,14 @@ class Profile:
                 return device_submit(self._timed(function, f"{role} device worker {name}"), *args, inline=inline)
 
             engine.device_worker.submit = timed_device_submit
+        if engine.publisher is not None:  # a delayed update: its arenas written after the rollout
+            publisher_submit = engine.publisher.submit
+
+            def timed_publisher_submit(function, *args, inline=None):
+                return publisher_submit(self._timed(function, f"{role} publisher writes the arenas"), *args,
+                                        inline=inline)
+
+            engine.publisher.submit = timed_publisher_submit
         if engine.update_split is not None:  # optimizer_update both: each step's shares and the estimates
             plan = engine.plan_update_paths
 
@@ -198,6 +206,9 @@ class Profile:
                                 time.perf_counter() - started)
 
         for unit in engine.units:
+            # A delayed update's publish at the unit's first read: the main thread's wait for the publisher, or
+            # its own writing of the arena where no publisher ran.
+            unit.finish_publish = self._timed(unit.finish_publish, f"{role} main publishes an update")
             event = TimedEvent()
             event.before_wait = unit.ready.before_wait
             if unit.ready.is_set():

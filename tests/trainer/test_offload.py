@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -632,6 +634,93 @@ def test_publishing_a_delayed_update_makes_even_a_stale_read_take_the_updated_we
     with torch.no_grad(), engine.stale_reads():
         after = model(input_ids=ids).logits
     assert not torch.equal(after, before)
+
+
+def test_the_publisher_writes_a_delayed_update_once_the_stale_reads_end_and_the_next_step_keeps_it():
+    """Under a delayed update the engine's publisher writes the updated masters into the arenas as the rollout's
+    stale reads end (on a CPU at once), and the first read after them makes them the weights: the next rollout
+    samples the first update, and the read after it the second, as a run without the delay would. Without a read
+    after the stale ones, the engine's next wait for its updates does it."""
+    ids = token_batch()
+    runs = {}
+    for delayed in (True, False):
+        model = policy(dtype=torch.bfloat16).train()
+        engine = attach_offload(model, FSDPConfig.model_validate({**DELAYED, "delayed_update": delayed}), "cpu",
+                                role="actor")
+        runs[delayed] = (model, engine, engine.optimizer(lr=1e-2))
+    (model, engine, optimizer), (plain, _, plain_optimizer) = runs[True], runs[False]
+
+    def step(model, optimizer):
+        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(model, optimizer)
+    step(plain, plain_optimizer)
+    with torch.no_grad():
+        after_one = plain(input_ids=ids).logits
+        with engine.stale_reads():
+            model(input_ids=ids)
+        pending = [unit for unit in engine.units if unit.publish_pending]
+        assert pending and all(unit.publishing is not None and unit.publishing.is_set() for unit in pending)
+    step(model, optimizer)  # its forward publishes the first update; then the second is pending
+    step(plain, plain_optimizer)
+    with torch.no_grad():
+        with engine.stale_reads():
+            stale = model(input_ids=ids).logits
+        assert torch.equal(stale, after_one)
+    # No read after these stale ones: what the next step does first (so do a checkpoint's state_dict and close)
+    # makes the publisher's arenas the weights, so that the next update's publish starts afresh.
+    engine.wait_for_updates()
+    assert not any(unit.publish_pending or unit.publishing is not None for unit in engine.units)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("update", ["cpu", "both"])
+def test_the_publisher_on_its_own_thread_publishes_each_unit_whichever_comes_first_it_or_the_read(update):
+    """The workers on threads of their own, as on a GPU (on a CPU they run at once): a read may take a unit's event
+    off it before the publisher reaches the unit (so it once waited forever, updates on both paths), and the reads
+    still give the logits of the run without the delay."""
+
+    def build(delayed: bool):
+        model = policy(dtype=torch.bfloat16).train()
+        engine = attach_offload(model, FSDPConfig.model_validate(
+            {**DELAYED, "delayed_update": delayed, "optimizer_update": update}), "cpu", role="actor")
+        for worker in (engine.worker, engine.device_worker, engine.publisher):
+            if worker is not None:
+                worker.cuda = True  # (HostWorker: a thread of its own rather than at once)
+        if engine.publisher is not None:  # the publisher starts late: the first reads come before it
+            submit = engine.publisher.submit
+            engine.publisher.submit = lambda work: submit(lambda: (time.sleep(0.5), work()))
+        return model, engine
+
+    done: dict[str, torch.Tensor] = {}
+    thread = threading.Thread(target=lambda: done.update(logits_around_a_delayed_update(build, token_batch())),
+                              daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "a read waited forever for the publisher"
+    assert torch.equal(done["stale"], done["before"]) and torch.equal(done["fresh"], done["plain"])
+
+
+def test_a_failure_of_the_publisher_is_raised_by_the_read_that_publishes():
+    model = policy(dtype=torch.bfloat16).train()
+    engine = attach_offload(model, FSDPConfig.model_validate({**DELAYED, "delayed_update": True}), "cpu", role="actor")
+    ids = token_batch()
+    optimizer = engine.optimizer(lr=1e-2)
+    model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    unit = next(unit for unit in engine.units if unit.publish_pending)
+
+    def broken() -> None:
+        raise OSError("no memory for the arena")
+
+    unit._masters_to_arena = broken
+    with torch.no_grad(), engine.stale_reads():
+        model(input_ids=ids)
+    with pytest.raises(RuntimeError, match=f"publishing {unit.name}'s delayed update failed"):
+        engine.publish_updates()
 
 
 def test_a_delayed_update_is_refused_where_the_device_reads_the_masters_themselves():

@@ -147,6 +147,12 @@ class OffloadEngine:
         """Runs the optimizer update of the offloaded units on the device (device_update.py); None: on the CPU."""
         self.device_worker = HostWorker(cuda=self.streams.cuda, role=f"{role}-device-update",
                                         threads=self.options.worker_threads) if self.device_update else None
+        self.publisher = HostWorker(cuda=self.streams.cuda, role=f"{role}-publish",
+                                    threads=self.options.worker_threads) if delayed_update else None
+        """Under a delayed update: writes each unit's updated masters into its arena once the rollout's stale reads
+        end, in forward order, while the first forward after them runs (each of its reads waits for its own unit
+        only), instead of that forward writing each on the main thread while the GPU waits (`stale_reads`)."""
+        self._publishing: Future[Any] | None = None
         """The device path's own thread: its updates run beside the host worker's (which lands gradients and
         runs the host path), each path's units in the order they were submitted."""
         self.update_split = UpdateSplit.guessed(self.device_update.bytes_each_way()) \
@@ -356,8 +362,8 @@ class OffloadEngine:
             self._update_tasks.append(self.worker.submit(work, inline=False))
 
     def wait_for_updates(self) -> None:
-        """Block until every pending optimizer update has landed, on the host path and on the device path (and
-        raise if one failed)."""
+        """Block until every pending optimizer update has landed, on the host path and on the device path, and
+        any publish started has ended (and raise if one failed)."""
         tasks, self._update_tasks = self._update_tasks, []
         if self.bus_turns is not None and not all(task.done() for task in tasks):
             self.bus_turns.hurry(self.role)  # this thread waits for them: they may not wait for it
@@ -365,6 +371,18 @@ class OffloadEngine:
             task.result()
         for unit in self.units:
             unit.ready.wait()
+        self._finish_publishing()
+
+    def _finish_publishing(self) -> None:
+        """Wait for the publisher, and make what it wrote the weights of the units no read has published yet (the
+        next update changes their masters again; the next stale reads take what the arena holds)."""
+        publishing, self._publishing = self._publishing, None
+        if publishing is None:
+            return
+        publishing.result()
+        for unit in self.units:
+            if unit.publishing is not None:
+                unit.finish_publish()
 
     def after_update(self, unit: Unit, written: set[int] | None = None) -> None:
         """The optimizer changed this unit's masters in place: refresh its compute copy (`written`: the entries
@@ -386,6 +404,7 @@ class OffloadEngine:
         if not self.delayed_update:
             yield
             return
+        self._finish_publishing()
         for unit in self.units:
             unit.stale_ok = True
         try:
@@ -393,6 +412,24 @@ class OffloadEngine:
         finally:
             for unit in self.units:
                 unit.stale_ok = False
+            self._start_publishing()
+
+    def _start_publishing(self) -> None:
+        """Start writing the pending update's masters into the arenas on the publisher's thread, unit by unit in
+        forward order as each unit's update ends (on a CPU, where the updates ran already: at once)."""
+        pending = [unit for unit in self.units if unit.publish_pending and unit.publishing is None]
+        if self.publisher is None or not pending:
+            return
+        events = []
+        for unit in pending:
+            unit.publishing = threading.Event()
+            events.append(unit.publishing)
+
+        def publish() -> None:
+            for unit, event in zip(pending, events, strict=True):
+                unit.publish_masters(event)
+
+        self._publishing = self.publisher.submit(publish)
 
     # ------------------------------------------------------------------------------- passes
 
@@ -405,6 +442,8 @@ class OffloadEngine:
         self.worker.shutdown()
         if self.device_worker is not None:
             self.device_worker.shutdown()
+        if self.publisher is not None:
+            self.publisher.shutdown()
         self.streams.synchronize()
         for block in self.blocks:
             block.slot.give_back()

@@ -213,6 +213,11 @@ class Unit:
     still holds the weights from before it: the next read that may not be stale publishes it first."""
     stale_ok: bool = False
     """Reads may take the weights from before a pending update (the rollout under a delayed update)."""
+    publishing: threading.Event | None = None
+    """Set once the engine's publisher has written the pending update's masters into the arena (at the end of the
+    rollout's stale reads, OffloadEngine.stale_reads); None: the read that publishes writes them itself."""
+    publish_error: Exception | None = None
+    """What stopped the publisher writing this unit's arena (raised again by `finish_publish`)."""
     passing: UnitPass = field(default_factory=UnitPass)
 
     def __post_init__(self) -> None:
@@ -257,17 +262,47 @@ class Unit:
             if self.stale_ok:
                 return
             self.ready.wait()
-            self.publish_pending = False
-            self.after_update()
+            self.finish_publish()
             return
         self.ready.wait()
         self.sync_masters()
 
+    def finish_publish(self) -> None:
+        """A delayed update whose own update has ended becomes the unit's weights: the arena takes the new masters
+        (written already by the engine's publisher when it started one, else here), and the next fetch copies
+        them."""
+        publishing, self.publishing = self.publishing, None
+        if publishing is None:
+            self._masters_to_arena()
+        else:
+            publishing.wait()
+            error, self.publish_error = self.publish_error, None
+            if error is not None:
+                raise RuntimeError(f"offload: publishing {self.name}'s delayed update failed") from error
+        self.publish_pending = False
+        self.master_version = self.masters_version()
+        self.version += 1
+
+    def publish_masters(self, publishing: threading.Event) -> None:
+        """The engine's publisher (its own thread): once the unit's update has ended, write its masters into the
+        arena, which no read takes until `finish_publish` (the prefetch waits for `publishing`: `usable`), then
+        set `publishing`, the event the engine gave the unit (its first read may have taken it off the unit
+        already, to wait for it)."""
+        try:
+            self.ready.wait()
+            self._masters_to_arena()
+        except Exception as error:  # noqa: BLE001 (raised again by the read that publishes, on its own thread)
+            self.publish_error = error
+        finally:
+            publishing.set()
+
     @property
     def usable(self) -> bool:
-        """Whether a read need not wait (for a prefetch, which never waits): no update runs, or the read
-        may take the weights from before it."""
-        return self.ready.is_set() or (self.publish_pending and self.stale_ok)
+        """Whether a read need not wait (for a prefetch, which never waits): no update runs and no publisher
+        writes the arena, or the read may take the weights from before the update."""
+        if self.publish_pending and self.stale_ok:
+            return True
+        return self.ready.is_set() and (self.publishing is None or self.publishing.is_set())
 
     def sync_masters(self) -> None:
         """Pick up an in-place change of the masters (load_state_dict, a manual edit) before a copy; not
