@@ -19,7 +19,9 @@ the CPU), so checkpoints are AdamW's and resume on any number of ranks.
 
 With `delayed` (the actor's fsdp_config.delayed_update) a step only sends the gradients down: the host's arithmetic
 runs in a thread of its own while the trainer goes on (the next rollout, which samples with the weights from before
-the step), and `publish` applies the update; the next step, a state_dict and the next mini-batch publish first.
+the step), and `publish` applies the update; the next step, a state_dict and the next mini-batch publish first. The
+critic's runs so always (trainer/workers/critic.py): its arithmetic beside the actor's update, published before the
+next values, which is exact, since nothing reads the critic in between.
 
 A unit kept on the CPU (param_offload) has its shards and gradients there already: the same arithmetic runs on
 them with no copy. The copies go through a CopyLog, as the offload engine's do: counted per direction and group,

@@ -108,6 +108,8 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
         if fsdp_config.delayed_update:
             line += ("; the host computes each step's update during the next rollout, which samples with the weights "
                      "from before it (delayed_update)")
+        elif role == "critic":
+            line += ("; the host computes its update beside the actor's, and the next values apply it first")
     if precision.param_dtype is not None:
         line += (f"; fp32 masters of the {_dtype_name(precision.param_dtype)} weights, which the forward and "
                  "backward gather in that dtype (FSDP2's MixedPrecisionPolicy; gradients reduced in fp32)")

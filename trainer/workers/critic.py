@@ -38,8 +38,12 @@ class Critic:
         self.config = config
         self.rollout_n = rollout_n
         self.forward_micro_batch_size = forward_micro_batch_size
+        # Sharded with optimizer_offload: the host's AdamW arithmetic of the critic's last step runs in a thread
+        # of its own beside the actor's update, as one rank's engine runs it in its worker, and the next read of
+        # the critic applies it first (compute_values, its next update, a checkpoint): exact, nothing reads the
+        # critic between its step and those.
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
-                          else build_optimizer(model, config.optim, fsdp_config=config.fsdp_config))
+                          else build_optimizer(model, config.optim, fsdp_config=config.fsdp_config, background=True))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         # Fewer, larger micro-batches while the update streams layers (issue 14).
         self.merging = MicroBatchMerging(config.fsdp_config.merge_micro_batches)
@@ -57,6 +61,9 @@ class Critic:
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, R] values of the states before each response token (micro-batches by token budget with
         critic.use_dynamic_bsz: critic.forward_max_token_len_per_gpu)."""
+        publish = getattr(self.optimizer, "publish", None)
+        if publish is not None:  # HostAdamW's update from the last step, computed in the background
+            publish()
         plan = plan_micro_batches(batch, self.forward_micro_batch_size,
                                   self.config.forward_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
                                   agree=self.ranks.count_agreement if self.ranks is not None else None)

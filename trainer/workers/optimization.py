@@ -46,10 +46,11 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_paddi
 
 
 def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: OffloadEngine | None = None, *,
-                    fsdp_config: FSDPConfig | None = None) -> torch.optim.Optimizer:
+                    fsdp_config: FSDPConfig | None = None, background: bool = False) -> torch.optim.Optimizer:
     """AdamW over the model's trainable parameters; `engine`'s when the model has one; for a sharded model whose
     `fsdp_config` asks for optimizer_offload, HostAdamW: its moments and arithmetic on the CPU, the parameters where
-    they are (its copies recorded by the model's module groups)."""
+    they are (its copies recorded by the model's module groups). With `background` (the critic's) or the config's
+    delayed_update, HostAdamW's host arithmetic runs in a thread of its own and `publish` applies it."""
     if engine is not None:
         # Per-layer parameter groups, and the update on the CPU when optimizer_offload is set.
         return engine.optimizer(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
@@ -57,7 +58,7 @@ def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: Offload
     if fsdp_config is not None and fsdp_config.optimizer_offload:
         parts = find_parts(model, fsdp_config.wrap_policy.transformer_layer_cls_to_wrap)
         return HostAdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
-                         groups=parameter_groups(parts), delayed=fsdp_config.delayed_update)
+                         groups=parameter_groups(parts), delayed=fsdp_config.delayed_update or background)
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 

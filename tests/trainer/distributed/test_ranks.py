@@ -361,3 +361,19 @@ def test_the_actors_delayed_update_on_two_ranks_trains_the_weights_of_one_ranks(
                          for run in ("one", "two", "resumed"))
     assert largest_difference(one, two) < TOLERANCE
     assert largest_difference(one, resumed) < TOLERANCE
+
+
+def test_the_critics_host_update_on_two_ranks_runs_beside_the_actors_and_trains_the_weights_of_one_ranks(tmp_path):
+    """PPO whose critic keeps AdamW on the host (optimizer_offload, bf16): on two ranks its HostAdamW computes the
+    update in a thread of its own while the actor updates, and the next step's values apply it first, as one rank's
+    engine runs the critic's host update in its worker. Exact: one and two ranks train the same step-3 critic."""
+    critic = [*PPO, "trainer.total_training_steps=3", "trainer.save_freq=3",
+              "critic.fsdp_config.optimizer_offload=true", "critic.fsdp_config.model_dtype=bf16"]
+    for ranks, name in ((1, "one"), (2, "two")):
+        finished = launch(ranks, tmp_path, name, *critic)
+        assert finished.returncode == 0, finished.stderr[-4000:]
+        if ranks == 2:
+            assert "the host computes its update beside the actor's, and the next values apply it first" in \
+                finished.stdout + finished.stderr
+    one, two = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3", "critic") for run in ("one", "two"))
+    assert largest_difference(one, two) < TOLERANCE
