@@ -192,7 +192,7 @@ class FSDPConfig(Section):
     model_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the parameters (bf16 trains without fp32 master weights)."""
     offload_grad_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Dtype of CPU gradients beside fp32 masters (bf16 halves their host memory; needs optimizer_offload, bf16)."""
+    """Dtype of CPU gradients beside fp32 masters (bf16: half their host memory; on ranks, half the bytes down)."""
     delayed_update: bool = False
     """The actor's CPU update runs during the next rollout, which samples with the weights before it."""
     merge_micro_batches: bool = True
@@ -1533,9 +1533,9 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
-    """What works on one rank only: the project's own offload engine (bf16 host gradients, an offloaded update on
-    the GPU, the embedding cache) places whole models; several ranks update an offloaded optimizer on the host
-    (HostAdamW: optimizer_update auto or cpu, delayed_update too), and move their shards' decoder layers with
+    """What works on one rank only: the project's own offload engine (an offloaded update on the GPU, the embedding
+    cache) places whole models; several ranks update an offloaded optimizer on the host (HostAdamW: optimizer_update
+    auto or cpu, delayed_update and bf16 host gradients too), and move their shards' decoder layers with
     dynamic offload themselves (trainer/distributed/layer_moves.py). (Token-budget
     micro-batches work on several: every rank splits its share into as many, packing.plan_micro_batches; so does
     the static decoder: every rank decodes until every rank's rows have finished; and LoRA: FSDP2 shards the model
@@ -1545,8 +1545,6 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     found: list[tuple[str, object, object]] = []
     for role, fsdp in config.fsdp_configs().items():
         prefix = FSDP_PREFIX[role]
-        if fsdp.offload_grad_dtype != "fp32":
-            found.append((f"{prefix}.offload_grad_dtype", fsdp.offload_grad_dtype, "fp32"))
         if fsdp.optimizer_update not in ("auto", "cpu"):  # several ranks update on the host (HostAdamW)
             found.append((f"{prefix}.optimizer_update", fsdp.optimizer_update, "auto or cpu"))
     section = config.actor_rollout_ref

@@ -23,6 +23,13 @@ the step), and `publish` applies the update; the next step, a state_dict and the
 critic's runs so always (trainer/workers/critic.py): its arithmetic beside the actor's update, published before the
 next values, which is exact, since nothing reads the critic in between.
 
+With `grad_dtype` bf16 (fsdp_config.offload_grad_dtype) each gradient shard, accumulated and reduced in fp32 on the
+device, goes down in bf16: half the bytes down, into the first half of the parameter's fp32 buffer. The host widens
+it in place a slice at a time from the last (each slice's bf16 bytes are read into a small scratch first: the first
+slice's fp32 bytes cover them), just before the kernel reads the slice, while it is in the cache. The update is
+AdamW's of the gradient rounded to bf16 once a step; one rank's engine keeps its host gradients in bf16 across the
+micro-batches, so the two differ by that rounding. The direction still goes up in fp32.
+
 A unit kept on the CPU (param_offload) has its shards and gradients there already: the same arithmetic runs on
 them with no copy. The copies go through a CopyLog, as the offload engine's do: counted per direction and group,
 a sample timed with CUDA events, and sent to the daemon with each step's offload report (copy latency per rank).
@@ -42,6 +49,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainer.offload.copies import CopyLog
+
+Sent = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]
+"""A gradient on its way down: (parameter, its fp32 host buffer, its bf16 host buffer or None, the copy's end)."""
+
+WIDEN_SLICE_ELEMENTS = 1 << 22
+"""The slice of a bf16 gradient widened and updated at once (16 MB in fp32), as the offload engine's
+OffloadAdamW._step_sliced slices its bf16 host gradients."""
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,10 +87,16 @@ class HostAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, groups: Mapping[int, str] | None = None,
-                 delayed: bool = False):
+                 delayed: bool = False, grad_dtype: torch.dtype = torch.float32):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        if grad_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"HostAdamW's grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
+        self.grad_dtype = grad_dtype
+        """The dtype the gradient shards go down in (fsdp_config.offload_grad_dtype); the moments stay fp32."""
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         """Per parameter: the host buffer its gradient comes down into, then its step direction goes up from."""
+        self._scratch: torch.Tensor | None = None
+        """With a bf16 grad_dtype: one slice of a gradient's bf16 bytes, read out before widening overwrites them."""
         self._groups = dict(groups or {})
         """Each parameter's module group by id (groups.parameter_groups), for its copies' records; else "other"."""
         self.copies: CopyLog | None = None
@@ -166,21 +186,28 @@ class HostAdamW(torch.optim.Optimizer):
         self.publish()  # a checkpoint holds the states after the last step
         return super().state_dict()
 
-    def _send_down(self, group: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]]:
-        """Each parameter's gradient shard copied into its host buffer: (parameter, buffer, the copy's end)."""
+    def _send_down(self, group: dict[str, Any]) -> list[Sent]:
+        """Each parameter's gradient shard copied into its host buffer (in bf16: into the buffer's first half):
+        (parameter, buffer, the bf16 gradient's view of the buffer or None, the copy's end)."""
         sent = []
         for parameter in group["params"]:
             if parameter.grad is None:
                 continue
             grad = _local(parameter.grad)
             buffer = self._buffer(parameter, grad)
+            narrow = None
+            if self.grad_dtype != torch.float32:
+                narrow = buffer.view(-1).view(self.grad_dtype)[:buffer.numel()]
+                # Narrowed on the device, in the stream that copies it: the caching allocator hands its memory out
+                # again only to work queued after the copy.
+                grad = grad.to(self.grad_dtype).view(-1)
+            target = buffer if narrow is None else narrow
             landed = self._copy("d2h", parameter, grad.numel() * grad.element_size(), grad.device,
-                                lambda buffer=buffer, grad=grad: buffer.copy_(grad, non_blocking=True))
-            sent.append((parameter, buffer, landed))
+                                lambda target=target, grad=grad: target.copy_(grad, non_blocking=True))
+            sent.append((parameter, buffer, narrow, landed))
         return sent
 
-    def _host_arithmetic(self, work: list[tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor,
-                                                                         torch.cuda.Event | None]]]]
+    def _host_arithmetic(self, work: list[tuple[dict[str, Any], list[Sent]]]
                          ) -> list[tuple[torch.Tensor, torch.Tensor, float, float]]:
         """AdamW's moments updated on the host and each buffer's gradient turned into the negated step direction
         −m̂ / (√v̂ + ε): (parameter, negated direction, lr, weight decay) to apply, with each group's
@@ -196,17 +223,32 @@ class HostAdamW(torch.optim.Optimizer):
         directions = []
         for group, sent in work:
             beta1, beta2 = group["betas"]
-            for parameter, buffer, landed in sent:
+            for parameter, buffer, narrow, landed in sent:
                 if landed is not None:
                     landed.synchronize()
                 state = self._state(parameter)
-                state["step"] += 1  # torch's AdamW counts the step before its kernel
-                torch._fused_adamw_([buffer], [buffer], [_local(state["exp_avg"])], [_local(state["exp_avg_sq"])],
-                                    [], [state["step"]], amsgrad=False, lr=1.0, beta1=beta1, beta2=beta2,
-                                    weight_decay=1.0, eps=group["eps"], maximize=False, grad_scale=None,
-                                    found_inf=None)
+                state["step"] += 1  # torch's AdamW counts the step before its kernel (which does not count it)
+                moments = [_local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1)]
+                flat = buffer.view(-1)
+                # A bf16 gradient: widened in place a slice at a time from the last, each read by the kernel at once,
+                # while it is still in the cache.
+                width = max(1, flat.numel()) if narrow is None else WIDEN_SLICE_ELEMENTS
+                for start in reversed(range(0, flat.numel(), width)):
+                    part = flat[start:start + width]
+                    if narrow is not None:
+                        part.copy_(self._read_out(narrow[start:start + width]))
+                    torch._fused_adamw_([part], [part], [moments[0][start:start + width]],
+                                        [moments[1][start:start + width]], [], [state["step"]], amsgrad=False,
+                                        lr=1.0, beta1=beta1, beta2=beta2, weight_decay=1.0, eps=group["eps"],
+                                        maximize=False, grad_scale=None, found_inf=None)
                 directions.append((parameter, buffer, group["lr"], group["weight_decay"]))
         return directions
+
+    def _read_out(self, narrow: torch.Tensor) -> torch.Tensor:
+        """A slice of a bf16 gradient copied into the scratch (its bytes lie under the fp32 slice it widens into)."""
+        if self._scratch is None or self._scratch.numel() < narrow.numel():
+            self._scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=narrow.dtype)
+        return self._scratch[:narrow.numel()].copy_(narrow)
 
     def _apply(self, directions: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -> None:
         """Each negated direction up, and AdamW's decoupled update of the shard the device holds."""

@@ -105,6 +105,8 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
     if fsdp_config.optimizer_offload and any(parameter.requires_grad for parameter in model.parameters()):
         line += ("; AdamW's states and arithmetic on the CPU (optimizer_offload: each step copies the gradient "
                  "shards down and the update up)")
+        if fsdp_config.offload_grad_dtype == "bf16":
+            line += "; the gradient shards go down in bf16 (offload_grad_dtype)"
         if fsdp_config.delayed_update:
             line += ("; the host computes each step's update during the next rollout, which samples with the weights "
                      "from before it (delayed_update)")

@@ -58,7 +58,8 @@ def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: Offload
     if fsdp_config is not None and fsdp_config.optimizer_offload:
         parts = find_parts(model, fsdp_config.wrap_policy.transformer_layer_cls_to_wrap)
         return HostAdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
-                         groups=parameter_groups(parts), delayed=fsdp_config.delayed_update or background)
+                         groups=parameter_groups(parts), delayed=fsdp_config.delayed_update or background,
+                         grad_dtype=torch.bfloat16 if fsdp_config.offload_grad_dtype == "bf16" else torch.float32)
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 

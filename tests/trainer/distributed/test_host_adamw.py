@@ -62,9 +62,10 @@ def test_a_state_dict_round_trip_resumes_the_same_steps():
 
 @pytest.mark.gpu
 @needs_gpu
-def test_on_a_gpu_the_parameters_stay_there_and_the_moments_live_on_the_cpu():
-    expected, _ = steps(torch.optim.AdamW, "cuda")
-    actual, host = steps(HostAdamW, "cuda")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_a_gpu_the_parameters_stay_there_and_the_moments_live_on_the_cpu(grad_dtype):
+    expected, _ = steps(torch.optim.AdamW if grad_dtype == torch.float32 else RoundedAdamW, "cuda")
+    actual, host = steps(HostAdamW, "cuda", grad_dtype=grad_dtype)
     for mine, theirs in zip(actual, expected, strict=True):
         assert mine.device.type == "cuda"
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
@@ -108,3 +109,36 @@ def test_a_delayed_step_leaves_the_weights_until_it_is_published_and_then_equals
     optimizer.publish()  # nothing pending: nothing happens
     for mine, theirs in zip(delayed, immediate, strict=True):
         assert torch.equal(mine, theirs)
+
+
+class RoundedAdamW(torch.optim.AdamW):
+    """torch's AdamW of each gradient rounded to bf16 first: what HostAdamW(grad_dtype=bf16) computes."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is not None:
+                    parameter.grad = parameter.grad.bfloat16().float()
+        return super().step(closure)
+
+
+def test_bf16_gradients_go_down_at_half_the_bytes_and_update_as_adamw_of_the_rounded_gradient(monkeypatch):
+    """offload_grad_dtype bf16 on several ranks: each gradient shard goes down in bf16 (half the bytes, counted so
+    for the offload report) into the first half of its fp32 buffer, and is widened in place a slice at a time on the
+    host (slices of 8 elements here, so a parameter spans several, and the first slice's bytes lie under its own
+    widening): the update is AdamW's of the gradient rounded to bf16, and differs from the fp32 one."""
+    from trainer.distributed import host_adamw
+
+    monkeypatch.setattr(host_adamw, "WIDEN_SLICE_ELEMENTS", 8)
+    expected, _ = steps(RoundedAdamW, "cpu")
+    actual, host = steps(HostAdamW, "cpu", grad_dtype=torch.bfloat16)
+    for mine, theirs in zip(actual, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    exact, _ = steps(torch.optim.AdamW, "cpu")
+    assert max((mine - theirs).abs().max().item() for mine, theirs in zip(actual, exact, strict=True)) > 1e-6
+    assert all(buffer.dtype == torch.float32 for buffer in host._buffers.values())  # no host buffer beside them
+    assert host.copies is not None
+    down = {row["group"]: row for row in host.copies.drain_counts() if row["direction"] == "d2h"}
+    assert down["other"]["bytes"] == 2 * sum(parameter.numel() for parameter in actual) * 5 - 2 * 5  # (one skipped)
+    with pytest.raises(ValueError, match="grad_dtype must be torch.float32 or torch.bfloat16"):
+        HostAdamW(actual, lr=1e-2, grad_dtype=torch.float16)

@@ -377,3 +377,18 @@ def test_the_critics_host_update_on_two_ranks_runs_beside_the_actors_and_trains_
                 finished.stdout + finished.stderr
     one, two = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3", "critic") for run in ("one", "two"))
     assert largest_difference(one, two) < TOLERANCE
+
+
+def test_bf16_host_gradients_on_two_ranks_train_with_the_gradient_shards_down_in_bf16(tmp_path):
+    """offload_grad_dtype bf16 with optimizer_offload on two ranks (refused there before): each gradient shard,
+    accumulated and reduced in fp32 on the device, goes down to HostAdamW in bf16 (half the bytes) and AdamW takes the
+    gradient rounded to bf16 (test_host_adamw.py holds it to torch's AdamW of the rounded gradient). The run trains,
+    and its weights differ from the fp32 gradients' run by that rounding alone (the option takes effect)."""
+    for name, grad_dtype in (("bf16", "bf16"), ("fp32", "fp32")):
+        finished = launch(2, tmp_path, name, *OPTIMIZER_OFFLOAD, "trainer.save_freq=3",
+                          f"actor_rollout_ref.actor.fsdp_config.offload_grad_dtype={grad_dtype}")
+        assert finished.returncode == 0, finished.stderr[-4000:]
+        said = "the gradient shards go down in bf16 (offload_grad_dtype)" in finished.stdout + finished.stderr
+        assert said == (grad_dtype == "bf16")
+    bf16, fp32 = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3") for run in ("bf16", "fp32"))
+    assert 0 < largest_difference(bf16, fp32) < 0.01
