@@ -246,6 +246,12 @@ def test_the_ranks_benchmark_runs_its_quick_shape_on_two_cpu_ranks_and_compares_
     assert "; trainer.cpu_threads=1" in printed
 
 
+def test_the_ranks_benchmarks_update_on_the_gpu_is_the_actors_and_the_critics(tmp_path):
+    rows = set(ranks_bench.variant_overrides("ppo3b", "optimizer_offload_gpu", 2, "cuda", tmp_path, tmp_path, 2))
+    assert {f"{role}.fsdp_config.{key}" for role in ("actor_rollout_ref.actor", "critic")
+            for key in ("optimizer_offload=true", "optimizer_update=gpu")} <= rows
+
+
 @pytest.mark.parametrize("argv", [["--variants", "all_gpu,nonsense"], ["--ranks", "1"], ["--steps", "2"]])
 def test_the_ranks_benchmark_refuses_bad_arguments_in_one_line(argv, capsys):
     assert ranks_bench.main([*argv, "--device", "cpu"]) == 2

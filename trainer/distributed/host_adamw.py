@@ -30,6 +30,13 @@ slice's fp32 bytes cover them), just before the kernel reads the slice, while it
 AdamW's of the gradient rounded to bf16 once a step; one rank's engine keeps its host gradients in bf16 across the
 micro-batches, so the two differ by that rounding. The direction still goes up in fp32.
 
+With `on_device` (fsdp_config.optimizer_update gpu) the update runs where the shard is instead: each step streams
+the moments up a slice at a time through a ring of device buffers, torch's fused AdamW updates the shard in place
+from its gradient, and the moments stream back. The bus then carries the moments, 8 bytes an element each way,
+where the host's update moves the gradient down and the direction up, 4 bytes each, and computes on the host's
+cores; the device never holds more of the moments than the ring. Not with `delayed` (the shard the rollout reads
+would change under it).
+
 A unit kept on the CPU (param_offload) has its shards and gradients there already: the same arithmetic runs on
 them with no copy. The copies go through a CopyLog, as the offload engine's do: counted per direction and group,
 a sample timed with CUDA events, and sent to the daemon with each step's offload report (copy latency per rank).
@@ -53,6 +60,11 @@ from trainer.offload.copies import CopyLog
 Sent = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]
 """A gradient on its way down: (parameter, its fp32 host buffer, its bf16 host buffer or None, the copy's end)."""
 
+DEVICE_SLICE_ELEMENTS = 1 << 24
+"""The moments' slice that one buffer of the device path's ring holds (64 MB each moment in fp32)."""
+DEVICE_RING = 3
+"""Buffers in the device path's ring: one slice coming up, one updating, one going down."""
+
 WIDEN_SLICE_ELEMENTS = 1 << 22
 """The slice of a bf16 gradient widened and updated at once (16 MB in fp32), as the offload engine's
 OffloadAdamW._step_sliced slices its bf16 host gradients."""
@@ -72,9 +84,10 @@ def shard_like(local: torch.Tensor, like: DTensor) -> DTensor:
     return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
-def host_zeros(parameter: torch.Tensor) -> torch.Tensor:
-    """fp32 zeros shaped and sharded as `parameter`, whose local tensor is on the CPU (a moment of AdamW)."""
-    local = torch.zeros(_local(parameter).shape, dtype=torch.float32, device="cpu")
+def host_zeros(parameter: torch.Tensor, *, pinned: bool = False) -> torch.Tensor:
+    """fp32 zeros shaped and sharded as `parameter`, whose local tensor is on the CPU (a moment of AdamW); page-locked
+    with `pinned` (a device path streams them: copies from pageable memory are neither fast nor asynchronous)."""
+    local = torch.zeros(_local(parameter).shape, dtype=torch.float32, device="cpu", pin_memory=pinned)
     return shard_like(local, parameter) if isinstance(parameter, DTensor) else local
 
 
@@ -87,10 +100,19 @@ class HostAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, groups: Mapping[int, str] | None = None,
-                 delayed: bool = False, grad_dtype: torch.dtype = torch.float32):
+                 delayed: bool = False, grad_dtype: torch.dtype = torch.float32, on_device: bool = False):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         if grad_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"HostAdamW's grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
+        if on_device and delayed:
+            raise ValueError("HostAdamW's update on the device cannot be delayed: it changes the shards in place")
+        self.on_device = on_device
+        """fsdp_config.optimizer_update gpu: the moments stream up and the update runs where each shard is."""
+        self._ring: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        self._turn = 0
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._moments_back: torch.cuda.Event | None = None
+        """The device path's last copy of moments back to the host: waited for before the host reads them."""
         self.grad_dtype = grad_dtype
         """The dtype the gradient shards go down in (fsdp_config.offload_grad_dtype); the moments stay fp32."""
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
@@ -119,11 +141,14 @@ class HostAdamW(torch.optim.Optimizer):
         """AdamW's state of `parameter`, made at its first step; a state loaded elsewhere (a checkpoint's, on the
         parameter's device) is moved to the CPU once."""
         state = self.state[parameter]
+        pinned = self.on_device and _local(parameter).device.type == "cuda"
         if not state:
-            state.update(step=torch.tensor(0.0), exp_avg=host_zeros(parameter), exp_avg_sq=host_zeros(parameter))
+            state.update(step=torch.tensor(0.0), exp_avg=host_zeros(parameter, pinned=pinned),
+                         exp_avg_sq=host_zeros(parameter, pinned=pinned))
         for key in ("exp_avg", "exp_avg_sq"):
-            if _local(state[key]).device.type != "cpu" or _local(state[key]).dtype != torch.float32:
-                moved = host_zeros(parameter)
+            local = _local(state[key])
+            if local.device.type != "cpu" or local.dtype != torch.float32 or (pinned and not local.is_pinned()):
+                moved = host_zeros(parameter, pinned=pinned)
                 _local(moved).copy_(_local(state[key]))
                 state[key] = moved
         # The fused kernel's step count: an fp32 scalar beside the moments (a checkpoint may give a number, or a
@@ -153,6 +178,10 @@ class HostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.publish()  # an update still pending lands before the next one
+        if self.on_device:
+            for group in self.param_groups:
+                self._step_on_device(group)
+            return loss
         # Every gradient on its way down first (the copies queue on one stream); the host starts on each as soon as
         # it has landed, while the later ones are still coming.
         # Each group's hyperparameters as they are now: a scheduler changes them before a delayed update lands.
@@ -176,6 +205,9 @@ class HostAdamW(torch.optim.Optimizer):
         pending, self._pending = self._pending, None
         if pending is not None:
             self._apply(pending.result())
+        moments_back, self._moments_back = self._moments_back, None
+        if moments_back is not None:  # the host's moments are AdamW's again (a checkpoint reads them)
+            moments_back.synchronize()
 
     @property
     def pending(self) -> bool:
@@ -243,6 +275,69 @@ class HostAdamW(torch.optim.Optimizer):
                                         maximize=False, grad_scale=None, found_inf=None)
                 directions.append((parameter, buffer, group["lr"], group["weight_decay"]))
         return directions
+
+    def _step_on_device(self, group: dict[str, Any]) -> None:
+        """AdamW's step of the group's parameters where their shards are, the moments streamed up and back a slice
+        at a time (on a CPU the kernel reads the host's moments in place)."""
+        beta1, beta2 = group["betas"]
+        for parameter in group["params"]:
+            if parameter.grad is None:
+                continue
+            state = self._state(parameter)
+            state["step"] += 1
+            shard, grad = _local(parameter).view(-1), _local(parameter.grad).view(-1)
+            moments = [_local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1)]
+            if shard.device.type != "cuda":
+                torch._fused_adamw_([shard], [grad], [moments[0]], [moments[1]], [], [state["step"]], amsgrad=False,
+                                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                                    eps=group["eps"], maximize=False, grad_scale=None, found_inf=None)
+                continue
+            # The kernel reads its step count from device memory: made there, a fill, not a copy.
+            step = torch.full((), float(state["step"]), dtype=torch.float32, device=shard.device)
+            for start in range(0, shard.numel(), DEVICE_SLICE_ELEMENTS):
+                end = min(start + DEVICE_SLICE_ELEMENTS, shard.numel())
+                self._device_slice(parameter, shard[start:end], grad[start:end],
+                                   [moment[start:end] for moment in moments], step, group, beta1, beta2)
+
+    def _device_slice(self, parameter: torch.Tensor, shard: torch.Tensor, grad: torch.Tensor,
+                      moments: list[torch.Tensor], step: torch.Tensor, group: dict[str, Any], beta1: float,
+                      beta2: float) -> None:
+        """One slice: its moments up on the up stream into the ring's next buffer (once its last slice is back),
+        updated on the compute stream with the shard, and back on the down stream."""
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(shard.device), torch.cuda.Stream(shard.device))
+        up, down = self._streams
+        compute = torch.cuda.current_stream(shard.device)
+        if len(self._ring) < DEVICE_RING:
+            self._ring.append((torch.empty(DEVICE_SLICE_ELEMENTS, device=shard.device),
+                               torch.empty(DEVICE_SLICE_ELEMENTS, device=shard.device), None))
+        index = self._turn % len(self._ring)
+        self._turn += 1
+        exp_avg, exp_avg_sq, free = self._ring[index]
+        length = shard.numel()
+        device_moments = [exp_avg[:length], exp_avg_sq[:length]]
+        if free is not None:
+            up.wait_event(free)
+        nbytes = 2 * length * 4
+        group_name = self._groups.get(id(parameter), "other")
+        if self.copies is None:
+            self.copies = CopyLog(cuda=True)
+        arrived = self.copies.timed("h2d", group_name, nbytes, up, lambda: [
+            target.copy_(source, non_blocking=True) for target, source in zip(device_moments, moments, strict=True)])
+        if arrived is not None:
+            compute.wait_event(arrived)
+        torch._fused_adamw_([shard], [grad], [device_moments[0]], [device_moments[1]], [], [step], amsgrad=False,
+                            lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                            eps=group["eps"], maximize=False, grad_scale=None, found_inf=None)
+        updated = torch.cuda.Event()
+        updated.record(compute)
+        down.wait_event(updated)
+        back = self.copies.timed("d2h", group_name, nbytes, down, lambda: [
+            target.copy_(source, non_blocking=True) for target, source in zip(moments, device_moments, strict=True)])
+        # (The step count's memory is the compute stream's, which queues nothing after the kernel that reads it
+        # before the allocator could hand it out again.)
+        self._ring[index] = (exp_avg, exp_avg_sq, back)
+        self._moments_back = back
 
     def _read_out(self, narrow: torch.Tensor) -> torch.Tensor:
         """A slice of a bf16 gradient copied into the scratch (its bytes lie under the fp32 slice it widens into)."""

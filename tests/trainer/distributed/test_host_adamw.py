@@ -62,16 +62,27 @@ def test_a_state_dict_round_trip_resumes_the_same_steps():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_on_a_gpu_the_parameters_stay_there_and_the_moments_live_on_the_cpu(grad_dtype):
+@pytest.mark.parametrize(("grad_dtype", "on_device"), [(torch.float32, False), (torch.bfloat16, False),
+                                                       (torch.float32, True)], ids=["fp32", "bf16", "on_device"])
+def test_on_a_gpu_the_parameters_stay_there_and_the_moments_live_on_the_cpu(grad_dtype, on_device, monkeypatch):
+    """The host's update (its gradients down in fp32 or bf16) and the device's (optimizer_update gpu: the moments
+    streamed up and back in slices of 8 elements through a ring of 2 buffers here, so that the ring turns within a
+    parameter and across them)."""
+    from trainer.distributed import host_adamw
+
+    monkeypatch.setattr(host_adamw, "DEVICE_SLICE_ELEMENTS", 8)
+    monkeypatch.setattr(host_adamw, "DEVICE_RING", 2)
     expected, _ = steps(torch.optim.AdamW if grad_dtype == torch.float32 else RoundedAdamW, "cuda")
-    actual, host = steps(HostAdamW, "cuda", grad_dtype=grad_dtype)
+    actual, host = steps(HostAdamW, "cuda", grad_dtype=grad_dtype, on_device=on_device)
+    host.publish()  # (the moments' last copies back)
     for mine, theirs in zip(actual, expected, strict=True):
         assert mine.device.type == "cuda"
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     devices = {value.device.type for state in host.state.values() for key, value in state.items() if key != "step"}
     assert devices == {"cpu"}
     assert all(buffer.is_pinned() for buffer in host._buffers.values())
+    if on_device:
+        assert not host._buffers and all(state["exp_avg"].is_pinned() for state in host.state.values())
 
 
 def test_each_step_counts_a_gradient_copy_down_and_an_update_up_per_parameter_by_group_for_the_offload_report():
@@ -142,3 +153,19 @@ def test_bf16_gradients_go_down_at_half_the_bytes_and_update_as_adamw_of_the_rou
     assert down["other"]["bytes"] == 2 * sum(parameter.numel() for parameter in actual) * 5 - 2 * 5  # (one skipped)
     with pytest.raises(ValueError, match="grad_dtype must be torch.float32 or torch.bfloat16"):
         HostAdamW(actual, lr=1e-2, grad_dtype=torch.float16)
+
+
+def test_the_update_where_the_shards_are_equals_torchs_adamw_and_is_never_delayed():
+    """optimizer_update gpu on several ranks: the update runs on each shard's device over AdamW's host moments (on a
+    CPU, in place); the same steps and states as torch's AdamW, no host buffer. It cannot be delayed: it changes the
+    shards the rollout would read."""
+    expected, adamw = steps(torch.optim.AdamW, "cpu")
+    actual, host = steps(HostAdamW, "cpu", on_device=True)
+    for mine, theirs in zip(actual, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    for parameter, reference in zip(actual, expected, strict=True):
+        assert float(host.state[parameter]["step"]) == float(adamw.state[reference]["step"])
+        torch.testing.assert_close(host.state[parameter]["exp_avg"], adamw.state[reference]["exp_avg"])
+    assert not host._buffers
+    with pytest.raises(ValueError, match="update on the device cannot be delayed"):
+        HostAdamW(actual, lr=1e-2, on_device=True, delayed=True)
