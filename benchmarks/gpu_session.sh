@@ -18,7 +18,8 @@
 #   benchmarks/gpu_session.sh ranks        # ranks_bench.py on every GPU of the machine (kind nvidia-h200-x2 or more):
 #                                          # all-GPU vs optimizer_offload (HostAdamW) vs optimizer_offload_delayed (its
 #                                          # update during the next rollout) vs optimizer_offload_gpu (its update on
-#                                          # the GPU over moments streamed up) vs embedding/head on the CPU vs
+#                                          # the GPU over moments streamed up) vs optimizer_offload_both (split) vs
+#                                          # embedding/head on the CPU vs
 #                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP, SET, TAG
 #                                          # (ppo3b, three variants, STEPS=4: 437 s with the machine's start; all
 #                                          # four do not fit one call: all_gpu 88 s, optimizer_offload 135 s, fsdp2 126 s)
@@ -111,13 +112,14 @@
 # Measured call times: `tests` plus three e2e-ppo3b variants 311 s; three e2e-headline variants 258 s (warm); four
 # GPU tests (25 s) plus two e2e-headline plus two e2e-ppo3b variants 323 s. Wrap a test stage in `timeout` with
 # `-o faulthandler_timeout=80`: a hang then costs 100 s and names its stack, not the whole call.
-# Next, in priority order: `python3 -m pytest -m gpu tests/trainer/distributed/test_host_adamw.py` (bf16 gradients
-# and the update on the GPU, both built after the budget ran out: never run on a GPU); on an nvidia-h200-x2 machine
-# `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed ranks` then `VARIANTS=all_gpu,optimizer_offload_gpu
-# ranks` (never run: the delayed update on ranks, HostAdamW's fused host arithmetic, the critic's host update beside
-# the actor's, the update on the GPU over streamed moments; if optimizer_offload_gpu wins, make it auto on ranks),
-# `VARIANTS=embedding_head_cpu ranks`, `SHAPE=headline VARIANTS=all_gpu,optimizer_offload ranks`; on one H200, the 7B delayed old_log_prob (1.0 s
-# against 0.14: the wait for the publisher, 0.37 s, and the kept layers' copy again, 0.28 s) with `PROFILE=1
+# Next, in priority order: `python3 -m pytest -m gpu tests/trainer/distributed/test_host_adamw.py` (bf16 gradients,
+# the update on the GPU and the split, all built after the budget ran out: never run on a GPU); on an
+# nvidia-h200-x2 machine `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed ranks`, then
+# `VARIANTS=all_gpu,optimizer_offload_gpu,optimizer_offload_both ranks` (never run: the delayed update on ranks,
+# HostAdamW's fused host arithmetic, the critic's host update beside the actor's, the update on the GPU over
+# streamed moments or split; whichever wins becomes auto on ranks), `VARIANTS=embedding_head_cpu ranks`,
+# `SHAPE=headline VARIANTS=all_gpu,optimizer_offload ranks`; on one H200, the 7B delayed old_log_prob (1.0 s against
+# 0.14: the wait for the publisher, 0.37 s, and the kept layers' copy again, 0.28 s) with `PROFILE=1
 # VARIANTS=all_gpu,offload_delayed e2e-headline`; RoPE fused in the decode.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,

@@ -15,6 +15,8 @@ The trained models (actor, critic) are placed as:
   during the next rollout, which samples with the weights from before it);
 - `optimizer_offload_gpu`: `optimizer_offload` with `optimizer_update: gpu` (AdamW's states on the host, streamed up
   to the GPU and back a slice at a time, the update on the GPU where the shards are: no gradient or update crosses);
+- `optimizer_offload_both`: `optimizer_offload` with `optimizer_update: both` (each step's parameters split between
+  the host's arithmetic and the GPU's over streamed moments);
 - `embedding_head_cpu`: `optimizer_offload` with the embedding's and the head's shards on the CPU too (their own
   FSDP2 units on CPUOffloadPolicy);
 - `fsdp2_cpu_offload`: every unit on FSDP2's CPUOffloadPolicy (`param_offload` and `optimizer_offload`), the
@@ -46,13 +48,14 @@ from benchmarks.environment import repository_first  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPOSITORY = Path(__file__).resolve().parents[1]
-VARIANTS = ("all_gpu", "optimizer_offload", "optimizer_offload_delayed", "optimizer_offload_gpu", "embedding_head_cpu",
-            "fsdp2_cpu_offload")
+VARIANTS = ("all_gpu", "optimizer_offload", "optimizer_offload_delayed", "optimizer_offload_gpu",
+            "optimizer_offload_both", "embedding_head_cpu", "fsdp2_cpu_offload")
 PLACEMENTS: dict[str, dict[str, Any]] = {
     "all_gpu": {},
     "optimizer_offload": {"optimizer_offload": True},
     "optimizer_offload_delayed": {"optimizer_offload": True, "delayed_update": True},
     "optimizer_offload_gpu": {"optimizer_offload": True, "optimizer_update": "gpu"},
+    "optimizer_offload_both": {"optimizer_offload": True, "optimizer_update": "both"},
     "embedding_head_cpu": {"optimizer_offload": True, "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}},
     "fsdp2_cpu_offload": {"optimizer_offload": True, "param_offload": True},
 }

@@ -1533,10 +1533,10 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
-    """What works on one rank only: the project's own offload engine (an offloaded update split between the GPU and
-    the host, the embedding cache) places whole models; several ranks update an offloaded optimizer with HostAdamW
-    (on the host: optimizer_update auto or cpu, delayed_update and bf16 host gradients too; or on the GPU over
-    moments streamed up: gpu, not delayed), and move their shards' decoder layers with
+    """What works on one rank only: the project's own offload engine (the embedding cache) places whole models;
+    several ranks update an offloaded optimizer with HostAdamW (on the host: optimizer_update auto or cpu,
+    delayed_update and bf16 host gradients too; on the GPU over moments streamed up, gpu, or split between the two,
+    both: not delayed), and move their shards' decoder layers with
     dynamic offload themselves (trainer/distributed/layer_moves.py). (Token-budget
     micro-batches work on several: every rank splits its share into as many, packing.plan_micro_batches; so does
     the static decoder: every rank decodes until every rank's rows have finished; and LoRA: FSDP2 shards the model
@@ -1544,21 +1544,17 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     world = world_size(config)
     why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
     found: list[tuple[str, object, object]] = []
-    for role, fsdp in config.fsdp_configs().items():
-        prefix = FSDP_PREFIX[role]
-        if fsdp.optimizer_update == "both":  # HostAdamW runs the update on the host or on the device, not split
-            found.append((f"{prefix}.optimizer_update", fsdp.optimizer_update, "auto, cpu or gpu"))
     section = config.actor_rollout_ref
     if section.rollout.embedding_cache.enabled:
         found.append(("actor_rollout_ref.rollout.embedding_cache.enabled", True, False))
     problems = [ConfigProblem(key, f"got {_yaml_value(value)}, which {why}; allowed: {_yaml_value(allowed)}")
                 for key, value, allowed in found]
     for role, fsdp in config.fsdp_configs().items():
-        if fsdp.optimizer_update == "gpu" and fsdp.delayed_update and fsdp.optimizer_offload:
+        if fsdp.optimizer_update in ("gpu", "both") and fsdp.delayed_update and fsdp.optimizer_offload:
             problems.append(ConfigProblem(
-                f"{FSDP_PREFIX[role]}.optimizer_update", "got gpu with delayed_update true; on several ranks the "
-                "update on the GPU changes the shards the rollout reads, so it cannot wait for the rollout to end; "
-                "allowed: auto or cpu (the host's update, delayed), or delayed_update false"))
+                f"{FSDP_PREFIX[role]}.optimizer_update", f"got {fsdp.optimizer_update} with delayed_update true; on "
+                "several ranks the update on the GPU changes the shards the rollout reads, so it cannot wait for the "
+                "rollout to end; allowed: auto or cpu (the host's update, delayed), or delayed_update false"))
     return problems
 
 

@@ -30,12 +30,16 @@ slice's fp32 bytes cover them), just before the kernel reads the slice, while it
 AdamW's of the gradient rounded to bf16 once a step; one rank's engine keeps its host gradients in bf16 across the
 micro-batches, so the two differ by that rounding. The direction still goes up in fp32.
 
-With `on_device` (fsdp_config.optimizer_update gpu) the update runs where the shard is instead: each step streams
-the moments up a slice at a time through a ring of device buffers, torch's fused AdamW updates the shard in place
-from its gradient, and the moments stream back. The bus then carries the moments, 8 bytes an element each way,
-where the host's update moves the gradient down and the direction up, 4 bytes each, and computes on the host's
-cores; the device never holds more of the moments than the ring. Not with `delayed` (the shard the rollout reads
-would change under it).
+With `update` "gpu" (fsdp_config.optimizer_update) the update runs where the shard is instead: each step streams the
+moments up a slice at a time through a ring of device buffers, torch's fused AdamW updates the shard in place from
+its gradient, and the moments stream back. The bus then carries the moments, 8 bytes an element each way, where the
+host's update moves the gradient down and the direction up, 4 bytes each, and computes on the host's cores; the
+device never holds more of the moments than the ring. With "both" each step splits the parameters between the two
+(trainer/offload/update_split.py, as one rank's engine splits its units: each path's seconds per element learned
+from the steps before): the host's gradients are queued down first, then the device's slices, and the host computes
+while the GPU streams. `delayed` then defers the host's share alone: the device's changes the shards at once, so the
+config refuses the actor's delayed_update with either (the rollout would read them); the critic's background update
+takes it (nothing reads the critic before the next values publish it).
 
 A unit kept on the CPU (param_offload) has its shards and gradients there already: the same arithmetic runs on
 them with no copy. The copies go through a CopyLog, as the offload engine's do: counted per direction and group,
@@ -47,6 +51,7 @@ arithmetic is torch.optim.AdamW's, equal to it to float32 rounding (tests/traine
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -56,6 +61,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainer.offload.copies import CopyLog
+from trainer.offload.update_split import UpdateSplit, UpdateTiming
 
 Sent = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]
 """A gradient on its way down: (parameter, its fp32 host buffer, its bf16 host buffer or None, the copy's end)."""
@@ -100,14 +106,21 @@ class HostAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, groups: Mapping[int, str] | None = None,
-                 delayed: bool = False, grad_dtype: torch.dtype = torch.float32, on_device: bool = False):
+                 delayed: bool = False, grad_dtype: torch.dtype = torch.float32, update: str = "cpu"):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         if grad_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"HostAdamW's grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
-        if on_device and delayed:
-            raise ValueError("HostAdamW's update on the device cannot be delayed: it changes the shards in place")
-        self.on_device = on_device
-        """fsdp_config.optimizer_update gpu: the moments stream up and the update runs where each shard is."""
+        if update not in ("cpu", "gpu", "both"):
+            raise ValueError(f"HostAdamW's update must be cpu, gpu or both, got {update!r}")
+        self.update = update
+        """fsdp_config.optimizer_update: cpu (the host's arithmetic), gpu (the moments stream up and the update runs
+        where each shard is) or both (each step splits the parameters between the two)."""
+        self.split = UpdateSplit.guessed(2 * 4) if update == "both" else None
+        """With "both": which parameters each step updates on the device (each moment's 4 bytes an element each
+        way) and which on the host."""
+        self._timing: tuple[int, float | Callable[[], float], int, float | Callable[[], float]] | None = None
+        self._background_seconds = 0.0
+        """The last split step's (device elements, its seconds or how to read them, host elements, host seconds)."""
         self._ring: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
         self._turn = 0
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
@@ -141,7 +154,7 @@ class HostAdamW(torch.optim.Optimizer):
         """AdamW's state of `parameter`, made at its first step; a state loaded elsewhere (a checkpoint's, on the
         parameter's device) is moved to the CPU once."""
         state = self.state[parameter]
-        pinned = self.on_device and _local(parameter).device.type == "cuda"
+        pinned = self.update != "cpu" and _local(parameter).device.type == "cuda"
         if not state:
             state.update(step=torch.tensor(0.0), exp_avg=host_zeros(parameter, pinned=pinned),
                          exp_avg_sq=host_zeros(parameter, pinned=pinned))
@@ -178,25 +191,63 @@ class HostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.publish()  # an update still pending lands before the next one
-        if self.on_device:
-            for group in self.param_groups:
-                self._step_on_device(group)
-            return loss
-        # Every gradient on its way down first (the copies queue on one stream); the host starts on each as soon as
-        # it has landed, while the later ones are still coming.
+        self._learn_split()
+        paths = self._paths()
+        # Every host gradient on its way down first (the copies queue on one stream), then the device path's slices;
+        # the host starts on each gradient as soon as it has landed, while the later ones are still coming.
         # Each group's hyperparameters as they are now: a scheduler changes them before a delayed update lands.
-        work = [({key: group[key] for key in ("betas", "lr", "eps", "weight_decay")}, self._send_down(group))
+        work = [({key: group[key] for key in ("betas", "lr", "eps", "weight_decay")},
+                 self._send_down([parameter for parameter in group["params"] if paths.get(parameter) == "host"]))
                 for group in self.param_groups]
+        device_elements = sum(_local(parameter).numel() for parameter, path in paths.items() if path == "device")
+        device_seconds = self._step_on_device(paths) if device_elements else 0.0
+        host_elements = sum(_local(parameter).numel() for parameter, path in paths.items() if path == "host")
+        if not host_elements:
+            self._timing = (device_elements, device_seconds, 0, 0.0) if self.split is not None else None
+            return loss
         if self.delayed:
             if self._worker is None:
                 # The host's arithmetic with as many threads as the trainer's (a new thread has OpenMP's default).
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="host-adamw",
                                                   initializer=torch.set_num_threads,
                                                   initargs=(torch.get_num_threads(),))
-            self._pending = self._worker.submit(self._host_arithmetic, work)
+
+            def timed_arithmetic() -> list[tuple[torch.Tensor, torch.Tensor, float, float]]:
+                started = time.perf_counter()
+                directions = self._host_arithmetic(work)
+                self._background_seconds = time.perf_counter() - started
+                return directions
+
+            self._pending = self._worker.submit(timed_arithmetic)
+            if self.split is not None:  # (read once `publish` has waited for it)
+                self._timing = (device_elements, device_seconds, host_elements, lambda: self._background_seconds)
         else:
-            self._apply(self._host_arithmetic(work))
+            started = time.perf_counter()
+            directions = self._host_arithmetic(work)
+            host_seconds = time.perf_counter() - started
+            if self.split is not None:
+                self._timing = (device_elements, device_seconds, host_elements, host_seconds)
+            self._apply(directions)
         return loss
+
+    def _paths(self) -> dict[torch.Tensor, str]:
+        """Where each parameter with a gradient is updated this step: "host" or "device"."""
+        parameters = [parameter for group in self.param_groups for parameter in group["params"]
+                      if parameter.grad is not None]
+        if self.split is None:
+            return dict.fromkeys(parameters, "host" if self.update == "cpu" else "device")
+        return dict(zip(parameters, self.split.assign([_local(parameter).numel() for parameter in parameters]),
+                        strict=True))
+
+    def _learn_split(self) -> None:
+        """The last split step's timings folded into the split (its device path's events have ended: `publish`)."""
+        timing, self._timing = self._timing, None
+        if timing is None or self.split is None:
+            return
+        device_elements, device_seconds, host_elements, host_seconds = timing
+        self.split.learn([
+            UpdateTiming("device", device_elements, device_seconds() if callable(device_seconds) else device_seconds),
+            UpdateTiming("host", host_elements, host_seconds() if callable(host_seconds) else host_seconds)])
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -218,11 +269,11 @@ class HostAdamW(torch.optim.Optimizer):
         self.publish()  # a checkpoint holds the states after the last step
         return super().state_dict()
 
-    def _send_down(self, group: dict[str, Any]) -> list[Sent]:
+    def _send_down(self, parameters: list[torch.Tensor]) -> list[Sent]:
         """Each parameter's gradient shard copied into its host buffer (in bf16: into the buffer's first half):
         (parameter, buffer, the bf16 gradient's view of the buffer or None, the copy's end)."""
         sent = []
-        for parameter in group["params"]:
+        for parameter in parameters:
             if parameter.grad is None:
                 continue
             grad = _local(parameter.grad)
@@ -276,13 +327,16 @@ class HostAdamW(torch.optim.Optimizer):
                 directions.append((parameter, buffer, group["lr"], group["weight_decay"]))
         return directions
 
-    def _step_on_device(self, group: dict[str, Any]) -> None:
-        """AdamW's step of the group's parameters where their shards are, the moments streamed up and back a slice
-        at a time (on a CPU the kernel reads the host's moments in place)."""
-        beta1, beta2 = group["betas"]
-        for parameter in group["params"]:
-            if parameter.grad is None:
-                continue
+    def _step_on_device(self, paths: dict[torch.Tensor, str]) -> float | Callable[[], float]:
+        """AdamW's step of the parameters whose path is "device", where their shards are, the moments streamed up
+        and back a slice at a time (on a CPU the kernel reads the host's moments in place). Returns its seconds, or
+        on a GPU how to read them once its copies have ended."""
+        started_at = time.perf_counter()
+        start: torch.cuda.Event | None = None
+        on_device = [(group, parameter) for group in self.param_groups for parameter in group["params"]
+                     if paths.get(parameter) == "device"]
+        for group, parameter in on_device:
+            beta1, beta2 = group["betas"]
             state = self._state(parameter)
             state["step"] += 1
             shard, grad = _local(parameter).view(-1), _local(parameter.grad).view(-1)
@@ -292,12 +346,26 @@ class HostAdamW(torch.optim.Optimizer):
                                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                                     eps=group["eps"], maximize=False, grad_scale=None, found_inf=None)
                 continue
+            if start is None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(torch.cuda.current_stream(shard.device))
             # The kernel reads its step count from device memory: made there, a fill, not a copy.
             step = torch.full((), float(state["step"]), dtype=torch.float32, device=shard.device)
-            for start in range(0, shard.numel(), DEVICE_SLICE_ELEMENTS):
-                end = min(start + DEVICE_SLICE_ELEMENTS, shard.numel())
-                self._device_slice(parameter, shard[start:end], grad[start:end],
-                                   [moment[start:end] for moment in moments], step, group, beta1, beta2)
+            for first in range(0, shard.numel(), DEVICE_SLICE_ELEMENTS):
+                last = min(first + DEVICE_SLICE_ELEMENTS, shard.numel())
+                self._device_slice(parameter, shard[first:last], grad[first:last],
+                                   [moment[first:last] for moment in moments], step, group, beta1, beta2)
+        if start is None:
+            return time.perf_counter() - started_at
+        assert self._streams is not None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self._streams[1])  # after the last slice's moments are back
+
+        def seconds() -> float:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return seconds
 
     def _device_slice(self, parameter: torch.Tensor, shard: torch.Tensor, grad: torch.Tensor,
                       moments: list[torch.Tensor], step: torch.Tensor, group: dict[str, Any], beta1: float,

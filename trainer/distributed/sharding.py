@@ -103,18 +103,22 @@ def shard_model(model: nn.Module, fsdp_config: FSDPConfig, ranks: Ranks, *, role
                 mp_policy=precision)
     line = describe_sharding(role, ranks.world_size, on_cpu, parts)
     if fsdp_config.optimizer_offload and any(parameter.requires_grad for parameter in model.parameters()):
-        line += ("; AdamW's states on the CPU (optimizer_offload)" if fsdp_config.optimizer_update == "gpu" else
+        line += ("; AdamW's states on the CPU (optimizer_offload)" if fsdp_config.optimizer_update in ("gpu", "both")
+                 else
                  "; AdamW's states and arithmetic on the CPU (optimizer_offload: each step copies the gradient "
                  "shards down and the update up)")
         if fsdp_config.optimizer_update == "gpu":
             line += ("; the update runs on the device over the moments streamed up and back (optimizer_update gpu: no "
                      "gradient or update crosses)")
+        elif fsdp_config.optimizer_update == "both":
+            line += ("; each step splits the update between the host's arithmetic and the device's over the moments "
+                     "streamed up (optimizer_update both)")
         elif fsdp_config.offload_grad_dtype == "bf16":
             line += "; the gradient shards go down in bf16 (offload_grad_dtype)"
         if fsdp_config.delayed_update:
             line += ("; the host computes each step's update during the next rollout, which samples with the weights "
                      "from before it (delayed_update)")
-        elif role == "critic" and fsdp_config.optimizer_update != "gpu":
+        elif role == "critic" and fsdp_config.optimizer_update in ("auto", "cpu"):
             line += ("; the host computes its update beside the actor's, and the next values apply it first")
     if precision.param_dtype is not None:
         line += (f"; fp32 masters of the {_dtype_name(precision.param_dtype)} weights, which the forward and "

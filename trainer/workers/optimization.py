@@ -51,20 +51,20 @@ def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: Offload
     `fsdp_config` asks for optimizer_offload, HostAdamW: its moments and arithmetic on the CPU, the parameters where
     they are (its copies recorded by the model's module groups). With `background` (the critic's) or the config's
     delayed_update, HostAdamW's host arithmetic runs in a thread of its own and `publish` applies it; with
-    optimizer_update gpu, the update runs on the device over moments streamed up and back (queued on the GPU: no
-    thread needed)."""
+    optimizer_update gpu or both, the update (both: part of it) runs on the device over moments streamed up and back
+    (queued on the GPU: no thread needed)."""
     if engine is not None:
         # Per-layer parameter groups, and the update on the CPU when optimizer_offload is set.
         return engine.optimizer(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     if fsdp_config is not None and fsdp_config.optimizer_offload:
         parts = find_parts(model, fsdp_config.wrap_policy.transformer_layer_cls_to_wrap)
-        on_device = fsdp_config.optimizer_update == "gpu"  # (with delayed_update: refused at config load)
-        delayed = (fsdp_config.delayed_update or background) and not on_device
+        # (delayed_update with the update on the GPU, gpu or both: refused at config load.)
+        update = "cpu" if fsdp_config.optimizer_update == "auto" else fsdp_config.optimizer_update
         return HostAdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
-                         groups=parameter_groups(parts), delayed=delayed,
+                         groups=parameter_groups(parts), delayed=fsdp_config.delayed_update or background,
                          grad_dtype=torch.bfloat16 if fsdp_config.offload_grad_dtype == "bf16" else torch.float32,
-                         on_device=on_device)
+                         update=update)
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 

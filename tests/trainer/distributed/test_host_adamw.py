@@ -62,18 +62,19 @@ def test_a_state_dict_round_trip_resumes_the_same_steps():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize(("grad_dtype", "on_device"), [(torch.float32, False), (torch.bfloat16, False),
-                                                       (torch.float32, True)], ids=["fp32", "bf16", "on_device"])
-def test_on_a_gpu_the_parameters_stay_there_and_the_moments_live_on_the_cpu(grad_dtype, on_device, monkeypatch):
-    """The host's update (its gradients down in fp32 or bf16) and the device's (optimizer_update gpu: the moments
+@pytest.mark.parametrize(("grad_dtype", "update"), [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
+                                                    (torch.float32, "gpu"), (torch.float32, "both")],
+                         ids=["fp32", "bf16", "on_the_device", "split"])
+def test_on_a_gpu_the_parameters_stay_there_and_the_moments_live_on_the_cpu(grad_dtype, update, monkeypatch):
+    """The host's update (its gradients down in fp32 or bf16), the device's (optimizer_update gpu: the moments
     streamed up and back in slices of 8 elements through a ring of 2 buffers here, so that the ring turns within a
-    parameter and across them)."""
+    parameter and across them) and the two at once (both: the split learns from the steps' timings)."""
     from trainer.distributed import host_adamw
 
     monkeypatch.setattr(host_adamw, "DEVICE_SLICE_ELEMENTS", 8)
     monkeypatch.setattr(host_adamw, "DEVICE_RING", 2)
     expected, _ = steps(torch.optim.AdamW if grad_dtype == torch.float32 else RoundedAdamW, "cuda")
-    actual, host = steps(HostAdamW, "cuda", grad_dtype=grad_dtype, on_device=on_device)
+    actual, host = steps(HostAdamW, "cuda", grad_dtype=grad_dtype, update=update)
     host.publish()  # (the moments' last copies back)
     for mine, theirs in zip(actual, expected, strict=True):
         assert mine.device.type == "cuda"
@@ -81,8 +82,12 @@ def test_on_a_gpu_the_parameters_stay_there_and_the_moments_live_on_the_cpu(grad
     devices = {value.device.type for state in host.state.values() for key, value in state.items() if key != "step"}
     assert devices == {"cpu"}
     assert all(buffer.is_pinned() for buffer in host._buffers.values())
-    if on_device:
-        assert not host._buffers and all(state["exp_avg"].is_pinned() for state in host.state.values())
+    if update != "cpu":
+        assert all(state["exp_avg"].is_pinned() for state in host.state.values())
+    if update == "gpu":
+        assert not host._buffers
+    if update == "both":
+        assert host.split is not None and host.split.measured == {"device", "host"}
 
 
 def test_each_step_counts_a_gradient_copy_down_and_an_update_up_per_parameter_by_group_for_the_offload_report():
@@ -155,17 +160,37 @@ def test_bf16_gradients_go_down_at_half_the_bytes_and_update_as_adamw_of_the_rou
         HostAdamW(actual, lr=1e-2, grad_dtype=torch.float16)
 
 
-def test_the_update_where_the_shards_are_equals_torchs_adamw_and_is_never_delayed():
+@pytest.mark.parametrize("update", ["gpu", "both"])
+def test_the_update_where_the_shards_are_or_split_with_the_host_equals_torchs_adamw(update):
     """optimizer_update gpu on several ranks: the update runs on each shard's device over AdamW's host moments (on a
-    CPU, in place); the same steps and states as torch's AdamW, no host buffer. It cannot be delayed: it changes the
-    shards the rollout would read."""
+    CPU, in place), no host buffer; both: each step splits the parameters between that and the host's arithmetic by
+    each path's seconds per element, learned from the steps before. The same steps and states as torch's AdamW."""
     expected, adamw = steps(torch.optim.AdamW, "cpu")
-    actual, host = steps(HostAdamW, "cpu", on_device=True)
+    actual, host = steps(HostAdamW, "cpu", update=update)
     for mine, theirs in zip(actual, expected, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
     for parameter, reference in zip(actual, expected, strict=True):
         assert float(host.state[parameter]["step"]) == float(adamw.state[reference]["step"])
         torch.testing.assert_close(host.state[parameter]["exp_avg"], adamw.state[reference]["exp_avg"])
-    assert not host._buffers
-    with pytest.raises(ValueError, match="update on the device cannot be delayed"):
-        HostAdamW(actual, lr=1e-2, on_device=True, delayed=True)
+    if update == "gpu":
+        assert not host._buffers and host.split is None
+    else:
+        assert host.split is not None and host.split.measured  # it learned from the steps' timings
+    with pytest.raises(ValueError, match="update must be cpu, gpu or both"):
+        HostAdamW(actual, lr=1e-2, update="auto")
+
+
+def test_a_split_update_sends_each_parameter_down_the_path_the_split_assigns_it():
+    """both: a parameter the split gives the host is updated from its gradient sent down (it has a host buffer), one
+    it gives the device is not; the step the host would end last goes to the device."""
+    from trainer.offload.update_split import UpdateSplit
+
+    parameters = [torch.zeros(100, requires_grad=True), torch.zeros(10, requires_grad=True)]
+    optimizer = HostAdamW(parameters, lr=1e-2, update="both")
+    optimizer.split = UpdateSplit({"device": 1e-9, "host": 1e-9})  # equal speeds: 100 to the device, 10 to the host
+    for parameter in parameters:
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    assert set(optimizer._buffers) == {parameters[1]}
+    assert optimizer.split.last_assignment == ["device", "host"]
+    assert all(float(optimizer.state[parameter]["step"]) == 1 for parameter in parameters)

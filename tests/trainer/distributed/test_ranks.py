@@ -395,14 +395,16 @@ def test_bf16_host_gradients_on_two_ranks_train_with_the_gradient_shards_down_in
 
 
 def test_the_update_on_the_gpu_over_streamed_moments_on_two_ranks_trains_the_weights_of_the_hosts(tmp_path):
-    """optimizer_update gpu with optimizer_offload on two ranks (refused there before): HostAdamW updates each shard
-    where it is, over AdamW's moments streamed up from the host and back (on CPU ranks, in place), and trains the same
-    step-3 actor as the host's update (optimizer_update cpu)."""
-    for name, where in (("device", "gpu"), ("host", "cpu")):
+    """optimizer_update gpu and both with optimizer_offload on two ranks (refused there before): HostAdamW updates
+    each shard where it is, over AdamW's moments streamed up from the host and back (on CPU ranks, in place), or splits
+    each step's parameters between that and the host's arithmetic, and trains the same step-3 actor as the host's
+    update (optimizer_update cpu)."""
+    for name, where in (("device", "gpu"), ("split", "both"), ("host", "cpu")):
         finished = launch(2, tmp_path, name, *OPTIMIZER_OFFLOAD, "trainer.save_freq=3",
                           f"actor_rollout_ref.actor.fsdp_config.optimizer_update={where}")
         assert finished.returncode == 0, finished.stderr[-4000:]
         output = finished.stdout + finished.stderr
         assert ("the update runs on the device over the moments streamed up and back" in output) == (where == "gpu")
-    device, host = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3") for run in ("device", "host"))
-    assert largest_difference(device, host) < TOLERANCE
+    device, split, host = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3")
+                           for run in ("device", "split", "host"))
+    assert largest_difference(device, host) < TOLERANCE and largest_difference(split, host) < TOLERANCE
