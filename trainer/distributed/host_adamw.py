@@ -64,7 +64,8 @@ from trainer.offload.copies import CopyLog
 from trainer.offload.update_split import UpdateSplit, UpdateTiming
 
 Sent = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]
-"""A gradient on its way down: (parameter, its fp32 host buffer, its bf16 host buffer or None, the copy's end)."""
+"""A gradient on its way down: (parameter, its fp32 host buffer, the bf16 view of that buffer's first half it comes
+down into or None, the copy's end)."""
 
 DEVICE_SLICE_ELEMENTS = 1 << 24
 """The moments' slice that one buffer of the device path's ring holds (64 MB each moment in fp32)."""
@@ -119,8 +120,10 @@ class HostAdamW(torch.optim.Optimizer):
         """With "both": which parameters each step updates on the device (each moment's 4 bytes an element each
         way) and which on the host."""
         self._timing: tuple[int, float | Callable[[], float], int, float | Callable[[], float]] | None = None
+        """The last split step's (device elements, its seconds or how to read them, host elements, host seconds or
+        how to read them), folded into the split at the next step."""
         self._background_seconds = 0.0
-        """The last split step's (device elements, its seconds or how to read them, host elements, host seconds)."""
+        """The last host arithmetic's seconds in the background thread (`delayed`)."""
         self._ring: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
         self._turn = 0
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None

@@ -147,14 +147,14 @@ class OffloadEngine:
         """Runs the optimizer update of the offloaded units on the device (device_update.py); None: on the CPU."""
         self.device_worker = HostWorker(cuda=self.streams.cuda, role=f"{role}-device-update",
                                         threads=self.options.worker_threads) if self.device_update else None
+        """The device path's own thread: its updates run beside the host worker's (which lands gradients and
+        runs the host path), each path's units in the order they were submitted."""
         self.publisher = HostWorker(cuda=self.streams.cuda, role=f"{role}-publish",
                                     threads=self.options.worker_threads) if delayed_update else None
         """Under a delayed update: writes each unit's updated masters into its arena once the rollout's stale reads
         end, in forward order, while the first forward after them runs (each of its reads waits for its own unit
         only), instead of that forward writing each on the main thread while the GPU waits (`stale_reads`)."""
         self._publishing: Future[Any] | None = None
-        """The device path's own thread: its updates run beside the host worker's (which lands gradients and
-        runs the host path), each path's units in the order they were submitted."""
         self.update_split = UpdateSplit.guessed(self.device_update.bytes_each_way()) \
             if self.device_update is not None and self.layout.split_update else None
         """With optimizer_update both: which units each step updates on the device and which on the host."""
