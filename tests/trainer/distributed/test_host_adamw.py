@@ -180,6 +180,18 @@ def test_the_update_where_the_shards_are_or_split_with_the_host_equals_torchs_ad
         HostAdamW(actual, lr=1e-2, update="auto")
 
 
+def test_a_split_update_whose_host_share_runs_in_the_background_is_torchs_adamw_once_published():
+    """The critic's HostAdamW on several ranks with optimizer_update both: the device's share changes the shards at
+    once, the host's runs in a thread of its own and lands at `publish` (the next values, the next step); published,
+    the same as torch's AdamW, and the split learned the host's seconds from that thread."""
+    expected, _ = steps(torch.optim.AdamW, "cpu")
+    actual, host = steps(HostAdamW, "cpu", update="both", delayed=True)
+    host.publish()
+    for mine, theirs in zip(actual, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    assert host.split is not None and "host" in host.split.measured
+
+
 def test_a_split_update_sends_each_parameter_down_the_path_the_split_assigns_it():
     """both: a parameter the split gives the host is updated from its gradient sent down (it has a host buffer), one
     it gives the device is not; the step the host would end last goes to the device."""
