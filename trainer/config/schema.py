@@ -1533,22 +1533,23 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
-    """What works on one rank only: the project's own offload engine (the embedding cache) places whole models;
-    several ranks update an offloaded optimizer with HostAdamW (on the host: optimizer_update auto or cpu,
-    delayed_update and bf16 host gradients too; on the GPU over moments streamed up, gpu, or split between the two,
-    both: not delayed), and move their shards' decoder layers with
-    dynamic offload themselves (trainer/distributed/layer_moves.py). (Token-budget
+    """What works on one rank only: the embedding cache (one rank's rollout looks rows up on the host). Several
+    ranks update an offloaded optimizer with HostAdamW (on the host: optimizer_update auto or cpu, delayed_update
+    and bf16 host gradients too; on the GPU over moments streamed up, gpu, or split between the two, both: neither
+    delayed), and move their shards' decoder layers with dynamic offload themselves
+    (trainer/distributed/layer_moves.py). (Token-budget
     micro-batches work on several: every rank splits its share into as many, packing.plan_micro_batches; so does
     the static decoder: every rank decodes until every rank's rows have finished; and LoRA: FSDP2 shards the model
     with its adapter's layers.)"""
     world = world_size(config)
     why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
-    found: list[tuple[str, object, object]] = []
-    section = config.actor_rollout_ref
-    if section.rollout.embedding_cache.enabled:
-        found.append(("actor_rollout_ref.rollout.embedding_cache.enabled", True, False))
-    problems = [ConfigProblem(key, f"got {_yaml_value(value)}, which {why}; allowed: {_yaml_value(allowed)}")
-                for key, value, allowed in found]
+    problems = []
+    if config.actor_rollout_ref.rollout.embedding_cache.enabled:
+        # Several ranks' rollout reads an embedding gathered whole onto each GPU (FSDP2's all-gather of the unit,
+        # or the whole weights held for the rollout): no row is looked up on the host, so there is nothing to cache.
+        problems.append(ConfigProblem("actor_rollout_ref.rollout.embedding_cache.enabled",
+                                      f"got true, which {why}: several ranks' rollout gathers the whole embedding "
+                                      "onto each GPU, so no row is looked up on the host; allowed: false"))
     for role, fsdp in config.fsdp_configs().items():
         if fsdp.optimizer_update in ("gpu", "both") and fsdp.delayed_update and fsdp.optimizer_offload:
             problems.append(ConfigProblem(
@@ -1556,10 +1557,6 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
                 "several ranks the update on the GPU changes the shards the rollout reads, so it cannot wait for the "
                 "rollout to end; allowed: auto or cpu (the host's update, delayed), or delayed_update false"))
     return problems
-
-
-def _yaml_value(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # ------------------------------------------------------------------------------------------- YAML
