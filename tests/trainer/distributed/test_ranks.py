@@ -379,32 +379,43 @@ def test_the_critics_host_update_on_two_ranks_runs_beside_the_actors_and_trains_
     assert largest_difference(one, two) < TOLERANCE
 
 
-def test_bf16_host_gradients_on_two_ranks_train_with_the_gradient_shards_down_in_bf16(tmp_path):
-    """offload_grad_dtype bf16 with optimizer_offload on two ranks (refused there before): each gradient shard,
-    accumulated and reduced in fp32 on the device, goes down to HostAdamW in bf16 (half the bytes) and AdamW takes the
-    gradient rounded to bf16 (test_host_adamw.py holds it to torch's AdamW of the rounded gradient). The run trains,
-    and its weights differ from the fp32 gradients' run by that rounding alone (the option takes effect)."""
-    for name, grad_dtype in (("bf16", "bf16"), ("fp32", "fp32")):
-        finished = launch(2, tmp_path, name, *OPTIMIZER_OFFLOAD, "trainer.save_freq=3",
-                          f"actor_rollout_ref.actor.fsdp_config.offload_grad_dtype={grad_dtype}")
+@pytest.fixture(scope="module")
+def host_adamw_runs(tmp_path_factory) -> Path:
+    """Two ranks, a bf16 actor with optimizer_offload, 3 steps: HostAdamW's update on the host (host), on the GPU over
+    streamed moments (device: optimizer_update gpu), split between them (split: both), and on the host from bf16
+    gradient shards (bf16: offload_grad_dtype). Each run's output is in <run>/output.txt."""
+    root = tmp_path_factory.mktemp("host_adamw")
+    for name, setting in (("host", "optimizer_update=cpu"), ("device", "optimizer_update=gpu"),
+                          ("split", "optimizer_update=both"), ("bf16", "offload_grad_dtype=bf16")):
+        finished = launch(2, root, name, *OPTIMIZER_OFFLOAD, "trainer.save_freq=3",
+                          f"actor_rollout_ref.actor.fsdp_config.{setting}")
         assert finished.returncode == 0, finished.stderr[-4000:]
-        said = "the gradient shards go down in bf16 (offload_grad_dtype)" in finished.stdout + finished.stderr
-        assert said == (grad_dtype == "bf16")
-    bf16, fp32 = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3") for run in ("bf16", "fp32"))
-    assert 0 < largest_difference(bf16, fp32) < 0.01
+        (root / name / "output.txt").write_text(finished.stdout + finished.stderr)
+    return root
 
 
-def test_the_update_on_the_gpu_over_streamed_moments_on_two_ranks_trains_the_weights_of_the_hosts(tmp_path):
+def test_the_update_on_the_gpu_over_streamed_moments_on_two_ranks_trains_the_weights_of_the_hosts(host_adamw_runs):
     """optimizer_update gpu and both with optimizer_offload on two ranks (refused there before): HostAdamW updates
     each shard where it is, over AdamW's moments streamed up from the host and back (on CPU ranks, in place), or splits
     each step's parameters between that and the host's arithmetic, and trains the same step-3 actor as the host's
     update (optimizer_update cpu)."""
-    for name, where in (("device", "gpu"), ("split", "both"), ("host", "cpu")):
-        finished = launch(2, tmp_path, name, *OPTIMIZER_OFFLOAD, "trainer.save_freq=3",
-                          f"actor_rollout_ref.actor.fsdp_config.optimizer_update={where}")
-        assert finished.returncode == 0, finished.stderr[-4000:]
-        output = finished.stdout + finished.stderr
-        assert ("the update runs on the device over the moments streamed up and back" in output) == (where == "gpu")
-    device, split, host = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3")
+    said = {name: "the update runs on the device over the moments streamed up and back"
+            in (host_adamw_runs / name / "output.txt").read_text() for name in ("device", "split", "host")}
+    assert said == {"device": True, "split": False, "host": False}
+    assert "each step splits the update between the host's arithmetic and the device's" in \
+        (host_adamw_runs / "split" / "output.txt").read_text()
+    device, split, host = (actor_weights(host_adamw_runs / run / "checkpoints" / "global_step_3")
                            for run in ("device", "split", "host"))
     assert largest_difference(device, host) < TOLERANCE and largest_difference(split, host) < TOLERANCE
+
+
+def test_bf16_host_gradients_on_two_ranks_train_with_the_gradient_shards_down_in_bf16(host_adamw_runs):
+    """offload_grad_dtype bf16 with optimizer_offload on two ranks (refused there before): each gradient shard,
+    accumulated and reduced in fp32 on the device, goes down to HostAdamW in bf16 (half the bytes) and AdamW takes the
+    gradient rounded to bf16 (test_host_adamw.py holds it to torch's AdamW of the rounded gradient). The run trains,
+    and its weights differ from the fp32 gradients' run by that rounding alone (the option takes effect)."""
+    said = {name: "the gradient shards go down in bf16 (offload_grad_dtype)"
+            in (host_adamw_runs / name / "output.txt").read_text() for name in ("bf16", "host")}
+    assert said == {"bf16": True, "host": False}
+    bf16, fp32 = (actor_weights(host_adamw_runs / run / "checkpoints" / "global_step_3") for run in ("bf16", "host"))
+    assert 0 < largest_difference(bf16, fp32) < 0.01
