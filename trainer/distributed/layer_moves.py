@@ -31,14 +31,18 @@ from torch.distributed.tensor import DTensor
 from trainer.distributed.host_adamw import shard_like
 
 
-def fsdp_params_of(unit: FSDPModule) -> list[Any]:
-    """The unit's FSDPParams (FSDP2's per-parameter records: one parameter group a unit in torch 2.11, a list of
-    them in 2.13)."""
+def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
+    """The unit's FSDPParamGroups (one a unit in torch 2.11, a list of them in 2.13; none without parameters)."""
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
+    return list(groups)
+
+
+def fsdp_params_of(unit: FSDPModule) -> list[Any]:
+    """The unit's FSDPParams (FSDP2's per-parameter records, in its parameter groups)."""
+    return [fsdp_param for group in fsdp_param_groups(unit) for fsdp_param in group.fsdp_params]
 
 
 def _moved_dtensor(tensor: DTensor, device: torch.device) -> DTensor:

@@ -11,8 +11,12 @@ FSDP2 makes that copy in `FSDPParam.all_gather_inputs`, on its all-gather copy-i
 parameter (the foreach fast path takes only parameters on the device). Each FSDPParam of a watched model becomes
 an instance of a subclass whose `all_gather_inputs` runs FSDP2's own through a CopyLog, the offload engine's: every
 copy counted by direction and group, one in a stride timed with CUDA events on that stream. Written against
-FSDP2's FSDPParam because torch has no hook around its copies. The gradient shards' copies down after the
-reduce-scatter are not counted: FSDP2 overlaps them with the backward only while no hook watches the gradient.
+FSDP2's FSDPParam because torch has no hook around its copies.
+
+The gradient shards' copies down after each reduce-scatter (one per offloaded parameter a backward, made in FSDP2's
+foreach_reduce) are counted, not timed: each unit's parameter group's `post_backward` is wrapped, and the shards it
+reduced count once it returns. A hook on the gradient would see them one by one, but FSDP2 overlaps the copy with
+the backward only while no such hook exists, and nothing here can time a copy FSDP2 queues itself.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 
-from trainer.distributed.layer_moves import fsdp_params_of
-from trainer.offload.copies import H2D, CopyLog
+from trainer.distributed.layer_moves import fsdp_param_groups, fsdp_params_of
+from trainer.offload.copies import D2H, H2D, CopyLog
 
 
 class _CountedFSDPParam(FSDPParam):
@@ -49,8 +53,9 @@ class _CountedFSDPParam(FSDPParam):
 
 
 def watch_shard_copies(model: nn.Module, copies: CopyLog, groups: Mapping[int, str]) -> None:
-    """Count (and time a sample of) the copies up of sharded `model`'s offloaded shards in `copies`, each under its
-    parameter's group (`groups`: by the sharded parameter's id, groups.parameter_groups; else "other")."""
+    """Count (and time a sample of) the copies up of sharded `model`'s offloaded shards in `copies`, and count the
+    copies down of their gradient shards, each under its parameter's group (`groups`: by the sharded parameter's id,
+    groups.parameter_groups; else "other")."""
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -59,3 +64,30 @@ def watch_shard_copies(model: nn.Module, copies: CopyLog, groups: Mapping[int, s
                 fsdp_param.__class__ = _CountedFSDPParam
             fsdp_param.copies = copies
             fsdp_param.copy_group = groups.get(id(fsdp_param.sharded_param), "other")
+        for param_group in fsdp_param_groups(module):
+            _count_gradient_copies(param_group, copies)
+
+
+def _count_gradient_copies(param_group: Any, copies: CopyLog) -> None:
+    """Wrap `param_group`'s post_backward so that the gradient shards it reduces to the host count as copies down."""
+    if getattr(param_group, "_counts_gradient_copies", False):
+        return
+    post_backward = param_group.post_backward
+
+    def counted(*args: Any) -> Any:
+        # The parameters FSDP2's post_backward reduces: those with a gradient of this backward (or one accumulated
+        # unreduced), as it picks them.
+        sent = [fsdp_param for fsdp_param in param_group.fsdp_params
+                if fsdp_param.offload_to_cpu and hasattr(fsdp_param, "_unsharded_param")
+                and (fsdp_param.unsharded_accumulated_grad is not None or fsdp_param.unsharded_param.grad is not None)]
+        result = post_backward(*args)
+        if param_group.reduce_grads:
+            for fsdp_param in sent:
+                grad = fsdp_param.sharded_param.grad
+                if grad is not None:
+                    local = grad.to_local() if hasattr(grad, "to_local") else grad
+                    copies.count(D2H, getattr(fsdp_param, "copy_group", "other"), local.numel() * local.element_size())
+        return result
+
+    param_group.post_backward = counted
+    param_group._counts_gradient_copies = True

@@ -96,6 +96,13 @@ class CopyLog:
         self._counts_drained: dict[tuple[str, str], int] = {}  # `counts` and `totals` at the last drain_counts
         self._totals_drained: dict[tuple[str, str], int] = {}
 
+    def count(self, direction: str, group: str, nbytes: int) -> None:
+        """A copy made where no event here can time it (FSDP2's of a gradient shard to the host): counted only."""
+        key = (direction, group)
+        with self._lock:
+            self.totals[key] = self.totals.get(key, 0) + nbytes
+            self.counts[key] = self.counts.get(key, 0) + 1
+
     def timed(self, direction: str, group: str, nbytes: int, stream: torch.cuda.Stream | None,
               copy: Callable[[], object]) -> torch.cuda.Event | None:
         """Run `copy` on `stream`, count it (time it if sampled), and return the event that marks

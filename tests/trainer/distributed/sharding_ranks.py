@@ -278,9 +278,17 @@ def main(out: Path) -> None:
             results[name]["difference"] = largest_difference(model, whole)
             # The check can fail: a step moves the weights by far more than the tolerance.
             results[name]["moved"] = largest_difference(model, tiny_model(kind))
-        if trains:  # the copies up FSDP2 made of the shards on the CPU, by group: [copies, bytes]
-            results[name]["copies"] = {row["group"]: [row["copies"], row["bytes"]] for row in copies.drain_counts()
+        if trains:  # the copies FSDP2 made of the shards on the CPU (up) and of their gradients (down), by group
+            rows = copies.drain_counts()
+            results[name]["copies"] = {row["group"]: [row["copies"], row["bytes"]] for row in rows
                                        if row["direction"] == "h2d"}
+            results[name]["gradient_copies"] = {row["group"]: [row["copies"], row["bytes"]] for row in rows
+                                                if row["direction"] == "d2h"}
+            # Each trained shard's gradient bytes on this rank (what one backward sends down of the offloaded ones).
+            results[name]["gradient_bytes"] = sum(
+                local.numel() * local.element_size() for local in
+                ((parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad)
+                 for parameter in model.parameters() if parameter.grad is not None))
     results["decode"] = decode_checks(ranks)
     results["moves"] = moves_checks(ranks, share)
     # A frozen weight (as a LoRA adapter's base) keeps the model's dtype beside the fp32 masters of the trained ones.

@@ -209,3 +209,10 @@ def test_fsdp2s_copies_of_the_shards_on_the_cpu_are_counted_per_group(reports, c
             # A unit gathers for the forward and again for the backward; the root (a tied table) keeps its whole
             # weights from its forward to its backward, as FSDP2 keeps the root's.
             assert count >= (1 if case.startswith("tied/") else 2) and nbytes > 0, (group, count)
+        # Their gradient shards' copies down after the backward's reduce-scatter: counted too (not timed), one per
+        # offloaded parameter; with every unit on the CPU, all of this rank's gradient bytes.
+        gradient_copies = report[case]["gradient_copies"]
+        assert set(gradient_copies) == expected
+        assert all(count >= 1 and nbytes > 0 for count, nbytes in gradient_copies.values())
+        if case == "untied/optimizer_and_param_offload":
+            assert sum(nbytes for _, nbytes in gradient_copies.values()) == report[case]["gradient_bytes"]
