@@ -184,10 +184,10 @@ def test_peak_device_memory_drops_by_at_least_the_bytes_moved_off(name):
     {"model_dtype": "bf16", "optimizer_offload": True, "offload_policy": {"embedding": "cpu", "lm_head": "cpu"}},
     {"model_dtype": "bf16", "optimizer_offload": True, "dynamic_offload": {"enabled": True}},
 ], ids=["layered", "dynamic"])
-@pytest.mark.parametrize("update", ["cpu", "both"])
+@pytest.mark.parametrize("update", ["cpu", "gpu", "both"])
 def test_a_delayed_update_runs_while_a_rollout_reads_the_weights_before_it(settings, update):
-    """fsdp_config.delayed_update on CUDA, where the update runs on the engine's worker threads (the host's, and
-    with `both` the device path's too, auto's pick): a forward inside stale_reads gives the logits from before the
+    """fsdp_config.delayed_update on CUDA, where the update runs on the engine's worker threads (the host's, the
+    device path's, or both, auto's pick): a forward inside stale_reads gives the logits from before the
     update (resident and streamed layers alike), the first one after it those of the same run without the delay,
     to the bit."""
     def build(delayed: bool):
