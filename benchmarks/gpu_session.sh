@@ -89,7 +89,7 @@
 # Next, in priority order: `python3 -m pytest -m gpu tests/trainer/distributed/test_layer_moves.py` (30 s; issue
 # 16); on an nvidia-h200-x2 machine when one is lent, `ranks` (issue 16's anchor; add dynamic offload to it); the
 # split update under delayed_update (7B delayed: old_log_prob waits 2.1 s for a host-only update; `auto` picks the
-# host alone there on a guess never measured), measured with `VARIANTS=all_gpu,offload_delayed,offload_delayed_both
+# host alone there on a guess never measured), measured with `VARIANTS=all_gpu,offload_delayed_host,offload_delayed
 # STEPS=4 WARMUP=2 PROFILE=1 e2e-headline` and the same at e2e-ppo3b; if it wins, `auto` = both under it; the 3B update phase's
 # critic update beside the actor's backward; RoPE fused in the decode.
 # Run 2026-12-04 11:22-11:58 on nvidia-h200-x2 (results in benchmarks/results/ranks-ppo3b-h200x2-2026-12-04T11*,
@@ -98,7 +98,7 @@
 # one GPU (gen synced at 64 ms a token; the host AdamW on one core: both fixed), then all_gpu 2.06 s, optimizer_offload
 # 4.54 s, FSDP2 CPUOffloadPolicy about 17 s. One call (128 s) was lost to a machine taken back. No budget was left for
 # the single-GPU stages below.
-# Next, in priority order: `VARIANTS=all_gpu,offload_delayed,offload_delayed_both STEPS=4 WARMUP=2 PROFILE=1
+# Next, in priority order: `VARIANTS=all_gpu,offload_delayed_host,offload_delayed STEPS=4 WARMUP=2 PROFILE=1
 # e2e-headline` and the same at e2e-ppo3b (the split update under delayed_update; if it wins, auto = both there);
 # on an nvidia-h200-x2 machine `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed ranks` (the delayed update
 # on ranks and HostAdamW's host arithmetic in one fused pass, both built 2026-12-04 after the budget ran out: never run

@@ -93,6 +93,7 @@ from trainer.rollout.hf_rollout import HFRollout
 from trainer.rollout.prompts import encode_prompts
 from trainer.workers.actor import Actor, compute_log_probs
 from trainer.workers.critic import Critic
+from trainer.workers.optimization import publish_pending
 from trainer.workers.recovery import run_in_pieces
 from trainer.workers.sequence_split import SequenceSplit
 
@@ -780,9 +781,7 @@ class Trainer:
         too, before a checkpoint and validation, so that the run after a checkpoint samples as one resumed from it
         does (elsewhere each of its units publishes at its first read, while the later ones still update)."""
         for role, worker in ((Role.ACTOR, self.actor), (Role.CRITIC, self.critic)):
-            publish = getattr(getattr(worker, "optimizer", None), "publish", None)
-            if publish is not None:
-                publish()
+            publish_pending(getattr(worker, "optimizer", None))
             engine = self.memory.engine(role) if engines and worker is not None else None
             if engine is not None:
                 engine.publish_updates()

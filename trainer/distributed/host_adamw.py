@@ -54,7 +54,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -63,12 +63,16 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from trainer.offload.copies import CopyLog
 from trainer.offload.update_split import UpdateSplit, UpdateTiming
 
+if TYPE_CHECKING:
+    from trainer.offload.engine import UpdateMode
+
 Sent = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]
 """A gradient on its way down: (parameter, its fp32 host buffer, the bf16 view of that buffer's first half it comes
 down into or None, the copy's end)."""
 
 DEVICE_SLICE_ELEMENTS = 1 << 24
-"""The moments' slice that one buffer of the device path's ring holds (64 MB each moment in fp32)."""
+"""The moments' slice that one buffer of the device path's ring holds (64 MB each moment in fp32; less where no
+parameter's shard is as large)."""
 DEVICE_RING = 3
 """Buffers in the device path's ring: one slice coming up, one updating, one going down."""
 
@@ -107,7 +111,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, groups: Mapping[int, str] | None = None,
-                 delayed: bool = False, grad_dtype: torch.dtype = torch.float32, update: str = "cpu"):
+                 delayed: bool = False, grad_dtype: torch.dtype = torch.float32, update: UpdateMode = "cpu"):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         if grad_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"HostAdamW's grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype}")
@@ -380,8 +384,11 @@ class HostAdamW(torch.optim.Optimizer):
         up, down = self._streams
         compute = torch.cuda.current_stream(shard.device)
         if len(self._ring) < DEVICE_RING:
-            self._ring.append((torch.empty(DEVICE_SLICE_ELEMENTS, device=shard.device),
-                               torch.empty(DEVICE_SLICE_ELEMENTS, device=shard.device), None))
+            # As large as the largest slice this optimizer can have: a small model's ring holds no more than it.
+            elements = min(DEVICE_SLICE_ELEMENTS, max(_local(parameter).numel() for group in self.param_groups
+                                                      for parameter in group["params"]))
+            self._ring.append((torch.empty(elements, device=shard.device),
+                               torch.empty(elements, device=shard.device), None))
         index = self._turn % len(self._ring)
         self._turn += 1
         exp_avg, exp_avg_sq, free = self._ring[index]

@@ -13,6 +13,7 @@ from trainer.workers.optimization import (
     MicroBatchMerging,
     build_optimizer,
     build_scheduler,
+    publish_pending,
     rank_mini_batch_size,
     response_logits,
     restore_schedule,
@@ -61,9 +62,7 @@ class Critic:
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, R] values of the states before each response token (micro-batches by token budget with
         critic.use_dynamic_bsz: critic.forward_max_token_len_per_gpu)."""
-        publish = getattr(self.optimizer, "publish", None)
-        if publish is not None:  # HostAdamW's update from the last step, computed in the background
-            publish()
+        publish_pending(self.optimizer)  # HostAdamW's update from the last step, computed in the background
         plan = plan_micro_batches(batch, self.forward_micro_batch_size,
                                   self.config.forward_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
                                   agree=self.ranks.count_agreement if self.ranks is not None else None)

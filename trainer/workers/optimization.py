@@ -68,6 +68,13 @@ def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: Offload
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
+def publish_pending(optimizer: torch.optim.Optimizer | None) -> None:
+    """A sharded model's HostAdamW update still computed in the background (delayed_update, the critic's) applied
+    before anything reads the weights as updated; nothing for any other optimizer."""
+    if isinstance(optimizer, HostAdamW):
+        optimizer.publish()
+
+
 def rank_mini_batch_size(ppo_mini_batch_size: int, rollout_n: int, ranks: Ranks | None) -> int:
     """Sequences per mini-batch on this rank: verl's global count of prompts, times rollout.n, shared among the
     data-parallel groups (the ranks of a sequence-parallel group hold the same share)."""
@@ -222,9 +229,7 @@ def run_updates(
         order = (torch.randperm(len(batch), generator=shuffle_generator) if shuffle_generator is not None
                  else torch.arange(len(batch)))
         for mini_batch in batch.select(order).split(mini_batch_size):
-            publish = getattr(optimizer, "publish", None)  # a delayed update lands before the next forward
-            if publish is not None:
-                publish()
+            publish_pending(optimizer)  # a delayed update lands before the next forward
             optimizer.zero_grad(set_to_none=True)
             size, budget = micro_batch_size, max_token_len
             if merging is not None and memory is not None:
