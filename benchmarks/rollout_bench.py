@@ -58,6 +58,7 @@ from trainer.offload import OffloadOptions, attach_offload  # noqa: E402
 from trainer.rollout.static_decode import Sampling, StaticDecoder  # noqa: E402
 
 SECTIONS = ("allgpu", "allgpu_static", "allgpu_static_graphs", "allgpu_static_graphs_unfused",
+            "allgpu_static_graphs_unfused_rotary",
             "allgpu_static_graphs_repeat_kv", "accelerate", "fsdp2",
             "ours_layered", "ours_phase", "ours_phase_static", "capped", "static_profile")
 DEFAULT_SECTIONS = SECTIONS[:-1]
@@ -232,6 +233,17 @@ class Bench:
         self.warm_up(model, decoder=decoder)
         self.record("allgpu_static_graphs_unfused", self.decode(model, decoder=decoder),
                     "allgpu_static_graphs with transformers' own RMSNorm forwards (not fused)")
+
+    def allgpu_static_graphs_unfused_rotary(self) -> None:
+        """allgpu_static_graphs with transformers' own apply_rotary_pos_emb in the decode steps (about ten kernels
+        a layer) instead of its torch.compile'd copy (trainer/rollout/fused_rotary.py): against
+        allgpu_static_graphs, what compiling the rotary embedding gives."""
+        model = self.build(on_gpu=True)
+        decoder = _static_decoder(model, cuda_graphs=True)
+        decoder.fuse_rotary = False
+        self.warm_up(model, decoder=decoder)
+        self.record("allgpu_static_graphs_unfused_rotary", self.decode(model, decoder=decoder),
+                    "allgpu_static_graphs with transformers' own rotary embedding (not compiled)")
 
     def allgpu_static_graphs_repeat_kv(self) -> None:
         """allgpu_static_graphs with the installed transformers' own SDPA attention, which before its 5.2x

@@ -184,7 +184,7 @@ class Trainer:
                                  config.data.max_response_length,
                                  safe_point=self._rollout_safe_point if self.memory.moves_layers else None,
                                  graph_safety=self.memory.engine(Role.ACTOR), synced=self.ranks.distributed,
-                                 agree_active=self.ranks.count_agreement)
+                                 agree_active=self.ranks.count_agreement, warn=self.warn)
         self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
         self.advantage_fn = get_advantage_estimator(config.algorithm.adv_estimator)
         kl = config.algorithm.kl_ctrl
@@ -200,6 +200,7 @@ class Trainer:
         self._checkpoint_requested = False
         self._saved_at = 0
         self._summary_sent = False
+        self._said: set[str] = set()  # the once-a-run log lines said so far
         self._decode_memory_logged = 0.0  # GiB the static decode held when the log last said so
         self._heartbeat_at = -math.inf
         self._over_budget_warned = False  # rollout.gpu_memory_utilization leaves no room: said once
@@ -484,9 +485,10 @@ class Trainer:
             metrics["reward/errors"] = self.reward_fn.errors - reward_errors
             with timer.phase("old_log_prob"):
                 self._publish_updates(engines=False)  # several ranks' delayed update (an engine's units: at reads)
-                with self.memory.placed_for("scoring", Role.ACTOR, self._passes("scoring", Role.ACTOR, size)), \
-                        self._whole_weights(Role.ACTOR):
-                    batch.old_log_probs = self.actor.compute_log_probs(batch)
+                if self._scores_old_log_probs(size):
+                    with self.memory.placed_for("scoring", Role.ACTOR, self._passes("scoring", Role.ACTOR, size)), \
+                            self._whole_weights(Role.ACTOR):
+                        batch.old_log_probs = self.actor.compute_log_probs(batch)
             if self.config.use_reference:
                 role = Role.REF if self.reference is not None else Role.ACTOR  # LoRA: the actor, adapter off
                 with timer.phase("ref"), self.memory.placed_for("scoring", role, self._passes("scoring", role, size)), \
@@ -514,7 +516,9 @@ class Trainer:
                 worker.merging.news.clear()
         metrics.update(timer.metrics())
         metrics.update(timing_per_token_metrics(batch, timer.seconds))
-        metrics.update(mfu_metrics(batch, timer.seconds, peak_flops=self.peak_flops,
+        scored = timer.seconds if batch.old_log_probs is not None else {
+            phase: seconds for phase, seconds in timer.seconds.items() if phase != "old_log_prob"}
+        metrics.update(mfu_metrics(batch, scored, peak_flops=self.peak_flops,
                                    actor=(self.actor.model.config, self.actor.config.ppo_epochs),
                                    critic=None if self.critic is None else (self.critic.model.config,
                                                                             self.critic.config.ppo_epochs)))
@@ -527,6 +531,25 @@ class Trainer:
         metrics.update(self.memory.step_metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
+
+    def _scores_old_log_probs(self, size: int) -> bool:
+        """Whether the step scores the old log-probs in a pass of their own: when the reward's KL penalty reads
+        them, or when the actor's update is more than one optimizer step. An update of one step computes the same
+        log-probs in its own forwards, on the same weights, and takes them as the old ones (Actor.on_policy): one
+        forward of the actor over the batch less a step, and under delayed_update the update's publish gets the
+        reference's, the values' and the critic's update's time to finish in before the actor's weights are read."""
+        if self.config.algorithm.use_kl_in_reward:
+            return True
+        updates = self.step >= self.config.trainer.critic_warmup
+        scored = updates and not self.actor.on_policy(size)
+        reason = None if scored else (
+            "the actor's update is one optimizer step (one mini-batch, one PPO epoch), whose own forwards give the "
+            "same log-probs on the same weights, taken detached as the old ones, as verl's actor does"
+            if updates else "the actor does not update during the critic's warm-up")
+        if reason is not None and reason not in self._said:
+            self._said.add(reason)
+            self.log(f"old_log_prob: not scored in a pass of its own: {reason}")
+        return scored
 
     def _passes(self, phase: str, role: Role, size: int) -> int:
         """How many times `phase` runs each layer of the model placed as `role` over `size` sequences: the

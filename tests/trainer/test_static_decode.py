@@ -348,6 +348,64 @@ def test_the_norms_that_compute_rms_norm_run_the_fused_kernel_and_decode_the_sam
         assert swapped == 0
 
 
+def test_decode_steps_rotate_with_the_compiled_rotary_function_where_it_compiles_and_agrees(tokenizer, policy,
+                                                                                          monkeypatch):
+    """fused_rotary.py swaps the modeling module's own apply_rotary_pos_emb, for the decode's duration on a GPU, for
+    a wrapper that sends decode steps (one position per row) to its torch.compile'd copy once that agreed with the
+    original on the first step's own inputs, and prompts to the original. Here on the CPU, with the GPU check and
+    torch.compile faked: a copy that agrees is used; one that fails to compile, or disagrees, leaves the original,
+    said once; the tokens are generate's each time and the module's own function comes back afterwards."""
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+    from trainer.rollout import fused_rotary
+
+    original = qwen2.apply_rotary_pos_emb
+    with fused_rotary.fused_rotary(policy, torch.device("cpu")) as swapped:
+        assert swapped == 0 and qwen2.apply_rotary_pos_emb is original
+    prompt_ids, prompt_mask = prompts(tokenizer)
+    expected = generate(policy, prompt_ids, prompt_mask, eos_ids=[1], pad_id=tokenizer.pad_token_id, new_tokens=12,
+                        do_sample=False)
+    monkeypatch.setattr(fused_rotary, "_decoding", lambda cos: cos.dim() == 3 and cos.shape[1] == 1)
+    calls = {"compiled": 0, "original": 0}
+
+    def counted(function, key):
+        def call(*args, **kwargs):
+            calls[key] += 1
+            return function(*args, **kwargs)
+        return call
+
+    def broken(q, k, cos, sin, unsqueeze_dim=1):
+        q_embed, k_embed = original(q, k, cos, sin, unsqueeze_dim)
+        return q_embed + 0.5, k_embed
+
+    def failing(function, **kwargs):
+        raise RuntimeError("Cannot find a working triton installation\nmore")
+
+    for compile_as, used in ((lambda function, **kwargs: counted(function, "compiled"), True),
+                             (failing, False), (lambda function, **kwargs: broken, False)):
+        for cache in (fused_rotary._COMPILED, fused_rotary._AGREES, fused_rotary._FAILURES):
+            cache.clear()
+        monkeypatch.setattr(fused_rotary.torch, "compile", compile_as)
+        monkeypatch.setattr(qwen2, "apply_rotary_pos_emb", counted(original, "original"))
+        calls.update(compiled=0, original=0)
+        said: list[str] = []
+        decoder = StaticDecoder(policy, eos_ids=[1], pad_id=tokenizer.pad_token_id, sampling=Sampling(do_sample=False),
+                                warn=said.append)
+        with fused_rotary.fused_rotary(policy, torch.device("cuda"), said.append) as swapped:
+            assert swapped == 1
+            decoded = decoder.generate(prompt_ids, prompt_mask, 12)
+            assert torch.equal(decoded, expected)
+        # Every decode step of every layer (not the prompt's forward) ran the compiled copy.
+        assert calls["compiled"] == ((decoded.shape[1] - 1) * policy.config.num_hidden_layers if used else 0), calls
+        assert calls["original"] > 0
+        assert len(said) == (0 if used else 1), said
+        assert used or ("did not compile (RuntimeError: Cannot find a working triton installation)" in said[0]
+                        if compile_as is failing else "disagreed" in said[0])
+        assert not hasattr(qwen2.apply_rotary_pos_emb, "fused_rotary_of")
+    for cache in (fused_rotary._COMPILED, fused_rotary._AGREES, fused_rotary._FAILURES):
+        cache.clear()
+
+
 def test_a_rank_whose_rows_have_finished_decodes_pads_until_every_ranks_rows_have(tokenizer, policy):
     """Synced over ranks (agree_active: the largest count of rows still decoding on any rank): the same tokens as
     alone, and as many forwards as the rank that decodes longest, here one that keeps a row decoding for 12 tokens."""

@@ -603,3 +603,43 @@ def test_an_update_skipped_on_a_non_finite_gradient_norm_is_a_loud_line_and_leav
     assert [row["actor/skipped_steps"] for row in rows] == [1.0, 1.0]
     skipped = [line for line in warnings if "actor skipped its optimizer update on a non-finite gradient norm" in line]
     assert [line.split(":")[0] for line in skipped] == ["STEP 1", "STEP 2"]
+
+
+def test_an_update_of_one_optimizer_step_takes_its_own_log_probs_as_the_old_ones(tmp_path, monkeypatch):
+    """One mini-batch, one epoch, no KL in the reward: the step skips the separate old-log-prob pass (verl's actor
+    takes its own log-probs, detached, as the old ones then) and trains the same actor and critic as a step that
+    scores them, within fp32's rounding of the two passes; with two mini-batches or the KL in the reward it
+    scores them."""
+    on_policy = ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.total_training_steps=2"]
+    scored_calls = []
+    original = Trainer._scores_old_log_probs
+
+    def counting(self, size):
+        scored = original(self, size)
+        scored_calls.append(scored)
+        return scored
+
+    monkeypatch.setattr(Trainer, "_scores_old_log_probs", counting)
+    lines: list[str] = []
+    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path}", "trainer.experiment_name=skipped",
+                                *on_policy])
+    skipped = Trainer(config, log=lines.append)
+    skipped.fit()
+    assert scored_calls == [False, False]
+    assert sum("old_log_prob: not scored in a pass of its own" in line for line in lines) == 1
+    assert "timing_s/old_log_prob" in skipped.metrics_log.read()[0]
+
+    monkeypatch.setattr(Trainer, "_scores_old_log_probs", lambda self, size: True)
+    scored = make_trainer(tmp_path, *on_policy, name="scored")
+    scored.fit()
+    for role in ("actor", "critic"):
+        expected = getattr(scored, role).model.state_dict()
+        for key, value in getattr(skipped, role).model.state_dict().items():
+            torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=f"{role} {key}")
+
+    monkeypatch.setattr(Trainer, "_scores_old_log_probs", counting)
+    scored_calls.clear()
+    make_trainer(tmp_path, "trainer.total_training_steps=1", name="two-mini-batches").fit()
+    make_trainer(tmp_path, *on_policy[:1], "trainer.total_training_steps=1", "algorithm.use_kl_in_reward=true",
+                 name="kl-in-reward").fit()
+    assert scored_calls == [True, True]

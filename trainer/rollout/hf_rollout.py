@@ -56,7 +56,7 @@ class HFRollout:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
                  response_length: int, *, safe_point: Callable[[], object] | None = None,
                  graph_safety: GraphSafety | None = None, synced: bool = False,
-                 agree_active: Callable[[int], int] | None = None):
+                 agree_active: Callable[[int], int] | None = None, warn: Callable[[str], None] | None = None):
         self.model = model
         # A model sharded over several ranks (FSDP2) gathers each layer's shards from all of them in every
         # forward, so every rank must run as many forwards. transformers' synced_gpus keeps a rank whose
@@ -93,7 +93,7 @@ class HFRollout:
             model, eos_ids=self.eos_ids, pad_id=self.pad_id,
             sampling=Sampling(do_sample=config.do_sample, temperature=config.temperature,
                               top_k=max(config.top_k, 0), top_p=config.top_p),
-            cuda_graphs=not config.enforce_eager, safety=graph_safety)
+            cuda_graphs=not config.enforce_eager, safety=graph_safety, **({"warn": warn} if warn is not None else {}))
 
     def _decodes_static(self, device: torch.device) -> bool:
         """rollout.decode: static, or auto on a GPU for a model transformers marks as fit for a static cache and

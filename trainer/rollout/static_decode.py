@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,6 +38,7 @@ import torch
 from transformers import PreTrainedModel, StaticCache
 
 from trainer.rollout.fused_norms import fused_rms_norms
+from trainer.rollout.fused_rotary import fused_rotary
 
 SAFE_POINT_EVERY = 8
 """Decoded tokens between two safe points of a rollout (a memory reading each: microseconds)."""
@@ -151,8 +153,11 @@ class StaticDecoder:
 
     def __init__(self, model: PreTrainedModel, *, eos_ids: list[int], pad_id: int, sampling: Sampling,
                  compact: bool = True, cuda_graphs: bool = False, safety: GraphSafety | None = None,
-                 check_every: int = CHECK_EVERY, agree_active: Callable[[int], int] | None = None):
+                 check_every: int = CHECK_EVERY, agree_active: Callable[[int], int] | None = None,
+                 warn: Callable[[str], None] = warnings.warn):
         self.model, self.sampling, self.compact, self.check_every = model, sampling, compact, check_every
+        self.warn = warn
+        """Gets the one line that says the rotary embedding could not be compiled (fused_rotary.py)."""
         self.agree_active = agree_active
         """With a model sharded over several ranks: every rank's count of rows still decoding in, the largest out
         (Ranks.max). Each forward gathers the layers' shards from every rank, so every rank decodes until every
@@ -175,6 +180,11 @@ class StaticDecoder:
         """On a GPU, whether the model's RMSNorms run torch's fused kernel while decoding (fused_norms.py)."""
         self.fused_norms = 0
         """How many RMSNorms the last generate ran fused."""
+        self.fuse_rotary = True
+        """On a GPU, whether decode steps rotate queries and keys with the compiled copy of the model's own rotary
+        function (fused_rotary.py)."""
+        self.fused_rotary = 0
+        """How many modeling modules' rotary functions the last generate swapped for their compiled copies."""
         self.cache_bytes = 0
         """Device bytes of the last generate's static KV cache (keys and values of every layer, allocated whole)."""
         self.graph_pool_bytes = 0
@@ -196,7 +206,8 @@ class StaticDecoder:
             self.log_probs = self.log_probs[:, :0]
             return out[:, :0]
         fused = fused_rms_norms(self.model, device) if self.fuse_norms else contextlib.nullcontext(0)
-        with fused as self.fused_norms:
+        rotary = fused_rotary(self.model, device, self.warn) if self.fuse_rotary else contextlib.nullcontext(0)
+        with fused as self.fused_norms, rotary as self.fused_rotary:
             return self._generate(prompt_ids, prompt_mask, max_new_tokens, safe_point, out)
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,

@@ -106,6 +106,12 @@ class Actor:
         """Micro-batches an update of `size` sequences runs in per epoch while its layers stream."""
         return self.merging.micro_batches(size, self.mini_batch_size, self.config.ppo_micro_batch_size_per_gpu)
 
+    def on_policy(self, size: int) -> bool:
+        """Whether an update of `size` sequences is one optimizer step (one mini-batch, one epoch): its forwards all
+        run on the weights that scored the old log-probs, so the loss takes its own log-probs, detached, as the old
+        ones (verl's actor does the same), and the separate scoring pass is not needed."""
+        return self.config.ppo_epochs == 1 and size <= self.mini_batch_size
+
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
                                  temperature=self.temperature, memory=self.memory,
@@ -139,7 +145,9 @@ class Actor:
         config = self.config
         log_probs, entropies = self._log_probs_and_entropy(batch)
         low, high = config.clip_range
-        policy = compute_policy_loss(batch.old_log_probs, log_probs, batch.advantages, batch.response_mask,
+        # No old log-probs: an on-policy update (on_policy), whose weights are the ones that would have scored them.
+        old_log_probs = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
+        policy = compute_policy_loss(old_log_probs, log_probs, batch.advantages, batch.response_mask,
                                      clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=config.clip_ratio_c,
                                      loss_agg_mode=config.loss_agg_mode)
         entropy = aggregate_loss(entropies, batch.response_mask, config.loss_agg_mode)
