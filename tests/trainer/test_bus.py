@@ -39,14 +39,58 @@ def test_a_less_used_models_turn_waits_for_the_claims_of_the_models_ahead_of_it(
     assert not turns.may_go("actor")
 
 
-def engine_pair(turns: BusTurns):
-    """An actor and a critic (each a tiny policy) whose optimizer updates run on the device path, sharing `turns`."""
+def test_a_delayed_models_updates_wait_behind_every_other_claim_and_its_phase_holds_the_others_only_while_it_runs():
+    turns = BusTurns()
+    turns.defer("actor")
+    turns.claim("actor")  # its training phase: the critic's updates wait, as without a delayed update
+    assert not turns.may_go("critic") and turns.may_go("actor")
+    turns.release("actor")
+    turns.claim("critic")  # the critic's update still to cross: the actor's delayed one waits behind it
+    assert not turns.may_go("actor") and turns.may_go("critic")
+    turns.hurry("actor")  # something reads the actor's weights: its updates go at once
+    assert turns.may_go("actor")
+    turns.claim("actor")
+    turns.release("actor")
+    assert not turns.may_go("actor")
+    turns.release("critic")
+    assert turns.may_go("actor")
+
+
+def test_the_critics_held_updates_cross_before_the_actors_delayed_ones():
+    """Under the actor's delayed_update its training phase's claim ends with the phase, and its updates (read at
+    its next training phase at the earliest) wait behind the critic's, which its next values read right after
+    the rollout."""
+    turns = BusTurns()
+    delayed = {**DEVICE_UPDATE, "model_dtype": "bf16", "delayed_update": True}
+    models, engines = engine_pair(turns, settings={"actor": delayed})
+    optimizers = {role: engines[role].optimizer(lr=1e-3) for role in engines}
+    release = threading.Event()
+    with engines["critic"].claiming_bus():
+        step(models["critic"], optimizers["critic"], 0)
+        # The critic's claim lasts until its device worker gets past this: its updates still crossing, as it were.
+        engines["critic"].after_updates(release.wait, path="device")
+    with engines["actor"].claiming_bus():
+        step(models["actor"], optimizers["actor"], 1)
+    assert turns.may_go("critic")  # the actor's phase is over: its claim holds nothing
+    time.sleep(0.3)
+    assert not engines["actor"].updates_drained()  # its updates wait behind the critic's claim
+    release.set()
+    engines["critic"].wait_for_updates()
+    engines["actor"].wait_for_updates()
+    assert turns.held_seconds["actor"] >= 0.3
+    for engine in engines.values():
+        engine.close()
+
+
+def engine_pair(turns: BusTurns, settings: dict[str, dict] | None = None):
+    """An actor and a critic (each a tiny policy) whose optimizer updates run on the device path, sharing `turns`
+    (`settings`: a role's fsdp_config instead)."""
     models, engines = {}, {}
     for role, seed in (("actor", 1), ("critic", 2)):
+        config = FSDPConfig.model_validate((settings or {}).get(role, DEVICE_UPDATE))
         model = load_policy("builtin:tiny-qwen2", TOKENIZER, seed=seed, override_config={"num_hidden_layers": 2},
-                            dtype=torch.float32).train()
-        engine = attach_offload(model, FSDPConfig.model_validate(DEVICE_UPDATE), "cpu", role=role,
-                                options=WHOLE_HEAD)
+                            dtype=torch.bfloat16 if config.model_dtype == "bf16" else torch.float32).train()
+        engine = attach_offload(model, config, "cpu", role=role, options=WHOLE_HEAD)
         engine.share_bus(turns)
         models[role], engines[role] = model, engine
     return models, engines

@@ -303,13 +303,16 @@ class OffloadEngine:
         """Take turns on the bus with the run's other models (bus.py): this model's device updates wait while a
         more used model claims it, unless something waits for them."""
         self.bus_turns = turns
+        if self.delayed_update:
+            turns.defer(self.role)
         for unit in self.units:
             unit.ready.before_wait = functools.partial(turns.hurry, self.role)
 
     @contextlib.contextmanager
     def claiming_bus(self) -> Iterator[None]:
         """A training phase of this model: the bus is its own (the updates of less used models wait) until the
-        phase's device updates have run."""
+        phase's device updates have run; under a delayed update, until the phase ends (its updates, read at the
+        next training phase at the earliest, then wait behind the others': bus.py)."""
         turns = self.bus_turns
         if turns is None or self.device_update is None:
             yield
@@ -320,7 +323,10 @@ class OffloadEngine:
         except BaseException:
             turns.release(self.role)
             raise
-        self.after_updates(functools.partial(turns.release, self.role), path="device")
+        if self.delayed_update:
+            turns.release(self.role)
+        else:
+            self.after_updates(functools.partial(turns.release, self.role), path="device")
 
     def _worker(self, path: UpdatePath) -> HostWorker:
         if path == "host":
