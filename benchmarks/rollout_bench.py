@@ -235,15 +235,15 @@ class Bench:
                     "allgpu_static_graphs with transformers' own RMSNorm forwards (not fused)")
 
     def allgpu_static_graphs_unfused_rotary(self) -> None:
-        """allgpu_static_graphs with transformers' own apply_rotary_pos_emb in the decode steps (about ten kernels
-        a layer) instead of its torch.compile'd copy (trainer/rollout/fused_rotary.py): against
-        allgpu_static_graphs, what compiling the rotary embedding gives."""
+        """allgpu_static_graphs with transformers' own apply_rotary_pos_emb (about ten kernels a layer) and MLP
+        activation and product (two) in the decode steps instead of their torch.compile'd fusions
+        (trainer/rollout/fused_rotary.py, fused_mlp.py): against allgpu_static_graphs, what compiling them gives."""
         model = self.build(on_gpu=True)
         decoder = _static_decoder(model, cuda_graphs=True)
-        decoder.fuse_rotary = False
+        decoder.fuse_rotary = decoder.fuse_mlps = False
         self.warm_up(model, decoder=decoder)
         self.record("allgpu_static_graphs_unfused_rotary", self.decode(model, decoder=decoder),
-                    "allgpu_static_graphs with transformers' own rotary embedding (not compiled)")
+                    "allgpu_static_graphs with transformers' own rotary embedding and MLP activation (not compiled)")
 
     def allgpu_static_graphs_repeat_kv(self) -> None:
         """allgpu_static_graphs with the installed transformers' own SDPA attention, which before its 5.2x

@@ -406,6 +406,68 @@ def test_decode_steps_rotate_with_the_compiled_rotary_function_where_it_compiles
         cache.clear()
 
 
+def test_decode_steps_run_gated_silu_mlps_with_the_activation_and_product_fused(tokenizer, policy, monkeypatch):
+    """fused_mlp.py: on a GPU, decode steps of every MLP computing down(silu(gate(x)) * up(x)) (checked once per
+    class) run silu(gate) * up as one compiled function; the prompt's forward keeps the module's own. Here on the
+    CPU, with the GPU checks faked and the function uncompiled: the tokens are generate's, the own forwards come
+    back, an MLP with another activation is left alone, and a failed compilation is said once and changes nothing."""
+    from torch import nn
+
+    from trainer.rollout import fused_mlp
+
+    mlps = [module for module in policy.modules() if type(module).__name__ == "Qwen2MLP"]
+    with fused_mlp.fused_mlps(policy, torch.device("cpu")) as swapped:
+        assert swapped == 0
+    prompt_ids, prompt_mask = prompts(tokenizer)
+    expected = generate(policy, prompt_ids, prompt_mask, eos_ids=[1], pad_id=tokenizer.pad_token_id, new_tokens=12,
+                        do_sample=False)
+    fused_calls = []
+
+    def counted(gate, up):
+        fused_calls.append(gate.shape)
+        return fused_mlp._silu_and_mul(gate, up)
+
+    monkeypatch.setattr(fused_mlp, "_compiled", lambda say: counted)
+    monkeypatch.setattr(fused_mlp, "_resident", lambda module, device: True)
+    fused_mlp._VERIFIED.clear()
+    decoder = StaticDecoder(policy, eos_ids=[1], pad_id=tokenizer.pad_token_id, sampling=Sampling(do_sample=False))
+    with fused_mlp.fused_mlps(policy, torch.device("cuda")) as swapped:
+        assert swapped == len(mlps) and all("forward" in mlp.__dict__ for mlp in mlps)
+        decoded = decoder.generate(prompt_ids, prompt_mask, 12)
+        assert torch.equal(decoded, expected)
+    assert not any("forward" in mlp.__dict__ for mlp in mlps)
+    # The class's check ran one call; then every decode step of every layer, and none of the prompt's forward.
+    assert len(fused_calls) == 1 + (decoded.shape[1] - 1) * len(mlps)
+    assert all(shape[1] == 1 for shape in fused_calls)
+
+    class GeluMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):  # says SiLU, computes GELU
+            return self.down_proj(nn.functional.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+    with fused_mlp.fused_mlps(nn.Sequential(GeluMLP()), torch.device("cuda")) as swapped:
+        assert swapped == 0
+    fused_mlp._VERIFIED.clear()
+
+    monkeypatch.undo()
+    said: list[str] = []
+
+    def failing(function, **kwargs):
+        raise RuntimeError("no working C compiler found")
+
+    monkeypatch.setattr(fused_mlp.torch, "compile", failing)
+    monkeypatch.setattr(fused_mlp, "_FUSED", [])
+    monkeypatch.setattr(fused_mlp, "_FAILURE", [])
+    for _ in range(2):
+        with fused_mlp.fused_mlps(policy, torch.device("cuda"), said.append) as swapped:
+            assert swapped == 0
+    assert len(said) == 1 and "did not compile (RuntimeError: no working C compiler found)" in said[0]
+
+
 def test_a_rank_whose_rows_have_finished_decodes_pads_until_every_ranks_rows_have(tokenizer, policy):
     """Synced over ranks (agree_active: the largest count of rows still decoding on any rank): the same tokens as
     alone, and as many forwards as the rank that decodes longest, here one that keeps a row decoding for 12 tokens."""

@@ -134,11 +134,11 @@ def test_the_fused_norms_decode_what_the_models_own_norms_decode():
     assert (results[True][1][:, 0] - results[False][1][:, 0]).abs().max() < 0.1
 
 
-def test_the_compiled_rotary_embedding_decodes_what_transformers_own_decodes():
+def test_the_compiled_rotary_embedding_and_mlps_decode_what_transformers_own_decode():
     """bf16 on the GPU, each step in a CUDA graph: the decode steps rotate with the torch.compile'd copy of the
-    model's own apply_rotary_pos_emb (it compiled and agreed, nothing said), through a shrinking batch whose
-    buckets reuse one dynamic-shape compilation; greedy tokens agree on nearly every position and the kept
-    log-probs within bf16's noise."""
+    model's own apply_rotary_pos_emb and run the MLPs' silu(gate) * up compiled (both compiled and agreed, nothing
+    said), through a shrinking batch whose buckets reuse one dynamic-shape compilation; greedy tokens agree on
+    nearly every position and the kept log-probs within bf16's noise."""
     from trainer.rollout import fused_rotary
 
     tokenizer, policy, prompt_ids, prompt_mask = bf16_policy_and_prompts()
@@ -146,11 +146,11 @@ def test_the_compiled_rotary_embedding_decodes_what_transformers_own_decodes():
     for fuse in (False, True):
         decoder = StaticDecoder(policy, eos_ids=[1], pad_id=tokenizer.pad_token_id, sampling=Sampling(do_sample=False),
                                 cuda_graphs=True, warn=said.append)
-        decoder.fuse_rotary, decoder.keep_log_probs = fuse, True
+        decoder.fuse_rotary, decoder.fuse_mlps, decoder.keep_log_probs = fuse, fuse, True
         results[fuse] = (decoder.generate(prompt_ids, prompt_mask, 16), decoder.log_probs.clone(),
-                         decoder.fused_rotary, decoder.replays)
+                         (decoder.fused_rotary, decoder.fused_mlps), decoder.replays)
     assert said == []
-    assert results[True][2] == 1 and results[False][2] == 0 and results[True][3] > 0
+    assert results[True][2] == (1, 4) and results[False][2] == (0, 0) and results[True][3] > 0
     assert any(fused_rotary._AGREES.values()), fused_rotary._AGREES
     # The first token comes from the prompt's forward (the original either way); the next ones from decode steps.
     decoded = results[True][0][:, 1:4] == results[False][0][:, 1:4]

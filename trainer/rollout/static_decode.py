@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel, StaticCache
 
+from trainer.rollout.fused_mlp import fused_mlps
 from trainer.rollout.fused_norms import fused_rms_norms
 from trainer.rollout.fused_rotary import fused_rotary
 
@@ -185,6 +186,11 @@ class StaticDecoder:
         function (fused_rotary.py)."""
         self.fused_rotary = 0
         """How many modeling modules' rotary functions the last generate swapped for their compiled copies."""
+        self.fuse_mlps = True
+        """On a GPU, whether decode steps run gated SiLU MLPs' activation and product as one compiled kernel
+        (fused_mlp.py)."""
+        self.fused_mlps = 0
+        """How many MLPs the last generate ran fused."""
         self.cache_bytes = 0
         """Device bytes of the last generate's static KV cache (keys and values of every layer, allocated whole)."""
         self.graph_pool_bytes = 0
@@ -207,7 +213,8 @@ class StaticDecoder:
             return out[:, :0]
         fused = fused_rms_norms(self.model, device) if self.fuse_norms else contextlib.nullcontext(0)
         rotary = fused_rotary(self.model, device, self.warn) if self.fuse_rotary else contextlib.nullcontext(0)
-        with fused as self.fused_norms, rotary as self.fused_rotary:
+        mlps = fused_mlps(self.model, device, self.warn) if self.fuse_mlps else contextlib.nullcontext(0)
+        with fused as self.fused_norms, rotary as self.fused_rotary, mlps as self.fused_mlps:
             return self._generate(prompt_ids, prompt_mask, max_new_tokens, safe_point, out)
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,

@@ -1,0 +1,125 @@
+"""A decode's gated MLP activation as one compiled kernel (issue 15).
+
+Llama-style MLPs (Qwen2MLP, LlamaMLP, MistralMLP, ...) compute `down_proj(act_fn(gate_proj(x)) * up_proj(x))`.
+For a decoded token the activation and the product are two kernels over a [batch, 1, intermediate] tensor, each
+mostly launch: measured on an H200 with the 7B shape (benchmarks/README.md, `static_profile`, 2026-12-04) about
+0.4 ms of a 6.6 ms step over 28 layers. Inside the decode, on a GPU, a decode step's MLP runs the same three
+projections with the activation and the product as one `torch.compile`d function (inductor fuses them).
+
+Which modules: those with `gate_proj`, `up_proj`, `down_proj` and an `act_fn` that is SiLU, whose own forward
+gives what the fused one gives on a random input (checked once per class and dtype, as fused_norms.py does), so an
+MLP that computes something else (a bias-free variant, GELU, a mixture of experts) keeps its own forward. Where
+compiling fails (no Triton, no C compiler), the decode keeps the module's own forward and says so once. The
+prompt's forward keeps it too: only decode steps, one token a row, run the fused one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+_FUSED: list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = []
+"""The compiled silu(gate) * up (dynamic shapes: one compilation for every batch size), once made."""
+_VERIFIED: dict[tuple[type[nn.Module], torch.dtype], bool] = {}
+"""Whether a class's forward computes the gated SiLU MLP, per (class, dtype): checked once."""
+_FAILURE: list[str] = []
+"""Why the function could not be compiled: said once, then every MLP keeps its own forward."""
+
+
+def _silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _candidate(module: nn.Module) -> bool:
+    act = getattr(module, "act_fn", None)
+    linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    # A DTensor weight is a sharded model's shard (FSDP2 gathers it around the forward): not this module's whole.
+    return (all(isinstance(linear, nn.Linear) and not isinstance(linear.weight, DTensor) for linear in linears)
+            and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
+            and "forward" not in module.__dict__)
+
+
+def _gated(module: nn.Module, x: torch.Tensor, act_and_mul: Callable) -> torch.Tensor:
+    return module.down_proj(act_and_mul(module.gate_proj(x), module.up_proj(x)))
+
+
+@torch.no_grad()
+def _computes_gated_silu(module: nn.Module, act_and_mul: Callable) -> bool:
+    """Whether the module's own forward gives the fused MLP's result on a random decode-shaped input."""
+    weight = module.gate_proj.weight
+    key = (type(module), weight.dtype)
+    if key not in _VERIFIED:
+        generator = torch.Generator(device=weight.device).manual_seed(0)
+        sample = torch.randn((2, 1, weight.shape[1]), generator=generator, device=weight.device).to(weight.dtype)
+        sample = sample * 4  # gates well into SiLU's curve, not only its linear middle
+        expected = type(module).forward(module, sample).float()
+        fused = _gated(module, sample, act_and_mul).float()
+        # One rounding of silu(gate) * up where the module rounds silu(gate) first: within bf16's noise, relative
+        # to the output's scale.
+        tolerance = 1e-4 if weight.dtype == torch.float32 else 2 ** -5
+        scale = expected.abs().max().clamp(min=1e-6)
+        _VERIFIED[key] = expected.shape == fused.shape and bool(((expected - fused).abs().max() / scale) <= tolerance)
+    return _VERIFIED[key]
+
+
+def _compiled(say: Callable[[str], None]) -> Callable | None:
+    if _FAILURE:
+        return None
+    if not _FUSED:
+        try:
+            compiled = torch.compile(_silu_and_mul, dynamic=True, fullgraph=True)
+            probe = torch.randn((2, 1, 8), device="cuda", dtype=torch.bfloat16)
+            compiled(probe, probe)  # compiles now, outside any capture
+        # torch.compile's failures (no Triton, no C compiler) share no exception type.
+        except Exception as error:  # noqa: BLE001
+            _FAILURE.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            say(f"gated MLP: silu(gate) * up did not compile ({_FAILURE[0]}); the decode keeps the models' own MLP "
+                "forwards")
+            return None
+        _FUSED.append(compiled)
+    return _FUSED[0]
+
+
+def _decode_forward(module: nn.Module, act_and_mul: Callable) -> Callable:
+    own = type(module).forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3 and x.shape[1] == 1:
+            return _gated(module, x, act_and_mul)
+        return own(module, x)
+
+    return forward
+
+
+@contextlib.contextmanager
+def fused_mlps(model: nn.Module, device: torch.device, say: Callable[[str], None] = print) -> Iterator[int]:
+    """Inside, on a GPU: every gated SiLU MLP of `model` runs its decode steps with the activation and product
+    compiled into one kernel; yields how many. On a CPU nothing changes: yields 0. `say` gets the one line that
+    says the function could not be compiled. A class is checked on one of its modules whose weights are on the
+    device (a layer the offload engine streams may hold none between its forwards)."""
+    swapped: list[nn.Module] = []
+    if device.type == "cuda":
+        candidates = [module for module in model.modules() if _candidate(module)]
+        act_and_mul = _compiled(say) if candidates else None
+        if act_and_mul is not None:
+            verified = {type(module) for module in candidates if _resident(module, device)
+                        and _computes_gated_silu(module, act_and_mul)}
+            for module in candidates:
+                if type(module) in verified:
+                    module.forward = _decode_forward(module, act_and_mul)  # type: ignore[method-assign]
+                    swapped.append(module)
+    try:
+        yield len(swapped)
+    finally:
+        for module in swapped:
+            del module.forward
+
+
+def _resident(module: nn.Module, device: torch.device) -> bool:
+    weights = [getattr(module, name).weight for name in ("gate_proj", "up_proj", "down_proj")]
+    return all(weight.device.type == device.type and weight.numel() > 0 for weight in weights)
