@@ -5,6 +5,7 @@
 #   benchmarks/gpu_session.sh tests        # every test marked gpu                      (~1 min)
 #   benchmarks/gpu_session.sh rollout      # rollout_bench.py, all sections              (~6 min; SECTIONS=a,b picks some:
 #                                          # allgpu,allgpu_static,allgpu_static_graphs,allgpu_static_graphs_unfused,
+#                                          # allgpu_static_graphs_unfused_rotary (neither the rotary nor the MLP compiled),
 #                                          # ours_phase,ours_phase_static; BATCH=128 decodes 128 sequences at once
 #                                          # compares the decode paths; SECTIONS=static_profile: where a decode step's device time goes)
 #   benchmarks/gpu_session.sh offload      # offload_bench.py: bandwidth, all-GPU, layered (~2 min)
@@ -121,6 +122,21 @@
 # `SHAPE=headline VARIANTS=all_gpu,optimizer_offload ranks`; on one H200, the 7B delayed old_log_prob (1.0 s against
 # 0.14: the wait for the publisher, 0.37 s, and the kept layers' copy again, 0.28 s) with `PROFILE=1
 # VARIANTS=all_gpu,offload_delayed e2e-headline`; RoPE fused in the decode.
+# Run 2026-12-04 16:00-16:53 on one H200 (x2 was not lent; results in benchmarks/results/*2026-12-04T16*, tables in
+# benchmarks/README.md): the GPU tests never run before (HostAdamW's bf16 gradients, its update on the GPU and the
+# split: passed, 17 of 17), the compiled rotary embedding (7B batch 32: 6.6 ms a token against 7.4), the old log-probs
+# taken from the update (7B delayed 3.30 s, 1.30x; 3B delayed 2.98 s, 1.65x, its values waiting 0.6 s for the
+# critic's update held on the bus), a profiled 3B delayed step, the bus deferral under a delayed update (3B delayed
+# 2.83 s, 1.63x), `tests` (55 passed) with `SECTIONS=static_profile rollout`, then the compiled MLP activation (7B
+# batch 32: 6.4 ms; batch 128: 7.7 ms). Measured call times: 17 GPU tests plus two rollout stages plus three e2e-ppo3b
+# variants 320 s; a profiled e2e-ppo3b variant plus three e2e-headline variants 509 s; three e2e-ppo3b variants 221 s;
+# `tests` plus static_profile 188 s; one GPU test file plus two rollout stages 92 s. One call was refused while the
+# last machine was being given back (wait a minute; it cost nothing).
+# Next, in priority order: on an nvidia-h200-x2 machine `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed
+# ranks`, then `VARIANTS=all_gpu,optimizer_offload_gpu,optimizer_offload_both ranks` (never run on GPUs: whichever
+# wins becomes auto on ranks), `VARIANTS=embedding_head_cpu ranks`, `SHAPE=headline VARIANTS=all_gpu,optimizer_offload
+# ranks`; on one H200, the 3B PPO step's bus (85-95 GB up a step: the critic's and the actor's updates on the device
+# path; a larger host share under a delayed update?) with `PROFILE=1 VARIANTS=all_gpu,offload_delayed e2e-ppo3b`.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
