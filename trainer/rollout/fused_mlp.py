@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainer.rollout.fused_norms import swapped_forwards
+
 _FUSED: list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = []
 """The compiled silu(gate) * up (dynamic shapes: one compilation for every batch size), once made."""
 _VERIFIED: dict[tuple[type[nn.Module], torch.dtype], bool] = {}
@@ -102,22 +104,17 @@ def fused_mlps(model: nn.Module, device: torch.device, say: Callable[[str], None
     compiled into one kernel; yields how many. On a CPU nothing changes: yields 0. `say` gets the one line that
     says the function could not be compiled. A class is checked on one of its modules whose weights are on the
     device (a layer the offload engine streams may hold none between its forwards)."""
-    swapped: list[nn.Module] = []
+    forwards = {}
     if device.type == "cuda":
         candidates = [module for module in model.modules() if _candidate(module)]
         act_and_mul = _compiled(say) if candidates else None
         if act_and_mul is not None:
             verified = {type(module) for module in candidates if _resident(module, device)
                         and _computes_gated_silu(module, act_and_mul)}
-            for module in candidates:
-                if type(module) in verified:
-                    module.forward = _decode_forward(module, act_and_mul)  # type: ignore[method-assign]
-                    swapped.append(module)
-    try:
-        yield len(swapped)
-    finally:
-        for module in swapped:
-            del module.forward
+            forwards = {module: _decode_forward(module, act_and_mul) for module in candidates
+                        if type(module) in verified}
+    with swapped_forwards(forwards) as swapped:
+        yield swapped
 
 
 def _resident(module: nn.Module, device: torch.device) -> bool:

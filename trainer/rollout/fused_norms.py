@@ -22,7 +22,7 @@ network, and the kernel torch ships does the same.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +87,7 @@ def _computes_rms_norm(module: nn.Module, epsilon: float) -> bool:
 def fused_rms_norms(model: nn.Module, device: torch.device) -> Iterator[int]:
     """Inside, on a GPU: every RMSNorm of `model` that computes F.rms_norm runs it (one kernel) instead of its own
     forward; yields how many. On a CPU nothing changes (the same kernels either way): yields 0."""
-    swapped: list[nn.Module] = []
+    forwards = {}
     if device.type == "cuda":
         for module in model.modules():
             if not _candidate(module) or "forward" in module.__dict__:
@@ -95,10 +95,19 @@ def fused_rms_norms(model: nn.Module, device: torch.device) -> Iterator[int]:
             epsilon = _epsilon(module)
             assert epsilon is not None
             if _computes_rms_norm(module, epsilon):
-                module.forward = _fused_forward(module, epsilon)  # type: ignore[method-assign]
-                swapped.append(module)
+                forwards[module] = _fused_forward(module, epsilon)
+    with swapped_forwards(forwards) as swapped:
+        yield swapped
+
+
+@contextlib.contextmanager
+def swapped_forwards(forwards: dict[nn.Module, Callable]) -> Iterator[int]:
+    """Inside: each module runs the forward given for it (an instance attribute over its class's); yields how
+    many. Afterwards each has its class's forward again."""
+    for module, forward in forwards.items():
+        module.forward = forward  # type: ignore[method-assign]
     try:
-        yield len(swapped)
+        yield len(forwards)
     finally:
-        for module in swapped:
+        for module in forwards:
             del module.forward
