@@ -8,7 +8,8 @@ projections with the activation and the product as one `torch.compile`d function
 
 Which modules: those with `gate_proj`, `up_proj`, `down_proj` and an `act_fn` that is SiLU, whose own forward
 gives what the fused one gives on a random input (checked once per class and dtype, as fused_norms.py does), so an
-MLP that computes something else (a bias-free variant, GELU, a mixture of experts) keeps its own forward. Where
+MLP that computes something else (GELU under another name, a scaled product) keeps its own forward; a mixture of
+experts has no such projections and is not a candidate. Where
 compiling fails (no Triton, no C compiler), the decode keeps the module's own forward and says so once. The
 prompt's forward keeps it too: only decode steps, one token a row, run the fused one.
 """
