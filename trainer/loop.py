@@ -484,16 +484,21 @@ class Trainer:
                 batch.token_level_scores = place_on_last_token(self.reward_fn(batch), batch.response_mask)
             metrics["reward/errors"] = self.reward_fn.errors - reward_errors
             with timer.phase("old_log_prob"):
-                self._publish_updates(engines=False)  # several ranks' delayed update (an engine's units: at reads)
                 if self._scores_old_log_probs(size):
+                    # Several ranks' delayed update lands first (an engine's units publish at their reads; the
+                    # update's and the critic's values publish their own: skipped here, it overlaps until then).
+                    publish_pending(self.actor.optimizer)
                     with self.memory.placed_for("scoring", Role.ACTOR, self._passes("scoring", Role.ACTOR, size)), \
                             self._whole_weights(Role.ACTOR):
                         batch.old_log_probs = self.actor.compute_log_probs(batch)
             if self.config.use_reference:
                 role = Role.REF if self.reference is not None else Role.ACTOR  # LoRA: the actor, adapter off
-                with timer.phase("ref"), self.memory.placed_for("scoring", role, self._passes("scoring", role, size)), \
-                        self._whole_weights(role):
-                    batch.ref_log_probs = self._reference_log_probs(batch)
+                with timer.phase("ref"):
+                    if role == Role.ACTOR:  # LoRA's reference reads the actor's weights: its update lands first
+                        publish_pending(self.actor.optimizer)
+                    with self.memory.placed_for("scoring", role, self._passes("scoring", role, size)), \
+                            self._whole_weights(role):
+                        batch.ref_log_probs = self._reference_log_probs(batch)
             if self.critic is not None:
                 with timer.phase("values"), self.memory.placed_for("scoring", Role.CRITIC,
                                                                    self._passes("scoring", Role.CRITIC, size)), \

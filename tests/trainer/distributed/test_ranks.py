@@ -363,6 +363,20 @@ def test_the_actors_delayed_update_on_two_ranks_trains_the_weights_of_one_ranks(
     assert largest_difference(one, resumed) < TOLERANCE
 
 
+def test_an_on_policy_delayed_update_on_two_ranks_lands_at_the_update_and_trains_the_weights_of_one_ranks(tmp_path):
+    """One mini-batch, one epoch: no step scores the old log-probs in a pass of its own (the update takes its own), so
+    two ranks' delayed HostAdamW update lands at the next update's first mini-batch instead, after the values and the
+    critic's update: one and two ranks still train the same step-3 actor."""
+    on_policy = [*OPTIMIZER_OFFLOAD, "actor_rollout_ref.actor.fsdp_config.delayed_update=true", "trainer.save_freq=3",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    for ranks, name in ((1, "one"), (2, "two")):
+        finished = launch(ranks, tmp_path, name, *on_policy)
+        assert finished.returncode == 0, finished.stderr[-4000:]
+        assert "old_log_prob: not scored in a pass of its own" in finished.stdout + finished.stderr
+    one, two = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3") for run in ("one", "two"))
+    assert largest_difference(one, two) < TOLERANCE
+
+
 def test_the_critics_host_update_on_two_ranks_runs_beside_the_actors_and_trains_the_weights_of_one_ranks(tmp_path):
     """PPO whose critic keeps AdamW on the host (optimizer_offload, bf16): on two ranks its HostAdamW computes the
     update in a thread of its own while the actor updates, and the next step's values apply it first, as one rank's
