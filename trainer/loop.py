@@ -500,10 +500,13 @@ class Trainer:
                             self._whole_weights(role):
                         batch.ref_log_probs = self._reference_log_probs(batch)
             if self.critic is not None:
-                with timer.phase("values"), self.memory.placed_for("scoring", Role.CRITIC,
-                                                                   self._passes("scoring", Role.CRITIC, size)), \
-                        self._whole_weights(Role.CRITIC):
-                    batch.values = self.critic.compute_values(batch)
+                with timer.phase("values"):
+                    # Several ranks: the critic's host update, computed beside the actor's, lands before the whole
+                    # weights are gathered for the values (compute_values publishes too, for a caller without them).
+                    publish_pending(self.critic.optimizer)
+                    with self.memory.placed_for("scoring", Role.CRITIC, self._passes("scoring", Role.CRITIC, size)), \
+                            self._whole_weights(Role.CRITIC):
+                        batch.values = self.critic.compute_values(batch)
             with timer.phase("adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.critic is not None:
