@@ -485,8 +485,8 @@ class Trainer:
             metrics["reward/errors"] = self.reward_fn.errors - reward_errors
             with timer.phase("old_log_prob"):
                 if self._scores_old_log_probs(size):
-                    # Several ranks' delayed update lands first (an engine's units publish at their reads; the
-                    # update's and the critic's values publish their own: skipped here, it overlaps until then).
+                    # Several ranks' delayed update lands first (an engine's units publish at their own reads).
+                    # Not scored, it lands at the next read of the actor's weights: LoRA's reference, or the update.
                     publish_pending(self.actor.optimizer)
                     with self.memory.placed_for("scoring", Role.ACTOR, self._passes("scoring", Role.ACTOR, size)), \
                             self._whole_weights(Role.ACTOR):

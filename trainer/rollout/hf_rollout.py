@@ -93,7 +93,7 @@ class HFRollout:
             model, eos_ids=self.eos_ids, pad_id=self.pad_id,
             sampling=Sampling(do_sample=config.do_sample, temperature=config.temperature,
                               top_k=max(config.top_k, 0), top_p=config.top_p),
-            cuda_graphs=not config.enforce_eager, safety=graph_safety, **({"warn": warn} if warn is not None else {}))
+            cuda_graphs=not config.enforce_eager, safety=graph_safety, warn=warn)
 
     def _decodes_static(self, device: torch.device) -> bool:
         """rollout.decode: static, or auto on a GPU for a model transformers marks as fit for a static cache and

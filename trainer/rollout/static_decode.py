@@ -155,10 +155,11 @@ class StaticDecoder:
     def __init__(self, model: PreTrainedModel, *, eos_ids: list[int], pad_id: int, sampling: Sampling,
                  compact: bool = True, cuda_graphs: bool = False, safety: GraphSafety | None = None,
                  check_every: int = CHECK_EVERY, agree_active: Callable[[int], int] | None = None,
-                 warn: Callable[[str], None] = warnings.warn):
+                 warn: Callable[[str], None] | None = None):
         self.model, self.sampling, self.compact, self.check_every = model, sampling, compact, check_every
-        self.warn = warn
-        """Gets the one line that says the rotary embedding could not be compiled (fused_rotary.py)."""
+        self.warn: Callable[[str], None] = warn or warnings.warn
+        """Gets the one line that says the rotary embedding or the MLPs' activation could not be compiled, or
+        disagreed (fused_rotary.py, fused_mlp.py); Python's warnings by default."""
         self.agree_active = agree_active
         """With a model sharded over several ranks: every rank's count of rows still decoding in, the largest out
         (Ranks.max). Each forward gathers the layers' shards from every rank, so every rank decodes until every
