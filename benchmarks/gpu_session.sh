@@ -132,7 +132,9 @@
 # variants 320 s; a profiled e2e-ppo3b variant plus three e2e-headline variants 509 s; three e2e-ppo3b variants 221 s;
 # `tests` plus static_profile 188 s; one GPU test file plus two rollout stages 92 s. One call was refused while the
 # last machine was being given back (wait a minute; it cost nothing).
-# Next, in priority order: on an nvidia-h200-x2 machine `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed
+# Next, in priority order: `SECTIONS=allgpu_static_graphs,ours_phase_static rollout` and `SECTIONS=capped rollout`
+# (issue 15's layered and capped ratios, last measured before the compiled rotary and MLP: 0.97x and 1.01x its PCIe
+# floor; if they hold, issue 15 closes); on an nvidia-h200-x2 machine `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed
 # ranks`, then `VARIANTS=all_gpu,optimizer_offload_gpu,optimizer_offload_both ranks` (never run on GPUs: whichever
 # wins becomes auto on ranks), `VARIANTS=embedding_head_cpu ranks`, `SHAPE=headline VARIANTS=all_gpu,optimizer_offload
 # ranks`; on one H200, the 3B PPO step's bus (85-95 GB up a step: the critic's and the actor's updates on the device
