@@ -1,6 +1,7 @@
 """rollout.decode=static: the static-cache decode loop against transformers' generate (issue 15)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -492,3 +493,54 @@ def test_a_rank_whose_rows_have_finished_decodes_pads_until_every_ranks_rows_hav
     assert torch.equal(results[0][0], alone) and results[0][1] == alone_forwards  # no other rank decoding longer
     # Another rank still decodes: this one steps as often (the prefill and 11 steps), its tokens the same.
     assert torch.equal(results[1][0], alone) and results[1][1] == 12
+
+
+@pytest.mark.parametrize(("model_type", "extra", "mlps_fused"), [
+    ("llama", {}, True), ("mistral", {}, True), ("qwen3", {"head_dim": 16}, True),
+    ("gemma", {"head_dim": 16}, False),  # GELU: its MLP keeps its own forward
+    ("phi3", {"partial_rotary_factor": 0.5, "pad_token_id": 0}, False),  # a fused gate_up_proj; half the dims rotate
+])
+def test_other_architectures_rotary_and_mlps_compile_for_real_and_decode_the_same_tokens(model_type, extra, mlps_fused,
+                                                                                       monkeypatch):
+    """The compiled pieces are built for any decoder, not the Qwen2 shape: each architecture's own rotary function,
+    really compiled by torch.compile (inductor's CPU backend here, Triton on a GPU), agrees with the original, and
+    the greedy tokens of a decode with both pieces are the plain decode's (the GPU checks faked to run on the CPU)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.rollout import fused_mlp, fused_rotary
+
+    if shutil.which("cc") is None:
+        pytest.skip("torch.compile's CPU backend needs a C compiler")
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                  max_position_embeddings=128, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 100, (4, 6))
+    plain = StaticDecoder(model, eos_ids=[1], pad_id=0, sampling=Sampling(do_sample=False)).generate(
+        ids, torch.ones_like(ids), 8)
+    monkeypatch.setattr(fused_rotary, "_decoding", lambda cos: cos.dim() == 3 and cos.shape[1] == 1)
+    saved = (dict(fused_rotary._COMPILED), dict(fused_rotary._AGREES), dict(fused_rotary._FAILURES))
+    compiled_mlp = torch.compile(fused_mlp._silu_and_mul, dynamic=True, fullgraph=True)
+    monkeypatch.setattr(fused_mlp, "_compiled", lambda say: compiled_mlp)
+    monkeypatch.setattr(fused_mlp, "_resident", lambda module, device: True)
+    monkeypatch.setattr(fused_mlp, "_VERIFIED", {})
+    said: list[str] = []
+    try:
+        with fused_rotary.fused_rotary(model, torch.device("cuda"), said.append) as rotary, \
+                fused_mlp.fused_mlps(model, torch.device("cuda"), said.append) as mlps:
+            decoded = StaticDecoder(model, eos_ids=[1], pad_id=0, sampling=Sampling(do_sample=False)).generate(
+                ids, torch.ones_like(ids), 8)
+        original = sys.modules[type(model).__module__].apply_rotary_pos_emb
+        assert rotary == 1 and fused_rotary._AGREES.get((original, torch.float32)) is True, said
+    finally:
+        for cache, before in zip((fused_rotary._COMPILED, fused_rotary._AGREES, fused_rotary._FAILURES), saved,
+                                 strict=True):
+            cache.clear()
+            cache.update(before)
+    assert said == []
+    assert mlps == (config.num_hidden_layers if mlps_fused else 0)
+    assert torch.equal(decoded, plain)
