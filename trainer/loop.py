@@ -485,28 +485,21 @@ class Trainer:
             metrics["reward/errors"] = self.reward_fn.errors - reward_errors
             with timer.phase("old_log_prob"):
                 if self._scores_old_log_probs(size):
-                    # Several ranks' delayed update lands first (an engine's units publish at their own reads).
-                    # Not scored, it lands at the next read of the actor's weights: LoRA's reference, or the update.
-                    publish_pending(self.actor.optimizer)
+                    # (Not scored, a delayed update lands at the next read of the actor's weights: LoRA's reference,
+                    # or the update.)
                     with self.memory.placed_for("scoring", Role.ACTOR, self._passes("scoring", Role.ACTOR, size)), \
                             self._whole_weights(Role.ACTOR):
                         batch.old_log_probs = self.actor.compute_log_probs(batch)
             if self.config.use_reference:
                 role = Role.REF if self.reference is not None else Role.ACTOR  # LoRA: the actor, adapter off
-                with timer.phase("ref"):
-                    if role == Role.ACTOR:  # LoRA's reference reads the actor's weights: its update lands first
-                        publish_pending(self.actor.optimizer)
-                    with self.memory.placed_for("scoring", role, self._passes("scoring", role, size)), \
-                            self._whole_weights(role):
-                        batch.ref_log_probs = self._reference_log_probs(batch)
+                with timer.phase("ref"), self.memory.placed_for("scoring", role, self._passes("scoring", role, size)), \
+                        self._whole_weights(role):
+                    batch.ref_log_probs = self._reference_log_probs(batch)
             if self.critic is not None:
-                with timer.phase("values"):
-                    # Several ranks: the critic's host update, computed beside the actor's, lands before the whole
-                    # weights are gathered for the values (compute_values publishes too, for a caller without them).
-                    publish_pending(self.critic.optimizer)
-                    with self.memory.placed_for("scoring", Role.CRITIC, self._passes("scoring", Role.CRITIC, size)), \
-                            self._whole_weights(Role.CRITIC):
-                        batch.values = self.critic.compute_values(batch)
+                with timer.phase("values"), self.memory.placed_for("scoring", Role.CRITIC,
+                                                                   self._passes("scoring", Role.CRITIC, size)), \
+                        self._whole_weights(Role.CRITIC):
+                    batch.values = self.critic.compute_values(batch)
             with timer.phase("adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.critic is not None:
@@ -611,7 +604,7 @@ class Trainer:
         rollout = rollout or self.rollout  # either samples with the actor's weights
         self.heartbeat()  # once per validation batch too
         with self.memory.placed_for("rollout", Role.ACTOR, self._passes("rollout", Role.ACTOR, len(repeated))), \
-                self._whole_weights(Role.ACTOR) as whole, \
+                self._whole_weights(Role.ACTOR, updated=False) as whole, \
                 plain_forwards(self._sharded[Role.ACTOR].model) if whole else contextlib.nullcontext(False) as plain:
             # Several ranks that each hold the whole weights, FSDP2's hooks off, decode alone (and in CUDA graphs);
             # otherwise every forward gathers, and the ranks step together.
@@ -641,10 +634,15 @@ class Trainer:
         return [*self._shard_copies, *host]
 
     @contextlib.contextmanager
-    def _whole_weights(self, role: str) -> Iterator[bool]:
+    def _whole_weights(self, role: str, *, updated: bool = True) -> Iterator[bool]:
         """Several ranks: the sharded model's whole weights on every rank for a phase without gradients (the rollout,
         a scoring) where they fit, gathered once, not at every forward (sharding.whole_weights); the decision is
-        said when it changes. Yields whether they are held. One rank: nothing (False)."""
+        said when it changes. Yields whether they are held. One rank: nothing (False). `updated`: the weights as
+        updated, so a HostAdamW update still computed in the background (the actor's delayed_update, the critic's)
+        lands before the gather; the rollout reads the weights from before a delayed update (False)."""
+        if updated:
+            worker = {Role.ACTOR: self.actor, Role.CRITIC: self.critic}.get(role)  # (LoRA's reference: the actor)
+            publish_pending(getattr(worker, "optimizer", None))
         sharded = self._sharded.get(role)
         if sharded is None:
             yield False
