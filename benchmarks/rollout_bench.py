@@ -106,6 +106,10 @@ class Decode:
     generate_s: float
     peak_gib: float
 
+    def ms_per_step(self, new_tokens: int) -> float:
+        """Milliseconds a decoded token's step, the prefill left out (Bench.record's ms_per_step)."""
+        return (self.generate_s - self.prefill_s) / (new_tokens - 1) * 1e3
+
 
 class Bench:
     def __init__(self, plan: Plan, out: Path | None):
@@ -178,8 +182,7 @@ class Bench:
         row = {"variant": variant, "ms_per_step": None, "generate_s": None, "prefill_s": None, "tokens_per_s": None,
                "peak_gib": None, "notes": notes, **extra}
         if decode is not None:
-            steps = self.plan.new_tokens - 1
-            row.update(ms_per_step=(decode.generate_s - decode.prefill_s) / steps * 1e3,
+            row.update(ms_per_step=decode.ms_per_step(self.plan.new_tokens),
                        generate_s=decode.generate_s, prefill_s=decode.prefill_s,
                        tokens_per_s=self.plan.batch * self.plan.new_tokens / decode.generate_s,
                        peak_gib=decode.peak_gib)
@@ -222,7 +225,8 @@ class Bench:
         decoder = _static_decoder(model, cuda_graphs=True)
         self.warm_up(model, decoder=decoder)
         self.record("allgpu_static_graphs", self.decode(model, decoder=decoder),
-                    "the whole model on the GPU, rollout.decode=static with each token's step in a CUDA graph")
+                    "the whole model on the GPU, rollout.decode=static with each token's step in a CUDA graph; "
+                    + _fused(decoder))
 
     def allgpu_static_graphs_unfused(self) -> None:
         """allgpu_static_graphs with transformers' own RMSNorm (about seven kernels each) instead of torch's fused
@@ -308,7 +312,8 @@ class Bench:
                 decode = self.decode(model, place, decoder=decoder)
                 how = f"CUDA graphs, {decoder.replays} of the last rollout's steps replayed" if graphs else "eager"
                 self.record(variant, decode, f"placed_for('rollout'), no budget: staged {_groups(staged)}; "
-                            f"rollout.decode=static, {how}", staged=staged, replays=decoder.replays)
+                            f"rollout.decode=static, {how}; {_fused(decoder)}", staged=staged,
+                            replays=decoder.replays)
         finally:
             engine.close()
 
@@ -381,9 +386,10 @@ class Bench:
         """A per-process memory cap below the weights: all-GPU first (expected out of memory), then the
         engine with dynamic offload, starting from the layers that fit and moving them at safe points."""
         model = self.build()  # before the cap: the model is initialised on the GPU
+        h2d = _h2d_bandwidth(self.device)  # before the cap too: its buffer would not fit under it
         with _memory_cap(self.device, int(self.plan.cap_gib * GIB)):
             self.capped_allgpu(model)
-            self.capped_dynamic(model)
+            self.capped_dynamic(model, h2d)
 
     def capped_allgpu(self, model) -> None:
         """The whole model to the GPU under the cap; the model is back on the host afterwards."""
@@ -405,10 +411,11 @@ class Bench:
             self.record("capped_allgpu", decode, f"the cap is not tight: all-GPU ran under {cap:g} GiB",
                         status="ran", cap_gib=cap)
 
-    def capped_dynamic(self, model) -> None:
+    def capped_dynamic(self, model, h2d_bytes_per_s: float) -> None:
         """The engine under the cap: the layers that fit stay on the GPU, the rest stream; the head and
         embedding are staged while the budget under the threshold allows; the decode loop calls the
-        dynamic-offload controller every 8 tokens."""
+        dynamic-offload controller every 8 tokens. Against the PCIe floor: the streamed layers' bytes copied up
+        once a step at `h2d_bytes_per_s` (a pinned host-to-device copy's, measured)."""
         from trainer.offload.dynamic import ModelLayers, device_memory_probe, layers_that_fit, plan_layers
         from trainer.rollout.hf_rollout import SafePoints
 
@@ -449,9 +456,14 @@ class Bench:
 
             staged = self.warm_up(model, place, stopping)
             decode = self.decode(model, place, stopping)
+            streamed = len(model.model.layers) - engine.layers_on_gpu
+            floor_ms = streamed * layer_bytes / h2d_bytes_per_s * 1e3
+            versus = f"{decode.ms_per_step(self.plan.new_tokens) / floor_ms:.2f}x" if floor_ms else "n/a"
             self.record("capped_dynamic", decode,
                         f"{self.plan.cap_gib:g} GiB cap, dynamic offload: {fit} -> {engine.layers_on_gpu} of "
-                        f"{len(model.model.layers)} layers on GPU, moves {engine.moves}, staged {_groups(staged)}",
+                        f"{len(model.model.layers)} layers on GPU, moves {engine.moves}, staged {_groups(staged)}; "
+                        f"PCIe floor of the {streamed} streamed layers {floor_ms:.1f} ms a step ({versus})",
+                        pcie_floor_ms=floor_ms, h2d_bytes_per_s=h2d_bytes_per_s, streamed_layers=streamed,
                         cap_gib=self.plan.cap_gib, layers_on_gpu_start=fit, layers_on_gpu=engine.layers_on_gpu,
                         moves=dict(engine.moves), staged=staged, budget_bytes=budget,
                         probe_gib=[used / GIB, allowed / GIB], decisions=decisions)
@@ -525,6 +537,19 @@ def _static_decoder(model, *, cuda_graphs: bool = False, safety=None) -> StaticD
     """rollout.decode=static with `_sampling`'s settings: plain sampling, no EOS (every token is decoded)."""
     return StaticDecoder(model, eos_ids=[-1], pad_id=0, sampling=Sampling(temperature=1.0, top_k=0, top_p=1.0),
                          cuda_graphs=cuda_graphs, safety=safety)
+
+
+def _fused(decoder: StaticDecoder) -> str:
+    """What the last generate of `decoder` ran compiled or fused (a piece that fell back shows as 0)."""
+    return (f"fused: {decoder.fused_norms} norms, {decoder.fused_mlps} MLPs, "
+            f"rotary {'compiled' if decoder.fused_rotary else 'own'}")
+
+
+def _h2d_bandwidth(device: torch.device) -> float:
+    """Bytes a second of a 512 MiB copy from page-locked host memory to the device."""
+    source = torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty_like(source, device=device)
+    return source.numel() / _median_seconds(lambda: target.copy_(source, non_blocking=True), 5)
 
 
 def _hbm_bandwidth(device: torch.device) -> float:

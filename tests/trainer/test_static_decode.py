@@ -429,7 +429,6 @@ def test_decode_steps_run_gated_silu_mlps_with_the_activation_and_product_fused(
         return fused_mlp._silu_and_mul(gate, up)
 
     monkeypatch.setattr(fused_mlp, "_compiled", lambda say: counted)
-    monkeypatch.setattr(fused_mlp, "_resident", lambda module, device: True)
     fused_mlp._VERIFIED.clear()
     decoder = StaticDecoder(policy, eos_ids=[1], pad_id=tokenizer.pad_token_id, sampling=Sampling(do_sample=False))
     with fused_mlp.fused_mlps(policy, torch.device("cuda")) as swapped:
@@ -437,8 +436,9 @@ def test_decode_steps_run_gated_silu_mlps_with_the_activation_and_product_fused(
         decoded = decoder.generate(prompt_ids, prompt_mask, 12)
         assert torch.equal(decoded, expected)
     assert not any("forward" in mlp.__dict__ for mlp in mlps)
-    # The class's check ran one call; then every decode step of every layer, and none of the prompt's forward.
-    assert len(fused_calls) == 1 + (decoded.shape[1] - 1) * len(mlps)
+    # Every decode step of every layer, and none of the prompt's forward (the class's check runs the formula
+    # eagerly on a probe).
+    assert len(fused_calls) == (decoded.shape[1] - 1) * len(mlps)
     assert all(shape[1] == 1 for shape in fused_calls)
 
     class GeluMLP(nn.Module):
@@ -450,8 +450,17 @@ def test_decode_steps_run_gated_silu_mlps_with_the_activation_and_product_fused(
         def forward(self, x):  # says SiLU, computes GELU
             return self.down_proj(nn.functional.gelu(self.gate_proj(x)) * self.up_proj(x))
 
-    with fused_mlp.fused_mlps(nn.Sequential(GeluMLP()), torch.device("cuda")) as swapped:
-        assert swapped == 0
+    class ScaledMLP(GeluMLP):
+        def forward(self, x):  # SiLU, but a scaled product
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 2)
+
+    class SizedMLP(GeluMLP):
+        def forward(self, x):  # reads its sizes: fails on the probe, so it is left alone
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)).view(*x.shape[:-1], 8)
+
+    for other in (GeluMLP, ScaledMLP, SizedMLP):
+        with fused_mlp.fused_mlps(nn.Sequential(other()), torch.device("cuda")) as swapped:
+            assert swapped == 0, other.__name__
     fused_mlp._VERIFIED.clear()
 
     monkeypatch.undo()
@@ -526,7 +535,6 @@ def test_other_architectures_rotary_and_mlps_compile_for_real_and_decode_the_sam
     saved = (dict(fused_rotary._COMPILED), dict(fused_rotary._AGREES), dict(fused_rotary._FAILURES))
     compiled_mlp = torch.compile(fused_mlp._silu_and_mul, dynamic=True, fullgraph=True)
     monkeypatch.setattr(fused_mlp, "_compiled", lambda say: compiled_mlp)
-    monkeypatch.setattr(fused_mlp, "_resident", lambda module, device: True)
     monkeypatch.setattr(fused_mlp, "_VERIFIED", {})
     said: list[str] = []
     try:

@@ -74,7 +74,8 @@ def _engine_placed(layers_on_gpu: int):
 def test_graphs_of_an_engine_placed_model_replay_only_while_its_weights_stay_put(layers_on_gpu):
     """Under the rollout's placement (head and embedding kept whole on the GPU): with every layer kept there the
     step is replayed from graphs, with two layers streaming it runs eagerly (a graph would not copy them);
-    both decode the eager tokens."""
+    both decode the eager tokens, with every norm and MLP fused (a layer's weights on the host between its
+    forwards, kept or streamed, as a resident layer's)."""
     tokenizer, policy, engine = _engine_placed(layers_on_gpu)
     try:
         prompt_ids, prompt_mask = encode_prompts(["1 2 3", "4", "5 6", "7 8 9 0"] * 4, tokenizer, max_length=8)
@@ -86,6 +87,7 @@ def test_graphs_of_an_engine_placed_model_replay_only_while_its_weights_stay_put
             with engine.placed_for("rollout"):
                 results[graphs] = decoder.generate(prompt_ids, prompt_mask, 20)
             replays[graphs] = decoder.replays
+            assert (decoder.fused_norms, decoder.fused_mlps) == (2 * 4 + 1, 4)
         assert torch.equal(results[True], results[False])
         assert replays[False] == 0
         assert (replays[True] > 0) == (layers_on_gpu == 4), replays
