@@ -73,7 +73,10 @@ STEP_KEYS = ("timing_s/", "offload/moves", "offload/phase", "offload/transformer
              "perf/oom_recoveries", "response_length/", "actor/skipped_steps", "critic/skipped_steps")
 """The metrics of each step a result keeps (besides the steady state's means)."""
 VARIANTS = ("all_gpu", "offload", "fsdp2", "offload_delayed", "offload_delayed_host", "offload_host_update",
-            "offload_both_update", "offload_device_update", "offload_lora")
+            "offload_both_update", "offload_device_update", "offload_lora", "offload_balanced",
+            "offload_delayed_balanced")
+"""`_balanced`: the variant without it, with the update split's window off (update_split.py: every update split to
+end as early as both paths allow, as before the window): against it, what the window buys."""
 LORA = {"lora_rank": 64, "lora_alpha": 32}
 """The `offload_lora` variant's adapter (model.*: verl's LoRA example scripts' rank and alpha), on all-linear."""
 QWEN_3B = dict(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
@@ -116,6 +119,7 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
     the reward model from `models`/reward_model; the rollout decodes as `decode` says (rollout.decode)."""
     spec = SHAPES[shape]
     actor = "actor_rollout_ref.actor.fsdp_config"
+    variant = variant.removesuffix("_balanced")
     offloaded = variant in ("offload", "offload_delayed", "offload_delayed_host", "offload_host_update",
                             "offload_both_update", "offload_device_update", "offload_lora")
     trained = OFFLOADED if offloaded else {"model_dtype": "bf16"}
@@ -234,6 +238,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     spec = SHAPES[args.shape]
+    if args.variant.endswith("_balanced"):
+        from trainer.offload import update_split
+
+        update_split.WINDOW_SHARE = 0.0
     capped = device.type == "cuda" and args.variant != "all_gpu" and spec["cap_gib"] > 0
     result: dict[str, Any] = {"variant": args.variant, "cap_gib": spec["cap_gib"] if capped else None,
                               "bandwidth_gbps": pinned_bandwidth(device)}
@@ -293,7 +301,7 @@ def update_estimates(engines: list[Any]) -> dict[str, dict[str, Any]]:
         elements = sum(entry.parameter.numel() for unit in engine.units if unit.offloaded
                        for entry in unit.entries if entry.parameter.requires_grad)
         estimates[engine.role] = {"seconds_per_element": dict(engine.update_split.seconds_per_element),
-                                  "elements": elements}
+                                  "elements": elements, "window_s": engine.update_split.window}
     return estimates
 
 

@@ -182,6 +182,8 @@ class Profile:
                 self.add(f"{role} update split: host share of elements", on_host / total, replace=True)
                 for path, seconds in engine.update_split.seconds_per_element.items():
                     self.add(f"{role} update split: {path} ns/element, estimated", seconds * 1e9, replace=True)
+                if engine.update_split.window is not None:
+                    self.add(f"{role} update split: window s, estimated", engine.update_split.window, replace=True)
                 return paths
 
             engine.plan_update_paths = timed_plan

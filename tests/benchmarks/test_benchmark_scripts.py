@@ -189,6 +189,9 @@ def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp
     assert {"actor_rollout_ref.actor.fsdp_config.delayed_update=true",
             "actor_rollout_ref.actor.fsdp_config.optimizer_update=cpu"} <= set(e2e_bench.overrides(
                 "quick", "offload_delayed_host", "cuda", tmp_path, tmp_path / "models", 2))
+    # `_balanced`: the same run, its update split without the window (set in the variant's own process).
+    assert e2e_bench.overrides("quick", "offload_delayed_balanced", "cuda", tmp_path, tmp_path / "models", 2) == \
+        e2e_bench.overrides("quick", "offload_delayed", "cuda", tmp_path, tmp_path / "models", 2)
 
 
 def test_the_whole_step_benchmark_runs_the_lora_variant_when_asked(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from trainer.config import FSDPConfig, load_config
 from trainer.config.schema import ConfigError
 from trainer.models import load_policy, load_tokenizer
 from trainer.offload import OffloadOptions, attach_offload, update_mode, updates_on_device
+from trainer.offload.update_split import WINDOW_SHARE
 
 TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
 WHOLE_HEAD = OffloadOptions(head_chunk_bytes=1 << 30)
@@ -38,10 +40,11 @@ def build(settings: dict, dtype: torch.dtype, update: str, device: str = "cpu",
 
 def even_split(engine) -> None:
     """Both paths as fast by the split's estimates, which stop learning: the units alternate between them (a
-    split learned from this machine's timings could send every unit to one side)."""
+    split learned from this machine's timings could send every unit to one side), with no window."""
     assert engine.update_split is not None
     engine.update_split.seconds_per_element = {"device": 1e-9, "host": 1e-9}
     engine.update_split.smoothing = 0.0
+    engine.update_split.window_share = 0.0  # no window: the tiny update would otherwise all go to the host
 
 
 def states_in_order(optimizer) -> dict[str, list[torch.Tensor]]:
@@ -309,3 +312,39 @@ def test_on_the_gpu_the_update_streams_pinned_states_and_matches_the_host_update
         # The CUDA kernel rounds as the GPU does (fused multiply-adds): bf16 weights agree to their rounding.
         assert losses == pytest.approx(host_losses, rel=1e-2)
         torch.testing.assert_close(device_weights, host_weights, rtol=1e-2, atol=1e-3)
+
+
+def test_the_split_learns_the_window_from_its_plan_to_the_first_read_that_needs_the_update():
+    """The window ends at the first read that needs the last step's update, here a forward 0.3 s after it (not at
+    the next plan, 0.5 s later); under a delayed update the rollout's stale reads do not end it, the first read
+    after them does. With a window that long, the update goes to the host (the device path's bytes would buy an
+    end nobody waits for)."""
+    settings, dtype = SETTINGS["bf16_host_gradients"]
+    for delayed in (False, True):
+        model, engine = build({**settings, "delayed_update": delayed}, dtype, "both")
+        optimizer = engine.optimizer(lr=1e-3)
+        even_split(engine)
+        # Both paths as fast, at rates that make the whole update 0.2 s on either one by the estimates.
+        elements = sum(entry.parameter.numel() for unit in engine.units if unit.offloaded and unit.trainable
+                       for entry in unit.entries if entry.parameter.requires_grad)
+        engine.update_split.seconds_per_element = {"device": 0.2 / elements, "host": 0.2 / elements}
+        engine.update_split.window_share = WINDOW_SHARE
+        train(model, engine, optimizer, steps=1)
+        assert engine.update_split.window is None
+        if delayed:
+            with engine.stale_reads(), torch.no_grad():
+                time.sleep(0.1)
+                model(input_ids=batch(7))
+        time.sleep(0.3)
+        with torch.no_grad():
+            model(input_ids=batch(8))  # the read that ends the window; the next plan comes 0.5 s after it
+        time.sleep(0.5)
+        train(model, engine, optimizer, steps=1)
+        window = engine.update_split.window
+        assert window is not None and 0.3 + 0.1 * delayed <= window < 0.75, window
+        assert set(engine.update_split.last_assignment) == {"host"}, engine.update_split.describe()
+        # Steps back to back: the window is the step's own forward and backward, the split balanced again.
+        engine.update_split.smoothing = 1.0
+        train(model, engine, optimizer, steps=2)
+        assert engine.update_split.window < 0.3 and set(engine.update_split.last_assignment) == {"device", "host"}
+        engine.close()

@@ -102,3 +102,52 @@ def test_the_first_guess_is_the_bus_for_the_device_and_a_conservative_host_figur
 def test_a_split_refuses_estimates_it_cannot_use(rates, smoothing):
     with pytest.raises(ValueError, match="UpdateSplit"):
         UpdateSplit(rates, smoothing)
+
+
+def test_a_window_longer_than_the_balanced_update_gives_the_host_what_ends_within_its_share():
+    """The reads that need the update come 10 s after the plan: the host (2 s for each of 6 units) takes units in
+    order while its queue ends within 0.75 of the window (3 units, 6 s), the device the rest; the balanced split
+    would end both at 4 s and send the device 4 units."""
+    sizes = [100] * 6
+    chooser = split(1e-2, 2e-2)
+    assert chooser.assign(sizes).count("device") == 4
+    chooser.learn_window(10.0)
+    assert chooser.assign(sizes) == ["host"] * 3 + ["device"] * 3
+    ends = chooser.predicted_seconds(sizes, chooser.last_assignment)
+    assert ends == pytest.approx({"device": 3.0, "host": 6.0})
+    assert "window 10 s" in chooser.describe()
+
+
+def test_a_window_no_longer_than_the_balanced_update_keeps_the_balanced_split():
+    sizes = [100] * 6
+    chooser = split(1e-2, 2e-2)
+    balanced = chooser.assign(sizes)
+    for window in (0.0, 4.0, 4.0 / 0.75):  # within 0.75 of the window: no later than the balanced end
+        chooser.window = window
+        assert chooser.assign(sizes) == balanced
+
+
+def test_with_any_window_the_device_never_takes_more_and_the_update_never_ends_later():
+    generator = random.Random(1)
+    for _ in range(200):
+        device, host = generator.uniform(0.1, 10), generator.uniform(0.1, 10)
+        sizes = [generator.randint(0, 1000) for _ in range(generator.randint(1, 30))]
+        chooser = split(device, host)
+        balanced = chooser.assign(sizes)
+        makespan = max(chooser.predicted_seconds(sizes, balanced).values())
+        chooser.window = generator.uniform(0, 3) * makespan
+        assignment = chooser.assign(sizes)
+        on_device = sum(size for size, path in zip(sizes, assignment, strict=True) if path == "device")
+        assert on_device <= sum(size for size, path in zip(sizes, balanced, strict=True) if path == "device")
+        ends = chooser.predicted_seconds(sizes, assignment)
+        assert max(ends.values()) <= max(makespan, 0.75 * chooser.window) * (1 + 1e-12)
+
+
+def test_the_window_is_a_moving_average_and_a_negative_one_is_refused():
+    chooser = split(1.0, 1.0, smoothing=0.5)
+    chooser.learn_window(2.0)
+    assert chooser.window == 2.0
+    chooser.learn_window(4.0)
+    assert chooser.window == 3.0
+    with pytest.raises(ValueError, match="window"):
+        chooser.learn_window(-1.0)

@@ -158,6 +158,12 @@ class OffloadEngine:
         self.update_split = UpdateSplit.guessed(self.device_update.bytes_each_way()) \
             if self.device_update is not None and self.layout.split_update else None
         """With optimizer_update both: which units each step updates on the device and which on the host."""
+        self._window: list[float | None] = [None, None]
+        """The last plan's time and the first read after it that needed its updates (perf_counter seconds): the
+        split's window, learned at the next plan."""
+        if self.update_split is not None:
+            for unit in self.layout.units:
+                unit.on_read = self._read_needs_update
         self.bus_turns: BusTurns | None = None
         """The run's turns on the bus for device updates, across its models (`share_bus`); None: never held."""
         self.update_paths: dict[str, UpdatePath] = {}
@@ -284,8 +290,18 @@ class OffloadEngine:
         timings, self._update_timings = self._update_timings, []
         if self._planned_updates > 1:  # the first step's updates made the states: not what a step takes
             self.update_split.learn(timings)
+        now = time.perf_counter()
+        planned, needed = self._window
+        if planned is not None:  # (no read since: this plan needs the last one's updates)
+            self.update_split.learn_window((needed if needed is not None else now) - planned)
+        self._window = [now, None]
         self._planned_updates += 1
         return self.update_split.assign([update_elements(unit) for unit in units])
+
+    def _read_needs_update(self) -> None:
+        """Unit.on_read: the first read since the last plan that needs an updated unit ends the split's window."""
+        if self._window[0] is not None and self._window[1] is None:
+            self._window[1] = time.perf_counter()
 
     def submit_update(self, unit: Unit, update: Callable[..., None], *args: Any, path: UpdatePath = "host") -> None:
         """Run a unit's optimizer update on `path`'s worker thread (at once without the pipelined update): the

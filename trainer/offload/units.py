@@ -218,6 +218,9 @@ class Unit:
     rollout's stale reads, OffloadEngine.stale_reads); None: the read that publishes writes them itself."""
     publish_error: Exception | None = None
     """What stopped the publisher writing this unit's arena (raised again by `finish_publish`)."""
+    on_read: Callable[[], None] | None = None
+    """Called by each read that needs the unit's latest update (not a stale one): the engine's, to learn how long
+    its optimizer updates may take before they are needed (UpdateSplit.window)."""
     passing: UnitPass = field(default_factory=UnitPass)
 
     def __post_init__(self) -> None:
@@ -258,9 +261,11 @@ class Unit:
         """Wait for the unit's optimizer update, then pick up any in-place change of its masters. Under a
         delayed update: a read that may be stale takes the arena as it is (the weights from before the
         update, which runs meanwhile); any other waits for the update and publishes it to the arena."""
+        if self.publish_pending and self.stale_ok:
+            return
+        if self.on_read is not None:
+            self.on_read()
         if self.publish_pending:
-            if self.stale_ok:
-                return
             self.ready.wait()
             self.finish_publish()
             return

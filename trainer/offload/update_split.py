@@ -10,6 +10,13 @@ what the previous steps measured, starting from guesses (the bus's bandwidth for
 figure for the host). With the estimates right, the step's longer path never takes longer than either path
 alone would: a unit goes to the host only when that ends before the device would end with it, and back.
 
+Ending early is worth nothing when the reads that need the update come later: a delayed update's next reader is
+the next step's update, after the whole rollout; a critic's, the next step's values. The engine learns that
+window (from its plan to the first read needing the update) and the split then gives the host what it ends
+within most of it, and the device only the rest: the device path's bytes (its states up and down) are the
+bus time the step's other copies wait behind (the 3B PPO step at a 12 GiB cap was within 1% of its PCIe floor,
+2026-12-04, with the critic's and the actor's updates split to end early).
+
 The split is plain arithmetic over the measurements it is given (no clock, no threads): the engine times each
 unit's update and hands the timings over at the next step, but the first step's: that one makes and page-locks
 the states (a 7B actor's first update took 36 s on the H200 machine, 2026-12-04, against 1-2 s after), and
@@ -32,6 +39,9 @@ and the update's two directions run at once)."""
 HOST_GUESS_SECONDS_PER_ELEMENT = 1e-9
 """The first host estimate: about twice what the H200 machine's 16 cores measured (1.45 s for 3B parameters,
 0.48 ns an element), so that the first step leans on the device path, whose speed the bus bounds."""
+WINDOW_SHARE = 0.75
+"""The share of the learned window (the seconds from a step's plan to the first read that needs its updates) the
+host path may fill: what is left is the margin for a window shorter than the last ones, or a host slower."""
 SMOOTHING = 0.5
 """The weight of the newest step's measurement in each path's moving average: a change of load (the critic's
 update beside the actor's) shows within a couple of steps, one noisy step moves the split halfway."""
@@ -54,6 +64,10 @@ class UpdateSplit:
     """Each path's estimate, learned from the steps so far."""
     smoothing: float = SMOOTHING
     last_assignment: list[UpdatePath] = field(default_factory=list)
+    window: float | None = None
+    """Seconds from a step's plan to the first read that needed its updates, learned (None: not yet)."""
+    window_share: float = field(default_factory=lambda: WINDOW_SHARE)
+    """(Read when the split is made: e2e_bench's `_balanced` variants set WINDOW_SHARE to 0, no window.)"""
     measured: set[UpdatePath] = field(default_factory=set)
     """The paths measured at least once: a path's first measurement replaces its guess instead of moving it
     halfway (a guess off by 3x would take a few steps to wear off, each with a lopsided split)."""
@@ -75,9 +89,28 @@ class UpdateSplit:
         return cls({"device": device_bytes_each_way / bandwidth, "host": host_seconds_per_element}, smoothing)
 
     def assign(self, elements: Sequence[int]) -> list[UpdatePath]:
-        """The path of each unit (`elements`: each unit's elements to update, in the order they are updated):
-        each goes to the path whose queue, with it added, ends first (the device on a tie). Units keep their
-        order within each path, which runs them one after the other."""
+        """The path of each unit (`elements`: each unit's elements to update, in the order they are updated).
+        Units keep their order within each path, which runs them one after the other.
+
+        Balanced: each unit goes to the path whose queue, with it added, ends first (the device on a tie), so the
+        update ends as early as the two paths allow. But when the reads that need the update come later than
+        that (the learned `window`: a delayed update runs through the next rollout, a critic's through the
+        actor's update and the rollout), an early end buys nothing, and each element the device path updates
+        crosses the bus twice (its states up and down, bytes the step's other copies wait behind). Then the
+        host takes units in order while its queue ends within `window_share` of the window, and the device the
+        rest: never a later end than the balanced split's, never more on the device."""
+        balanced = self._balanced(elements)
+        makespan = max(self.predicted_seconds(elements, balanced).values(), default=0.0)
+        budget = self.window * self.window_share if self.window is not None else 0.0
+        assignment = balanced
+        if budget > makespan:
+            host_first = self._host_first(elements, budget)
+            if _on_device(elements, host_first) < _on_device(elements, balanced):
+                assignment = host_first
+        self.last_assignment = assignment
+        return assignment
+
+    def _balanced(self, elements: Sequence[int]) -> list[UpdatePath]:
         ends: dict[UpdatePath, float] = {"device": 0.0, "host": 0.0}
         assignment: list[UpdatePath] = []
         for count in elements:
@@ -86,7 +119,19 @@ class UpdateSplit:
             path: UpdatePath = "device" if device_end <= host_end else "host"
             ends[path] = device_end if path == "device" else host_end
             assignment.append(path)
-        self.last_assignment = assignment
+        return assignment
+
+    def _host_first(self, elements: Sequence[int], budget: float) -> list[UpdatePath]:
+        """The host takes each unit whose update ends within `budget` on its queue; the device the others."""
+        host_end = 0.0
+        assignment: list[UpdatePath] = []
+        for count in elements:
+            seconds = count * self.seconds_per_element["host"]
+            if host_end + seconds <= budget:
+                host_end += seconds
+                assignment.append("host")
+            else:
+                assignment.append("device")
         return assignment
 
     def predicted_seconds(self, elements: Sequence[int], assignment: Sequence[UpdatePath]) -> dict[UpdatePath, float]:
@@ -111,6 +156,18 @@ class UpdateSplit:
                 self.seconds_per_element[path] += weight * (measured - self.seconds_per_element[path])
                 self.measured.add(path)
 
+    def learn_window(self, seconds: float) -> None:
+        """Fold one step's window (its plan to the first read that needed its updates) into the estimate (the first
+        replaces nothing: it is the estimate)."""
+        if seconds < 0:
+            raise ValueError(f"UpdateSplit's window is seconds from a plan to a read, at least 0, got {seconds}")
+        self.window = seconds if self.window is None else self.window + self.smoothing * (seconds - self.window)
+
     def describe(self) -> str:
-        """The estimates in words, e.g. "device 0.33 ns/element, host 0.48 ns/element"."""
-        return ", ".join(f"{path} {self.seconds_per_element[path] * 1e9:.3g} ns/element" for path in PATHS)
+        """The estimates in words, e.g. "device 0.33 ns/element, host 0.48 ns/element, window 1.2 s"."""
+        paths = ", ".join(f"{path} {self.seconds_per_element[path] * 1e9:.3g} ns/element" for path in PATHS)
+        return paths if self.window is None else f"{paths}, window {self.window:.3g} s"
+
+
+def _on_device(elements: Sequence[int], assignment: Sequence[UpdatePath]) -> int:
+    return sum(count for count, path in zip(elements, assignment, strict=True) if path == "device")
