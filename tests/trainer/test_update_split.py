@@ -42,11 +42,16 @@ def test_everything_goes_to_a_path_much_faster_than_the_other(device, host, side
     assert split(device, host).assign([300, 200, 500, 100, 400]) == [side] * 5
 
 
-def test_the_longer_path_never_takes_longer_than_either_path_alone():
-    generator = random.Random(0)
-    for _ in range(200):
+def random_cases(seed: int, count: int = 200):
+    """(device seconds per element, host seconds per element, unit sizes, a generator for more), `count` times."""
+    generator = random.Random(seed)
+    for _ in range(count):
         device, host = generator.uniform(0.1, 10), generator.uniform(0.1, 10)
-        sizes = [generator.randint(0, 1000) for _ in range(generator.randint(1, 30))]
+        yield device, host, [generator.randint(0, 1000) for _ in range(generator.randint(1, 30))], generator
+
+
+def test_the_longer_path_never_takes_longer_than_either_path_alone():
+    for device, host, sizes, _ in random_cases(0):
         chooser = split(device, host)
         longest = max(chooser.predicted_seconds(sizes, chooser.assign(sizes)).values())
         assert longest <= min(sum(sizes) * device, sum(sizes) * host) * (1 + 1e-12)
@@ -128,10 +133,7 @@ def test_a_window_no_longer_than_the_balanced_update_keeps_the_balanced_split():
 
 
 def test_with_any_window_the_device_never_takes_more_and_the_update_never_ends_later():
-    generator = random.Random(1)
-    for _ in range(200):
-        device, host = generator.uniform(0.1, 10), generator.uniform(0.1, 10)
-        sizes = [generator.randint(0, 1000) for _ in range(generator.randint(1, 30))]
+    for device, host, sizes, generator in random_cases(1):
         chooser = split(device, host)
         balanced = chooser.assign(sizes)
         makespan = max(chooser.predicted_seconds(sizes, balanced).values())
