@@ -26,7 +26,7 @@
 #                                          # four do not fit one call: all_gpu 88 s, optimizer_offload 135 s, fsdp2 126 s)
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_delayed_host][,offload_host_update][,offload_both_update]
-# [,offload_lora]), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
+# [,offload_lora][,offload_balanced][,offload_delayed_balanced]: `_balanced` is the variant with the update split's window off), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
 # variant may take; e2e_bench's default 900), SET (one config override for every variant, KEY=VALUE), TAG (a suffix of
 # the result's file names, to keep several runs of a call apart), PROFILE (set: --profile) and DECODE (auto, generate or static: rollout.decode; auto, the default, is static with CUDA graphs on a GPU).
 # The shape's models are drawn once on the GPU (20 s for ppo3b) and each variant loads them (10 s). One 10-minute call fits about (measured 2026-12-02):
@@ -139,6 +139,20 @@
 # wins becomes auto on ranks), `VARIANTS=embedding_head_cpu ranks`, `SHAPE=headline VARIANTS=all_gpu,optimizer_offload
 # ranks`; on one H200, the 3B PPO step's bus (85-95 GB up a step: the critic's and the actor's updates on the device
 # path; a larger host share under a delayed update?) with `PROFILE=1 VARIANTS=all_gpu,offload_delayed e2e-ppo3b`.
+# Run 2026-12-04 18:09-18:54 on one H200 (x2 was not lent; results in benchmarks/results/*2026-12-04T18*, tables in
+# benchmarks/README.md): the layered decode (0.94x: no MLP of an engine-placed model was fused; fixed, 0.99x), the
+# capped decode against its PCIe floor (1.06x), a profiled 3B delayed step (at its PCIe floor: the split's device
+# share), the update split's window (3B delayed 2.68 s against 3.23 s with it off, one run; 7B delayed 1.34x). GPU
+# tests: test_static_decode_gpu.py (7) and test_device_update.py with test_offload_gpu.py (28) passed. Measured
+# call times: two rollout stages plus a profiled two-variant e2e-ppo3b 340 s; test_static_decode_gpu.py plus
+# two rollout sections plus three e2e-ppo3b variants 266 s; a profiled three-variant e2e-ppo3b plus 28 GPU tests
+# plus `SECTIONS=capped rollout` 369 s; three e2e-ppo3b variants plus two e2e-headline variants 460 s.
+# Next, in priority order: on an nvidia-h200-x2 machine `VARIANTS=all_gpu,optimizer_offload,optimizer_offload_delayed
+# ranks`, then `VARIANTS=all_gpu,optimizer_offload_gpu,optimizer_offload_both ranks` (whichever wins becomes auto on
+# ranks; HostAdamW's split has no window yet), `VARIANTS=embedding_head_cpu ranks`, `SHAPE=headline
+# VARIANTS=all_gpu,optimizer_offload ranks`; on one H200, `VARIANTS=all_gpu,offload,offload_balanced e2e-ppo3b` (the
+# window on the exact update: the critic's) and `PROFILE=1 VARIANTS=all_gpu,offload_delayed e2e-headline` (7B
+# delayed: where its 0.86 s over all-GPU goes now that the bus carries less).
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
