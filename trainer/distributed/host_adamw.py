@@ -39,7 +39,8 @@ device never holds more of the moments than the ring. With "both" each step spli
 from the steps before): the host's gradients are queued down first, then the device's slices, and the host computes
 while the GPU streams. `delayed` then defers the host's share alone: the device's changes the shards at once, so the
 config refuses the actor's delayed_update with either (the rollout would read them); the critic's background update
-takes it (nothing reads the critic before the next values publish it).
+takes it (nothing reads the critic before the next values publish it). There the split learns its window, from the
+step to the `publish` that needs it, and gives the host what it ends within it (UpdateSplit.assign).
 
 A unit kept on the CPU (param_offload) has its shards and gradients there already: the same arithmetic runs on
 them with no copy. The copies go through a CopyLog, as the offload engine's do: counted per direction and group,
@@ -128,6 +129,9 @@ class HostAdamW(torch.optim.Optimizer):
         how to read them), folded into the split at the next step."""
         self._background_seconds = 0.0
         """The last host arithmetic's seconds in the background thread (`delayed`)."""
+        self._planned: float | None = None
+        """When the last delayed split step was planned (perf_counter): its `publish`, the first read that needs it,
+        ends the split's window (UpdateSplit.window: how long the host's share may take)."""
         self._ring: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
         self._turn = 0
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
@@ -200,6 +204,8 @@ class HostAdamW(torch.optim.Optimizer):
         self.publish()  # an update still pending lands before the next one
         self._learn_split()
         paths = self._paths()
+        if self.delayed and self.split is not None:
+            self._planned = time.perf_counter()
         # Every host gradient on its way down first (the copies queue on one stream), then the device path's slices;
         # the host starts on each gradient as soon as it has landed, while the later ones are still coming.
         # Each group's hyperparameters as they are now: a scheduler changes them before a delayed update lands.
@@ -260,6 +266,9 @@ class HostAdamW(torch.optim.Optimizer):
     def publish(self) -> None:
         """A delayed step's update applied to the parameters, once the host has computed it (re-raising what it
         raised); nothing when none is pending. The loop calls it before anything reads the weights as updated."""
+        planned, self._planned = self._planned, None
+        if planned is not None and self.split is not None:
+            self.split.learn_window(time.perf_counter() - planned)
         pending, self._pending = self._pending, None
         if pending is not None:
             self._apply(pending.result())

@@ -206,3 +206,26 @@ def test_a_split_update_sends_each_parameter_down_the_path_the_split_assigns_it(
     assert set(optimizer._buffers) == {parameters[1]}
     assert optimizer.split.last_assignment == ["device", "host"]
     assert all(float(optimizer.state[parameter]["step"]) == 1 for parameter in parameters)
+
+
+def test_a_delayed_split_learns_its_window_from_the_step_to_the_publish_and_gives_the_host_what_fits_in_it():
+    """Delayed with both: the window runs from a step to the publish that needs it (a read of the weights as
+    updated), here 0.3 s; the next step's split then gives the host every parameter it ends within 0.75 of that,
+    where the balanced split (equal speeds) would give the device the larger one."""
+    import time
+
+    from trainer.offload.update_split import UpdateSplit
+
+    parameters = [torch.zeros(100, requires_grad=True), torch.zeros(10, requires_grad=True)]
+    optimizer = HostAdamW(parameters, lr=1e-2, update="both", delayed=True)
+    optimizer.split = UpdateSplit({"device": 1e-4, "host": 1e-4})  # 10 ms and 1 ms by the estimates
+    optimizer.split.learn = lambda timings: None  # this machine's timings would move the estimates
+    for step in range(2):
+        for parameter in parameters:
+            parameter.grad = torch.ones_like(parameter)
+        optimizer.step()
+        assert optimizer.split.last_assignment == (["device", "host"] if step == 0 else ["host", "host"])
+        time.sleep(0.3)
+        optimizer.publish()
+        assert optimizer.split.window is not None and 0.3 <= optimizer.split.window < 2
+    assert all(float(optimizer.state[parameter]["step"]) == 2 for parameter in parameters)
