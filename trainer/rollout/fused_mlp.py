@@ -66,11 +66,11 @@ def _computes_gated_silu(module: nn.Module) -> bool:
         probe.__dict__.update(module.__dict__)
         probe._modules = dict(module._modules)
         for name, (inputs, outputs) in {"gate_proj": (16, 32), "up_proj": (16, 32), "down_proj": (32, 16)}.items():
-            linear = nn.Linear(inputs, outputs, bias=getattr(module, name).bias is not None)
+            linear = nn.Linear(inputs, outputs, bias=getattr(module, name).bias is not None, dtype=torch.float32)
             for tensor in linear.parameters():
-                tensor.copy_(torch.randn(tensor.shape, generator=generator))
+                tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=torch.float32))
             probe._modules[name] = linear
-        sample = torch.randn((2, 1, 16), generator=generator) * 4  # gates well into SiLU's curve
+        sample = torch.randn((2, 1, 16), generator=generator, dtype=torch.float32) * 4  # well into SiLU's curve
         try:
             expected = type(module).forward(probe, sample)
         except Exception:  # noqa: BLE001 - any failure of a class's own forward on the probe means "not this"
