@@ -465,7 +465,9 @@ class MemoryManager:
 
     def step_metrics(self) -> dict[str, float]:
         """Out-of-memory errors recovered from, transformer layers on the GPU (all models, and each
-        model's) and their moves, since the last call; the embedding cache's hit ratio."""
+        model's) and their moves, since the last call; the embedding cache's hit ratio; with the update split
+        between the device and the host, each model's host share of its last update and the window it learned
+        (update_split.py)."""
         engines: list[LayerHolder] = [*self._engines.values(), *self._sharded.values()]
         result = {"perf/oom_recoveries": float(self._recoveries),
                   "offload/transformer_layers_on_gpu": sum(engine.layers_on_gpu for engine in engines),
@@ -477,6 +479,12 @@ class MemoryManager:
         self._moves_reported = moves
         result["offload/phase_swaps"] = self._swapped
         self._swapped = 0
+        for engine in self._engines.values():  # optimizer_update both: where the last update went, and why
+            split = engine.update_split
+            if split is not None and engine.update_host_share is not None:
+                result[f"offload/{engine.role}/update_host_share"] = engine.update_host_share
+                if split.window is not None:
+                    result[f"offload/{engine.role}/update_window_s"] = split.window
         hit_ratio = self.embedding_cache.take_hit_ratio() if self.embedding_cache is not None else None
         if hit_ratio is not None:
             result["rollout/embedding_cache_hit_ratio"] = hit_ratio

@@ -434,6 +434,21 @@ def test_a_delayed_update_samples_the_next_rollout_with_the_weights_before_it(tm
     assert computed(delayed[1]) != computed(plain[1])
 
 
+def test_a_split_update_reports_each_steps_host_share_and_the_window_it_learned(tmp_path):
+    """optimizer_update both: each step's metrics say how much of the actor's last update the host took and, once a
+    second update has been planned, the window the split learned (its plan to the next read that needed it)."""
+    offload = ["optimizer_offload=true", "optimizer_update=both", "offload_policy={embedding: cpu, lm_head: cpu}"]
+    config = load_config(None, [*TINY, *(f"actor_rollout_ref.actor.fsdp_config.{key}" for key in offload),
+                                "trainer.total_training_steps=3", f"trainer.runs_dir={tmp_path}"])
+    trainer = Trainer(config, log=lambda *_: None)
+    trainer.fit()
+    rows = trainer.metrics_log.read()
+    shares = [row["offload/actor/update_host_share"] for row in rows]
+    assert all(0 <= share <= 1 for share in shares), shares
+    assert all(row["offload/actor/update_window_s"] > 0 for row in rows[1:])
+    assert "offload/critic/update_host_share" not in rows[0]  # the critic is not offloaded: no split
+
+
 # ------------------------------------------------------------------------ full disks, bad inputs
 
 

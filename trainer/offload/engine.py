@@ -158,6 +158,8 @@ class OffloadEngine:
         self.update_split = UpdateSplit.guessed(self.device_update.bytes_each_way()) \
             if self.device_update is not None and self.layout.split_update else None
         """With optimizer_update both: which units each step updates on the device and which on the host."""
+        self.update_host_share: float | None = None
+        """The share of the last split step's elements the host updated (None: no split step yet)."""
         self._window: list[float | None] = [None, None]
         """The last plan's time and the first read after it that needed its updates (perf_counter seconds): the
         split's window, learned at the next plan."""
@@ -296,7 +298,13 @@ class OffloadEngine:
             self.update_split.learn_window((needed if needed is not None else now) - planned)
         self._window = [now, None]
         self._planned_updates += 1
-        return self.update_split.assign([update_elements(unit) for unit in units])
+        elements = [update_elements(unit) for unit in units]
+        paths = self.update_split.assign(elements)
+        total = sum(elements)
+        if total:
+            self.update_host_share = sum(count for count, path in zip(elements, paths, strict=True)
+                                         if path == "host") / total
+        return paths
 
     def _read_needs_update(self) -> None:
         """Unit.on_read: the first read since the last plan that needs an updated unit ends the split's window."""
