@@ -39,7 +39,6 @@ from benchmarks.offload_bench import GIB, SHAPE, machine, random_bf16  # noqa: E
 from trainer.config import load_config  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.models import load_tokenizer  # noqa: E402
-from trainer.offload.engine import update_elements  # noqa: E402
 from trainer.offload.units import UpdateDone  # noqa: E402
 from trainer.rollout.hf_rollout import SAFE_POINT_EVERY  # noqa: E402
 
@@ -175,11 +174,10 @@ class Profile:
 
             def timed_plan(units):
                 paths = plan(units)
-                elements = [update_elements(unit) for unit in units]
-                total = sum(elements) or 1
-                on_host = sum(count for count, path in zip(elements, paths, strict=True) if path == "host")
                 # The step's last optimizer step's figures (not summed over its mini-batches, as times are).
-                self.add(f"{role} update split: host share of elements", on_host / total, replace=True)
+                if engine.update_split.last_host_share is not None:
+                    self.add(f"{role} update split: host share of elements", engine.update_split.last_host_share,
+                             replace=True)
                 for path, seconds in engine.update_split.seconds_per_element.items():
                     self.add(f"{role} update split: {path} ns/element, estimated", seconds * 1e9, replace=True)
                 if engine.update_split.window is not None:

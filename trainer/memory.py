@@ -481,8 +481,8 @@ class MemoryManager:
         self._swapped = 0
         for engine in self._engines.values():  # optimizer_update both: where the last update went, and why
             split = engine.update_split
-            if split is not None and engine.update_host_share is not None:
-                result[f"offload/{engine.role}/update_host_share"] = engine.update_host_share
+            if split is not None and split.last_host_share is not None:
+                result[f"offload/{engine.role}/update_host_share"] = split.last_host_share
                 if split.window is not None:
                     result[f"offload/{engine.role}/update_window_s"] = split.window
         hit_ratio = self.embedding_cache.take_hit_ratio() if self.embedding_cache is not None else None

@@ -153,3 +153,12 @@ def test_the_window_is_a_moving_average_and_a_negative_one_is_refused():
     assert chooser.window == 3.0
     with pytest.raises(ValueError, match="window"):
         chooser.learn_window(-1.0)
+
+
+def test_the_last_host_share_is_the_elements_the_host_got():
+    chooser = split(1e-9, 2e-9)
+    assert chooser.last_host_share is None
+    chooser.assign([100] * 6)  # 4 to the device, 2 to the host
+    assert chooser.last_host_share == pytest.approx(2 / 6)
+    chooser.assign([])
+    assert chooser.last_host_share == pytest.approx(2 / 6)  # nothing updated: the last share stands

@@ -158,9 +158,8 @@ class OffloadEngine:
         self.update_split = UpdateSplit.guessed(self.device_update.bytes_each_way()) \
             if self.device_update is not None and self.layout.split_update else None
         """With optimizer_update both: which units each step updates on the device and which on the host."""
-        self.update_host_share: float | None = None
-        """The share of the last split step's elements the host updated (None: no split step yet)."""
-        self._window: list[float | None] = [None, None]
+        self._planned_at: float | None = None
+        self._needed_at: float | None = None
         """The last plan's time and the first read after it that needed its updates (perf_counter seconds): the
         split's window, learned at the next plan."""
         if self.update_split is not None:
@@ -293,23 +292,16 @@ class OffloadEngine:
         if self._planned_updates > 1:  # the first step's updates made the states: not what a step takes
             self.update_split.learn(timings)
         now = time.perf_counter()
-        planned, needed = self._window
-        if planned is not None:  # (no read since: this plan needs the last one's updates)
-            self.update_split.learn_window((needed if needed is not None else now) - planned)
-        self._window = [now, None]
+        if self._planned_at is not None:  # (no read since: this plan needs the last one's updates)
+            self.update_split.learn_window((self._needed_at or now) - self._planned_at)
+        self._planned_at, self._needed_at = now, None
         self._planned_updates += 1
-        elements = [update_elements(unit) for unit in units]
-        paths = self.update_split.assign(elements)
-        total = sum(elements)
-        if total:
-            self.update_host_share = sum(count for count, path in zip(elements, paths, strict=True)
-                                         if path == "host") / total
-        return paths
+        return self.update_split.assign([update_elements(unit) for unit in units])
 
     def _read_needs_update(self) -> None:
         """Unit.on_read: the first read since the last plan that needs an updated unit ends the split's window."""
-        if self._window[0] is not None and self._window[1] is None:
-            self._window[1] = time.perf_counter()
+        if self._planned_at is not None and self._needed_at is None:
+            self._needed_at = time.perf_counter()
 
     def submit_update(self, unit: Unit, update: Callable[..., None], *args: Any, path: UpdatePath = "host") -> None:
         """Run a unit's optimizer update on `path`'s worker thread (at once without the pipelined update): the

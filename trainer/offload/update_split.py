@@ -64,6 +64,8 @@ class UpdateSplit:
     """Each path's estimate, learned from the steps so far."""
     smoothing: float = SMOOTHING
     last_assignment: list[UpdatePath] = field(default_factory=list)
+    last_host_share: float | None = None
+    """The share of the last assignment's elements that went to the host (None: none yet, or no elements)."""
     window: float | None = None
     """Seconds from a step's plan to the first read that needed its updates, learned (None: not yet)."""
     window_share: float = field(default_factory=lambda: WINDOW_SHARE)
@@ -108,6 +110,9 @@ class UpdateSplit:
             if _on_device(elements, host_first) < _on_device(elements, balanced):
                 assignment = host_first
         self.last_assignment = assignment
+        total = sum(elements)
+        if total:
+            self.last_host_share = 1 - _on_device(elements, assignment) / total
         return assignment
 
     def _balanced(self, elements: Sequence[int]) -> list[UpdatePath]:
