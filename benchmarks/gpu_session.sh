@@ -24,6 +24,9 @@
 #                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP, SET, TAG
 #                                          # (ppo3b, three variants, STEPS=4: 437 s with the machine's start; all
 #                                          # four do not fit one call: all_gpu 88 s, optimizer_offload 135 s, fsdp2 126 s)
+#                                          # On one GPU (or RANKS=1) it is the world-size-1 check: each variant as
+#                                          # today's one process and as a rank group of one under torchrun, side by
+#                                          # side (step seconds and losses): VARIANTS=all_gpu,optimizer_offload STEPS=6
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_delayed_host][,offload_host_update][,offload_both_update]
 # [,offload_lora][,offload_balanced][,offload_delayed_balanced]: `_balanced` is the variant with the update split's window off), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
@@ -194,8 +197,8 @@ case "${1:-}" in
     timeout 590 python3 benchmarks/e2e_bench.py --shape ppo3b --variants ${VARIANTS:-all_gpu,offload,fsdp2} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
       ${DECODE:+--decode $DECODE} ${SET:+--set $SET} --out "$out/e2e-ppo3b${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b${TAG:-}.txt" | tail -30 ;;
   ranks)
-    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-    timeout 590 python3 benchmarks/ranks_bench.py --shape ${SHAPE:-ppo3b} --ranks "$gpus" ${VARIANTS:+--variants $VARIANTS} \
+    gpus=${RANKS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+    timeout 590 python3 benchmarks/ranks_bench.py --shape ${SHAPE:-ppo3b} --ranks "$gpus" ${VARIANTS:+--variants $VARIANTS} ${REPEAT:+--repeat $REPEAT} \
       --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${SET:+--set $SET} --out "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.json" 2>&1 \
       | tee "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.txt" | tail -30 ;;
   *)

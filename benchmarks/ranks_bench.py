@@ -24,6 +24,13 @@ The trained models (actor, critic) are placed as:
 
 It prints each phase's seconds (verl's timing_s/*, the slowest rank's) as ratios against `all_gpu`, and the peak
 GPU memory (the largest rank's); the JSON goes to --out (default benchmarks/results/ranks-<shape>-<time>.json).
+
+`--ranks 1` is the world-size-1 check: each variant runs twice on one device, as `python -m trainer` (today's
+path, what `verl train` starts for one rank) and as `<variant>+torchrun`, a rank group of one under the same
+launcher as above. It prints, per variant, the launched step's seconds against the plain one's and the largest
+difference of their losses step by step.
+
+    python benchmarks/ranks_bench.py --shape ppo3b --ranks 1 --variants all_gpu --steps 6 --repeat 2
 """
 
 from __future__ import annotations
@@ -61,6 +68,12 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
 }
 """Each variant's settings of the trained models' fsdp_config, beside model_dtype: bf16."""
 KEPT = ("timing_s/", "perf/max_memory", "actor/pg_loss", "actor/skipped_steps", "critic/skipped_steps")
+LOSSES = ("actor/pg_loss", "critic/vf_loss")
+"""The losses the world-size-1 check compares step by step."""
+LAUNCHED = "+torchrun"
+"""The suffix of a variant's run as a rank group of one (--ranks 1)."""
+REPEATED = "#"
+"""Before the pass number of a variant's run after its first (--repeat): all_gpu#2."""
 
 
 def variant_overrides(shape: str, variant: str, ranks: int, device: str, runs_dir: Path, models: Path,
@@ -89,17 +102,18 @@ def rank_group_environment(parent: Mapping[str, str]) -> dict[str, str]:
     return environment
 
 
-def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: Path, log_path: Path) -> dict[str, Any]:
-    """One variant's rank group; its steady state, or its error with the end of its log."""
+def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: Path, log_path: Path, *,
+                launched: bool = True) -> dict[str, Any]:
+    """One variant's rank group (or, not `launched`, its one process as `verl train` starts it for one rank); its
+    steady state, or its error with the end of its log."""
     runs_dir = scratch / "runs"
     config = scratch / "empty.yaml"
     config.write_text("{}\n")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               "-m", "trainer", "--config", str(config),
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"] if launched else []
+    command = [sys.executable, *launcher, "-m", "trainer", "--config", str(config),
                *variant_overrides(args.shape, variant, args.ranks, args.device, runs_dir, models, args.steps),
                *args.set]
     environment = rank_group_environment(os.environ)
-    print(f"[{variant}]", flush=True)
     started = time.perf_counter()
     with log_path.open("w") as log_file:
         try:
@@ -113,19 +127,47 @@ def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: P
     # which rank failed), else the log's end.
     raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception): ", line)]
     tail = [line for line in lines if line.startswith("ERROR")][:3] or raised[:1] or lines[-12:]
-    if completed is None or completed.returncode != 0:
+    metrics = next(runs_dir.rglob("metrics.jsonl"), None)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics else []
+    # A final checkpoint the disk could not hold (69 GiB at ppo3b with optimizer_offload, on a 64 GiB disk) comes
+    # after every step was measured: the steps count, and the table says it was not saved.
+    unsaved = [line for line in tail if "the final checkpoint of step" in line and "was not saved" in line]
+    if completed is None or completed.returncode != 0 and not (unsaved and len(rows) == args.steps):
         why = (f"did not finish within --timeout {args.timeout:.0f} s" if completed is None
                else f"exit code {completed.returncode}")
         return {"error": "\n".join([*tail, f"{why} (log: {log_path})"]), "wall_s": wall}
-    metrics = [next(runs_dir.rglob("metrics.jsonl"))]
-    rows = [json.loads(line) for line in metrics[0].read_text().splitlines()]
     per_step = [{key: row[key] for key in row if key.startswith(KEPT)} for row in rows]
     placement = [line for line in log_path.read_text(errors="replace").splitlines() if "shard the model" in line]
     return {"wall_s": wall, "steps": len(rows), **steady_state(per_step, args.warmup),
             "peak_gpu_gib": max(row.get("perf/max_memory_allocated_gb", 0.0) for row in rows),
             "skipped_updates": sum(row.get(f"{role}/skipped_steps", 0) for row in rows
                                    for role in ("actor", "critic")),
-            "losses": [row.get("actor/pg_loss") for row in rows], "per_step": per_step, "placement": placement}
+            "losses": [row.get("actor/pg_loss") for row in rows], "per_step": per_step, "placement": placement,
+            "loss_steps": [{key: row[key] for key in LOSSES if key in row} for row in rows],
+            **({"final_checkpoint": unsaved[0].removeprefix("ERROR: ")[:200]} if unsaved else {})}
+
+
+def world_size_one(variants: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Each variant's rank group of one against its plain process: step seconds (the mean over --repeat's runs,
+    with their range) and the losses step by step."""
+    lines = []
+    for name in [name for name in variants if LAUNCHED not in name and REPEATED not in name]:
+        plain = [run for key, run in variants.items() if key.split(REPEATED)[0] == name and "error" not in run]
+        launched = [run for key, run in variants.items()
+                    if key.split(REPEATED)[0] == name + LAUNCHED and "error" not in run]
+        if not plain or not launched:
+            continue
+        steps = [[run["phases_s"]["step"] for run in runs] for runs in (plain, launched)]
+        means = [sum(seconds) / len(seconds) for seconds in steps]
+        spread = "".join(f" ({min(seconds):.3f}-{max(seconds):.3f} s over {len(seconds)} runs)" if len(seconds) > 1
+                         else "" for seconds in steps[1:] + steps[:1])
+        differences = [abs(a[key] - b[key]) for other in launched + plain[1:]
+                       for a, b in zip(plain[0]["loss_steps"], other["loss_steps"], strict=False)
+                       for key in a.keys() & b.keys()]
+        lines.append(f"world size 1, {name}: step {means[1]:.3f} s under the launcher against {means[0]:.3f} s "
+                     f"plain ({means[1] / means[0]:.3f}x){spread}; losses of {len(plain[0]['loss_steps'])} steps "
+                     f"differ by at most {max(differences, default=float('nan')):.2e}")
+    return lines
 
 
 def table(result: dict[str, Any]) -> str:
@@ -138,17 +180,23 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{name}: FAILED: {' | '.join(run['error'].splitlines()[-3:])}")
         else:
             lines.append(f"{name}: peak GPU {run['peak_gpu_gib']:.2f} GiB a rank"
-                         + (f"; UPDATES SKIPPED {run['skipped_updates']:.0f}" if run["skipped_updates"] else ""))
-    return "\n".join(lines)
+                         + (f"; UPDATES SKIPPED {run['skipped_updates']:.0f}" if run["skipped_updates"] else "")
+                         + (f"; {run['final_checkpoint']}" if "final_checkpoint" in run else ""))
+    return "\n".join(lines + world_size_one(variants))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="quick")
-    parser.add_argument("--ranks", type=int, default=2, help="ranks on this machine (GPUs with --device cuda)")
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="ranks on this machine (GPUs with --device cuda); 1: each variant plain and as a rank "
+                             "group of one, side by side")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="passes over the variants, every other one in reverse order (A B B A: the order's drift "
+                             "cancels in a mean, and the spread of a variant's runs is the noise)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps not counted (optimizer states, CUDA)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a variant may take")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -161,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or not variants:
         return _refuse(f"--variants: got {args.variants!r}; allowed: some of {', '.join(VARIANTS)}")
-    if args.ranks < 2:
-        return _refuse(f"--ranks: got {args.ranks}; allowed: 2 or more (one rank is e2e_bench.py's)")
+    if args.ranks < 1:
+        return _refuse(f"--ranks: got {args.ranks}; allowed: 1 (the world-size-1 check) or more")
+    if args.repeat < 1:
+        return _refuse(f"--repeat: got {args.repeat}; allowed: 1 or more")
     if args.steps <= args.warmup:
         return _refuse(f"--steps must be more than --warmup ({args.warmup}, the steps not counted), got {args.steps}")
     if args.device == "cuda":
@@ -185,11 +235,18 @@ def main(argv: list[str] | None = None) -> int:
                                   capture_output=True, text=True)
         if prepared.returncode != 0:
             raise SystemExit(f"ERROR: the shape's models could not be made:\n{prepared.stderr[-3000:]}")
-        for variant in variants:
-            folder = Path(scratch) / variant
+        # One rank: each variant as today's one process, then as a rank group of one, one after the other.
+        once = [(variant + suffix, variant, launched) for variant in variants
+                for suffix, launched in ((("", False), (LAUNCHED, True)) if args.ranks == 1 else (("", True),))]
+        runs = [(name + (f"{REPEATED}{number}" if number > 1 else ""), variant, launched)
+                for number in range(1, args.repeat + 1)
+                for name, variant, launched in (once if number % 2 else once[::-1])]
+        for number, (name, variant, launched) in enumerate(runs):
+            print(f"[{name}]", flush=True)
+            folder = Path(scratch) / f"run{number}"  # a name a config override may hold (no "#")
             folder.mkdir()
-            result["variants"][variant] = run_variant(args, variant, models, folder,
-                                                      out.with_name(f"{out.stem}-{variant}.log"))
+            result["variants"][name] = run_variant(args, variant, models, folder,
+                                                   out.with_name(f"{out.stem}-{name}.log"), launched=launched)
             # Its checkpoints (69 GiB at ppo3b: fp32 masters and AdamW's states of two models) would leave the
             # next variant's no room: on a 128 GiB disk the fourth variant's final checkpoint failed.
             shutil.rmtree(folder, ignore_errors=True)

@@ -3,6 +3,7 @@ costs minutes of a limited budget, so a script that would fail there should fail
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -255,7 +256,50 @@ def test_the_ranks_benchmarks_update_on_the_gpu_is_the_actors_and_the_critics(tm
             for key in ("optimizer_offload=true", "optimizer_update=gpu")} <= rows
 
 
-@pytest.mark.parametrize("argv", [["--variants", "all_gpu,nonsense"], ["--ranks", "1"], ["--steps", "2"]])
+def test_the_ranks_benchmark_at_one_rank_runs_each_variant_plain_and_as_a_group_of_one_with_the_same_losses(
+        tmp_path, capsys):
+    out = tmp_path / "ranks.json"
+    assert ranks_bench.main(["--shape", "quick", "--device", "cpu", "--ranks", "1", "--steps", "2", "--warmup", "1",
+                             "--variants", "optimizer_offload", "--repeat", "2", "--scratch", str(tmp_path),
+                             "--set", "trainer.cpu_threads=1", "--out", str(out)]) == 0
+    variants = json.loads(out.read_text())["variants"]
+    # A B B A: the second pass runs the first's in reverse order.
+    assert list(variants) == ["optimizer_offload", "optimizer_offload+torchrun", "optimizer_offload+torchrun#2",
+                              "optimizer_offload#2"]
+    first = variants["optimizer_offload"]
+    for run in variants.values():
+        assert run["steps"] == 2
+        # One process and a group of one are the same run: on the CPU, to the bit.
+        assert run["loss_steps"] == first["loss_steps"]
+    assert all(set(step) == {"actor/pg_loss", "critic/vf_loss"} for step in first["loss_steps"])
+    printed = capsys.readouterr().out
+    assert "world size 1, optimizer_offload: step" in printed and "over 2 runs" in printed
+    assert "differ by at most 0.00e+00" in printed
+
+
+def test_the_ranks_benchmark_counts_the_steps_of_a_run_whose_final_checkpoint_found_no_disk(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+
+    def finished_without_room(command, *, stdout, **_):  # every step's metrics, then the final save's error
+        (runs / "quick").mkdir(parents=True, exist_ok=True)
+        (runs / "quick" / "metrics.jsonl").write_text("".join(
+            json.dumps({"timing_s/step": 1.0 + step, "actor/pg_loss": 0.5, "actor/skipped_steps": 0}) + "\n"
+            for step in range(3)))
+        stdout.write("ERROR: the final checkpoint of step 3 was not saved: not enough disk space\n")
+        return subprocess.CompletedProcess(command, 2)
+
+    monkeypatch.setattr(ranks_bench.subprocess, "run", finished_without_room)
+    args = ranks_bench.argparse.Namespace(shape="quick", ranks=1, device="cpu", steps=3, warmup=1, set=[],
+                                          timeout=10.0)
+    run = ranks_bench.run_variant(args, "all_gpu", tmp_path, tmp_path, tmp_path / "log", launched=False)
+    assert run["steps"] == 3 and run["phases_s"]["step"] == pytest.approx(2.5)
+    assert run["final_checkpoint"].startswith("the final checkpoint of step 3 was not saved")
+    # Fewer steps than asked is a failure whatever the error.
+    args.steps = 4
+    assert "error" in ranks_bench.run_variant(args, "all_gpu", tmp_path, tmp_path, tmp_path / "log2", launched=False)
+
+
+@pytest.mark.parametrize("argv", [["--variants", "all_gpu,nonsense"], ["--ranks", "0"], ["--steps", "2"]])
 def test_the_ranks_benchmark_refuses_bad_arguments_in_one_line(argv, capsys):
     assert ranks_bench.main([*argv, "--device", "cpu"]) == 2
     error = capsys.readouterr().err.strip()
