@@ -21,12 +21,14 @@
 #                                          # update during the next rollout) vs optimizer_offload_gpu (its update on
 #                                          # the GPU over moments streamed up) vs optimizer_offload_both (split) vs
 #                                          # embedding/head on the CPU vs
-#                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP, SET, TAG
+#                                          # FSDP2 CPUOffloadPolicy for every unit; SHAPE (ppo3b), VARIANTS, STEPS, WARMUP, SET, TAG,
+#                                          # REPEAT (passes, every other one reversed), RANKS (the GPUs)
 #                                          # (ppo3b, three variants, STEPS=4: 437 s with the machine's start; all
 #                                          # four do not fit one call: all_gpu 88 s, optimizer_offload 135 s, fsdp2 126 s)
 #                                          # On one GPU (or RANKS=1) it is the world-size-1 check: each variant as
 #                                          # today's one process and as a rank group of one under torchrun, side by
-#                                          # side (step seconds and losses): VARIANTS=all_gpu,optimizer_offload STEPS=6
+#                                          # side (step seconds and losses): VARIANTS=all_gpu STEPS=6 REPEAT=2 (A B B
+#                                          # A: 4 runs of about 110 s at ppo3b, the final checkpoint in them)
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_delayed_host][,offload_host_update][,offload_both_update]
 # [,offload_lora][,offload_balanced][,offload_delayed_balanced]: `_balanced` is the variant with the update split's window off), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
