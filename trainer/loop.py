@@ -223,7 +223,8 @@ class Trainer:
 
         actor_config = config.actor_rollout_ref.actor
         # Ulysses (trainer/workers/sequence_split.py): the policy's forwards run on this rank's sequence shards.
-        policy_split = self._sequence_split(actor_config.ulysses_sequence_parallel_size)
+        policy_split = self._sequence_split(actor_config.ulysses_sequence_parallel_size,
+                                            remove_padding=model_config.use_remove_padding)
         # With LoRA the adapter is in the model before the engine lays it out; self.actor_adapter (peft's
         # wrapper) disables it for the reference policy and saves it in the checkpoints.
         actor_model, self.actor_adapter = with_adapter(
@@ -257,17 +258,21 @@ class Trainer:
                                                       role="critic", seed=seed + 1)
             if self.critic_adapter is not None:
                 self.log(describe_adapter(self.critic_adapter, "critic"))
-            critic_split = self._sequence_split(critic.ulysses_sequence_parallel_size)
+            critic_split = self._sequence_split(critic.ulysses_sequence_parallel_size,
+                                                remove_padding=critic.model.use_remove_padding)
             self.critic = Critic(self._place(model, critic.fsdp_config, Role.CRITIC, critic_split), critic,
                                  rollout_n=rollout.n,
                                  forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
                                  total_steps=self.total_steps, memory=self._worker_memory(Role.CRITIC),
                                  ranks=self.ranks, sequence_split=critic_split)
 
-    def _sequence_split(self, degree: int) -> SequenceSplit | None:
+    def _sequence_split(self, degree: int, *, remove_padding: bool) -> SequenceSplit | None:
         """The sequence split of a model of Ulysses `degree` (1 or the run's, as the config checked): None for
-        degree 1, whose forwards run whole sequences (its sp group's ranks repeat them)."""
-        return SequenceSplit.of(self.ranks, self.tokenizer.pad_token_id) if degree > 1 else None
+        degree 1, whose forwards run whole sequences (its sp group's ranks repeat them). With `remove_padding`
+        it splits each micro-batch's padding-free row."""
+        if degree == 1:
+            return None
+        return SequenceSplit.of(self.ranks, self.tokenizer.pad_token_id, remove_padding=remove_padding)
 
     def _policy_placement(self, fsdp_config: FSDPConfig) -> FSDPConfig:
         """actor.sequence_parallel_offload: the policy's embedding and head on the CPU (FSDP2's CPUOffloadPolicy

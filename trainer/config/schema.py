@@ -1469,22 +1469,16 @@ def _check_sequence_parallel(config: RunConfig) -> list[ConfigProblem]:
     actor_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
     critic_key = "critic.ulysses_sequence_parallel_size"
     model = config.actor_rollout_ref.model
-    degrees = [(actor_key, actor.ulysses_sequence_parallel_size, model.path, model.override_config,
-                "actor_rollout_ref.model.use_remove_padding", model.use_remove_padding)]
+    degrees = [(actor_key, actor.ulysses_sequence_parallel_size, model.path, model.override_config)]
     if config.use_critic:
         degrees.append((critic_key, critic.ulysses_sequence_parallel_size, critic.model.path or model.path,
-                        critic.model.override_config or model.override_config, "critic.model.use_remove_padding",
-                        critic.model.use_remove_padding))
+                        critic.model.override_config or model.override_config))
     problems = []
-    for key, size, path, override_config, padding_key, remove_padding in degrees:
+    for key, size, path, override_config in degrees:
         heads = model_heads(path, override_config, BUILTIN_PREFIX) if size > 1 else None
         if heads is not None:
             problems += [ConfigProblem(problem.path, problem.message) for problem in
                          sequence_parallel_problems(size, world_size=world_size(config), heads=heads, key=key)]
-        if size > 1 and remove_padding:
-            problems.append(ConfigProblem(padding_key, f"got true, but {key} is {size}: the padding-free forward "
-                                          "packs sequences in one row, which Ulysses does not split; allowed: false "
-                                          "with sequence parallelism (or the degree 1)"))
     sizes = {size for _, size, *_ in degrees if size > 1}
     if len(sizes) > 1:
         problems.append(ConfigProblem(critic_key, f"got {critic.ulysses_sequence_parallel_size}, but {actor_key} is "

@@ -143,12 +143,16 @@ class SequenceParallel:
             raise ValueError(f"the device mesh has no {dimension!r} dimension; it has {names}")
         return cls(mesh.get_group(dimension) if mesh.size(names.index(dimension)) > 1 else None)
 
-    def shard(self, model: PreTrainedModel, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def shard(self, model: PreTrainedModel, *, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
               position_ids: torch.Tensor, pad_token_id: int = 0) -> SequenceShard:
         """This rank's part of a [B, T] micro-batch (padded on the right to a multiple of the degree).
 
         `attention_mask` is 1 at real tokens (the trainer's left-padded prompts and right-padded responses);
-        `position_ids` are the full batch's, so each rank's rotary embedding sees the true positions.
+        `position_ids` are the full batch's, so each rank's rotary embedding sees the true positions. A padding-free
+        row ([1, N], the sequences' real tokens one after another, each one's position ids from 0) has no mask:
+        transformers finds its sequences from the position ids and keeps them apart (a block-diagonal causal
+        mask). Its padding up to a multiple of the degree has position id 0 everywhere, so each padding token is a
+        sequence of its own, seen by no real token.
         """
         length = input_ids.shape[1]
         labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=pad_token_id)
@@ -156,11 +160,12 @@ class SequenceParallel:
             return SequenceShard(self, input_ids, position_ids, labels, length, attention_mask=attention_mask)
         padding = -length % self.size
         padded = [torch.nn.functional.pad(tensor, (0, padding), value=value) for tensor, value in
-                  ((input_ids, pad_token_id), (attention_mask, 0), (position_ids, 0), (labels, pad_token_id))]
-        full_mask = _full_sequence_mask(model, padded[1], padded[2])
-        attention = UlyssesAttention(self, full_mask, padded[2])
+                  ((input_ids, pad_token_id), (position_ids, 0), (labels, pad_token_id))]
+        padded_mask = None if attention_mask is None else torch.nn.functional.pad(attention_mask, (0, padding))
+        full_mask = _full_sequence_mask(model, padded_mask, padded[1])
+        attention = UlyssesAttention(self, full_mask, padded[1])
         local = [tensor.chunk(self.size, dim=1)[self.rank] for tensor in padded]
-        return SequenceShard(self, local[0], local[2], local[3], length, attention=attention)
+        return SequenceShard(self, local[0], local[1], local[2], length, attention=attention)
 
     def gather(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The group's shards of `local` joined along `dim` in rank order (autograd: a reduce-scatter back)."""
@@ -193,16 +198,17 @@ class SequenceParallel:
         return received.permute(1, 2, 0, 3, 4).reshape(batch, length // self.size, self.size * heads, width)
 
 
-def _full_sequence_mask(model: PreTrainedModel, attention_mask: torch.Tensor,
+def _full_sequence_mask(model: PreTrainedModel, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor) -> torch.Tensor | None:
     """The mask transformers would build for the whole [B, T] sequence for the wrapped implementation: for SDPA
-    a [B, 1, T, T] boolean mask, or None when there is no padding (causality alone, SDPA's is_causal)."""
+    a [B, 1, T, T] boolean mask, or None when there is no padding (causality alone, SDPA's is_causal). Without
+    `attention_mask`, a row of packed sequences (position ids restarting at 0) gets the block-diagonal one."""
     config = model.config
     if not config._attn_implementation.startswith(PREFIX):
         raise ValueError(f"the model uses attn_implementation {config._attn_implementation!r}; call "
                          "use_ulysses_attention(model) before sharding its inputs")
     # Only the shape, dtype and device of the embeddings matter to the mask; an empty hidden dimension is free.
-    shape_only = torch.empty(*attention_mask.shape, 0, dtype=model.dtype, device=attention_mask.device)
+    shape_only = torch.empty(*position_ids.shape, 0, dtype=model.dtype, device=position_ids.device)
     mask: torch.Tensor | None = create_causal_mask(config, shape_only, attention_mask, None, position_ids)
     return mask
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from trainer.distributed.ulysses import PREFIX as ULYSSES_PREFIX
 from trainer.errors import RunSetupError
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.recovery import Piece, split_into_pieces
@@ -41,7 +42,8 @@ def check_packable(model: PreTrainedModel, setting: str) -> None:
     """Refuse a padding-free forward that would let a packed row's sequences see each other: an attention
     implementation that builds no packed mask (a custom one), or layers that ignore position ids."""
     config = model.config
-    attention = config._attn_implementation
+    # Ulysses' wrapper (ulysses_sdpa) builds the mask of the implementation it wraps.
+    attention = config._attn_implementation.removeprefix(ULYSSES_PREFIX)
     if attention not in PACKED_ATTENTION:
         raise RunSetupError(f"{setting}: true, but the model's attention implementation {attention!r} keeps no "
                             f"sequences of a packed row apart (those that do: {', '.join(PACKED_ATTENTION)}); "
@@ -58,20 +60,48 @@ def takes_logits_to_keep(model: PreTrainedModel) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+@dataclass(frozen=True)
+class PackedRow:
+    """Where a [B, T] batch's real tokens sit in its padding-free row, and which of them a loss reads.
+
+    real: [B, T] the real tokens (attention_mask), in the row in this order.
+    keep: [K] the row's index of the position that predicts (or values) each real response token, in the order of
+    `wanted`'s true entries; position t predicts token t + 1, as in the padded forward.
+    wanted: [B, R] the real response tokens (response_mask).
+    """
+
+    real: torch.Tensor
+    keep: torch.Tensor
+    wanted: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: RolloutBatch) -> PackedRow:
+        real = batch.attention_mask.bool()
+        prompt_length, response_length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+        packed_index = real.flatten().cumsum(0).view(real.shape) - 1
+        predicting = slice(prompt_length - 1, prompt_length - 1 + response_length)
+        wanted = batch.response_mask.bool()
+        if not bool(real[:, predicting][wanted].all()):
+            raise ValueError("a response mask with a gap before a response token (or an empty prompt): the packed "
+                             "forward needs each sequence's real tokens contiguous")
+        return cls(real, packed_index[:, predicting][wanted], wanted)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> [1, N]: the real tokens' entries in one row."""
+        return tensor[self.real].unsqueeze(0)
+
+    def unpack(self, kept: torch.Tensor) -> torch.Tensor:
+        """[K, ...] figures of the kept positions -> [B, R, ...], zeros where the response is padding."""
+        padded = kept.new_zeros((*self.wanted.shape, *kept.shape[1:]))
+        padded[self.wanted] = kept
+        return padded
+
+
 def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
     """[B, R, ...] the model's output at the positions that predict (or value) each response token, from one
     padding-free forward; zeros where the response is padding."""
-    real = batch.attention_mask.bool()
-    prompt_length, response_length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    # Where each real token sits in the packed row; position t predicts token t + 1 (as the padded forward).
-    packed_index = real.flatten().cumsum(0).view(real.shape) - 1
-    predicting = slice(prompt_length - 1, prompt_length - 1 + response_length)
-    wanted = batch.response_mask.bool()
-    if not bool(real[:, predicting][wanted].all()):
-        raise ValueError("a response mask with a gap before a response token (or an empty prompt): the packed "
-                         "forward needs each sequence's real tokens contiguous")
-    keep = packed_index[:, predicting][wanted]
-    lengths = real.sum(dim=1)
+    row = PackedRow.of(batch)
+    lengths = row.real.sum(dim=1)
     boundaries = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     longest = int(lengths.max())
     # Only the kept positions go through the head (a causal LM's logits_to_keep): for a long prompt most
@@ -85,16 +115,13 @@ def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torc
                          if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
                          else {})
     output = model(
-        input_ids=batch.input_ids[real].unsqueeze(0),
-        position_ids=batch.position_ids[real].unsqueeze(0),
+        input_ids=row.pack(batch.input_ids),
+        position_ids=row.pack(batch.position_ids),
         use_cache=False,
         **boundary_keywords,
-        **({"logits_to_keep": keep} if head_only_kept else {}),
+        **({"logits_to_keep": row.keep} if head_only_kept else {}),
     )
-    outputs: torch.Tensor = output.logits[0] if head_only_kept else output.logits[0, keep]
-    padded = outputs.new_zeros((*wanted.shape, outputs.shape[-1]))
-    padded[wanted] = outputs
-    return padded
+    return row.unpack(output.logits[0] if head_only_kept else output.logits[0, row.keep])
 
 
 @dataclass(frozen=True)

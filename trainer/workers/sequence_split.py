@@ -9,6 +9,12 @@ comes out of the head stays local: log-probs, entropies and values are computed 
 [B, T/S] figures are gathered along the sequence, never the [B, T, V] logits. The gathered [B, T] tensors are
 cut to the response positions, as the padded forward's `response_logits` cuts its logits.
 
+With use_remove_padding (verl runs Ulysses on its padding-free forward only, so its configs set both), the real
+tokens of the micro-batch's sequences are first packed into one [1, N] row, each sequence's position ids from 0
+(packing.PackedRow), and that row is split: attention keeps the packed sequences apart with the block-diagonal
+mask transformers builds from the gathered position ids, and the gathered [1, N] figures are picked at the
+positions that predict response tokens, as the one-rank padding-free forward picks its logits.
+
 Every rank of the group then computes the same loss; the gathers' backward sums their gradients back onto
 each rank's positions, so FSDP2's average over all ranks is one rank's gradient of the whole sequence (see
 ulysses.py). The rollout does not go through here: generation runs whole sequences on every rank.
@@ -23,21 +29,24 @@ from trainer.algorithms import log_probs_and_entropy_from_logits, scaled_logits
 from trainer.distributed.ranks import Ranks
 from trainer.distributed.ulysses import SequenceParallel, SequenceShard, use_ulysses_attention
 from trainer.rollout.batch import RolloutBatch
+from trainer.workers.packing import PackedRow
 
 
 class SequenceSplit:
     """One rank's side of its sequence-parallel group for the workers' forwards."""
 
-    def __init__(self, parallel: SequenceParallel, pad_token_id: int):
+    def __init__(self, parallel: SequenceParallel, pad_token_id: int, *, remove_padding: bool = False):
         self.parallel = parallel
         self.pad_token_id = pad_token_id
+        self.remove_padding = remove_padding
 
     @classmethod
-    def of(cls, ranks: Ranks, pad_token_id: int) -> SequenceSplit | None:
-        """The split of `ranks`' sp group; None without sequence parallelism (the padded forward runs)."""
+    def of(cls, ranks: Ranks, pad_token_id: int, *, remove_padding: bool = False) -> SequenceSplit | None:
+        """The split of `ranks`' sp group; None without sequence parallelism (the padded forward runs). With
+        `remove_padding` it splits each micro-batch's padding-free row."""
         if ranks.sequence_mesh is None:
             return None
-        return cls(SequenceParallel.from_mesh(ranks.sequence_mesh), pad_token_id)
+        return cls(SequenceParallel.from_mesh(ranks.sequence_mesh), pad_token_id, remove_padding=remove_padding)
 
     @staticmethod
     def prepare(model: PreTrainedModel) -> str:
@@ -48,30 +57,41 @@ class SequenceSplit:
                               entropy: bool, entropy_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, R] log-probs of the responses at `temperature` and, with `entropy`, [B, R] entropies of the
         policy at each response position (with their autograd graph only when `entropy_graph`)."""
-        logits, shard = self._forward(model, batch)
+        logits, shard, row = self._forward(model, batch)
         if not entropy:
-            return self._responses(shard.log_probs(scaled_logits(logits, temperature)), batch), None
+            return self._responses(shard.log_probs(scaled_logits(logits, temperature)), batch, row), None
         # Chunk by chunk in float32, keeping the logits as the model gave them (as one rank's update does).
         local_log_probs, local_entropies = log_probs_and_entropy_from_logits(logits, shard.labels, temperature,
                                                                              entropy_graph=entropy_graph)
-        return (self._responses(shard.gather(local_log_probs), batch),
-                self._responses(shard.gather(local_entropies), batch))
+        return (self._responses(shard.gather(local_log_probs), batch, row),
+                self._responses(shard.gather(local_entropies), batch, row))
 
     def values(self, model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
         """[B, R] a value model's one output at the position before each response token."""
-        outputs, shard = self._forward(model, batch)
-        return self._responses(shard.gather(outputs.squeeze(-1)), batch)
+        outputs, shard, row = self._forward(model, batch)
+        return self._responses(shard.gather(outputs.squeeze(-1)), batch, row)
 
-    def _forward(self, model: PreTrainedModel, batch: RolloutBatch) -> tuple[torch.Tensor, SequenceShard]:
-        """The model's output on this rank's positions ([B, T/S, ...]) and the shard that gathers it."""
-        shard = self.parallel.shard(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                    position_ids=batch.position_ids, pad_token_id=self.pad_token_id)
+    def _forward(self, model: PreTrainedModel,
+                 batch: RolloutBatch) -> tuple[torch.Tensor, SequenceShard, PackedRow | None]:
+        """The model's output on this rank's positions ([B, T/S, ...], or [1, N/S, ...] of the padding-free row),
+        the shard that gathers it, and the row's layout when padding-free."""
+        if self.remove_padding:
+            row = PackedRow.of(batch)
+            shard = self.parallel.shard(model, input_ids=row.pack(batch.input_ids), attention_mask=None,
+                                        position_ids=row.pack(batch.position_ids), pad_token_id=self.pad_token_id)
+        else:
+            row = None
+            shard = self.parallel.shard(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                        position_ids=batch.position_ids, pad_token_id=self.pad_token_id)
         output = model(**shard.model_inputs(), use_cache=False)
-        return output.logits, shard
+        return output.logits, shard, row
 
     @staticmethod
-    def _responses(per_position: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    def _responses(per_position: torch.Tensor, batch: RolloutBatch, row: PackedRow | None) -> torch.Tensor:
         """[B, T] figures of each position -> [B, R] those of the positions that predict the response tokens
-        (position t predicts token t + 1: the last prompt position predicts the first response token)."""
+        (position t predicts token t + 1: the last prompt position predicts the first response token); from a
+        padding-free row's [1, N], those of its kept positions, zeros where the response is padding."""
+        if row is not None:
+            return row.unpack(per_position[0, row.keep])
         start = batch.prompt_ids.shape[1] - 1
         return per_position[:, start:start + batch.response_ids.shape[1]]

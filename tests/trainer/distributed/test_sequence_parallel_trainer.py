@@ -74,13 +74,16 @@ def test_grpo_with_a_reference_on_two_sequence_parallel_ranks_trains_as_one_rank
 
 
 @pytest.mark.slow
-def test_ppo_with_a_sequence_parallel_critic_and_verl_s_fsdp_config_key_trains_both_models_as_one_rank(
+def test_padding_free_ppo_with_a_sequence_parallel_critic_and_verl_s_fsdp_config_key_trains_as_one_padded_rank(
         tmp_path, ppo_one_rank):
     """verl's newer key (actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size) sets the actor's degree,
     the critic's values and update run on sequence shards too, and sequence_parallel_offload keeps the policy's
-    embedding and head shards on the CPU; both models train as on one rank."""
+    embedding and head shards on the CPU. Both models use the padding-free forward, as verl's Ulysses configs do
+    (verl runs Ulysses on it only): the packed row of real tokens is what the ranks split. Both models train as
+    on one rank with padded sequences."""
     two = launch(2, tmp_path, "sp", *PPO, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
-                 "critic.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.sequence_parallel_offload=true")
+                 "critic.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.sequence_parallel_offload=true",
+                 "actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true")
     assert two.returncode == 0, two.stderr[-4000:]
     assert ran_on_sequence_shards(two, "actor") and ran_on_sequence_shards(two, "critic")
     assert ("actor: 2 ranks shard the model with FSDP2, a unit per decoder layer and per group; the embedding and "
@@ -126,12 +129,10 @@ VERL_CRITIC_DEGREE = "critic.model.fsdp_config.ulysses_sequence_parallel_size"
      f"got 2, but {ACTOR_DEGREE} is 1: the two are one setting"),
     (["actor_rollout_ref.actor.sequence_parallel_offload=true"], "actor_rollout_ref.actor.sequence_parallel_offload",
      f"got true, but {ACTOR_DEGREE} is 1"),
-    ([SEQUENCE_PARALLEL, "actor_rollout_ref.model.use_remove_padding=true"],
-     "actor_rollout_ref.model.use_remove_padding", "which Ulysses does not split"),
     (["trainer.n_gpus_per_node=4", "algorithm.adv_estimator=gae", f"{VERL_CRITIC_DEGREE}=2", f"{ACTOR_DEGREE}=4"],
      VERL_CRITIC_DEGREE, "a run has one sequence-parallel degree"),
 ], ids=["more-than-ranks", "heads", "key-value-heads", "batch-over-dp", "alias-conflict", "offload-without-sp",
-        "remove-padding", "critic-degree"])
+        "critic-degree"])
 def test_a_sequence_parallel_setting_that_cannot_run_is_one_line_and_exit_2(tmp_path, overrides, key, says):
     finished = run_config_check(tmp_path, *overrides)
     assert finished.returncode == 2, finished.stderr[-2000:]

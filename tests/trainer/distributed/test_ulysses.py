@@ -55,6 +55,17 @@ def test_training_step_with_two_ranks_equals_one(reports, case):
             assert value < TOLERANCE, (case, measured, value)
 
 
+@pytest.mark.parametrize("case", ["qwen2/kv2", "llama/kv1"])
+def test_the_padding_free_row_split_over_two_ranks_gives_one_ranks_padding_free_forward(reports, case):
+    """use_remove_padding with Ulysses (what every verl Ulysses config sets): the packed row of real tokens is split
+    along the sequence, and the responses' log-probs, entropies and gradients are one rank's padding-free ones."""
+    for report in reports:
+        for measured in ("log_probs", "entropy", "against_padded", "grads"):
+            value = report[f"padding_free/{case}/{measured}"]
+            assert value < TOLERANCE, (case, measured, value)
+        assert report[f"padding_free/{case}/padding_zero"] == 0.0
+
+
 # ------------------------------------------------------------------------ one process, no group
 
 

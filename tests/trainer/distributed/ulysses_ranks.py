@@ -20,8 +20,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from trainer.algorithms import compute_policy_loss, entropy_from_logits, log_probs_from_logits, masked_mean
+from trainer.algorithms import (
+    compute_policy_loss,
+    entropy_from_logits,
+    log_probs_and_entropy_from_logits,
+    log_probs_from_logits,
+    masked_mean,
+)
 from trainer.distributed.ulysses import SequenceParallel, sequence_parallel_mesh, use_ulysses_attention
+from trainer.rollout.batch import RolloutBatch
+from trainer.workers.optimization import response_logits
+from trainer.workers.sequence_split import SequenceSplit
 
 VOCABULARY, PROMPT, RESPONSE, BATCH = 32, 5, 6, 3  # 11 positions: not a multiple of 2, so shards are padded
 
@@ -160,6 +169,50 @@ def training_step_checks(sp: SequenceParallel, kind: str, key_value_heads: int,
     return results
 
 
+def rollout_batch() -> RolloutBatch:
+    """padded_batch's sequences as the trainer's rollout batch: prompts of 3, 5 and 4 tokens, responses of 6, 3
+    and 5 (an odd number of real tokens in all, 26, so the padding-free row's shards are padded too)."""
+    batch = padded_batch()
+    mask = batch["attention_mask"]
+    return RolloutBatch(prompt_ids=batch["input_ids"][:, :PROMPT], prompt_mask=mask[:, :PROMPT],
+                        response_ids=batch["input_ids"][:, PROMPT:], response_mask=mask[:, PROMPT:].float(),
+                        group_index=torch.arange(BATCH), records=[None] * BATCH)
+
+
+def padding_free_checks(sp: SequenceParallel, kind: str, key_value_heads: int) -> dict[str, float]:
+    """The workers' padding-free forward split over the group (use_remove_padding with Ulysses: one packed row of
+    the real tokens, its sequences kept apart by the position ids) against the one-rank padding-free forward:
+    the responses' log-probs and entropies, and the gradients of a loss over them."""
+    batch = rollout_batch()
+    wanted = batch.response_mask.bool()
+    whole_model = tiny_model(kind, key_value_heads)
+    sharded_model = copy.deepcopy(whole_model)
+    split = SequenceSplit(sp, pad_token_id=0, remove_padding=True)
+    split.prepare(sharded_model)
+    weights = torch.randn(BATCH, RESPONSE, generator=torch.Generator().manual_seed(4))
+
+    whole_log_probs, whole_entropy = log_probs_and_entropy_from_logits(
+        response_logits(whole_model, batch, remove_padding=True), batch.response_ids, 1.0, entropy_graph=True)
+    ((whole_log_probs + 0.1 * whole_entropy) * weights * wanted).sum().backward()
+    log_probs, entropy = split.log_probs_and_entropy(sharded_model, batch, 1.0, entropy=True, entropy_graph=True)
+    assert entropy is not None
+    ((log_probs + 0.1 * entropy) * weights * wanted).sum().backward()
+    for parameter in sharded_model.parameters():
+        dist.all_reduce(parameter.grad, group=sp.group)
+        parameter.grad /= sp.size
+    # The same forward over padded sequences (no packing) gives the same figures: the packed row's sequences
+    # did not see each other.
+    padded_log_probs, _ = SequenceSplit(sp, pad_token_id=0).log_probs_and_entropy(sharded_model, batch, 1.0,
+                                                                                   entropy=False)
+    name = f"padding_free/{kind}/kv{key_value_heads}"
+    pairs = list(zip(sharded_model.parameters(), whole_model.parameters(), strict=True))
+    return {f"{name}/log_probs": difference(log_probs[wanted], whole_log_probs[wanted].detach()),
+            f"{name}/entropy": difference(entropy[wanted], whole_entropy[wanted].detach()),
+            f"{name}/padding_zero": float(log_probs[~wanted].abs().max()),
+            f"{name}/against_padded": difference(padded_log_probs[wanted], whole_log_probs[wanted].detach()),
+            f"{name}/grads": max(difference(mine.grad, theirs.grad) for mine, theirs in pairs)}
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
@@ -172,6 +225,8 @@ def main(out: Path) -> None:
     results |= training_step_checks(sp, "qwen2", 2, checkpointing=False)
     results |= training_step_checks(sp, "llama", 1, checkpointing=False)
     results |= training_step_checks(sp, "qwen2", 2, checkpointing=True)
+    results |= padding_free_checks(sp, "qwen2", 2)
+    results |= padding_free_checks(sp, "llama", 1)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 
