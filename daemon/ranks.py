@@ -9,8 +9,9 @@ table, and the `rank` label of the metrics built from it, has at most trainer.n_
 a hello from any other rank is refused a place (`admits`).
 
 On a run of several nodes, node 0's daemon also shows the other nodes' ranks: rank 0 gathers every rank's figures
-at each step's end and sends them (RanksMessage, `observe_remote`). Those rows have no process here, and at most
-the run's world size of them are kept.
+at each step's end and sends them (RanksMessage, `observe_remote`): their step, peak memory and mean copy time. Those
+rows have no process here, and at most the run's world size of them are kept; one that rank 0 has not reported for
+longer than the daemon's hang timeout (`stale_after_s`) is shown not connected, as that node's ranks may be gone.
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ class RankTable:
     """The ranks of one node: global ranks `first_rank` .. `first_rank + ranks_per_node - 1`."""
 
     def __init__(self, *, node_rank: int, ranks_per_node: int, clock: Callable[[], float] = time.time,
-                 world_size: int | None = None):
+                 world_size: int | None = None, stale_after_s: Callable[[], float] | None = None):
         self.node_rank = node_rank
         self.first_rank = node_rank * ranks_per_node
         self.ranks_per_node = ranks_per_node
         self.world_size = ranks_per_node if world_size is None else world_size
         self._clock = clock
+        self._stale_after_s = stale_after_s
+        """How long another node's rank counts as connected after rank 0's last report of it (None: for ever)."""
         self._ranks: dict[int, RankState] = {}
         self._remote: dict[int, tuple[float, RankStatus]] = {}  # other nodes' ranks: when reported, what
 
@@ -103,7 +106,8 @@ class RankTable:
                 continue
             self._remote[report.rank] = (now, RankStatus(
                 rank=report.rank, local_rank=report.local_rank, node_rank=report.node_rank, pid=None, connected=True,
-                step=report.step, heard_s_ago=0.0, gpu_memory_bytes=report.gpu_memory_bytes, copy_latency_mean_s=None))
+                step=report.step, heard_s_ago=0.0, gpu_memory_bytes=report.gpu_memory_bytes,
+                copy_latency_mean_s=report.copy_latency_mean_s))
 
     def pids(self) -> list[int]:
         """The connected ranks' processes (the GPU sampler's thread asks too: one C-level copy of the entries)."""
@@ -113,8 +117,11 @@ class RankTable:
         """This node's ranks, and (node 0) the other nodes' as last reported, by rank."""
         now = self._clock()
         rows = {rank: state.status(now, self.node_rank) for rank, state in self._ranks.items()}
+        stale_after_s = None if self._stale_after_s is None else self._stale_after_s()
         for rank, (reported, status) in self._remote.items():
-            rows[rank] = status.model_copy(update={"heard_s_ago": max(0.0, now - reported)})
+            silent_s = max(0.0, now - reported)
+            rows[rank] = status.model_copy(update={
+                "heard_s_ago": silent_s, "connected": stale_after_s is None or silent_s <= stale_after_s})
         return [rows[rank] for rank in sorted(rows)]
 
     def local_ranks(self) -> Iterable[tuple[int, int]]:

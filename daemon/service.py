@@ -196,8 +196,10 @@ class Daemon:
             on_state=self._state_changed, request_trainer_stop=lambda: self._send_down(StopMessage()),
             hang_timeout_s=self.hang_timeout_s, on_hang=self._trainer_hangs)
         self.run_lock = run_lock
+        # Rank 0 reports the other nodes' ranks at every step's end: silent past the hang timeout, they may be gone.
         self.ranks = RankTable(node_rank=config.trainer.node_rank, ranks_per_node=config.trainer.n_gpus_per_node,
-                               world_size=config.trainer.nnodes * config.trainer.n_gpus_per_node)
+                               world_size=config.trainer.nnodes * config.trainer.n_gpus_per_node,
+                               stale_after_s=self.hang_timeout_s)
         self._step_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self._first_signal_at: float | None = None
         self._nvml = nvml

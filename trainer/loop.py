@@ -200,6 +200,8 @@ class Trainer:
         self._checkpoint_requested = False
         self._saved_at = 0
         self._summary_sent = False
+        # The mean time of the timed copies of this rank's latest offload report (None: none yet).
+        self._copy_latency_mean_s: float | None = None
         self._said: set[str] = set()  # the once-a-run log lines said so far
         self._decode_memory_logged = 0.0  # GiB the static decode held when the log last said so
         self._heartbeat_at = -math.inf
@@ -429,8 +431,9 @@ class Trainer:
         if not self.ranks.distributed:
             return local
         tokens = local.get("perf/total_num_response_tokens", 0.0)
-        gathered = self.ranks.gather_objects((local, float(sequences), float(tokens)))
-        self._report_ranks([figures for figures, _, _ in gathered])
+        everyone = self.ranks.gather_objects((local, float(sequences), float(tokens), self._copy_latency_mean_s))
+        self._report_ranks([(figures, latency) for figures, _, _, latency in everyone])
+        gathered = [(figures, counted, tokens) for figures, counted, tokens, _ in everyone]
         combined = combine_rank_metrics(gathered)
         if self.ranks.sp_size > 1:
             # The ranks of a sequence-parallel group (consecutive ranks) hold the same sequences: counts and other
@@ -439,16 +442,18 @@ class Trainer:
             combined.update({key: value for key, value in once.items() if rank_reduction(key) == "sum"})
         return combined
 
-    def _report_ranks(self, every_rank: list[dict[str, float]]) -> None:
-        """Rank 0 of a run of several nodes: every rank's own figures of the step (gathered for the run-wide metrics
-        already) to node 0's daemon, which shows the other nodes' ranks beside its own (RanksMessage)."""
+    def _report_ranks(self, every_rank: list[tuple[dict[str, float], float | None]]) -> None:
+        """Rank 0 of a run of several nodes: every rank's own figures of the step and the mean time of its latest
+        timed copies (gathered for the run-wide metrics already) to node 0's daemon, which shows the other nodes'
+        ranks beside its own and compares their copy times (RanksMessage)."""
         trainer = self.config.trainer
         if not self.ranks.is_main or trainer.nnodes <= 1 or not every_rank:
             return
         reports = [RankReport(rank=rank, local_rank=rank % trainer.n_gpus_per_node,
                               node_rank=rank // trainer.n_gpus_per_node, step=self.step,
-                              gpu_memory_bytes=_bytes_of_gib(figures.get("perf/max_memory_allocated_gb")))
-                   for rank, figures in enumerate(every_rank)]
+                              gpu_memory_bytes=_bytes_of_gib(figures.get("perf/max_memory_allocated_gb")),
+                              copy_latency_mean_s=latency)
+                   for rank, (figures, latency) in enumerate(every_rank)]
         self._send(RanksMessage(step=self.step, ranks=reports))
 
     def _record_step(self, metrics: dict[str, float], local: dict[str, float] | None = None) -> None:
@@ -467,9 +472,11 @@ class Trainer:
         self._send(StepMessage(step=self.step, metrics=metrics))
         if self.telemetry is not None:
             # The placement summary goes with the first report of each trainer process.
-            self._send(offload_message(self.offload_engines, with_summary=not self._summary_sent,
-                                       plans=self.memory.plan_rows(), logs=self._rank_copies()))
+            report = offload_message(self.offload_engines, with_summary=not self._summary_sent,
+                                     plans=self.memory.plan_rows(), logs=self._rank_copies())
+            self._send(report)
             self._summary_sent = True
+            self._copy_latency_mean_s = report.copy_latency_mean_s  # what the next step's RankReport carries
         for observer in self.observers:
             observer.on_step(self.step, metrics)
 

@@ -222,3 +222,65 @@ def test_node_0_shows_the_other_nodes_ranks_as_rank_0_reports_them() -> None:
     other = RankTable(node_rank=1, ranks_per_node=2, world_size=4)
     other.connected(2, local_rank=0, pid=21, step=5)
     assert [row.node_rank for row in other.statuses()] == [1]
+
+
+def remote_ranks(table, *copy_seconds: float | None, step: int = 5) -> None:
+    """Rank 0's report of ranks 2, 3, ... of node 1 (2 ranks a node) with these mean copy times."""
+    from trainer.config.messages import RankReport, RanksMessage
+
+    table.observe_remote(RanksMessage(step=step, ranks=[
+        RankReport(rank=rank, local_rank=rank % 2, node_rank=rank // 2, step=step, gpu_memory_bytes=8 * 2**30,
+                   copy_latency_mean_s=seconds) for rank, seconds in enumerate(copy_seconds, start=2)]))
+
+
+def test_node_0_flags_a_rank_of_another_node_whose_copies_are_slower_than_its_own() -> None:
+    """The other nodes' ranks carry their mean copy time to node 0 (rank 0's report), so the advisor compares a
+    slow host link on node 1 with node 0's ranks."""
+    from api.advisor import rank_imbalance_hints
+    from daemon.ranks import RankTable
+    from trainer.config.messages import CopySample, OffloadMessage
+
+    table = RankTable(node_rank=0, ranks_per_node=2, world_size=4)
+    for rank in (0, 1):
+        table.connected(rank, local_rank=rank, pid=10 + rank, step=5)
+        table.observe_offload(rank, OffloadMessage(copies=[
+            CopySample(direction="h2d", group="transformer", bytes=1 << 20, seconds=seconds)
+            for seconds in (0.0019, 0.0021)], counts=[]))
+    remote_ranks(table, 0.002, 0.003)
+    rows = table.statuses()
+    assert [row.copy_latency_mean_s for row in rows] == pytest.approx([0.002, 0.002, 0.002, 0.003])
+    [hint] = rank_imbalance_hints(rows)
+    assert "offload copy latency of rank 3 is 3.0 ms against 2.0 ms on rank" in hint
+
+
+def test_another_nodes_ranks_that_rank_0_stops_reporting_are_not_connected_after_the_hang_timeout() -> None:
+    from api.advisor import rank_imbalance_hints
+    from daemon.ranks import RankTable
+
+    now = [100.0]
+    table = RankTable(node_rank=0, ranks_per_node=2, world_size=4, clock=lambda: now[0], stale_after_s=lambda: 600.0)
+    table.connected(0, local_rank=0, pid=10, step=5)
+    table.connected(1, local_rank=1, pid=11, step=5)
+    remote_ranks(table, 0.002, 0.004)
+    now[0] = 700.0
+    assert [row.connected for row in table.statuses()] == [True] * 4
+    now[0] = 701.0  # node 1 went away: rank 0 reported nothing more
+    rows = table.statuses()
+    assert [(row.rank, row.connected, row.heard_s_ago) for row in rows[2:]] == [(2, False, 601.0), (3, False, 601.0)]
+    assert rank_imbalance_hints(rows) == [], "a rank that may be gone is not compared"
+    remote_ranks(table, 0.002, 0.002, step=6)
+    assert all(row.connected for row in table.statuses())
+
+
+def test_node_0s_daemon_shows_another_nodes_ranks_not_connected_once_silent_for_its_hang_timeout(tmp_path: Path
+                                                                                               ) -> None:
+    import time
+
+    config = several_ranks(load_config(QUICKSTART, [f"trainer.runs_dir={tmp_path}", "daemon.hang_timeout_s=0.2"]),
+                           nnodes=2, rdzv_endpoint="node0.cluster:29500")
+    daemon = Daemon(config, tmp_path / "config.yaml", state=tmp_path / "state", out=io.StringIO())
+    remote_ranks(daemon.ranks, 0.002, 0.003)
+    assert [(rank.rank, rank.connected, rank.copy_latency_mean_s) for rank in daemon.status().ranks] == [
+        (2, True, 0.002), (3, True, 0.003)]
+    time.sleep(0.3)
+    assert [rank.connected for rank in daemon.status().ranks] == [False, False]

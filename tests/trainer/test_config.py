@@ -207,7 +207,7 @@ GRPO_WITHOUT_KL = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=
     (["reward_model.model.fsdp_config.param_offload=true"],
      ["reward_model.model.fsdp_config.param_offload"], "builds no reward model"),
     (["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=1000"],
-     ["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"], "only single-device runs exist yet"),
+     ["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"], "which here are fixed: one per decoder layer"),
     (["dynamic_offload.min_transformer_layers_on_gpu=4"],
      ["dynamic_offload.min_transformer_layers_on_gpu"], "no model this run builds has "
      "fsdp_config.dynamic_offload.enabled: true"),
@@ -700,6 +700,21 @@ def test_the_7b_example_validates_once_its_paths_are_filled_in(model_dir: Path, 
         0.85, 4)
     assert (config.data.max_prompt_length, config.data.max_response_length) == (512, 1024)
     assert config.algorithm.use_kl_in_reward, "the KL penalty is what the offloaded reference is for"
+
+
+def test_the_7b_example_on_several_ranks_is_refused_for_its_embedding_cache_alone(model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """examples/README.md: of what ppo_7b.yaml turns on, only the embedding cache is one rank's; its dynamic offload
+    runs on several ranks (trainer/distributed/layer_moves.py)."""
+    train = write(tmp_path / "gsm8k" / "train.parquet", "")
+    test = write(tmp_path / "gsm8k" / "test.parquet", "")
+    paths = [f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
+             f"data.train_files=[{train}]", f"data.val_files=[{test}]", "trainer.n_gpus_per_node=2"]
+    problems = problems_of(EXAMPLES / "ppo_7b.yaml", paths)
+    assert [problem.path for problem in problems] == ["actor_rollout_ref.rollout.embedding_cache.enabled"]
+    config = load_config(EXAMPLES / "ppo_7b.yaml", [*paths, "actor_rollout_ref.rollout.embedding_cache.enabled=false"])
+    assert config.actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
+    assert config.critic.fsdp_config.dynamic_offload.enabled
 
 
 def test_the_schema_documents_every_field() -> None:

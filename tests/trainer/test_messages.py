@@ -64,7 +64,8 @@ UP = [
     CheckpointMessage(step=6, path="runs/x/checkpoints/global_step_6", time=5.0),
     DroppedMessage(count=17, time=6.0),
     HeartbeatMessage(step=7, time=7.0),
-    RanksMessage(step=7, ranks=[RankReport(rank=0, local_rank=0, node_rank=0, step=7, gpu_memory_bytes=3 << 30),
+    RanksMessage(step=7, ranks=[RankReport(rank=0, local_rank=0, node_rank=0, step=7, gpu_memory_bytes=3 << 30,
+                                           copy_latency_mean_s=0.0021),
                                 RankReport(rank=1, local_rank=0, node_rank=1, step=7, gpu_memory_bytes=None)],
                  time=8.0),
 ]

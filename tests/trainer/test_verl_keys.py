@@ -129,8 +129,11 @@ REFUSED: list[tuple[list[str], dict[str, str]]] = [
     ([f"{ARO}.actor.strategy=megatron"], {f"{ARO}.actor.strategy": "Megatron is not an engine here"}),
     ([f"+{ARO}.actor.megatron.tensor_model_parallel_size=2"],
      {f"{ARO}.actor.megatron.tensor_model_parallel_size": "Megatron is not an engine here"}),
-    ([f"{ARO}.actor.fsdp_config.fsdp_size=8"], {f"{ARO}.actor.fsdp_config.fsdp_size": "several GPUs"}),
-    (["critic.model.fsdp_config.fsdp_size=8"], {"critic.model.fsdp_config.fsdp_size": "several GPUs"}),
+    ([f"{ARO}.actor.fsdp_config.fsdp_size=8"],
+     {f"{ARO}.actor.fsdp_config.fsdp_size": "each model is sharded (FSDP2) over all the run's ranks"}),
+    (["critic.model.fsdp_config.fsdp_size=8"], {"critic.model.fsdp_config.fsdp_size": "several GPUs, which is fixed"}),
+    (["trainer.balance_batch=2"], {"trainer.balance_batch": "each data-parallel rank trains on the rollouts it "
+                                                            "sampled from its own share of the prompts"}),
     ([f"{ARO}.actor.policy_loss.loss_mode=gspo"], {f"{ARO}.actor.policy_loss.loss_mode": "PPO's clipped loss"}),
     ([f"{ARO}.model.use_liger=True"], {f"{ARO}.model.use_liger": "kernel"}),
     ([f"{ARO}.actor.optim.optimizer=SGD"], {f"{ARO}.actor.optim.optimizer": "the optimizer here is AdamW"}),

@@ -195,6 +195,9 @@ class RankReport(Message):
     step: int = Field(ge=0)
     gpu_memory_bytes: float | None = Field(ge=0)
     """Peak device memory torch allocated in that step (its perf/max_memory_allocated_gb)."""
+    copy_latency_mean_s: float | None = Field(None, ge=0)
+    """Mean time of its latest offload message's timed copies (OffloadMessage.copy_latency_mean_s; null: none timed),
+    so that node 0's advisor compares the copy times of ranks on different nodes."""
 
 
 class RanksMessage(Message):
@@ -231,6 +234,11 @@ class OffloadMessage(Message):
     plans: list[PhasePlanRow] | None = None
     """Every phase's plan of the dynamic layers so far (null: no model's layers move dynamically)."""
     time: float = Field(default_factory=epoch_seconds)
+
+    @property
+    def copy_latency_mean_s(self) -> float | None:
+        """The mean time of the timed copies (None: none timed), as a rank reports it to another node (RankReport)."""
+        return sum(copy.seconds for copy in self.copies) / len(self.copies) if self.copies else None
 
 
 class LogMessage(Message):
@@ -394,7 +402,7 @@ class OffloadPlacement(Message):
 
 class RankStatus(Message):
     """One trainer rank, as it last reported: one of this daemon's node or, on node 0's daemon, one of another node
-    (as rank 0 gathered its figures at the last step's end: no process here, and no copy latency)."""
+    (as rank 0 gathered its figures at the last step's end: no process here)."""
 
     rank: int = Field(ge=0)
     """Its global rank."""
@@ -405,6 +413,7 @@ class RankStatus(Message):
     pid: int | None
     """Its process (null: not connected yet in this attempt, or on another node)."""
     connected: bool
+    """Connected to this daemon; for another node's rank, reported by rank 0 within the daemon's hang timeout."""
     step: int | None = Field(ge=0)
     """The last step it completed (null: none reported yet)."""
     heard_s_ago: float | None = Field(ge=0)

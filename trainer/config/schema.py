@@ -1019,15 +1019,17 @@ def _training_settings_of_frozen_models(config: RunConfig) -> list[ConfigProblem
 
 
 def _settings_not_built_yet(config: RunConfig) -> list[ConfigProblem]:
-    """Keys of features that need several GPUs, while only single-device runs exist. (wrap_policy's
-    transformer_layer_cls_to_wrap is not one: the offload engine finds a model's blocks by it.)"""
+    """Sharding keys the run would ignore: on several ranks FSDP2's units are fixed, one per decoder layer and per
+    group (trainer/distributed/sharding.py), and one rank shards nothing. (wrap_policy's
+    transformer_layer_cls_to_wrap is not one: the offload engine and the sharding find a model's blocks by it.)"""
     problems = []
     default = WrapPolicy().min_num_params
     for role, fsdp in config.fsdp_configs().items():
         if fsdp.wrap_policy.min_num_params != default:
             problems.append(_ignored(f"{FSDP_PREFIX[role]}.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params,
-                                     default, "wrapping by size shapes sharding over several GPUs, and only "
-                                     "single-device runs exist yet"))
+                                     default, "wrapping by size shapes FSDP's units, which here are fixed: one "
+                                     "per decoder layer and per group (embedding, head, final norm) on several "
+                                     "ranks, none on one"))
     return problems
 
 

@@ -47,7 +47,9 @@ _FSDP_SECTIONS = {("actor_rollout_ref", "actor", "fsdp_config"): True,
 
 _ENGINE = "the rollout here is built in (it decodes with the actor's own weights in the trainer process): " \
           "a vLLM or SGLang engine setting has nothing to act on"
-_SHARDING = "it shapes sharding or parallelism over several GPUs, and only single-device runs exist yet"
+_SHARDING = ("it shapes sharding or parallelism over several GPUs, which is fixed here: each model is sharded "
+             "(FSDP2) over all the run's ranks, one unit per decoder layer and per group (embedding, final norm, "
+             "head), and sequence parallelism is the actor's and critic's ulysses_sequence_parallel_size")
 _KERNELS = "it is a kernel, compile or memory option of verl's FSDP workers that is not built here"
 _NO_RAY = "there is no Ray here: the trainer is one process, supervised by the daemon"
 _PROFILER = ("verl's profiler is not built here (timings: timing_s/* in metrics.jsonl; every offload copy is timed "
@@ -138,7 +140,8 @@ WHY: tuple[tuple[str, str], ...] = (
     ("data.custom_cls.*", "a custom dataset class is not built (data files in verl's parquet layout or JSONL)"),
     ("data.sampler.*", "a custom sampler (curriculum) is not built"),
     ("data.datagen.*", "dynamic data generation is not built"),
-    ("trainer.balance_batch", "with one device there is no data-parallel batch to balance"),
+    ("trainer.balance_batch", "each data-parallel rank trains on the rollouts it sampled from its own share of the "
+                              "prompts; no batch is exchanged between ranks, so there is none to balance"),
     ("trainer.log_val_generations", "validation generations are not logged"),
     ("trainer.*_data_dir", "dumping generations to files is not built"),
     ("trainer.esi_redundant_time", "it plans saves before a cloud instance's expiry; save with trainer.save_freq"),
@@ -151,8 +154,9 @@ WHY: tuple[tuple[str, str], ...] = (
 )
 
 # Keys accepted at values other than (or besides) verl's default, with the same line when refused:
-# balance_batch does nothing on one device, whichever way it is set; the reward model's padded forward is accepted
-# with verl's padding-free switch off.
+# balance_batch does nothing here, whichever way it is set (each rank trains on what it sampled from its own share
+# of the prompts: no batch crosses ranks to be balanced); the reward model's padded forward is accepted with verl's
+# padding-free switch off.
 ACCEPTED: dict[str, tuple[Any, ...]] = {
     "trainer.balance_batch": (True, False),
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),

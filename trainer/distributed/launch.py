@@ -177,6 +177,23 @@ def read_launch_sections(path: Path) -> tuple[TrainerConfig, DaemonConfig]:
         raise ValueError(f"{path}: not a resolved run config ({error.errors()[0]['msg']})") from None
 
 
+def gpu_shortage(device_name: str, n_gpus_per_node: int) -> str | None:
+    """The line for a GPU run whose node has too few GPUs for its ranks (or none, with trainer.device=cuda); None
+    when they fit or the ranks run on the CPU."""
+    import torch
+
+    from trainer.distributed.ranks import gpus_per_node_problem, resolve_device
+    from trainer.errors import RunSetupError
+
+    try:
+        device = resolve_device(device_name)
+    except RunSetupError as error:
+        return str(error)
+    if device.type != "cuda":
+        return None
+    return gpus_per_node_problem(n_gpus_per_node, torch.cuda.device_count())
+
+
 def _describe(code: int) -> str:
     if code < 0:
         with contextlib.suppress(ValueError):
@@ -203,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer, daemon = read_launch_sections(Path(args.config))
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    problem = gpu_shortage(trainer.device, trainer.n_gpus_per_node)
+    if problem is not None:  # one line here, before any rank starts (each rank would also find it)
+        print(f"ERROR: {problem}", file=sys.stderr)
         return EXIT_USAGE
     plan = plan_group(nnodes=trainer.nnodes, n_gpus_per_node=trainer.n_gpus_per_node, node_rank=trainer.node_rank,
                       rdzv_endpoint=trainer.rdzv_endpoint, run_name=trainer.experiment_name,

@@ -51,6 +51,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def gpus_per_node_problem(ranks_per_node: int, gpus: int) -> str | None:
+    """The line for a node that runs more ranks than it shows GPUs (each rank takes one of its own); None when
+    they fit."""
+    if ranks_per_node <= gpus:
+        return None
+    return (f"trainer.n_gpus_per_node: {ranks_per_node} ranks on this node, but it shows {gpus} GPU(s) (each rank "
+            f"needs one of its own); allowed: at most {gpus}")
+
+
 def environment_rank(environ: Mapping[str, str] = os.environ) -> int:
     """This process's global rank as torchrun set it (0 when it did not start this process)."""
     return int(environ.get("RANK", "0"))
@@ -96,10 +105,13 @@ class Ranks:
             return cls.single(device)
         local_rank = int(environ.get("LOCAL_RANK", "0"))
         if device.type == "cuda":
-            if local_rank >= torch.cuda.device_count():
-                raise RunSetupError(f"trainer.n_gpus_per_node: local rank {local_rank} has no GPU of its own (this "
-                                    f"node shows {torch.cuda.device_count()}); allowed: at most "
-                                    f"{torch.cuda.device_count()} ranks per node")
+            # Every rank checks its node's rank count, not only those without a GPU of their own: rank 0 (the
+            # one that prints a user error, trainer/main.py) then raises the line too. Without LOCAL_WORLD_SIZE
+            # (not started by torchrun) this rank's own index is all there is to check.
+            problem = gpus_per_node_problem(int(environ.get("LOCAL_WORLD_SIZE", local_rank + 1)),
+                                            torch.cuda.device_count())
+            if problem is not None:
+                raise RunSetupError(problem)
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         if not dist.is_initialized():

@@ -242,3 +242,22 @@ def test_the_launcher_runs_the_configs_ranks_and_passes_the_stack_dump_signal_on
     assert process.returncode == 0, output[-3000:]
     assert [(tmp_path / f"stacks-{rank}").read_text() for rank in (0, 1)] == ["2", "2"]
     assert (config.trainer.run_dir / "logs" / "ranks").is_dir(), "the agent's files go under the run's logs"
+
+
+def test_the_launcher_refuses_more_ranks_than_the_node_has_gpus_in_one_line_before_starting_any(tmp_path: Path,
+                                                                                             monkeypatch, capsys):
+    from trainer.config import dump_config
+    from trainer.distributed import launch
+
+    config = load_config(REPOSITORY / "examples" / "quickstart.yaml", [
+        f"trainer.runs_dir={tmp_path}", "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(dump_config(config))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setattr(launch, "run_group", lambda *args, **kwargs: pytest.fail("the launcher started ranks"))
+    assert launch.main(["--config", str(resolved)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "ERROR: trainer.n_gpus_per_node: 4 ranks on this node, but it shows 2 GPU(s) (each rank needs one of its "
+        "own); allowed: at most 2"]

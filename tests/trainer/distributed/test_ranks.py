@@ -341,6 +341,57 @@ def test_each_rank_takes_its_share_of_the_nodes_cores_for_its_host_work(monkeypa
     assert ranks_module.host_threads_per_rank(ranks_per_node) == threads
 
 
+class _JoinedTheGroup(Exception):
+    """Raised in place of init_process_group: the rank got past its checks."""
+
+
+@pytest.fixture
+def two_gpu_node(monkeypatch):
+    """A node that shows 2 GPUs (this machine need not have any); joining the process group raises _JoinedTheGroup."""
+    from trainer.distributed import ranks as ranks_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(ranks_module.dist, "is_initialized", lambda: False)
+
+    def join(**_):
+        raise _JoinedTheGroup
+
+    monkeypatch.setattr(ranks_module.dist, "init_process_group", join)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_every_rank_of_a_node_short_of_gpus_stops_with_the_line_before_joining_the_group(two_gpu_node, rank):
+    """Rank 0 too, though it has a GPU of its own: it is the rank that prints a user error (trainer/main.py), so
+    without the check the user saw only torchrun's "rank 2 failed"."""
+    from trainer.distributed.ranks import Ranks
+    from trainer.errors import RunSetupError
+
+    environ = {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "4"}
+    with pytest.raises(RunSetupError) as caught:
+        Ranks.from_environment("auto", environ)
+    assert str(caught.value) == ("trainer.n_gpus_per_node: 4 ranks on this node, but it shows 2 GPU(s) (each rank "
+                                 "needs one of its own); allowed: at most 2")
+
+
+def test_ranks_that_fit_the_nodes_gpus_join_the_group(two_gpu_node):
+    from trainer.distributed.ranks import Ranks
+
+    with pytest.raises(_JoinedTheGroup):
+        Ranks.from_environment("cuda", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+
+
+def test_without_torchruns_ranks_per_node_only_a_rank_without_a_gpu_stops(two_gpu_node):
+    from trainer.distributed.ranks import Ranks
+    from trainer.errors import RunSetupError
+
+    with pytest.raises(_JoinedTheGroup):
+        Ranks.from_environment("cuda", {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    with pytest.raises(RunSetupError, match="3 ranks on this node, but it shows 2 GPU"):
+        Ranks.from_environment("cuda", {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2"})
+
+
 def test_the_actors_delayed_update_on_two_ranks_trains_the_weights_of_one_ranks(tmp_path):
     """delayed_update: one rank's engine and two ranks' HostAdamW both run the host's update during the next rollout,
     which samples with the weights from before it, and publish it before the log-probs and before a checkpoint (so a
@@ -433,3 +484,20 @@ def test_bf16_host_gradients_on_two_ranks_train_with_the_gradient_shards_down_in
     assert said == {"bf16": True, "host": False}
     bf16, fp32 = (actor_weights(host_adamw_runs / run / "checkpoints" / "global_step_3") for run in ("bf16", "host"))
     assert 0 < largest_difference(bf16, fp32) < 0.01
+
+
+def test_rank_0_reports_each_ranks_copy_time_to_node_0_so_its_advisor_compares_ranks_across_nodes():
+    """Node 0's daemon knows another node's ranks only from rank 0's RanksMessage: each rank's mean copy time goes
+    in it (None where a rank timed none), beside its memory."""
+    from types import SimpleNamespace
+
+    from trainer.loop import Trainer
+
+    sent = []
+    rank_zero = SimpleNamespace(ranks=SimpleNamespace(is_main=True), step=3, _send=sent.append,
+                                config=SimpleNamespace(trainer=SimpleNamespace(nnodes=2, n_gpus_per_node=1)))
+    Trainer._report_ranks(rank_zero, [({"perf/max_memory_allocated_gb": 1.0}, 0.004), ({}, None)])
+    (message,) = sent
+    assert [(report.rank, report.node_rank, report.copy_latency_mean_s) for report in message.ranks] == [
+        (0, 0, 0.004), (1, 1, None)]
+    assert message.ranks[0].gpu_memory_bytes == 1 << 30
