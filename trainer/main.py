@@ -72,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         # Joins the process group with several ranks, and builds the (dp, sp) mesh with Ulysses.
-        ranks = Ranks.from_environment(config.trainer.device, sequence_parallel_size=config.sequence_parallel_size)
+        ranks = Ranks.from_environment(config.trainer.device, sequence_parallel_size=config.sequence_parallel_size,
+                                       timeout_s=config.actor_rollout_ref.nccl_timeout)
     except USER_ERRORS as error:
         return _report_user_error(error, None, None, log_path=config.trainer.run_dir / "logs" / "trainer.log",
                                   prints=_is_rank_zero())

@@ -419,6 +419,8 @@ class ActorRolloutRefConfig(Section):
     """Response sampling."""
     ref: RefConfig = RefConfig()
     """Frozen reference policy for the KL terms."""
+    nccl_timeout: int = Field(600, ge=1)
+    """verl's key: seconds a collective of several ranks waits for a rank that is gone before the group fails."""
 
 
 class CriticModelConfig(Section):

@@ -86,7 +86,6 @@ WHY: tuple[tuple[str, str], ...] = (
                                                     "sequence parallelism)"),
     ("*.fsdp_config.*", _SHARDING),
     ("*ulysses_sequence_parallel_size", _SHARDING),
-    ("actor_rollout_ref.nccl_timeout", _SHARDING),
     ("actor_rollout_ref.hybrid_engine", "the actor and the rollout always share one set of weights here"),
     ("*.checkpoint.*", "a checkpoint here always holds the models, their optimizers and the trainer's state, "
                        "written at once and atomically"),

@@ -15,6 +15,7 @@ did before several ranks existed.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 from collections.abc import Callable, Mapping
@@ -90,7 +91,7 @@ class Ranks:
 
     @classmethod
     def from_environment(cls, device_name: str, environ: Mapping[str, str] = os.environ, *,
-                         sequence_parallel_size: int = 1) -> Ranks:
+                         sequence_parallel_size: int = 1, timeout_s: float | None = None) -> Ranks:
         """This process's ranks from torchrun's variables, joining the process group when there are several.
 
         gloo carries CPU tensors even on GPU runs (the metrics' and control's objects), NCCL the GPU ones.
@@ -115,7 +116,9 @@ class Ranks:
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+            # timeout_s (verl's nccl_timeout): how long a collective waits for a rank that is gone before it fails.
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                                    timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
         sequence_mesh = None
         if sequence_parallel_size > 1:
             sequence_mesh = init_device_mesh(device.type, (world_size // sequence_parallel_size,

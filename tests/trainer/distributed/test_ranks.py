@@ -355,8 +355,8 @@ def two_gpu_node(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(ranks_module.dist, "is_initialized", lambda: False)
 
-    def join(**_):
-        raise _JoinedTheGroup
+    def join(**options):
+        raise _JoinedTheGroup(options)
 
     monkeypatch.setattr(ranks_module.dist, "init_process_group", join)
 
@@ -501,3 +501,17 @@ def test_rank_0_reports_each_ranks_copy_time_to_node_0_so_its_advisor_compares_r
     assert [(report.rank, report.node_rank, report.copy_latency_mean_s) for report in message.ranks] == [
         (0, 0, 0.004), (1, 1, None)]
     assert message.ranks[0].gpu_memory_bytes == 1 << 30
+
+
+def test_verls_nccl_timeout_is_how_long_the_ranks_collectives_wait(two_gpu_node, tmp_path):
+    from datetime import timedelta
+
+    from trainer.config import load_config
+    from trainer.distributed.ranks import Ranks
+
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    config = load_config(None, ["actor_rollout_ref.nccl_timeout=1800", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(_JoinedTheGroup) as joined:
+        Ranks.from_environment("cuda", environ, timeout_s=config.actor_rollout_ref.nccl_timeout)
+    assert joined.value.args[0]["timeout"] == timedelta(seconds=1800)
+    assert load_config(None, []).actor_rollout_ref.nccl_timeout == 600  # verl's default
