@@ -325,6 +325,8 @@ def _rank_lines(ranks: Sequence[RankStatus]) -> list[tuple[str, Text]]:
         text.append(f" · peak {_gib(rank.gpu_memory_bytes)} GiB" if rank.gpu_memory_bytes is not None else "")
         if rank.copy_latency_mean_s is not None:
             text.append(f" · copies {rank.copy_latency_mean_s * 1e3:.1f} ms")
+        if rank.gpu_utilization_percent is not None:
+            text.append(f" · GPU {rank.gpu_utilization_percent:.0f}% busy")
         if rank.heard_s_ago is not None:
             text.append(f" · heard {_seconds(rank.heard_s_ago)} ago", style="dim")
         lines.append((f"rank {rank.rank}", text))

@@ -107,7 +107,7 @@ class RankTable:
             self._remote[report.rank] = (now, RankStatus(
                 rank=report.rank, local_rank=report.local_rank, node_rank=report.node_rank, pid=None, connected=True,
                 step=report.step, heard_s_ago=0.0, gpu_memory_bytes=report.gpu_memory_bytes,
-                copy_latency_mean_s=report.copy_latency_mean_s))
+                copy_latency_mean_s=report.copy_latency_mean_s, gpu_utilization_percent=report.gpu_utilization_percent))
 
     def pids(self) -> list[int]:
         """The connected ranks' processes (the GPU sampler's thread asks too: one C-level copy of the entries)."""

@@ -431,8 +431,8 @@ class Trainer:
         if not self.ranks.distributed:
             return local
         tokens = local.get("perf/total_num_response_tokens", 0.0)
-        everyone = self.ranks.gather_objects((local, float(sequences), float(tokens), self._copy_latency_mean_s))
-        self._report_ranks([(figures, latency) for figures, _, _, latency in everyone])
+        everyone = self.ranks.gather_objects((local, float(sequences), float(tokens), self._rank_report_figures()))
+        self._report_ranks([(figures, reported) for figures, _, _, reported in everyone])
         gathered = [(figures, counted, tokens) for figures, counted, tokens, _ in everyone]
         combined = combine_rank_metrics(gathered)
         if self.ranks.sp_size > 1:
@@ -442,18 +442,31 @@ class Trainer:
             combined.update({key: value for key, value in once.items() if rank_reduction(key) == "sum"})
         return combined
 
-    def _report_ranks(self, every_rank: list[tuple[dict[str, float], float | None]]) -> None:
-        """Rank 0 of a run of several nodes: every rank's own figures of the step and the mean time of its latest
-        timed copies (gathered for the run-wide metrics already) to node 0's daemon, which shows the other nodes'
-        ranks beside its own and compares their copy times (RanksMessage)."""
+    def _rank_report_figures(self) -> dict[str, float | None]:
+        """What this rank adds to rank 0's report of a run of several nodes (RankReport): the mean time of its latest
+        timed copies, and NVML's utilization of its GPU now. Nothing is read for a run of one node."""
+        if self.config.trainer.nnodes <= 1:
+            return {}
+        utilization = None
+        if self.device.type == "cuda":
+            # torch reads it through pynvml (nvidia-ml-py, a dependency), for the GPU CUDA_VISIBLE_DEVICES maps.
+            with contextlib.suppress(Exception):  # no NVML (a driver without it): the row shows no utilization
+                utilization = float(torch.cuda.utilization(self.device))
+        return {"copy_latency_mean_s": self._copy_latency_mean_s, "gpu_utilization_percent": utilization}
+
+    def _report_ranks(self, every_rank: list[tuple[dict[str, float], dict[str, float | None]]]) -> None:
+        """Rank 0 of a run of several nodes: every rank's own figures of the step, the mean time of its latest timed
+        copies and its GPU's utilization (gathered for the run-wide metrics already) to node 0's daemon, which shows
+        the other nodes' ranks beside its own and compares their copy times (RanksMessage)."""
         trainer = self.config.trainer
         if not self.ranks.is_main or trainer.nnodes <= 1 or not every_rank:
             return
         reports = [RankReport(rank=rank, local_rank=rank % trainer.n_gpus_per_node,
                               node_rank=rank // trainer.n_gpus_per_node, step=self.step,
                               gpu_memory_bytes=_bytes_of_gib(figures.get("perf/max_memory_allocated_gb")),
-                              copy_latency_mean_s=latency)
-                   for rank, (figures, latency) in enumerate(every_rank)]
+                              copy_latency_mean_s=reported.get("copy_latency_mean_s"),
+                              gpu_utilization_percent=reported.get("gpu_utilization_percent"))
+                   for rank, (figures, reported) in enumerate(every_rank)]
         self._send(RanksMessage(step=self.step, ranks=reports))
 
     def _record_step(self, metrics: dict[str, float], local: dict[str, float] | None = None) -> None:

@@ -530,13 +530,13 @@ def test_node_0_shows_every_nodes_ranks():
     ranks = [RankStatus(rank=0, local_rank=0, node_rank=0, pid=5001, connected=True, step=45, heard_s_ago=0.4,
                         gpu_memory_bytes=8 * GIB, copy_latency_mean_s=None),
              RankStatus(rank=1, local_rank=0, node_rank=1, pid=None, connected=True, step=45, heard_s_ago=1.2,
-                        gpu_memory_bytes=9 * GIB, copy_latency_mean_s=None)]
+                        gpu_memory_bytes=9 * GIB, copy_latency_mean_s=None, gpu_utilization_percent=73.0)]
     base = run_status()
     status = base.model_copy(update={"ranks": ranks, "run": base.run.model_copy(
         update={"node_rank": 0, "nnodes": 2, "world_size": 2})})
     lines = rendered(snapshot(status=status)).splitlines()
-    assert "node 1 · GPU 0 · reported by rank 0 · step 45 · peak 9.0 GiB" in next(line for line in lines
-                                                                                  if "rank 1" in line)
+    assert "node 1 · GPU 0 · reported by rank 0 · step 45 · peak 9.0 GiB · GPU 73% busy" in next(
+        line for line in lines if "rank 1" in line)
     assert "node 0 · GPU 0 · pid 5001" in next(line for line in lines if "rank 0" in line)
     assert describe_status(status)[-1] == ("ranks: node 0 of 2: 0 (GPU 0, pid 5001), 1 (node 1 GPU 0, as rank 0 "
                                            "reports it); 2 in the run")

@@ -230,7 +230,8 @@ def remote_ranks(table, *copy_seconds: float | None, step: int = 5) -> None:
 
     table.observe_remote(RanksMessage(step=step, ranks=[
         RankReport(rank=rank, local_rank=rank % 2, node_rank=rank // 2, step=step, gpu_memory_bytes=8 * 2**30,
-                   copy_latency_mean_s=seconds) for rank, seconds in enumerate(copy_seconds, start=2)]))
+                   copy_latency_mean_s=seconds, gpu_utilization_percent=40.0)
+        for rank, seconds in enumerate(copy_seconds, start=2)]))
 
 
 def test_node_0_flags_a_rank_of_another_node_whose_copies_are_slower_than_its_own() -> None:
@@ -249,6 +250,8 @@ def test_node_0_flags_a_rank_of_another_node_whose_copies_are_slower_than_its_ow
     remote_ranks(table, 0.002, 0.003)
     rows = table.statuses()
     assert [row.copy_latency_mean_s for row in rows] == pytest.approx([0.002, 0.002, 0.002, 0.003])
+    # Node 1's GPUs: their utilization as each rank read it (this node's GPUs are the daemon's own samples).
+    assert [row.gpu_utilization_percent for row in rows] == [None, None, 40.0, 40.0]
     [hint] = rank_imbalance_hints(rows)
     assert "offload copy latency of rank 3 is 3.0 ms against 2.0 ms on rank" in hint
 

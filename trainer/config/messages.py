@@ -198,6 +198,9 @@ class RankReport(Message):
     copy_latency_mean_s: float | None = Field(None, ge=0)
     """Mean time of its latest offload message's timed copies (OffloadMessage.copy_latency_mean_s; null: none timed),
     so that node 0's advisor compares the copy times of ranks on different nodes."""
+    gpu_utilization_percent: float | None = Field(None, ge=0, le=100)
+    """NVML's utilization of its GPU, read by the rank at the step's end (null: a CPU rank, or NVML unreadable), so
+    that node 0's monitor shows the other nodes' GPUs too."""
 
 
 class RanksMessage(Message):
@@ -422,6 +425,9 @@ class RankStatus(Message):
     """Peak device memory torch allocated in its latest step (perf/max_memory_allocated_gb)."""
     copy_latency_mean_s: float | None = Field(ge=0)
     """Mean time of its recent timed offload copies (null: none timed yet)."""
+    gpu_utilization_percent: float | None = Field(None, ge=0, le=100)
+    """Another node's rank: NVML's utilization of its GPU at its latest step's end, as rank 0 reported it (null for
+    this node's ranks, whose GPUs the daemon samples itself)."""
 
 
 class RunStatus(Message):

@@ -496,11 +496,32 @@ def test_rank_0_reports_each_ranks_copy_time_to_node_0_so_its_advisor_compares_r
     sent = []
     rank_zero = SimpleNamespace(ranks=SimpleNamespace(is_main=True), step=3, _send=sent.append,
                                 config=SimpleNamespace(trainer=SimpleNamespace(nnodes=2, n_gpus_per_node=1)))
-    Trainer._report_ranks(rank_zero, [({"perf/max_memory_allocated_gb": 1.0}, 0.004), ({}, None)])
+    Trainer._report_ranks(rank_zero, [
+        ({"perf/max_memory_allocated_gb": 1.0}, {"copy_latency_mean_s": 0.004, "gpu_utilization_percent": 87.0}),
+        ({}, {"copy_latency_mean_s": None, "gpu_utilization_percent": None})])
     (message,) = sent
-    assert [(report.rank, report.node_rank, report.copy_latency_mean_s) for report in message.ranks] == [
-        (0, 0, 0.004), (1, 1, None)]
+    assert [(report.rank, report.node_rank, report.copy_latency_mean_s, report.gpu_utilization_percent)
+            for report in message.ranks] == [(0, 0, 0.004, 87.0), (1, 1, None, None)]
     assert message.ranks[0].gpu_memory_bytes == 1 << 30
+
+
+def test_a_rank_of_a_run_of_several_nodes_reads_its_gpus_utilization_for_rank_0s_report(monkeypatch):
+    from types import SimpleNamespace
+
+    from trainer.loop import Trainer
+
+    monkeypatch.setattr(torch.cuda, "utilization", lambda device: 61 if device == torch.device("cuda", 1) else 0)
+    rank = SimpleNamespace(device=torch.device("cuda", 1), _copy_latency_mean_s=0.003,
+                           config=SimpleNamespace(trainer=SimpleNamespace(nnodes=2)))
+    assert Trainer._rank_report_figures(rank) == {"copy_latency_mean_s": 0.003, "gpu_utilization_percent": 61.0}
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "utilization", no_nvml)
+    assert Trainer._rank_report_figures(rank)["gpu_utilization_percent"] is None
+    rank.config.trainer.nnodes = 1  # one node: node 0's daemon sees every rank itself, nothing is read
+    assert Trainer._rank_report_figures(rank) == {}
 
 
 def test_verls_nccl_timeout_is_how_long_the_ranks_collectives_wait(two_gpu_node, tmp_path):
