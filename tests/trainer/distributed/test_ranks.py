@@ -536,3 +536,29 @@ def test_verls_nccl_timeout_is_how_long_the_ranks_collectives_wait(two_gpu_node,
         Ranks.from_environment("cuda", environ, timeout_s=config.actor_rollout_ref.nccl_timeout)
     assert joined.value.args[0]["timeout"] == timedelta(seconds=1800)
     assert load_config(None, []).actor_rollout_ref.nccl_timeout == 600  # verl's default
+
+
+def test_a_reward_model_sharded_over_two_ranks_scores_every_response_as_one_rank(tmp_path):
+    """The reward model is an FSDP2 model of its own on several ranks; the run-wide scores of each step (each rank
+    scores its own share of the responses) are one rank's scores of the whole batch."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from trainer.models import load_tokenizer
+
+    scorer = tmp_path / "reward_model"
+    torch.manual_seed(11)
+    model = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(load_tokenizer("builtin:tiny-qwen2")), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0))
+    model.save_pretrained(scorer)
+    load_tokenizer("builtin:tiny-qwen2").save_pretrained(scorer)
+    scored = ["reward_model.enable=true", f"reward_model.model.path={scorer}", "trainer.total_training_steps=2"]
+    one, two = (launch(ranks, tmp_path, name, *scored) for ranks, name in ((1, "one"), (2, "two")))
+    assert one.returncode == 0, one.stderr[-4000:]
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert "reward: 2 ranks shard the model with FSDP2" in two.stdout + two.stderr
+    for row_one, row_two in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        for key in ("critic/score/mean", "critic/score/max", "critic/score/min"):
+            assert row_two[key] == pytest.approx(row_one[key], rel=1e-5, abs=1e-6), key
+    # The check can fail: a random scorer gives the responses different scores.
+    assert metrics(tmp_path / "one")[0]["critic/score/max"] > metrics(tmp_path / "one")[0]["critic/score/min"]
