@@ -562,3 +562,49 @@ def test_a_reward_model_sharded_over_two_ranks_scores_every_response_as_one_rank
             assert row_two[key] == pytest.approx(row_one[key], rel=1e-5, abs=1e-6), key
     # The check can fail: a random scorer gives the responses different scores.
     assert metrics(tmp_path / "one")[0]["critic/score/max"] > metrics(tmp_path / "one")[0]["critic/score/min"]
+
+
+KILLED_WHILE_SAVING = '''
+import os
+
+if os.environ.get("RANK") == "1":  # rank 1 of the group dies once its shards of step 2 are written
+    from torch.distributed import checkpoint
+
+    written = checkpoint.save
+
+    def save(state_dict, *, checkpoint_id=None, **options):
+        result = written(state_dict, checkpoint_id=checkpoint_id, **options)
+        if ".global_step_2.partial" in str(checkpoint_id):
+            os.kill(os.getpid(), 9)
+        return result
+
+    checkpoint.save = save
+'''
+
+
+def test_a_rank_killed_while_the_ranks_write_a_checkpoint_leaves_the_last_complete_one_which_resumes(tmp_path):
+    """A sharded save is atomic across ranks: rank 1 killed after writing its shards of step 2 (rank 0's rename not
+    done) leaves step 1 as the latest checkpoint and no step 2; the next start clears the partial folder and
+    resumes from step 1, here on one rank."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILLED_WHILE_SAVING)
+    config = tmp_path / "empty.yaml"
+    config.write_text("{}\n")
+    steps = ["trainer.total_training_steps=2", "trainer.save_freq=1", f"trainer.runs_dir={tmp_path}",
+             "trainer.experiment_name=run"]
+    environment = rank_environment()
+    environment["PYTHONPATH"] = os.pathsep.join([str(hook), environment["PYTHONPATH"]])
+    killed = subprocess.run([*trainer_command(2, config), *RUN, "trainer.n_gpus_per_node=2", *steps],
+                            env=environment, capture_output=True, text=True, timeout=300)
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [path.name for path in sorted(checkpoints.iterdir()) if path.name.startswith("global_step_")] == [
+        "global_step_1"]
+    assert any(".global_step_2.partial" in path.name for path in checkpoints.iterdir())  # the killed save's
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    resumed = launch(1, tmp_path, "run", *steps[:2])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in (resumed.stdout + resumed.stderr).lower() and "global_step_1" in resumed.stderr
+    assert sorted(path.name for path in checkpoints.iterdir() if "global_step" in path.name) == [
+        "global_step_1", "global_step_2"]
