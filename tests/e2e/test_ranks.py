@@ -130,6 +130,38 @@ def test_two_nodes_on_loopback_train_and_stop_cleanly_and_node_1_points_to_node_
     assert any(path.name.startswith("global_step_") for path in shared.iterdir())
 
 
+def test_a_rank_killed_on_node_1_restarts_both_nodes_groups_which_meet_again_resume_and_finish(tmp_path: Path) -> None:
+    """A rank of another node that dies fails the collectives of node 0's ranks too: each node's daemon restarts its
+    own group, the groups meet again at the same endpoint, resume from the shared latest checkpoint and finish."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    shared = tmp_path / "shared-checkpoints"
+    nodes = {rank: tmp_path / f"node{rank}" for rank in (0, 1)}
+    for folder in nodes.values():
+        folder.mkdir()
+    total = 10
+
+    def node(rank: int):
+        return verl_train(nodes[rank], "trainer.nnodes=2", f"trainer.node_rank={rank}",
+                          f"trainer.rdzv_endpoint={endpoint}", f"trainer.default_local_dir={shared}",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                          f"trainer.total_training_steps={total}", "trainer.save_freq=2")
+
+    with node(0) as first, node(1) as second:
+        first.wait(lambda: current_step(first) >= 3, timeout=180, what="node 0 past step 3")
+        [killed] = [rank["pid"] for rank in connected_ranks(second)]
+        os.kill(killed, signal.SIGKILL)
+        for run in (first, second):
+            run.wait(lambda run=run: run.json("/v1/status")["restarts"]["total"] >= 1, timeout=180,
+                     what="each node's group restarted")
+        assert first.process.wait(timeout=300) == 0, first.output()
+        assert second.process.wait(timeout=300) == 0, second.output()
+    output = (nodes[0] / "verl.out").read_text()
+    resumed = re.search(r"resumed from .*global_step_(\d+) at step", output)
+    assert resumed and int(resumed[1]) % 2 == 0, output[-3000:]
+    rows = [json.loads(line) for line in next((nodes[0] / "runs").rglob("metrics.jsonl")).read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, total + 1))
+
+
 def test_the_slurm_script_starts_one_verl_train_per_node_with_a_valid_config(tmp_path: Path) -> None:
     """examples/slurm/verl.sbatch under stand-ins for srun (two tasks), scontrol and verl: each node's command
     line loads as a config for its node."""
