@@ -267,7 +267,13 @@ def main(out: Path) -> None:
         layers_on_device = ShardedLayers("actor", sharded.parts.layers, ranks.device).layers_on_gpu  # as the metrics
         copies = CopyLog(cuda=False)
         watch_shard_copies(model, copies, parameter_groups(sharded.parts))
-        results[name] = {"offloaded": offloaded(model), "lines": lines, "layers_on_device": layers_on_device}
+        results[name] = {"offloaded": offloaded(model), "lines": lines, "layers_on_device": layers_on_device,
+                         # each group's whole bytes: a rank's copies of its shards are 1/world of them a gather
+                         "group_bytes": {group: sum(parameter.numel() * parameter.element_size()
+                                                    for parameter in modules.parameters())
+                                         for group, modules in (("embedding", whole.get_input_embeddings()),
+                                                                ("lm_head", whole.get_output_embeddings()))
+                                         if modules is not None}}
         host = bool(settings.get("optimizer_offload"))
         if trains and kind == "bf16":
             one_step(model, share, host)

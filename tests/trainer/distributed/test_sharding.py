@@ -211,6 +211,12 @@ def test_fsdp2s_copies_of_the_shards_on_the_cpu_are_counted_per_group(reports, c
             assert count >= (1 if case.startswith("tied/") else 2) and nbytes > 0, (group, count)
         # Their gradient shards' copies down after the backward's reduce-scatter: counted too (not timed), one per
         # offloaded parameter; with every unit on the CPU, all of this rank's gradient bytes.
+        # Each rank copies up only its own shard, 1/world of the group's rows, at each gather: what
+        # sequence_parallel_offload relies on (no rank carries the whole embedding's or head's copies).
+        for group in ("embedding", "lm_head"):
+            if group in copies and not case.startswith("tied/"):
+                count, nbytes = copies[group]
+                assert nbytes == count * report[case]["group_bytes"][group] // len(reports), (case, group)
         gradient_copies = report[case]["gradient_copies"]
         assert set(gradient_copies) == expected
         assert all(count >= 1 and nbytes > 0 for count, nbytes in gradient_copies.values())
