@@ -32,7 +32,7 @@
 #
 # e2e stages read VARIANTS (all_gpu,offload[,fsdp2][,offload_delayed][,offload_delayed_host][,offload_host_update][,offload_both_update]
 # [,offload_lora][,offload_balanced][,offload_delayed_balanced]: `_balanced` is the variant with the update split's window off), STEPS (4), WARMUP (2: steps not counted), TIMEOUT (seconds a
-# variant may take; e2e_bench's default 900), SET (one config override for every variant, KEY=VALUE), TAG (a suffix of
+# variant may take; e2e_bench's default 900), SET (config overrides for every variant, KEY=VALUE separated by spaces), TAG (a suffix of
 # the result's file names, to keep several runs of a call apart), PROFILE (set: --profile) and DECODE (auto, generate or static: rollout.decode; auto, the default, is static with CUDA graphs on a GPU).
 # The shape's models are drawn once on the GPU (20 s for ppo3b) and each variant loads them (10 s). One 10-minute call fits about (measured 2026-12-02):
 #   VARIANTS=all_gpu,offload,fsdp2 STEPS=6 PROFILE=1 TIMEOUT=200 e2e-ppo3b   (~4 min with generate; fsdp2 OOMs at 12 GiB)
@@ -158,12 +158,24 @@
 # VARIANTS=all_gpu,optimizer_offload ranks`; on one H200, `VARIANTS=all_gpu,offload,offload_balanced e2e-ppo3b` (the
 # window on the exact update: the critic's) and `PROFILE=1 VARIANTS=all_gpu,offload_delayed e2e-headline` (7B
 # delayed: where its 0.86 s over all-GPU goes now that the bus carries less).
+# Run 2026-12-04 20:20-20:50 on one H200 (x2 not lent; results in benchmarks/results/ranks-ppo3b-h200-2026-12-04T20*,
+# table in benchmarks/README.md under ranks_bench.py): issue 16's world-size-1 check, `RANKS=1 VARIANTS=all_gpu
+# STEPS=6 REPEAT=2 ranks` (453 s with the machine's start; a group of one 0.97x the plain process, losses equal to
+# the bit); `optimizer_offload` at one rank, fp32 against bf16 host gradients (6.7 against 3.0 s a step; two runs of
+# `python -m trainer` with ranks_bench.variant_overrides, 133 s and 106 s). Its final checkpoint (69 GiB) does not fit
+# the one-GPU machine's 64 GiB disk: ranks_bench keeps the steps and says so.
+# Next, in priority order: on an nvidia-h200-x2 machine the ranks calls listed above, then Ulysses with
+# use_remove_padding on 2 GPUs (`SET="actor_rollout_ref.actor.ulysses_sequence_parallel_size=2
+# actor_rollout_ref.model.use_remove_padding=true" VARIANTS=all_gpu ranks`: never run on GPUs, CPU-tested); on one H200,
+# `VARIANTS=all_gpu,offload,offload_balanced e2e-ppo3b` and `PROFILE=1 VARIANTS=all_gpu,offload_delayed e2e-headline`.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
 # antlr4-python3-runtime 4.9.3, which is an sdist only: `pip wheel --no-deps` it into .whl/ here).
 set -u
 out=${OUT:-gpu-results}
+sets=()  # SET: config overrides for every variant, KEY=VALUE separated by spaces
+for setting in ${SET:-}; do sets+=(--set "$setting"); done
 mkdir -p "$out"
 cd "$(dirname "$0")/.." || exit 1
 
@@ -194,14 +206,14 @@ case "${1:-}" in
     done ;;
   e2e-headline)
     timeout 590 python3 benchmarks/e2e_bench.py --shape headline --variants ${VARIANTS:-all_gpu,offload} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
-      ${DECODE:+--decode $DECODE} ${SET:+--set $SET} --out "$out/e2e-headline${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-headline${TAG:-}.txt" | tail -30 ;;
+      ${DECODE:+--decode $DECODE} "${sets[@]}" --out "$out/e2e-headline${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-headline${TAG:-}.txt" | tail -30 ;;
   e2e-ppo3b)
     timeout 590 python3 benchmarks/e2e_bench.py --shape ppo3b --variants ${VARIANTS:-all_gpu,offload,fsdp2} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
-      ${DECODE:+--decode $DECODE} ${SET:+--set $SET} --out "$out/e2e-ppo3b${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b${TAG:-}.txt" | tail -30 ;;
+      ${DECODE:+--decode $DECODE} "${sets[@]}" --out "$out/e2e-ppo3b${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b${TAG:-}.txt" | tail -30 ;;
   ranks)
     gpus=${RANKS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
     timeout 590 python3 benchmarks/ranks_bench.py --shape ${SHAPE:-ppo3b} --ranks "$gpus" ${VARIANTS:+--variants $VARIANTS} ${REPEAT:+--repeat $REPEAT} \
-      --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${SET:+--set $SET} --out "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.json" 2>&1 \
+      --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} "${sets[@]}" --out "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.json" 2>&1 \
       | tee "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.txt" | tail -30 ;;
   *)
     echo "usage: $0 tests|rollout|offload|host|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b|ranks" >&2
