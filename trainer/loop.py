@@ -293,9 +293,10 @@ class Trainer:
         if sequence_split is not None:
             sequence_split.prepare(model)
             ranks = self.ranks
+            split = ("each micro-batch's padding-free row" if sequence_split.remove_padding else "every sequence")
             self.log(f"{role}: Ulysses sequence parallelism: each of the {ranks.sp_size} ranks of a group computes "
-                     f"1/{ranks.sp_size} of every sequence ({ranks.dp_size} data-parallel group(s) of the prompts); "
-                     f"FSDP2 shards the model over all {ranks.world_size} ranks")
+                     f"1/{ranks.sp_size} of {split} ({ranks.dp_size} data-parallel group(s) of the prompts); FSDP2 "
+                     f"shards the model over all {ranks.world_size} ranks")
         if not self.ranks.distributed:
             return self.memory.place(model, fsdp_config, role)
         sharded = shard_model(model, fsdp_config, self.ranks, role=role, log=lambda message: self.log(message))

@@ -46,9 +46,10 @@ def assert_same_metrics(one: list[dict], two: list[dict]) -> None:
             assert row_two["perf/total_num_tokens"] == row_one["perf/total_num_tokens"]
 
 
-def ran_on_sequence_shards(finished: subprocess.CompletedProcess, role: str) -> bool:
+def ran_on_sequence_shards(finished: subprocess.CompletedProcess, role: str, *, packed: bool = False) -> bool:
     output = finished.stdout + finished.stderr
-    return f"{role}: Ulysses sequence parallelism: each of the 2 ranks of a group computes 1/2" in output
+    split = "each micro-batch's padding-free row" if packed else "every sequence"
+    return f"{role}: Ulysses sequence parallelism: each of the 2 ranks of a group computes 1/2 of {split}" in output
 
 
 @pytest.mark.slow
@@ -85,7 +86,7 @@ def test_padding_free_ppo_with_a_sequence_parallel_critic_and_verl_s_fsdp_config
                  "critic.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.sequence_parallel_offload=true",
                  "actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true")
     assert two.returncode == 0, two.stderr[-4000:]
-    assert ran_on_sequence_shards(two, "actor") and ran_on_sequence_shards(two, "critic")
+    assert ran_on_sequence_shards(two, "actor", packed=True) and ran_on_sequence_shards(two, "critic", packed=True)
     assert ("actor: 2 ranks shard the model with FSDP2, a unit per decoder layer and per group; the embedding and "
             "head keep their local shards'") in two.stdout + two.stderr
     for role in ("actor", "critic"):
