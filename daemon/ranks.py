@@ -60,8 +60,8 @@ class RankTable:
         self.ranks_per_node = ranks_per_node
         self.world_size = ranks_per_node if world_size is None else world_size
         self._clock = clock
+        # How long another node's rank counts as connected after rank 0's last report of it (None: for ever).
         self._stale_after_s = stale_after_s
-        """How long another node's rank counts as connected after rank 0's last report of it (None: for ever)."""
         self._ranks: dict[int, RankState] = {}
         self._remote: dict[int, tuple[float, RankStatus]] = {}  # other nodes' ranks: when reported, what
 
