@@ -1473,16 +1473,24 @@ def _check_sequence_parallel(config: RunConfig) -> list[ConfigProblem]:
     actor_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
     critic_key = "critic.ulysses_sequence_parallel_size"
     model = config.actor_rollout_ref.model
-    degrees = [(actor_key, actor.ulysses_sequence_parallel_size, model.path, model.override_config)]
+    policy_override = "actor_rollout_ref.model.override_config"
+    degrees = [(actor_key, actor.ulysses_sequence_parallel_size, model.path, model.override_config, policy_override)]
     if config.use_critic:
         degrees.append((critic_key, critic.ulysses_sequence_parallel_size, critic.model.path or model.path,
-                        critic.model.override_config or model.override_config))
+                        critic.model.override_config or model.override_config,
+                        "critic.model.override_config" if critic.model.override_config else policy_override))
     problems = []
-    for key, size, path, override_config in degrees:
+    for key, size, path, override_config, override_key in degrees:
         heads = model_heads(path, override_config, BUILTIN_PREFIX) if size > 1 else None
         if heads is not None:
             problems += [ConfigProblem(problem.path, problem.message) for problem in
                          sequence_parallel_problems(size, world_size=world_size(config), heads=heads, key=key)]
+        implementation = override_config.get("attn_implementation")
+        if size > 1 and implementation not in (None, "sdpa"):
+            # Ulysses wraps SDPA only (trainer/distributed/ulysses.py: WRAPPABLE).
+            problems.append(ConfigProblem(f"{override_key}.attn_implementation", f"got {implementation!r}, but {key} "
+                                          f"is {size}: Ulysses' all-to-all wraps SDPA attention only; allowed: sdpa "
+                                          "(or leave the key out), or the degree 1"))
     sizes = {size for _, size, *_ in degrees if size > 1}
     if len(sizes) > 1:
         problems.append(ConfigProblem(critic_key, f"got {critic.ulysses_sequence_parallel_size}, but {actor_key} is "

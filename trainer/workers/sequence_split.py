@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from trainer.algorithms import log_probs_and_entropy_from_logits, scaled_logits
 from trainer.distributed.ranks import Ranks
 from trainer.distributed.ulysses import SequenceParallel, SequenceShard, use_ulysses_attention
+from trainer.errors import RunSetupError
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.packing import PackedRow
 
@@ -50,8 +51,13 @@ class SequenceSplit:
 
     @staticmethod
     def prepare(model: PreTrainedModel) -> str:
-        """Switch `model` to Ulysses attention (generation without sharded inputs runs it as plain SDPA)."""
-        return use_ulysses_attention(model)
+        """Switch `model` to Ulysses attention (generation without sharded inputs runs it as plain SDPA). A model
+        whose directory asks for another attention than SDPA cannot (the config check sees override_config only)."""
+        try:
+            return use_ulysses_attention(model)
+        except ValueError as error:
+            raise RunSetupError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size: {error}; set "
+                                "override_config.attn_implementation=sdpa for the model, or the degree 1") from None
 
     def log_probs_and_entropy(self, model: PreTrainedModel, batch: RolloutBatch, temperature: float, *,
                               entropy: bool, entropy_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

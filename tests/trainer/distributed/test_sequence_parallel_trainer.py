@@ -132,8 +132,12 @@ VERL_CRITIC_DEGREE = "critic.model.fsdp_config.ulysses_sequence_parallel_size"
      f"got true, but {ACTOR_DEGREE} is 1"),
     (["trainer.n_gpus_per_node=4", "algorithm.adv_estimator=gae", f"{VERL_CRITIC_DEGREE}=2", f"{ACTOR_DEGREE}=4"],
      VERL_CRITIC_DEGREE, "a run has one sequence-parallel degree"),
+    ([SEQUENCE_PARALLEL, "actor_rollout_ref.model.override_config={attn_implementation: flash_attention_2}"],
+     "actor_rollout_ref.model.override_config.attn_implementation",
+     "got 'flash_attention_2', but actor_rollout_ref.actor.ulysses_sequence_parallel_size is 2: Ulysses' all-to-all "
+     "wraps SDPA attention only; allowed: sdpa"),
 ], ids=["more-than-ranks", "heads", "key-value-heads", "batch-over-dp", "alias-conflict", "offload-without-sp",
-        "critic-degree"])
+        "critic-degree", "attention-not-sdpa"])
 def test_a_sequence_parallel_setting_that_cannot_run_is_one_line_and_exit_2(tmp_path, overrides, key, says):
     finished = run_config_check(tmp_path, *overrides)
     assert finished.returncode == 2, finished.stderr[-2000:]

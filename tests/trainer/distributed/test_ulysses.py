@@ -106,6 +106,13 @@ def test_ulysses_needs_sdpa():
         use_ulysses_attention(model)
     with pytest.raises(ValueError, match="wraps one of sdpa; got 'flex_attention'"):
         register_ulysses_attention("flex_attention")
+    # In the trainer: one line naming the setting (a model directory may ask for eager, where no override did).
+    from trainer.errors import RunSetupError
+    from trainer.workers.sequence_split import SequenceSplit
+
+    with pytest.raises(RunSetupError, match="ulysses_sequence_parallel_size: .*'eager'; set "
+                                            "override_config.attn_implementation=sdpa"):
+        SequenceSplit.prepare(model)
 
 
 def test_mesh_degree_must_divide_the_ranks():
