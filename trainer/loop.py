@@ -291,7 +291,8 @@ class Trainer:
         over the ranks, CPU placement through its CPUOffloadPolicy (trainer/distributed/sharding.py); with a
         `sequence_split` its attention is Ulysses' first."""
         if sequence_split is not None:
-            sequence_split.prepare(model)
+            sequence_split.prepare(model, "critic.ulysses_sequence_parallel_size" if role == Role.CRITIC
+                                   else "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
             ranks = self.ranks
             split = ("each micro-batch's padding-free row" if sequence_split.remove_padding else "every sequence")
             self.log(f"{role}: Ulysses sequence parallelism: each of the {ranks.sp_size} ranks of a group computes "

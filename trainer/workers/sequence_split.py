@@ -50,14 +50,15 @@ class SequenceSplit:
         return cls(SequenceParallel.from_mesh(ranks.sequence_mesh), pad_token_id, remove_padding=remove_padding)
 
     @staticmethod
-    def prepare(model: PreTrainedModel) -> str:
+    def prepare(model: PreTrainedModel, setting: str = "actor_rollout_ref.actor.ulysses_sequence_parallel_size") -> str:
         """Switch `model` to Ulysses attention (generation without sharded inputs runs it as plain SDPA). A model
-        whose directory asks for another attention than SDPA cannot (the config check sees override_config only)."""
+        whose directory asks for another attention than SDPA cannot (the config check sees override_config only):
+        one line naming `setting`, the model's degree."""
         try:
             return use_ulysses_attention(model)
         except ValueError as error:
-            raise RunSetupError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size: {error}; set "
-                                "override_config.attn_implementation=sdpa for the model, or the degree 1") from None
+            raise RunSetupError(f"{setting}: {error}; set override_config.attn_implementation=sdpa for the model, "
+                                "or the degree 1") from None
 
     def log_probs_and_entropy(self, model: PreTrainedModel, batch: RolloutBatch, temperature: float, *,
                               entropy: bool, entropy_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

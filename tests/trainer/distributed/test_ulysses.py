@@ -113,6 +113,8 @@ def test_ulysses_needs_sdpa():
     with pytest.raises(RunSetupError, match="ulysses_sequence_parallel_size: .*'eager'; set "
                                             "override_config.attn_implementation=sdpa"):
         SequenceSplit.prepare(model)
+    with pytest.raises(RunSetupError, match="^critic.ulysses_sequence_parallel_size: "):
+        SequenceSplit.prepare(model, "critic.ulysses_sequence_parallel_size")
 
 
 def test_mesh_degree_must_divide_the_ranks():
