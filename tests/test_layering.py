@@ -1,4 +1,4 @@
-"""DESIGN.md's import rules, checked on the source of every module (not by memory).
+"""docs/design.md's import rules ("Folders"), checked on the source of every module (not by memory).
 
 - api/ and daemon/ never import torch, transformers or accelerate (the daemon must outlive a trainer
   crash and start in a fraction of a second);
