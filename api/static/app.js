@@ -333,6 +333,7 @@ function row(cells) {
 function showSettingsTable(described) {
   const rows = described.settings.map((setting) => {
     const tr = row([setting.name, formatValue(setting.value), setting.applied_by]);
+    tr.cells[0].replaceChildren(...breakableName(setting.name));
     tr.title = setting.short_name ? `${setting.description} (also taken as ${setting.short_name})`
                                   : setting.description;
     tr.dataset.setting = setting.name;
@@ -340,6 +341,11 @@ function showSettingsTable(described) {
   });
   $("settings").tBodies[0].replaceChildren(...rows);
   showSettingsState(described);
+}
+
+// A dotted name that may wrap after each dot in a narrow column: <wbr> adds nothing to the text copied.
+function breakableName(name) {
+  return name.split(".").flatMap((part, index) => (index ? [document.createElement("wbr"), `.${part}`] : [part]));
 }
 
 // The settings part of /v1/status, a "settings" event or the GET /v1/settings body.

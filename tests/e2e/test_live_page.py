@@ -241,6 +241,10 @@ async def _the_form_changes_the_threshold(tab: Tab, run) -> None:
     assert row == "0.7"
     lines = json.loads(await tab.evaluate("document.getElementById('chart-gpu-memory').dataset.lines"))
     assert lines == {"threshold": 0.7}
+    # The long canonical names wrap within the settings panel rather than push the page sideways.
+    overflow = await tab.evaluate("(s => [s.scrollWidth, s.clientWidth, document.documentElement.scrollWidth,"
+                                  " document.documentElement.clientWidth])(document.querySelector('aside section'))")
+    assert overflow[0] <= overflow[1] and overflow[2] <= overflow[3], overflow
 
 
 async def _without_the_token_it_shows_nothing(devtools: str, run) -> None:
