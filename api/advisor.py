@@ -108,11 +108,11 @@ def _gpu_hints(index: int, samples: list[tuple[float, dict]], *, anything_offloa
     window = f"the last {SUSTAINED_WINDOW_S:.0f} s"
     if utilization < LOW_UTILIZATION and anything_offloaded:
         return [f"GPU {index} averaged {utilization:.0%} utilization over {window} (< {LOW_UTILIZATION:.0%}): "
-                "likely over-offloaded; keep more of the model on the GPU (offload_policy, or raise "
-                "min_transformer_layers_on_gpu / gpu_memory_threshold)"]
+                "likely over-offloaded; keep more of the model on the GPU (offload_policy, or raise the live settings "
+                "dynamic_offload.min_transformer_layers_on_gpu / dynamic_offload.gpu_memory_threshold)"]
     if utilization > HIGH_UTILIZATION and (spike := _memory_spike(samples)):
         return [f"GPU {index} at {utilization:.0%} utilization with memory spikes ({spike}): "
-                "raise min_transformer_layers_on_gpu so fewer layers move on and off the GPU"]
+                "raise dynamic_offload.min_transformer_layers_on_gpu so fewer layers move on and off the GPU"]
     return []
 
 

@@ -84,7 +84,8 @@ PAGE_HEADERS = {
     "X-Frame-Options": "DENY",
     "Cache-Control": "no-cache",
 }
-SETTINGS_BODY_HINT = 'the body must be a JSON object of setting -> value, e.g. {"gpu_memory_threshold": 0.8}'
+SETTINGS_BODY_HINT = ('the body must be a JSON object of setting -> value, e.g. '
+                      '{"dynamic_offload.gpu_memory_threshold": 0.8}')
 SETTINGS_CHANGE_DOC = {"required": True, "content": {"application/json": {"schema": settings_change_schema()}}}
 SETTINGS_CHANGE_RESPONSES: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorBody, "description": f"A body over {MAX_BODY_BYTES // 1024} KiB; nothing changed."},

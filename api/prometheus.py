@@ -23,6 +23,7 @@ from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from trainer.config.live import LIVE_SETTINGS, LOG_LEVEL_SETTING, SETTING_NAMES, SETTINGS, canonical_name
 from trainer.config.messages import OffloadMessage, Phase, Role
 from trainer.config.schema import LogLevel
 
@@ -37,17 +38,8 @@ PHASES = tuple(phase.value for phase in Phase)
 RESTART_REASONS = ("crash", "signal", "oom", "hang", "exit")
 UPDATE_RESULTS = ("accepted", "rejected", "applied")
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
-# Live setting -> (metric suffix, help). log_level is a state set of its own (verl_setting_log_level).
-SETTING_GAUGES = {
-    "gpu_memory_threshold": ("gpu_memory_threshold_ratio",
-                             "Fraction of GPU memory in use above which dynamic offload moves layers to the CPU."),
-    "min_transformer_layers_on_gpu": ("min_transformer_layers_on_gpu",
-                                      "Fewest transformer layers dynamic offload keeps on the GPU."),
-    "dynamic_offload.enabled": ("dynamic_offload_enabled", "1 when dynamic offload may move layers, else 0."),
-    "gpu_sample_interval_s": ("gpu_sample_interval_seconds", "Seconds between GPU samples."),
-    "pcie_sample_interval_s": ("pcie_sample_interval_seconds", "Seconds between PCIe throughput samples."),
-}
-SETTING_NAMES = (*SETTING_GAUGES, "log_level")
+# The gauges of the live settings are named in their table (trainer.config.live.LIVE_SETTINGS); the log level is
+# a state set (a `level` label, 1 for the current one), the others one number each.
 
 # Step metrics (verl's names) -> gauges; perf/max_memory_allocated_gb is in GiB, converted to bytes.
 STEP_GAUGES = {
@@ -232,10 +224,10 @@ class TelemetryMetrics:
             self.phase.labels(phase).set(0)
 
     def _setting_metrics(self, registry: CollectorRegistry) -> None:
-        self.settings = {name: Gauge(f"verl_setting_{suffix}", help_text, registry=registry)
-                         for name, (suffix, help_text) in SETTING_GAUGES.items()}
-        self.log_level = Gauge("verl_setting_log_level", "1 for the current log level, 0 for the others.",
-                               ["level"], registry=registry)
+        self.settings = {setting.name: Gauge(setting.gauge, setting.gauge_help, registry=registry)
+                         for setting in LIVE_SETTINGS if setting.name != LOG_LEVEL_SETTING}
+        log_level = SETTINGS[LOG_LEVEL_SETTING]
+        self.log_level = Gauge(log_level.gauge, log_level.gauge_help, ["level"], registry=registry)
         self.setting_updates = Counter("verl_setting_updates", "Live setting changes by setting and result "
                                        "(accepted by the daemon, rejected, applied by the trainer).",
                                        ["setting", "result"], registry=registry)
@@ -406,8 +398,8 @@ class TelemetryMetrics:
 
     @_changes
     def set_setting(self, name: str, value: Any) -> None:
-        """Show a live setting's current value (public name, e.g. "dynamic_offload.enabled")."""
-        if name == "log_level":
+        """Show a live setting's current value (canonical name, e.g. "dynamic_offload.gpu_memory_threshold")."""
+        if name == LOG_LEVEL_SETTING:
             for level in LOG_LEVELS:
                 self.log_level.labels(level).set(1 if level == value else 0)
         elif name in self.settings:
@@ -419,8 +411,8 @@ class TelemetryMetrics:
     def count_setting_update(self, setting: str, result: str) -> None:
         if result not in UPDATE_RESULTS:
             raise ValueError(f"unknown result {result!r}; expected one of {', '.join(UPDATE_RESULTS)}")
-        # A rejected name comes from the user: only known names become label values.
-        self.setting_updates.labels(setting if setting in SETTING_NAMES else "unknown", result).inc()
+        # A rejected name comes from the user: only known names become label values, each setting's canonical one.
+        self.setting_updates.labels(canonical_name(setting) or "unknown", result).inc()
 
     @_changes
     def set_nvml_up(self, up: bool) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
-from trainer.config.live import LiveSettings
+from trainer.config.live import SHORT_NAMES, LiveSettings
 from trainer.config.messages import RunStatus, SettingsState
 
 EVENT_KINDS = ("gpu", "step", "phase", "offload", "settings", "restart", "log", "status")
@@ -81,7 +81,8 @@ class SettingsNotSavedError(Exception):
 
 def settings_change_schema() -> dict[str, Any]:
     """The JSON schema of a PATCH /v1/settings body, as strict as the validation: at least one known setting,
-    each within the bounds of LiveSettings (whole numbers also within LARGEST_INTEGER)."""
+    by its canonical or its short name but not both, each within the bounds of LiveSettings (whole numbers also
+    within LARGEST_INTEGER)."""
     properties = LiveSettings.model_json_schema(by_alias=True)["properties"]
     for schema in properties.values():
         # A change has no defaults (an absent setting keeps its value), and the names are their own titles.
@@ -89,8 +90,12 @@ def settings_change_schema() -> dict[str, Any]:
         schema.pop("title", None)
         if schema.get("type") == "integer":
             schema["maximum"] = min(schema.get("maximum", LARGEST_INTEGER), LARGEST_INTEGER)
-    return {"type": "object", "title": "Change", "properties": properties, "additionalProperties": False,
-            "minProperties": 1, "examples": [{"gpu_memory_threshold": 0.8}]}
+    shorts = {short: {**properties[name], "description": f"The short name of {name}."}
+              for short, name in SHORT_NAMES.items()}
+    return {"type": "object", "title": "Change", "properties": {**properties, **shorts},
+            "additionalProperties": False, "minProperties": 1,
+            "allOf": [{"not": {"required": [name, short]}} for short, name in SHORT_NAMES.items()],
+            "examples": [{"dynamic_offload.gpu_memory_threshold": 0.8}]}
 
 
 # ------------------------------------------------------------------------------ response bodies
@@ -155,7 +160,10 @@ class SettingsUpdateBody(BaseModel):
 class SettingInfo(BaseModel):
     """One live setting as GET /v1/settings shows it."""
 
-    name: str = Field(description="Its public name, as PATCH /v1/settings and `verl set` take it.")
+    name: str = Field(description="Its canonical name, the config key it starts from (dynamic_offload.enabled "
+                                  "has none); PATCH /v1/settings and `verl set` take it.")
+    short_name: str | None = Field(description="The short name PATCH /v1/settings and `verl set` take too "
+                                               "(null: it has none).")
     value: Any
     applied_by: Literal["trainer", "daemon", "both"] = Field(description="Who acts on a change: the trainer "
                                                                          "at its next safe point, the daemon at once.")

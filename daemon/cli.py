@@ -36,7 +36,7 @@ from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemo
 from api.monitor import RunSummary, describe_status, format_value, run_monitor
 from daemon.runtime import RunDirInUse, RunLock, RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
 from trainer.config import ConfigError, RunConfig, dump_config, load_config
-from trainer.config.live import SETTING_NAMES
+from trainer.config.live import ALLOWED_NAMES, named_twice
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     settings = _run_command(commands, "set", "change live settings without a restart", set_command)
     settings.add_argument("assignments", nargs="+", metavar="NAME=VALUE",
-                          help="a live setting and its value (YAML: 0.8, 4, true); one of " + ", ".join(SETTING_NAMES))
+                          help="a live setting and its value (YAML: 0.8, 4, true); one of " + ALLOWED_NAMES)
     settings.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
                           help="how long to wait for the trainer to acknowledge (default 5; 0: don't wait)")
 
@@ -356,8 +356,7 @@ _ScalarLoader.add_implicit_resolver(
 
 def parse_assignments(texts: Sequence[str]) -> dict[str, Any]:
     """NAME=VALUE arguments as a settings change, each value read as a YAML scalar (0.8, 4, true, debug)."""
-    hint = "write NAME=VALUE, e.g. `verl set gpu_memory_threshold=0.8 --pid PID`; settings: " + ", ".join(
-        SETTING_NAMES)
+    hint = "write NAME=VALUE, e.g. `verl set gpu_memory_threshold=0.8 --pid PID`; settings: " + ALLOWED_NAMES
     change: dict[str, Any] = {}
     for text in texts:
         name, equals, raw = text.partition("=")
@@ -373,6 +372,9 @@ def parse_assignments(texts: Sequence[str]) -> dict[str, Any]:
         if isinstance(value, dict | list):
             raise UsageError(f"{name}: expected a single value, got {raw!r}", hint)
         change[name] = value
+    twice = named_twice(change)
+    if twice:
+        raise UsageError([str(problem) for problem in twice], hint)
     return change
 
 

@@ -73,7 +73,7 @@ from daemon.settings import SettingsStore
 from daemon.supervisor import EXIT_OUT_OF_MEMORY, EXIT_USAGE, RestartPolicy, Supervisor
 from trainer.config import RunConfig
 from trainer.config.ipc import ENV_DAEMON_PID, ENV_SOCKET, ENV_TOKEN
-from trainer.config.live import SettingsRejected, initial_live_settings
+from trainer.config.live import NAME_OF, SettingsRejected, canonical_change, initial_live_settings
 from trainer.config.messages import (
     CheckpointMessage,
     CheckpointNowMessage,
@@ -455,7 +455,9 @@ class Daemon:
             return
         try:
             kept = json.loads(path.read_text(encoding="utf-8"))
-            values, configured = dict(kept["values"]), dict(kept["config"])
+            # Under canonical names: a file written before the settings were named by their config keys holds
+            # the short ones.
+            values, configured = canonical_change(dict(kept["values"])), canonical_change(dict(kept["config"]))
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -709,11 +711,11 @@ class Daemon:
 
     def _apply_in_daemon(self, changed: dict[str, Any]) -> None:
         """The settings the daemon acts on itself, at once."""
-        if self.sampler is not None and ({"gpu_sample_interval_s", "pcie_sample_interval_s"} & changed.keys()):
-            self.sampler.set_intervals(gpu_interval_s=changed.get("gpu_sample_interval_s"),
-                                       pcie_interval_s=changed.get("pcie_sample_interval_s"))
-        if "log_level" in changed:
-            log.setLevel(LOG_LEVELS[changed["log_level"]])
+        gpu, pcie, level = NAME_OF["gpu_sample_interval_s"], NAME_OF["pcie_sample_interval_s"], NAME_OF["log_level"]
+        if self.sampler is not None and ({gpu, pcie} & changed.keys()):
+            self.sampler.set_intervals(gpu_interval_s=changed.get(gpu), pcie_interval_s=changed.get(pcie))
+        if level in changed:
+            log.setLevel(LOG_LEVELS[changed[level]])
 
     def _next_safe_step(self) -> int:
         """The first step a change can run in: the next one, or the one after when a step is under way."""

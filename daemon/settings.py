@@ -25,20 +25,22 @@ from typing import Any
 
 from api.schemas import LARGEST_INTEGER, SettingInfo, SettingsBody, SettingsNotSavedError
 from trainer.config.live import (
-    APPLIED_BY,
-    SETTING_NAMES,
+    LIVE_SETTINGS,
     LiveSettings,
     SettingProblem,
     SettingsRejected,
     apply_change,
+    canonical_change,
+    canonical_name,
+    named_twice,
 )
 from trainer.config.messages import SettingsMessage, SettingsState
 
 log = logging.getLogger("verl.daemon.settings")
 EXCERPT_CHARS = 80
 """How much of a rejected value or name the logs, the audit and the 422 answer keep."""
-_WHOLE_NUMBER_SETTINGS = frozenset(field.alias or name for name, field in LiveSettings.model_fields.items()
-                                   if field.annotation is int)
+_WHOLE_NUMBER_SETTINGS = frozenset(setting.name for setting in LIVE_SETTINGS
+                                   if LiveSettings.model_fields[setting.attribute].annotation is int)
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,11 @@ class SettingsStore:
         return self._values
 
     def update(self, change: Mapping[str, Any], *, source: str = "api") -> SettingsUpdate:
-        """Apply `change` (public name -> value) as a new version, or raise changing nothing:
+        """Apply `change` (canonical or short name -> value) as a new version, or raise changing nothing:
         SettingsRejected naming every bad entry, or SettingsNotSavedError when the audit log cannot be written.
 
-        `old` and `new` of the answer hold only the settings whose value changes; when none does (every
-        value asked for is already in effect), both are empty and the version stays as it is.
+        `old` and `new` of the answer hold only the settings whose value changes, under their canonical names;
+        when none does (every value asked for is already in effect), both are empty and the version stays as it is.
         """
         with self._lock:
             current = self._values.public()
@@ -92,7 +94,7 @@ class SettingsStore:
                 self._audit_rejected(change, current, rejected, source)
                 raise
             values = updated.public()
-            changed = [name for name in change if values[name] != current[name]]
+            changed = [name for name in canonical_change(change) if values[name] != current[name]]
             old, new = {name: current[name] for name in changed}, {name: values[name] for name in changed}
             if not changed:
                 # Asking for the values already in effect: no version, nothing for the trainer, no audit line.
@@ -140,14 +142,14 @@ class SettingsStore:
     def describe(self) -> SettingsBody:
         """GET /v1/settings: the state plus, per setting, who applies it and what it means."""
         state = self.state()
-        values = state.values.public()
-        fields = {field.alias or name: field for name, field in LiveSettings.model_fields.items()}
+        fields = LiveSettings.model_fields
         return SettingsBody(**dict(state), settings=[
-            SettingInfo(name=name, value=values[name], applied_by=APPLIED_BY[name],
-                        description=fields[name].description or "") for name in SETTING_NAMES])
+            SettingInfo(name=setting.name, short_name=setting.short, value=getattr(state.values, setting.attribute),
+                        applied_by=setting.applied_by, description=fields[setting.attribute].description or "")
+            for setting in LIVE_SETTINGS])
 
     def _audit_rejected(self, change: Any, current: dict[str, Any], rejected: SettingsRejected, source: str) -> None:
-        asked = change if isinstance(change, Mapping) else {}
+        asked = _as_asked(change) if isinstance(change, Mapping) else {}
         self._audit_or_warn({
             "version": None, "old": {name: current[name] for name in asked if name in current},
             "new": {excerpt(str(name)): _short(value) for name, value in asked.items()} if asked else _short(change),
@@ -182,14 +184,17 @@ class SettingsStore:
 
 
 def checked_change(current: LiveSettings, change: Mapping[str, Any]) -> LiveSettings:
-    """`current` with `change` applied, or SettingsRejected naming every bad entry at once: unknown names and
-    bad values alike (apply_change stops at unknown names), whole numbers beyond LARGEST_INTEGER (which no
-    reader of the API's JSON holds), each rejected value and name cut to an excerpt."""
+    """`current` with `change` applied, or SettingsRejected naming every bad entry at once: unknown names, a
+    setting named twice and bad values alike (apply_change stops at unknown names), whole numbers beyond
+    LARGEST_INTEGER (which no reader of the API's JSON holds), each rejected value and name cut to an excerpt.
+    A known setting's problem names it by its canonical name, whichever name the change used."""
     if not isinstance(change, Mapping) or not change:
         return apply_change(current, change)  # raises: the body as a whole is wrong
-    unknown = {name: value for name, value in change.items() if name not in APPLIED_BY}
-    known = {name: _as_json_number(name, value) for name, value in change.items() if name in APPLIED_BY}
-    problems: list[SettingProblem] = []
+    problems = named_twice(change)
+    twice = {problem.setting for problem in problems}
+    unknown = {name: value for name, value in change.items() if canonical_name(str(name)) is None}
+    known = {canonical: _as_json_number(canonical, value) for name, value in change.items()
+             if (canonical := canonical_name(str(name))) is not None and canonical not in twice}
     updated = current
     for part in (unknown, known):
         try:
@@ -197,12 +202,13 @@ def checked_change(current: LiveSettings, change: Mapping[str, Any]) -> LiveSett
         except SettingsRejected as rejected:
             problems += rejected.problems
     named = {problem.setting for problem in problems}
-    problems += [SettingProblem(name, f"got {excerpt(repr(change[name]))}: too large; allowed: a whole number <= "
+    problems += [SettingProblem(name, f"got {excerpt(repr(value))}: too large; allowed: a whole number <= "
                                       f"{LARGEST_INTEGER}")
                  for name, value in known.items()
                  if name not in named and isinstance(value, int) and abs(value) > LARGEST_INTEGER]
     if problems:
-        raise SettingsRejected([_shortened(problem, change) for problem in problems])
+        values = [value for name, value in change.items() if canonical_name(str(name)) in named or name in named]
+        raise SettingsRejected([_shortened(problem, values) for problem in problems])
     return updated
 
 
@@ -213,13 +219,22 @@ def _as_json_number(name: str, value: Any) -> Any:
     return value
 
 
-def _shortened(problem: SettingProblem, change: Mapping[str, Any]) -> SettingProblem:
-    """The problem with its setting's name and value cut to excerpts (apply_change quotes the value whole)."""
+def _shortened(problem: SettingProblem, values: list[Any]) -> SettingProblem:
+    """The problem with its setting's name and the values it quotes cut to excerpts (apply_change and
+    named_twice quote them whole)."""
     message = problem.message
-    if problem.setting in change:
-        quoted = repr(change[problem.setting])
+    for value in values:
+        quoted = repr(value)
         message = message.replace(quoted, excerpt(quoted), 1)
     return SettingProblem(excerpt(problem.setting), message)
+
+
+def _as_asked(change: Mapping[str, Any]) -> dict[str, Any]:
+    """A change as the audit log records it: known settings under their canonical names, but for a setting
+    named twice, whose names stay as they were given (so both values are kept)."""
+    twice = {problem.setting for problem in named_twice(change)}
+    return {name if (canonical := canonical_name(str(name))) is None or canonical in twice else canonical: value
+            for name, value in change.items()}
 
 
 def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:

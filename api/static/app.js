@@ -1,5 +1,5 @@
 // The live page of one run: charts fed by the daemon's WebSocket stream (the history from seq 0,
-// then live events), the live settings with a form for gpu_memory_threshold, the advisor's hints
+// then live events), the live settings with a form for dynamic_offload.gpu_memory_threshold, the advisor's hints
 // and the offload summary.
 //
 // The token arrives once in the address (?token=..., as `verl train` prints it). It moves into this
@@ -17,6 +17,9 @@ const LOG_LINES = 40;
 const RECONNECT_MAX_MS = 10000;
 
 const $ = (id) => document.getElementById(id);
+// The live settings the page draws, by their canonical names (the API shows every setting by it).
+const THRESHOLD = "dynamic_offload.gpu_memory_threshold";
+const LAYER_MINIMUM = "dynamic_offload.min_transformer_layers_on_gpu";
 // Charts over steps: a trainer restarted from a checkpoint redoes the steps since, which replace the old ones.
 const STEP_CHARTS = ["reward", "kl", "loss", "throughput", "phases", "layers"];
 // Charts of the NVML samples: empty on a machine without a GPU.
@@ -330,12 +333,19 @@ function row(cells) {
 function showSettingsTable(described) {
   const rows = described.settings.map((setting) => {
     const tr = row([setting.name, formatValue(setting.value), setting.applied_by]);
-    tr.title = setting.description;
+    tr.cells[0].replaceChildren(...breakableName(setting.name));
+    tr.title = setting.short_name ? `${setting.description} (also taken as ${setting.short_name})`
+                                  : setting.description;
     tr.dataset.setting = setting.name;
     return tr;
   });
   $("settings").tBodies[0].replaceChildren(...rows);
   showSettingsState(described);
+}
+
+// A dotted name that may wrap after each dot in a narrow column: <wbr> adds nothing to the text copied.
+function breakableName(name) {
+  return name.split(".").flatMap((part, index) => (index ? [document.createElement("wbr"), `.${part}`] : [part]));
 }
 
 // The settings part of /v1/status, a "settings" event or the GET /v1/settings body.
@@ -344,9 +354,9 @@ function showSettingsState(state) {
     const tr = $("settings").querySelector(`tr[data-setting="${CSS.escape(name)}"]`);
     if (tr) tr.cells[1].textContent = formatValue(value);
   }
-  const minimum = (state.values || {}).min_transformer_layers_on_gpu;
-  if (minimum !== undefined) page.charts.layers.setLine("min_transformer_layers_on_gpu", minimum);
-  const threshold = (state.values || {}).gpu_memory_threshold;
+  const minimum = (state.values || {})[LAYER_MINIMUM];
+  if (minimum !== undefined) page.charts.layers.setLine(LAYER_MINIMUM, minimum);
+  const threshold = (state.values || {})[THRESHOLD];
   if (threshold !== undefined && threshold !== page.threshold) {
     page.threshold = threshold;
     page.charts["gpu-memory"].setLine("threshold", threshold);
@@ -375,10 +385,10 @@ async function submitThreshold(event) {
   }
   result.textContent = "sending…";
   try {
-    const answer = await api("/v1/settings", { method: "PATCH", body: JSON.stringify({ gpu_memory_threshold: value }) });
+    const answer = await api("/v1/settings", { method: "PATCH", body: JSON.stringify({ [THRESHOLD]: value }) });
     const changed = Object.keys(answer.new).length > 0;
     showResult("ok", changed
-      ? `${formatValue(answer.old.gpu_memory_threshold)} → ${formatValue(answer.new.gpu_memory_threshold)}: ` +
+      ? `${formatValue(answer.old[THRESHOLD])} → ${formatValue(answer.new[THRESHOLD])}: ` +
         `version ${answer.version}, the trainer applies it at step ${answer.applies_at_step}`
       : `already ${formatValue(value)}: nothing changed`);
     showSettingsState({ values: answer.values, version: answer.version, acknowledged_version: 0 });

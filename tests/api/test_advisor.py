@@ -100,14 +100,14 @@ def test_busy_gpu_with_memory_near_full_asks_for_more_layers_on_the_gpu():
     hints = advise(make_snapshot(history=gpu_samples(0.98, used)))
     assert len(hints) == 1
     assert "98% utilization with memory spikes" in hints[0] and "peak 97%" in hints[0]
-    assert "raise min_transformer_layers_on_gpu" in hints[0]
+    assert "raise dynamic_offload.min_transformer_layers_on_gpu" in hints[0]
 
 
 def test_busy_gpu_with_a_sharp_memory_rise_asks_for_more_layers_on_the_gpu():
     used = [0.6] * 30 + [0.75] * 30
     hints = advise(make_snapshot(history=gpu_samples(0.97, used)))
     assert len(hints) == 1 and "rose by 15%" in hints[0]
-    assert "min_transformer_layers_on_gpu" in hints[0]
+    assert "dynamic_offload.min_transformer_layers_on_gpu" in hints[0]
 
 
 def test_busy_gpu_with_steady_memory_is_no_hint():

@@ -31,7 +31,7 @@ from api.prometheus import TelemetryMetrics
 from api.schemas import SettingsBody, SettingsRejectedError
 from daemon.settings import SettingsStore
 from tests.support import run_status
-from trainer.config.live import SETTING_NAMES, LiveSettings, SettingsRejected
+from trainer.config.live import SETTING_NAMES, SHORT_NAMES, LiveSettings, SettingsRejected
 from trainer.config.messages import (
     CopyCount,
     CopySample,
@@ -49,6 +49,7 @@ LARGEST_INTEGER = 2**53 - 1  # the largest whole number it takes
 PRIVATE_ROUTES = [("GET", "/v1/status"), ("GET", "/v1/metrics/latest"), ("GET", "/v1/metrics/history"),
                   ("GET", "/metrics"), ("GET", "/v1/settings"), ("PATCH", "/v1/settings"),
                   ("POST", "/v1/checkpoint"), ("POST", "/v1/stop"), ("GET", "/docs"), ("GET", "/openapi.json")]
+THRESHOLD, MINIMUM = "dynamic_offload.gpu_memory_threshold", "dynamic_offload.min_transformer_layers_on_gpu"
 
 
 class FakeControl:
@@ -322,24 +323,55 @@ def test_the_documented_kinds_pattern_is_the_rule_the_server_applies(served: Ser
 def test_patch_settings_forwards_to_the_control(served: Served) -> None:
     client = served.client()
     version = client.get("/v1/settings").json()["version"]
-    response = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.8, "dynamic_offload.enabled": True})
+    response = client.patch("/v1/settings", json={THRESHOLD: 0.8, "dynamic_offload.enabled": True})
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["version"] == version + 1 and body["status"] == "pending" and body["applies_at_step"] == 6
-    assert body["new"] == {"gpu_memory_threshold": 0.8, "dynamic_offload.enabled": True}
-    assert client.get("/v1/settings").json()["values"]["gpu_memory_threshold"] == 0.8
+    assert body["new"] == {THRESHOLD: 0.8, "dynamic_offload.enabled": True}
+    assert client.get("/v1/settings").json()["values"][THRESHOLD] == 0.8
+
+
+def test_patch_settings_takes_the_short_names_and_answers_with_the_canonical_ones(served: Served) -> None:
+    client = served.client()
+    client.patch("/v1/settings", json={THRESHOLD: 0.85, "daemon.log_level": "info"})
+    response = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.7, "log_level": "debug"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["old"], body["new"]) == ({THRESHOLD: 0.85, "daemon.log_level": "info"},
+                                          {THRESHOLD: 0.7, "daemon.log_level": "debug"})
+    assert list(body["values"]) == list(SETTING_NAMES)
+    assert served.control.forwarded[-1].values.gpu_memory_threshold == 0.7
+    described = client.get("/v1/settings").json()
+    assert [(entry["name"], entry["short_name"]) for entry in described["settings"]] == [
+        (THRESHOLD, "gpu_memory_threshold"), (MINIMUM, "min_transformer_layers_on_gpu"),
+        ("dynamic_offload.enabled", None), ("telemetry.gpu_sample_interval_s", "gpu_sample_interval_s"),
+        ("telemetry.pcie_sample_interval_s", "pcie_sample_interval_s"), ("daemon.log_level", "log_level")]
+    client.patch("/v1/settings", json={"log_level": "info"})  # as the other tests of this served app expect it
+
+
+@pytest.mark.parametrize("values", [(0.7, 0.6), (0.7, 0.7)], ids=["different", "the same"])
+def test_a_setting_named_by_both_its_names_is_one_422_naming_both(served: Served, values: tuple) -> None:
+    client = served.client()
+    before, forwarded = client.get("/v1/settings").json(), len(served.control.forwarded)
+    response = client.patch("/v1/settings", json={"gpu_memory_threshold": values[0], THRESHOLD: values[1],
+                                                  "log_level": "debug"})
+    assert response.status_code == 422, response.text
+    [problem] = response.json()["detail"]
+    assert problem["loc"] == ["body", THRESHOLD]
+    assert f"gpu_memory_threshold={values[0]!r}" in problem["msg"] and f"{THRESHOLD}={values[1]!r}" in problem["msg"]
+    assert client.get("/v1/settings").json() == before and len(served.control.forwarded) == forwarded
 
 
 @pytest.mark.parametrize(("change", "named"), [
-    ({"gpu_memory_threshold": 1.5}, ["gpu_memory_threshold"]),
-    ({"gpu_memory_threshold": -1}, ["gpu_memory_threshold"]),
-    ({"gpu_memory_threshold": "abc"}, ["gpu_memory_threshold"]),
-    ({"min_transformer_layers_on_gpu": -1}, ["min_transformer_layers_on_gpu"]),
-    ({"no_such_setting": 1, "gpu_memory_threshold": 0.5}, ["no_such_setting"]),
-    ({"no_such_setting": 1, "gpu_memory_threshold": 1.5}, ["no_such_setting", "gpu_memory_threshold"]),
-    ({"min_transformer_layers_on_gpu": LARGEST_INTEGER + 1}, ["min_transformer_layers_on_gpu"]),
-    ({"gpu_memory_threshold": 1.5, "min_transformer_layers_on_gpu": "abc", "gpu_sample_interval_s": -1},
-     ["gpu_memory_threshold", "min_transformer_layers_on_gpu", "gpu_sample_interval_s"]),
+    ({THRESHOLD: 1.5}, [THRESHOLD]),
+    ({THRESHOLD: -1}, [THRESHOLD]),
+    ({"gpu_memory_threshold": "abc"}, [THRESHOLD]),  # a short name's problem names the setting canonically
+    ({MINIMUM: -1}, [MINIMUM]),
+    ({"no_such_setting": 1, THRESHOLD: 0.5}, ["no_such_setting"]),
+    ({"no_such_setting": 1, THRESHOLD: 1.5}, ["no_such_setting", THRESHOLD]),
+    ({MINIMUM: LARGEST_INTEGER + 1}, [MINIMUM]),
+    ({THRESHOLD: 1.5, "min_transformer_layers_on_gpu": "abc", "telemetry.gpu_sample_interval_s": -1},
+     [THRESHOLD, MINIMUM, "telemetry.gpu_sample_interval_s"]),
 ])
 def test_bad_settings_get_422_naming_every_field_and_change_nothing(served: Served, change: dict,
                                                                     named: list[str]) -> None:
@@ -359,10 +391,10 @@ def test_a_json_body_sent_as_curl_d_sends_it_is_read_as_json(served: Served) -> 
     response = client.patch("/v1/settings", content=b'{"gpu_memory_threshold": 0.65}',
                             headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert response.status_code == 200, response.text
-    assert response.json()["new"] == {"gpu_memory_threshold": 0.65}
-    assert client.get("/v1/settings").json()["values"]["gpu_memory_threshold"] == 0.65
+    assert response.json()["new"] == {THRESHOLD: 0.65}
+    assert client.get("/v1/settings").json()["values"][THRESHOLD] == 0.65
     unlabelled = client.patch("/v1/settings", content=b'{"gpu_memory_threshold": 0.6}', headers={"Content-Type": ""})
-    assert unlabelled.status_code == 200 and unlabelled.json()["new"] == {"gpu_memory_threshold": 0.6}
+    assert unlabelled.status_code == 200 and unlabelled.json()["new"] == {THRESHOLD: 0.6}
 
 
 @pytest.mark.parametrize(("body", "content_type", "says"), [
@@ -395,13 +427,19 @@ def test_the_openapi_doc_shows_the_settings_body_as_strict_as_the_validation(ser
     body = patch["requestBody"]
     assert body["required"] is True
     change = body["content"]["application/json"]["schema"]
-    assert change["type"] == "object" and change["examples"] == [{"gpu_memory_threshold": 0.8}]
+    assert change["type"] == "object" and change["examples"] == [{THRESHOLD: 0.8}]
     # {} and unknown names are refused (422), and so the schema says.
     assert change["minProperties"] == 1 and change["additionalProperties"] is False
-    assert list(change["properties"]) == list(SETTING_NAMES)
-    assert change["properties"]["min_transformer_layers_on_gpu"] == {
+    # The canonical names, then the short ones; a setting by both of its names is refused, and so the schema says.
+    assert list(change["properties"]) == [*SETTING_NAMES, *SHORT_NAMES]
+    assert {tuple(rule["not"]["required"]) for rule in change["allOf"]} == {
+        (name, short) for short, name in SHORT_NAMES.items()}
+    assert change["properties"][MINIMUM] == {
         "type": "integer", "minimum": 0, "maximum": LARGEST_INTEGER, "description": LiveSettings.model_fields[
             "min_transformer_layers_on_gpu"].description}
+    assert change["properties"]["min_transformer_layers_on_gpu"] == {
+        **change["properties"][MINIMUM], "description": f"The short name of {MINIMUM}."}
+    assert change["properties"]["daemon.log_level"]["enum"] == ["debug", "info", "warning", "error"]
     assert change["properties"]["log_level"]["enum"] == ["debug", "info", "warning", "error"]
     assert {"200", "401", "413", "422", "503"} <= set(patch["responses"])
 
@@ -414,7 +452,7 @@ def test_a_huge_whole_number_is_refused_before_anything_changes(served: Served) 
     response = client.patch("/v1/settings", content=b'{"min_transformer_layers_on_gpu": 1' + b"0" * 400 + b"}")
     assert response.status_code == 422, response.text
     [problem] = response.json()["detail"]
-    assert problem["loc"] == ["body", "min_transformer_layers_on_gpu"]
+    assert problem["loc"] == ["body", MINIMUM]
     assert f"<= {LARGEST_INTEGER}" in problem["msg"] and "(401 characters)" in problem["msg"]
     assert len(problem["msg"]) < 300
     assert client.get("/v1/settings").json() == before and len(served.control.forwarded) == forwarded
@@ -435,8 +473,8 @@ def test_a_change_that_cannot_be_saved_answers_503_and_changes_nothing(serve, tm
         assert "audit log" in response.json()["detail"] and "not made" in response.json()["detail"]
         assert client.get("/v1/settings").json() == before and control.forwarded == []
         # A bad change is still told what is wrong with it, though its audit line is lost too.
-        refused = client.patch("/v1/settings", json={"gpu_memory_threshold": 2})
-        assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "gpu_memory_threshold"]
+        refused = client.patch("/v1/settings", json={THRESHOLD: 2})
+        assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", THRESHOLD]
         # Once the disk has room again, the same change goes through.
         control.store.audit_path = tmp_path / "settings_audit.jsonl"
         assert client.patch("/v1/settings", json={"gpu_memory_threshold": 0.7}).json()["version"] == 1
@@ -516,19 +554,19 @@ def test_a_client_that_hangs_up_in_the_middle_of_a_body_is_no_error(served: Serv
 
 def test_setting_the_value_in_effect_changes_nothing(served: Served) -> None:
     client = served.client()
-    first = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.75}).json()
+    first = client.patch("/v1/settings", json={THRESHOLD: 0.75}).json()
     forwarded = len(served.control.forwarded)
-    again = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.75})
+    again = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.75})  # the same setting, by its short name
     assert again.status_code == 200, again.text
     body = again.json()
     assert (body["version"], body["old"], body["new"]) == (first["version"], {}, {})
-    assert body["values"]["gpu_memory_threshold"] == 0.75 and "applies_at_step" in body
+    assert body["values"][THRESHOLD] == 0.75 and "applies_at_step" in body
     assert client.get("/v1/settings").json()["version"] == first["version"]
     assert len(served.control.forwarded) == forwarded  # nothing for the trainer
     # Of several settings, only those whose value changes are reported.
-    mixed = client.patch("/v1/settings", json={"gpu_memory_threshold": 0.75, "log_level": "debug"}).json()
-    assert (mixed["version"], mixed["old"], mixed["new"]) == (first["version"] + 1, {"log_level": "info"},
-                                                              {"log_level": "debug"})
+    mixed = client.patch("/v1/settings", json={THRESHOLD: 0.75, "daemon.log_level": "debug"}).json()
+    assert (mixed["version"], mixed["old"], mixed["new"]) == (first["version"] + 1, {"daemon.log_level": "info"},
+                                                              {"daemon.log_level": "debug"})
 
 
 def test_checkpoint_and_stop_reach_the_control(served: Served) -> None:

@@ -289,7 +289,8 @@ def test_the_view_shows_the_key_figures():
                    "p50 1.2 ms", "p99 83.0 ms", "12.3 GB/s", "1,234 copies/min",
                    "2.31 s/step", "1,234 tokens/s", "gen 1.20 s",
                    "critic/score/mean", "actor/ppo_kl", "actor/pg_loss",
-                   "v3 in effect from step 12", "gpu_memory_threshold=0.8", "min_transformer_layers_on_gpu=4",
+                   "v3 in effect from step 12", "dynamic_offload.gpu_memory_threshold=0.8",
+                   "dynamic_offload.min_transformer_layers_on_gpu=4",
                    "dynamic_offload.enabled=true", "CPU/PCIe bandwidth bound", "pid 4242", "up 12:34"]:
         assert figure in text, f"{figure!r} missing from\n{text}"
     # The reward trend rises over the last steps: its sparkline ends higher than it starts.

@@ -92,11 +92,11 @@ def fed_metrics(clock=time.monotonic) -> tuple[TelemetryMetrics, CollectorRegist
                  OffloadSummaryRow(role="actor", group="transformer", placement="gpu", device="gpu",
                                    bytes=14_000_000_000)]))
     metrics.count_restart("crash")
-    for name, value in {"gpu_memory_threshold": 0.8, "min_transformer_layers_on_gpu": 4,
-                        "dynamic_offload.enabled": True, "gpu_sample_interval_s": 1.0, "pcie_sample_interval_s": 10.0,
-                        "log_level": "info"}.items():
+    for name, value in {"dynamic_offload.gpu_memory_threshold": 0.8, "dynamic_offload.min_transformer_layers_on_gpu": 4,
+                        "dynamic_offload.enabled": True, "telemetry.gpu_sample_interval_s": 1.0,
+                        "telemetry.pcie_sample_interval_s": 10.0, "daemon.log_level": "info"}.items():
         metrics.set_setting(name, value)
-    metrics.count_setting_update("gpu_memory_threshold", "accepted")
+    metrics.count_setting_update("dynamic_offload.gpu_memory_threshold", "accepted")
     metrics.count_setting_update("no_such_setting", "rejected")
     metrics.set_nvml_up(True)
     metrics.count_dropped("trainer", 3)
@@ -247,7 +247,7 @@ def test_bad_inputs_are_refused_or_skipped() -> None:
     with pytest.raises(ValueError, match="unknown live setting"):
         metrics.set_setting("nope", 1)
     with pytest.raises(ValueError, match="result"):
-        metrics.count_setting_update("gpu_memory_threshold", "maybe")
+        metrics.count_setting_update("dynamic_offload.gpu_memory_threshold", "maybe")
     metrics.observe_step(1, {"actor/pg_loss": float("nan"), "critic/score/mean": None, "timing_s/gen": -1.0})
     assert value(registry, "verl_trainer_policy_loss") == 0  # NaN skipped, the gauge keeps its last value
     assert value(registry, "verl_trainer_step_phase_duration_seconds_count", phase="gen") is None
@@ -288,8 +288,8 @@ def test_the_exposition_is_rendered_again_only_after_a_change() -> None:
             copies=[CopySample(direction="h2d", group="norm", bytes=10, seconds=0.001)],
             counts=[CopyCount(direction="h2d", group="norm", copies=1, bytes=10)])),
         lambda: metrics.count_restart("oom"),
-        lambda: metrics.set_setting("gpu_memory_threshold", 0.7),
-        lambda: metrics.count_setting_update("gpu_memory_threshold", "applied"),
+        lambda: metrics.set_setting("dynamic_offload.gpu_memory_threshold", 0.7),
+        lambda: metrics.count_setting_update("dynamic_offload.gpu_memory_threshold", "applied"),
         lambda: metrics.set_nvml_up(False),
         lambda: metrics.count_dropped("ipc", 1),
     ]
@@ -380,9 +380,33 @@ def test_the_offload_labels_are_the_directions_groups_and_roles_of_the_messages(
 
 def test_the_setting_labels_are_the_live_settings_and_log_levels() -> None:
     registry = CollectorRegistry()
-    TelemetryMetrics(registry, run="r").set_setting("log_level", "info")
+    TelemetryMetrics(registry, run="r").set_setting("daemon.log_level", "info")
     assert labels_of(registry, "verl_setting_updates_total", "setting") == {*SETTING_NAMES, "unknown"}
+    assert "dynamic_offload.gpu_memory_threshold" in SETTING_NAMES and "gpu_memory_threshold" not in SETTING_NAMES
     assert labels_of(registry, "verl_setting_log_level", "level") == set(get_args(LogLevel))
+
+
+def test_an_update_counted_by_a_short_name_is_labelled_with_the_canonical_one() -> None:
+    """A rejected change names its settings as the user wrote them: the short name must not become "unknown"."""
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    metrics.count_setting_update("gpu_memory_threshold", "rejected")
+    metrics.count_setting_update("dynamic_offload.gpu_memory_threshold", "rejected")
+    assert value(registry, "verl_setting_updates_total", setting="dynamic_offload.gpu_memory_threshold",
+                 result="rejected") == 2
+    assert value(registry, "verl_setting_updates_total", setting="unknown", result="rejected") == 0
+
+
+def test_the_setting_gauges_keep_their_names() -> None:
+    """The dashboards and DESIGN.md query these names: renaming the settings must not rename the metrics."""
+    registry = CollectorRegistry()
+    metrics = TelemetryMetrics(registry, run="r")
+    metrics.set_setting("dynamic_offload.gpu_memory_threshold", 0.7)
+    metrics.set_setting("dynamic_offload.min_transformer_layers_on_gpu", 3)
+    metrics.set_setting("telemetry.gpu_sample_interval_s", 2.0)
+    assert value(registry, "verl_setting_gpu_memory_threshold_ratio") == 0.7
+    assert value(registry, "verl_setting_min_transformer_layers_on_gpu") == 3
+    assert value(registry, "verl_setting_gpu_sample_interval_seconds") == 2.0
 
 
 # ------------------------------------------------------------------------------------ several ranks

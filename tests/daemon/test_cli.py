@@ -201,7 +201,7 @@ def test_status_summarizes_the_run(run, capsys):
     assert "quickstart: running, step 45/200 (phase gen), up 1:02:05" in out
     assert f"daemon pid {PID}, trainer pid 4243" in out
     assert "restarts 1 of at most 3 (crash 1)" in out
-    assert "settings v3 (in effect from step 12): gpu_memory_threshold=0.85" in out
+    assert "settings v3 (in effect from step 12): dynamic_offload.gpu_memory_threshold=0.85" in out
     assert "dynamic_offload.enabled=false" in out
     assert "NVML unavailable, 7 messages dropped" in out
 
@@ -269,7 +269,7 @@ def test_monitor_once_json_prints_a_snapshot_with_hints(run, capsys):
 def test_monitor_once_prints_the_view(run, capsys):
     code, out, _ = verl(capsys, "monitor", "--pid", PID, "--once")
     assert code == 0
-    assert "45/200" in out and "restarts 1/3" in out and "gpu_memory_threshold=0.85" in out
+    assert "45/200" in out and "restarts 1/3" in out and "dynamic_offload.gpu_memory_threshold=0.85" in out
 
 
 # ---------------------------------------------------------------------------------------------- set
@@ -279,7 +279,7 @@ def test_set_prints_old_and_new_and_waits_for_the_acknowledgement(run, capsys):
     code, out, err = verl(capsys, "set", "gpu_memory_threshold=0.8", "dynamic_offload.enabled=true", "--pid", PID)
     assert code == 0, err
     assert run.patches == [{"gpu_memory_threshold": 0.8, "dynamic_offload.enabled": True}]
-    assert "gpu_memory_threshold: 0.85 -> 0.8" in out
+    assert "dynamic_offload.gpu_memory_threshold: 0.85 -> 0.8" in out
     assert "dynamic_offload.enabled: false -> true" in out
     assert "settings version 4; the trainer applies it at step 46" in out
     assert "acknowledged by the trainer: in effect from step 46" in out
@@ -315,15 +315,17 @@ def test_a_rejected_setting_names_every_bad_field_and_changes_nothing(run, capsy
     assert_user_error(code, err, "nothing was changed")
     errors = [line for line in err.splitlines() if line.startswith("ERROR: ")]
     assert len(errors) == 2
-    assert errors[0].startswith("ERROR: gpu_memory_threshold: got 1.5") and "a number > 0 and <= 1" in errors[0]
-    assert errors[1].startswith("ERROR: min_transformer_layers_on_gpu: got -1")
+    assert errors[0].startswith("ERROR: dynamic_offload.gpu_memory_threshold: got 1.5")
+    assert "a number > 0 and <= 1" in errors[0]
+    assert errors[1].startswith("ERROR: dynamic_offload.min_transformer_layers_on_gpu: got -1")
     assert run.version == 3 and run.settings == LiveSettings()
     assert out == ""
 
 
 def test_an_unknown_setting_lists_the_allowed_ones(run, capsys):
     code, _, err = verl(capsys, "set", "gpu_memory=0.5", "--pid", PID)
-    assert_user_error(code, err, "ERROR: gpu_memory: unknown setting; allowed: gpu_memory_threshold")
+    assert_user_error(code, err, "ERROR: gpu_memory: unknown setting; allowed: dynamic_offload.gpu_memory_threshold")
+    assert "(or their short names: gpu_memory_threshold, min_transformer_layers_on_gpu" in err
 
 
 @pytest.mark.parametrize(("assignment", "expected"), [
@@ -342,6 +344,24 @@ def test_a_setting_given_twice_is_refused(run, capsys):
     code, _, err = verl(capsys, "set", "log_level=debug", "log_level=info", "--pid", PID)
     assert_user_error(code, err, "log_level is given twice")
     assert run.patches == []
+
+
+def test_set_takes_the_canonical_name_and_shows_it(run, capsys):
+    code, out, err = verl(capsys, "set", "dynamic_offload.min_transformer_layers_on_gpu=2", "daemon.log_level=debug",
+                          "--pid", PID, "--wait", "0")
+    assert code == 0, err
+    assert run.patches == [{"dynamic_offload.min_transformer_layers_on_gpu": 2, "daemon.log_level": "debug"}]
+    assert "dynamic_offload.min_transformer_layers_on_gpu: 0 -> 2" in out and "daemon.log_level: info -> debug" in out
+    assert run.settings.min_transformer_layers_on_gpu == 2 and run.settings.log_level == "debug"
+
+
+def test_a_setting_given_by_both_its_names_is_one_error_naming_both(run, capsys):
+    code, _, err = verl(capsys, "set", "gpu_memory_threshold=0.8", "dynamic_offload.gpu_memory_threshold=0.7",
+                        "--pid", PID)
+    assert_user_error(code, err, "ERROR: dynamic_offload.gpu_memory_threshold: given twice, as "
+                                 "gpu_memory_threshold=0.8 and dynamic_offload.gpu_memory_threshold=0.7")
+    assert len([line for line in err.splitlines() if line.startswith("ERROR: ")]) == 1
+    assert run.patches == [] and run.version == 3 and run.settings == LiveSettings()
 
 
 # --------------------------------------------------------------------------------------------- stop

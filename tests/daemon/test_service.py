@@ -24,6 +24,7 @@ from trainer.config import dump_config, load_config
 REPO = Path(__file__).resolve().parents[2]
 FAKE_TRAINER = [sys.executable, str(Path(__file__).with_name("fake_trainer.py"))]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
+THRESHOLD = "dynamic_offload.gpu_memory_threshold"
 
 
 def make_daemon(tmp_path: Path, monkeypatch, *overrides: str, **fake: str) -> Daemon:
@@ -84,17 +85,17 @@ def test_a_run_is_served_restarted_and_keeps_its_live_settings(tmp_path: Path, m
 
             await eventually(lambda: daemon.progress.step >= 1, what="a first step")
             assert (await status())["run"]["state"] == "running"
-            patched = await api.patch("/v1/settings", json={"gpu_memory_threshold": 0.5})
+            patched = await api.patch("/v1/settings", json={"gpu_memory_threshold": 0.5})  # by its short name
             assert patched.status_code == 200, patched.text
             body = patched.json()
             assert body["version"] == 1 and body["status"] == "pending"
-            assert body["old"] == {"gpu_memory_threshold": 0.85} and body["new"] == {"gpu_memory_threshold": 0.5}
+            assert body["old"] == {THRESHOLD: 0.85} and body["new"] == {THRESHOLD: 0.5}
             assert body["applies_at_step"] > (await status())["progress"]["step"] - 2
             rejected = await api.patch("/v1/settings", json={"gpu_memory_threshold": 1.5})
             assert rejected.status_code == 422
             await eventually(lambda: daemon.settings_store.acknowledged_version == 1, what="the acknowledgement")
             # The value it already has: no new version, nothing sent down, nothing audited.
-            again = (await api.patch("/v1/settings", json={"gpu_memory_threshold": 0.5})).json()
+            again = (await api.patch("/v1/settings", json={THRESHOLD: 0.5})).json()
             assert again["version"] == 1 and again["new"] == {} and again["status"] == "unchanged"
 
             crash_file.touch()  # the fake trainer SIGKILLs itself at its next step
@@ -114,20 +115,23 @@ def test_a_run_is_served_restarted_and_keeps_its_live_settings(tmp_path: Path, m
     second_start = [index for index, event in enumerate(runs) if event["event"] == "start"][1]
     first_message = runs[second_start + 1]["message"]
     assert first_message["type"] == "settings" and first_message["version"] == 1
-    assert first_message["values"]["gpu_memory_threshold"] == 0.5
+    assert first_message["values"][THRESHOLD] == 0.5
     # The trainer may acknowledge version 1 before or after the rejected change is audited (a loaded host).
     results = [line["result"] for line in audit(daemon)]
     assert results[0] == "accepted" and sorted(results[1:3]) == ["applied", "rejected"] and results[3:] == ["applied"]
+    assert all(line["new"] == {THRESHOLD: 0.5} for line in audit(daemon) if line["result"] != "rejected")
 
     assert seen["status"]["restarts"]["total"] == 1 and seen["status"]["restarts"]["by_reason"]["signal"] == 1
-    assert seen["status"]["settings"]["values"]["gpu_memory_threshold"] == 0.5
+    assert seen["status"]["settings"]["values"][THRESHOLD] == 0.5
     assert seen["status"]["telemetry"]["nvml"] is False
     text = seen["metrics"]
     assert metric(text, 'verl_trainer_restarts_total{reason="signal"}') == 1.0
     assert metric(text, "verl_setting_gpu_memory_threshold_ratio") == 0.5
-    assert metric(text, 'verl_setting_updates_total{result="accepted",setting="gpu_memory_threshold"}') == 1.0
-    assert metric(text, 'verl_setting_updates_total{result="rejected",setting="gpu_memory_threshold"}') == 1.0
-    assert metric(text, 'verl_setting_updates_total{result="applied",setting="gpu_memory_threshold"}') == 1.0
+    # Labelled by the canonical name, whichever name the change used.
+    assert metric(text, f'verl_setting_updates_total{{result="accepted",setting="{THRESHOLD}"}}') == 1.0
+    assert metric(text, f'verl_setting_updates_total{{result="rejected",setting="{THRESHOLD}"}}') == 1.0
+    assert metric(text, f'verl_setting_updates_total{{result="applied",setting="{THRESHOLD}"}}') == 1.0
+    assert 'setting="gpu_memory_threshold"' not in text
     assert metric(text, "verl_telemetry_nvml_up") == 0.0
 
     steps = {event.data.step for event in daemon.hub.since(0, kinds=["step"])}
@@ -208,21 +212,23 @@ def test_a_trainer_that_keeps_crashing_makes_the_daemon_exit_1(tmp_path: Path, m
     assert "giving up after 1 restart" in (daemon.run_dir / "logs" / "daemon.log").read_text()
 
 
+def run_until_stopped(daemon: Daemon, change: dict | None = None) -> int:
+    """Run `daemon` until a step has run with its settings acknowledged, make `change`, then stop it."""
+    async def scenario() -> int:
+        run = asyncio.create_task(daemon.run())
+        await eventually(lambda: daemon.progress.step >= 1 and daemon.settings_store.acknowledged_version
+                         == daemon.settings_store.version, what="a step with the settings acknowledged")
+        if change:
+            daemon.update_settings(change)
+            await eventually(lambda: daemon.settings_store.acknowledged_version == daemon.settings_store.version,
+                             what="the acknowledgement")
+        daemon.request_stop()
+        return await asyncio.wait_for(run, 30)
+
+    return asyncio.run(scenario())
+
+
 def test_live_settings_survive_a_stop_and_resume_unless_the_config_changed_them(tmp_path: Path, monkeypatch) -> None:
-    def run_until_stopped(daemon: Daemon, change: dict | None = None) -> int:
-        async def scenario() -> int:
-            run = asyncio.create_task(daemon.run())
-            await eventually(lambda: daemon.progress.step >= 1 and daemon.settings_store.acknowledged_version
-                             == daemon.settings_store.version, what="a step with the settings acknowledged")
-            if change:
-                daemon.update_settings(change)
-                await eventually(lambda: daemon.settings_store.acknowledged_version == daemon.settings_store.version,
-                                 what="the acknowledgement")
-            daemon.request_stop()
-            return await asyncio.wait_for(run, 30)
-
-        return asyncio.run(scenario())
-
     first = make_daemon(tmp_path, monkeypatch, total_steps="100000", step_s="0.05")
     assert run_until_stopped(first, {"gpu_memory_threshold": 0.5, "log_level": "debug"}) == 0
 
@@ -233,7 +239,7 @@ def test_live_settings_survive_a_stop_and_resume_unless_the_config_changed_them(
     # The resumed trainer ran with them from its first step: they came right after its hello.
     down = [event for event in fake_events(tmp_path) if event["event"] in ("start", "down")]
     second_start = [index for index, event in enumerate(down) if event["event"] == "start"][1]
-    assert down[second_start + 1]["message"]["values"]["gpu_memory_threshold"] == 0.5
+    assert down[second_start + 1]["message"]["values"][THRESHOLD] == 0.5
     log = (resumed.run_dir / "logs" / "daemon.log").read_text()
     assert "re-applied the live settings of this run from before its stop" in log
     assert audit(resumed)[-2:][0]["source"] == "resume"
@@ -245,6 +251,27 @@ def test_live_settings_survive_a_stop_and_resume_unless_the_config_changed_them(
     assert edited.settings_store.values.gpu_memory_threshold == 0.7
     assert edited.settings_store.values.log_level == "debug"
     assert "the config changed it from 0.85 to 0.7 since" in (edited.run_dir / "logs" / "daemon.log").read_text()
+
+
+def test_live_settings_kept_under_their_short_names_by_an_older_verl_come_back(tmp_path: Path, monkeypatch) -> None:
+    """live_settings.json as the daemon wrote it before the settings were named by their config keys."""
+    daemon = make_daemon(tmp_path, monkeypatch, total_steps="100000", step_s="0.05")
+    now = daemon.settings_store.values
+    configured = {"gpu_memory_threshold": now.gpu_memory_threshold,
+                  "min_transformer_layers_on_gpu": now.min_transformer_layers_on_gpu,
+                  "dynamic_offload.enabled": now.dynamic_offload_enabled,
+                  "gpu_sample_interval_s": now.gpu_sample_interval_s,
+                  "pcie_sample_interval_s": now.pcie_sample_interval_s, "log_level": now.log_level}
+    kept = daemon.run_dir / "live_settings.json"
+    kept.write_text(json.dumps({"values": {**configured, "gpu_memory_threshold": 0.5, "log_level": "debug"},
+                                "config": configured}, indent=2) + "\n")
+    assert run_until_stopped(daemon) == 0
+    values = daemon.settings_store.values
+    assert (values.gpu_memory_threshold, values.log_level) == (0.5, "debug")
+    [resumed] = [line for line in audit(daemon) if line["source"] == "resume"]
+    assert resumed["new"] == {THRESHOLD: 0.5, "daemon.log_level": "debug"}
+    # Written again under the canonical names.
+    assert json.loads(kept.read_text())["values"] == daemon.settings_store.values.public()
 
 
 def test_a_stop_asked_twice_is_one_checkpointed_stop_and_a_forced_one_kills(tmp_path: Path, monkeypatch) -> None:

@@ -18,6 +18,7 @@ import websockets
 
 from tests.e2e.runs import LiveRun, verl_train, wait_for
 
+THRESHOLD = "dynamic_offload.gpu_memory_threshold"
 
 def current_step(run: LiveRun) -> int:
     return run.json("/v1/status")["progress"]["step"]
@@ -79,23 +80,22 @@ def test_live_setting_is_acknowledged_audited_exported_and_survives_a_restart(tm
             response = httpx.patch(run.url + "/v1/settings", headers=run.headers,
                                    json={"gpu_memory_threshold": bad}, timeout=10)
             assert response.status_code == 422, response.text
-            assert response.json()["detail"][0]["loc"][-1] == "gpu_memory_threshold"
+            assert response.json()["detail"][0]["loc"][-1] == THRESHOLD  # the canonical name, asked by the short
         unknown = httpx.patch(run.url + "/v1/settings", headers=run.headers, json={"no_such_setting": 1}, timeout=10)
         assert unknown.status_code == 422
-        assert run.json("/v1/settings")["values"]["gpu_memory_threshold"] == 0.85
+        assert run.json("/v1/settings")["values"][THRESHOLD] == 0.85
 
-        response = httpx.patch(run.url + "/v1/settings", headers=run.headers, json={"gpu_memory_threshold": 0.8},
-                               timeout=10)
+        response = httpx.patch(run.url + "/v1/settings", headers=run.headers, json={THRESHOLD: 0.8}, timeout=10)
         assert response.status_code == 200, response.text
         change = response.json()
-        assert change["old"] == {"gpu_memory_threshold": 0.85} and change["new"] == {"gpu_memory_threshold": 0.8}
+        assert change["old"] == {THRESHOLD: 0.85} and change["new"] == {THRESHOLD: 0.8}
         version = change["version"]
         acknowledged = wait_for(lambda: (body := run.json("/v1/settings"))["acknowledged_version"] >= version
                                 and body, what="the trainer's acknowledgement")
         assert acknowledged["applied_at_step"] >= change["applies_at_step"] - 1
         assert "verl_setting_gpu_memory_threshold_ratio 0.8" in run.get("/metrics").text
         audit = [json.loads(line) for line in (run.run_dir / "settings_audit.jsonl").read_text().splitlines()]
-        assert any(entry["new"] == {"gpu_memory_threshold": 0.8} for entry in audit)
+        assert any(entry["new"] == {THRESHOLD: 0.8} for entry in audit)
 
         trainer_pid = run.runtime()["trainer_pids"][0]
         os.kill(trainer_pid, signal.SIGKILL)
@@ -104,7 +104,7 @@ def test_live_setting_is_acknowledged_audited_exported_and_survives_a_restart(tm
         restarted_step = current_step(run)
         wait_for(lambda: current_step(run) > restarted_step + 1, what="steps after the restart")
         settings = run.json("/v1/settings")
-        assert settings["values"]["gpu_memory_threshold"] == 0.8
+        assert settings["values"][THRESHOLD] == 0.8
         assert settings["acknowledged_version"] == settings["version"]
         assert 'verl_trainer_restarts_total{reason="signal"} 1.0' in run.get("/metrics").text
 
@@ -117,12 +117,16 @@ def test_the_cli_reaches_a_run_through_its_pid(tmp_path):
         assert snapshot.returncode == 0, snapshot.stderr
         assert json.loads(snapshot.stdout)["status"]["run"]["daemon_pid"] == run.process.pid
 
-        changed = run.verl("set", "gpu_memory_threshold=0.7", "--pid", str(run.process.pid))
+        changed = run.verl("set", "gpu_memory_threshold=0.7", "--pid", str(run.process.pid))  # as DESIGN.md shows it
         assert changed.returncode == 0, changed.stderr
-        assert "0.85" in changed.stdout and "0.7" in changed.stdout
+        assert f"{THRESHOLD}: 0.85 -> 0.7" in changed.stdout
         rejected = run.verl("set", "gpu_memory_threshold=1.5", "--pid", str(run.process.pid))
         assert rejected.returncode == 2 and rejected.stderr.startswith("ERROR:")
-        assert run.json("/v1/settings")["values"]["gpu_memory_threshold"] == 0.7
+        both = run.verl("set", "gpu_memory_threshold=0.6", f"{THRESHOLD}=0.5", "--pid", str(run.process.pid))
+        assert both.returncode == 2 and both.stderr.startswith(f"ERROR: {THRESHOLD}: given twice")
+        canonical = run.verl("set", f"{THRESHOLD}=0.75", "--pid", str(run.process.pid), "--wait", "0")
+        assert canonical.returncode == 0 and f"{THRESHOLD}: 0.7 -> 0.75" in canonical.stdout, canonical.stderr
+        assert run.json("/v1/settings")["values"][THRESHOLD] == 0.75
 
         not_a_run = run.verl("monitor", "--pid", str(os.getpid()), "--once")
         assert not_a_run.returncode == 2 and "ERROR:" in not_a_run.stderr and "Traceback" not in not_a_run.stderr

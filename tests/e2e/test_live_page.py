@@ -211,7 +211,7 @@ async def _offload_charts_receive_data(tab: Tab, run) -> None:
     assert float(shown) == on_gpu
     assert "actor" in await tab.evaluate("document.getElementById('legend-layers').textContent")
     lines = json.loads(await tab.evaluate("document.getElementById('chart-layers').dataset.lines"))
-    assert lines == {"min_transformer_layers_on_gpu": MIN_LAYERS_ON_GPU}
+    assert lines == {"dynamic_offload.min_transformer_layers_on_gpu": MIN_LAYERS_ON_GPU}
 
     offloaded = await tab.evaluate("[...document.querySelectorAll('#offload tbody tr')]"
                                    ".filter(row => row.cells[3].textContent === 'yes')"
@@ -225,21 +225,26 @@ async def _the_form_changes_the_threshold(tab: Tab, run) -> None:
     await tab.evaluate(f"{submit}('1.5')")
     rejected = await tab.wait_until("(o => o.dataset.kind === 'error' && o.textContent)"
                                     "(document.getElementById('threshold-result'))", what="the rejection")
-    assert "gpu_memory_threshold" in rejected
-    assert run.json("/v1/settings")["values"]["gpu_memory_threshold"] == 0.85
+    assert "dynamic_offload.gpu_memory_threshold" in rejected
+    assert run.json("/v1/settings")["values"]["dynamic_offload.gpu_memory_threshold"] == 0.85
 
     await tab.evaluate(f"{submit}('0.7')")
     accepted = await tab.wait_until("(o => o.dataset.kind === 'ok' && o.textContent)"
                                     "(document.getElementById('threshold-result'))", what="the change")
     assert "0.85 → 0.7" in accepted
-    assert run.json("/v1/settings")["values"]["gpu_memory_threshold"] == 0.7
+    assert run.json("/v1/settings")["values"]["dynamic_offload.gpu_memory_threshold"] == 0.7
     # The trainer's acknowledgement comes back over the stream.
     await tab.wait_until("document.getElementById('settings-version').textContent.includes('in effect from step')",
                          what="the trainer's acknowledgement on the page")
-    row = await tab.evaluate("document.querySelector('tr[data-setting=\"gpu_memory_threshold\"]').cells[1].textContent")
+    row = await tab.evaluate("document.querySelector('tr[data-setting=\"dynamic_offload.gpu_memory_threshold\"]')"
+                             ".cells[1].textContent")
     assert row == "0.7"
     lines = json.loads(await tab.evaluate("document.getElementById('chart-gpu-memory').dataset.lines"))
     assert lines == {"threshold": 0.7}
+    # The long canonical names wrap within the settings panel rather than push the page sideways.
+    overflow = await tab.evaluate("(s => [s.scrollWidth, s.clientWidth, document.documentElement.scrollWidth,"
+                                  " document.documentElement.clientWidth])(document.querySelector('aside section'))")
+    assert overflow[0] <= overflow[1] and overflow[2] <= overflow[3], overflow
 
 
 async def _without_the_token_it_shows_nothing(devtools: str, run) -> None:

@@ -148,8 +148,10 @@ def _annotations_mark_a_setting_change_and_a_restart(run, url: str, *, since: fl
     os.kill(run.runtime()["trainer_pids"][0], signal.SIGKILL)
     annotations = {annotation["name"]: annotation for path in q.dashboard_files()
                    for annotation in q.load(path)["annotations"]["list"]}
-    marked = {"Live setting changes": ('verl_setting_updates_total{setting="gpu_memory_threshold", '
-                                       'result="accepted"}', {"setting": "gpu_memory_threshold", "result": "accepted"}),
+    # Labelled by the canonical name, though `verl set` was given the short one.
+    setting = "dynamic_offload.gpu_memory_threshold"
+    marked = {"Live setting changes": (f'verl_setting_updates_total{{setting="{setting}", result="accepted"}}',
+                                       {"setting": setting, "result": "accepted"}),
               "Trainer restarts": ('verl_trainer_restarts_total{reason="signal"}', {"reason": "signal"})}
     for name, (series, labels) in marked.items():
         run.wait(lambda series=series: values(url, series) == [1.0], what=f"Prometheus to scrape {series} at 1")

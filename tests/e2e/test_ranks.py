@@ -120,7 +120,7 @@ def test_two_nodes_on_loopback_train_and_stop_cleanly_and_node_1_points_to_node_
         refused = second.verl("set", "gpu_memory_threshold=0.7", "--pid", str(second.process.pid))
         assert refused.returncode == 2, refused.stdout
         assert "serves node 1 of 2" in refused.stderr and "only node 0's daemon takes it" in refused.stderr
-        assert second.json("/v1/settings")["values"]["gpu_memory_threshold"] == 0.85
+        assert second.json("/v1/settings")["values"]["dynamic_offload.gpu_memory_threshold"] == 0.85
         refused_stop = second.verl("stop", "--pid", str(second.process.pid))
         assert refused_stop.returncode == 2 and "node 0" in refused_stop.stderr
         assert second.process.poll() is None

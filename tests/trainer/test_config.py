@@ -19,7 +19,15 @@ from trainer.config import (
     load_config,
     validate_config,
 )
-from trainer.config.live import SETTING_NAMES, LiveSettings, SettingsRejected, apply_change, initial_live_settings
+from trainer.config.live import (
+    LIVE_SETTINGS,
+    SETTING_NAMES,
+    SHORT_NAMES,
+    LiveSettings,
+    SettingsRejected,
+    apply_change,
+    initial_live_settings,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -334,7 +342,7 @@ def test_enabling_dynamic_offload_run_wide_says_it_is_per_model() -> None:
 
 # ----------------------------------------------------------------------------------- live settings
 
-# Each live setting that a config sets too, by its config key.
+# Each live setting that a config sets too: its short name -> its config key, which is its canonical name.
 CONFIG_KEY_OF_LIVE_SETTING = {
     "gpu_memory_threshold": "dynamic_offload.gpu_memory_threshold",
     "min_transformer_layers_on_gpu": "dynamic_offload.min_transformer_layers_on_gpu",
@@ -356,13 +364,18 @@ def live_field(name: str) -> FieldInfo:
     return next(field for key, field in LiveSettings.model_fields.items() if (field.alias or key) == name)
 
 
-def test_every_live_setting_but_the_switch_is_a_config_key() -> None:
-    assert set(SETTING_NAMES) == {*CONFIG_KEY_OF_LIVE_SETTING, "dynamic_offload.enabled"}
+def test_every_live_setting_but_the_switch_is_named_by_its_config_key() -> None:
+    assert set(SETTING_NAMES) == {*CONFIG_KEY_OF_LIVE_SETTING.values(), "dynamic_offload.enabled"}
+    assert SHORT_NAMES == CONFIG_KEY_OF_LIVE_SETTING
+    # One row of the table per LiveSettings field, and the field is validated under the row's name.
+    assert {setting.attribute: setting.name for setting in LIVE_SETTINGS} == {
+        key: field.alias for key, field in LiveSettings.model_fields.items()}
 
 
 @pytest.mark.parametrize("setting", CONFIG_KEY_OF_LIVE_SETTING)
 def test_a_live_setting_has_its_config_keys_bounds_default_and_docstring(setting: str) -> None:
-    configured, live = config_field(CONFIG_KEY_OF_LIVE_SETTING[setting]), live_field(setting)
+    key = CONFIG_KEY_OF_LIVE_SETTING[setting]
+    configured, live = config_field(key), live_field(key)
     assert live.annotation == configured.annotation
     # The same constraint objects, not equal copies: one definition of each bound.
     assert len(live.metadata) == len(configured.metadata)
@@ -395,7 +408,7 @@ def test_the_config_and_the_live_settings_accept_the_same_values(setting: str, v
         apply_change(LiveSettings(), {setting: value})
         live = True
     except SettingsRejected as error:
-        assert [problem.setting for problem in error.problems] == [setting]
+        assert [problem.setting for problem in error.problems] == [f"{section}.{key}"]
         live = False
     assert (by_config, live) == (accepted, accepted)
 
@@ -408,8 +421,9 @@ def test_the_live_settings_start_from_the_run_wide_section_and_the_telemetry_and
                                 "telemetry.gpu_sample_interval_s=2", "telemetry.pcie_sample_interval_s=30",
                                 "daemon.log_level=debug"])
     assert initial_live_settings(config).public() == {
-        "gpu_memory_threshold": 0.7, "min_transformer_layers_on_gpu": 3, "dynamic_offload.enabled": True,
-        "gpu_sample_interval_s": 2.0, "pcie_sample_interval_s": 30.0, "log_level": "debug"}
+        "dynamic_offload.gpu_memory_threshold": 0.7, "dynamic_offload.min_transformer_layers_on_gpu": 3,
+        "dynamic_offload.enabled": True, "telemetry.gpu_sample_interval_s": 2.0,
+        "telemetry.pcie_sample_interval_s": 30.0, "daemon.log_level": "debug"}
 
 
 @pytest.mark.parametrize(("enabled_on", "builds_it"), [

@@ -420,7 +420,7 @@ class ThresholdChange:
 
     def on_step(self, step, metrics):
         if step == self.after_step:
-            values = {**self.trainer.live_settings.public(), "gpu_memory_threshold": self.threshold}
+            values = {**self.trainer.live_settings.public(), "dynamic_offload.gpu_memory_threshold": self.threshold}
             self.link.inbox.append(SettingsMessage(version=2, values=LiveSettings.model_validate(values)))
 
 

@@ -103,6 +103,7 @@ def test_the_json_keeps_the_protocols_field_names() -> None:
     down = json.loads(encode(DOWN[0]))
     assert down == {"type": "settings", "version": 2, "values": SETTINGS.public()}
     assert down["values"]["dynamic_offload.enabled"] is True
+    assert down["values"]["dynamic_offload.gpu_memory_threshold"] == 0.7  # version 7: the canonical names
     assert json.loads(encode(StopMessage())) == {"type": "stop"}
     # A line from before the models: the trainer filled in no time for a hello, the daemon none for down.
     old_hello = (b'{"type":"hello","protocol":%d,"token":"t0ken","pid":4243,"rank":0,"run_dir":"runs/x",'
@@ -144,8 +145,11 @@ def test_the_same_function_nulls_them_in_plain_data_and_in_nested_models() -> No
      b'"counts": []}', "bad offload message: copies.0.direction: input should be 'h2d' or 'd2h', got 'sideways'"),
     (b'{"type": "dropped", "count": 3, "reason": "full"}',
      "bad dropped message: reason: extra inputs are not permitted"),
-    (b'{"type": "settings_ack", "version": 1, "step": 2, "values": {"gpu_memory_threshold": 7}}',
-     "bad settings_ack message: values.gpu_memory_threshold: input should be less than or equal to 1"),
+    (b'{"type": "settings_ack", "version": 1, "step": 2, "values": {"dynamic_offload.gpu_memory_threshold": 7}}',
+     "bad settings_ack message: values.dynamic_offload.gpu_memory_threshold: input should be less than or equal to 1"),
+    (b'{"type": "settings_ack", "version": 1, "step": 2, "values": {"gpu_memory_threshold": 0.5, '
+     b'"dynamic_offload.gpu_memory_threshold": 0.6}}',
+     "bad settings_ack message: values: value error, dynamic_offload.gpu_memory_threshold: given twice"),
 ])
 def test_a_bad_line_is_refused_saying_what_is_wrong(line: bytes, says: str) -> None:
     with pytest.raises(ProtocolError) as refused:

@@ -259,7 +259,7 @@ def test_live_settings_apply_at_the_next_step_and_are_acknowledged(tmp_path):
     class ChangeAfterStepOne:
         def on_step(self, step, metrics):
             if step == 1:
-                values = {**trainer.live_settings.public(), "gpu_memory_threshold": 0.6}
+                values = {**trainer.live_settings.public(), "dynamic_offload.gpu_memory_threshold": 0.6}
                 link.inbox.append(SettingsMessage(version=4, values=LiveSettings.model_validate(values)))
 
     trainer.observers.append(ChangeAfterStepOne())
@@ -313,7 +313,7 @@ def test_settings_sent_before_the_first_step_hold_from_step_one(tmp_path):
     link = FakeDaemonLink()
     trainer = make_trainer(tmp_path, "trainer.total_training_steps=1")
     trainer.telemetry = link
-    values = {**trainer.live_settings.public(), "min_transformer_layers_on_gpu": 3}
+    values = {**trainer.live_settings.public(), "dynamic_offload.min_transformer_layers_on_gpu": 3}
     link.inbox.append(SettingsMessage(version=2, values=LiveSettings.model_validate(values)))
     assert trainer.receive_initial_settings(timeout_s=1.0)
     assert link.of_type(SettingsAckMessage)[0].step == 1

@@ -22,8 +22,8 @@ from pydantic_core import ErrorDetails
 
 from trainer.config.messages import DOWN_MESSAGES, UP_MESSAGES, DownMessage, UpMessage, to_json
 
-PROTOCOL_VERSION = 6  # 2: heartbeats; 3: hello.local_rank; 4: the ranks message (several nodes); 5: its copy latency;
-# 6: its GPU utilization
+PROTOCOL_VERSION = 7  # 2: heartbeats; 3: hello.local_rank; 4: the ranks message (several nodes); 5: its copy latency;
+# 6: its GPU utilization; 7: live settings under their canonical names (dynamic_offload.gpu_memory_threshold)
 ENV_SOCKET = "VERL_IPC_SOCKET"
 ENV_TOKEN = "VERL_IPC_TOKEN"
 ENV_DAEMON_PID = "VERL_DAEMON_PID"

@@ -11,7 +11,7 @@ HeartbeatMessage.
 Down, daemon -> trainer (`DownMessage`): SettingsMessage, CheckpointNowMessage, StopMessage.
 
 On the wire each message is one JSON object whose keys are the field names below (settings values
-under their public names, e.g. ``dynamic_offload.enabled``). Numbers that JSON cannot hold (NaN,
+under their canonical names, e.g. ``dynamic_offload.gpu_memory_threshold``). Numbers that JSON cannot hold (NaN,
 infinities) go out as null: see `to_json`, which the daemon's event stream uses too. Unknown fields
 are refused, so a change of fields is a change of PROTOCOL_VERSION.
 
@@ -38,7 +38,7 @@ def to_json(value: Any, *, exclude: dict[str, set[str]] | None = None) -> bytes:
     NaN and infinities become null: JSON has neither, and a reader in another language would
     refuse the whole line for one of them. pydantic's serializer does this while it writes (no
     second walk over the data), also for values nested in plain dicts; settings values come out
-    under their public names (aliases).
+    under their canonical names (aliases).
     """
     return pydantic_core.to_json(value, by_alias=True, inf_nan_mode="null", exclude=exclude)
 

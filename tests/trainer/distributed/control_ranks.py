@@ -55,7 +55,7 @@ def main(out: Path, runs_dir: str) -> None:
     class Commands:
         def on_step(self, step, metrics):
             if step == 1 and ranks.rank == 0:
-                values = {**trainer.live_settings.public(), "gpu_memory_threshold": 0.6}
+                values = {**trainer.live_settings.public(), "dynamic_offload.gpu_memory_threshold": 0.6}
                 link.inbox += [SettingsMessage(version=4, values=LiveSettings.model_validate(values)),
                                CheckpointNowMessage()]
             if step == 3 and ranks.rank == 1:
