@@ -84,14 +84,14 @@ class Profile:
         self.phase = "start"
         self.seconds: dict[int, dict[str, dict[str, float]]] = {}
         self._lock = threading.Lock()
-        original_phase = trainer._phase
+        original_phase = trainer.control.phase_started
 
         def on_phase(name: str) -> None:
             if name != "step":
                 self.phase = name
             original_phase(name)
 
-        trainer._phase = on_phase
+        trainer.control.phase_started = on_phase
         for engine in trainer.memory.engines:
             self._wrap_engine(engine)
         bus = trainer.memory.bus

@@ -449,7 +449,7 @@ def trainer_side(args: argparse.Namespace) -> int:
     # compare (a random model's EOS comes at random, and the rollout's length with it).
     trainer.rollout.generation_config.min_new_tokens = config.data.max_response_length
     client.hello(start_step=0, total_steps=trainer.total_steps)
-    trainer.receive_initial_settings()
+    trainer.control.receive_initial_settings()
     control = open(os.environ[CONTROL_ENV], "w", buffering=1)  # noqa: SIM115 - open for the whole run
 
     # What the trainer's thread spends in the client's send (encoding and queueing each message).
@@ -466,10 +466,10 @@ def trainer_side(args: argparse.Namespace) -> int:
     def run_steps(count: int, mode: str) -> list[dict]:
         control.write(mode + "\n")
         time.sleep(2.0)  # the clients attach (or leave) and the sampler takes its new cadence
-        trainer.telemetry = client if mode in ("on", "trainer") else None
+        trainer.control.telemetry = client if mode in ("on", "trainer") else None
         steps = []
         for _ in range(count):
-            trainer.handle_control_messages()
+            trainer.control.take_messages()
             trainer.memory.safe_point()
             records = [trainer.records[index] for index in trainer.sampler.next_batch()]
             if trainer.device.type == "cuda":
@@ -497,7 +497,7 @@ def trainer_side(args: argparse.Namespace) -> int:
     for _ in range(args.cycles):
         for mode in PATTERN:
             steps += run_steps(args.block_steps, mode)
-    trainer.telemetry = client
+    trainer.control.telemetry = client
     Path(args.result).write_text(json.dumps({"steps": steps, "machine": machine(),
                                              "dropped": client.dropped}))
     control.close()

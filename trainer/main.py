@@ -126,16 +126,16 @@ def _train(config, ranks) -> int:
         trainer = Trainer(config, log=reporter.info, warn=reporter.warning, telemetry=telemetry, ranks=ranks)
         reporter.total_steps = trainer.total_steps
         trainer.observers.append(reporter)
-        trainer.settings_listeners.append(lambda settings: reporter.set_level(settings.log_level))
+        trainer.settings.subscribe(lambda settings: reporter.set_level(settings.log_level))
         for line in trainer.memory.summary_lines():
             reporter.info(line)
         where = f"; rank {ranks.rank} of {ranks.world_size}" if ranks.distributed else ""
         reporter.info(f"run directory {run_dir}; device {trainer.device}{where}; {trainer.total_steps} steps")
-        restore_signal_handlers = trainer.install_signal_handlers()
+        restore_signal_handlers = trainer.control.install_signal_handlers()
         trainer.resume()
         if telemetry is not None:
             telemetry.hello(start_step=trainer.step, total_steps=trainer.total_steps)
-        if not trainer.receive_initial_settings():
+        if not trainer.control.receive_initial_settings():
             reporter.warning("the daemon sent no live settings within 5 s; starting with the config's")
         if ranks.is_main:  # the trackers get the run-wide metrics, once
             # After resuming: a tracker drops what it had logged past the checkpoint's step.

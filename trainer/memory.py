@@ -20,7 +20,8 @@ Workers get one model's side of it (`for_role`, a workers.recovery.WorkerMemory)
 built. Its dependencies (the device's memory probe, the host's free memory, the live settings, the
 log) are passed in, so tests build it with fakes:
 
-    memory = MemoryManager(device, settings=lambda: live_settings, probe=probe, host_available=free)
+    memory = MemoryManager(device, settings=live_settings, probe=probe, host_available=free)
+    feed.subscribe(memory.apply_settings)      # (trainer/control.py) each live change, from then on
     model = memory.place(model, fsdp_config, "actor")
     actor = Actor(model, ..., memory=memory.for_role("actor"))
     memory.finish_placement()                  # every model placed
@@ -132,12 +133,12 @@ class _RunningPhase:
 class MemoryManager:
     """Places the run's models and keeps them within the device's memory while the run goes on."""
 
-    def __init__(self, device: torch.device, *, settings: Callable[[], DynamicSettings],
+    def __init__(self, device: torch.device, *, settings: DynamicSettings,
                  probe: MemoryProbe | None, host_available: Callable[[], int],
                  log: Callable[[str], None] = print, warn: Callable[[str], None] = print,
                  meter: PeakMeter | None = None):
         self.device = device
-        self.settings = settings  # read at each use: a live change acts at the next one
+        self.settings = settings  # the live settings now: apply_settings takes a change, which acts at next use
         self.probe = probe  # None without a GPU: nothing to measure, no dynamic or per-phase placement
         # Each phase's peak in use, as the probe counts (on a GPU: the allocator's peak allocated bytes).
         self.meter = meter or _default_meter(device, probe)
@@ -158,6 +159,11 @@ class MemoryManager:
         self._roles: dict[str, ModelMemory] = {}
         self.embedding_cache: EmbeddingCache | None = None
         self.bus = BusTurns()  # the models' device updates take turns on the bus, the most used first
+
+    def apply_settings(self, settings: DynamicSettings) -> None:
+        """The live settings changed (the trainer's one subscription, trainer/control.py): the threshold, the
+        layer minimum and the dynamic-offload switch act from their next use on."""
+        self.settings = settings
 
     # --------------------------------------------------------------------------------- placement
 
@@ -234,7 +240,7 @@ class MemoryManager:
             if engine.placements["transformer"] != "gpu":
                 continue  # placed on the CPU: dynamic offload only ever takes layers off the GPU
             total = len(engine.transformer_units)
-            fit = layers_that_fit(probe, threshold=self.settings().gpu_memory_threshold,
+            fit = layers_that_fit(probe, threshold=self.settings.gpu_memory_threshold,
                                   layer_bytes=engine.layer_bytes, total_layers=total,
                                   reserve_bytes=sum(engine.stageable_bytes().values()),
                                   ring_slots=engine.ring_slots if engine.layers_on_gpu < total else 0)
@@ -243,7 +249,7 @@ class MemoryManager:
             if engine.layers_on_gpu < total:
                 self.log(f"dynamic offload: the {engine.role} starts with {engine.layers_on_gpu} of {total} "
                          f"transformer layers on the GPU (GPU memory threshold "
-                         f"{self.settings().gpu_memory_threshold})")
+                         f"{self.settings.gpu_memory_threshold})")
 
     def enable_embedding_cache(self, settings: EmbeddingCacheConfig) -> EmbeddingCache | None:
         """The device cache of the actor's most frequent embedding rows, when the config asks for
@@ -312,7 +318,7 @@ class MemoryManager:
         and learn the phase's working memory from its peak. Nothing moves while dynamic offload is
         paused, or when the running model's layers do not move dynamically."""
         running = self._holder(role)
-        settings = self.settings()
+        settings = self.settings
         if (running is None or self.probe is None or self.meter is None
                 or not settings.dynamic_offload_enabled):
             yield
@@ -366,7 +372,7 @@ class MemoryManager:
     def _staged_within_budget(self, engine: OffloadEngine, phase: str) -> Iterator[None]:
         assert self.probe is not None
         used, total = self.probe()
-        budget = int(self.settings().gpu_memory_threshold * total) - used
+        budget = int(self.settings.gpu_memory_threshold * total) - used
         with engine.placed_for(phase, budget_bytes=budget) as staged:
             self._log_staged(engine, phase, staged)
             yield
@@ -383,7 +389,7 @@ class MemoryManager:
                      f"({format_bytes(sum(sizes[group] for group in staged))})")
         else:
             self.log(f"per-phase placement: {phase} streams the {engine.role}'s CPU-resident groups (no room below "
-                     f"the GPU memory threshold {self.settings().gpu_memory_threshold} to keep them on the GPU)")
+                     f"the GPU memory threshold {self.settings.gpu_memory_threshold} to keep them on the GPU)")
 
     # ---------------------------------------------------------------------------------- run time
 
@@ -394,7 +400,7 @@ class MemoryManager:
         brings layers to the GPU (`placed_for`)."""
         if self._dynamic and self.probe is not None:
             used, total = self.probe()
-            self._move_layers(plan_layers(self._layers(), used=used, total=total, settings=self.settings()))
+            self._move_layers(plan_layers(self._layers(), used=used, total=total, settings=self.settings))
 
     def step_peaks(self) -> tuple[int, int] | None:
         """The step's peak allocated and reserved device bytes across the phases' resets of the peak
@@ -420,7 +426,7 @@ class MemoryManager:
         critic's update no longer halves the actor's layers, which the rollout reads at every token),
         else drop the groups a phase keeps on the GPU (they stream for the rest of it). False when
         nothing could be freed (then the micro-batch is split instead)."""
-        settings = self.settings()
+        settings = self.settings
         running = self._running
         if running is not None:
             # The phase needed more than was free at its start: what it is learned to need.

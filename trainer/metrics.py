@@ -162,6 +162,21 @@ def mfu_metrics(batch: RolloutBatch, seconds: Mapping[str, float], *, peak_flops
     return metrics
 
 
+def step_figures(batch: RolloutBatch, timer: StepTimer, *, peak_flops: float | None,
+                 actor: tuple[PretrainedConfig, int], critic: tuple[PretrainedConfig, int] | None,
+                 response_length: int, prompt_length: int, device: torch.device,
+                 peaks: tuple[int, int] | None) -> dict[str, float]:
+    """A step's timings, per-token timings, MFU, data, throughput and memory figures under verl's names. MFU of the
+    old-log-prob pass counts only where it ran (an on-policy update takes its log-probs in its own forwards)."""
+    seconds = timer.seconds
+    scored = seconds if batch.old_log_probs is not None else {
+        phase: time for phase, time in seconds.items() if phase != "old_log_prob"}
+    return {**timer.metrics(), **timing_per_token_metrics(batch, seconds),
+            **mfu_metrics(batch, scored, peak_flops=peak_flops, actor=actor, critic=critic),
+            **data_metrics(batch, response_length=response_length, prompt_length=prompt_length),
+            **throughput_metrics(batch, seconds["step"]), **memory_metrics(device, peaks=peaks)}
+
+
 class StepTimer:
     """Wall time of each named phase of a step, as timing_s/<phase>."""
 

@@ -12,6 +12,7 @@ from trainer.algorithms import (
     KL_ESTIMATOR_ALIASES,
     KL_ESTIMATORS,
     AdaptiveKLController,
+    AdvantageInputs,
     FixedKLController,
     actor_loss,
     aggregate_loss,
@@ -31,7 +32,7 @@ from trainer.algorithms import (
     masked_whiten,
     scaled_logits,
 )
-from trainer.config import ActorConfig
+from trainer.config import ActorConfig, AlgorithmConfig
 from trainer.config.schema import KLEstimator
 from trainer.data import PromptRecord
 from trainer.models import load_policy, load_tokenizer
@@ -179,11 +180,40 @@ def test_grpo_without_std_division_only_centres():
 
 
 def test_advantage_registry_names_the_allowed_estimators():
-    assert get_advantage_estimator("gae") is compute_gae_advantage_return
-    assert get_advantage_estimator("grpo") is compute_grpo_outcome_advantage
     with pytest.raises(ValueError) as error:
         get_advantage_estimator("x")
     assert str(error.value) == "unknown advantage estimator 'x'; allowed: gae, grpo"
+
+
+def test_each_registered_estimator_reads_its_inputs_and_the_algorithm_config():
+    rewards, mask, group_index = grpo_batch()
+    values = torch.linspace(0.0, 1.0, rewards.numel()).view_as(rewards)
+    config = AlgorithmConfig(gamma=0.9, lam=0.8, norm_adv_by_std_in_grpo=False)
+    inputs = AdvantageInputs(rewards, mask, group_index, values=values)
+    for estimator, expected in ((get_advantage_estimator("gae"),
+                                 compute_gae_advantage_return(rewards, values, mask, gamma=0.9, lam=0.8)),
+                                (get_advantage_estimator("grpo"),
+                                 compute_grpo_outcome_advantage(rewards, mask, group_index, norm_adv_by_std=False))):
+        for got, want in zip(estimator(inputs, config), expected, strict=True):
+            assert_close(got, want)
+    with pytest.raises(ValueError, match="needs the critic's values"):
+        get_advantage_estimator("gae")(AdvantageInputs(rewards, mask, group_index), config)
+
+
+def test_gae_whitens_with_the_function_it_is_given():
+    """On several ranks the advantages are whitened over every rank's tokens: the estimator takes the whitening."""
+    rewards, mask, group_index = grpo_batch()
+    values = torch.zeros_like(rewards)
+    seen = []
+
+    def whiten(advantages, whitened_mask):
+        seen.append(whitened_mask)
+        return advantages * 2.0
+
+    advantages, returns = get_advantage_estimator("gae")(
+        AdvantageInputs(rewards, mask, group_index, values=values, whiten=whiten), AlgorithmConfig())
+    assert len(seen) == 1 and torch.equal(seen[0], mask)
+    assert_close(advantages, returns * 2.0)  # values 0: the returns are the unwhitened advantages
 
 
 # ----------------------------------------------------------------------------------- policy loss

@@ -420,7 +420,7 @@ class ThresholdChange:
 
     def on_step(self, step, metrics):
         if step == self.after_step:
-            values = {**self.trainer.live_settings.public(), "dynamic_offload.gpu_memory_threshold": self.threshold}
+            values = {**self.trainer.settings.current.public(), "dynamic_offload.gpu_memory_threshold": self.threshold}
             self.link.inbox.append(SettingsMessage(version=2, values=LiveSettings.model_validate(values)))
 
 
@@ -472,7 +472,7 @@ def test_a_live_threshold_change_moves_layers_within_one_step(tmp_path):
     assert [line for line in logs if line.startswith("dynamic offload")] == [
         "dynamic offload: 5 layers to CPU (GPU memory 0.80 > threshold 0.70; 1 on GPU) [actor]"]
     # Each offload message carries the phases' plans, for /v1/status.
-    plans = trainer.telemetry.of_type(OffloadMessage)[-1].plans
+    plans = trainer.control.telemetry.of_type(OffloadMessage)[-1].plans
     assert [plan.phase for plan in plans] == ["rollout/actor", "scoring/actor", "training/actor"]
     assert all(plan.layers_on_gpu == {"actor": 1} and plan.threshold == 0.7 and plan.working_bytes is not None
                for plan in plans), plans

@@ -43,7 +43,8 @@ def test_a_lora_run_trains_the_adapter_alone_and_builds_no_reference_model(tmp_p
     trainer = lora_trainer(tmp_path)
     frozen, adapter = split_parameters(trainer.actor.model)
     assert adapter and all("lora_" in name for name in adapter)
-    assert trainer.reference is None  # use_kl_loss needs one: it is the actor without its adapter
+    # use_kl_loss needs one: it is the actor without its adapter, no model of its own
+    assert trainer.reference.model is trainer.actor.model and trainer.reference.adapter is not None
     optimized = {id(parameter) for group in trainer.actor.optimizer.param_groups for parameter in group["params"]}
     named = dict(trainer.actor.model.named_parameters())
     assert optimized == {id(named[name]) for name in adapter}
@@ -61,12 +62,12 @@ def test_a_lora_run_trains_the_adapter_alone_and_builds_no_reference_model(tmp_p
 def test_the_reference_log_probs_are_the_base_models(tmp_path):
     trainer = lora_trainer(tmp_path)
     trainer.fit()  # the adapter is no longer a no-op
-    batch = trainer.generate(trainer.records[:4])
+    batch = trainer.generation.generate(trainer.records[:4])
     base = load_policy("builtin:tiny-qwen2", trainer.tokenizer, dtype=torch.float32, seed=trainer.config.trainer.seed,
                        override_config=trainer.config.actor_rollout_ref.model.override_config)
     expected = compute_log_probs(base, batch, micro_batch_size=4, temperature=1.0)
 
-    torch.testing.assert_close(trainer._reference_log_probs(batch), expected)
+    torch.testing.assert_close(trainer.reference.compute_log_probs(batch), expected)
     adapted = trainer.actor.compute_log_probs(batch)
     assert not torch.allclose(adapted, expected)  # and the adapter is back on afterwards
 
@@ -150,7 +151,7 @@ def test_a_checkpoint_holds_the_adapter_in_peft_format_and_resumes_it(tmp_path):
     straight.fit()
     first = lora_trainer(tmp_path, "trainer.total_training_steps=2", *OFFLOADED, name="resumed")
     first.fit()
-    folder = latest_checkpoint(first.checkpoint_dir) / "actor"
+    folder = latest_checkpoint(first.checkpointer.directory) / "actor"
     assert sorted(path.name for path in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
 
@@ -165,8 +166,8 @@ def test_a_checkpoint_holds_the_adapter_in_peft_format_and_resumes_it(tmp_path):
     # A user loads the exported adapter onto the base model with peft alone.
     base = load_policy("builtin:tiny-qwen2", straight.tokenizer, dtype=torch.float32, seed=straight.config.trainer.seed,
                        override_config=straight.config.actor_rollout_ref.model.override_config)
-    loaded = PeftModel.from_pretrained(base, str(latest_checkpoint(straight.checkpoint_dir) / "actor"))
-    batch = straight.generate(straight.records[:2])
+    loaded = PeftModel.from_pretrained(base, str(latest_checkpoint(straight.checkpointer.directory) / "actor"))
+    batch = straight.generation.generate(straight.records[:2])
     torch.testing.assert_close(compute_log_probs(loaded, batch, micro_batch_size=2, temperature=1.0),
                                straight.actor.compute_log_probs(batch))
 
@@ -187,7 +188,7 @@ def test_a_critic_with_lora_trains_its_adapter_and_value_head(tmp_path):
     after = dict(trainer.critic.model.named_parameters())
     assert all(torch.equal(after[name], value) for name, value in frozen.items())
     assert all(not torch.equal(after[name], value) for name, value in trainable.items())
-    assert (latest_checkpoint(trainer.checkpoint_dir) / "critic" / "adapter_model.safetensors").is_file()
+    assert (latest_checkpoint(trainer.checkpointer.directory) / "critic" / "adapter_model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------------------ errors

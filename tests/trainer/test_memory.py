@@ -39,11 +39,20 @@ class Run:
     """A memory manager with its fakes: live settings the test may change, the log it writes."""
 
     def __init__(self, probe=None, host_available=lambda: 1 << 50, **settings):
-        self.settings = LiveSettings.model_validate({"dynamic_offload.enabled": True,
-                                                     "gpu_memory_threshold": THRESHOLD, **settings})
+        initial = LiveSettings.model_validate({"dynamic_offload.enabled": True,
+                                               "gpu_memory_threshold": THRESHOLD, **settings})
         self.logs: list[str] = []
-        self.memory = MemoryManager(torch.device("cpu"), settings=lambda: self.settings, probe=probe,
+        self.memory = MemoryManager(torch.device("cpu"), settings=initial, probe=probe,
                                     host_available=host_available, log=self.logs.append, warn=self.logs.append)
+
+    @property
+    def settings(self) -> LiveSettings:
+        return self.memory.settings
+
+    @settings.setter
+    def settings(self, settings: LiveSettings) -> None:
+        """A live change, as the trainer's subscription hands it to the manager."""
+        self.memory.apply_settings(settings)
 
     def place(self, role: str, settings: dict, layers: int = 4):
         """A tiny policy of `layers` transformer layers placed as `role`. Eight where layers move: with the engine's

@@ -167,5 +167,6 @@ def test_a_line_over_the_limit_and_an_up_message_sent_down_are_refused() -> None
 def test_the_phases_are_the_ones_the_trainer_sends() -> None:
     """Each Phase is the name of a timed phase or a phase message somewhere in trainer/, and back."""
     source = "\n".join(path.read_text(encoding="utf-8") for path in (REPO / "trainer").rglob("*.py"))
-    sent = set(re.findall(r"""(?:timer\.phase|self\._phase)\(["'](\w+)["']\)""", source)) - {"step"}
+    phase_call = r"""(?:timer\.phase\(|self\._phase\(timer, |phase_started\()["'](\w+)["']"""
+    sent = set(re.findall(phase_call, source)) - {"step"}
     assert sent == {phase.value for phase in Phase}

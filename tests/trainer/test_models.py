@@ -293,7 +293,7 @@ def test_a_run_scored_by_a_reward_model(tokenizer, saved_policy, saved_reward_mo
                  "actor_rollout_ref.rollout.do_sample=false"]
     trainer = Trainer(load_config(None, overrides), log=lambda *_: None)
     sampler = copy.deepcopy(trainer.sampler)
-    batch = trainer.generate([trainer.records[index] for index in sampler.next_batch()])
+    batch = trainer.generation.generate([trainer.records[index] for index in sampler.next_batch()])
     reward_tokenizer = load_tokenizer(str(saved_reward_model))
     reward_model = load_reward_model(str(saved_reward_model), reward_tokenizer, dtype=torch.float32, seed=0)
     # A smaller micro-batch than the run's: the score of a response must not depend on its neighbours.
@@ -314,7 +314,7 @@ def test_a_reward_model_micro_batch_out_of_memory_is_split_and_scores_the_same(t
 
     directory, _ = saved_policy
     trainer = Trainer(load_config(None, run_overrides(directory, tmp_path, steps=1)), log=lambda *_: None)
-    batch = trainer.generate([trainer.records[index] for index in trainer.sampler.next_batch()])
+    batch = trainer.generation.generate([trainer.records[index] for index in trainer.sampler.next_batch()])
     reward_tokenizer = load_tokenizer(str(saved_reward_model))
     reward_model = load_reward_model(str(saved_reward_model), reward_tokenizer, dtype=torch.float32, seed=0)
     memory = Memory()

@@ -97,7 +97,7 @@ def test_under_a_memory_cap_the_all_gpu_run_fails_and_the_dynamic_one_completes(
     assert 0 < sum(started) < 16  # some on the GPU, not all
 
     # The first step learns what each phase needs, the second plans for it; then the threshold drops.
-    trainer.observers.append(ThresholdChange(trainer, trainer.telemetry, after_step=2, threshold=0.3))
+    trainer.observers.append(ThresholdChange(trainer, trainer.control.telemetry, after_step=2, threshold=0.3))
     trainer.fit()
     rows = trainer.metrics_log.read()
     assert len(rows) == 4 and all(row["perf/oom_recoveries"] == 0 for row in rows[1:])

@@ -104,7 +104,7 @@ def test_resume_redoes_only_the_steps_after_the_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=2")
     trainer.fit()
     # As if the run died after step 3 was logged but before its checkpoint: drop that checkpoint.
-    shutil.rmtree(latest_checkpoint(trainer.checkpoint_dir))
+    shutil.rmtree(latest_checkpoint(trainer.checkpointer.directory))
     resumed = make_trainer(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=2")
     resumed.resume()
     assert resumed.step == 2
@@ -134,11 +134,11 @@ def test_stop_request_checkpoints_at_the_end_of_the_step(tmp_path):
     class StopAfterTwo:
         def on_step(self, step, metrics):
             if step == 2:
-                trainer.request_stop()
+                trainer.control.request_stop()
 
     trainer.observers.append(StopAfterTwo())
     trainer.fit()
-    assert [step for step, _ in list_checkpoints(trainer.checkpoint_dir)] == [2]
+    assert [step for step, _ in list_checkpoints(trainer.checkpointer.directory)] == [2]
     assert len(trainer.metrics_log.read()) == 2
 
 
@@ -154,12 +154,12 @@ def test_signal_handlers_stop_at_the_safe_point_and_give_the_trainer_back_when_r
                 os.kill(os.getpid(), signal.SIGTERM)
 
     trainer.observers.append(TerminatedAfterTwo())
-    restore = trainer.install_signal_handlers()
+    restore = trainer.control.install_signal_handlers()
     try:
         trainer.fit()
     finally:
         restore()
-    assert [step for step, _ in list_checkpoints(trainer.checkpoint_dir)] == [2]
+    assert [step for step, _ in list_checkpoints(trainer.checkpointer.directory)] == [2]
     assert signal.getsignal(signal.SIGTERM) is previous
     alive = weakref.ref(trainer)
     del trainer
@@ -201,7 +201,7 @@ def test_grpo_advantages_are_centred_within_each_prompts_group(tmp_path):
     trainer = make_trainer(tmp_path, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
                            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
-    batch = trainer.generate(trainer.records[:4])
+    batch = trainer.generation.generate(trainer.records[:4])
     scores = torch.tensor([0.0, 1.0, 0.5, 0.5] * 4)
     batch.token_level_scores = place_on_last_token(scores, batch.response_mask)
     trainer.compute_advantages(batch)
@@ -252,21 +252,21 @@ class FakeDaemonLink:
 def test_live_settings_apply_at_the_next_step_and_are_acknowledged(tmp_path):
     link = FakeDaemonLink()
     trainer = make_trainer(tmp_path, "trainer.total_training_steps=3")
-    trainer.telemetry = link
+    trainer.control.telemetry = link
     applied = []
-    trainer.settings_listeners.append(applied.append)
+    trainer.settings.subscribe(applied.append)
 
     class ChangeAfterStepOne:
         def on_step(self, step, metrics):
             if step == 1:
-                values = {**trainer.live_settings.public(), "dynamic_offload.gpu_memory_threshold": 0.6}
+                values = {**trainer.settings.current.public(), "dynamic_offload.gpu_memory_threshold": 0.6}
                 link.inbox.append(SettingsMessage(version=4, values=LiveSettings.model_validate(values)))
 
     trainer.observers.append(ChangeAfterStepOne())
     trainer.fit()
     [ack] = link.of_type(SettingsAckMessage)
-    assert (ack.version, ack.step, ack.values) == (4, 2, trainer.live_settings)
-    assert trainer.live_settings.gpu_memory_threshold == 0.6
+    assert (ack.version, ack.step, ack.values) == (4, 2, trainer.settings.current)
+    assert trainer.settings.current.gpu_memory_threshold == 0.6
     assert [settings.gpu_memory_threshold for settings in applied] == [0.6]
     assert [message.step for message in link.of_type(StepMessage)] == [1, 2, 3]
     phases = [message.phase for message in link.of_type(PhaseMessage) if message.step == 1]
@@ -274,12 +274,12 @@ def test_live_settings_apply_at_the_next_step_and_are_acknowledged(tmp_path):
 
 
 def test_the_trainer_sends_heartbeats_from_its_loop_and_from_inside_its_phases(tmp_path, monkeypatch):
-    import trainer.loop
+    import trainer.control
 
-    monkeypatch.setattr(trainer.loop, "HEARTBEAT_INTERVAL_S", 0.0)  # each chance to send one, sends one
+    monkeypatch.setattr(trainer.control, "HEARTBEAT_INTERVAL_S", 0.0)  # each chance to send one, sends one
     link = FakeDaemonLink()
     trainer = make_trainer(tmp_path, "trainer.total_training_steps=2")
-    trainer.telemetry = link
+    trainer.control.telemetry = link
     trainer.fit()
     sent = [(type(message).__name__, getattr(message, "phase", None)) for message in link.sent
             if isinstance(message, HeartbeatMessage | PhaseMessage)]
@@ -291,7 +291,7 @@ def test_the_trainer_sends_heartbeats_from_its_loop_and_from_inside_its_phases(t
 def test_checkpoint_now_and_stop_from_the_daemon(tmp_path):
     link = FakeDaemonLink()
     trainer = make_trainer(tmp_path, "trainer.total_training_steps=10")
-    trainer.telemetry = link
+    trainer.control.telemetry = link
 
     class Commands:
         def on_step(self, step, metrics):
@@ -304,7 +304,7 @@ def test_checkpoint_now_and_stop_from_the_daemon(tmp_path):
     trainer.fit()
     # Both are taken at the safe point after the step they arrive in: a checkpoint of step 1 at once,
     # and one of step 3 on the way out.
-    assert [step for step, _ in list_checkpoints(trainer.checkpoint_dir)] == [1, 3]
+    assert [step for step, _ in list_checkpoints(trainer.checkpointer.directory)] == [1, 3]
     assert [message.step for message in link.of_type(CheckpointMessage)] == [1, 3]
     assert trainer.step == 3
 
@@ -312,13 +312,13 @@ def test_checkpoint_now_and_stop_from_the_daemon(tmp_path):
 def test_settings_sent_before_the_first_step_hold_from_step_one(tmp_path):
     link = FakeDaemonLink()
     trainer = make_trainer(tmp_path, "trainer.total_training_steps=1")
-    trainer.telemetry = link
-    values = {**trainer.live_settings.public(), "dynamic_offload.min_transformer_layers_on_gpu": 3}
+    trainer.control.telemetry = link
+    values = {**trainer.settings.current.public(), "dynamic_offload.min_transformer_layers_on_gpu": 3}
     link.inbox.append(SettingsMessage(version=2, values=LiveSettings.model_validate(values)))
-    assert trainer.receive_initial_settings(timeout_s=1.0)
+    assert trainer.control.receive_initial_settings(timeout_s=1.0)
     assert link.of_type(SettingsAckMessage)[0].step == 1
-    assert trainer.live_settings.min_transformer_layers_on_gpu == 3
-    assert not trainer.receive_initial_settings(timeout_s=0.05)
+    assert trainer.settings.current.min_transformer_layers_on_gpu == 3
+    assert not trainer.control.receive_initial_settings(timeout_s=0.05)
 
 
 def test_a_placement_the_host_cannot_hold_is_refused_at_start_naming_the_settings(tmp_path):
@@ -477,7 +477,7 @@ def test_a_checkpoint_the_disk_cannot_take_warns_and_the_run_goes_on(tmp_path, m
     assert [row["step"] for row in rows] == [1, 2, 3]
     # A save's failure is in the next step's metrics (verl_trainer_checkpoint_failures_total counts them).
     assert [(row["checkpoint/failures"], row["checkpoint/failing"]) for row in rows] == [(0, 0), (0, 0), (1, 1)]
-    assert [step for step, _ in list_checkpoints(trainer.checkpoint_dir)] == [1, 3], "the next save tried again"
+    assert [step for step, _ in list_checkpoints(trainer.checkpointer.directory)] == [1, 3], "the next save tried again"
     assert len(warnings) == 1
     assert warnings[0].startswith("CHECKPOINT NOT SAVED: could not write the checkpoint of step 2 to ")
     assert "([Errno 28] No space left on device) after " in warnings[0]

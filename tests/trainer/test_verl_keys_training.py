@@ -49,7 +49,7 @@ def test_no_validation_before_training_when_told_and_val_only_stops_after_it(tmp
                       "trainer.experiment_name=only")
     only.fit()
     assert [row["step"] for row in only.metrics_log.read()] == [0] and only.step == 0
-    assert list_checkpoints(only.checkpoint_dir) == [], "nothing trained, nothing saved"
+    assert list_checkpoints(only.checkpointer.directory) == [], "nothing trained, nothing saved"
 
 
 def test_critic_warmup_updates_only_the_critic_for_its_steps(tmp_path: Path) -> None:
@@ -109,7 +109,8 @@ def test_gpu_memory_utilization_decodes_the_batch_in_pieces_that_fit(tmp_path: P
     sizes: list[int] = []
     generate = trainer.rollout.generate
     trainer.rollout.generate = lambda ids, mask: sizes.append(len(ids)) or generate(ids, mask)
-    batch = trainer.generate([trainer.records[index] for index in range(4)])  # 8 sequences of 3 prompt tokens
+    # 8 sequences of 3 prompt tokens
+    batch = trainer.generation.generate([trainer.records[index] for index in range(4)])
     assert batch.prompt_ids.shape[1] == 3
     assert sizes == [3, 3, 2]
     assert len(batch) == 8 and batch.response_ids.shape == (8, 4)

@@ -1,7 +1,14 @@
 """RL algorithms: advantage estimators, PPO losses, KL estimators and KL coefficient controllers."""
 
-from trainer.algorithms.functional import (
+from trainer.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
+from trainer.algorithms.functional import (
     KL_ESTIMATOR_ALIASES,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -10,12 +17,9 @@ from trainer.algorithms.functional import (
     aggregate_loss,
     aggregation_weight,
     apply_kl_penalty,
-    compute_gae_advantage_return,
-    compute_grpo_outcome_advantage,
     compute_policy_loss,
     compute_value_loss,
     entropy_from_logits,
-    get_advantage_estimator,
     kl_penalty,
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
@@ -39,6 +43,7 @@ __all__ = [
     "KL_ESTIMATOR_ALIASES",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
+    "AdvantageInputs",
     "FixedKLController",
     "KLController",
     "PolicyLoss",
@@ -60,4 +65,5 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "register_advantage_estimator",
 ]

@@ -1,4 +1,4 @@
-"""The RL math as pure tensor functions: masked statistics, advantages, losses and KL estimators.
+"""The RL math as pure tensor functions: masked statistics, losses and KL estimators (advantages: advantages.py).
 
 Shapes: ``B`` is the batch (one row per response), ``T`` the response length, ``V`` the vocabulary.
 Response-level tensors are ``[B, T]`` and come with a ``response_mask`` of the same shape: 1.0 on
@@ -10,7 +10,6 @@ Modelled on verl's ``core_algos.py`` so that verl's config names mean the same t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -105,114 +104,6 @@ def aggregation_weight(mask: torch.Tensor, mode: str) -> torch.Tensor:
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode '{mode}'; allowed: {', '.join(LOSS_AGG_MODES)}")
     return (mask.sum(-1) > 0).sum()
-
-
-# -------------------------------------------------------------------------------------- advantages
-
-
-@torch.no_grad()
-def compute_gae_advantage_return(
-    token_level_rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
-    Using Generalized Advantage Estimation", eq. 16), computed backwards over the response.
-
-    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1}.
-
-    A masked step neither supplies V_{t+1} nor advances A_{t+1}: the running next value and running
-    advantage pass through it unchanged. Right padding therefore behaves as a terminal state (next
-    value 0), whatever values or rewards the padding holds.
-
-    Args:
-        token_level_rewards: ``[B, T]``.
-        values: ``[B, T]`` critic values of the rollout.
-        response_mask: ``[B, T]``.
-        gamma: discount factor.
-        lam: GAE lambda (bias/variance trade-off).
-
-    Returns:
-        ``(advantages, returns)``, both ``[B, T]`` and 0 at masked positions. ``returns`` is
-        advantages + values before whitening (the critic's target); ``advantages`` are then
-        whitened over the batch's response tokens.
-    """
-    next_value = torch.zeros_like(values[:, 0])
-    running_advantage = torch.zeros_like(values[:, 0])
-    advantages_reversed = []
-    for t in reversed(range(values.shape[1])):
-        keep = response_mask[:, t]
-        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
-        step_advantage = delta + gamma * lam * running_advantage
-        next_value = torch.where(keep.bool(), values[:, t], next_value)
-        running_advantage = torch.where(keep.bool(), step_advantage, running_advantage)
-        advantages_reversed.append(running_advantage)
-    advantages = torch.stack(advantages_reversed[::-1], dim=1)
-    returns = (advantages + values) * response_mask
-    advantages = masked_whiten(advantages, response_mask) * response_mask
-    return advantages, returns
-
-
-@torch.no_grad()
-def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_index: torch.Tensor,
-    epsilon: float = 1e-6,
-    norm_adv_by_std: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-relative outcome advantage (GRPO: Shao et al. 2024, "DeepSeekMath", sec. 4.1.2).
-
-    Each response's score is the sum of its token rewards; its advantage is
-    (score - group mean) / (group std + epsilon), std unbiased as ``torch.std``. A group of one
-    has mean 0 and std 1, as in verl, so its advantage is its raw score. With
-    ``norm_adv_by_std=False`` the division is dropped (Dr.GRPO: Liu et al. 2025, "Understanding
-    R1-Zero-Like Training", sec. 3.1).
-
-    Args:
-        token_level_rewards: ``[B, T]``.
-        response_mask: ``[B, T]``.
-        group_index: ``[B]`` integer group ids; responses to the same prompt share one.
-        epsilon: keeps a group of identical scores (std 0) finite.
-        norm_adv_by_std: divide by the group std.
-
-    Returns:
-        ``(advantages, returns)``, both ``[B, T]``: the sequence advantage on every response
-        token, 0 at masked positions. ``returns`` equals ``advantages``.
-    """
-    scores = (token_level_rewards * response_mask).sum(-1)
-    _, group_of_row = torch.unique(group_index, return_inverse=True)
-    group_sizes = torch.bincount(group_of_row).to(scores.dtype)
-    group_sums = torch.zeros_like(group_sizes).index_add_(0, group_of_row, scores)
-    group_means = group_sums / group_sizes
-    squared_deviations = (scores - group_means[group_of_row]) ** 2
-    group_vars = torch.zeros_like(group_sizes).index_add_(0, group_of_row, squared_deviations)
-    group_stds = (group_vars / (group_sizes - 1).clamp(min=1)).sqrt()
-    is_group = group_sizes > 1
-    group_means = torch.where(is_group, group_means, torch.zeros_like(group_means))
-    group_stds = torch.where(is_group, group_stds, torch.ones_like(group_stds))
-    advantages = scores - group_means[group_of_row]
-    if norm_adv_by_std:
-        advantages = advantages / (group_stds[group_of_row] + epsilon)
-    advantages = advantages.unsqueeze(-1) * response_mask
-    return advantages, advantages
-
-
-# The estimators take different inputs (GAE needs values, gamma and lam; GRPO needs group ids),
-# so callers pass keyword arguments; the registry only maps config names to functions.
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": compute_gae_advantage_return,
-    "grpo": compute_grpo_outcome_advantage,
-}
-
-
-def get_advantage_estimator(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The advantage function registered as ``name`` (``algorithm.adv_estimator``)."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator '{name}'; allowed: {', '.join(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name]
 
 
 # ------------------------------------------------------------------------------------------ losses

@@ -50,16 +50,16 @@ def main(out: Path, runs_dir: str) -> None:
     link = Link()
     trainer = Trainer(config, log=lambda *_: None, telemetry=link, ranks=ranks)
     applied_at: list[int] = []
-    trainer.settings_listeners.append(lambda settings: applied_at.append(trainer.step))
+    trainer.settings.subscribe(lambda settings: applied_at.append(trainer.step))
 
     class Commands:
         def on_step(self, step, metrics):
             if step == 1 and ranks.rank == 0:
-                values = {**trainer.live_settings.public(), "dynamic_offload.gpu_memory_threshold": 0.6}
+                values = {**trainer.settings.current.public(), "dynamic_offload.gpu_memory_threshold": 0.6}
                 link.inbox += [SettingsMessage(version=4, values=LiveSettings.model_validate(values)),
                                CheckpointNowMessage()]
             if step == 3 and ranks.rank == 1:
-                trainer.request_stop()
+                trainer.control.request_stop()
 
     trainer.observers.append(Commands())
     try:
@@ -68,9 +68,9 @@ def main(out: Path, runs_dir: str) -> None:
         ranks.close()
     acks = [message for message in link.sent if isinstance(message, SettingsAckMessage)]
     (out / f"rank{ranks.rank}.json").write_text(json.dumps({
-        "applied_at": applied_at, "threshold": trainer.live_settings.gpu_memory_threshold,
+        "applied_at": applied_at, "threshold": trainer.settings.current.gpu_memory_threshold,
         "acks": [[ack.version, ack.step] for ack in acks], "final_step": trainer.step,
-        "checkpoints": [step for step, _ in list_checkpoints(trainer.checkpoint_dir)]}))
+        "checkpoints": [step for step, _ in list_checkpoints(trainer.checkpointer.directory)]}))
 
 
 if __name__ == "__main__":

@@ -243,7 +243,7 @@ def moves_checks(ranks: Ranks, share: torch.Tensor) -> dict:
     settings = SimpleNamespace(dynamic_offload_enabled=True, gpu_memory_threshold=0.5, min_transformer_layers_on_gpu=0)
     used = (0.9 if ranks.rank == 0 else 0.1) * 100 * layers.layer_bytes
     total = 100 * layers.layer_bytes
-    manager = MemoryManager(ranks.device, settings=lambda: settings, probe=lambda: (int(used), total),
+    manager = MemoryManager(ranks.device, settings=settings, probe=lambda: (int(used), total),
                             host_available=lambda: 1 << 40, log=lambda _: None, warn=lambda _: None)
     manager.add_sharded(layers, dynamic=True)
     manager.safe_point()

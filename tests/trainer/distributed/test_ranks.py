@@ -205,7 +205,7 @@ def test_grpo_groups_stay_whole_on_one_rank(tmp_path):
     config = load_config(None, [*RUN, "trainer.n_gpus_per_node=1", f"trainer.runs_dir={tmp_path}"])
     trainer = Trainer(config, log=lambda *_: None)
     share = [trainer.records[index] for index in rank_share(list(range(8)), rank=1, world_size=2, mini_batch_size=4)]
-    batch = trainer.generate(share)
+    batch = trainer.generation.generate(share)
     assert batch.group_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [record.prompt for record in batch.records] == [record.prompt for record in share for _ in range(2)]
 

@@ -1,0 +1,111 @@
+"""The step's rollout: prompts in, a RolloutBatch of sampled responses out, with the actor's weights staged for it.
+
+A batch decodes whole, or in as many pieces as rollout.gpu_memory_utilization leaves room for; a piece that runs out
+of device memory is retried once layers moved off, or in halves. On several ranks every rank pads its prompts like
+the others and decodes as many pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from trainer.config import RunConfig
+from trainer.config.messages import Role
+from trainer.data import PromptRecord
+from trainer.distributed.run_wide import RunWide
+from trainer.memory import MemoryManager
+from trainer.models import torch_dtype
+from trainer.rollout.batch import RolloutBatch
+from trainer.rollout.budget import KVCacheShape, over_budget_message, rows_within_budget
+from trainer.rollout.hf_rollout import HFRollout
+from trainer.rollout.prompts import encode_prompts
+from trainer.staging import Staging
+from trainer.workers.recovery import run_in_pieces
+
+
+class Generation:
+    """Samples responses to prompts with the actor's weights: the step's rollout and validation's greedy one."""
+
+    def __init__(self, config: RunConfig, tokenizer: PreTrainedTokenizerBase, rollout: HFRollout,
+                 staging: Staging, run_wide: RunWide, *, heartbeat: Callable[[], None], log: Callable[[str], None],
+                 warn: Callable[[str], None]):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.rollout = rollout
+        self.staging = staging
+        self.memory: MemoryManager = staging.memory
+        self.run_wide = run_wide
+        self.ranks = run_wide.ranks
+        self.device = run_wide.ranks.device
+        self.heartbeat = heartbeat
+        self.log, self.warn = log, warn
+        self._over_budget_warned = False  # rollout.gpu_memory_utilization leaves no room: said once
+        self._decode_memory_logged = 0.0  # GiB the static decode held when the log last said so
+
+    def generate(self, records: Sequence[PromptRecord], rollout: HFRollout | None = None,
+                 n: int | None = None) -> RolloutBatch:
+        """Sample n responses per prompt; the batch holds prompt i's responses at i*n ... i*n + n - 1."""
+        n = self.config.actor_rollout_ref.rollout.n if n is None else n
+        repeated = [record for record in records for _ in range(n)]
+        prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
+                                                 max_length=self.config.data.max_prompt_length,
+                                                 truncation=self.config.data.truncation)
+        prompt_ids, prompt_mask = self.run_wide.pad_like_other_ranks(prompt_ids, prompt_mask,
+                                                                     self.tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        rollout = rollout or self.rollout  # either samples with the actor's weights
+        self.heartbeat()  # once per validation batch too
+        with self.staging("rollout", Role.ACTOR, len(repeated)) as alone:
+            # Several ranks that each hold the whole weights, FSDP2's hooks off, decode alone (and in CUDA graphs);
+            # otherwise every forward gathers, and the ranks step together.
+            rollout.synced = self.ranks.distributed and not alone
+            # A batch that runs out of device memory is retried once layers moved off, or in halves.
+            rows = self.run_wide.fewest(self._rows_that_fit(len(repeated), prompt_ids.shape[1]))
+            pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
+                                                                         prompt_mask[first:first + count]),
+                                   len(repeated), rows,
+                                   memory=None if self.ranks.distributed else self.memory.for_role(Role.ACTOR))
+        response_ids = torch.cat([ids for ids, _ in pieces])
+        response_mask = torch.cat([mask for _, mask in pieces])
+        # The ranks of a sequence-parallel group sampled the same prompts from the same random stream; their first
+        # rank's responses go to the others, so that a kernel not bitwise deterministic on another device cannot
+        # give the group different sequences to split.
+        response_ids, response_mask = self.ranks.broadcast_in_sequence_group([response_ids, response_mask])
+        group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
+        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                            response_mask=response_mask, group_index=group_index, records=repeated)
+
+    def decode_memory(self) -> dict[str, float]:
+        """The static decode's KV cache and CUDA graphs' pool (rollout/kv_cache_gb, rollout/graph_pool_gb), said in
+        the log the first time and when they grow by more than a tenth: device memory the rollout holds besides the
+        weights, which the phase planner counts in the rollout's working memory."""
+        held = self.rollout.decode_memory()
+        if held:
+            total = held["rollout/kv_cache_gb"] + held["rollout/graph_pool_gb"]
+            if total > 1.1 * self._decode_memory_logged:
+                self._decode_memory_logged = total
+                self.log(f"static decode: KV cache {held['rollout/kv_cache_gb']:.2f} GiB, CUDA graphs' pool "
+                         f"{held['rollout/graph_pool_gb']:.2f} GiB on the device beside the weights (the rollout's "
+                         "working memory, which the phase planner learns)")
+        return held
+
+    def _rows_that_fit(self, rows: int, prompt_length: int) -> int:
+        """How many of `rows` sequences decode at once: all of them, or as many as rollout.gpu_memory_utilization
+        leaves room for beside what is in use now (trainer/rollout/budget.py; a GPU only)."""
+        utilization = self.config.actor_rollout_ref.rollout.gpu_memory_utilization
+        if utilization is None or self.memory.probe is None:
+            return rows
+        in_use, capacity = self.memory.probe()
+        element_bytes = torch_dtype(self.config.actor_rollout_ref.actor.fsdp_config.model_dtype).itemsize
+        per_row = KVCacheShape.of(self.rollout.model.config).bytes_per_sequence(
+            prompt_length + self.config.data.max_response_length, element_bytes)
+        fitting = rows_within_budget(rows, utilization=utilization, in_use=in_use, capacity=capacity,
+                                     bytes_per_row=per_row)
+        if fitting == 0 and not self._over_budget_warned:
+            self._over_budget_warned = True
+            self.warn(over_budget_message(utilization=utilization, in_use=in_use, capacity=capacity,
+                                          bytes_per_row=per_row))
+        return max(1, fitting)
