@@ -14,7 +14,7 @@ verl's ``verl/utils/tracking.py`` is the model: the same backends, the same envi
 - ``console`` is the trainer's own step line (trainer/reporting.py), so it has no tracker here.
 
 Only the first process of a rank group logs, on a thread of its own (Tracking). Each library is imported when
-its tracker starts; the config check (trainer.config.schema) has already refused one whose library is missing.
+its tracker starts; the config check (trainer/config/environment.py) has already refused one whose library is missing.
 """
 
 from __future__ import annotations

@@ -17,19 +17,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from trainer.config.schema import (
-    DaemonConfig,
-    DynamicOffloadConfig,
+from trainer.config.fields import (
     GpuSampleInterval,
     LayerMinimum,
     LogLevel,
     MemoryThreshold,
     PcieSampleInterval,
-    RunConfig,
     Section,
-    TelemetryConfig,
     describe_allowed,
 )
+from trainer.config.schema import DaemonConfig, DynamicOffloadConfig, RunConfig, TelemetryConfig
 
 
 def _as_configured(section: type[Section], name: str) -> Any:

@@ -165,7 +165,9 @@ def read_launch_sections(path: Path) -> tuple[TrainerConfig, DaemonConfig]:
     which ends the group with 2); the launcher does not pay for loading models and data files to check it too."""
     from pydantic import ValidationError
 
-    from trainer.config.schema import ConfigError, DaemonConfig, TrainerConfig, read_yaml
+    from trainer.config.errors import ConfigError
+    from trainer.config.loading import read_yaml
+    from trainer.config.schema import DaemonConfig, TrainerConfig
 
     try:
         raw = read_yaml(path)
