@@ -138,9 +138,10 @@ def _offload_policy(tree: dict[str, Any], path: Sequence[str], trains: bool) -> 
 
 
 def _filled(pattern: str, parts: Sequence[str]) -> str:
-    """`pattern` with each `*` replaced by the next of `parts`."""
+    """`pattern` with each `*` replaced by the next of `parts` (a canonical key without `*` takes none of them:
+    every model's written key is read as the one run-wide key)."""
     pieces = pattern.split("*")
-    return pieces[0] + "".join(part + piece for part, piece in zip(parts, pieces[1:], strict=True))
+    return pieces[0] + "".join(part + piece for part, piece in zip(parts, pieces[1:], strict=False))
 
 
 def _node(tree: Any, path: Sequence[str]) -> Any:
