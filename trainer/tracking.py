@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from trainer.config import RunConfig
+from trainer.config import KEYS, RunConfig
 from trainer.errors import RunSetupError
 
 
@@ -163,8 +163,8 @@ def start_tracking(config: RunConfig, *, start_step: int, warn: Callable[[str], 
         except Exception as error:  # anything: see Tracking
             if not run.resumed:
                 Tracking(trackers, warn).close(failed=True)
-                raise RunSetupError(f"trainer.logger: tracker {name} could not start ({_describe(error)}); fix "
-                                    f"that, or leave {name} out of trainer.logger") from error
+                raise RunSetupError(f"{KEYS.trainer.logger}: tracker {name} could not start ({_describe(error)}); "
+                                    f"fix that, or leave {name} out of {KEYS.trainer.logger}") from error
             warn(f"tracker {name} could not start ({_describe(error)}); training goes on without it")
             continue
         log(f"tracker {name}: {trackers[name].where}")

@@ -8,7 +8,7 @@ named through the schema), docs.py (docs/config.md and docs/verl.md).
 """
 
 from trainer.config.errors import ConfigError, ConfigProblem
-from trainer.config.keys import KEYS, Key, fsdp_key, key_of
+from trainer.config.keys import FSDP_CONFIG, KEYS, Key, fsdp_key, key_of
 from trainer.config.loading import (
     LoadedConfig,
     dump_config,
@@ -42,7 +42,7 @@ from trainer.config.schema import (
 )
 
 __all__ = [
-    "BUILTIN_DATASETS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "DATA_FILE_SUFFIXES", "KEYS", "ActorConfig",
+    "BUILTIN_DATASETS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "DATA_FILE_SUFFIXES", "FSDP_CONFIG", "KEYS", "ActorConfig",
     "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError", "ConfigProblem", "CriticConfig", "DaemonConfig",
     "DataConfig", "DynamicOffloadConfig", "FSDPConfig", "Key", "LoadedConfig", "LogLevel", "ModelConfig",
     "OptimConfig", "RolloutConfig", "RunConfig", "Section", "TelemetryConfig", "TrainerConfig", "check_semantics",

@@ -5,7 +5,8 @@
 (a name the schema lacks raises AttributeError naming it), and tests/trainer/test_keys.py checks every
 ``KEYS.<chain>`` written in the repository against the schema, so a key on an error path that no test runs cannot
 drift either. A `Key` is a `str`, so it drops into f-strings and comparisons unchanged:
-``f"set {KEYS.data.max_prompt_length}"``. A model's placement section by its role: ``fsdp_key("critic")``.
+``f"set {KEYS.data.max_prompt_length}"``. A model's placement section by its role: ``fsdp_key("critic")``; any
+model's, relative to the model: ``FSDP_CONFIG.param_offload`` (``"fsdp_config.param_offload"``).
 
 Code inside trainer/config may write keys as strings: it lives beside the schema, and its messages are tested.
 """
@@ -16,6 +17,7 @@ import difflib
 from collections.abc import Iterator
 
 from trainer.config.fields import Section, section_type
+from trainer.config.placement import FSDPConfig
 from trainer.config.schema import FSDP_PREFIX, RunConfig
 
 
@@ -50,6 +52,11 @@ class Key(str):
 
 KEYS = Key("", RunConfig)
 """The root of the schema: ``KEYS.data`` is ``"data"``."""
+
+
+FSDP_CONFIG = Key("fsdp_config", FSDPConfig)
+"""Any model's fsdp_config, for a message about every model's: ``FSDP_CONFIG.param_offload`` is
+``"fsdp_config.param_offload"``."""
 
 
 def key_of(dotted: str) -> Key:
