@@ -35,7 +35,7 @@ import yaml
 from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized, page_url
 from api.monitor import RunSummary, describe_status, format_value, run_monitor
 from daemon.runtime import RunDirInUse, RunLock, RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
-from trainer.config import KEYS, ConfigError, RunConfig, dump_config, load_config
+from trainer.config import KEYS, ConfigError, RunConfig, dump_config, load_config_with_notes
 from trainer.config.live import SETTING_NAMES
 
 EXIT_USAGE = 2
@@ -168,15 +168,20 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def load_run_config(config_file: str | None, overrides: Sequence[str]) -> RunConfig:
-    """The validated config, or a UsageError with every problem of the file and the overrides."""
+    """The validated config, or a UsageError with every problem of the file and the overrides. verl's keys that
+    are accepted with no effect here (noted in the alias table, trainer/config/aliases.py) are named in one NOTE
+    line."""
     try:
-        return load_config(config_file, overrides)
+        config, notes = load_config_with_notes(config_file, overrides)
     except ConfigError as error:
         hint = None
         if any(problem.path != "--config" for problem in error.problems):
             where = f"in {config_file} or " if config_file else ""
             hint = f"fix these {where}on the command line as key.path=value (Hydra's override grammar)"
         raise UsageError([str(problem) for problem in error.problems], hint) from None
+    if notes:
+        print(f"NOTE: accepted, with no effect here: {'; '.join(notes)}", file=sys.stderr, flush=True)
+    return config
 
 
 def check_command(config: RunConfig) -> int:

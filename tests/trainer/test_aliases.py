@@ -89,3 +89,28 @@ def test_a_moved_key_turned_mapped_is_read_as_its_canonical_key(monkeypatch: pyt
         load_config(None, [f"{actor}.gpu_memory_threshold=1.5"])
     assert [problem.path for problem in caught.value.problems] == [f"{actor}.gpu_memory_threshold"], \
         "a bad value is named where it was written"
+
+
+def test_verl_train_names_the_noted_keys_in_one_note_line(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from daemon.cli import load_run_config
+
+    engine = entry_for("actor_rollout_ref.rollout.mode")
+    noted = tuple(dataclasses.replace(alias, action=Action.NOTED) if alias is engine else alias for alias in ALIASES)
+    monkeypatch.setattr(alias_table, "ALIASES", noted)
+    load_run_config(None, ["actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.max_num_seqs=512"])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"NOTE: accepted, with no effect here: actor_rollout_ref.rollout.mode: {engine.why}; "
+                     f"actor_rollout_ref.rollout.max_num_seqs: {engine.why}"]
+    load_run_config(None, [])
+    assert capsys.readouterr().err == "", "no note without a noted key"
+
+
+def test_a_key_noted_by_name_is_accepted_where_verls_file_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    swap = alias_table.noted("actor_rollout_ref.rollout.swap_space", "vLLM's CPU swap space; the rollout here has none")
+    monkeypatch.setattr(alias_table, "ALIASES", (swap, *ALIASES))
+    loaded = load_config_with_notes(None, ["+actor_rollout_ref.rollout.swap_space=4"])
+    assert loaded.notes == [f"actor_rollout_ref.rollout.swap_space: {swap.why}"]
+    assert load_config(None, ["+actor_rollout_ref.rollout.swap_space=4", "~actor_rollout_ref.rollout.swap_space"])
+    with pytest.raises(ConfigError, match="swap_spaces"):  # a pattern of it would not take a misspelt key
+        load_config(None, ["+actor_rollout_ref.rollout.swap_spaces=4"])

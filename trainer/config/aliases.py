@@ -10,7 +10,8 @@ key it is read as (or where it lives now), why, and what loading does with it:
   verl_ppo_trainer.yaml, verl's generated file as it ships) or at the values in `accepts`, refused at any other
   with its why-line. A key in neither the schema nor verl's file is left to the schema, which reports it as
   unknown (with its did-you-mean), so a misspelt key is never taken for one of verl's.
-- ``noted``: one of verl's keys accepted whatever its value, and named in a NOTE line at start.
+- ``noted``: accepted whatever its value, and named in one NOTE line at start (``verl train``). A pattern notes
+  keys of verl's file; a key written out in full is noted even where verl's file lacks it (vLLM's own knobs).
 - ``refused``: a key that moved: refused, naming where it lives now.
 
 A dotted key takes the line of the first entry whose pattern matches it. docs/verl.md is written from this table

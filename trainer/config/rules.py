@@ -255,7 +255,7 @@ def _validation_needs_data(config: RunConfig) -> list[ConfigProblem]:
     return []
 
 
-# ------------------------------------------------------------------------- settings with no effect
+# ---------------------------------------------------------------- keys that contradict or have no effect
 
 
 def _checkpoint_counts_agree(config: RunConfig) -> list[ConfigProblem]:

@@ -239,9 +239,11 @@ def _unknown_to(tree: dict[str, Any], section: type[Section] | None) -> dict[str
 
 
 def knows(parts: Sequence[str]) -> bool:
-    """Whether a dotted key (split) is one of verl's keys outside the schema, or a mapped key of the alias table
-    (a `.*` pattern's section included)."""
+    """Whether a dotted key (split) is one of verl's keys outside the schema, or a mapped or noted key of the
+    alias table (a `.*` pattern's section included)."""
     key = ".".join(parts)
+    if _noted_by_name(key):
+        return True
     for alias in entries(Action.MAPPED):
         if alias.matches(key) or (alias.written.endswith(".*") and key == alias.written[:-2]):
             return True
@@ -312,7 +314,23 @@ def _drop_verl_keys(node: dict[str, Any], section: type[Section] | None, verl: A
         if isinstance(verl, dict) and key in verl:
             del node[key]
             problems += _compare([*location, key], value, verl[key], context, notes)
+        elif _noted_by_name(".".join([*location, key])):
+            del node[key]
+            notes.append(_note(".".join([*location, key])))
     return problems
+
+
+def _noted_by_name(key: str) -> bool:
+    """Whether the table notes this very key (not by a pattern): accepted even where verl's file lacks it. A
+    pattern notes keys of verl's file only, so that a misspelt key is never taken for one of verl's."""
+    alias = entry_for(key)
+    return alias is not None and alias.action is Action.NOTED and alias.written == key
+
+
+def _note(key: str) -> str:
+    alias = entry_for(key)
+    assert alias is not None
+    return f"{key}: {alias.why}"
 
 
 def _compare(location: list[str], value: Any, default: Any, context: _Context,
@@ -320,7 +338,7 @@ def _compare(location: list[str], value: Any, default: Any, context: _Context,
     key = ".".join(location)
     alias = entry_for(key)
     if alias is not None and alias.action is Action.NOTED:
-        notes.append(f"{key}: {alias.why}")
+        notes.append(_note(key))
         return []
     if isinstance(default, str) and "${" in default:
         # verl's key mirrors another (actor.use_remove_padding: ${...model.use_remove_padding}): where it does,
