@@ -19,6 +19,7 @@ from statistics import fmean
 from typing import Any, TypedDict
 
 from api.schemas import LatestBody
+from trainer.config import KEYS
 from trainer.config.messages import RankStatus, RunStatus
 
 # Copies slower than this are bound by host memory or the PCIe link, not by the GPU.
@@ -74,7 +75,7 @@ def rank_imbalance_hints(ranks: Sequence[RankStatus]) -> list[str]:
     connected = [rank for rank in ranks if rank.connected]
     checks = (("GPU memory", lambda rank: rank.gpu_memory_bytes, lambda value: f"{value / GIB:.1f} GiB",
                "its shard, placement or batch differs from the others' (compare the ranks' offload summaries; "
-               "uneven sequence lengths: actor.use_dynamic_bsz)"),
+               f"uneven sequence lengths: {KEYS.actor_rollout_ref.actor.use_dynamic_bsz})"),
               ("offload copy latency", lambda rank: rank.copy_latency_mean_s, lambda value: f"{value * 1e3:.1f} ms",
                "its host link is slower (check that GPU's PCIe link width and that the rank runs on the CPU socket "
                "of its GPU, where its pinned memory is)"))
@@ -98,7 +99,7 @@ def _checkpoint_hints(snapshot: Snapshot) -> list[str]:
         return []
     return [f"the latest checkpoint save failed (before step {step.step}; the trainer's log says why, most often "
             "a full disk): a crash now loses every step since the last checkpoint written; free disk space in the "
-            "run directory or keep fewer checkpoints (trainer.max_ckpt_to_keep); the next save tries again"]
+            f"run directory or keep fewer checkpoints ({KEYS.trainer.max_ckpt_to_keep}); the next save tries again"]
 
 
 def _gpu_hints(index: int, samples: list[tuple[float, dict]], *, anything_offloaded: bool) -> list[str]:

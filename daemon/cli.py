@@ -35,7 +35,7 @@ import yaml
 from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized, page_url
 from api.monitor import RunSummary, describe_status, format_value, run_monitor
 from daemon.runtime import RunDirInUse, RunLock, RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
-from trainer.config import ConfigError, RunConfig, dump_config, load_config
+from trainer.config import KEYS, ConfigError, RunConfig, dump_config, load_config_with_notes
 from trainer.config.live import ALLOWED_NAMES, named_twice
 
 EXIT_USAGE = 2
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "the resolved config (exit code 0, or 2 with every problem)")
     train.add_argument("overrides", nargs="*", metavar="key.path=value",
                        help="override config keys in Hydra's grammar: key=value, +key=value, ++key=value, ~key, "
-                            "lists [a,b], ${oc.env:VAR}; e.g. data.train_batch_size=64")
+                            f"lists [a,b], ${{oc.env:VAR}}; e.g. {KEYS.data.train_batch_size}=64")
     train.set_defaults(handler=train_command)
 
     monitor = _run_command(commands, "monitor", "attach a live view to a running run", monitor_command)
@@ -106,9 +106,9 @@ def _run_command(commands, name: str, summary: str, handler) -> argparse.Argumen
     command.add_argument("--pid", required=True, type=_pid, metavar="PID",
                          help="the daemon's pid (printed by `verl train`) or one of its trainers' pids")
     command.add_argument("--state-dir", metavar="DIR",
-                         help="where the run keeps its runtime files: its daemon.state_dir (default: "
+                         help=f"where the run keeps its runtime files: its {KEYS.daemon.state_dir} (default: "
                               "$VERL_STATE_DIR, else $XDG_STATE_HOME/verl, else ~/.local/state/verl; a run "
-                              "started with daemon.state_dir=DIR needs --state-dir DIR)")
+                              f"started with {KEYS.daemon.state_dir}=DIR needs --state-dir DIR)")
     command.set_defaults(handler=handler)
     return command
 
@@ -168,15 +168,20 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def load_run_config(config_file: str | None, overrides: Sequence[str]) -> RunConfig:
-    """The validated config, or a UsageError with every problem of the file and the overrides."""
+    """The validated config, or a UsageError with every problem of the file and the overrides. verl's keys that
+    are accepted with no effect here (noted in the alias table, trainer/config/aliases.py) are named in one NOTE
+    line."""
     try:
-        return load_config(config_file, overrides)
+        config, notes = load_config_with_notes(config_file, overrides)
     except ConfigError as error:
         hint = None
         if any(problem.path != "--config" for problem in error.problems):
             where = f"in {config_file} or " if config_file else ""
             hint = f"fix these {where}on the command line as key.path=value (Hydra's override grammar)"
         raise UsageError([str(problem) for problem in error.problems], hint) from None
+    if notes:
+        print(f"NOTE: accepted, with no effect here: {'; '.join(notes)}", file=sys.stderr, flush=True)
+    return config
 
 
 def check_command(config: RunConfig) -> int:

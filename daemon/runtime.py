@@ -24,6 +24,8 @@ from typing import Any
 
 import psutil
 
+from trainer.config import KEYS
+
 STATE_DIR_ENV = "VERL_STATE_DIR"
 # Two processes with the same pid started this far apart are different processes.
 _START_TIME_TOLERANCE_S = 1.0
@@ -176,15 +178,17 @@ def _is_verl_train(process: psutil.Process) -> bool:
 
 def _state_dir_hint(daemon: psutil.Process) -> str:
     """Which --state-dir to pass: the one the daemon's command line sets, when it does."""
-    hint = "pass --state-dir DIR with the run's daemon.state_dir (`verl train` printed the whole command at start)"
+    hint = (f"pass --state-dir DIR with the run's {KEYS.daemon.state_dir} (`verl train` printed the whole command "
+            "at start)")
     try:
         arguments, folder = daemon.cmdline(), daemon.cwd()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return hint
-    given = [argument.partition("=")[2] for argument in arguments if argument.startswith("daemon.state_dir=")]
+    given = [argument.partition("=")[2] for argument in arguments if argument.startswith(f"{KEYS.daemon.state_dir}=")]
     if not given or not given[-1]:
         return hint
-    return f"its command line sets daemon.state_dir: pass --state-dir {Path(folder) / Path(given[-1]).expanduser()}"
+    return (f"its command line sets {KEYS.daemon.state_dir}: pass --state-dir "
+            f"{Path(folder) / Path(given[-1]).expanduser()}")
 
 
 def _running_hint(state: Path) -> str:
@@ -269,10 +273,10 @@ def _in_use_message(run_dir: Path, path: Path, holder: dict[str, Any]) -> str:
     trainers = [pid for pid in holder.get("trainer_pids") or [] if isinstance(pid, int) and psutil.pid_exists(pid)]
     if isinstance(daemon, int) and psutil.pid_exists(daemon):
         return (f"run directory {run_dir} is in use by `verl train` pid {daemon} (it holds {path}); stop that run "
-                f"first (`verl stop --pid {daemon}`), or give this one another trainer.experiment_name")
+                f"first (`verl stop --pid {daemon}`), or give this one another {KEYS.trainer.experiment_name}")
     if trainers:
         return (f"run directory {run_dir} is in use by trainer pid {trainers[0]}, whose daemon (pid {daemon}) has "
                 "exited: it checkpoints at its next safe point and exits; start this run again once it has, or "
-                "give it another trainer.experiment_name")
+                f"give it another {KEYS.trainer.experiment_name}")
     return (f"run directory {run_dir} is locked by another process ({path}); stop the run that uses it, or give "
-            "this one another trainer.experiment_name")
+            f"this one another {KEYS.trainer.experiment_name}")

@@ -71,7 +71,7 @@ from daemon.runtime import (
 )
 from daemon.settings import SettingsStore
 from daemon.supervisor import EXIT_OUT_OF_MEMORY, EXIT_USAGE, RestartPolicy, Supervisor
-from trainer.config import RunConfig
+from trainer.config import FSDP_CONFIG, KEYS, RunConfig
 from trainer.config.ipc import ENV_DAEMON_PID, ENV_SOCKET, ENV_TOKEN
 from trainer.config.live import NAME_OF, SettingsRejected, canonical_change, initial_live_settings
 from trainer.config.messages import (
@@ -254,7 +254,7 @@ class Daemon:
                 print(f"ERROR: {error}", file=sys.stderr)
                 return EXIT_USAGE
             except OSError as error:  # the state or run directory cannot be written, the socket not made
-                print(f"ERROR: the daemon cannot start: {error}\nHINT: check that daemon.state_dir (now "
+                print(f"ERROR: the daemon cannot start: {error}\nHINT: check that {KEYS.daemon.state_dir} (now "
                       f"{self.state}) and {self.run_dir} are writable", file=sys.stderr)
                 return EXIT_USAGE
             code = await self.supervisor.run()
@@ -340,14 +340,14 @@ class Daemon:
         if self._first_signal_at is None:
             self._first_signal_at = now
             log.info("received %s: stopping the run (signal again %g s or more after this to kill the trainer "
-                     "without a checkpoint, daemon.force_stop_grace_s)", name, grace)
+                     f"without a checkpoint, {KEYS.daemon.force_stop_grace_s})", name, grace)
             self.supervisor.request_stop()
         elif now - self._first_signal_at >= grace:
             log.warning("received %s again, %.0f s after the first: killing the trainer without a checkpoint",
                         name, now - self._first_signal_at)
             self.supervisor.request_stop(force=True)
         else:
-            log.info("received %s again within daemon.force_stop_grace_s=%g s of the first: the same stop, the "
+            log.info(f"received %s again within {KEYS.daemon.force_stop_grace_s}=%g s of the first: the same stop, the "
                      "trainer still checkpoints", name, grace)
 
     # -------------------------------------------------------------------------------------- the API
@@ -506,8 +506,8 @@ class Daemon:
         hello = connection.hello
         if not self.ranks.admits(connection.rank):
             last = self.ranks.first_rank + self.ranks.ranks_per_node - 1
-            log.warning("refused trainer pid %s: it says it is rank %d, but this node (trainer.node_rank=%d) runs "
-                        "ranks %d to %d", connection.pid, connection.rank, self.config.trainer.node_rank,
+            log.warning(f"refused trainer pid %s: it says it is rank %d, but this node ({KEYS.trainer.node_rank}=%d) "
+                        "runs ranks %d to %d", connection.pid, connection.rank, self.config.trainer.node_rank,
                         self.ranks.first_rank, last)
             connection.close()
             return
@@ -666,7 +666,7 @@ class Daemon:
         log_path = self.run_dir / "logs" / "trainer.log"
         with contextlib.suppress(OSError), log_path.open("a", encoding="utf-8") as file:
             file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR the verl daemon heard nothing from trainer pid "
-                       f"{pid} for {silent_s:.0f} s (daemon.hang_timeout_s {self.hang_timeout_s():.0f} s): its "
+                       f"{pid} for {silent_s:.0f} s ({KEYS.daemon.hang_timeout_s} {self.hang_timeout_s():.0f} s): its "
                        "Python stacks follow; it is then killed and restarted from its latest checkpoint\n")
 
     def _trainer_restarting(self, event: dict[str, Any]) -> None:
@@ -787,13 +787,13 @@ class Daemon:
                   f"HINT: see its ERROR lines in {logs / 'trainer.out'}", file=sys.stderr)
         elif supervisor.last_exit_code == EXIT_OUT_OF_MEMORY:
             print(f"ERROR: the trainer failed {supervisor.restarts + 1} times, the last one out of memory; gave up "
-                  f"after daemon.max_restarts={self.config.daemon.max_restarts} restarts\n"
+                  f"after {KEYS.daemon.max_restarts}={self.config.daemon.max_restarts} restarts\n"
                   "HINT: lower the micro batch sizes (*.ppo_micro_batch_size_per_gpu, "
-                  "*.log_prob_micro_batch_size_per_gpu) or offload more (fsdp_config.param_offload=true); "
+                  f"*.log_prob_micro_batch_size_per_gpu) or offload more ({FSDP_CONFIG.param_offload}=true); "
                   f"see {logs / 'trainer.out'}", file=sys.stderr)
         else:
             print(f"ERROR: the trainer failed {supervisor.restarts + 1} times; gave up after "
-                  f"daemon.max_restarts={self.config.daemon.max_restarts} restarts\n"
+                  f"{KEYS.daemon.max_restarts}={self.config.daemon.max_restarts} restarts\n"
                   f"HINT: see {logs / 'trainer.out'} and {logs / 'daemon.log'}", file=sys.stderr)
 
 
@@ -826,7 +826,7 @@ def _listen(host: str, port: int) -> socket.socket:
         family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                                 flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as error:
-        raise DaemonStartError(f"telemetry.host: cannot resolve {host!r} ({error}); use an address such as "
+        raise DaemonStartError(f"{KEYS.telemetry.host}: cannot resolve {host!r} ({error}); use an address such as "
                                "127.0.0.1") from None
     listener = socket.socket(family, kind, protocol)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -834,8 +834,8 @@ def _listen(host: str, port: int) -> socket.socket:
         listener.bind(address)
     except OSError as error:
         listener.close()
-        raise DaemonStartError(f"telemetry.port: cannot listen on {host}:{port} ({error.strerror}); choose "
-                               "another port, or telemetry.port=0 for a free one") from None
+        raise DaemonStartError(f"{KEYS.telemetry.port}: cannot listen on {host}:{port} ({error.strerror}); choose "
+                               f"another port, or {KEYS.telemetry.port}=0 for a free one") from None
     listener.listen(128)
     return listener
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import psutil
 
+from trainer.config import KEYS
 from trainer.config.ipc import STACK_DUMP_SIGNAL
 
 log = logging.getLogger("verl.daemon.supervisor")
@@ -245,7 +246,7 @@ class Supervisor:
                 try:
                     await asyncio.wait_for(asyncio.shield(exited), self.stop_timeout_s)
                 except TimeoutError:
-                    log.warning("the trainer did not exit within daemon.stop_timeout_s=%.0f s; killing it",
+                    log.warning(f"the trainer did not exit within {KEYS.daemon.stop_timeout_s}=%.0f s; killing it",
                                 self.stop_timeout_s)
                     _kill(process)
             return await exited
@@ -270,9 +271,9 @@ class Supervisor:
                 continue
             who = f"the trainer (pid {process.pid})" if set(self._heard_at) == {0} else \
                 f"trainer rank {rank} (of the group of launcher pid {process.pid})"
-            log.error("%s sent no heartbeat for %.0f s (daemon.hang_timeout_s=%.0f): it hangs; its Python stacks go "
-                      "to logs/trainer.log, then it is killed and restarted from its latest checkpoint", who, silent,
-                      timeout)
+            log.error(f"%s sent no heartbeat for %.0f s ({KEYS.daemon.hang_timeout_s}=%.0f): it hangs; its Python "
+                      "stacks go to logs/trainer.log, then it is killed and restarted from its latest checkpoint", who,
+                      silent, timeout)
             self._on_hang(process.pid, silent)
             self._hung = True
             _signal(process, STACK_DUMP_SIGNAL)
@@ -297,7 +298,7 @@ class Supervisor:
             self._set_state("failed")
             return EXIT_USAGE
         if self.restarts >= self.policy.max_restarts:
-            log.error("trainer %s; giving up after %d restart(s) (daemon.max_restarts=%d)",
+            log.error(f"trainer %s; giving up after %d restart(s) ({KEYS.daemon.max_restarts}=%d)",
                       describe_exit(returncode), self.restarts, self.policy.max_restarts)
             self._set_state("failed")
             return EXIT_GAVE_UP

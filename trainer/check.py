@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainer.config import BUILTIN_PREFIX, ConfigError, RunConfig, load_config
+from trainer.config import BUILTIN_PREFIX, KEYS, ConfigError, RunConfig, load_config
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -49,27 +49,27 @@ def check_run(config: RunConfig) -> list[str]:
         if config.reward_model.enable:
             network = config.reward_model.model
             load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code,
-                           setting="reward_model.model.tokenizer_path")
+                           setting=KEYS.reward_model.model.tokenizer_path)
     except expected as error:
         problems.append(str(error))
     problems += _unreadable_model_configs(config)
     # The built-in rule scorers compare each response with the row's ground truth (as the trainer loads them).
     builtin_scoring = not config.reward_model.enable and config.custom_reward_function.path is None
-    for files_key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+    for files_key, files in ((KEYS.data.train_files, data.train_files), (KEYS.data.val_files, data.val_files)):
         try:
             records = load_records(files, data.prompt_key, require_ground_truth=builtin_scoring)
             if tokenizer is not None and data.filter_overlong_prompts:
                 records = drop_overlong_prompts(records, tokenizer, data.max_prompt_length)
                 if files and not records:
-                    problems.append(f"{files_key}: every prompt is longer than data.max_prompt_length="
-                                    f"{data.max_prompt_length} tokens (data.filter_overlong_prompts drops them); "
-                                    "raise it")
+                    problems.append(f"{files_key}: every prompt is longer than {KEYS.data.max_prompt_length}="
+                                    f"{data.max_prompt_length} tokens ({KEYS.data.filter_overlong_prompts} drops "
+                                    "them); raise it")
                     continue
             if tokenizer is not None:
                 name = (f"{source}'s built-in {len(tokenizer)}-token tokenizer" if source.startswith(BUILTIN_PREFIX)
                         else repr(source))
                 check_prompts(records, tokenizer, files_key=files_key, max_length=data.max_prompt_length,
-                              truncation=data.truncation, tokenizer_setting="actor_rollout_ref.model.tokenizer_path",
+                              truncation=data.truncation, tokenizer_setting=KEYS.actor_rollout_ref.model.tokenizer_path,
                               tokenizer_name=name)
         except expected as error:
             problems.append(str(error))
@@ -78,11 +78,11 @@ def check_run(config: RunConfig) -> list[str]:
 
 def _unreadable_model_configs(config: RunConfig) -> list[str]:
     """The config.json of each model directory the run builds, read as JSON (the schema saw that it exists)."""
-    paths = [("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path)]
+    paths = [(KEYS.actor_rollout_ref.model.path, config.actor_rollout_ref.model.path)]
     if config.use_critic:
-        paths.append(("critic.model.path", config.critic.model.path))
+        paths.append((KEYS.critic.model.path, config.critic.model.path))
     if config.reward_model.enable:
-        paths.append(("reward_model.model.path", config.reward_model.model.path))
+        paths.append((KEYS.reward_model.model.path, config.reward_model.model.path))
     problems = []
     for key, path in paths:
         if path is None or path.startswith(BUILTIN_PREFIX):

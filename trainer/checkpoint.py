@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
+from trainer.config import KEYS
 from trainer.models.lora import ADAPTER_WEIGHTS, adapter_state_bytes, is_adapted, load_adapter, save_adapter
 from trainer.offload.layout import format_bytes, storage_bytes
 from trainer.offload.streamer import nested_tensors
@@ -28,6 +29,8 @@ TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest_checkpointed_iteration.txt"
 WEIGHTS = "model.safetensors"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_RESUME_EARLIER = (f"resume from an earlier checkpoint ({KEYS.trainer.resume_mode}=resume_path, "
+                   f"{KEYS.trainer.resume_from_path}) or remove this one")
 
 
 class CheckpointError(Exception):
@@ -142,7 +145,7 @@ def _no_room(root: Path, step: int, needed: int, whose: str) -> str | None:
         return None
     return (f"not enough disk space for the checkpoint of step {step} in {str(root)!r}: {whose} about "
             f"{format_bytes(needed)} and {format_bytes(free)} is free; free some space, keep fewer checkpoints "
-            "(trainer.max_ckpt_to_keep) or write the checkpoints elsewhere (trainer.default_local_dir)")
+            f"({KEYS.trainer.max_ckpt_to_keep}) or write the checkpoints elsewhere ({KEYS.trainer.default_local_dir})")
 
 
 def _write_failure(what: str, root: Path, partial: Path, needed: int, error: BaseException) -> CheckpointWriteError:
@@ -236,9 +239,7 @@ def load_checkpoint(path: Path, models: dict[str, torch.nn.Module]) -> dict[str,
         try:
             missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
         except SafetensorError as error:
-            raise CheckpointError(f"{str(weights)!r} is damaged ({_one_line(error)}); resume from an earlier "
-                                  "checkpoint (trainer.resume_mode=resume_path, trainer.resume_from_path) or remove "
-                                  "this one") from None
+            raise CheckpointError(f"{str(weights)!r} is damaged ({_one_line(error)}); {_RESUME_EARLIER}") from None
         except RuntimeError as error:
             # Missing or extra tensors are returned, but a tensor of another shape makes torch raise.
             detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line),
@@ -259,9 +260,8 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
         # Our own file, holding numpy and Python RNG states that weights_only loading refuses.
         state: dict[str, Any] = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"{str(path / TRAINER_STATE)!r} is damaged ({_one_line(error)}); resume from an "
-                              "earlier checkpoint (trainer.resume_mode=resume_path, trainer.resume_from_path) or "
-                              "remove this one") from None
+        raise CheckpointError(f"{str(path / TRAINER_STATE)!r} is damaged ({_one_line(error)}); "
+                              f"{_RESUME_EARLIER}") from None
     return state
 
 
@@ -275,9 +275,8 @@ def _load_adapter(path: Path, role: str, model: torch.nn.Module) -> None:
     try:
         unfit = load_adapter(model, directory)
     except SafetensorError as error:
-        raise CheckpointError(f"{str(directory / ADAPTER_WEIGHTS)!r} is damaged ({_one_line(error)}); resume from an "
-                              "earlier checkpoint (trainer.resume_mode=resume_path, trainer.resume_from_path) or "
-                              "remove this one") from None
+        raise CheckpointError(f"{str(directory / ADAPTER_WEIGHTS)!r} is damaged ({_one_line(error)}); "
+                              f"{_RESUME_EARLIER}") from None
     except RuntimeError as error:
         raise CheckpointError(f"the {role}'s LoRA adapter in {str(path)!r} does not fit the model "
                               f"({_one_line(error)}): were lora_rank and target_modules the same?") from None
@@ -530,7 +529,7 @@ def load_single_into_sharded(path: Path, models: dict[str, tuple[torch.nn.Module
         saved = optimizer_states[role]
         if "parameter_names" not in saved:
             raise CheckpointError(f"{str(path)!r} predates the parameter names a resume on several ranks needs; "
-                                  "resume it on one rank (trainer.n_gpus_per_node=1)")
+                                  f"resume it on one rank ({KEYS.trainer.n_gpus_per_node}=1)")
         by_name = dict(zip(saved["parameter_names"], (saved["optimizer"]["state"].get(index) for index in
                                                       range(len(saved["parameter_names"]))), strict=True))
         states = {}

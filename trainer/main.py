@@ -24,10 +24,17 @@ EXIT_USAGE = 2
 # the same value as EXIT_OUT_OF_MEMORY and counts such an exit as an "oom" restart. Change both.
 EXIT_OUT_OF_MEMORY = 12
 EXIT_DAEMON_GONE = 1
-OUT_OF_MEMORY_HINT = ("lower the micro batch sizes (actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, "
-                      "actor_rollout_ref.{rollout,ref}.log_prob_micro_batch_size_per_gpu, "
-                      "critic.ppo_micro_batch_size_per_gpu) or offload more (fsdp_config.param_offload=true, "
-                      "fsdp_config.dynamic_offload.enabled=true)")
+
+
+def out_of_memory_hint() -> str:
+    """What to change after running out of device memory. (A function: this module imports the config only once
+    its arguments are parsed.)"""
+    from trainer.config import FSDP_CONFIG, KEYS
+
+    return (f"lower the micro batch sizes ({KEYS.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}, "
+            "actor_rollout_ref.{rollout,ref}.log_prob_micro_batch_size_per_gpu, "
+            f"{KEYS.critic.ppo_micro_batch_size_per_gpu}) or offload more ({FSDP_CONFIG.param_offload}=true, "
+            f"{FSDP_CONFIG.dynamic_offload.enabled}=true)")
 
 
 ALLOCATOR_DEFAULTS = "expandable_segments:True"
@@ -176,7 +183,7 @@ def _log_forwarder(telemetry):
 def _report_out_of_memory(error: BaseException, reporter, telemetry) -> int:
     """One ERROR line that says what to change, in the terminal, the run's log and the daemon's stream."""
     detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    message = f"out of memory, not recovered ({detail[:200]}): {OUT_OF_MEMORY_HINT}"
+    message = f"out of memory, not recovered ({detail[:200]}): {out_of_memory_hint()}"
     if reporter is not None:
         reporter.logger.error(message)
         reporter.close()  # the progress bar off the terminal before the line goes there

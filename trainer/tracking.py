@@ -14,7 +14,7 @@ verl's ``verl/utils/tracking.py`` is the model: the same backends, the same envi
 - ``console`` is the trainer's own step line (trainer/reporting.py), so it has no tracker here.
 
 Only the first process of a rank group logs, on a thread of its own (Tracking). Each library is imported when
-its tracker starts; the config check (trainer.config.schema) has already refused one whose library is missing.
+its tracker starts; the config check (trainer/config/environment.py) has already refused one whose library is missing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from trainer.config import RunConfig
+from trainer.config import KEYS, RunConfig
 from trainer.errors import RunSetupError
 
 
@@ -163,8 +163,8 @@ def start_tracking(config: RunConfig, *, start_step: int, warn: Callable[[str], 
         except Exception as error:  # anything: see Tracking
             if not run.resumed:
                 Tracking(trackers, warn).close(failed=True)
-                raise RunSetupError(f"trainer.logger: tracker {name} could not start ({_describe(error)}); fix "
-                                    f"that, or leave {name} out of trainer.logger") from error
+                raise RunSetupError(f"{KEYS.trainer.logger}: tracker {name} could not start ({_describe(error)}); "
+                                    f"fix that, or leave {name} out of {KEYS.trainer.logger}") from error
             warn(f"tracker {name} could not start ({_describe(error)}); training goes on without it")
             continue
         log(f"tracker {name}: {trackers[name].where}")

@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from trainer.config import FSDPConfig, load_config
-from trainer.config.schema import ConfigError
+from trainer.config import ConfigError, FSDPConfig, load_config
 from trainer.models import load_policy, load_tokenizer
 from trainer.offload import OffloadOptions, attach_offload, update_mode, updates_on_device
 from trainer.offload.update_split import WINDOW_SHARE

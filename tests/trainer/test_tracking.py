@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, RunConfig, load_config
-from trainer.config import schema as config_schema
+from trainer.config import environment as config_environment
 from trainer.errors import RunSetupError
 from trainer.tracking import TRACKERS, Tracking, flat_config, mlflow_key, start_tracking
 
@@ -93,8 +93,8 @@ def test_an_unknown_tracker_is_one_line_naming_the_allowed_ones() -> None:
 
 
 def test_a_tracker_whose_library_is_missing_is_refused_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_find_spec = config_schema.importlib.util.find_spec
-    monkeypatch.setattr(config_schema.importlib.util, "find_spec",
+    real_find_spec = config_environment.importlib.util.find_spec
+    monkeypatch.setattr(config_environment.importlib.util, "find_spec",
                         lambda name, *args: None if name == "wandb" else real_find_spec(name, *args))
     with pytest.raises(ConfigError) as caught:
         load_config(None, ["trainer.logger=[console,wandb,file]"])

@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from trainer.config import ConfigError, ConfigProblem, load_config
-from trainer.config.verl import VERL_CONFIG_FILE, verl_only_defaults, why
+from trainer.config.aliases import why
+from trainer.config.verl import VERL_CONFIG_FILE, verl_only_defaults
 
 ARO = "actor_rollout_ref"
 ASSETS = Path(__file__).parent / "assets"

@@ -1,7 +1,23 @@
 """The run configuration (schema, loading with Hydra-grammar overrides, errors), the live settings and the
-trainer<->daemon messages: everything the daemon shares with the trainer, none of it importing torch."""
+trainer<->daemon messages: everything the daemon shares with the trainer, none of it importing torch.
 
-from trainer.config.loading import load_config
+By job: schema.py (the typed tree; its placement.py and running.py parts), rules.py (the rules between fields,
+one pass), environment.py (the rules that read the disk and the environment), errors.py (the messages),
+loading.py, aliases.py (verl's keys: the one alias table) and verl.py (which applies it), keys.py (KEYS: keys
+named through the schema), docs.py (docs/config.md and docs/verl.md).
+"""
+
+from trainer.config.errors import ConfigError, ConfigProblem
+from trainer.config.keys import FSDP_CONFIG, KEYS, Key, fsdp_key, key_of
+from trainer.config.loading import (
+    LoadedConfig,
+    dump_config,
+    load_config,
+    load_config_with_notes,
+    resolve_defaults,
+    validate_config,
+)
+from trainer.config.rules import check_semantics
 from trainer.config.schema import (
     BUILTIN_DATASETS,
     BUILTIN_MODELS,
@@ -10,8 +26,6 @@ from trainer.config.schema import (
     ActorConfig,
     ActorRolloutRefConfig,
     AlgorithmConfig,
-    ConfigError,
-    ConfigProblem,
     CriticConfig,
     DaemonConfig,
     DataConfig,
@@ -25,16 +39,13 @@ from trainer.config.schema import (
     Section,
     TelemetryConfig,
     TrainerConfig,
-    check_semantics,
-    dump_config,
-    resolve_defaults,
-    validate_config,
 )
 
 __all__ = [
-    "BUILTIN_DATASETS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "DATA_FILE_SUFFIXES", "ActorConfig",
+    "BUILTIN_DATASETS", "BUILTIN_MODELS", "BUILTIN_PREFIX", "DATA_FILE_SUFFIXES", "FSDP_CONFIG", "KEYS", "ActorConfig",
     "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError", "ConfigProblem", "CriticConfig", "DaemonConfig",
-    "DataConfig", "DynamicOffloadConfig", "FSDPConfig", "LogLevel", "ModelConfig", "OptimConfig", "RolloutConfig",
-    "RunConfig", "Section", "TelemetryConfig", "TrainerConfig", "check_semantics", "dump_config", "load_config",
-    "resolve_defaults", "validate_config",
+    "DataConfig", "DynamicOffloadConfig", "FSDPConfig", "Key", "LoadedConfig", "LogLevel", "ModelConfig",
+    "OptimConfig", "RolloutConfig", "RunConfig", "Section", "TelemetryConfig", "TrainerConfig", "check_semantics",
+    "dump_config", "fsdp_key", "key_of", "load_config", "load_config_with_notes", "resolve_defaults",
+    "validate_config",
 ]

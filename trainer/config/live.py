@@ -20,15 +20,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from trainer.config.schema import (
+from trainer.config.fields import (
     GpuSampleInterval,
     LayerMinimum,
     LogLevel,
     MemoryThreshold,
     PcieSampleInterval,
-    RunConfig,
     describe_allowed,
 )
+from trainer.config.schema import RunConfig
 
 
 @dataclass(frozen=True)

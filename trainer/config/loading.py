@@ -1,24 +1,33 @@
 """Loading a run config: the YAML file (or the built-in defaults), then the command line's overrides in
-Hydra's grammar, then ``${...}`` interpolation, then verl's dialect (trainer/config/verl.py), the schema and
-every check beyond it in one pass."""
+Hydra's grammar, then ``${...}`` interpolation, then verl's dialect (the alias table, trainer/config/aliases.py,
+applied by trainer/config/verl.py), the schema and every rule beyond it in one pass (trainer/config/rules.py)."""
 
 from __future__ import annotations
 
 import os
+import re
+import typing
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import yaml
+from pydantic import ValidationError
+
+from trainer.config.environment import launch_keys_from_environment
+from trainer.config.errors import ConfigError, ConfigProblem, describe_pydantic_error
+from trainer.config.fields import Section
 from trainer.config.overrides import apply_overrides, resolve_interpolations
-from trainer.config.schema import (
-    ConfigError,
-    ConfigProblem,
-    RunConfig,
-    launch_keys_from_environment,
-    read_yaml,
-    validate_config,
-)
+from trainer.config.rules import check_semantics, checks_despite_schema_errors
+from trainer.config.schema import RunConfig
 from trainer.config.verl import translate
+
+
+class LoadedConfig(NamedTuple):
+    """A loaded config, and the NOTE lines to show at start (one per noted key of the alias table)."""
+
+    config: RunConfig
+    notes: list[str]
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> RunConfig:
@@ -26,6 +35,13 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[
 
     Raises ConfigError naming every problem at once.
     """
+    return load_config_with_notes(path, overrides).config
+
+
+def load_config_with_notes(path: str | os.PathLike[str] | None = None,
+                           overrides: Iterable[str] = ()) -> LoadedConfig:
+    """load_config, and the notes of the keys accepted with no effect here (the noted entries of the alias
+    table), for one NOTE line at start."""
     raw: dict[str, Any] = read_yaml(Path(path)) if path is not None else {}
     problems = apply_overrides(raw, overrides)
     if problems:  # a line that could not be applied leaves the tree short of what the user meant
@@ -34,20 +50,131 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[
     if problems:
         raise ConfigError(problems)
     environment_problems = launch_keys_from_environment(raw, os.environ)
-    tree, problems, aliases = translate(raw)
-    problems += environment_problems
+    translation = translate(raw)
+    problems = translation.problems + environment_problems
     try:
-        config = validate_config(tree)
+        config = validate_config(translation.tree)
     except ConfigError as error:
         problems += error.problems
     if problems:
-        raise ConfigError([_as_written(problem, aliases) for problem in problems])
-    return config
+        raise ConfigError([_as_written(problem, translation.written) for problem in problems])
+    return LoadedConfig(config, translation.notes)
 
 
-def _as_written(problem: ConfigProblem, aliases: dict[str, str]) -> ConfigProblem:
-    """The problem under the key path the user wrote (verl's critic.model.fsdp_config for critic.fsdp_config)."""
-    for canonical, written in aliases.items():
+def _as_written(problem: ConfigProblem, written: dict[str, str]) -> ConfigProblem:
+    """The problem under the key path the user wrote (verl's critic.model.fsdp_config.param_offload for
+    critic.fsdp_config.param_offload)."""
+    for canonical, as_written in written.items():
         if problem.path == canonical or problem.path.startswith(canonical + "."):
-            return ConfigProblem(written + problem.path[len(canonical):], problem.message)
+            return ConfigProblem(as_written + problem.path[len(canonical):], problem.message)
     return problem
+
+
+def validate_config(raw: dict[str, Any]) -> RunConfig:
+    """Turn a plain dict into a RunConfig, or raise ConfigError naming every problem."""
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as error:
+        errors = error.errors()
+        problems = [describe_pydantic_error(item) for item in errors]
+        problems += checks_despite_schema_errors(raw, errors)
+        raise ConfigError(problems) from None
+    problems = check_semantics(config)
+    if problems:
+        raise ConfigError(problems)
+    return resolve_defaults(config)
+
+
+def resolve_defaults(config: RunConfig) -> RunConfig:
+    """Fill the "unset means same as the actor" fields so the saved config is explicit."""
+    actor = config.actor_rollout_ref.actor
+    critic = config.critic.model_copy(
+        update={
+            "enable": config.use_critic,
+            "ppo_mini_batch_size": config.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+            "ppo_micro_batch_size_per_gpu": config.critic.ppo_micro_batch_size_per_gpu
+            or actor.ppo_micro_batch_size_per_gpu,
+            "ppo_epochs": config.critic.ppo_epochs or actor.ppo_epochs,
+            "model": config.critic.model.model_copy(
+                update={"path": config.critic.model.path or config.actor_rollout_ref.model.path}
+            ),
+            **_token_budget_defaults(config.critic, "use_dynamic_bsz", actor.use_dynamic_bsz,
+                                     "forward_max_token_len_per_gpu", config.critic.ppo_max_token_len_per_gpu),
+        }
+    )
+    scorers = {name: section.model_copy(update=_token_budget_defaults(
+        section, "log_prob_use_dynamic_bsz", actor.use_dynamic_bsz,
+        "log_prob_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu))
+        for name, section in (("rollout", config.actor_rollout_ref.rollout), ("ref", config.actor_rollout_ref.ref))}
+    return config.model_copy(update={"critic": critic,
+                                     "actor_rollout_ref": config.actor_rollout_ref.model_copy(update=scorers)})
+
+
+def _token_budget_defaults(section: Section, switch: str, switch_default: bool, budget: str,
+                           budget_default: int) -> dict[str, Any]:
+    """verl's interpolations of the dynamic-batch keys (e.g. ${actor.use_dynamic_bsz}) for those left unset."""
+    return {switch: switch_default if getattr(section, switch) is None else getattr(section, switch),
+            budget: budget_default if getattr(section, budget) is None else getattr(section, budget)}
+
+
+def dump_config(config: RunConfig) -> str:
+    """The config as YAML, every field explicit: what the trainer process is started with."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+# ------------------------------------------------------------------------------------------- YAML
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with two fixes for config files.
+
+    - ``1e-5`` is a float (YAML 1.2 reads it so; PyYAML follows YAML 1.1, which wants ``1.0e-5``), so a
+      learning rate written the usual way stays a number inside free-form keys such as override_config.
+    - A key given twice in one mapping is an error: PyYAML would keep the last one without a word.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` legitimately repeats the keys it merges.
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (first on line {first_line[key] + 1})",
+                    key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        why = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError([ConfigProblem("--config", f"got {str(path)!r}, which {why}; "
+                                         "allowed: a YAML file")])
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)  # noqa: S506 (a safe loader)
+    except UnicodeDecodeError:
+        raise ConfigError([ConfigProblem("--config", f"got {str(path)!r}, which is not UTF-8 text; "
+                                         "allowed: a YAML file")]) from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        reason = getattr(error, "problem", None) or "not valid YAML"
+        raise ConfigError([ConfigProblem("--config", f"{str(path)!r} is not valid YAML{where}: {reason}; "
+                                         "allowed: a YAML mapping of sections")]) from None
+    if raw is None:
+        # Most likely the wrong file, or one not written yet: a run with every default is not what was meant.
+        raise ConfigError([ConfigProblem("--config", f"got {str(path)!r}, which is empty (or only comments); "
+                                         f"allowed: a YAML mapping of sections ({', '.join(RunConfig.model_fields)})"
+                                         "; `{}` runs every default")])
+    if not isinstance(raw, dict):
+        kind = "list" if isinstance(raw, list) else type(raw).__name__
+        raise ConfigError([ConfigProblem("--config", f"{str(path)!r} holds a {kind}; allowed: a mapping of "
+                                         f"sections ({', '.join(RunConfig.model_fields)})")])
+    return raw

@@ -27,8 +27,8 @@ from typing import Annotated, Any, Literal
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from trainer.config.fields import LogLevel, Placement
 from trainer.config.live import LiveSettings
-from trainer.config.schema import LogLevel, Placement
 
 
 def to_json(value: Any, *, exclude: dict[str, set[str]] | None = None) -> bytes:

@@ -22,17 +22,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config.schema import (
-    ConfigProblem,
-    _dotted,
-    _is_mapping,
-    _section_type,
-    _show,
-    _unwrap_optional,
-    describe_allowed,
-    field_at,
-    unknown_key_message,
-)
+from trainer.config.errors import ConfigProblem, dotted, field_at, unknown_key_message
+from trainer.config.fields import describe_allowed, is_mapping, section_type, show, unwrap_optional
 from trainer.config.verl import knows, merged_over_defaults
 
 GRAMMAR = ("key=value, +key=value (add a key), ++key=value (add or override), ~key (back to the default); "
@@ -77,7 +68,7 @@ def _apply(raw: dict[str, Any], parser: OverridesParser, line: str) -> ConfigPro
         return node
     assert node is not None  # created on the way
     if override.type is OverrideType.ADD and parts[-1] in node:
-        return ConfigProblem(key, f"got {line!r}, but {key} is already set to {_show(node[parts[-1]])} (by the "
+        return ConfigProblem(key, f"got {line!r}, but {key} is already set to {show(node[parts[-1]])} (by the "
                              f"config file or an earlier override), and + adds a key that is not set; allowed: "
                              f"{key}=... or ++{key}=... to change it")
     node[parts[-1]] = _typed_value(override, parts, line)
@@ -88,7 +79,7 @@ def _typed_value(override: Override, parts: list[str], line: str) -> Any:
     """The override's value; for a string setting the text as typed (experiment_name=1e3 stays '1e3')."""
     value = override.value()
     field = field_at(parts)
-    if field is not None and _unwrap_optional(field.annotation) is str and not isinstance(value, str | None):
+    if field is not None and unwrap_optional(field.annotation) is str and not isinstance(value, str | None):
         return line.partition("=")[2]
     return value
 
@@ -102,7 +93,7 @@ def _parent(raw: dict[str, Any], parts: list[str], line: str, *, create: bool) -
         field = field_at(parts[: index + 1])
         # An unknown key is left for the schema, which reports it with a suggestion; a free-form mapping
         # (override_config) takes any key below it.
-        if field is not None and _section_type(field.annotation) is None and not _is_mapping(field.annotation):
+        if field is not None and section_type(field.annotation) is None and not is_mapping(field.annotation):
             return ConfigProblem(prefix, f"got the override {line!r}, but {prefix} is a setting, not a section; "
                                  f"allowed: {prefix}=<{describe_allowed(field.annotation, field)}>")
         if part not in node:
@@ -112,7 +103,7 @@ def _parent(raw: dict[str, Any], parts: list[str], line: str, *, create: bool) -
         child = node[part]
         if not isinstance(child, dict):
             return ConfigProblem(prefix, f"got the override {line!r}, but the config file sets {prefix} to "
-                                 f"{_show(child)}; allowed: a section (a mapping) at {prefix}")
+                                 f"{show(child)}; allowed: a section (a mapping) at {prefix}")
         node = child
     return node
 
@@ -122,7 +113,7 @@ def _delete(raw: dict[str, Any], parts: list[str], override: Override, line: str
     key = ".".join(parts)
     unknown = _first_unknown(parts)
     if unknown is not None:
-        return ConfigProblem(_dotted(unknown), unknown_key_message(unknown))
+        return ConfigProblem(dotted(unknown), unknown_key_message(unknown))
     node = _parent(raw, parts, line, create=False)
     if isinstance(node, ConfigProblem):
         return node
@@ -130,9 +121,9 @@ def _delete(raw: dict[str, Any], parts: list[str], override: Override, line: str
         return None  # not set: it has its default already
     expected = override.value()
     if override.value_type is not None and node[parts[-1]] != expected:
-        return ConfigProblem(key, f"got {line!r}, but {key} is {_show(node[parts[-1]])}, and ~key=value deletes "
+        return ConfigProblem(key, f"got {line!r}, but {key} is {show(node[parts[-1]])}, and ~key=value deletes "
                              f"the key only while it has that value; allowed: ~{key}, or ~{key}="
-                             f"{_show(node[parts[-1]])}")
+                             f"{show(node[parts[-1]])}")
     del node[parts[-1]]
     return None
 
@@ -147,7 +138,7 @@ def _first_unknown(parts: list[str]) -> list[str] | None:
         field = field_at(prefix)
         if field is None:
             return prefix
-        if _is_mapping(field.annotation):
+        if is_mapping(field.annotation):
             return None
     return None
 
@@ -167,7 +158,7 @@ def resolve_interpolations(raw: dict[str, Any]) -> list[ConfigProblem]:
     try:
         tree = OmegaConf.create(merged_over_defaults(raw))
     except (OmegaConfBaseException, ValueError) as error:
-        return [ConfigProblem(_dotted(found[0]), f"got {_show(_at(raw, found[0]))}, but the config cannot be "
+        return [ConfigProblem(dotted(found[0]), f"got {show(_at(raw, found[0]))}, but the config cannot be "
                               f"interpolated ({_first_line(error)}); allowed: {INTERPOLATIONS}")]
     problems = []
     for location in found:
@@ -179,7 +170,7 @@ def resolve_interpolations(raw: dict[str, Any]) -> list[ConfigProblem]:
             if isinstance(value, DictConfig | ListConfig):
                 value = OmegaConf.to_container(value, resolve=True)
         except OmegaConfBaseException as error:
-            problems.append(ConfigProblem(_dotted(location), f"got {_show(text)}, which cannot be resolved "
+            problems.append(ConfigProblem(dotted(location), f"got {show(text)}, which cannot be resolved "
                                           f"({_first_line(error)}); allowed: {INTERPOLATIONS}"))
             continue
         _set(raw, location, value)

@@ -6,7 +6,7 @@ heads are split too, or, when there are fewer of them than S, each repeated so t
 one: S must be a multiple of their number then. The S ranks of a group are S of the run's ranks, so S divides
 the world size (the data-parallel degree is world size / S).
 
-The schema (trainer/config/schema.py, in the same pass as its other checks) calls `sequence_parallel_problems`
+The rules of several ranks (trainer/config/ranks.py, in the one pass of rules.py) call `sequence_parallel_problems`
 with the head counts `model_heads` reads from the model's config.json (or a built-in model's shape), with the
 run's override_config on top, and the run's world size (trainer.nnodes x trainer.n_gpus_per_node), and turns
 each `Problem` into one of its own ConfigProblems.

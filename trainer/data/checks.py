@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from trainer.config import KEYS
 from trainer.data.records import DataError, PromptRecord
 from trainer.rollout.prompts import PromptTooLong
 
@@ -37,8 +38,8 @@ def check_prompts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenize
                                 "at least one token")
         if len(ids) > max_length and truncation == "error":
             raise PromptTooLong(f"{record.source}: the prompt has {len(ids)} tokens, more than "
-                                f"data.max_prompt_length={max_length}; raise it or set data.truncation to left "
-                                "or right")
+                                f"{KEYS.data.max_prompt_length}={max_length}; raise it or set {KEYS.data.truncation} "
+                                "to left or right")
         total += len(ids)
         if unknown_id is not None:
             count = ids.count(unknown_id)

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trainer.config import BUILTIN_PREFIX, DATA_FILE_SUFFIXES
+from trainer.config import BUILTIN_PREFIX, DATA_FILE_SUFFIXES, KEYS
 
 PARQUET_SUFFIX = ".parquet"
 JSONL_SUFFIXES = tuple(suffix for suffix in DATA_FILE_SUFFIXES if suffix != PARQUET_SUFFIX)
@@ -60,7 +60,7 @@ def load_records(files: Iterable[str], prompt_key: str = "prompt", *,
                 raise DataError(f"{record.source}: reward_model.ground_truth is missing, but the built-in scorer "
                                 f"for data_source {record.data_source!r} compares each response with it; "
                                 "allowed: reward_model: {'style': 'rule', 'ground_truth': ...}, or score with "
-                                "custom_reward_function.path or a reward model (reward_model.enable)")
+                                f"{KEYS.custom_reward_function.path} or a reward model ({KEYS.reward_model.enable})")
     return records
 
 
@@ -148,7 +148,7 @@ def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 _COLUMN_HINTS = {
-    "prompt": "set data.prompt_key to the column that holds the prompt",
+    "prompt": f"set {KEYS.data.prompt_key} to the column that holds the prompt",
     "data_source": "every row needs the name of its dataset, which picks the reward function",
 }
 

@@ -7,9 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from trainer.config import KEYS
+
 # What fixes the order of the batches, by the name a user knows it by.
-_RESUME_KEYS = {"num_records": "prompts", "batch_size": "data.train_batch_size", "shuffle": "data.shuffle",
-                "seed": "data.seed"}
+_RESUME_KEYS = {"num_records": "prompts", "batch_size": KEYS.data.train_batch_size, "shuffle": KEYS.data.shuffle,
+                "seed": KEYS.data.seed}
 
 
 class PromptSampler:
@@ -22,10 +24,10 @@ class PromptSampler:
 
     def __init__(self, num_records: int, batch_size: int, shuffle: bool = True, seed: int = 0) -> None:
         if batch_size < 1:
-            raise ValueError(f"data.train_batch_size must be at least 1, got {batch_size}")
+            raise ValueError(f"{KEYS.data.train_batch_size} must be at least 1, got {batch_size}")
         if num_records < batch_size:
-            raise ValueError(f"{num_records} prompts cannot fill one batch of data.train_batch_size="
-                             f"{batch_size}; lower data.train_batch_size to at most {num_records} "
+            raise ValueError(f"{num_records} prompts cannot fill one batch of {KEYS.data.train_batch_size}="
+                             f"{batch_size}; lower {KEYS.data.train_batch_size} to at most {num_records} "
                              "or add prompts")
         self.num_records = num_records
         self.batch_size = batch_size
@@ -65,8 +67,8 @@ class PromptSampler:
                    for key, name in _RESUME_KEYS.items() if state[key] != getattr(self, key)]
         if changed:
             raise ValueError("the checkpoint's prompt order does not fit this run (" + "; ".join(changed)
-                             + "): resume with the same data files, data.train_batch_size, data.shuffle "
-                             "and data.seed")
+                             + f"): resume with the same data files, {KEYS.data.train_batch_size}, "
+                             f"{KEYS.data.shuffle} and {KEYS.data.seed}")
         self.epoch = state["epoch"]
         self.position = state["position"]
 

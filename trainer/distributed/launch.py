@@ -79,7 +79,9 @@ def plan_group(*, nnodes: int, n_gpus_per_node: int, node_rank: int, rdzv_endpoi
                          rdzv_endpoint=rdzv_endpoint or STANDALONE_ENDPOINT, rdzv_configs={"is_host": True},
                          run_id=f"{run_name}-{uuid.uuid4().hex[:8]}", shutdown_timeout_s=_seconds(stop_timeout_s))
     if rdzv_endpoint is None:
-        raise ValueError("trainer.rdzv_endpoint is required when trainer.nnodes > 1")
+        from trainer.config import KEYS  # here: planning a group loads nothing it does not need
+
+        raise ValueError(f"{KEYS.trainer.rdzv_endpoint} is required when {KEYS.trainer.nnodes} > 1")
     return GroupPlan(nnodes=nnodes, nproc_per_node=n_gpus_per_node, node_rank=node_rank, rdzv_backend="static",
                      rdzv_endpoint=rdzv_endpoint, rdzv_configs={"rank": node_rank}, run_id=run_name,
                      shutdown_timeout_s=_seconds(stop_timeout_s))
@@ -165,7 +167,9 @@ def read_launch_sections(path: Path) -> tuple[TrainerConfig, DaemonConfig]:
     which ends the group with 2); the launcher does not pay for loading models and data files to check it too."""
     from pydantic import ValidationError
 
-    from trainer.config.schema import ConfigError, DaemonConfig, TrainerConfig, read_yaml
+    from trainer.config.errors import ConfigError
+    from trainer.config.loading import read_yaml
+    from trainer.config.schema import DaemonConfig, TrainerConfig
 
     try:
         raw = read_yaml(path)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainer.config import KEYS
 from trainer.errors import RunSetupError
 
 DATA_PARALLEL = "dp"
@@ -48,7 +49,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RunSetupError("trainer.device: cuda, but no CUDA GPU is visible; set trainer.device=auto or cpu")
+        raise RunSetupError(f"{KEYS.trainer.device}: cuda, but no CUDA GPU is visible; set "
+                            f"{KEYS.trainer.device}=auto or cpu")
     return torch.device(name)
 
 
@@ -57,8 +59,8 @@ def gpus_per_node_problem(ranks_per_node: int, gpus: int) -> str | None:
     they fit."""
     if ranks_per_node <= gpus:
         return None
-    return (f"trainer.n_gpus_per_node: {ranks_per_node} ranks on this node, but it shows {gpus} GPU(s) (each rank "
-            f"needs one of its own); allowed: at most {gpus}")
+    return (f"{KEYS.trainer.n_gpus_per_node}: {ranks_per_node} ranks on this node, but it shows {gpus} GPU(s) "
+            f"(each rank needs one of its own); allowed: at most {gpus}")
 
 
 def environment_rank(environ: Mapping[str, str] = os.environ) -> int:
@@ -98,9 +100,10 @@ class Ranks:
         `sequence_parallel_size` (the config checked it divides the world size) adds the (dp, sp) mesh."""
         world_size = int(environ.get("WORLD_SIZE", "1"))
         if world_size % sequence_parallel_size:
-            raise RunSetupError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size: the run's sequence-parallel "
-                                f"degree {sequence_parallel_size} does not divide the {world_size} ranks torchrun "
-                                "started; set trainer.nnodes x trainer.n_gpus_per_node to the ranks it starts")
+            raise RunSetupError(f"{KEYS.actor_rollout_ref.actor.ulysses_sequence_parallel_size}: the run's "
+                                f"sequence-parallel degree {sequence_parallel_size} does not divide the {world_size} "
+                                f"ranks torchrun started; set {KEYS.trainer.nnodes} x {KEYS.trainer.n_gpus_per_node} "
+                                "to the ranks it starts")
         device = resolve_device(device_name)
         if world_size == 1:
             return cls.single(device)

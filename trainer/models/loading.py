@@ -25,7 +25,7 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
-from trainer.config import BUILTIN_PREFIX
+from trainer.config import BUILTIN_PREFIX, KEYS
 from trainer.config.hub import HubModelNotCached, resolve_model_path
 from trainer.models.attention import use_packed_gqa
 from trainer.models.tiny import build_tiny_tokenizer, seeded_init, tiny_qwen2_config
@@ -42,7 +42,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False,
-                   setting: str = "actor_rollout_ref.model.tokenizer_path") -> PreTrainedTokenizerBase:
+                   setting: str = KEYS.actor_rollout_ref.model.tokenizer_path) -> PreTrainedTokenizerBase:
     """A tokenizer set up for generation: left padding, and a pad token (eos when it has none).
     `setting`: the config key that chooses the tokenizer, named in the errors."""
     if path.startswith(BUILTIN_PREFIX):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from trainer.config import FSDP_CONFIG
 from trainer.config.messages import Group
 
 # The groups offload_policy places; the names are the wire's (one source: trainer.config.messages.Group).
@@ -72,12 +73,12 @@ def find_parts(model: nn.Module, layer_classes: Sequence[str] | None = None) -> 
     classes = set(layer_classes or getattr(model, "_no_split_modules", None) or ())
     if not classes:
         raise UnsupportedModel(f"cannot tell the transformer blocks of {type(model).__name__}: set "
-                               "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap to their class name")
+                               f"{FSDP_CONFIG.wrap_policy.transformer_layer_cls_to_wrap} to their class name")
     # By the class's name, which FSDP2 prefixes when it shards a block (Qwen2DecoderLayer: FSDPQwen2DecoderLayer).
     layers = [module for module in model.modules() if type(module).__name__.removeprefix("FSDP") in classes]
     if not layers:
         raise UnsupportedModel(f"no module of class {sorted(classes)} in {type(model).__name__}: set "
-                               "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap to the block class name")
+                               f"{FSDP_CONFIG.wrap_policy.transformer_layer_cls_to_wrap} to the block class name")
     base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
     norm = next((getattr(base, name) for name in _NORM_NAMES if isinstance(getattr(base, name, None), nn.Module)),
                 None)

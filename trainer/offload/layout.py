@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.config import FSDP_CONFIG
 from trainer.offload.copies import pinned_empty
 from trainer.offload.groups import GROUPS, TITLES, Entry, ModelParts, entries_of, find_parts, owners_in
 from trainer.offload.units import (
@@ -206,7 +207,7 @@ def plan_layout(model: nn.Module, placements: dict[str, str], *, optimizer_offlo
     layout.units = _build_units(model, layout)
     if layers_on_gpu is not None:
         if not dynamic_layers:
-            raise ValueError("offload: layers_on_gpu needs dynamic_layers (fsdp_config.dynamic_offload.enabled)")
+            raise ValueError(f"offload: layers_on_gpu needs dynamic_layers ({FSDP_CONFIG.dynamic_offload.enabled})")
         # Where a dynamic run starts: the first ones on the device, the rest streamed.
         for index, unit in enumerate(layout.transformer_units):
             if index >= layers_on_gpu:

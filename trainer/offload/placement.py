@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.config import FSDP_CONFIG
 from trainer.offload.copies import H2D, CopyLog, CopyStreams
 from trainer.offload.layout import Layout
 from trainer.offload.units import Block, PassState, Placement, Slot, Unit, UnitKind
@@ -186,7 +187,7 @@ class LayerMover:
         ones after it: a move never ends the run."""
         if not self.layout.dynamic_layers:
             raise RuntimeError(f"the {self.role}'s transformer layers cannot move: set "
-                               "fsdp_config.dynamic_offload.enabled=true for it")
+                               f"{FSDP_CONFIG.dynamic_offload.enabled}=true for it")
         if self.passes.backward_active or any(block.acquired for block in self.streamer.blocks):
             raise RuntimeError("offload: transformer layers can move only between passes, not during one")
         units = self.layout.transformer_units

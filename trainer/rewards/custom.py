@@ -13,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from trainer.config import KEYS
 from trainer.rewards.scorers import default_compute_score
 
 ComputeScore = Callable[..., Any]
@@ -27,8 +28,8 @@ class RewardFunctionError(CustomRewardError):
     (the message adds what to do); `traceback_text` is the full traceback, for the run's log."""
 
     def __init__(self, what: str, traceback_text: str):
-        super().__init__(f"{what}; fix the function, or set custom_reward_function.on_error=zero to score such "
-                         "responses 0")
+        super().__init__(f"{what}; fix the function, or set {KEYS.custom_reward_function.on_error}=zero to score "
+                         "such responses 0")
         self.what = what
         self.traceback_text = traceback_text
 
@@ -44,7 +45,7 @@ class RewardFunctionError(CustomRewardError):
         where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
         detail = " ".join(str(error).split())
         exception = f"{type(error).__name__}: {detail[:300]}" if detail else type(error).__name__
-        what = (f"custom_reward_function {name!r}{where} raised {exception} (scoring a response of data_source "
+        what = (f"{KEYS.custom_reward_function} {name!r}{where} raised {exception} (scoring a response of data_source "
                 f"{data_source!r})")
         return cls(what, "".join(traceback.format_exception(type(error), error, user_traceback)))
 
@@ -55,11 +56,11 @@ def load_custom_score(path: str, name: str) -> ComputeScore:
     if not hasattr(module, name):
         defined = _defined_callables(module)
         listing = f"callables it defines: {', '.join(defined)}" if defined else "it defines no callables"
-        raise CustomRewardError(f"custom_reward_function.path {path!r} has no {name!r} ({listing}); "
-                                "set custom_reward_function.name")
+        raise CustomRewardError(f"{KEYS.custom_reward_function.path} {path!r} has no {name!r} ({listing}); "
+                                f"set {KEYS.custom_reward_function.name}")
     function = getattr(module, name)
     if not callable(function):
-        raise CustomRewardError(f"{name!r} in custom_reward_function.path {path!r} is a "
+        raise CustomRewardError(f"{name!r} in {KEYS.custom_reward_function.path} {path!r} is a "
                                 f"{type(function).__name__}, not a function")
     return function
 
@@ -101,12 +102,12 @@ def resolve_compute_score(path: str | None, name: str) -> Callable[..., float]:
 def _import_file(path: str) -> ModuleType:
     file = Path(path).expanduser()
     if not file.is_file():
-        raise CustomRewardError(f"custom_reward_function.path {path!r} does not exist; give a Python file")
+        raise CustomRewardError(f"{KEYS.custom_reward_function.path} {path!r} does not exist; give a Python file")
     # A fresh name per load, so two runs' files (or two loads of one file) never share a module.
     module_name = f"custom_reward_{file.stem}_{uuid.uuid4().hex}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
-        raise CustomRewardError(f"custom_reward_function.path {path!r} cannot be imported as a Python file")
+        raise CustomRewardError(f"{KEYS.custom_reward_function.path} {path!r} cannot be imported as a Python file")
     module = importlib.util.module_from_spec(spec)
     # Registered before running, because dataclasses and pickling look the module up by name.
     sys.modules[module_name] = module
@@ -115,7 +116,7 @@ def _import_file(path: str) -> ModuleType:
     except Exception as error:
         del sys.modules[module_name]
         message = " ".join(str(error).split())
-        raise CustomRewardError(f"custom_reward_function.path {path!r} raised {type(error).__name__} "
+        raise CustomRewardError(f"{KEYS.custom_reward_function.path} {path!r} raised {type(error).__name__} "
                                 f"on import: {message}") from error
     return module
 

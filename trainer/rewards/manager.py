@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from trainer.config import KEYS
 from trainer.rewards.custom import RewardFunctionError, as_float_score
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.recovery import WorkerMemory, run_in_pieces
@@ -67,7 +68,7 @@ class RuleReward:
                 raise
             self.errors += 1
             if self.errors == 1:
-                self.warn(f"{error.what}: scored 0 (custom_reward_function.on_error: zero); the reward/errors "
+                self.warn(f"{error.what}: scored 0 ({KEYS.custom_reward_function.on_error}: zero); the reward/errors "
                           "metric counts such responses")
             return 0.0
 

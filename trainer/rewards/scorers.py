@@ -7,6 +7,8 @@ from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from trainer.config import KEYS
+
 Scorer = Callable[[str, Any], float]
 
 # A number as people write it: optional sign, thousands commas, decimals; a sentence's final "."
@@ -76,6 +78,6 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
     if scorer is None:
         raise UnknownDataSource(
             f"no built-in scorer for data_source {data_source!r}; known: {', '.join(sorted(SCORERS))}; "
-            "set custom_reward_function.path to a Python file that defines "
+            f"set {KEYS.custom_reward_function.path} to a Python file that defines "
             "compute_score(data_source, solution_str, ground_truth, extra_info)")
     return float(scorer(solution_str, ground_truth))

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from trainer.config import FSDP_CONFIG, KEYS
+
 
 @dataclass(frozen=True)
 class KVCacheShape:
@@ -51,10 +53,11 @@ def rows_within_budget(rows: int, *, utilization: float, in_use: int, capacity: 
 
 def over_budget_message(*, utilization: float, in_use: int, capacity: int, bytes_per_row: int) -> str:
     """Why not one sequence fits, and what to change."""
-    return (f"actor_rollout_ref.rollout.gpu_memory_utilization={utilization:g} allows {_gib(utilization * capacity)} "
-            f"of the GPU's {_gib(capacity)}, and {_gib(in_use)} is in use when the rollout starts: no room for one "
-            f"sequence's KV cache ({_gib(bytes_per_row)}); the rollout decodes one sequence at a time (raise the "
-            "fraction, or keep less on the GPU during the rollout: fsdp_config.param_offload, offload_policy)")
+    return (f"{KEYS.actor_rollout_ref.rollout.gpu_memory_utilization}={utilization:g} allows "
+            f"{_gib(utilization * capacity)} of the GPU's {_gib(capacity)}, and {_gib(in_use)} is in use when the "
+            f"rollout starts: no room for one sequence's KV cache ({_gib(bytes_per_row)}); the rollout decodes one "
+            "sequence at a time (raise the fraction, or keep less on the GPU during the rollout: "
+            f"{FSDP_CONFIG.param_offload}, offload_policy)")
 
 
 def _gib(size: float) -> str:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from trainer.config import KEYS
+
 
 class PromptTooLong(ValueError):
     """A prompt over data.max_prompt_length with data.truncation=error."""
@@ -35,8 +37,8 @@ def encode_prompts(
         ids = prompt_token_ids(prompt, tokenizer)
         if len(ids) > max_length:
             if truncation == "error":
-                raise PromptTooLong(f"a prompt has {len(ids)} tokens, more than data.max_prompt_length="
-                                    f"{max_length}; raise it or set data.truncation to left or right")
+                raise PromptTooLong(f"a prompt has {len(ids)} tokens, more than {KEYS.data.max_prompt_length}="
+                                    f"{max_length}; raise it or set {KEYS.data.truncation} to left or right")
             ids = ids[-max_length:] if truncation == "left" else ids[:max_length]
         if not ids:
             raise PromptTooLong("a prompt is empty after tokenization; every prompt needs at least one token")

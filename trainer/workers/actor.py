@@ -14,7 +14,7 @@ from trainer.algorithms import (
     log_probs_from_logits,
     scaled_logits,
 )
-from trainer.config import ActorConfig
+from trainer.config import KEYS, ActorConfig
 from trainer.distributed.ranks import Ranks
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import (
@@ -86,7 +86,7 @@ class Actor:
         self.remove_padding = remove_padding
         self.log_prob_max_token_len = log_prob_max_token_len
         if remove_padding:
-            check_packable(model, "actor_rollout_ref.model.use_remove_padding")
+            check_packable(model, KEYS.actor_rollout_ref.model.use_remove_padding)
         self.optimizer = (memory.build_optimizer(model, config.optim) if memory is not None
                           else build_optimizer(model, config.optim, fsdp_config=config.fsdp_config))
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)

@@ -6,7 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.algorithms import compute_value_loss
-from trainer.config import CriticConfig
+from trainer.config import KEYS, CriticConfig
 from trainer.distributed.ranks import Ranks
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import (
@@ -49,7 +49,7 @@ class Critic:
         # Fewer, larger micro-batches while the update streams layers (issue 14).
         self.merging = MicroBatchMerging(config.fsdp_config.merge_micro_batches)
         if config.model.use_remove_padding:
-            check_packable(model, "critic.model.use_remove_padding")
+            check_packable(model, KEYS.critic.model.use_remove_padding)
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
         # The head's output at the position before each response token is that state's value.

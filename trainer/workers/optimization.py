@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from trainer.algorithms import aggregation_weight
-from trainer.config import FSDPConfig, OptimConfig
+from trainer.config import FSDP_CONFIG, FSDPConfig, OptimConfig
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
 from trainer.offload import OffloadEngine
@@ -164,7 +164,7 @@ class MicroBatchMerging:
         if merged != (micro_batch_size, max_token_len) and not self._announced:
             self._announced = True
             self.news.append(f"the update streams layers from the CPU, so a mini-batch of {len(mini_batch)} "
-                             f"sequences runs in {what} (the same gradient; fsdp_config.merge_micro_batches)")
+                             f"sequences runs in {what} (the same gradient; {FSDP_CONFIG.merge_micro_batches})")
         return merged
 
     def micro_batches(self, size: int, mini_batch_size: int, micro_batch_size: int) -> int:

@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.algorithms import log_probs_and_entropy_from_logits, scaled_logits
+from trainer.config import KEYS
 from trainer.distributed.ranks import Ranks
 from trainer.distributed.ulysses import SequenceParallel, SequenceShard, use_ulysses_attention
 from trainer.errors import RunSetupError
@@ -50,7 +51,8 @@ class SequenceSplit:
         return cls(SequenceParallel.from_mesh(ranks.sequence_mesh), pad_token_id, remove_padding=remove_padding)
 
     @staticmethod
-    def prepare(model: PreTrainedModel, setting: str = "actor_rollout_ref.actor.ulysses_sequence_parallel_size") -> str:
+    def prepare(model: PreTrainedModel,
+                setting: str = KEYS.actor_rollout_ref.actor.ulysses_sequence_parallel_size) -> str:
         """Switch `model` to Ulysses attention (generation without sharded inputs runs it as plain SDPA). A model
         whose directory asks for another attention than SDPA cannot (the config check sees override_config only):
         one line naming `setting`, the model's degree."""

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.config.schema import launch_keys_from_environment, parse_endpoint
+from trainer.config.environment import launch_keys_from_environment
+from trainer.config.ranks import parse_endpoint
 from trainer.distributed.launch import first_failed_rank, group_exit_code, plan_group, run_group
 
 REPOSITORY = Path(__file__).resolve().parents[3]

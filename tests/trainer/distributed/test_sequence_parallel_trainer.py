@@ -172,8 +172,7 @@ def test_verl_s_fsdp_config_keys_set_each_model_s_degree():
 
 
 def test_the_reference_s_degree_other_than_the_actor_s_is_one_line():
-    from trainer.config import load_config
-    from trainer.config.schema import ConfigError
+    from trainer.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as caught:
         load_config(None, ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.use_kl_loss=true",
