@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
+from trainer.errors import UserError
 from trainer.models.lora import ADAPTER_WEIGHTS, adapter_state_bytes, is_adapted, load_adapter, save_adapter
 from trainer.offload.layout import format_bytes, storage_bytes
 from trainer.offload.streamer import nested_tensors
@@ -30,7 +31,7 @@ WEIGHTS = "model.safetensors"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says which and why."""
 
 

@@ -68,13 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     use_allocator_defaults()
     from trainer.distributed.ranks import Ranks
-    from trainer.errors import USER_ERRORS
+    from trainer.errors import UserError
 
     try:
         # Joins the process group with several ranks, and builds the (dp, sp) mesh with Ulysses.
         ranks = Ranks.from_environment(config.trainer.device, sequence_parallel_size=config.sequence_parallel_size,
                                        timeout_s=config.actor_rollout_ref.nccl_timeout)
-    except USER_ERRORS as error:
+    except UserError as error:
         return _report_user_error(error, None, None, log_path=config.trainer.run_dir / "logs" / "trainer.log",
                                   prints=_is_rank_zero())
     try:
@@ -104,7 +104,7 @@ def _train(config, ranks) -> int:
     import torch
     from rich.console import Console
 
-    from trainer.errors import USER_ERRORS
+    from trainer.errors import UserError
     from trainer.loop import Trainer
     from trainer.reporting import ConsoleReporter
     from trainer.telemetry import TelemetryClient
@@ -144,7 +144,7 @@ def _train(config, ranks) -> int:
         reporter.start(trainer.step)
         trainer.fit()
         finished = True
-    except USER_ERRORS as error:
+    except UserError as error:
         return _report_user_error(error, reporter, telemetry, log_path=log_path, prints=ranks.is_main)
     except torch.OutOfMemoryError as error:  # the trainer's own recovery (offload more, split) did not suffice
         return _report_out_of_memory(error, reporter, telemetry)

@@ -756,10 +756,10 @@ def test_the_engine_worker_runs_torch_on_the_threads_it_is_given_and_leaves_the_
 
 
 def test_a_bad_worker_thread_count_in_the_environment_is_refused_in_one_line(monkeypatch):
-    from trainer.errors import USER_ERRORS
+    from trainer.errors import UserError
 
     monkeypatch.setenv("VERL_OFFLOAD_WORKER_THREADS", "lots")
-    with pytest.raises(USER_ERRORS, match="VERL_OFFLOAD_WORKER_THREADS must be a whole number.*'lots'") as raised:
+    with pytest.raises(UserError, match="VERL_OFFLOAD_WORKER_THREADS must be a whole number.*'lots'") as raised:
         OffloadOptions()
     assert "\n" not in str(raised.value)  # the trainer reports a user's error in one line, exit code 2
     monkeypatch.setenv("VERL_OFFLOAD_WORKER_THREADS", "3")

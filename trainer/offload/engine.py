@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from trainer.errors import UserError
 from trainer.offload.bus import BusTurns
 from trainer.offload.copies import CopyLog, CopyStreams
 from trainer.offload.device_update import DeviceUpdate
@@ -565,7 +566,7 @@ def update_elements(unit: Unit) -> int:
     return sum(entry.parameter.numel() for entry in unit.entries if entry.parameter.grad is not None)
 
 
-class WorkerThreadsError(ValueError):
+class WorkerThreadsError(UserError, ValueError):
     """VERL_OFFLOAD_WORKER_THREADS is not a thread count (a user's error: one line, exit code 2)."""
 
 

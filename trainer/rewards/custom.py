@@ -13,12 +13,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from trainer.errors import UserError
 from trainer.rewards.scorers import default_compute_score
 
 ComputeScore = Callable[..., Any]
 
 
-class CustomRewardError(ValueError):
+class CustomRewardError(UserError, ValueError):
     """The custom reward function cannot be loaded, or returned something that is not a score."""
 
 

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from trainer.errors import UserError
+
 Scorer = Callable[[str, Any], float]
 
 # A number as people write it: optional sign, thousands commas, decimals; a sentence's final "."
@@ -16,7 +18,7 @@ _STRICT_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 _ANY_NUMBER = re.compile(_NUMBER)
 
 
-class UnknownDataSource(ValueError):
+class UnknownDataSource(UserError, ValueError):
     """No built-in scorer for a prompt's data_source."""
 
 

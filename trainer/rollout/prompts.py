@@ -8,8 +8,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from trainer.errors import UserError
 
-class PromptTooLong(ValueError):
+
+class PromptTooLong(UserError, ValueError):
     """A prompt over data.max_prompt_length with data.truncation=error."""
 
 
