@@ -1,11 +1,12 @@
-"""DESIGN.md's import rules, checked on the source of every module (not by memory).
+"""docs/design.md's import rules, checked on the source of every module (not by memory).
 
 - api/ and daemon/ never import torch, transformers or accelerate (the daemon must outlive a trainer
   crash and start in a fraction of a second);
 - api/ and daemon/ import only the torch-free trainer.config from trainer/ (the settings and the wire
   messages both sides share);
 - trainer/ never imports api/ or daemon/;
-- trainer/config/ (and trainer/__init__.py, which every `import trainer.config` runs) import no torch.
+- trainer/config/ (and trainer/__init__.py, which every `import trainer.config` runs) import no torch;
+- trainer/offload/ has no import cycle, not even through imports made for the type checker alone.
 
 The checker reads imports with `ast`, so a module is judged without being imported: a violation is found
 even in a module whose other imports would fail.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,86 @@ def test_relative_imports_resolve_to_absolute_names() -> None:
         "trainer.offload.a", "trainer.b", "trainer.c.d", "trainer.offload.e"]
     assert [name for _, name in imported_modules("from . import a\n", "trainer.offload", True)] == [
         "trainer.offload.a"]
+
+
+# ------------------------------------------------------------------------------- import cycles
+
+
+def package_sources(package: str) -> dict[str, tuple[str, bool]]:
+    """Module name -> (source, is_package) of every module of `package`."""
+    sources = {}
+    for path in source_files(package.replace(".", "/")):
+        module, is_package = module_name(path)
+        sources[module] = (path.read_text(encoding="utf-8"), is_package)
+    return sources
+
+
+def import_graph(sources: Mapping[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the modules among `sources` it imports: every import in its source, those under TYPE_CHECKING and
+    inside functions too. `from a.b import C` counts as an import of a.b (of a.b.C when that is a module itself).
+
+    A module's import of its own package's __init__, which Python runs before any of its submodules, is not counted
+    unless the module names the package (`from trainer.offload import X`): counted, every submodule would make a
+    cycle with an __init__ that imports it."""
+    graph = {}
+    for module, (source, is_package) in sources.items():
+        imported = set()
+        for _, name in imported_modules(source, module, is_package):
+            while name and name not in sources:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                imported.add(name)
+        graph[module] = imported
+    return graph
+
+
+def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (a, b, ..., a), or None when it has none."""
+    path: list[str] = []
+    finished: set[str] = set()
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in finished:
+            return None
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if (cycle := visit(imported)) is not None:
+                return cycle
+        path.pop()
+        finished.add(module)
+        return None
+
+    for module in sorted(graph):
+        if (cycle := visit(module)) is not None:
+            return cycle
+    return None
+
+
+def test_the_offload_engine_has_no_import_cycle() -> None:
+    """Its modules import each other one way (options and units below, the engine on top), so each can be read,
+    typed and tested from the ones below it; `TYPE_CHECKING` imports count: they hid six modules' cycle through
+    the engine's OffloadOptions."""
+    sources = package_sources("trainer.offload")
+    assert len(sources) > 10, "the offload modules were not found: the check would pass without looking"
+    cycle = find_cycle(import_graph(sources))
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("sources", [
+    {"p.a": ("from p.b import B\n", False), "p.b": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                     "    from p.a import A\n", False)},
+    {"p.a": ("from . import b\n", False), "p.b": ("def f():\n    from .c import C\n", False),
+     "p.c": ("import p.a\n", False)},
+    {"p": ("from p.a import A\n", True), "p.a": ("from p import helper\n", False)},
+])
+def test_the_cycle_check_finds_a_cycle(sources: dict[str, tuple[str, bool]]) -> None:
+    assert find_cycle(import_graph(sources)) is not None
+
+
+def test_the_cycle_check_allows_a_package_that_imports_its_modules() -> None:
+    sources = {"p": ("from p.a import A\nfrom p.b import B\n", True), "p.a": ("from p.b import B\n", False),
+               "p.b": ("import torch\n", False)}
+    assert import_graph(sources) == {"p": {"p.a", "p.b"}, "p.a": {"p.b"}, "p.b": set()}
+    assert find_cycle(import_graph(sources)) is None

@@ -32,7 +32,7 @@ def test_the_errors_module_imports_nothing_of_the_project():
     ("trainer.rewards.custom", "RewardFunctionError", ValueError),
     ("trainer.rewards", "UnknownDataSource", ValueError),
     ("trainer.rollout.prompts", "PromptTooLong", ValueError),
-    ("trainer.offload.engine", "WorkerThreadsError", ValueError),
+    ("trainer.offload.options", "WorkerThreadsError", ValueError),
     ("trainer.errors", "RunSetupError", Exception),
 ])
 def test_every_error_the_user_can_fix_is_a_user_error(module: str, name: str, also: type[Exception]):

@@ -687,12 +687,12 @@ def test_the_publisher_on_its_own_thread_publishes_each_unit_whichever_comes_fir
         model = policy(dtype=torch.bfloat16).train()
         engine = attach_offload(model, FSDPConfig.model_validate(
             {**DELAYED, "delayed_update": delayed, "optimizer_update": update}), "cpu", role="actor")
-        for worker in (engine.worker, engine.device_worker, engine.publisher):
+        for worker in (engine.worker, engine.updates.device_worker, engine.updates.publisher):
             if worker is not None:
                 worker.cuda = True  # (HostWorker: a thread of its own rather than at once)
-        if engine.publisher is not None:  # the publisher starts late: the first reads come before it
-            submit = engine.publisher.submit
-            engine.publisher.submit = lambda work: submit(lambda: (time.sleep(0.5), work()))
+        if engine.updates.publisher is not None:  # the publisher starts late: the first reads come before it
+            submit = engine.updates.publisher.submit
+            engine.updates.publisher.submit = lambda work: submit(lambda: (time.sleep(0.5), work()))
         return model, engine
 
     done: dict[str, torch.Tensor] = {}

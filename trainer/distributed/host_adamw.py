@@ -55,17 +55,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainer.offload.copies import CopyLog
-from trainer.offload.update_split import UpdateSplit, UpdateTiming
-
-if TYPE_CHECKING:
-    from trainer.offload.engine import UpdateMode
+from trainer.offload.update_split import UpdateMode, UpdateSplit, UpdateTiming
 
 Sent = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]
 """A gradient on its way down: (parameter, its fp32 host buffer, the bf16 view of that buffer's first half it comes
