@@ -16,9 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.config import BUILTIN_PREFIX, ConfigError, RunConfig, load_config
-
-EXIT_OK = 0
-EXIT_USAGE = 2
+from trainer.config.exit_codes import EXIT_OK, EXIT_USAGE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

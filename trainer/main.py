@@ -18,11 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-EXIT_OK = 0
-EXIT_USAGE = 2
-# ENOMEM's number. The daemon cannot import this module (no torch there): daemon/supervisor.py keeps
-# the same value as EXIT_OUT_OF_MEMORY and counts such an exit as an "oom" restart. Change both.
-EXIT_OUT_OF_MEMORY = 12
+# One definition for the trainer and the daemon (which counts EXIT_OUT_OF_MEMORY as an "oom" restart).
+from trainer.config.exit_codes import EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_USAGE
+
 EXIT_DAEMON_GONE = 1
 OUT_OF_MEMORY_HINT = ("lower the micro batch sizes (actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, "
                       "actor_rollout_ref.{rollout,ref}.log_prob_micro_batch_size_per_gpu, "
@@ -52,7 +50,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    # Import after argument parsing so --help is instant, and config errors show before torch loads.
+    # Import after argument parsing, so that config errors show before torch loads.
     from trainer.config import ConfigError, load_config
     from trainer.telemetry import die_with_daemon, dump_stacks_on_signal
 
