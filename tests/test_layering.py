@@ -8,6 +8,10 @@
 - trainer/config/ (and trainer/__init__.py, which every `import trainer.config` runs) import no torch;
 - trainer/offload/ has no import cycle, not even through imports made for the type checker alone.
 
+The same rules (but the cycles) are ruff rules too (banned-api, TID251, in the ruff.toml of api/, daemon/, trainer/
+and trainer/config/), so that an editor shows a violation as it is typed; the tests below check that those files
+keep up with trainer/'s modules and that ruff applies them.
+
 The checker reads imports with `ast`, so a module is judged without being imported: a violation is found
 even in a module whose other imports would fail.
 """
@@ -15,8 +19,10 @@ even in a module whose other imports would fail.
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -246,3 +252,70 @@ def test_the_cycle_check_allows_a_package_that_imports_its_modules() -> None:
                "p.b": ("import torch\n", False)}
     assert import_graph(sources) == {"p": {"p.a", "p.b"}, "p.a": {"p.b"}, "p.b": set()}
     assert find_cycle(import_graph(sources)) is None
+
+
+# ------------------------------------------------------------------------------------ the ruff rules
+
+
+def banned_imports(config: Path) -> set[str]:
+    """The modules a ruff.toml bans (flake8-tidy-imports banned-api), those of the configs it extends included
+    when it has none of its own (ruff replaces the table, it does not add to it)."""
+    settings = tomllib.loads(config.read_text(encoding="utf-8"))
+    banned = settings.get("lint", {}).get("flake8-tidy-imports", {}).get("banned-api")
+    if banned is None and "extend" in settings and settings["extend"].endswith("ruff.toml"):
+        return banned_imports((config.parent / settings["extend"]).resolve())
+    return set(banned or {})
+
+
+def trainer_modules_but_the_config() -> set[str]:
+    """trainer.X for each module and subpackage of trainer/ but config (ruff bans a module with all below it)."""
+    return {f"trainer.{path.stem if path.is_file() else path.name}" for path in (ROOT / "trainer").iterdir()
+            if path.name not in ("__init__.py", "config")
+            and (path.suffix == ".py" or (path / "__init__.py").is_file())}
+
+
+@pytest.mark.parametrize(("folder", "expected"), [
+    ("api", {*HEAVY, *trainer_modules_but_the_config()}),
+    ("daemon", {*HEAVY, *trainer_modules_but_the_config()}),
+    ("trainer", {"api", "daemon"}),
+    ("trainer/config", {"api", "daemon", *HEAVY, *trainer_modules_but_the_config()}),
+])
+def test_each_layers_ruff_config_bans_what_its_rules_forbid(folder: str, expected: set[str]) -> None:
+    """A new module of trainer/ must be added to the lists of api/ruff.toml and trainer/config/ruff.toml."""
+    assert banned_imports(ROOT / folder / "ruff.toml") == expected
+
+
+def _ruff() -> str:
+    found = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if found is None:
+        pytest.skip("ruff is not installed (pip install -e '.[dev]')")
+    return found
+
+
+@pytest.mark.parametrize(("path", "source", "banned"), [
+    ("api/_probe.py", "import torch\n", "torch"),
+    ("api/_probe.py", "from trainer.loop import Trainer\n", "trainer.loop"),
+    ("daemon/_probe.py", "from transformers import AutoModel\n", "transformers"),
+    ("daemon/_probe.py", "from trainer import offload\n", "trainer.offload"),
+    ("trainer/offload/_probe.py", "from daemon import cli\n", "daemon"),
+    ("trainer/config/_probe.py", "import torch.cuda\n", "torch"),
+    ("trainer/config/_probe.py", "import api.app\n", "api"),
+])
+def test_ruff_reports_a_banned_import_where_it_is_banned(path: str, source: str, banned: str) -> None:
+    """Checked as if the source were at `path` (ruff picks the ruff.toml nearest to it), without writing it there."""
+    result = subprocess.run([_ruff(), "check", "--no-cache", "--select", "TID251", "--output-format", "concise",
+                             "--stdin-filename", path, "-"], cwd=ROOT, input=source, capture_output=True, text=True,
+                            timeout=60)
+    assert f"`{banned}` is banned" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("path", "source"), [
+    ("api/_probe.py", "from trainer.config import RunConfig\nfrom trainer.config.messages import StepMessage\n"),
+    ("daemon/_probe.py", "import api.app\nfrom trainer.config.ipc import ENV_SOCKET\n"),
+    ("trainer/offload/_probe.py", "import torch\nfrom trainer.loop import Trainer\n"),
+])
+def test_ruff_allows_what_the_rules_allow(path: str, source: str) -> None:
+    result = subprocess.run([_ruff(), "check", "--no-cache", "--select", "TID251", "--output-format", "concise",
+                             "--stdin-filename", path, "-"], cwd=ROOT, input=source, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
