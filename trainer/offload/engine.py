@@ -55,7 +55,7 @@ from trainer.offload.units import Block, PassState, Placement, Unit
 from trainer.offload.update_split import UpdateMode, UpdateSplit
 from trainer.offload.updates import UnitUpdates
 
-__all__ = ["HostMemoryError", "OffloadEngine", "UpdateMode", "format_bytes"]
+__all__ = ["HostMemoryError", "OffloadEngine", "format_bytes"]
 
 
 class OffloadEngine:
@@ -95,6 +95,7 @@ class OffloadEngine:
         updates, in submission order."""
         self.updates = UnitUpdates(self.layout, self.log, self.worker, self.device, role=role, options=self.options,
                                    delayed_update=delayed_update)
+        """Where and when the optimizer's updates run (updates.py): OffloadAdamW submits to it."""
         self.passes = PassState()
         self.gradients = GradientPath(self.layout, self.streams, self.log, self.options, self.worker, self.passes,
                                       self.device, finish=self._finish_backward)
