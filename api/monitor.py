@@ -34,6 +34,7 @@ from api.advisor import SUSTAINED_WINDOW_S, Snapshot, advise
 from api.client import ApiClient, DaemonUnreachable
 from api.schemas import OffloadSummary, StepSnapshot
 from trainer.config.messages import PhasePlanRow, Progress, RankStatus, Restarts, RunStatus, SettingsState
+from trainer.config.run_files import CHECKPOINTS_DIR, LATEST_CHECKPOINT_FILE, METRICS_FILE
 
 # (label, verl metric key) of the trend lines, in the order shown.
 TRENDS = (("reward", "critic/score/mean"), ("KL", "actor/ppo_kl"), ("loss", "actor/pg_loss"),
@@ -47,10 +48,6 @@ ENDED_STATES = ("finished", "failed")
 # Polls that may fail in a row (a daemon busy for a moment) before the view decides it is gone.
 MAX_MISSED_POLLS = 3
 REWARD_KEY = "critic/score/mean"
-# The run directory's files the summary reads (trainer/metrics.py and trainer/checkpoint.py write them).
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_CHECKPOINT_FILE = "latest_checkpointed_iteration.txt"
 # metrics.jsonl grows by a line a step (~2 KB): the summary reads only its end.
 METRICS_TAIL_BYTES = 256 * 1024
 BLOCKS = "▁▂▃▄▅▆▇█"

@@ -153,24 +153,24 @@ class Profile:
             return submit(self._timed(function, f"{role} worker {name}"), *args, inline=inline)
 
         engine.worker.submit = timed_submit
-        if engine.device_worker is not None:  # optimizer_update gpu or both: the device path's own worker
-            device_submit = engine.device_worker.submit
+        if engine.updates.device_worker is not None:  # optimizer_update gpu or both: the device path's own worker
+            device_submit = engine.updates.device_worker.submit
 
             def timed_device_submit(function, *args, inline=None):
                 name = getattr(function, "__name__", None) or "task"
                 return device_submit(self._timed(function, f"{role} device worker {name}"), *args, inline=inline)
 
-            engine.device_worker.submit = timed_device_submit
-        if engine.publisher is not None:  # a delayed update: its arenas written after the rollout
-            publisher_submit = engine.publisher.submit
+            engine.updates.device_worker.submit = timed_device_submit
+        if engine.updates.publisher is not None:  # a delayed update: its arenas written after the rollout
+            publisher_submit = engine.updates.publisher.submit
 
             def timed_publisher_submit(function, *args, inline=None):
                 return publisher_submit(self._timed(function, f"{role} publisher writes the arenas"), *args,
                                         inline=inline)
 
-            engine.publisher.submit = timed_publisher_submit
+            engine.updates.publisher.submit = timed_publisher_submit
         if engine.update_split is not None:  # optimizer_update both: each step's shares and the estimates
-            plan = engine.plan_update_paths
+            plan = engine.updates.plan_update_paths
 
             def timed_plan(units):
                 paths = plan(units)
@@ -184,10 +184,11 @@ class Profile:
                     self.add(f"{role} update split: window s, estimated", engine.update_split.window, replace=True)
                 return paths
 
-            engine.plan_update_paths = timed_plan
+            engine.updates.plan_update_paths = timed_plan
         for owner, method, name in ((engine.gradients, "finish", "finish_backward"),
-                                    (engine, "wait_for_updates", "wait_for_updates"),
-                                    (engine.gradients, "_land", "land"), (engine, "after_update", "after_update")):
+                                    (engine.updates, "wait_for_updates", "wait_for_updates"),
+                                    (engine.gradients, "_land", "land"),
+                                    (engine.updates, "after_update", "after_update")):
             setattr(owner, method, self._timed(getattr(owner, method), f"{role} {name}"))
         # A gradient waits here for room in the pinned staging ring (for the worker to land older ones).
         staging = engine.gradients.staging

@@ -737,7 +737,7 @@ def _as_after_an_update(engine, run: Callable[[], None]) -> Callable[[], None]:
     def after_an_update() -> None:
         for unit in engine.units:
             if unit.group == "lm_head":
-                engine.after_update(unit)
+                engine.updates.after_update(unit)
         run()
 
     return after_an_update

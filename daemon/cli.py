@@ -36,9 +36,9 @@ from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemo
 from api.monitor import RunSummary, describe_status, format_value, run_monitor
 from daemon.runtime import RunDirInUse, RunLock, RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
 from trainer.config import KEYS, ConfigError, RunConfig, dump_config, load_config_with_notes
+from trainer.config.exit_codes import EXIT_USAGE
 from trainer.config.live import ALLOWED_NAMES, named_twice
 
-EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 ACK_POLL_S = 0.2
 

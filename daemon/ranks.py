@@ -21,10 +21,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from api.prometheus import GIB, MEMORY_KEY
 from trainer.config.messages import OffloadMessage, RanksMessage, RankStatus, StepMessage
 
-GIB = 1024**3
-MEMORY_KEY = "perf/max_memory_allocated_gb"
 COPY_SAMPLES_KEPT = 512
 """Each rank's latest timed offload copies that its mean copy latency is taken over."""
 

@@ -53,11 +53,11 @@ from prometheus_client import CollectorRegistry
 from api.app import create_app
 from api.client import page_url
 from api.hub import TelemetryHub
-from api.prometheus import TelemetryMetrics
+from api.prometheus import GIB, MEMORY_KEY, TelemetryMetrics
 from api.schemas import NotControlNodeError, SettingsBody, SettingsRejectedError
 from daemon.gpu import GpuSampler
 from daemon.ipc import MAX_SOCKET_PATH_BYTES, IpcServer, TrainerConnection
-from daemon.ranks import GIB, MEMORY_KEY, RankTable
+from daemon.ranks import RankTable
 from daemon.runtime import (
     RunDirInUse,
     RunLock,
@@ -70,8 +70,9 @@ from daemon.runtime import (
     write_runtime_file,
 )
 from daemon.settings import SettingsStore
-from daemon.supervisor import EXIT_OUT_OF_MEMORY, EXIT_USAGE, RestartPolicy, Supervisor
+from daemon.supervisor import RestartPolicy, Supervisor
 from trainer.config import FSDP_CONFIG, KEYS, RunConfig
+from trainer.config.exit_codes import EXIT_OUT_OF_MEMORY, EXIT_USAGE
 from trainer.config.ipc import ENV_DAEMON_PID, ENV_SOCKET, ENV_TOKEN
 from trainer.config.live import NAME_OF, SettingsRejected, canonical_change, initial_live_settings
 from trainer.config.messages import (

@@ -44,16 +44,12 @@ from typing import Any
 import psutil
 
 from trainer.config import KEYS
+from trainer.config.exit_codes import EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_USAGE
 from trainer.config.ipc import STACK_DUMP_SIGNAL
 
 log = logging.getLogger("verl.daemon.supervisor")
 
-EXIT_OK = 0
 EXIT_GAVE_UP = 1
-EXIT_USAGE = 2  # the trainer's "fix your config/data" exit code, passed on as the daemon's
-# The trainer's exit code for an unrecovered out-of-memory error: the same value as
-# trainer/main.py's EXIT_OUT_OF_MEMORY (the daemon must not import that module; change both).
-EXIT_OUT_OF_MEMORY = 12
 STACK_DUMP_WAIT_S = 2.0
 """How long a hung trainer gets to write its stacks before it is killed (faulthandler writes at once)."""
 

@@ -16,9 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.config import BUILTIN_PREFIX, KEYS, ConfigError, RunConfig, load_config
-
-EXIT_OK = 0
-EXIT_USAGE = 2
+from trainer.config.exit_codes import EXIT_OK, EXIT_USAGE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,12 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def check_run(config: RunConfig) -> list[str]:
     """One line per problem with the run's tokenizers, data files and model directories."""
-    from trainer.data import DataError, load_records
+    from trainer.data import load_records
     from trainer.data.checks import check_prompts, drop_overlong_prompts
-    from trainer.models.loading import ModelLoadError, load_tokenizer
-    from trainer.rollout.prompts import PromptTooLong
+    from trainer.errors import UserError
+    from trainer.models.loading import load_tokenizer
 
-    expected = (DataError, ModelLoadError, PromptTooLong)
     problems: list[str] = []
     model, data = config.actor_rollout_ref.model, config.data
     source = model.tokenizer_path or model.path
@@ -50,7 +47,7 @@ def check_run(config: RunConfig) -> list[str]:
             network = config.reward_model.model
             load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code,
                            setting=KEYS.reward_model.model.tokenizer_path)
-    except expected as error:
+    except UserError as error:
         problems.append(str(error))
     problems += _unreadable_model_configs(config)
     # The built-in rule scorers compare each response with the row's ground truth (as the trainer loads them).
@@ -71,7 +68,7 @@ def check_run(config: RunConfig) -> list[str]:
                 check_prompts(records, tokenizer, files_key=files_key, max_length=data.max_prompt_length,
                               truncation=data.truncation, tokenizer_setting=KEYS.actor_rollout_ref.model.tokenizer_path,
                               tokenizer_name=name)
-        except expected as error:
+        except UserError as error:
             problems.append(str(error))
     return problems
 

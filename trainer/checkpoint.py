@@ -20,20 +20,20 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from trainer.config import KEYS
+from trainer.config.run_files import CHECKPOINTS_DIR, LATEST_CHECKPOINT_FILE
+from trainer.errors import UserError
 from trainer.models.lora import ADAPTER_WEIGHTS, adapter_state_bytes, is_adapted, load_adapter, save_adapter
 from trainer.offload.layout import format_bytes, storage_bytes
 from trainer.offload.streamer import nested_tensors
 
-CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
-LATEST = "latest_checkpointed_iteration.txt"
 WEIGHTS = "model.safetensors"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _RESUME_EARLIER = (f"resume from an earlier checkpoint ({KEYS.trainer.resume_mode}=resume_path, "
                    f"{KEYS.trainer.resume_from_path}) or remove this one")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says which and why."""
 
 
@@ -48,7 +48,7 @@ class FinalCheckpointError(CheckpointError):
 
 def checkpoints_dir(run_dir: Path) -> Path:
     """The checkpoint folder of a run directory when trainer.default_local_dir does not move it."""
-    return Path(run_dir) / CHECKPOINTS
+    return Path(run_dir) / CHECKPOINTS_DIR
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -94,10 +94,10 @@ def save_checkpoint(root: Path, step: int, models: dict[str, torch.nn.Module], s
         raise _write_failure(f"the checkpoint of step {step}", root, partial, needed, error) from None
     _move_into_place(partial, final)
     try:
-        _write_atomically(root / LATEST, f"{step}\n")
+        _write_atomically(root / LATEST_CHECKPOINT_FILE, f"{step}\n")
     except OSError as error:
-        raise CheckpointWriteError(f"the checkpoint of step {step} is complete in {str(final)!r}, but {LATEST} "
-                                   f"could not be updated ({_one_line(error)})") from None
+        raise CheckpointWriteError(f"the checkpoint of step {step} is complete in {str(final)!r}, but "
+                                   f"{LATEST_CHECKPOINT_FILE} could not be updated ({_one_line(error)})") from None
     if keep is not None:
         for _, old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -310,7 +310,7 @@ def remove_partial_checkpoints(root: Path) -> None:
             _fsync_directory(root)
         else:
             shutil.rmtree(path, ignore_errors=True)
-    for path in root.glob(f".{LATEST}.tmp-*"):
+    for path in root.glob(f".{LATEST_CHECKPOINT_FILE}.tmp-*"):
         pid = path.name.rpartition("-")[2]
         if pid.isdigit() and not _is_alive(int(pid)):
             path.unlink(missing_ok=True)
@@ -464,7 +464,7 @@ def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch
         raise CheckpointWriteError(f"could not write the checkpoint of step {step} to {str(root)!r} ({failures[0]})")
     if ranks.is_main:
         _move_into_place(partial, final)
-        _write_atomically(root / LATEST, f"{step}\n")
+        _write_atomically(root / LATEST_CHECKPOINT_FILE, f"{step}\n")
         if keep is not None:
             for _, old in list_checkpoints(root)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -1,16 +1,14 @@
-"""The errors a user can fix from the config or the data: reported as one line, exit code 2."""
+"""The base class of the errors a user can fix: a leaf module (it imports nothing of the project), so that any
+module may derive its errors from it without pulling the rest of the trainer in.
 
-from trainer.checkpoint import CheckpointError
-from trainer.data import DataError
-from trainer.models import ModelLoadError
-from trainer.offload.engine import WorkerThreadsError
-from trainer.rewards import CustomRewardError, UnknownDataSource
-from trainer.rollout.prompts import PromptTooLong
+Each module keeps its own error types (CheckpointError in trainer/checkpoint.py, DataError in trainer/data, ...);
+`except UserError` in trainer/main.py turns every one of them into one ERROR line and exit code 2.
+"""
 
 
-class RunSetupError(Exception):
+class UserError(Exception):
+    """A problem the user can fix from the config, the data or the models: reported as one line, exit code 2."""
+
+
+class RunSetupError(UserError):
     """The run cannot start as configured; the message names the setting to change."""
-
-
-USER_ERRORS = (CheckpointError, DataError, ModelLoadError, CustomRewardError, UnknownDataSource, PromptTooLong,
-               RunSetupError, WorkerThreadsError)

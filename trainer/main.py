@@ -18,11 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-EXIT_OK = 0
-EXIT_USAGE = 2
-# ENOMEM's number. The daemon cannot import this module (no torch there): daemon/supervisor.py keeps
-# the same value as EXIT_OUT_OF_MEMORY and counts such an exit as an "oom" restart. Change both.
-EXIT_OUT_OF_MEMORY = 12
+# One definition for the trainer and the daemon (which counts EXIT_OUT_OF_MEMORY as an "oom" restart).
+from trainer.config.exit_codes import EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_USAGE
+
 EXIT_DAEMON_GONE = 1
 
 
@@ -59,7 +57,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    # Import after argument parsing so --help is instant, and config errors show before torch loads.
+    # Import after argument parsing, so that config errors show before torch loads.
     from trainer.config import ConfigError, load_config
     from trainer.telemetry import die_with_daemon, dump_stacks_on_signal
 
@@ -75,13 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     use_allocator_defaults()
     from trainer.distributed.ranks import Ranks
-    from trainer.errors import USER_ERRORS
+    from trainer.errors import UserError
 
     try:
         # Joins the process group with several ranks, and builds the (dp, sp) mesh with Ulysses.
         ranks = Ranks.from_environment(config.trainer.device, sequence_parallel_size=config.sequence_parallel_size,
                                        timeout_s=config.actor_rollout_ref.nccl_timeout)
-    except USER_ERRORS as error:
+    except UserError as error:
         return _report_user_error(error, None, None, log_path=config.trainer.run_dir / "logs" / "trainer.log",
                                   prints=_is_rank_zero())
     try:
@@ -111,7 +109,7 @@ def _train(config, ranks) -> int:
     import torch
     from rich.console import Console
 
-    from trainer.errors import USER_ERRORS
+    from trainer.errors import UserError
     from trainer.loop import Trainer
     from trainer.reporting import ConsoleReporter
     from trainer.telemetry import TelemetryClient
@@ -151,7 +149,7 @@ def _train(config, ranks) -> int:
         reporter.start(trainer.step)
         trainer.fit()
         finished = True
-    except USER_ERRORS as error:
+    except UserError as error:
         return _report_user_error(error, reporter, telemetry, log_path=log_path, prints=ranks.is_main)
     except torch.OutOfMemoryError as error:  # the trainer's own recovery (offload more, split) did not suffice
         return _report_out_of_memory(error, reporter, telemetry)

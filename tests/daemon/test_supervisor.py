@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.supervisor import EXIT_OUT_OF_MEMORY, RestartPolicy, Supervisor, exit_reason
+from daemon.supervisor import RestartPolicy, Supervisor, exit_reason
+from trainer.config.exit_codes import EXIT_OUT_OF_MEMORY
 
 FAKE_TRAINER = [sys.executable, str(Path(__file__).with_name("fake_trainer.py"))]
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
@@ -94,8 +95,9 @@ def test_a_trainer_out_of_memory_is_restarted_and_counted_as_oom(tmp_path: Path)
 
 
 def test_the_real_trainer_exits_with_the_code_the_supervisor_counts_as_oom(tmp_path, monkeypatch, capsys) -> None:
-    """trainer/main.py and daemon/supervisor.py keep the code apart (the daemon has no torch): they must agree,
-    and an unrecovered torch out-of-memory error must end the trainer with it and one line saying what to do."""
+    """trainer/main.py and daemon/supervisor.py share the code (trainer/config/exit_codes.py: the daemon has no
+    torch), and an unrecovered torch out-of-memory error must end the trainer with it and one line saying what to
+    do."""
     import torch
 
     import trainer.loop

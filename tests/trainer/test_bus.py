@@ -68,12 +68,12 @@ def test_the_critics_held_updates_cross_before_the_actors_delayed_ones():
     with engines["critic"].claiming_bus():
         step(models["critic"], optimizers["critic"], 0)
         # The critic's claim lasts until its device worker gets past this: its updates still crossing, as it were.
-        engines["critic"].after_updates(release.wait, path="device")
+        engines["critic"].updates.after_updates(release.wait, path="device")
     with engines["actor"].claiming_bus():
         step(models["actor"], optimizers["actor"], 1)
     assert turns.may_go("critic")  # the actor's phase is over: its claim holds nothing
     time.sleep(0.3)
-    assert not engines["actor"].updates_drained()  # its updates wait behind the critic's claim
+    assert not engines["actor"].updates.updates_drained()  # its updates wait behind the critic's claim
     release.set()
     engines["critic"].wait_for_updates()
     engines["actor"].wait_for_updates()
@@ -114,18 +114,18 @@ def test_the_critics_update_waits_while_the_actor_trains_and_goes_once_the_actor
     release = threading.Event()
     with engines["actor"].claiming_bus():
         time.sleep(0.3)
-        assert not engines["critic"].updates_drained()  # held: the actor trains
+        assert not engines["critic"].updates.updates_drained()  # held: the actor trains
         step(models["actor"], optimizers["actor"], 1)
         # The actor's own updates never wait; hold the worker until the test lets it go, to see the claim last.
-        engines["actor"].after_updates(release.wait, path="device")
+        engines["actor"].updates.after_updates(release.wait, path="device")
     time.sleep(0.3)
-    assert not engines["critic"].updates_drained()  # still held: the actor's updates have not all run
+    assert not engines["critic"].updates.updates_drained()  # still held: the actor's updates have not all run
     release.set()
     engines["actor"].wait_for_updates()
     deadline = time.monotonic() + 30
-    while not engines["critic"].updates_drained() and time.monotonic() < deadline:
+    while not engines["critic"].updates.updates_drained() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engines["critic"].updates_drained()
+    assert engines["critic"].updates.updates_drained()
     assert turns.held_seconds["critic"] >= 0.5
     for engine in engines.values():
         engine.close()
@@ -140,7 +140,7 @@ def test_waiting_for_a_held_models_update_lets_it_go_at_once():
     turns.claim("actor")  # never released while the critic is read
     step(models["critic"], optimizer, 0)
     time.sleep(0.2)
-    assert not engines["critic"].updates_drained()  # held
+    assert not engines["critic"].updates.updates_drained()  # held
     finished = threading.Event()
 
     def forward() -> None:
@@ -164,7 +164,7 @@ def test_updates_that_took_turns_give_the_same_weights_as_updates_that_did_not()
         models, engines = engine_pair(turns)
         if not share:
             for engine in engines.values():
-                engine.bus_turns = None
+                engine.updates.bus_turns = None
         optimizers = {role: engines[role].optimizer(lr=1e-3) for role in engines}
         for seed in range(3):
             for role in ("critic", "actor"):

@@ -14,7 +14,6 @@ import transformers
 
 import trainer.checkpoint
 from trainer.checkpoint import (
-    LATEST,
     TRAINER_STATE,
     CheckpointError,
     CheckpointWriteError,
@@ -25,6 +24,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     save_weights,
 )
+from trainer.config.run_files import LATEST_CHECKPOINT_FILE as LATEST
 from trainer.models import load_critic, load_policy, load_tokenizer
 from trainer.randomness import rng_state, set_rng_state
 

@@ -103,8 +103,8 @@ def test_the_update_on_the_device_or_split_gives_the_host_updates_losses_weights
             even_split(engine)
         losses = train(model, engine, optimizer, steps=3)
         expected_paths = {"cpu": {"host"}, "gpu": {"device"}, "both": {"device", "host"}}[update]
-        assert set(engine.update_paths.values()) == expected_paths
-        assert set(engine.update_paths) == set(trained_units(engine))
+        assert set(engine.updates.update_paths.values()) == expected_paths
+        assert set(engine.updates.update_paths) == set(trained_units(engine))
         results.append((losses, weights(model), states_in_order(optimizer)))
     (host_losses, host_weights, host_states), *others = results
     for losses, device_weights, states in others:
@@ -140,14 +140,14 @@ def test_the_split_runs_both_paths_at_once_each_in_forward_order_and_waits_for_b
     optimizer.zero_grad()
     model(input_ids=batch(1), labels=batch(1)).loss.backward()
     optimizer.step()
-    assert not engine.updates_drained()
+    assert not engine.updates.updates_drained()
     landed.set()
     engine.wait_for_updates()
-    assert engine.updates_drained() and all(unit.ready.is_set() for unit in engine.units)
+    assert engine.updates.updates_drained() and all(unit.ready.is_set() for unit in engine.units)
     assert {name for path in ran.values() for name, _ in path} == set(trained_units(engine))
     for path, units in ran.items():
         assert [order[name] for name, _ in units] == sorted(order[name] for name, _ in units), path
-        assert all(engine.update_paths[name] == path for name, _ in units)
+        assert all(engine.updates.update_paths[name] == path for name, _ in units)
     threads = {path: {thread for _, thread in units} for path, units in ran.items()}
     assert len(threads["device"]) == len(threads["host"]) == 1 and threads["device"] != threads["host"]
 
@@ -181,7 +181,7 @@ def test_without_the_pipelined_update_the_split_runs_in_line_with_the_same_value
             even_split(engine)
         losses = train(model, engine, optimizer, steps=2)
         if update == "both":
-            assert set(engine.update_paths.values()) == {"device", "host"}
+            assert set(engine.updates.update_paths.values()) == {"device", "host"}
         results.append((losses, weights(model)))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6, abs=1e-7)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=1e-6)
@@ -304,7 +304,7 @@ def test_on_the_gpu_the_update_streams_pinned_states_and_matches_the_host_update
         if update == "both":
             assert engine.update_split is not None and min(engine.update_split.seconds_per_element.values()) > 0
             if split == "even":
-                assert set(engine.update_paths.values()) == {"device", "host"}
+                assert set(engine.updates.update_paths.values()) == {"device", "host"}
         results.append((losses, weights(model)))
     (host_losses, host_weights), *others = results
     for losses, device_weights in others:

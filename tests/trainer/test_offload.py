@@ -687,12 +687,12 @@ def test_the_publisher_on_its_own_thread_publishes_each_unit_whichever_comes_fir
         model = policy(dtype=torch.bfloat16).train()
         engine = attach_offload(model, FSDPConfig.model_validate(
             {**DELAYED, "delayed_update": delayed, "optimizer_update": update}), "cpu", role="actor")
-        for worker in (engine.worker, engine.device_worker, engine.publisher):
+        for worker in (engine.worker, engine.updates.device_worker, engine.updates.publisher):
             if worker is not None:
                 worker.cuda = True  # (HostWorker: a thread of its own rather than at once)
-        if engine.publisher is not None:  # the publisher starts late: the first reads come before it
-            submit = engine.publisher.submit
-            engine.publisher.submit = lambda work: submit(lambda: (time.sleep(0.5), work()))
+        if engine.updates.publisher is not None:  # the publisher starts late: the first reads come before it
+            submit = engine.updates.publisher.submit
+            engine.updates.publisher.submit = lambda work: submit(lambda: (time.sleep(0.5), work()))
         return model, engine
 
     done: dict[str, torch.Tensor] = {}
@@ -756,10 +756,10 @@ def test_the_engine_worker_runs_torch_on_the_threads_it_is_given_and_leaves_the_
 
 
 def test_a_bad_worker_thread_count_in_the_environment_is_refused_in_one_line(monkeypatch):
-    from trainer.errors import USER_ERRORS
+    from trainer.errors import UserError
 
     monkeypatch.setenv("VERL_OFFLOAD_WORKER_THREADS", "lots")
-    with pytest.raises(USER_ERRORS, match="VERL_OFFLOAD_WORKER_THREADS must be a whole number.*'lots'") as raised:
+    with pytest.raises(UserError, match="VERL_OFFLOAD_WORKER_THREADS must be a whole number.*'lots'") as raised:
         OffloadOptions()
     assert "\n" not in str(raised.value)  # the trainer reports a user's error in one line, exit code 2
     monkeypatch.setenv("VERL_OFFLOAD_WORKER_THREADS", "3")

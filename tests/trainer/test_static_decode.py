@@ -262,7 +262,7 @@ def test_the_engine_says_when_a_forward_may_be_captured_and_what_it_reads(tokeni
             engine.set_transformer_layers_on_gpu(2)
             policy(input_ids=ids)
             assert streamer.graph_key() is not None
-            engine.after_update(engine.transformer_units[1])  # new weights in its arena: copied again
+            engine.updates.after_update(engine.transformer_units[1])  # new weights in its arena: copied again
             assert streamer.graph_key() is None
             policy(input_ids=ids)
             assert streamer.graph_key() not in (None, key)

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainer.config import BUILTIN_PREFIX, DATA_FILE_SUFFIXES, KEYS
+from trainer.errors import UserError
 
 PARQUET_SUFFIX = ".parquet"
 JSONL_SUFFIXES = tuple(suffix for suffix in DATA_FILE_SUFFIXES if suffix != PARQUET_SUFFIX)
@@ -25,7 +26,7 @@ JSONL_SUFFIXES = tuple(suffix for suffix in DATA_FILE_SUFFIXES if suffix != PARQ
 Prompt = str | list[dict[str, str]]
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A data file cannot be used; the message is one line that says where and why."""
 
 

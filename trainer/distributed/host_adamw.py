@@ -55,17 +55,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainer.offload.copies import CopyLog
-from trainer.offload.update_split import UpdateSplit, UpdateTiming
-
-if TYPE_CHECKING:
-    from trainer.offload.engine import UpdateMode
+from trainer.offload.units import UPDATE_SLICE_ELEMENTS
+from trainer.offload.update_split import UpdateMode, UpdateSplit, UpdateTiming
 
 Sent = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]
 """A gradient on its way down: (parameter, its fp32 host buffer, the bf16 view of that buffer's first half it comes
@@ -76,10 +74,6 @@ DEVICE_SLICE_ELEMENTS = 1 << 24
 parameter's shard is as large)."""
 DEVICE_RING = 3
 """Buffers in the device path's ring: one slice coming up, one updating, one going down."""
-
-WIDEN_SLICE_ELEMENTS = 1 << 22
-"""The slice of a bf16 gradient widened and updated at once (16 MB in fp32), as the offload engine's
-OffloadAdamW._step_sliced slices its bf16 host gradients."""
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -330,8 +324,8 @@ class HostAdamW(torch.optim.Optimizer):
                 moments = [_local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1)]
                 flat = buffer.view(-1)
                 # A bf16 gradient: widened in place a slice at a time from the last, each read by the kernel at once,
-                # while it is still in the cache.
-                width = max(1, flat.numel()) if narrow is None else WIDEN_SLICE_ELEMENTS
+                # while it is still in the cache (slices as OffloadAdamW._step_sliced's).
+                width = max(1, flat.numel()) if narrow is None else UPDATE_SLICE_ELEMENTS
                 for start in reversed(range(0, flat.numel(), width)):
                     part = flat[start:start + width]
                     if narrow is not None:
@@ -429,7 +423,7 @@ class HostAdamW(torch.optim.Optimizer):
     def _read_out(self, narrow: torch.Tensor) -> torch.Tensor:
         """A slice of a bf16 gradient copied into the scratch (its bytes lie under the fp32 slice it widens into)."""
         if self._scratch is None or self._scratch.numel() < narrow.numel():
-            self._scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=narrow.dtype)
+            self._scratch = torch.empty(UPDATE_SLICE_ELEMENTS, dtype=narrow.dtype)
         return self._scratch[:narrow.numel()].copy_(narrow)
 
     def _apply(self, directions: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -> None:

@@ -11,8 +11,8 @@ RESOLVED.yaml`` under torch.distributed's elastic launcher, used as a library (w
   daemon holds the run's control. c10d's dynamic rendezvous orders nodes by host name and pid instead.
 
 ``max_restarts=0``: the elastic agent never restarts ranks itself. A failed group ends this process
-with the trainer's exit code of the first rank that failed (trainer/main.py: 2 a config problem, 12 out
-of memory, other codes a crash; a rank killed by a signal ends this process by the same signal), so the
+with the trainer's exit code of the first rank that failed (trainer/config/exit_codes.py: 2 a config problem,
+12 out of memory, other codes a crash; a rank killed by a signal ends this process by the same signal), so the
 daemon's restart policy, back-off and exit-code rules (daemon/supervisor.py) apply to the whole group:
 it restarts all ranks, which resume from the latest checkpoint.
 
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from trainer.config.exit_codes import EXIT_OK, EXIT_USAGE
+
 if TYPE_CHECKING:
     from trainer.config.schema import DaemonConfig, TrainerConfig
 
-EXIT_OK = 0
-EXIT_USAGE = 2  # trainer/main.py's: a config problem, no restart
 EXIT_CRASH = 1
 STANDALONE_ENDPOINT = "localhost:0"
 """One node: c10d's rendezvous store on a free local port, as torchrun --standalone does."""

@@ -27,13 +27,14 @@ from transformers.utils import logging as transformers_logging
 
 from trainer.config import BUILTIN_PREFIX, KEYS
 from trainer.config.hub import HubModelNotCached, resolve_model_path
+from trainer.errors import UserError
 from trainer.models.attention import use_packed_gqa
 from trainer.models.tiny import build_tiny_tokenizer, seeded_init, tiny_qwen2_config
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(UserError):
     """A model or tokenizer that could not be loaded; the message names the config key."""
 
 

@@ -1,4 +1,4 @@
-"""Per-module-group CPU offload of parameters, gradients and optimizer states (DESIGN.md, "The offload engine").
+"""Per-module-group CPU offload of parameters, gradients and optimizer states (docs/design.md, "The offload engine").
 
     engine = attach_offload(model, fsdp_config, device, role="actor")
     optimizer = engine.optimizer(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01)
@@ -16,10 +16,12 @@ from torch import nn
 from trainer.config import FSDPConfig
 from trainer.config.messages import CopyCount, Direction, Group, OffloadMessage
 from trainer.offload.copies import MAX_RECORDS_PER_DRAIN, CopyLog
-from trainer.offload.engine import OffloadEngine, OffloadOptions, UpdateMode
+from trainer.offload.engine import OffloadEngine
 from trainer.offload.groups import GROUPS, UnsupportedModel
 from trainer.offload.layout import HostMemoryError, format_bytes
 from trainer.offload.optimizer import OffloadAdamW
+from trainer.offload.options import OffloadOptions
+from trainer.offload.update_split import UpdateMode
 
 __all__ = ["GROUPS", "HostMemoryError", "OffloadAdamW", "OffloadEngine", "OffloadOptions", "UnsupportedModel",
            "UpdateMode", "attach_offload", "format_bytes", "offload_message", "update_mode", "updates_on_device"]

@@ -15,13 +15,14 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from trainer.offload.copies import D2H, CopyLog, CopyStreams, StagingRing, pinned_empty
 from trainer.offload.layout import Layout, allocate_grad_arena
+from trainer.offload.options import OffloadOptions
 from trainer.offload.units import (
     ALIGNMENT,
     ROWS_PIECE,
@@ -32,9 +33,6 @@ from trainer.offload.units import (
     aligned,
     typed_view,
 )
-
-if TYPE_CHECKING:
-    from trainer.offload.engine import OffloadOptions
 
 T = TypeVar("T")
 Piece = tuple[torch.Tensor, int, int]

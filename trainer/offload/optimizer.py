@@ -16,7 +16,7 @@ read-and-write pass over every fp32 gradient on the CPU, which costs more than t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,26 +24,24 @@ from trainer.offload.device_update import pinned_states
 from trainer.offload.gradients import SquareSums
 from trainer.offload.units import UPDATE_SLICE_ELEMENTS, Unit
 from trainer.offload.update_split import UpdatePath
-
-if TYPE_CHECKING:
-    from trainer.offload.engine import OffloadEngine
+from trainer.offload.updates import UnitUpdates
 
 
 class OffloadAdamW(torch.optim.AdamW):
     """torch.optim.AdamW (fused) over an offloaded model; LR schedulers and state_dict work as usual."""
 
-    def __init__(self, engine: OffloadEngine, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, updates: UnitUpdates, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.01, eps: float = 1e-8):
         groups, units = [], []
-        for unit in engine.units:
+        for unit in updates.units:
             parameters = [entry.parameter for entry in unit.entries if entry.parameter.requires_grad]
             if parameters:
                 groups.append({"params": parameters})
                 units.append(unit)
         if not groups:
-            raise ValueError(f"the {engine.role} has no trainable parameter to optimize")
+            raise ValueError(f"the {updates.role} has no trainable parameter to optimize")
         super().__init__(groups, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, fused=True)
-        self.engine = engine
+        self.updates = updates
         self._units = units
         self._grad_scale: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
@@ -53,7 +51,7 @@ class OffloadAdamW(torch.optim.AdamW):
         # the first update 8 s more than the others (measured on the H200 machine, 2026-11-30), and the rollout
         # after it waits for that update: made in the worker once every model is placed (the host budget of the
         # models placed after this one counts them as still to come), they overlap the first step instead.
-        engine.first_optimizer_states = self._first_states
+        updates.first_optimizer_states = self._first_states
 
     def _first_states(self) -> None:
         """AdamW's states of the groups stepped on the CPU, as torch's fused AdamW would make them at the first
@@ -63,8 +61,8 @@ class OffloadAdamW(torch.optim.AdamW):
                 continue
             for parameter in group["params"]:
                 self._fresh_state(parameter)
-            if self.engine.device_update is not None:
-                pinned_states([self.state[parameter] for parameter in group["params"]], self.engine.device)
+            if self.updates.device_update is not None:
+                pinned_states([self.state[parameter] for parameter in group["params"]], self.updates.device)
 
     def _fresh_state(self, parameter: torch.Tensor) -> None:
         """The parameter's AdamW state as torch's fused AdamW makes it at a first step, unless it has one."""
@@ -78,8 +76,8 @@ class OffloadAdamW(torch.optim.AdamW):
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("OffloadAdamW.step takes no closure")
-        engine = self.engine
-        engine.wait_for_updates()
+        updates = self.updates
+        updates.wait_for_updates()
         grad_scale, self._grad_scale = self._grad_scale, None
         on_device = [group for group, unit in zip(self.param_groups, self._units, strict=True) if not unit.offloaded]
         if on_device:
@@ -87,18 +85,18 @@ class OffloadAdamW(torch.optim.AdamW):
         offloaded = [(group, unit) for group, unit in zip(self.param_groups, self._units, strict=True)
                      if unit.offloaded]
         # Each unit's path (the device's or the host's worker); with both, the split balances the two.
-        paths = engine.plan_update_paths([unit for _, unit in offloaded])
+        paths = updates.plan_update_paths([unit for _, unit in offloaded])
         for (group, unit), path in zip(offloaded, paths, strict=True):
             # A copy of the group: a scheduler changing the lr from now on applies to the next step.
             snapshot = dict(group)
             # Under a delayed update the arena keeps the weights from before this one until a read that may
             # not be stale publishes it (Unit.settled); the rollout reads them meanwhile.
-            unit.publish_pending = engine.delayed_update
-            engine.submit_update(unit, self._update_unit, snapshot, unit, grad_scale, path, path=path)
-        if engine.device_update is not None:
+            unit.publish_pending = updates.delayed_update
+            updates.submit_update(unit, self._update_unit, snapshot, unit, grad_scale, path, path=path)
+        if updates.device_update is not None:
             # Its device buffers go back between steps, for the phases that run meanwhile (once the device
             # path's updates are done: they run on its worker, in order).
-            engine.after_updates(engine.device_update.release, path="device")
+            updates.after_updates(updates.device_update.release, path="device")
         return None
 
     def _update_unit(self, group: dict[str, Any], unit: Unit, grad_scale: torch.Tensor | None,
@@ -106,14 +104,14 @@ class OffloadAdamW(torch.optim.AdamW):
         """One unit's AdamW step on `path`; either gives the same states, step counts and weights."""
         try:
             written: set[int] = set()
-            if path == "host" and self.engine.device_update is not None:
+            if path == "host" and self.updates.device_update is not None:
                 # Page-locked as the device path keeps them, so that a unit the split sends to the device at a
                 # later step streams its states at once (torch's own first step makes them in pageable memory).
                 for parameter in group["params"]:
                     if parameter.grad is not None:
                         self._fresh_state(parameter)
                 pinned_states([self.state[parameter] for parameter in group["params"] if parameter in self.state],
-                              self.engine.device)
+                              self.updates.device)
             if path == "device":
                 written = self._step_on_device(group, grad_scale, unit)
             elif any(parameter.grad is not None and parameter.grad.dtype != parameter.dtype
@@ -125,9 +123,9 @@ class OffloadAdamW(torch.optim.AdamW):
                 # slices would cost a thread fork and join each.
                 self._step_groups([group], grad_scale)
             if not unit.publish_pending:
-                self.engine.after_update(unit, written)
+                self.updates.after_update(unit, written)
         finally:
-            with self.engine.update_lock:
+            with self.updates.update_lock:
                 if unit.grads_after_update is not None:
                     self._clear_grads(group["params"], unit.grads_after_update == "none")
                     unit.grads_after_update = None
@@ -142,11 +140,11 @@ class OffloadAdamW(torch.optim.AdamW):
         for parameter in parameters:
             self._fresh_state(parameter)
         states = [self.state[parameter] for parameter in parameters]
-        pinned_states(states, self.engine.device)
+        pinned_states(states, self.updates.device)
         torch._foreach_add_([state["step"] for state in states], 1)
         to_arena = not unit.publish_pending and not unit.master_is_arena and unit.arena is not None
-        assert self.engine.device_update is not None
-        return self.engine.device_update.step_unit(unit, parameters, states, group, grad_scale, to_arena)
+        assert self.updates.device_update is not None
+        return self.updates.device_update.step_unit(unit, parameters, states, group, grad_scale, to_arena)
 
     @staticmethod
     def _check_plain(group: dict[str, Any]) -> None:
@@ -247,7 +245,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._grad_scale = None
         for group, unit in zip(self.param_groups, self._units, strict=True):
             unit.grad_square = None
-            with self.engine.update_lock:
+            with self.updates.update_lock:
                 if not unit.ready.is_set():
                     # Its update still reads the gradient: the worker clears it once done.
                     unit.grads_after_update = "none" if set_to_none else "zero"
@@ -266,14 +264,14 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def wait(self) -> None:
         """Block until the CPU updates of the last step have landed."""
-        self.engine.wait_for_updates()
+        self.updates.wait_for_updates()
 
     def state_dict(self) -> dict[str, Any]:
-        self.engine.wait_for_updates()
+        self.updates.wait_for_updates()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.engine.wait_for_updates()
+        self.updates.wait_for_updates()
         # The states loaded replace the ones there (made zeroed in the background): let those go first, so
         # that host memory never holds both (61 GB each for a 7B actor).
         self.state.clear()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,11 +23,9 @@ from torch import nn
 from trainer.offload.copies import H2D, CopyLog, CopyStreams
 from trainer.offload.functions import post_backward
 from trainer.offload.layout import Layout
+from trainer.offload.options import OffloadOptions
+from trainer.offload.placement import PhaseStaging
 from trainer.offload.units import Block, PassState, Placement, Slot, Unit, UnitKind, typed_view
-
-if TYPE_CHECKING:
-    from trainer.offload.engine import OffloadOptions
-    from trainer.offload.placement import PhaseStaging
 
 GradHook = Callable[[Unit, nn.Parameter], None]
 

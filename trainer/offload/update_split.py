@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 UpdatePath = Literal["device", "host"]
+UpdateMode = Literal["cpu", "gpu", "both"]
+"""Where an offloaded optimizer's update runs (fsdp_config.optimizer_update once "auto" is resolved): the host's
+cores, the compute device over states streamed through it, or both at once on disjoint units (UpdateSplit)."""
 PATHS: tuple[UpdatePath, UpdatePath] = ("device", "host")
 
 DEVICE_GUESS_BANDWIDTH = 50e9

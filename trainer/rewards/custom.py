@@ -14,12 +14,13 @@ from types import ModuleType
 from typing import Any
 
 from trainer.config import KEYS
+from trainer.errors import UserError
 from trainer.rewards.scorers import default_compute_score
 
 ComputeScore = Callable[..., Any]
 
 
-class CustomRewardError(ValueError):
+class CustomRewardError(UserError, ValueError):
     """The custom reward function cannot be loaded, or returned something that is not a score."""
 
 

@@ -8,6 +8,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from trainer.config import KEYS
+from trainer.errors import UserError
 
 Scorer = Callable[[str, Any], float]
 
@@ -18,7 +19,7 @@ _STRICT_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 _ANY_NUMBER = re.compile(_NUMBER)
 
 
-class UnknownDataSource(ValueError):
+class UnknownDataSource(UserError, ValueError):
     """No built-in scorer for a prompt's data_source."""
 
 

@@ -9,9 +9,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trainer.config import KEYS
+from trainer.errors import UserError
 
 
-class PromptTooLong(ValueError):
+class PromptTooLong(UserError, ValueError):
     """A prompt over data.max_prompt_length with data.truncation=error."""
 
 

@@ -145,7 +145,7 @@ def test_bf16_gradients_go_down_at_half_the_bytes_and_update_as_adamw_of_the_rou
     widening): the update is AdamW's of the gradient rounded to bf16, and differs from the fp32 one."""
     from trainer.distributed import host_adamw
 
-    monkeypatch.setattr(host_adamw, "WIDEN_SLICE_ELEMENTS", 8)
+    monkeypatch.setattr(host_adamw, "UPDATE_SLICE_ELEMENTS", 8)
     expected, _ = steps(RoundedAdamW, "cpu")
     actual, host = steps(HostAdamW, "cpu", grad_dtype=torch.bfloat16)
     for mine, theirs in zip(actual, expected, strict=True):
