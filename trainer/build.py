@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trainer.config import BUILTIN_PREFIX, FSDPConfig, RunConfig
+from trainer.config import BUILTIN_PREFIX, KEYS, FSDPConfig, RunConfig
 from trainer.config.messages import Role
 from trainer.data import PromptRecord, load_records
 from trainer.data.checks import check_prompts, drop_overlong_prompts
@@ -49,7 +49,7 @@ def set_host_threads(config: RunConfig, ranks: Ranks, log: Log) -> None:
         torch.set_num_threads(threads)
         if ranks.is_main:
             log(f"each rank computes on the host with {threads} threads, its share of this node's cores "
-                "(trainer.cpu_threads sets it)")
+                f"({KEYS.trainer.cpu_threads} sets it)")
 
 
 def load_prompts(config: RunConfig, tokenizer: PreTrainedTokenizerBase, log: Log
@@ -62,15 +62,15 @@ def load_prompts(config: RunConfig, tokenizer: PreTrainedTokenizerBase, log: Log
     source = model.tokenizer_path or model.path
     name = (f"{source}'s built-in {len(tokenizer)}-token tokenizer" if source.startswith(BUILTIN_PREFIX)
             else repr(source))
-    records = {files_key: _filtered(config, files_key, load_records(files, data.prompt_key,
-                                                                    require_ground_truth=builtin_scoring),
-                                    tokenizer, log) if files else []
-               for files_key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files))}
+    files = ((KEYS.data.train_files, data.train_files), (KEYS.data.val_files, data.val_files))
+    records = {key: _filtered(config, key, load_records(paths, data.prompt_key, require_ground_truth=builtin_scoring),
+                              tokenizer, log) if paths else []
+               for key, paths in files}
     for files_key, loaded in records.items():
         check_prompts(loaded, tokenizer, files_key=files_key, max_length=data.max_prompt_length,
-                      truncation=data.truncation, tokenizer_setting="actor_rollout_ref.model.tokenizer_path",
+                      truncation=data.truncation, tokenizer_setting=KEYS.actor_rollout_ref.model.tokenizer_path,
                       tokenizer_name=name)
-    return records["data.train_files"], records["data.val_files"]
+    return records[KEYS.data.train_files], records[KEYS.data.val_files]
 
 
 def _filtered(config: RunConfig, files_key: str, records: list[PromptRecord], tokenizer: PreTrainedTokenizerBase,
@@ -81,11 +81,11 @@ def _filtered(config: RunConfig, files_key: str, records: list[PromptRecord], to
     if not data.filter_overlong_prompts:
         return records
     kept = drop_overlong_prompts(records, tokenizer, data.max_prompt_length)
-    log(f"data.filter_overlong_prompts: dropped {len(records) - len(kept)} of {len(records)} prompts of "
-        f"{files_key} longer than data.max_prompt_length={data.max_prompt_length} tokens")
+    log(f"{KEYS.data.filter_overlong_prompts}: dropped {len(records) - len(kept)} of {len(records)} prompts of "
+        f"{files_key} longer than {KEYS.data.max_prompt_length}={data.max_prompt_length} tokens")
     if not kept:
-        raise RunSetupError(f"data.filter_overlong_prompts: every prompt of {files_key} is longer than "
-                            f"data.max_prompt_length={data.max_prompt_length} tokens; raise it")
+        raise RunSetupError(f"{KEYS.data.filter_overlong_prompts}: every prompt of {files_key} is longer than "
+                            f"{KEYS.data.max_prompt_length}={data.max_prompt_length} tokens; raise it")
     return kept
 
 
@@ -162,7 +162,7 @@ class ModelBuilder:
         # With LoRA the adapter is in the model before the engine lays it out; peft's wrapper disables it for the
         # reference policy and saves it in the checkpoints.
         policy = self._policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing)
-        model, adapter = with_adapter(policy, LoraSettings.of(model_config, "actor_rollout_ref.model"), role="actor",
+        model, adapter = with_adapter(policy, LoraSettings.of(model_config, KEYS.actor_rollout_ref.model), role="actor",
                                       seed=config.trainer.seed)
         model = self._place(model, self._policy_placement(actor_config.fsdp_config), Role.ACTOR, split)
         actor = Actor(model, actor_config, temperature=rollout.temperature, rollout_n=rollout.n,
@@ -182,7 +182,8 @@ class ModelBuilder:
             return None
         ref = config.actor_rollout_ref.ref
         if adapter is not None:
-            ignored = " (actor_rollout_ref.ref.fsdp_config is not used)" if ref.fsdp_config != FSDPConfig() else ""
+            unused = ref.fsdp_config != FSDPConfig()
+            ignored = f" ({KEYS.actor_rollout_ref.ref.fsdp_config} is not used)" if unused else ""
             self.log("reference policy: the actor with its LoRA adapter disabled, no second copy of the "
                      f"weights{ignored}")
             model, memory = actor.model, self._memory(Role.ACTOR)
@@ -203,7 +204,7 @@ class ModelBuilder:
                             or config.actor_rollout_ref.model.override_config,
                             gradient_checkpointing=critic.model.enable_gradient_checkpointing,
                             trust_remote_code=critic.model.trust_remote_code)
-        model, adapter = with_adapter(model, LoraSettings.of(critic.model, "critic.model"), role="critic",
+        model, adapter = with_adapter(model, LoraSettings.of(critic.model, KEYS.critic.model), role="critic",
                                       seed=seed + 1)
         if adapter is not None:
             self.log(describe_adapter(adapter, "critic"))
@@ -224,7 +225,7 @@ class ModelBuilder:
                               on_error=function.on_error, warn=self.warn)
         network = config.reward_model.model
         tokenizer = load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code,
-                                   setting="reward_model.model.tokenizer_path")
+                                   setting=KEYS.reward_model.model.tokenizer_path)
         model = load_reward_model(network.path, tokenizer, dtype=torch_dtype(network.fsdp_config.model_dtype),
                                   seed=config.trainer.seed, trust_remote_code=network.trust_remote_code)
         return ModelReward(self._place(model, network.fsdp_config, Role.REWARD), self.tokenizer, tokenizer,
@@ -256,8 +257,8 @@ class ModelBuilder:
         `sequence_split` its attention is Ulysses' first."""
         ranks = self.ranks
         if sequence_split is not None:
-            sequence_split.prepare(model, "critic.ulysses_sequence_parallel_size" if role == Role.CRITIC
-                                   else "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
+            sequence_split.prepare(model, KEYS.critic.ulysses_sequence_parallel_size if role == Role.CRITIC
+                                   else KEYS.actor_rollout_ref.actor.ulysses_sequence_parallel_size)
             split = ("each micro-batch's padding-free row" if sequence_split.remove_padding else "every sequence")
             self.log(f"{role}: Ulysses sequence parallelism: each of the {ranks.sp_size} ranks of a group computes "
                      f"1/{ranks.sp_size} of {split} ({ranks.dp_size} data-parallel group(s) of the prompts); FSDP2 "

@@ -34,7 +34,7 @@ from trainer.checkpoint import (
     save_sharded_checkpoint,
     save_weights,
 )
-from trainer.config import RunConfig
+from trainer.config import KEYS, RunConfig
 from trainer.config.messages import CheckpointMessage, UpMessage
 from trainer.data import PromptSampler
 from trainer.distributed.ranks import Ranks
@@ -157,9 +157,9 @@ class Checkpointer:
         self.ranks.barrier()
         if mode == "disable":
             if list_checkpoints(self.directory):
-                raise RunSetupError(f"trainer.resume_mode: disable, but {self.directory} already holds "
-                                    "checkpoints; set trainer.resume_mode=auto to continue that run, or choose another "
-                                    "trainer.experiment_name")
+                raise RunSetupError(f"{KEYS.trainer.resume_mode}: disable, but {self.directory} already holds "
+                                    f"checkpoints; set {KEYS.trainer.resume_mode}=auto to continue that run, or choose "
+                                    f"another {KEYS.trainer.experiment_name}")
             path = None
         elif mode == "resume_path":
             path = Path(self.config.trainer.resume_from_path)

@@ -18,7 +18,7 @@ import torch
 from trainer.algorithms import AdvantageInputs, apply_kl_penalty, build_kl_controller, get_advantage_estimator
 from trainer.build import ModelBuilder, load_prompts, set_host_threads
 from trainer.checkpointer import Checkpointer
-from trainer.config import RunConfig, dump_config
+from trainer.config import KEYS, RunConfig, dump_config
 from trainer.config.live import initial_live_settings
 from trainer.config.messages import Role, StepMessage
 from trainer.control import Control, SettingsFeed, TelemetryLink
@@ -123,8 +123,8 @@ class Trainer:
         if not self._resumed:
             self.resume()
         if self.step >= self.total_steps:
-            self.log(f"nothing to do: the run is complete at step {self.step}/{self.total_steps}; to train "
-                     "again choose another trainer.experiment_name, or raise trainer.total_training_steps")
+            self.log(f"nothing to do: the run is complete at step {self.step}/{self.total_steps}; to train again "
+                     f"choose another {KEYS.trainer.experiment_name}, or raise {KEYS.trainer.total_training_steps}")
             return
         self.checkpointer.saved_at = self.step
         if self.validator.before_training(self.step):

@@ -42,9 +42,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from trainer.config import FSDPConfig, OptimConfig
+from trainer.config import KEYS, FSDPConfig, OptimConfig, fsdp_key
 from trainer.config.messages import Role
-from trainer.config.schema import FSDP_PREFIX
 from trainer.config.schema import EmbeddingCache as EmbeddingCacheConfig
 from trainer.errors import RunSetupError
 from trainer.offload import HostMemoryError, OffloadEngine, attach_offload, format_bytes
@@ -211,7 +210,7 @@ class MemoryManager:
             engine = attach_offload(model, fsdp_config, self.device, role=role, layers_on_gpu=layers_on_gpu,
                                     host_budget=budget)
         except HostMemoryError as error:
-            key = FSDP_PREFIX[CONFIG_ROLE.get(role, role)]
+            key = fsdp_key(CONFIG_ROLE.get(role, role))
             raise RunSetupError(f"{error} (keeping {format_bytes(HOST_MARGIN_BYTES)} free): place fewer groups on the "
                                 f"CPU ({key}.param_offload, .offload_policy, .optimizer_offload), keep their "
                                 f"gradients in bf16 ({key}.offload_grad_dtype) or use a machine with more memory"
@@ -260,9 +259,9 @@ class MemoryManager:
         self.embedding_cache = engine.enable_embedding_cache(cache_size=settings.cache_size,
                                                              warmup_steps=settings.warmup_steps)
         if self.embedding_cache is None:
-            self.warn("actor_rollout_ref.rollout.embedding_cache.enabled is set, but the actor's embedding is on "
-                      "the GPU: there is nothing to cache; set actor_rollout_ref.actor.fsdp_config."
-                      "offload_policy.embedding=cpu to use it")
+            self.warn(f"{KEYS.actor_rollout_ref.rollout.embedding_cache.enabled} is set, but the actor's embedding is "
+                      "on the GPU: there is nothing to cache; set "
+                      f"{KEYS.actor_rollout_ref.actor.fsdp_config.offload_policy.embedding}=cpu to use it")
         return self.embedding_cache
 
     def for_role(self, role: Role) -> ModelMemory:
