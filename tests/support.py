@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
@@ -22,6 +23,9 @@ from trainer.config.messages import (
     SettingsState,
     TelemetryHealth,
 )
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository's root: tests name its files from here, wherever their own folder lies."""
 
 
 @contextmanager

@@ -218,7 +218,7 @@ def test_the_whole_step_benchmark_decodes_with_the_static_cache_when_asked(tmp_p
 
 def test_the_remove_padding_sections_passes_run_on_the_cpu_with_gradient_checkpointing():
     """offload_bench's remove_padding section (GPU only) times these passes: each runs here on a tiny model."""
-    from tests.trainer.test_offload import TOKENIZER, policy
+    from tests.trainer.offload.test_offload import TOKENIZER, policy
 
     plan = offload_bench.PaddingPlan(sequences=4, prompt=6, response=8, log_prob_micro=2, update_micro=2,
                                      log_prob_budget=20, update_budget=14)

@@ -86,13 +86,13 @@ def main() -> int:
         crash_how = crash_file = None
     run = starts_so_far() + 1
     step = int(PROGRESS.read_text()) if PROGRESS.exists() else 0
-    record("start", step=step, run=run)
-
+    # The handler first: a test that sees "start" may stop the trainer at once.
     stop = {"requested": False}
     if not ignore_stop:
         signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True) or record("sigterm"))
     else:
         signal.signal(signal.SIGTERM, lambda *_: record("sigterm_ignored"))
+    record("start", step=step, run=run)
     client = TelemetryClient.from_env(run_dir=str(FOLDER))
     if client is not None:
         client.hello(start_step=step, total_steps=total)

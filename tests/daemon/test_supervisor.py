@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,17 @@ def events(folder: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def trainer_started(folder: Path, supervisor: Supervisor) -> bool:
+    """The fake trainer said it started: from then on it takes a stop (its signal handler is in place)."""
+    path = folder / "events.jsonl"  # read as text: the trainer may be writing its next line
+    return path.exists() and '"event": "start"' in path.read_text()
+
+
 def supervise(folder: Path, *, max_restarts: int = 3, backoff_s: float = 0.05, stop_timeout_s: float = 10.0,
-              stop_after_s: float | None = None, stops: tuple[dict, ...] = ({},),
-              **settings: str) -> tuple[int, Supervisor, list[dict]]:
+              stop_after_s: float | None = None, stop_when: Callable[[Path, Supervisor], bool] = trainer_started,
+              stops: tuple[dict, ...] = ({},), **settings: str) -> tuple[int, Supervisor, list[dict]]:
+    """Supervise the fake trainer; with `stop_after_s`, send `stops` once that many seconds have passed and
+    `stop_when` holds (the fake trainer starts in about 0.5 s, and in seconds on a busy machine)."""
     restarts: list[dict] = []
     supervisor = Supervisor(FAKE_TRAINER, policy=RestartPolicy(max_restarts, backoff_s, 60.0),
                             stop_timeout_s=stop_timeout_s, env=fake_env(folder, **settings),
@@ -41,6 +50,10 @@ def supervise(folder: Path, *, max_restarts: int = 3, backoff_s: float = 0.05, s
             return await asyncio.wait_for(supervisor.run(), 30)
         run = asyncio.create_task(supervisor.run())
         await asyncio.sleep(stop_after_s)
+        deadline = time.monotonic() + 30
+        while not stop_when(folder, supervisor):
+            assert not run.done() and time.monotonic() < deadline, "the stop's moment never came"
+            await asyncio.sleep(0.02)
         for stop in stops:  # the keyword arguments of each request
             supervisor.request_stop(**stop)
         return await asyncio.wait_for(run, 30)
@@ -151,7 +164,7 @@ def test_a_trainer_that_ignores_the_stop_is_killed_after_the_timeout(tmp_path: P
 
 def test_a_stop_during_the_backoff_does_not_restart(tmp_path: Path) -> None:
     code, supervisor, restarts = supervise(tmp_path, backoff_s=5.0, stop_after_s=1.5, crash="exit:3",
-                                           crash_at_step="1")
+                                           crash_at_step="1", stop_when=lambda _, supervisor: supervisor.restarts == 1)
     assert code == 0 and len(restarts) == 1
     assert [event["event"] for event in events(tmp_path)].count("start") == 1
 

@@ -4,20 +4,18 @@ trainer/main.py turns each into one ERROR line and exit code 2 (`except UserErro
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
 from tests.test_layering import LAYERS, imported_modules
 from trainer.errors import UserError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_errors_module_imports_nothing_of_the_project():
     """Any module may derive its errors from UserError: importing it must not pull the trainer in (it once imported
     six packages to list the error types, so that `import trainer.distributed.ranks` loaded 45 modules)."""
-    source = (ROOT / "trainer" / "errors.py").read_text(encoding="utf-8")
+    source = (REPO / "trainer" / "errors.py").read_text(encoding="utf-8")
     found = [(line, name) for line, name in imported_modules(source, "trainer.errors", is_package=False)
              if name.split(".")[0] in LAYERS]
     assert found == []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.test_offload import TOKENIZER, policy
+from tests.trainer.offload.test_offload import TOKENIZER, policy
 from trainer.config import ActorConfig, FSDPConfig, OptimConfig
 from trainer.config.live import LiveSettings
 from trainer.data import PromptRecord

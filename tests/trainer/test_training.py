@@ -380,8 +380,8 @@ def test_the_trainer_process_starts_cuda_with_expandable_segments_unless_the_use
 def test_the_actor_loss_takes_the_entropy_gradient_only_with_an_entropy_bonus(entropy_coeff):
     """Without a bonus the entropy is a metric: no graph (its float32 softmax is not kept for the backward),
     and the gradient is the policy loss's alone."""
+    from tests.trainer.offload.test_offload import policy
     from tests.trainer.test_memory import two_responses
-    from tests.trainer.test_offload import policy
     from trainer.config import ActorConfig
     from trainer.workers.actor import Actor
 

@@ -1,6 +1,6 @@
 """Writes docs/config.md (every key of the schema: its type, default and docstring, a table per section) and
 docs/verl.md (coming from verl: the alias table). Run ``python -m trainer.config.docs`` after changing the schema
-or the alias table; tests/trainer/test_config_docs.py fails while either file is stale.
+or the alias table; tests/trainer/config/test_config_docs.py fails while either file is stale.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``KEYS.actor_rollout_ref.actor.fsdp_config.param_offload`` is the string
 ``"actor_rollout_ref.actor.fsdp_config.param_offload"``; each step is checked against the schema as it is taken
-(a name the schema lacks raises AttributeError naming it), and tests/trainer/test_keys.py checks every
+(a name the schema lacks raises AttributeError naming it), and tests/trainer/config/test_keys.py checks every
 ``KEYS.<chain>`` written in the repository against the schema, so a key on an error path that no test runs cannot
 drift either. A `Key` is a `str`, so it drops into f-strings and comparisons unchanged:
 ``f"set {KEYS.data.max_prompt_length}"``. A model's placement section by its role: ``fsdp_key("critic")``; any

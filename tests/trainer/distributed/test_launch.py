@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
 from trainer.config import ConfigError, load_config
 from trainer.config.environment import launch_keys_from_environment
 from trainer.config.ranks import parse_endpoint
 from trainer.distributed.launch import first_failed_rank, group_exit_code, plan_group, run_group
-
-REPOSITORY = Path(__file__).resolve().parents[3]
 
 
 @dataclass
@@ -115,7 +114,7 @@ def test_sigterm_to_the_launcher_reaches_every_rank_and_it_ends_by_sigterm(tmp_p
                           stop_timeout_s=20)
         sys.exit(exit_like(run_group(plan, ["-c", {rank_program!r}], log_dir=Path({str(tmp_path)!r}, "logs"))))
     """)
-    process = subprocess.Popen([sys.executable, "-c", launcher], env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+    process = subprocess.Popen([sys.executable, "-c", launcher], env={**os.environ, "PYTHONPATH": str(REPO)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: all((tmp_path / f"started-{rank}").exists() for rank in (0, 1)), process)
@@ -196,14 +195,14 @@ def test_a_node_rank_in_the_environment_that_is_no_number_is_one_line() -> None:
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_the_launcher_ends_by_the_signal_that_killed_the_rank(signum: int) -> None:
     program = f"import sys; from trainer.distributed.launch import exit_like; sys.exit(exit_like({-signum}))"
-    ended = subprocess.run([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+    ended = subprocess.run([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": str(REPO)},
                            timeout=60)
     assert ended.returncode == -signum
 
 
 def test_a_failed_rank_exit_code_is_the_launchers() -> None:
     program = "import sys; from trainer.distributed.launch import exit_like; sys.exit(exit_like(12))"
-    ended = subprocess.run([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+    ended = subprocess.run([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": str(REPO)},
                            timeout=60)
     assert ended.returncode == 12
 
@@ -214,7 +213,7 @@ def test_the_launcher_runs_the_configs_ranks_and_passes_the_stack_dump_signal_on
     from trainer.config import dump_config
     from trainer.config.ipc import STACK_DUMP_SIGNAL
 
-    config = load_config(REPOSITORY / "examples" / "quickstart.yaml", [
+    config = load_config(REPO / "examples" / "quickstart.yaml", [
         f"trainer.runs_dir={tmp_path}", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])
     resolved = tmp_path / "config.yaml"
@@ -231,7 +230,7 @@ def test_the_launcher_runs_the_configs_ranks_and_passes_the_stack_dump_signal_on
         time.sleep(120)
     """)
     process = subprocess.Popen([sys.executable, "-m", "trainer.distributed.launch", "--config", str(resolved), "--",
-                                "-c", rank_program], env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+                                "-c", rank_program], env={**os.environ, "PYTHONPATH": str(REPO)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: all((tmp_path / f"started-{rank}").exists() for rank in (0, 1)), process)
@@ -250,7 +249,7 @@ def test_the_launcher_refuses_more_ranks_than_the_node_has_gpus_in_one_line_befo
     from trainer.config import dump_config
     from trainer.distributed import launch
 
-    config = load_config(REPOSITORY / "examples" / "quickstart.yaml", [
+    config = load_config(REPO / "examples" / "quickstart.yaml", [
         f"trainer.runs_dir={tmp_path}", "trainer.n_gpus_per_node=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])
     resolved = tmp_path / "config.yaml"

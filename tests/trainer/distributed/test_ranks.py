@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests.support import REPO
 from trainer.data import counting_records, rank_share, write_records
 
-REPOSITORY = Path(__file__).resolve().parents[3]
 TOLERANCE = 1e-5
 """fp32: the largest difference allowed between parameters trained on one rank and on two (Adam's steps here
 move them by about 1e-3 each; sums over different splits differ in the last bits)."""
@@ -62,7 +62,7 @@ def rank_script_reports(script: str, out: Path, *args: str, ranks: int = 2) -> l
 def rank_environment() -> dict[str, str]:
     """This environment without a torchrun rank of its own (the test may run under one), the repository first."""
     # The repository first, then what the caller's path holds (packages installed with --target, as on the GPU image).
-    path = os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         environment.pop(variable, None)
@@ -222,7 +222,7 @@ def test_a_batch_size_that_does_not_divide_among_the_ranks_is_one_config_line_an
     # Each rank on its own (torchrun stops the others once one has exited): 2, and only rank 0 prints the line.
     (tmp_path / "empty.yaml").write_text("{}\n")
     for rank in (0, 1):
-        environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "RANK": str(rank), "WORLD_SIZE": "2"}
+        environment = {**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": "2"}
         alone = subprocess.run([sys.executable, "-m", "trainer", "--config", str(tmp_path / "empty.yaml"), *RUN,
                                 "trainer.n_gpus_per_node=2", f"trainer.runs_dir={tmp_path}", *bad],
                                env=environment, capture_output=True, text=True, timeout=120)

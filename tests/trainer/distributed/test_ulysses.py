@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support import REPO
 from tests.trainer.distributed.test_ranks import rank_script_reports
 from trainer.config.sequence_parallel import (
     ACTOR_FSDP_KEY,
@@ -24,7 +24,6 @@ from trainer.config.sequence_parallel import (
     sequence_parallel_problems,
 )
 
-REPOSITORY = Path(__file__).resolve().parents[3]
 RANKS = 2
 TOLERANCE = 1e-5  # fp32, relative to the largest magnitude of the expected tensor
 
@@ -174,5 +173,5 @@ def test_head_counts_from_config_json():
 def test_constraints_import_no_torch():
     """The config layer (torch-free) calls these checks."""
     code = "import sys, trainer.config.sequence_parallel; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPOSITORY,
-                   env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
