@@ -26,6 +26,11 @@ from trainer.data import counting_records, rank_share, write_records
 TOLERANCE = 1e-5
 """fp32: the largest difference allowed between parameters trained on one rank and on two (Adam's steps here
 move them by about 1e-3 each; sums over different splits differ in the last bits)."""
+HOST_ADAMW_TOLERANCE = 1e-4
+"""The same for runs whose AdamW runs on the CPU over bf16 weights' fp32 masters (OPTIMIZER_OFFLOAD): the CPU's own
+vector kernels round the host's arithmetic, and which kernels run depends on the processor. Measured on an AMD EPYC:
+3.2e-5 between one and two ranks, bit for bit the same before and after issue 37's restructuring; under 1e-5 on the
+processor of CI's run of 2026-12-04. A wrong update (two ranks that did not delay) moved the weights 5e-3 apart."""
 MACHINE_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/")
 RUN = [
     "actor_rollout_ref.model.path=builtin:tiny-qwen2",
@@ -328,7 +333,8 @@ def test_optimizer_offload_of_a_bf16_actor_on_two_ranks_resumes_from_and_into_on
     # fp32 masters move by updates that a bf16 weight would round away: most are not bf16 values.
     moved = torch.cat([value.flatten() for value in two.values()])
     assert (moved != moved.bfloat16().float()).float().mean() > 0.5
-    assert largest_difference(one, two) < TOLERANCE and largest_difference(one, back) < TOLERANCE
+    assert largest_difference(one, two) < HOST_ADAMW_TOLERANCE
+    assert largest_difference(one, back) < HOST_ADAMW_TOLERANCE
 
 
 @pytest.mark.parametrize(("cores", "ranks_per_node", "threads"), [(32, 2, 16), (16, 3, 5), (2, 4, 1), (1, 1, 1)])
@@ -410,8 +416,8 @@ def test_the_actors_delayed_update_on_two_ranks_trains_the_weights_of_one_ranks(
                 finished.stdout + finished.stderr
     one, two, resumed = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3")
                          for run in ("one", "two", "resumed"))
-    assert largest_difference(one, two) < TOLERANCE
-    assert largest_difference(one, resumed) < TOLERANCE
+    assert largest_difference(one, two) < HOST_ADAMW_TOLERANCE
+    assert largest_difference(one, resumed) < HOST_ADAMW_TOLERANCE
 
 
 def test_an_on_policy_delayed_update_on_two_ranks_lands_at_the_update_and_trains_the_weights_of_one_ranks(tmp_path):
@@ -425,7 +431,7 @@ def test_an_on_policy_delayed_update_on_two_ranks_lands_at_the_update_and_trains
         assert finished.returncode == 0, finished.stderr[-4000:]
         assert "old_log_prob: not scored in a pass of its own" in finished.stdout + finished.stderr
     one, two = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3") for run in ("one", "two"))
-    assert largest_difference(one, two) < TOLERANCE
+    assert largest_difference(one, two) < HOST_ADAMW_TOLERANCE
 
 
 def test_the_critics_host_update_on_two_ranks_runs_beside_the_actors_and_trains_the_weights_of_one_ranks(tmp_path):
@@ -441,7 +447,7 @@ def test_the_critics_host_update_on_two_ranks_runs_beside_the_actors_and_trains_
             assert "the host computes its update beside the actor's, and the next values apply it first" in \
                 finished.stdout + finished.stderr
     one, two = (actor_weights(tmp_path / run / "checkpoints" / "global_step_3", "critic") for run in ("one", "two"))
-    assert largest_difference(one, two) < TOLERANCE
+    assert largest_difference(one, two) < HOST_ADAMW_TOLERANCE
 
 
 @pytest.fixture(scope="module")
@@ -471,7 +477,8 @@ def test_the_update_on_the_gpu_over_streamed_moments_on_two_ranks_trains_the_wei
         (host_adamw_runs / "split" / "output.txt").read_text()
     device, split, host = (actor_weights(host_adamw_runs / run / "checkpoints" / "global_step_3")
                            for run in ("device", "split", "host"))
-    assert largest_difference(device, host) < TOLERANCE and largest_difference(split, host) < TOLERANCE
+    assert largest_difference(device, host) < HOST_ADAMW_TOLERANCE
+    assert largest_difference(split, host) < HOST_ADAMW_TOLERANCE
 
 
 def test_bf16_host_gradients_on_two_ranks_train_with_the_gradient_shards_down_in_bf16(host_adamw_runs):
@@ -491,15 +498,16 @@ def test_rank_0_reports_each_ranks_copy_time_to_node_0_so_its_advisor_compares_r
     in it (None where a rank timed none), beside its memory."""
     from types import SimpleNamespace
 
-    from trainer.loop import Trainer
+    from trainer.distributed.run_wide import RunWide
 
     sent = []
-    rank_zero = SimpleNamespace(ranks=SimpleNamespace(is_main=True), step=3, _send=sent.append,
-                                config=SimpleNamespace(trainer=SimpleNamespace(nnodes=2, n_gpus_per_node=1)))
-    Trainer._report_ranks(rank_zero, [
+    rank_zero = RunWide(SimpleNamespace(is_main=True),
+                        SimpleNamespace(trainer=SimpleNamespace(nnodes=2, n_gpus_per_node=1)), sent.append)
+    rank_zero._report_ranks([
         ({"perf/max_memory_allocated_gb": 1.0}, {"copy_latency_mean_s": 0.004, "gpu_utilization_percent": 87.0}),
-        ({}, {"copy_latency_mean_s": None, "gpu_utilization_percent": None})])
+        ({}, {"copy_latency_mean_s": None, "gpu_utilization_percent": None})], step=3)
     (message,) = sent
+    assert message.step == 3
     assert [(report.rank, report.node_rank, report.copy_latency_mean_s, report.gpu_utilization_percent)
             for report in message.ranks] == [(0, 0, 0.004, 87.0), (1, 1, None, None)]
     assert message.ranks[0].gpu_memory_bytes == 1 << 30
@@ -508,20 +516,20 @@ def test_rank_0_reports_each_ranks_copy_time_to_node_0_so_its_advisor_compares_r
 def test_a_rank_of_a_run_of_several_nodes_reads_its_gpus_utilization_for_rank_0s_report(monkeypatch):
     from types import SimpleNamespace
 
-    from trainer.loop import Trainer
+    from trainer.distributed.run_wide import RunWide
 
     monkeypatch.setattr(torch.cuda, "utilization", lambda device: 61 if device == torch.device("cuda", 1) else 0)
-    rank = SimpleNamespace(device=torch.device("cuda", 1), _copy_latency_mean_s=0.003,
-                           config=SimpleNamespace(trainer=SimpleNamespace(nnodes=2)))
-    assert Trainer._rank_report_figures(rank) == {"copy_latency_mean_s": 0.003, "gpu_utilization_percent": 61.0}
+    rank = RunWide(SimpleNamespace(device=torch.device("cuda", 1)),
+                   SimpleNamespace(trainer=SimpleNamespace(nnodes=2)), lambda message: None)
+    assert rank._report_figures(0.003) == {"copy_latency_mean_s": 0.003, "gpu_utilization_percent": 61.0}
 
     def no_nvml(device):
         raise ModuleNotFoundError("pynvml")
 
     monkeypatch.setattr(torch.cuda, "utilization", no_nvml)
-    assert Trainer._rank_report_figures(rank)["gpu_utilization_percent"] is None
+    assert rank._report_figures(0.003)["gpu_utilization_percent"] is None
     rank.config.trainer.nnodes = 1  # one node: node 0's daemon sees every rank itself, nothing is read
-    assert Trainer._rank_report_figures(rank) == {}
+    assert rank._report_figures(0.003) == {}
 
 
 def test_verls_nccl_timeout_is_how_long_the_ranks_collectives_wait(two_gpu_node, tmp_path):
