@@ -109,7 +109,8 @@ class Trainer:
                                          self.metrics_log, publish_updates=self.staging.publish_updates,
                                          send=self.control.send, log=log, warn=warn)
         self.validator = Validator(config, self.val_records, self.generation, self.models.reward,
-                                   publish_updates=self.staging.publish_updates)
+                                   publish_updates=self.staging.publish_updates, log=log, observers=self.observers,
+                                   step=lambda: self.step)
         self.peak_flops = device_peak_flops(self.device)  # None: no MFU figures (a CPU, an unknown GPU)
         self._resumed = False
         self._summary_sent = False
@@ -236,10 +237,12 @@ class Trainer:
             yield
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
-        """Each response's reward on its last token (batch.token_level_scores)."""
+        """Each response's reward on its last token (batch.token_level_scores); the responses scored 0 on an error
+        (reward/errors) and the mean of each number the reward manager reported (reward/<name>/mean)."""
         errors = self.models.reward.errors
-        batch.token_level_scores = place_on_last_token(self.models.reward(batch), batch.response_mask)
-        return {"reward/errors": self.models.reward.errors - errors}
+        scored = self.models.reward.score(batch)
+        batch.token_level_scores = place_on_last_token(scored.scores, batch.response_mask)
+        return {"reward/errors": self.models.reward.errors - errors, **scored.metrics()}
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (less the KL penalty when it is in the reward), then advantages and returns by
