@@ -82,7 +82,7 @@ class DapoReward(RuleReward):
 PRIME_TIMEOUT_S = 300.0
 """How long verl's prime manager waits for a batch's scores before it scores the late ones 0."""
 PRIME_PROCESSES = 64
-"""verl's prime manager's worker processes (here at most as many as the host's cores)."""
+"""verl's prime manager's worker processes (here at most this rank's share of the host's cores)."""
 
 
 class PrimeReward:
@@ -99,7 +99,9 @@ class PrimeReward:
                  processes: int | None = None, timeout_s: float = PRIME_TIMEOUT_S, warn: Warn = print):
         self.tokenizer = tokenizer
         self.compute_score = compute_score
-        self.processes = processes or min(PRIME_PROCESSES, os.cpu_count() or 1)
+        # Each of a node's ranks scores its own share of the batch: the node's cores are shared among them.
+        cores = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.processes = processes or max(1, min(PRIME_PROCESSES, cores))
         self.timeout_s = timeout_s
         self.warn = warn
         self.errors = 0
