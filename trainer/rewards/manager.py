@@ -37,7 +37,7 @@ class RewardScores(NamedTuple):
             for name, value in reported.items():
                 if is_number(value):
                     values.setdefault(name, []).append(float(value))
-        return {f"reward/{name}/mean": sum(numbers) / len(numbers) for name, numbers in values.items()}
+        return {f"reward/{name}/mean": sum(given) / len(given) for name, given in values.items()}
 
 
 def is_number(value: Any) -> bool:
