@@ -179,7 +179,7 @@ class Actor:
         entropy_graph = self.config.entropy_coeff != 0
         if self.sequence_split is not None:
             log_probs, entropies = self.sequence_split.log_probs_and_entropy(
-                self.model, batch, self.temperature, entropy=True, entropy_graph=entropy_graph)
+                self.model, batch, self.temperature, entropy=True, entropy_graph=entropy_graph, kernels=self.kernels)
             assert entropies is not None
             return log_probs, entropies
         # Chunk by chunk in float32, keeping the logits as the model gave them (a fraction of the composed ops' memory).
