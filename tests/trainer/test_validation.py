@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
+from trainer.data import write_records
+from trainer.data.builtin import counting_records
 from trainer.loop import Trainer
 from trainer.rollout.batch import RolloutBatch
 from trainer.validation import ValidationSample
@@ -20,7 +22,7 @@ TINY = [
     "data.train_batch_size=4", f"{ARO}.actor.ppo_mini_batch_size=4", f"{ARO}.actor.ppo_micro_batch_size_per_gpu=4",
     "data.max_prompt_length=8", "data.max_response_length=4", "trainer.device=cpu", "trainer.save_freq=-1",
     "trainer.total_training_steps=1", "algorithm.adv_estimator=grpo", f"{ARO}.rollout.n=2",
-    "data.val_files=[builtin:counting]", "data.val_batch_size=4", "trainer.val_only=true",
+    "data.val_batch_size=4", "trainer.val_only=true",
 ]
 
 
@@ -37,9 +39,16 @@ class Generations:
         self.shown.append((step, samples))
 
 
+def run_overrides(tmp_path: Path, *overrides: str) -> list[str]:
+    """The tiny run, validating four prompts of the counting task."""
+    prompts = tmp_path / "validation.jsonl"
+    write_records(counting_records(4, seed=1), prompts)
+    return [*TINY, f"data.val_files=[{prompts}]", f"trainer.runs_dir={tmp_path / 'runs'}", *overrides]
+
+
 def validated(tmp_path: Path, *overrides: str, logs: list[str] | None = None,
               observers: Sequence[object] = ()) -> tuple[Trainer, dict[str, float]]:
-    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path / 'runs'}", *overrides])
+    config = load_config(None, run_overrides(tmp_path, *overrides))
     trainer = Trainer(config, log=(logs.append if logs is not None else lambda *_: None), warn=lambda *_: None,
                       observers=observers)
     trainer.fit()
@@ -60,7 +69,7 @@ def test_greedy_validation_with_n_responses_repeats_each_and_reports_verls_figur
 def test_validation_samples_with_val_kwargs(tmp_path: Path) -> None:
     sampling = [f"{ARO}.rollout.val_kwargs.do_sample=true", f"{ARO}.rollout.val_kwargs.temperature=1.5",
                 f"{ARO}.rollout.val_kwargs.n=2", f"{ARO}.rollout.val_kwargs.top_k=0"]
-    config = load_config(None, [*TINY, f"trainer.runs_dir={tmp_path / 'runs'}", *sampling])
+    config = load_config(None, run_overrides(tmp_path, *sampling))
     trainer = Trainer(config, log=lambda *_: None, warn=lambda *_: None)
     rollout = trainer.validator.sampling()
     assert (rollout.do_sample, rollout.temperature, rollout.top_k) == (True, 1.5, 0)
@@ -72,7 +81,7 @@ def test_validation_samples_with_val_kwargs(tmp_path: Path) -> None:
     responses = [row.tolist() for batch in scored for row in batch.response_ids]
     pairs = list(zip(responses[::2], responses[1::2], strict=True))
     assert len(pairs) == 4 and any(first != second for first, second in pairs), "sampled: a prompt's two differ"
-    greedy = load_config(None, [*TINY, f"{ARO}.rollout.val_kwargs.do_sample=true"])
+    greedy = load_config(None, run_overrides(tmp_path, f"{ARO}.rollout.val_kwargs.do_sample=true"))
     assert greedy.actor_rollout_ref.rollout.val_kwargs.samples is False, "temperature 0 decodes greedily, as verl's"
 
 
