@@ -214,7 +214,8 @@ ALIASES: tuple[Alias, ...] = (
     default_only("reward_model.*", "verl's reward loop, resource pools and sandbox are not built (a reward model "
                                    "here is one sequence-classification model in the trainer process)"),
     default_only("reward_manager.*", "a reward manager class of one's own is not loaded here: the managers are "
-                                     "verl's registered ones (reward_model.reward_manager: naive, dapo, prime, batch)"),
+                                     "verl's registered ones (reward_model.reward_manager: naive, dapo, prime, batch, "
+                                     "remote)"),
     default_only("algorithm.rollout_correction.*", "rollout-correction importance weights are not built (the "
                                                    "rollout samples with the actor's own weights)"),
     default_only("algorithm.*pf_ppo*", "policy-filtration PPO is not built"),

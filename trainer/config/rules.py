@@ -460,7 +460,7 @@ def _check_offload(config: RunConfig) -> list[ConfigProblem]:
 
 # ------------------------------------------------------------------------------------- reward managers
 
-_MANAGER_KWARGS = {"naive": (), "prime": (), "dapo": ("max_resp_len", "overlong_buffer_cfg")}
+_MANAGER_KWARGS = {"naive": (), "prime": (), "remote": (), "dapo": ("max_resp_len", "overlong_buffer_cfg")}
 """The reward_kwargs each manager takes (verl's constructors: any other is their TypeError); batch passes any key to
 its function."""
 
@@ -500,4 +500,4 @@ def _batch_manager_needs_a_function(config: RunConfig) -> list[ConfigProblem]:
     return [ConfigProblem("reward_model.reward_manager", "got 'batch', but custom_reward_function.path is not set: the "
                           "batch manager calls a function of one's own with the whole batch (data_sources, "
                           "solution_strs, ground_truths, extra_infos); allowed: set custom_reward_function.path, or "
-                          "'naive', 'dapo' or 'prime' (which score each response with the built-in scorers)")]
+                          "'naive', 'dapo', 'prime' or 'remote' (which score each response with the built-in scorers)")]

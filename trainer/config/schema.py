@@ -400,8 +400,8 @@ class RewardModelConfig(Section):
     """The reward model."""
     micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Sequences per reward-model forward."""
-    reward_manager: Literal["naive", "dapo", "prime", "batch"] = "naive"
-    """verl's rule-based reward manager: naive, dapo (with an overlong penalty), prime (in processes) or batch."""
+    reward_manager: Literal["naive", "dapo", "prime", "batch", "remote"] = "naive"
+    """verl's rule-based reward manager: naive, dapo (overlong penalty), prime or remote (in processes) or batch."""
     reward_kwargs: RewardKwargs = RewardKwargs()
     """Arguments of the reward manager (verl's scripts give them as +reward_model.reward_kwargs.*)."""
 

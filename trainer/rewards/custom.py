@@ -121,19 +121,21 @@ class CustomScore:
 
 
 def score_in_worker(compute_score: Callable[..., Any], data_source: str, solution_str: str, ground_truth: Any,
-                    extra_info: dict[str, Any] | None) -> tuple[float | None, str | None]:
-    """In a worker process of the prime manager: (score, None), or (None, why it was not scored). Never raises:
+                    extra_info: dict[str, Any] | None) -> tuple[float | None, dict[str, Any], str | None]:
+    """In a worker process of the prime or remote manager: (score, what else a dict result reported, None), or
+    (None, {}, why it was not scored). Never raises:
     an exception pickled back could fail to unpickle, and the manager needs only the fact of the failure. Kept in
     this module, which imports no torch, so that a worker starts fast."""
     try:
         result = compute_score(data_source, solution_str, ground_truth, extra_info)
         if isinstance(result, list | tuple) and result:  # verl's prime reads a sequence's first item
             result = result[0]
-        return as_float_score(result), None
+        score, extra = split_score(result)
+        return score, extra, None
     except RewardFunctionError as error:
-        return None, f"not scored: {error.what}"
+        return None, {}, f"not scored: {error.what}"
     except Exception as error:  # the scorer's own code, or a result that is no score
-        return None, f"not scored: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
+        return None, {}, f"not scored: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
 
 
 def worker_ready(_: int) -> bool:

@@ -6,7 +6,9 @@ verl/workers/reward_manager/): how a batch of responses is turned into rewards w
 - dapo: naive, plus DAPO's overlong penalty (reward_kwargs.overlong_buffer_cfg) and the raw score as `acc`;
 - prime: each response scored in a pool of worker processes, a failure or a late score counting 0 (PRIME's);
 - batch: one call of the function for the whole batch (data_sources, solution_strs, ground_truths, extra_infos,
-  and reward_kwargs as keyword arguments).
+  and reward_kwargs as keyword arguments);
+- remote (verl's reward loop's): each response scored in a pool of worker processes, as prime, waiting for every
+  score, a failure the run's error (or, custom_reward_function.on_error: zero, a 0), a dict result's entries reported.
 
 A reward model (reward_model.enable) scores instead of any of them, as in verl, where a manager passes the reward
 model's scores through.
@@ -95,8 +97,11 @@ class PrimeReward:
     The workers are started (spawned: no copy of the trainer's CUDA context or threads) at the first batch and
     kept; the function goes to them pickled (a custom function as its file and name, loaded there)."""
 
+    name = "prime"
+    zeroed_by = "as in verl"
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, compute_score: ScoreFunction, *,
-                 processes: int | None = None, timeout_s: float = PRIME_TIMEOUT_S, warn: Warn = print):
+                 processes: int | None = None, timeout_s: float | None = PRIME_TIMEOUT_S, warn: Warn = print):
         self.tokenizer = tokenizer
         self.compute_score = compute_score
         # Each of a node's ranks scores its own share of the batch: the node's cores are shared among them.
@@ -117,12 +122,17 @@ class PrimeReward:
         pending = [pool.apply_async(score_in_worker, (self.compute_score, record.data_source, text,
                                                       record.ground_truth, record.extra_info))
                    for record, text in zip(batch.records, texts, strict=True)]
-        deadline = time.monotonic() + self.timeout_s
-        scores = [self._collect(result, deadline) for result in pending]
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        scored = [self._collect(result, deadline) for result in pending]
         if any(not result.ready() for result in pending):  # a worker still at a late score: stopped with the rest
             self.close()
-        return RewardScores(torch.tensor(scores, dtype=torch.float32, device=batch.response_ids.device),
-                            [{} for _ in texts])
+        return RewardScores(torch.tensor([score for score, _ in scored], dtype=torch.float32,
+                                         device=batch.response_ids.device),
+                            [self._extra(extra) for _, extra in scored])
+
+    def _extra(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """What is reported of a result besides its score: nothing, as verl's prime."""
+        return {}
 
     def close(self) -> None:
         """Stop the worker processes (a later batch starts new ones)."""
@@ -137,21 +147,49 @@ class PrimeReward:
         self._pool.map(worker_ready, range(self.processes), chunksize=1)
         return self._pool
 
-    def _collect(self, result: multiprocessing.pool.AsyncResult, deadline: float) -> float:
+    def _collect(self, result: multiprocessing.pool.AsyncResult, deadline: float | None
+                 ) -> tuple[float, dict[str, Any]]:
         try:
-            score, failure = result.get(timeout=max(0.0, deadline - time.monotonic()))
+            score, extra, failure = result.get(timeout=None if deadline is None
+                                               else max(0.0, deadline - time.monotonic()))
         except multiprocessing.TimeoutError:
-            score, failure = None, f"not scored within {self.timeout_s:g} s"
+            score, extra, failure = None, {}, f"not scored within {self.timeout_s:g} s"
         if failure is None:
             assert score is not None
-            return score
+            return score, extra
+        self._failed(failure)
         self.errors += 1
         kind = failure.split(":")[0]
         if kind not in self._warned:  # once per kind of failure: a scorer that fails often must not flood the log
             self._warned.add(kind)
-            self.warn(f"{KEYS.reward_model.reward_manager} prime: a response was {failure}; it scores 0 (as in "
-                      "verl), and the reward/errors metric counts such responses")
-        return 0.0
+            self.warn(f"{KEYS.reward_model.reward_manager} {self.name}: a response was {failure}; it scores 0 "
+                      f"({self.zeroed_by}), and the reward/errors metric counts such responses")
+        return 0.0, {}
+
+    def _failed(self, failure: str) -> None:
+        """A response not scored (`failure` says why): it scores 0, as in verl's prime."""
+
+
+class RemoteReward(PrimeReward):
+    """verl's reward loop's remote manager: each response scored by the function in a pool of worker processes
+    (verl's Ray workers, for scorers that misbehave in threads), every score waited for. A scorer that raises is the
+    run's error, as in verl, or (custom_reward_function.on_error: zero) scores 0, counted (reward/errors); a dict
+    result's entries are reported (reward/<name>/mean), as naive's."""
+
+    name = "remote"
+    zeroed_by = f"{KEYS.custom_reward_function.on_error}: zero"
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, compute_score: ScoreFunction, *, on_error: str = "raise",
+                 processes: int | None = None, warn: Warn = print):
+        super().__init__(tokenizer, compute_score, processes=processes, timeout_s=None, warn=warn)
+        self.on_error = on_error
+
+    def _extra(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return extra
+
+    def _failed(self, failure: str) -> None:
+        if self.on_error != "zero":
+            raise RewardFunctionError(f"{KEYS.reward_model.reward_manager} remote: a response was {failure}", "")
 
 
 class BatchReward:
@@ -230,6 +268,12 @@ def _prime(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) ->
     return PrimeReward(tokenizer, resolve_compute_score(function.path, function.name), warn=warn)
 
 
+def _remote(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
+    function = config.custom_reward_function
+    return RemoteReward(tokenizer, resolve_compute_score(function.path, function.name), on_error=function.on_error,
+                        warn=warn)
+
+
 def _batch(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
     function = config.custom_reward_function
     assert function.path is not None  # the config's rules require it for the batch manager
@@ -239,6 +283,6 @@ def _batch(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) ->
 
 
 REWARD_MANAGERS: dict[str, Callable[[RunConfig, PreTrainedTokenizerBase, Warn], RewardFunction]] = {
-    "naive": _naive, "dapo": _dapo, "prime": _prime, "batch": _batch,
+    "naive": _naive, "dapo": _dapo, "prime": _prime, "batch": _batch, "remote": _remote,
 }
 """verl's reward managers by the names reward_model.reward_manager takes."""

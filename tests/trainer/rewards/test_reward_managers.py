@@ -16,7 +16,14 @@ from trainer.models import load_tokenizer
 from trainer.rewards import CustomRewardError, RewardFunctionError, default_compute_score
 from trainer.rewards.custom import CustomScore
 from trainer.rewards.manager import RuleReward
-from trainer.rewards.managers import REWARD_MANAGERS, BatchReward, DapoReward, PrimeReward, build_rule_reward
+from trainer.rewards.managers import (
+    REWARD_MANAGERS,
+    BatchReward,
+    DapoReward,
+    PrimeReward,
+    RemoteReward,
+    build_rule_reward,
+)
 from trainer.rollout.batch import RolloutBatch
 
 TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
@@ -169,6 +176,33 @@ def test_prime_scores_in_worker_processes_and_scores_a_failure_or_a_late_respons
         reward.close()
 
 
+REMOTE_FUNCTION = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if ground_truth == "raise":
+        raise ValueError("no such answer")
+    return {"score": float(solution_str == ground_truth), "words": len(solution_str.split())}
+"""
+
+
+def test_remote_scores_in_worker_processes_reports_a_dict_and_a_failure_is_the_runs_error(tmp_path: Path) -> None:
+    path = write_function(tmp_path, REMOTE_FUNCTION)
+    reward = RemoteReward(TOKENIZER, CustomScore(path, "compute_score"), processes=2)
+    warnings: list[str] = []
+    zeroed = RemoteReward(TOKENIZER, CustomScore(path, "compute_score"), processes=1, on_error="zero",
+                          warn=warnings.append)
+    try:
+        scored = reward.score(batch_of(["1 2", "3"], ["1 2", "4"]))
+        assert scored.scores.tolist() == [1.0, 0.0] and [extra["words"] for extra in scored.extra] == [2, 1]
+        raised = "remote: a response was not scored: .*scoring.py:4 raised ValueError: no such answer"
+        with pytest.raises(RewardFunctionError, match=raised):
+            reward(batch_of(["1", "2"], ["1", "raise"]))
+        assert zeroed(batch_of(["1", "2"], ["1", "raise"])).tolist() == [1.0, 0.0] and zeroed.errors == 1
+        assert len(warnings) == 1 and "custom_reward_function.on_error: zero" in warnings[0]
+    finally:
+        reward.close()
+        zeroed.close()
+
+
 # -------------------------------------------------------------------------------------- the config
 
 
@@ -198,7 +232,8 @@ def test_verls_newer_place_of_the_managers_name_is_read_as_reward_model_reward_m
       f"{KWARGS}.overlong_buffer_cfg.len=9"],
      {"reward_model.reward_kwargs.overlong_buffer_cfg.len": "allowed: an integer >= 1 and <= 8"}),
     (["reward_model.reward_manager=batch"], {"reward_model.reward_manager": "custom_reward_function.path is not set"}),
-    (["reward_model.reward_manager=judge"], {"reward_model.reward_manager": "'naive' or 'dapo' or 'prime' or 'batch'"}),
+    (["reward_model.reward_manager=judge"],
+     {"reward_model.reward_manager": "'naive' or 'dapo' or 'prime' or 'batch' or 'remote'"}),
 ])
 def test_a_manager_given_what_it_cannot_take_is_one_line_naming_the_key(overrides: list[str],
                                                                        problems: dict[str, str]) -> None:

@@ -49,8 +49,8 @@ def trained(tmp_path: Path, *overrides: str) -> tuple[Trainer, dict[str, float]]
     return trainer, row
 
 
-@pytest.mark.parametrize("manager", ["naive", "prime"])
-def test_naive_and_prime_score_each_response_with_the_function(tmp_path: Path, manager: str) -> None:
+@pytest.mark.parametrize("manager", ["naive", "prime", "remote"])
+def test_naive_prime_and_remote_score_each_response_with_the_function(tmp_path: Path, manager: str) -> None:
     _, row = trained(tmp_path, f"reward_model.reward_manager={manager}", "custom_reward_function.path=SCORING",
                      "custom_reward_function.name=quarter")
     assert row["critic/score/mean"] == pytest.approx(0.25)
