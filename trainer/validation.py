@@ -2,7 +2,8 @@
 (verl's default: greedy, one per prompt), scored by the run's reward, with verl's val-core/val-aux metrics per data
 source. With several ranks each scores its share of every validation batch, and the responses are gathered.
 trainer.log_val_generations: that many responses (prompt, response, score) go to the log and to the observers that
-take them (the experiment trackers), as verl logs them.
+take them (the experiment trackers), as verl logs them. trainer.validation_data_dir: every response, as one JSON line
+(verl's input, output, gts, score, step and what the reward manager reported) in <dir>/<step>.jsonl.
 
 The metrics are verl's (ray_trainer._val_metrics_update and metric_utils.process_validation_metrics), from each
 response's score and what its scoring reported. For each data source, each variable (`reward`: the response's score;
@@ -23,9 +24,11 @@ variable (``acc`` where the manager reports it, else ``reward``) and its mean@n,
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,8 +59,11 @@ class ValidationSample:
     reported: dict[str, Any] = field(default_factory=dict)
     """What the reward manager reported besides the score (verl's reward_extra_info)."""
     prompt: str = ""
-    """The prompt and response as text: kept only where trainer.log_val_generations shows some."""
+    """The prompt and response as text: kept only where they are shown (log_val_generations) or written
+    (validation_data_dir)."""
     response: str = ""
+    ground_truth: Any = None
+    """The prompt's ground truth (verl's gts), for validation_data_dir."""
 
 
 def validation_metrics(samples: Sequence[ValidationSample], seed: int = BOOTSTRAP_SEED) -> dict[str, float]:
@@ -205,6 +211,7 @@ class Validator:
                 gathered.update(((sample.prompt_index, sample.response_index), sample) for sample in rank_samples)
         samples = [gathered[key] for key in sorted(gathered)]
         self._show_generations(samples)
+        self._write_generations(samples)
         return validation_metrics(samples)
 
     def sampling(self) -> RolloutConfig:
@@ -220,7 +227,7 @@ class Validator:
         """Each response of `batch` (prompt i's at i * responses ...) as a ValidationSample; texts only when some of
         them are shown."""
         scored = self.reward.score(batch)
-        texts = self.config.trainer.log_val_generations > 0
+        texts = self.config.trainer.log_val_generations > 0 or self.config.trainer.validation_data_dir is not None
         tokenizer = self.generation.tokenizer
         prompts = (tokenizer.batch_decode(batch.prompt_ids.masked_fill(batch.prompt_mask == 0, tokenizer.pad_token_id),
                                           skip_special_tokens=True) if texts else None)
@@ -229,7 +236,7 @@ class Validator:
                                           skip_special_tokens=True) if texts else None)
         return [ValidationSample(record.data_source, prompt_indices[position // responses], position % responses,
                                  score, scored.extra[position], prompts[position] if prompts else "",
-                                 replies[position] if replies else "")
+                                 replies[position] if replies else "", record.ground_truth)
                 for position, (record, score) in enumerate(zip(batch.records, scored.scores.tolist(), strict=True))]
 
     def _show_generations(self, samples: Sequence[ValidationSample]) -> None:
@@ -247,3 +254,26 @@ class Validator:
             take = getattr(observer, "on_validation_generations", None)
             if take is not None:
                 take(step, shown)
+
+    def _write_generations(self, samples: Sequence[ValidationSample]) -> None:
+        """trainer.validation_data_dir: every response as a line of <dir>/<step>.jsonl, as verl dumps them (rank 0's):
+        input, output, gts, score, step, and each entry the reward manager reported for every response."""
+        folder = self.config.trainer.validation_data_dir
+        if folder is None or not self.generation.ranks.is_main:
+            return
+        step = self.step()
+        path = Path(folder).expanduser() / f"{step}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        reported = [name for name in (samples[0].reported if samples else {})
+                    if all(name in sample.reported for sample in samples)]
+        with path.open("w", encoding="utf-8") as file:
+            for sample in samples:
+                line = {"input": sample.prompt, "output": sample.response, "gts": sample.ground_truth,
+                        "score": sample.score, "step": step,
+                        **{name: sample.reported[name] for name in reported if name not in _DUMPED}}
+                file.write(json.dumps(line, ensure_ascii=False, default=str) + "\n")
+        self.log(f"validation generations written to {path} ({KEYS.trainer.validation_data_dir})")
+
+
+_DUMPED = ("input", "output", "gts", "score", "step")
+"""The entries of a dumped generation that are verl's own: a reported entry of the same name does not replace them."""

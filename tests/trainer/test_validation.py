@@ -1,9 +1,10 @@
 """Validation in a real run on the CPU (trainer/validation.py): verl's val_kwargs (validation's own sampling, n
-responses per prompt and verl's metrics of them) and trainer.log_val_generations (responses in the log and to the
-trackers)."""
+responses per prompt and verl's metrics of them), trainer.log_val_generations (responses in the log and to the
+trackers) and trainer.validation_data_dir (every response in a file)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -96,3 +97,17 @@ def test_log_val_generations_writes_that_many_responses_to_the_log_and_the_track
     [(step, samples)] = generations.shown
     assert step == 0 and len(samples) == 3 and all(sample.prompt and sample.score >= 0 for sample in samples)
     assert "val-core/counting/reward/mean@1" in row
+
+
+def test_validation_data_dir_gets_every_response_as_verls_json_line(tmp_path: Path) -> None:
+    logs: list[str] = []
+    folder = tmp_path / "generations"
+    _, row = validated(tmp_path, f"trainer.validation_data_dir={folder}", logs=logs)
+    lines = [json.loads(line) for line in (folder / "0.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == 4 and all(set(line) == {"input", "output", "gts", "score", "step"} for line in lines)
+    records = counting_records(4, seed=1)
+    assert [line["gts"] for line in lines] == [record.ground_truth for record in records], "in the prompts' order"
+    assert all(line["step"] == 0 and record.prompt in line["input"]
+               for line, record in zip(lines, records, strict=True))
+    assert sum(line["score"] for line in lines) / 4 == pytest.approx(row["val-core/counting/reward/mean@1"])
+    assert f"validation generations written to {folder / '0.jsonl'} (trainer.validation_data_dir)" in logs

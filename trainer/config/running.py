@@ -43,6 +43,8 @@ class TrainerConfig(Section):
     """Only validate (as val_before_train does), then stop without training."""
     log_val_generations: int = Field(0, ge=0)
     """Validation samples (prompt, response, score) each validation writes to the log and trackers (0: none)."""
+    validation_data_dir: str | None = None
+    """A folder each validation writes all its responses to, as <step>.jsonl (input, output, gts, score, step)."""
     critic_warmup: int = Field(0, ge=0)
     """Steps at the start of a run that update the critic only; the actor's updates start after them."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
