@@ -1,7 +1,9 @@
 """reward_model.model.use_remove_padding: the reward model's forward over one padding-free row per micro-batch gives
-the padded forward's scores (trainer/rewards/manager.py ModelReward)."""
+the padded forward's scores (trainer/rewards/manager.py ModelReward), in a real step too."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from transformers import Qwen2ForSequenceClassification
 from trainer.config import load_config
 from trainer.data import PromptRecord
 from trainer.errors import RunSetupError
+from trainer.loop import Trainer
 from trainer.models import load_tokenizer
 from trainer.models.tiny import seeded_init, tiny_qwen2_config
 from trainer.rewards.manager import ModelReward
@@ -70,3 +73,29 @@ def test_a_model_without_a_score_head_is_refused_naming_the_key() -> None:
 def test_verls_padding_free_switch_on_the_reward_model_is_accepted() -> None:
     config = load_config(None, ["reward_model.model.use_remove_padding=true"])
     assert config.reward_model.model.use_remove_padding is True
+
+
+def test_a_step_scored_padding_free_gets_the_padded_forwards_scores(tmp_path: Path) -> None:
+    directory = tmp_path / "reward_model"
+    reward_model().save_pretrained(directory)
+    TOKENIZER.save_pretrained(directory)
+    aro = "actor_rollout_ref"
+    config = load_config(None, [
+        f"{aro}.model.override_config={{num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64}}",
+        "data.train_batch_size=2", f"{aro}.actor.ppo_mini_batch_size=2", f"{aro}.actor.ppo_micro_batch_size_per_gpu=4",
+        "data.max_prompt_length=8", "data.max_response_length=4", "trainer.device=cpu", "trainer.save_freq=-1",
+        "trainer.total_training_steps=1", "algorithm.adv_estimator=grpo", f"{aro}.rollout.n=2",
+        f"trainer.runs_dir={tmp_path / 'runs'}", "reward_model.enable=true", f"reward_model.model.path={directory}",
+        "reward_model.model.use_remove_padding=true", "reward_model.micro_batch_size_per_gpu=4"])
+    trainer = Trainer(config, log=lambda *_: None, warn=lambda *_: None)
+    reward = trainer.models.reward
+    assert isinstance(reward, ModelReward) and reward.head is not None, "the run's reward model is padding-free"
+    scored: list[RolloutBatch] = []
+    score = trainer.score
+    trainer.score = lambda batch: (scored.append(batch), score(batch))[1]  # type: ignore[method-assign]
+    trainer.fit()
+    [batch] = scored
+    padded = ModelReward(reward.model, TOKENIZER, TOKENIZER, micro_batch_size=3, max_length=12)
+    torch.testing.assert_close(batch.token_level_scores.sum(dim=1), padded(batch), rtol=1e-5, atol=1e-5)
+    [row] = trainer.metrics_log.read()
+    assert row["critic/score/mean"] == pytest.approx(padded(batch).mean().item(), abs=1e-5)
