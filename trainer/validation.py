@@ -24,11 +24,9 @@ variable (``acc`` where the manager reports it, else ``reward``) and its mean@n,
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +35,7 @@ import torch
 from trainer.config import KEYS, RolloutConfig, RunConfig
 from trainer.config.messages import Role
 from trainer.data import PromptRecord
+from trainer.dumps import decode_texts, generation_lines, write_generations
 from trainer.generation import Generation
 from trainer.rewards.manager import RewardFunction
 from trainer.rollout.batch import RolloutBatch
@@ -229,11 +228,8 @@ class Validator:
         scored = self.reward.score(batch)
         texts = self.config.trainer.log_val_generations > 0 or self.config.trainer.validation_data_dir is not None
         tokenizer = self.generation.tokenizer
-        prompts = (tokenizer.batch_decode(batch.prompt_ids.masked_fill(batch.prompt_mask == 0, tokenizer.pad_token_id),
-                                          skip_special_tokens=True) if texts else None)
-        replies = (tokenizer.batch_decode(batch.response_ids.masked_fill(batch.response_mask == 0,
-                                                                         tokenizer.pad_token_id),
-                                          skip_special_tokens=True) if texts else None)
+        prompts = decode_texts(tokenizer, batch.prompt_ids, batch.prompt_mask) if texts else None
+        replies = decode_texts(tokenizer, batch.response_ids, batch.response_mask) if texts else None
         return [ValidationSample(record.data_source, prompt_indices[position // responses], position % responses,
                                  score, scored.extra[position], prompts[position] if prompts else "",
                                  replies[position] if replies else "", record.ground_truth)
@@ -262,18 +258,8 @@ class Validator:
         if folder is None or not self.generation.ranks.is_main:
             return
         step = self.step()
-        path = Path(folder).expanduser() / f"{step}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        reported = [name for name in (samples[0].reported if samples else {})
-                    if all(name in sample.reported for sample in samples)]
-        with path.open("w", encoding="utf-8") as file:
-            for sample in samples:
-                line = {"input": sample.prompt, "output": sample.response, "gts": sample.ground_truth,
-                        "score": sample.score, "step": step,
-                        **{name: sample.reported[name] for name in reported if name not in _DUMPED}}
-                file.write(json.dumps(line, ensure_ascii=False, default=str) + "\n")
+        lines = generation_lines([sample.prompt for sample in samples], [sample.response for sample in samples],
+                                 [sample.ground_truth for sample in samples], [sample.score for sample in samples],
+                                 [sample.reported for sample in samples], step)
+        path = write_generations(folder, step, lines)
         self.log(f"validation generations written to {path} ({KEYS.trainer.validation_data_dir})")
-
-
-_DUMPED = ("input", "output", "gts", "score", "step")
-"""The entries of a dumped generation that are verl's own: a reported entry of the same name does not replace them."""

@@ -238,8 +238,6 @@ ALIASES: tuple[Alias, ...] = (
     default_only("trainer.balance_batch", "each data-parallel rank trains on the rollouts it sampled from its own "
                                           "share of the prompts; no batch is exchanged between ranks, so there is "
                                           "none to balance", (True, False)),
-    default_only("trainer.rollout_data_dir", "dumping the training's generations to files is not built (validation's: "
-                                             "trainer.validation_data_dir)"),
     default_only("trainer.esi_redundant_time", "it plans saves before a cloud instance's expiry; save with "
                                                "trainer.save_freq"),
     default_only("trainer.default_hdfs_dir", "checkpoints are written to local disk only (trainer.default_local_dir)"),

@@ -45,6 +45,8 @@ class TrainerConfig(Section):
     """Validation samples (prompt, response, score) each validation writes to the log and trackers (0: none)."""
     validation_data_dir: str | None = None
     """A folder each validation writes all its responses to, as <step>.jsonl (input, output, gts, score, step)."""
+    rollout_data_dir: str | None = None
+    """A folder each step writes its responses to, every rank's, as <step>.jsonl (as validation_data_dir's)."""
     critic_warmup: int = Field(0, ge=0)
     """Steps at the start of a run that update the critic only; the actor's updates start after them."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"

@@ -1,9 +1,11 @@
 """Each of verl's reward managers (reward_model.reward_manager) scores a real training step on the CPU, with the
 tiny model: the scores the advantages start from (critic/score/mean) are the manager's, worked out by hand, and what
-the manager reports is in the step's metrics under verl's names."""
+the manager reports is in the step's metrics under verl's names (and, with trainer.rollout_data_dir, in the step's
+dumped responses)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -64,11 +66,17 @@ def test_batch_scores_the_batch_with_the_reward_kwargs_and_reports_what_the_func
 
 
 def test_dapo_trains_on_the_counting_score_less_the_overlong_penalty(tmp_path: Path) -> None:
-    buffer = f"{KWARGS}.overlong_buffer_cfg"
+    buffer, dumps = f"{KWARGS}.overlong_buffer_cfg", tmp_path / "rollouts"
     _, row = trained(tmp_path, "reward_model.reward_manager=dapo", f"{KWARGS}.max_resp_len=4", f"{buffer}.enable=True",
-                     f"{buffer}.len=2", f"{buffer}.penalty_factor=1.0", f"{buffer}.log=True")
+                     f"{buffer}.len=2", f"{buffer}.penalty_factor=1.0", f"{buffer}.log=True",
+                     f"trainer.rollout_data_dir={dumps}")
     assert row["critic/score/mean"] == pytest.approx(row["reward/acc/mean"] + row["reward/overlong_reward/mean"])
     # A response of L tokens (EOS included) past 4 - 2 loses (L - 2) / 2: 0.5 at L = 3, 1 at L = 4, none below.
     overlong, penalty = row["reward/overlong/mean"], row["reward/overlong_reward/mean"]
     assert overlong > 0, "the untrained model's responses run into the buffer"
     assert -overlong <= penalty <= -0.5 * overlong
+    # trainer.rollout_data_dir: the step's four responses as verl dumps them, with what dapo reported.
+    lines = [json.loads(line) for line in (dumps / "1.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == 4 and all(line["step"] == 1 and line["input"] and line["gts"] for line in lines)
+    assert all(line["score"] == pytest.approx(line["acc"] + line["overlong_reward"]) for line in lines)
+    assert sum(line["score"] for line in lines) / 4 == pytest.approx(row["critic/score/mean"])
