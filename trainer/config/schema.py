@@ -413,6 +413,8 @@ class CustomRewardFunction(Section):
     """Function in that file: (data_source, solution_str, ground_truth, extra_info) -> float."""
     on_error: Literal["raise", "zero"] = "raise"
     """When the function raises: raise stops the run (exit 2), zero scores the response 0 (counted: reward/errors)."""
+    reward_kwargs: dict[str, Any] = {}
+    """Keyword arguments the function is called with besides verl's four (verl's reward_kwargs of the function)."""
 
 
 class KLControl(Section):

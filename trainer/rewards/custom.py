@@ -91,11 +91,12 @@ def as_float_score(value: Any) -> float:
     return score
 
 
-def resolve_compute_score(path: str | None, name: str) -> Callable[..., Any]:
-    """The run's scorer: the custom function when ``path`` is set, else the built-in ones."""
+def resolve_compute_score(path: str | None, name: str, keywords: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The run's scorer: the custom function when ``path`` is set (called with `keywords` too:
+    custom_reward_function.reward_kwargs), else the built-in ones (which take no keywords, as in verl)."""
     if path is None:
         return default_compute_score
-    return CustomScore(path, name)
+    return CustomScore(path, name, keywords)
 
 
 class CustomScore:
@@ -103,21 +104,24 @@ class CustomScore:
     ground_truth, extra_info). What it raises becomes a RewardFunctionError naming where; what it returns is
     passed on as it is (a number, or a dict with a "score" key and anything else it reports).
 
-    Pickled as its path and name, so that a worker process (the prime manager's) loads the file itself."""
+    `keywords` (custom_reward_function.reward_kwargs) are passed on each call as keyword arguments.
 
-    def __init__(self, path: str, name: str):
+    Pickled as its path, name and keywords, so that a worker process (the prime manager's) loads the file itself."""
+
+    def __init__(self, path: str, name: str, keywords: dict[str, Any] | None = None):
         self.path, self.name = path, name
+        self.keywords = dict(keywords or {})
         self.function = load_custom_score(path, name)  # loaded now: a missing file or name fails before training
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any,
                  extra_info: dict[str, Any] | None = None) -> Any:
         try:
-            return self.function(data_source, solution_str, ground_truth, extra_info)
+            return self.function(data_source, solution_str, ground_truth, extra_info, **self.keywords)
         except Exception as error:  # the user's code: anything it raises is theirs to fix
             raise RewardFunctionError.from_exception(error, self.path, self.name, data_source) from error
 
-    def __reduce__(self) -> tuple[type[CustomScore], tuple[str, str]]:
-        return CustomScore, (self.path, self.name)
+    def __reduce__(self) -> tuple[type[CustomScore], tuple[str, str, dict[str, Any]]]:
+        return CustomScore, (self.path, self.name, self.keywords)
 
 
 def score_in_worker(compute_score: Callable[..., Any], data_source: str, solution_str: str, ground_truth: Any,

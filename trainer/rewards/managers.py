@@ -250,34 +250,35 @@ def build_rule_reward(config: RunConfig, tokenizer: PreTrainedTokenizerBase, *, 
     return REWARD_MANAGERS[config.reward_model.reward_manager](config, tokenizer, warn)
 
 
-def _naive(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
+def _scorer(config: RunConfig) -> ScoreFunction:
+    """The run's function (custom_reward_function, with its reward_kwargs), or the built-in scorers."""
     function = config.custom_reward_function
-    return RuleReward(tokenizer, resolve_compute_score(function.path, function.name), on_error=function.on_error,
-                      warn=warn)
+    return resolve_compute_score(function.path, function.name, function.reward_kwargs)
+
+
+def _naive(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
+    return RuleReward(tokenizer, _scorer(config), on_error=config.custom_reward_function.on_error, warn=warn)
 
 
 def _dapo(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
-    function, keywords = config.custom_reward_function, config.reward_model.reward_kwargs
-    return DapoReward(tokenizer, resolve_compute_score(function.path, function.name),
-                      max_response_length=keywords.max_resp_len, buffer=keywords.overlong_buffer_cfg,
-                      on_error=function.on_error, warn=warn)
+    keywords = config.reward_model.reward_kwargs
+    return DapoReward(tokenizer, _scorer(config), max_response_length=keywords.max_resp_len,
+                      buffer=keywords.overlong_buffer_cfg, on_error=config.custom_reward_function.on_error, warn=warn)
 
 
 def _prime(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
-    function = config.custom_reward_function
-    return PrimeReward(tokenizer, resolve_compute_score(function.path, function.name), warn=warn)
+    return PrimeReward(tokenizer, _scorer(config), warn=warn)
 
 
 def _remote(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
-    function = config.custom_reward_function
-    return RemoteReward(tokenizer, resolve_compute_score(function.path, function.name), on_error=function.on_error,
-                        warn=warn)
+    return RemoteReward(tokenizer, _scorer(config), on_error=config.custom_reward_function.on_error, warn=warn)
 
 
 def _batch(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
     function = config.custom_reward_function
     assert function.path is not None  # the config's rules require it for the batch manager
-    keywords = config.reward_model.reward_kwargs.given()  # verl passes them all to the function
+    # verl calls the function with custom_reward_function's reward_kwargs and then all the manager's
+    keywords = {**function.reward_kwargs, **config.reward_model.reward_kwargs.given()}
     return BatchReward(tokenizer, load_custom_score(function.path, function.name), keywords, path=function.path,
                        name=function.name, on_error=function.on_error, warn=warn)
 

@@ -26,8 +26,8 @@ TINY = [
     "trainer.total_training_steps=1", "algorithm.adv_estimator=grpo", f"{ARO}.rollout.n=2",
 ]
 SCORING = """
-def quarter(data_source, solution_str, ground_truth, extra_info=None):
-    return 0.25
+def quarter(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
+    return 0.25 * scale
 def all_at_once(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):
     return [{"score": 0.25 + bonus, "words": len(text.split())} for text in solution_strs]
 """
@@ -54,8 +54,8 @@ def trained(tmp_path: Path, *overrides: str) -> tuple[Trainer, dict[str, float]]
 @pytest.mark.parametrize("manager", ["naive", "prime", "remote"])
 def test_naive_prime_and_remote_score_each_response_with_the_function(tmp_path: Path, manager: str) -> None:
     _, row = trained(tmp_path, f"reward_model.reward_manager={manager}", "custom_reward_function.path=SCORING",
-                     "custom_reward_function.name=quarter")
-    assert row["critic/score/mean"] == pytest.approx(0.25)
+                     "custom_reward_function.name=quarter", "+custom_reward_function.reward_kwargs.scale=2")
+    assert row["critic/score/mean"] == pytest.approx(0.5), "the function's reward_kwargs reach it, in workers too"
 
 
 def test_batch_scores_the_batch_with_the_reward_kwargs_and_reports_what_the_function_does(tmp_path: Path) -> None:
