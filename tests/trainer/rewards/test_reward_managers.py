@@ -162,14 +162,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_prime_scores_in_worker_processes_and_scores_a_failure_or_a_late_response_zero(tmp_path: Path) -> None:
     path = write_function(tmp_path, PRIME_FUNCTION)
     warnings: list[str] = []
-    reward = PrimeReward(TOKENIZER, CustomScore(path, "compute_score"), processes=2, timeout_s=3.0,
+    reward = PrimeReward(TOKENIZER, CustomScore(path, "compute_score"), processes=2, timeout_s=1.5,
                          warn=warnings.append)
     try:
         scores = reward(batch_of(["1", "2", "3", "4"], ["1", "raise", "hang", "5"]))
         assert scores.tolist() == [1.0, 0.0, 0.0, 0.0]
         assert reward.errors == 2
         assert any("ValueError: no such answer" in line for line in warnings)
-        assert any("not scored within 3 s" in line for line in warnings)
+        assert any("not scored within 1.5 s" in line for line in warnings)
         # The worker stuck on the late response was stopped; the next batch gets new ones.
         assert reward(batch_of(["7"], ["7"])).tolist() == [1.0] and reward.errors == 2
     finally:
