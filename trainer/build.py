@@ -27,8 +27,8 @@ from trainer.models import load_critic, load_policy, load_reward_model, load_tok
 from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
 from trainer.offload.copies import CopyLog
 from trainer.offload.groups import parameter_groups
-from trainer.rewards import resolve_compute_score
-from trainer.rewards.manager import ModelReward, RewardFunction, RuleReward
+from trainer.rewards.manager import ModelReward, RewardFunction
+from trainer.rewards.managers import build_rule_reward
 from trainer.workers.actor import Actor
 from trainer.workers.critic import Critic
 from trainer.workers.reference import Reference
@@ -220,9 +220,11 @@ class ModelBuilder:
     def _reward(self) -> RewardFunction:
         config = self.config
         if not config.reward_model.enable:
-            function = config.custom_reward_function
-            return RuleReward(self.tokenizer, resolve_compute_score(function.path, function.name),
-                              on_error=function.on_error, warn=self.warn)
+            return build_rule_reward(config, self.tokenizer, warn=self.warn)
+        if config.reward_model.reward_manager != "naive":
+            self.warn(f"{KEYS.reward_model.reward_manager}: {config.reward_model.reward_manager} does not score this "
+                      f"run: the reward model does ({KEYS.reward_model.enable}), whose scores verl's managers pass "
+                      "through as they are")
         network = config.reward_model.model
         tokenizer = load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code,
                                    setting=KEYS.reward_model.model.tokenizer_path)
@@ -231,7 +233,7 @@ class ModelBuilder:
         return ModelReward(self._place(model, network.fsdp_config, Role.REWARD), self.tokenizer, tokenizer,
                            micro_batch_size=config.reward_model.micro_batch_size_per_gpu,
                            max_length=config.data.max_prompt_length + config.data.max_response_length,
-                           memory=self._memory(Role.REWARD))
+                           memory=self._memory(Role.REWARD), remove_padding=network.use_remove_padding)
 
     def _sequence_split(self, degree: int, *, remove_padding: bool) -> SequenceSplit | None:
         """The sequence split of a model of Ulysses `degree` (1 or the run's, as the config checked): None for

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ from trainer.data import PromptRecord, PromptSampler
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks, resolve_device
 from trainer.distributed.run_wide import RunWide
+from trainer.dumps import decode_texts, generation_lines, write_generations
 from trainer.errors import RunSetupError
 from trainer.generation import Generation
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
@@ -109,7 +111,8 @@ class Trainer:
                                          self.metrics_log, publish_updates=self.staging.publish_updates,
                                          send=self.control.send, log=log, warn=warn)
         self.validator = Validator(config, self.val_records, self.generation, self.models.reward,
-                                   publish_updates=self.staging.publish_updates)
+                                   publish_updates=self.staging.publish_updates, log=log, observers=self.observers,
+                                   step=lambda: self.step)
         self.peak_flops = device_peak_flops(self.device)  # None: no MFU figures (a CPU, an unknown GPU)
         self._resumed = False
         self._summary_sent = False
@@ -236,10 +239,29 @@ class Trainer:
             yield
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
-        """Each response's reward on its last token (batch.token_level_scores)."""
+        """Each response's reward on its last token (batch.token_level_scores); the responses scored 0 on an error
+        (reward/errors) and the mean of each number the reward manager reported (reward/<name>/mean)."""
         errors = self.models.reward.errors
-        batch.token_level_scores = place_on_last_token(self.models.reward(batch), batch.response_mask)
-        return {"reward/errors": self.models.reward.errors - errors}
+        scored = self.models.reward.score(batch)
+        batch.token_level_scores = place_on_last_token(scored.scores, batch.response_mask)
+        if self.config.trainer.rollout_data_dir is not None:
+            self._write_rollouts(batch, scored.scores.tolist(), scored.extra)
+        return {"reward/errors": self.models.reward.errors - errors, **scored.metrics()}
+
+    def _write_rollouts(self, batch: RolloutBatch, scores: list[float], reported: list[dict[str, Any]]) -> None:
+        """trainer.rollout_data_dir: the step's responses, every data-parallel rank's, as verl dumps them
+        (trainer/dumps.py), written by rank 0."""
+        tokenizer, step = self.generation.tokenizer, self.step + 1  # the step being trained
+        lines = generation_lines(decode_texts(tokenizer, batch.prompt_ids, batch.prompt_mask),
+                                 decode_texts(tokenizer, batch.response_ids, batch.response_mask),
+                                 [record.ground_truth for record in batch.records],
+                                 scores, reported, step)
+        # The ranks of a sequence-parallel group hold the same responses: its first rank's are written.
+        everyone = self.ranks.gather_objects(lines if self.ranks.sp_rank == 0 else [])
+        if self.ranks.is_main:
+            path = write_generations(self.config.trainer.rollout_data_dir or "", step,
+                                     [line for rank_lines in everyone for line in rank_lines])
+            self.log(f"step {step}'s responses written to {path} ({KEYS.trainer.rollout_data_dir})")
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Token rewards (less the KL penalty when it is in the reward), then advantages and returns by

@@ -13,6 +13,10 @@ verl's ``verl/utils/tracking.py`` is the model: the same backends, the same envi
   stops it before it trains;
 - ``console`` is the trainer's own step line (trainer/reporting.py), so it has no tracker here.
 
+trainer.log_val_generations' validation responses go where verl's ValidationGenerationsLogger puts them: a wandb table
+and a SwanLab table (``val/generations``), TensorBoard text (``val/generations``), an MLflow artifact
+(``val_step<N>.json``); the ``file`` backend keeps none (verl's neither: they are in the run's log).
+
 Only the first process of a rank group logs, on a thread of its own (Tracking). Each library is imported when
 its tracker starts; the config check (trainer/config/environment.py) has already refused one whose library is missing.
 """
@@ -24,10 +28,11 @@ import math
 import os
 import queue
 import re
+import tempfile
 import threading
 import time
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,9 +42,12 @@ import yaml
 from trainer.config import KEYS, RunConfig
 from trainer.errors import RunSetupError
 
+Generations = list[tuple[str, str, float]]
+"""(prompt, response, score) of each validation response shown (trainer.log_val_generations), in verl's order."""
+
 
 class Tracker(Protocol):
-    """One backend's run."""
+    """One backend's run. One that shows validation responses also has log_generations(step, Generations)."""
 
     where: str
     """Where its run is, for the log line at start."""
@@ -102,12 +110,17 @@ class Tracking:
     def __init__(self, trackers: Mapping[str, Tracker], warn: Callable[[str], None] = print):
         self.trackers = dict(trackers)
         self.warn = warn
-        self._steps: queue.SimpleQueue[tuple[int, dict[str, float]] | None] = queue.SimpleQueue()
+        self._steps: queue.SimpleQueue[tuple[int, dict[str, float] | Generations] | None] = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._log_steps, name="verl-trackers", daemon=True)
         self._worker.start()
 
     def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
         self._steps.put((step, dict(metrics)))
+
+    def on_validation_generations(self, step: int, samples: Sequence[Any]) -> None:
+        """trainer.log_val_generations' responses (ValidationSamples) of the validation at `step`, to every tracker
+        that shows them."""
+        self._steps.put((step, [(sample.prompt, sample.response, sample.score) for sample in samples]))
 
     def close(self, *, failed: bool = False, timeout: float = FINISH_TIMEOUT_S) -> None:
         """Log what is queued, then finish every tracker's run; `failed` marks them failed (the trainer crashed)."""
@@ -125,12 +138,25 @@ class Tracking:
 
     def _log_steps(self) -> None:
         while (item := self._steps.get()) is not None:
-            step, metrics = item
+            step, logged = item
             for name, tracker in list(self.trackers.items()):
+                if isinstance(logged, list):
+                    self._log_generations(name, tracker, step, logged)
+                    continue
                 try:
-                    tracker.log(step, metrics)
+                    tracker.log(step, logged)
                 except Exception as error:  # anything: see the class docstring
                     self._drop(name, f"could not log step {step}", error)
+
+    def _log_generations(self, name: str, tracker: Tracker, step: int, generations: Generations) -> None:
+        """A tracker that fails to show them warns and goes on logging the metrics (verl's warns, too)."""
+        log_generations = getattr(tracker, "log_generations", None)
+        if log_generations is None:
+            return
+        try:
+            log_generations(step, generations)
+        except Exception as error:  # anything: see the class docstring
+            self.warn(f"tracker {name} could not log the validation generations of step {step} ({_describe(error)})")
 
     def _drop(self, name: str, what: str, error: BaseException) -> None:
         tracker = self.trackers.pop(name)
@@ -283,6 +309,14 @@ class TensorboardTracker:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def log_generations(self, step: int, generations: Generations) -> None:
+        """Markdown text under val/generations, as verl's."""
+        text = f"**Generation Results - Step {step}**\n\n" + "".join(
+            f"### Sample {number}\n**Input:** {prompt}\n\n**Output:** {response}\n\n**Score:** {score}\n\n---\n\n"
+            for number, (prompt, response, score) in enumerate(generations, 1))
+        self.writer.add_text("val/generations", text, step)
+        self.writer.flush()
+
     def finish(self, *, failed: bool) -> None:
         self.writer.close()
 
@@ -306,9 +340,21 @@ class WandbTracker:
         )
         run.remember_id("wandb", self.run.id)
         self.where = f"run {self.run.id} ({self.run.settings.mode}) in {self.run.dir}"
+        self.generation_rows: list[list[Any]] = []
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def log_generations(self, step: int, generations: Generations) -> None:
+        """A table under val/generations with a row per validation (step, input_1, output_1, score_1, ...), logged
+        whole each time (a wandb table cannot grow once logged), as verl's."""
+        import wandb
+
+        columns = ["step"] + [f"{kind}_{number}" for number in range(1, len(generations) + 1)
+                              for kind in ("input", "output", "score")]
+        self.generation_rows.append([step, *(item for sample in generations for item in sample)])
+        rows = [row for row in self.generation_rows if len(row) == len(columns)]
+        self.run.log({"val/generations": wandb.Table(columns=columns, data=rows)}, step=step)
 
     def finish(self, *, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -365,6 +411,14 @@ class MlflowTracker:
         self.client.log_batch(self.run_id, metrics=[Metric(mlflow_key(key), float(value), now, step)
                                                     for key, value in metrics.items()])
 
+    def log_generations(self, step: int, generations: Generations) -> None:
+        """An artifact val_step<N>.json: [{"input", "output", "score"}, ...], as verl's."""
+        with tempfile.TemporaryDirectory() as directory:
+            path = Path(directory) / f"val_step{step}.json"
+            path.write_text(json.dumps([{"input": prompt, "output": response, "score": score}
+                                        for prompt, response, score in generations]), encoding="utf-8")
+            self.client.log_artifact(self.run_id, str(path))
+
     def finish(self, *, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
@@ -397,6 +451,14 @@ class SwanlabTracker:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def log_generations(self, step: int, generations: Generations) -> None:
+        """A table under val/generations (step, input, output, score), as verl's."""
+        import swanlab
+
+        table = swanlab.echarts.Table()
+        table.add(headers=["step", "input", "output", "score"], rows=[[step, *sample] for sample in generations])
+        self.run.log({"val/generations": table}, step=step)
 
     def finish(self, *, failed: bool) -> None:
         if failed:

@@ -296,42 +296,74 @@ class _LogProbsAndEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                chunks: list[tuple[slice, slice]]) -> tuple[torch.Tensor, torch.Tensor]:
+                chunks: list[tuple[slice, slice]], kernels: ChunkKernels) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # an unused output (the entropy as a metric) gets no gradient at all
         log_probs = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
         entropies, totals = torch.empty_like(log_probs), torch.empty_like(log_probs)
         for part in chunks:
-            scaled = _scaled_chunk(logits[part], temperature)
-            total = torch.logsumexp(scaled, dim=-1)
-            totals[part] = total
-            log_probs[part] = scaled.gather(-1, labels[part].unsqueeze(-1)).squeeze(-1) - total
-            entropies[part] = total - (torch.exp(scaled - total.unsqueeze(-1)) * scaled).sum(-1)
+            log_probs[part], entropies[part], totals[part] = kernels.forward(logits[part], labels[part], temperature)
         ctx.save_for_backward(logits, labels, totals)
-        ctx.temperature, ctx.chunks = temperature, chunks
+        ctx.temperature, ctx.chunks, ctx.kernels = temperature, chunks, kernels
         return log_probs, entropies
 
     @staticmethod
     def backward(ctx: Any, grad_log_probs: torch.Tensor | None,
-                 grad_entropies: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None]:
+                 grad_entropies: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
         logits, labels, totals = ctx.saved_tensors
         if grad_log_probs is None and grad_entropies is None:
-            return None, None, None, None
+            return None, None, None, None, None
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for part in ctx.chunks:
-            scaled = _scaled_chunk(logits[part], ctx.temperature, own=True)  # changed in place below
-            probs = torch.exp(scaled - totals[part].unsqueeze(-1))
-            # d entropy / dz_j = -p_j (z_j - sum_i p_i z_i); d log p_label / dz_j = [j = label] - p_j (over T).
-            if grad_entropies is not None:
-                mean = (probs * scaled).sum(-1, keepdim=True)
-                chunk = scaled.sub_(mean).mul_(probs).mul_(-grad_entropies[part].unsqueeze(-1))
-                if grad_log_probs is not None:
-                    chunk.sub_(probs.mul_(grad_log_probs[part].unsqueeze(-1)))
-            else:
-                chunk = probs.mul_(-grad_log_probs[part].unsqueeze(-1))
-            if grad_log_probs is not None:
-                chunk.scatter_add_(-1, labels[part].unsqueeze(-1), grad_log_probs[part].unsqueeze(-1))
-            grad[part] = chunk / ctx.temperature if ctx.temperature != 1.0 else chunk
-        return grad, None, None, None
+            grad[part] = ctx.kernels.backward(logits[part], labels[part], totals[part],
+                                              None if grad_log_probs is None else grad_log_probs[part],
+                                              None if grad_entropies is None else grad_entropies[part],
+                                              ctx.temperature)
+        return grad, None, None, None, None
+
+
+def _chunk_forward(logits: torch.Tensor, labels: torch.Tensor,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of `_LogProbsAndEntropy`'s forward: [..., V] logits and [...] labels -> float32 [...] log-probs,
+    entropies and logsumexps of softmax(logits / temperature)."""
+    scaled = _scaled_chunk(logits, temperature)
+    total = torch.logsumexp(scaled, dim=-1)
+    log_probs = scaled.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - total
+    entropies = total - (torch.exp(scaled - total.unsqueeze(-1)) * scaled).sum(-1)
+    return log_probs, entropies, total
+
+
+def _chunk_backward(logits: torch.Tensor, labels: torch.Tensor, totals: torch.Tensor,
+                    grad_log_probs: torch.Tensor | None, grad_entropies: torch.Tensor | None,
+                    temperature: float) -> torch.Tensor:
+    """One chunk of `_LogProbsAndEntropy`'s backward: the [..., V] gradient of the logits (float32; the softmax
+    computed again from the logits and their logsumexps `totals`)."""
+    scaled = _scaled_chunk(logits, temperature, own=True)  # changed in place below
+    probs = torch.exp(scaled - totals.unsqueeze(-1))
+    # d entropy / dz_j = -p_j (z_j - sum_i p_i z_i); d log p_label / dz_j = [j = label] - p_j (over T).
+    if grad_entropies is not None:
+        mean = (probs * scaled).sum(-1, keepdim=True)
+        chunk = scaled.sub_(mean).mul_(probs).mul_(-grad_entropies.unsqueeze(-1))
+        if grad_log_probs is not None:
+            chunk.sub_(probs.mul_(grad_log_probs.unsqueeze(-1)))
+    else:
+        assert grad_log_probs is not None
+        chunk = probs.mul_(-grad_log_probs.unsqueeze(-1))
+    if grad_log_probs is not None:
+        chunk.scatter_add_(-1, labels.unsqueeze(-1), grad_log_probs.unsqueeze(-1))
+    return chunk / temperature if temperature != 1.0 else chunk
+
+
+class ChunkKernels(NamedTuple):
+    """The per-chunk functions of `log_probs_and_entropy_from_logits`: as written (EAGER_KERNELS), or compiled
+    (trainer/algorithms/compiled_kernels.py: actor.use_torch_compile)."""
+
+    forward: Any
+    """(logits, labels, temperature) -> (log_probs, entropies, logsumexps), as `_chunk_forward`."""
+    backward: Any
+    """(logits, labels, logsumexps, grad_log_probs, grad_entropies, temperature) -> the logits' gradient."""
+
+
+EAGER_KERNELS = ChunkKernels(_chunk_forward, _chunk_backward)
 
 
 def _loss_chunks(shape: torch.Size, budget: int) -> list[tuple[slice, slice]]:
@@ -355,13 +387,14 @@ def _scaled_chunk(logits: torch.Tensor, temperature: float, *, own: bool = False
 
 
 def log_probs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *,
-                                      entropy_graph: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                                      entropy_graph: bool = True,
+                                      kernels: ChunkKernels = EAGER_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, R, V]`` logits and ``[B, R]`` labels -> float32 ``[B, R]`` log-probs of the labels and entropies, both of
     softmax(logits / temperature), as `log_probs_from_logits` and `entropy_from_logits` of `scaled_logits` give them
     (to float32 rounding) with a fraction of their memory (`_LogProbsAndEntropy`). Without `entropy_graph` the
-    entropies carry no gradient (a metric)."""
+    entropies carry no gradient (a metric). `kernels`: the per-chunk functions (compiled ones: ChunkKernels)."""
     chunks = _loss_chunks(logits.shape, LOSS_CHUNK_ELEMENTS)
-    log_probs, entropies = _LogProbsAndEntropy.apply(logits, labels, temperature, chunks)
+    log_probs, entropies = _LogProbsAndEntropy.apply(logits, labels, temperature, chunks, kernels)
     return log_probs, entropies if entropy_graph else entropies.detach()
 
 

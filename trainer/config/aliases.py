@@ -91,6 +91,9 @@ _SHARDING = ("it shapes sharding or parallelism over several GPUs, which is fixe
              "(FSDP2) over all the run's ranks, one unit per decoder layer and per group (embedding, final norm, "
              "head), and sequence parallelism is the actor's and critic's ulysses_sequence_parallel_size")
 _KERNELS = "it is a kernel, compile or memory option of verl's FSDP workers that is not built here"
+_ENTROPY = ("the entropy here is always computed chunk by chunk and recomputed in the backward (the logits and one "
+            "logsumexp per position kept, never a float32 [B, R, V] copy: trainer/algorithms/functional.py), which "
+            "is what entropy_checkpointing and entropy_from_logits_with_chunking ask for; either value runs it")
 _NO_RAY = "there is no Ray here: the trainer is one process, supervised by the daemon"
 _PROFILER = ("verl's profiler is not built here (timings: timing_s/* in metrics.jsonl; every offload copy is timed "
              "with CUDA events)")
@@ -118,6 +121,8 @@ ALIASES: tuple[Alias, ...] = (
     mapped("actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size",
            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
            "the reference runs with the actor's sequence-parallel degree", Reading.SAME_AS),
+    mapped("reward_manager.name", "reward_model.reward_manager",
+           "verl's newer place of the reward manager's name (its scripts set reward_model.reward_manager)"),
     # ------------------------------------------------------------------------------------ refused: moved keys
     # The levels of dynamic offload were per model until they became run-wide.
     refused("*.fsdp_config.dynamic_offload.gpu_memory_threshold", "dynamic_offload.gpu_memory_threshold",
@@ -137,11 +142,8 @@ ALIASES: tuple[Alias, ...] = (
     default_only("critic.strategy", _STRATEGY, _FSDP_STRATEGIES),
     default_only("reward_model.strategy", _STRATEGY, _FSDP_STRATEGIES),
     default_only("*strategy", _STRATEGY),
-    # The reward model's padded forward is accepted with verl's padding-free switch off.
     default_only("actor_rollout_ref.actor.use_remove_padding", "the padding-free forward here is set once for the "
                  "actor and the reference: set actor_rollout_ref.model.use_remove_padding", (False,)),
-    default_only("reward_model.model.use_remove_padding", "the reward model's forward is padded here (the "
-                 "padding-free forward covers the actor, the reference and the critic)", (False,)),
     default_only("*lora_*", "LoRA here is actor_rollout_ref.model's and critic.model's lora_rank, lora_alpha and "
                             "target_modules"),
     default_only("*micro_batch_size", "it is verl's deprecated size over all GPUs; set the *_micro_batch_size_per_gpu "
@@ -151,8 +153,6 @@ ALIASES: tuple[Alias, ...] = (
     default_only("*rollout_n", "it mirrors actor_rollout_ref.rollout.n; set that"),
     default_only("*.rollout.prompt_length", "it mirrors data.max_prompt_length; set that"),
     default_only("*.rollout.response_length", "it mirrors data.max_response_length; set that"),
-    default_only("actor_rollout_ref.rollout.val_kwargs.*", "validation here decodes greedily, one response per "
-                                                           "prompt (verl's default val_kwargs)"),
     default_only("actor_rollout_ref.rollout.multi_turn.*", "multi-turn and tool-calling rollouts are not built"),
     default_only("*tool_config_path", "multi-turn and tool-calling rollouts are not built"),
     default_only("actor_rollout_ref.rollout.agent.*", "verl's agent loop is not built"),
@@ -161,6 +161,10 @@ ALIASES: tuple[Alias, ...] = (
     default_only("actor_rollout_ref.rollout.*", _ENGINE),
     default_only("reward_model.ulysses_sequence_parallel_size", "the reward model scores whole sequences on every "
                                                                 "rank (no sequence parallelism)"),
+    noted("*.fsdp_config.use_torch_compile", "verl's model-engine switch of the entropy's compile; this project reads "
+                                             "actor_rollout_ref.actor.use_torch_compile (the reference and the critic "
+                                             "compute no entropy)"),
+    default_only("*.fsdp_config.entropy_*", _ENTROPY, (True, False)),
     default_only("*.fsdp_config.*", _SHARDING),
     default_only("*ulysses_sequence_parallel_size", _SHARDING),
     default_only("actor_rollout_ref.hybrid_engine", "the actor and the rollout always share one set of weights here"),
@@ -175,15 +179,20 @@ ALIASES: tuple[Alias, ...] = (
     default_only("actor_rollout_ref.actor.loss_scale_factor", "the loss here is aggregated by loss_agg_mode alone"),
     default_only("*router_replay.*", "mixture-of-experts router replay is not built"),
     default_only("*mtp*", "multi-token prediction is not built"),
-    default_only("*use_torch_compile", _KERNELS),
-    default_only("*fused_kernel*", _KERNELS),
-    default_only("*use_liger", _KERNELS),
-    default_only("*entropy_*", _KERNELS),
+    noted("actor_rollout_ref.ref.use_torch_compile", "the reference computes no entropy, which is what verl compiles "
+                                                     "(the actor's update does: actor.use_torch_compile)"),
+    noted("*fused_kernel*", "verl's fused head-and-log-prob kernel is not built: the log-probs and entropy here come "
+                            "from the head's logits, chunk by chunk in float32 (trainer/algorithms/functional.py)"),
+    noted("*use_liger", "Liger's kernels are not used: the models run transformers' own code (the decode compiles its "
+                        "fused rotary and MLP pieces on a GPU)"),
+    default_only("*entropy_*", _ENTROPY, (True, False)),
     default_only("*sum_pi_squared*", _KERNELS),
     default_only("*tiled_mlp.*", _KERNELS),
     default_only("*activation_offload", _KERNELS),
     default_only("*use_shm", _KERNELS),
-    default_only("*calculate_entropy", _KERNELS),
+    default_only("*calculate_entropy", "the actor's entropy is always computed here (actor/entropy, as verl's "
+                                       "old-log-prob pass reports it), with its gradient only for entropy_coeff",
+                 (True, False)),
     default_only("*use_prefix_grouper", _KERNELS),
     default_only("*freeze_vision_tower", "vision-language models are not built"),
     default_only("*data_loader_seed", "the order of sequences in mini-batches follows trainer.seed (and "
@@ -197,10 +206,16 @@ ALIASES: tuple[Alias, ...] = (
     default_only("reward_model.model.override_config", "the reward model is built from its directory as it is"),
     default_only("reward_model.max_length", "reward-model inputs here are cut at data.max_prompt_length + "
                                             "data.max_response_length"),
+    default_only("reward_model.use_reward_loop", "the reward here is verl's legacy in-process one (a rule-based "
+                 "manager, or one sequence-classification model in the trainer process); either value runs it",
+                 (True, False)),
+    noted("reward_model.launch_reward_fn_async", "the rule-based reward runs in the trainer process between the "
+          "rollout and the log-probs (no Ray task to overlap it with them); the scores are the same"),
     default_only("reward_model.*", "verl's reward loop, resource pools and sandbox are not built (a reward model "
                                    "here is one sequence-classification model in the trainer process)"),
-    default_only("reward_manager.*", "the reward here is verl's naive manager: each response scored by its data "
-                                     "source's function, or custom_reward_function"),
+    default_only("reward_manager.*", "a reward manager class of one's own is not loaded here: the managers are "
+                                     "verl's registered ones (reward_model.reward_manager: naive, dapo, prime, batch, "
+                                     "remote)"),
     default_only("algorithm.rollout_correction.*", "rollout-correction importance weights are not built (the "
                                                    "rollout samples with the actor's own weights)"),
     default_only("algorithm.*pf_ppo*", "policy-filtration PPO is not built"),
@@ -223,8 +238,6 @@ ALIASES: tuple[Alias, ...] = (
     default_only("trainer.balance_batch", "each data-parallel rank trains on the rollouts it sampled from its own "
                                           "share of the prompts; no batch is exchanged between ranks, so there is "
                                           "none to balance", (True, False)),
-    default_only("trainer.log_val_generations", "validation generations are not logged"),
-    default_only("trainer.*_data_dir", "dumping generations to files is not built"),
     default_only("trainer.esi_redundant_time", "it plans saves before a cloud instance's expiry; save with "
                                                "trainer.save_freq"),
     default_only("trainer.default_hdfs_dir", "checkpoints are written to local disk only (trainer.default_local_dir)"),

@@ -55,7 +55,8 @@ def all_rules() -> tuple[Rule, ...]:
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
             environment.actor_peft_installed, _actor_lora_keys, environment.critic_peft_installed, _critic_lora_keys,
             _checkpoint_counts_agree, _critic_warmup_needs_a_critic, _validation_only_needs_data,
-            _scheduler_names_agree)
+            _scheduler_names_agree,
+            _reward_kwargs_of_the_manager, _overlong_buffer_fits, _batch_manager_needs_a_function)
 
 
 def checks_despite_schema_errors(raw: dict[str, Any], errors: Sequence[ErrorDetails]) -> list[ConfigProblem]:
@@ -455,3 +456,48 @@ def _check_offload(config: RunConfig) -> list[ConfigProblem]:
                 "update runs, and without optimizer_offload the optimizer runs where the parameters are; allowed: "
                 "auto, or set optimizer_offload: true"))
     return problems
+
+
+# ------------------------------------------------------------------------------------- reward managers
+
+_MANAGER_KWARGS = {"naive": (), "prime": (), "remote": (), "dapo": ("max_resp_len", "overlong_buffer_cfg")}
+"""The reward_kwargs each manager takes (verl's constructors: any other is their TypeError); batch passes any key to
+its function."""
+
+
+def _reward_kwargs_of_the_manager(config: RunConfig) -> list[ConfigProblem]:
+    manager = config.reward_model.reward_manager
+    taken = _MANAGER_KWARGS.get(manager)
+    if taken is None:
+        return []
+    allowed = (f"{', '.join(taken)}, or leave the key out" if taken
+               else "leave the key out (dapo takes max_resp_len and overlong_buffer_cfg; batch passes any key to its "
+                    "function)")
+    return [ConfigProblem(f"reward_model.reward_kwargs.{name}", f"got {show(value)}, but the {manager} reward manager "
+                          f"(reward_model.reward_manager) takes no such argument; allowed: {allowed}")
+            for name, value in config.reward_model.reward_kwargs.given().items() if name not in taken]
+
+
+def _overlong_buffer_fits(config: RunConfig) -> list[ConfigProblem]:
+    keywords = config.reward_model.reward_kwargs
+    buffer, prefix = keywords.overlong_buffer_cfg, "reward_model.reward_kwargs"
+    if config.reward_model.reward_manager != "dapo" or not buffer.enable:
+        return []
+    if keywords.max_resp_len is None:
+        return [ConfigProblem(f"{prefix}.max_resp_len", "is not set, but overlong_buffer_cfg.enable is true and the "
+                              "buffer ends at it; allowed: the responses' length limit (verl's scripts give "
+                              f"data.max_response_length: {config.data.max_response_length})")]
+    if buffer.len < 1 or buffer.len > keywords.max_resp_len:
+        return [ConfigProblem(f"{prefix}.overlong_buffer_cfg.len", f"got {buffer.len}, but the buffer's penalty grows "
+                              f"over its tokens up to max_resp_len {keywords.max_resp_len}; allowed: an integer >= 1 "
+                              f"and <= {keywords.max_resp_len}")]
+    return []
+
+
+def _batch_manager_needs_a_function(config: RunConfig) -> list[ConfigProblem]:
+    if config.reward_model.reward_manager != "batch" or config.custom_reward_function.path is not None:
+        return []
+    return [ConfigProblem("reward_model.reward_manager", "got 'batch', but custom_reward_function.path is not set: the "
+                          "batch manager calls a function of one's own with the whole batch (data_sources, "
+                          "solution_strs, ground_truths, extra_infos); allowed: set custom_reward_function.path, or "
+                          "'naive', 'dapo', 'prime' or 'remote' (which score each response with the built-in scorers)")]

@@ -41,6 +41,12 @@ class TrainerConfig(Section):
     """Validate once before the first step (a fresh run with data.val_files); metrics at step 0."""
     val_only: bool = False
     """Only validate (as val_before_train does), then stop without training."""
+    log_val_generations: int = Field(0, ge=0)
+    """Validation samples (prompt, response, score) each validation writes to the log and trackers (0: none)."""
+    validation_data_dir: str | None = None
+    """A folder each validation writes all its responses to, as <step>.jsonl (input, output, gts, score, step)."""
+    rollout_data_dir: str | None = None
+    """A folder each step writes its responses to, every rank's, as <step>.jsonl (as validation_data_dir's)."""
     critic_warmup: int = Field(0, ge=0)
     """Steps at the start of a run that update the critic only; the actor's updates start after them."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from trainer.config.fields import (
     GpuSampleInterval,
@@ -44,6 +44,7 @@ __all__ = [
     "MemoryThreshold", "ModelConfig", "OffloadPolicy", "OptimConfig", "PcieSampleInterval", "Placement",
     "RefConfig", "RewardModelConfig", "RewardModelNetwork", "RolloutConfig", "RunConfig", "Section",
     "TelemetryConfig", "TrackerBackend", "TrainerConfig", "WrapPolicy",
+    "OverlongBuffer", "RewardKwargs", "ValKwargs",
 ]
 
 BUILTIN_PREFIX = "builtin:"
@@ -168,6 +169,8 @@ class ActorConfig(Section):
     """How token losses are averaged."""
     grad_clip: float = Field(1.0, gt=0.0)
     """Clip the gradient norm to this value."""
+    use_torch_compile: bool = True
+    """Compile the update's log-prob and entropy computation from the logits (torch.compile, on a GPU; verl's key)."""
     ulysses_sequence_parallel_size: int = Field(1, ge=1)
     """Ulysses degree S of the actor and reference: S ranks split each sequence (also verl's fsdp_config key)."""
     sequence_parallel_offload: bool = False
@@ -192,6 +195,24 @@ class EmbeddingCache(Section):
     """Rows kept on the GPU."""
     warmup_steps: int = Field(10, ge=0)
     """Steps over which token frequencies are counted before the cache is filled."""
+
+
+class ValKwargs(Section):
+    do_sample: bool = False
+    """Sample the validation responses; false (verl's default) decodes them greedily."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Validation's sampling temperature; 0 decodes greedily whatever do_sample (as verl's engines do)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Validation's nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Validation samples from the k most likely tokens; -1 or 0 disables."""
+    n: int = Field(1, ge=1)
+    """Responses per validation prompt; above 1, validation reports verl's mean@n, best@k and worst@k."""
+
+    @property
+    def samples(self) -> bool:
+        """Whether validation samples: do_sample with a temperature above 0; otherwise it decodes greedily."""
+        return self.do_sample and self.temperature > 0
 
 
 class RolloutConfig(Section):
@@ -223,6 +244,8 @@ class RolloutConfig(Section):
     """Most real tokens in one old-log-prob micro-batch; unset uses actor.ppo_max_token_len_per_gpu."""
     embedding_cache: EmbeddingCache = EmbeddingCache()
     """GPU cache of frequent embedding rows."""
+    val_kwargs: ValKwargs = ValKwargs()
+    """Validation's own sampling (verl's val_kwargs): greedy, one response per prompt, unless set."""
 
     @field_validator("name", mode="before")
     @classmethod
@@ -335,6 +358,39 @@ class RewardModelNetwork(Section):
     """Allow model code shipped inside the model directory."""
     fsdp_config: FSDPConfig = FSDPConfig()
     """Placement and dtype of the reward model."""
+    use_remove_padding: bool = False
+    """Padding-free forward (each micro-batch's real tokens packed in one row) for the reward model's scores."""
+
+
+class OverlongBuffer(Section):
+    enable: bool = False
+    """DAPO's overlong reward shaping: a penalty on responses longer than max_resp_len - len tokens."""
+    len: int = Field(0, ge=0)
+    """Tokens before max_resp_len over which the penalty grows linearly from 0 to penalty_factor."""
+    penalty_factor: float = Field(1.0, ge=0.0)
+    """The penalty of a response of max_resp_len tokens."""
+    log: bool = False
+    """Report each response's penalty as verl's overlong_reward and overlong (reward/* and val-aux/* metrics)."""
+
+
+class RewardKwargs(Section):
+    """dapo reads max_resp_len and overlong_buffer_cfg; batch passes every key given here (any name) to its
+    function as a keyword argument; naive and prime take none (as verl's constructors)."""
+
+    # Any other key is the batch function's keyword argument (rules.py refuses one for another manager).
+    model_config = ConfigDict(extra="allow")
+
+    max_resp_len: int | None = Field(None, ge=1)
+    """dapo: the response length the overlong buffer ends at (verl's scripts give data.max_response_length)."""
+    overlong_buffer_cfg: OverlongBuffer = OverlongBuffer()
+    """dapo: the overlong buffer's penalty."""
+
+    def given(self) -> dict[str, Any]:
+        """The keys set away from their defaults, and every key of the batch function's (the trainer reads the
+        resolved config, in which every default is written out)."""
+        default = RewardKwargs()
+        return {name: value for name, value in self.model_dump().items()
+                if name not in RewardKwargs.model_fields or getattr(self, name) != getattr(default, name)}
 
 
 class RewardModelConfig(Section):
@@ -344,6 +400,10 @@ class RewardModelConfig(Section):
     """The reward model."""
     micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Sequences per reward-model forward."""
+    reward_manager: Literal["naive", "dapo", "prime", "batch", "remote"] = "naive"
+    """verl's rule-based reward manager: naive, dapo (overlong penalty), prime or remote (in processes) or batch."""
+    reward_kwargs: RewardKwargs = RewardKwargs()
+    """Arguments of the reward manager (verl's scripts give them as +reward_model.reward_kwargs.*)."""
 
 
 class CustomRewardFunction(Section):
@@ -353,6 +413,8 @@ class CustomRewardFunction(Section):
     """Function in that file: (data_source, solution_str, ground_truth, extra_info) -> float."""
     on_error: Literal["raise", "zero"] = "raise"
     """When the function raises: raise stops the run (exit 2), zero scores the response 0 (counted: reward/errors)."""
+    reward_kwargs: dict[str, Any] = {}
+    """Keyword arguments the function is called with besides verl's four (verl's reward_kwargs of the function)."""
 
 
 class KLControl(Section):

@@ -35,7 +35,9 @@ class RewardFunctionError(CustomRewardError):
         self.traceback_text = traceback_text
 
     @classmethod
-    def from_exception(cls, error: Exception, path: str, name: str, data_source: str) -> RewardFunctionError:
+    def from_exception(cls, error: Exception, path: str, name: str, data_source: str, *,
+                       scoring: str | None = None) -> RewardFunctionError:
+        """`scoring`: what the function was scoring, in words (a response of `data_source` unless given)."""
         # The wrapper's own frame is not the user's business.
         user_traceback = error.__traceback__.tb_next if error.__traceback__ is not None else None
         frames = traceback.extract_tb(user_traceback)
@@ -46,8 +48,8 @@ class RewardFunctionError(CustomRewardError):
         where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
         detail = " ".join(str(error).split())
         exception = f"{type(error).__name__}: {detail[:300]}" if detail else type(error).__name__
-        what = (f"{KEYS.custom_reward_function} {name!r}{where} raised {exception} (scoring a response of data_source "
-                f"{data_source!r})")
+        scoring = scoring or f"a response of data_source {data_source!r}"
+        what = f"{KEYS.custom_reward_function} {name!r}{where} raised {exception} (scoring {scoring})"
         return cls(what, "".join(traceback.format_exception(type(error), error, user_traceback)))
 
 
@@ -64,6 +66,12 @@ def load_custom_score(path: str, name: str) -> ComputeScore:
         raise CustomRewardError(f"{name!r} in {KEYS.custom_reward_function.path} {path!r} is a "
                                 f"{type(function).__name__}, not a function")
     return function
+
+
+def split_score(value: Any) -> tuple[float, dict[str, Any]]:
+    """A scorer's result as (its score, what else it reported): a number or a bool reports nothing else; a dict's
+    entries are all reported, its "score" included (verl's reward_extra_info)."""
+    return as_float_score(value), dict(value) if isinstance(value, dict) else {}
 
 
 def as_float_score(value: Any) -> float:
@@ -83,21 +91,60 @@ def as_float_score(value: Any) -> float:
     return score
 
 
-def resolve_compute_score(path: str | None, name: str) -> Callable[..., float]:
-    """The run's scorer: the custom function when ``path`` is set, else the built-in ones."""
+def resolve_compute_score(path: str | None, name: str, keywords: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The run's scorer: the custom function when ``path`` is set (called with `keywords` too:
+    custom_reward_function.reward_kwargs), else the built-in ones (which take no keywords, as in verl)."""
     if path is None:
         return default_compute_score
-    function = load_custom_score(path, name)
+    return CustomScore(path, name, keywords)
 
-    def compute_score(data_source: str, solution_str: str, ground_truth: Any,
-                      extra_info: dict[str, Any] | None = None) -> float:
+
+class CustomScore:
+    """The user's function ``name`` of the file at ``path``, called as verl calls it: (data_source, solution_str,
+    ground_truth, extra_info). What it raises becomes a RewardFunctionError naming where; what it returns is
+    passed on as it is (a number, or a dict with a "score" key and anything else it reports).
+
+    `keywords` (custom_reward_function.reward_kwargs) are passed on each call as keyword arguments.
+
+    Pickled as its path, name and keywords, so that a worker process (the prime manager's) loads the file itself."""
+
+    def __init__(self, path: str, name: str, keywords: dict[str, Any] | None = None):
+        self.path, self.name = path, name
+        self.keywords = dict(keywords or {})
+        self.function = load_custom_score(path, name)  # loaded now: a missing file or name fails before training
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any,
+                 extra_info: dict[str, Any] | None = None) -> Any:
         try:
-            value = function(data_source, solution_str, ground_truth, extra_info)
+            return self.function(data_source, solution_str, ground_truth, extra_info, **self.keywords)
         except Exception as error:  # the user's code: anything it raises is theirs to fix
-            raise RewardFunctionError.from_exception(error, path, name, data_source) from error
-        return as_float_score(value)
+            raise RewardFunctionError.from_exception(error, self.path, self.name, data_source) from error
 
-    return compute_score
+    def __reduce__(self) -> tuple[type[CustomScore], tuple[str, str, dict[str, Any]]]:
+        return CustomScore, (self.path, self.name, self.keywords)
+
+
+def score_in_worker(compute_score: Callable[..., Any], data_source: str, solution_str: str, ground_truth: Any,
+                    extra_info: dict[str, Any] | None) -> tuple[float | None, dict[str, Any], str | None]:
+    """In a worker process of the prime or remote manager: (score, what else a dict result reported, None), or
+    (None, {}, why it was not scored). Never raises:
+    an exception pickled back could fail to unpickle, and the manager needs only the fact of the failure. Kept in
+    this module, which imports no torch, so that a worker starts fast."""
+    try:
+        result = compute_score(data_source, solution_str, ground_truth, extra_info)
+        if isinstance(result, list | tuple) and result:  # verl's prime reads a sequence's first item
+            result = result[0]
+        score, extra = split_score(result)
+        return score, extra, None
+    except RewardFunctionError as error:
+        return None, {}, f"not scored: {error.what}"
+    except Exception as error:  # the scorer's own code, or a result that is no score
+        return None, {}, f"not scored: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def worker_ready(_: int) -> bool:
+    """A prime worker has started (it ran this)."""
+    return True
 
 
 def _import_file(path: str) -> ModuleType:

@@ -14,6 +14,8 @@ from trainer.algorithms import (
     log_probs_from_logits,
     scaled_logits,
 )
+from trainer.algorithms.compiled_kernels import compiled_kernels
+from trainer.algorithms.functional import EAGER_KERNELS
 from trainer.config import KEYS, ActorConfig
 from trainer.distributed.ranks import Ranks
 from trainer.rollout.batch import RolloutBatch
@@ -93,6 +95,8 @@ class Actor:
         self.shuffle_generator = torch.Generator().manual_seed(seed) if config.shuffle else None
         # Fewer, larger micro-batches while the update streams layers (issue 14).
         self.merging = MicroBatchMerging(config.fsdp_config.merge_micro_batches)
+        # actor.use_torch_compile: the update's log-prob and entropy chunks compiled on a GPU (verl's default).
+        self.kernels = compiled_kernels() if config.use_torch_compile else EAGER_KERNELS
 
     @property
     def _world_size(self) -> int:
@@ -175,12 +179,13 @@ class Actor:
         entropy_graph = self.config.entropy_coeff != 0
         if self.sequence_split is not None:
             log_probs, entropies = self.sequence_split.log_probs_and_entropy(
-                self.model, batch, self.temperature, entropy=True, entropy_graph=entropy_graph)
+                self.model, batch, self.temperature, entropy=True, entropy_graph=entropy_graph, kernels=self.kernels)
             assert entropies is not None
             return log_probs, entropies
         # Chunk by chunk in float32, keeping the logits as the model gave them (a fraction of the composed ops' memory).
         return log_probs_and_entropy_from_logits(response_logits(self.model, batch, remove_padding=self.remove_padding),
-                                                 batch.response_ids, self.temperature, entropy_graph=entropy_graph)
+                                                 batch.response_ids, self.temperature, entropy_graph=entropy_graph,
+                                                 kernels=self.kernels)
 
     def state_dict(self) -> dict:
         """Its optimizer's states (None when sharded: the checkpoint's DCP shards hold them), schedule and

@@ -101,27 +101,30 @@ def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torc
     """[B, R, ...] the model's output at the positions that predict (or value) each response token, from one
     padding-free forward; zeros where the response is padding."""
     row = PackedRow.of(batch)
-    lengths = row.real.sum(dim=1)
-    boundaries = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    longest = int(lengths.max())
     # Only the kept positions go through the head (a causal LM's logits_to_keep): for a long prompt most
     # of the [T, V] logits the padded forward computes are never read.
     head_only_kept = takes_logits_to_keep(model)
-    parameters = inspect.signature(model.forward).parameters
-    # flash_attention_2/3 take the boundaries from these (sdpa and eager ignore them); a forward without
-    # **kwargs (remote code) gets none, and flash attention then infers them from the position ids.
-    boundary_keywords = ({"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": longest,
-                          "max_length_k": longest}
-                         if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
-                         else {})
     output = model(
         input_ids=row.pack(batch.input_ids),
         position_ids=row.pack(batch.position_ids),
         use_cache=False,
-        **boundary_keywords,
+        **packed_boundary_keywords(model, row.real.sum(dim=1)),
         **({"logits_to_keep": row.keep} if head_only_kept else {}),
     )
     return row.unpack(output.logits[0] if head_only_kept else output.logits[0, row.keep])
+
+
+def packed_boundary_keywords(model: PreTrainedModel, lengths: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """The keywords that tell flash_attention_2/3 where the sequences of a packed row of [B] `lengths` start (sdpa
+    and eager ignore them, reading the boundaries from the position ids); none for a forward without **kwargs
+    (remote code), where flash attention infers them from the position ids."""
+    parameters = inspect.signature(model.forward).parameters
+    if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return {}
+    boundaries = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
+    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": longest,
+            "max_length_k": longest}
 
 
 @dataclass(frozen=True)

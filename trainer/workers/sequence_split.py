@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.algorithms import log_probs_and_entropy_from_logits, scaled_logits
+from trainer.algorithms.functional import EAGER_KERNELS, ChunkKernels
 from trainer.config import KEYS
 from trainer.distributed.ranks import Ranks
 from trainer.distributed.ulysses import SequenceParallel, SequenceShard, use_ulysses_attention
@@ -63,15 +64,18 @@ class SequenceSplit:
                                 "or the degree 1") from None
 
     def log_probs_and_entropy(self, model: PreTrainedModel, batch: RolloutBatch, temperature: float, *,
-                              entropy: bool, entropy_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                              entropy: bool, entropy_graph: bool = False,
+                              kernels: ChunkKernels = EAGER_KERNELS) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, R] log-probs of the responses at `temperature` and, with `entropy`, [B, R] entropies of the
-        policy at each response position (with their autograd graph only when `entropy_graph`)."""
+        policy at each response position (with their autograd graph only when `entropy_graph`; `kernels`: the
+        chunk functions, compiled ones with actor.use_torch_compile)."""
         logits, shard, row = self._forward(model, batch)
         if not entropy:
             return self._responses(shard.log_probs(scaled_logits(logits, temperature)), batch, row), None
         # Chunk by chunk in float32, keeping the logits as the model gave them (as one rank's update does).
         local_log_probs, local_entropies = log_probs_and_entropy_from_logits(logits, shard.labels, temperature,
-                                                                             entropy_graph=entropy_graph)
+                                                                             entropy_graph=entropy_graph,
+                                                                             kernels=kernels)
         return (self._responses(shard.gather(local_log_probs), batch, row),
                 self._responses(shard.gather(local_entropies), batch, row))
 

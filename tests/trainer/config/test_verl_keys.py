@@ -136,7 +136,6 @@ REFUSED: list[tuple[list[str], dict[str, str]]] = [
     (["trainer.balance_batch=2"], {"trainer.balance_batch": "each data-parallel rank trains on the rollouts it "
                                                             "sampled from its own share of the prompts"}),
     ([f"{ARO}.actor.policy_loss.loss_mode=gspo"], {f"{ARO}.actor.policy_loss.loss_mode": "PPO's clipped loss"}),
-    ([f"{ARO}.model.use_liger=True"], {f"{ARO}.model.use_liger": "kernel"}),
     ([f"{ARO}.actor.optim.optimizer=SGD"], {f"{ARO}.actor.optim.optimizer": "the optimizer here is AdamW"}),
     ([f"{ARO}.actor.optim._target_=my.Optimizer"], {f"{ARO}.actor.optim._target_": "Hydra instantiates"}),
     (["trainer.default_hdfs_dir=hdfs://cluster/checkpoints"], {"trainer.default_hdfs_dir": "local disk only"}),

@@ -127,7 +127,7 @@ def test_custom_function_is_loaded_and_used(tmp_path):
     function = load_custom_score(path, "compute_score")
     assert as_float_score(function("any", "yes", "yes", None)) == 1.0
     scorer = resolve_compute_score(path, "compute_score")
-    assert scorer("any", "no", "yes", {}) == -1.0
+    assert scorer("any", "no", "yes", {}) == {"score": -1, "length": 2}, "verl's result, for the reward manager"
     assert resolve_compute_score(None, "compute_score") is default_compute_score
 
 
