@@ -49,7 +49,6 @@ def all_rules() -> tuple[Rule, ...]:
             environment.check_reward_model_paths, environment.check_train_files, environment.check_val_files,
             environment.check_reward_function_file, environment.trackers_installed,
             _check_batch_sizes, _check_token_budgets, _grpo_needs_several_responses, _gae_needs_a_critic,
-            _clip_range_is_positive,
             _resume_path_is_set, _validation_needs_data, ranks.check_devices, ranks.check_launch, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
@@ -228,16 +227,6 @@ def _gae_needs_a_critic(config: RunConfig) -> list[ConfigProblem]:
     if config.algorithm.adv_estimator == "gae" and config.critic.enable is False:
         return [ConfigProblem("critic.enable", "got false, but algorithm.adv_estimator=gae needs a critic; "
                               "allowed: true, or algorithm.adv_estimator=grpo")]
-    return []
-
-
-def _clip_range_is_positive(config: RunConfig) -> list[ConfigProblem]:
-    actor = config.actor_rollout_ref.actor
-    low, _ = actor.clip_range
-    if low >= 1.0:
-        key = "clip_ratio_low" if actor.clip_ratio_low is not None else "clip_ratio"
-        return [ConfigProblem(f"actor_rollout_ref.actor.{key}", f"got {low}, which lets the policy ratio be "
-                              f"clipped at 0 or below; allowed: 0 < {key} < 1")]
     return []
 
 
