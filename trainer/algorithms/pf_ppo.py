@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from trainer.config import KEYS
+
 PF_PPO_METHODS = ("pow", "max_min", "max_random")
 
 # Every response keeps a chance, however small its weight, so that multinomial always has one to draw.
@@ -32,7 +34,7 @@ def pf_ppo_weights(scores: torch.Tensor, reweight_method: str, weight_pow: float
     elif reweight_method == "max_random":
         weights = torch.where(scores == scores.max(), 0.4, 0.1).to(scores.dtype)
     else:
-        raise ValueError(f"unknown algorithm.pf_ppo.reweight_method '{reweight_method}'; allowed: "
+        raise ValueError(f"unknown {KEYS.algorithm.pf_ppo.reweight_method} '{reweight_method}'; allowed: "
                          f"{', '.join(PF_PPO_METHODS)}")
     return (weights + _WEIGHT_FLOOR).clamp(min=_WEIGHT_FLOOR)
 

@@ -23,7 +23,7 @@ import torch
 
 from trainer.algorithms.functional import aggregate_loss, compute_policy_loss, masked_mean
 from trainer.algorithms.rollout_correction import compute_rollout_correction
-from trainer.config import ActorConfig
+from trainer.config import KEYS, ActorConfig
 from trainer.config.losses import RolloutCorrectionConfig
 
 # exp() of a log-ratio above ~88 overflows float32 (functional.py clamps the same way).
@@ -83,7 +83,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered as ``name``."""
     if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown actor_rollout_ref.actor.policy_loss.loss_mode '{name}'; allowed: "
+        raise ValueError(f"unknown {KEYS.actor_rollout_ref.actor.policy_loss.loss_mode} '{name}'; allowed: "
                          f"{', '.join(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]
 
