@@ -170,7 +170,8 @@ class ModelBuilder:
                       total_steps=self.total_steps, seed=config.trainer.seed, memory=self._memory(Role.ACTOR),
                       ranks=self.ranks, sequence_split=split, remove_padding=model_config.use_remove_padding,
                       log_prob_max_token_len=(rollout.log_prob_max_token_len_per_gpu
-                                              if rollout.log_prob_use_dynamic_bsz else None))
+                                              if rollout.log_prob_use_dynamic_bsz else None),
+                      rollout_correction=config.algorithm.rollout_correction)
         if adapter is not None:
             self.log(describe_adapter(adapter, "actor"))
         return actor, adapter, split

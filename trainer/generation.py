@@ -64,19 +64,19 @@ class Generation:
             rollout.synced = self.ranks.distributed and not alone
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             rows = self.run_wide.fewest(self._rows_that_fit(len(repeated), prompt_ids.shape[1]))
-            pieces = run_in_pieces(lambda first, count: rollout.generate(prompt_ids[first:first + count],
-                                                                         prompt_mask[first:first + count]),
+            pieces = run_in_pieces(lambda first, count: rollout.sample(prompt_ids[first:first + count],
+                                                                       prompt_mask[first:first + count]),
                                    len(repeated), rows,
                                    memory=None if self.ranks.distributed else self.memory.for_role(Role.ACTOR))
-        response_ids = torch.cat([ids for ids, _ in pieces])
-        response_mask = torch.cat([mask for _, mask in pieces])
+        sampled = [torch.cat(parts) for parts in zip(*pieces, strict=True) if parts[0] is not None]
         # The ranks of a sequence-parallel group sampled the same prompts from the same random stream; their first
         # rank's responses go to the others, so that a kernel not bitwise deterministic on another device cannot
         # give the group different sequences to split.
-        response_ids, response_mask = self.ranks.broadcast_in_sequence_group([response_ids, response_mask])
+        response_ids, response_mask, *log_probs = self.ranks.broadcast_in_sequence_group(sampled)
         group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                            response_mask=response_mask, group_index=group_index, records=repeated)
+                            response_mask=response_mask, group_index=group_index, records=repeated,
+                            rollout_log_probs=log_probs[0] if log_probs else None)
 
     def decode_memory(self) -> dict[str, float]:
         """The static decode's KV cache and CUDA graphs' pool (rollout/kv_cache_gb, rollout/graph_pool_gb), said in

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from trainer.algorithms import AdvantageInputs, apply_kl_penalty, build_kl_controller, get_advantage_estimator
+from trainer.algorithms import (
+    AdvantageInputs,
+    apply_kl_penalty,
+    build_kl_controller,
+    compute_rollout_correction,
+    get_advantage_estimator,
+    pf_ppo_resample,
+)
 from trainer.build import ModelBuilder, load_prompts, set_host_threads
 from trainer.checkpointer import Checkpointer
 from trainer.config import KEYS, RunConfig, dump_config
@@ -98,7 +105,8 @@ class Trainer:
                                  config.data.max_response_length,
                                  safe_point=self._rollout_safe_point if self.memory.moves_layers else None,
                                  graph_safety=self.memory.engine(Role.ACTOR), synced=self.ranks.distributed,
-                                 agree_active=self.ranks.count_agreement, warn=warn)
+                                 agree_active=self.ranks.count_agreement, warn=warn,
+                                 record_log_probs=config.records_rollout_log_probs)
         self.generation = Generation(config, self.tokenizer, self.rollout, self.staging, self.run_wide,
                                      heartbeat=self.control.heartbeat, log=log, warn=warn)
         self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
@@ -209,7 +217,9 @@ class Trainer:
             with self._phase(timer, "reward", "scoring", Role.REWARD, batch):
                 metrics.update(self.score(batch))
             with timer.phase("old_log_prob"):
-                if self._scores_old_log_probs(len(batch)):
+                if self.config.algorithm.rollout_correction.bypass_mode:  # verl's bypass mode: pi_old = pi_rollout
+                    batch.old_log_probs = batch.rollout_log_probs
+                elif self._scores_old_log_probs(len(batch)):
                     # (Not scored, a delayed update lands at the next read of the actor's weights: LoRA's reference,
                     # or the update.)
                     with self.staging("scoring", Role.ACTOR, len(batch)):
@@ -221,7 +231,9 @@ class Trainer:
                 with self._phase(timer, "values", "scoring", Role.CRITIC, batch):
                     batch.values = self.critic.compute_values(batch)
             with timer.phase("adv"):
+                metrics.update(self.correct_for_rollout(batch))
                 metrics.update(self.compute_advantages(batch))
+                batch = self.filter_policy(batch)
             if self.critic is not None:
                 with self._phase(timer, "update_critic", "training", Role.CRITIC, batch):
                     metrics.update(reduce_metrics(self.critic.update(batch)))
@@ -282,13 +294,38 @@ class Trainer:
         batch.advantages, batch.returns = self.advantage_estimator(inputs, algorithm)
         return metrics
 
+    def correct_for_rollout(self, batch: RolloutBatch) -> dict[str, float]:
+        """verl's decoupled rollout correction (algorithm.rollout_correction, bypass mode off): importance weights
+        pi_old / pi_rollout and the rejection mask for the actor's loss, and the rollout_corr/ metrics, from the
+        rollout's log-probs (trainer/algorithms/rollout_correction.py). Nothing without them."""
+        correction = self.config.algorithm.rollout_correction
+        if batch.rollout_log_probs is None or batch.old_log_probs is None or correction.bypass_mode:
+            return {}
+        result = compute_rollout_correction(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask,
+                                            correction, mean=self.run_wide.masked_mean)
+        batch.rollout_is_weights, batch.rollout_rs_mask = result.weights, result.response_mask
+        return dict(zip(result.metrics, torch.stack(list(result.metrics.values())).tolist(), strict=True))
+
+    def filter_policy(self, batch: RolloutBatch) -> RolloutBatch:
+        """Policy-filtration PPO (algorithm.use_pf_ppo): the batch resampled by its responses' scores
+        (trainer/algorithms/pf_ppo.py); each rank resamples its own share (verl resamples the whole batch in one
+        place), the ranks of a sequence-parallel group alike. verl reweights under gae only; here every estimator."""
+        algorithm = self.config.algorithm
+        if not algorithm.use_pf_ppo:
+            return batch
+        assert batch.token_level_scores is not None
+        indices = pf_ppo_resample(batch.token_level_scores.sum(-1), algorithm.pf_ppo.reweight_method,
+                                  algorithm.pf_ppo.weight_pow)
+        return batch.select(self.ranks.broadcast_in_sequence_group([indices])[0])
+
     def _scores_old_log_probs(self, size: int) -> bool:
-        """Whether the step scores the old log-probs in a pass of their own: when the reward's KL penalty reads
-        them, or when the actor's update is more than one optimizer step. An update of one step computes the same
+        """Whether the step scores the old log-probs in a pass of their own: when the reward's KL penalty or rollout
+        correction (pi_old against the rollout's pi_rollout, before the advantages) reads them, or when the actor's
+        update is more than one optimizer step. An update of one step computes the same
         log-probs in its own forwards, on the same weights, and takes them as the old ones (Actor.on_policy): one
         forward of the actor over the batch less a step, and under delayed_update the update's publish gets the
         reference's, the values' and the critic's update's time to finish in before the actor's weights are read."""
-        if self.config.algorithm.use_kl_in_reward:
+        if self.config.algorithm.use_kl_in_reward or self.config.records_rollout_log_probs:
             return True
         updates = self.step >= self.config.trainer.critic_warmup
         scored = updates and not self.actor.on_policy(size)

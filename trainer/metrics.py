@@ -310,6 +310,8 @@ def rank_reduction(key: str) -> str:
     "min", or "mean" (weighted by each rank's sequences, or tokens for the token-level summaries)."""
     if key in _SUMMED or key.endswith("skipped_steps"):
         return "sum"
+    if key.startswith("rollout_corr/") and key.endswith(("_max", "_min")):  # verl's names of rollout correction's
+        return key[-3:]
     if (key.endswith("/max") or key.startswith(("timing_s/", "perf/max_memory_")) or key in (
             "perf/time_per_step", "perf/cpu_memory_used_gb", "checkpoint/failing", "rollout/kv_cache_gb",
             "rollout/graph_pool_gb")):

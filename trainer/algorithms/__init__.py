@@ -1,4 +1,5 @@
-"""RL algorithms: advantage estimators, PPO losses, KL estimators and KL coefficient controllers."""
+"""RL algorithms: advantage estimators, policy losses, KL estimators, KL coefficient controllers, rollout correction
+and policy filtration."""
 
 from trainer.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -35,6 +36,17 @@ from trainer.algorithms.kl_control import (
     KLController,
     build_kl_controller,
 )
+from trainer.algorithms.pf_ppo import PF_PPO_METHODS, pf_ppo_resample, pf_ppo_weights
+from trainer.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLossFn,
+    PolicyLossInputs,
+    PolicyLossResult,
+    get_policy_loss,
+    policy_loss_mode,
+    register_policy_loss,
+)
+from trainer.algorithms.rollout_correction import RolloutCorrection, compute_rollout_correction, off_policy_metrics
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -66,4 +78,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "register_advantage_estimator",
+    # policy_losses.py, rollout_correction.py, pf_ppo.py
+    "PF_PPO_METHODS", "POLICY_LOSSES", "PolicyLossFn", "PolicyLossInputs", "PolicyLossResult", "RolloutCorrection",
+    "compute_rollout_correction", "get_policy_loss", "off_policy_metrics", "pf_ppo_resample", "pf_ppo_weights",
+    "policy_loss_mode", "register_policy_loss",
 ]

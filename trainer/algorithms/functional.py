@@ -131,6 +131,7 @@ def compute_policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """PPO clipped surrogate loss with an asymmetric clip range and dual clip.
 
@@ -146,6 +147,8 @@ def compute_policy_loss(
         clip_ratio_low, clip_ratio_high: clip range [1 - low, 1 + high].
         clip_ratio_c: dual-clip bound, must be > 1.
         loss_agg_mode: see :func:`aggregate_loss`.
+        weights: ``[B, T]`` each token's loss is multiplied by (rollout correction's importance weights, detached);
+            None: 1.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
@@ -157,6 +160,8 @@ def compute_policy_loss(
     dual_clip_bound = -advantages * clip_ratio_c
     is_negative = advantages < 0
     token_losses = torch.where(is_negative, torch.minimum(ppo_losses, dual_clip_bound), ppo_losses)
+    if weights is not None:
+        token_losses = token_losses * weights
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), response_mask)
         dual_clipped = is_negative & (ppo_losses > dual_clip_bound)

@@ -172,10 +172,6 @@ ALIASES: tuple[Alias, ...] = (
                                    "state, written at once and atomically"),
     default_only("*.optim.*", "the optimizer here is AdamW (torch's, or the offload engine's CPU AdamW), clipped at "
                               "grad_clip and scheduled by the optim keys it has"),
-    default_only("*.policy_loss.*", "the policy loss here is PPO's clipped loss (with dual-clip clip_ratio_c); "
-                                    "verl's other loss modes are not built"),
-    default_only("actor_rollout_ref.actor.tau_*", "the policy loss here is PPO's clipped loss; verl's other loss "
-                                                  "modes are not built"),
     default_only("actor_rollout_ref.actor.loss_scale_factor", "the loss here is aggregated by loss_agg_mode alone"),
     default_only("*router_replay.*", "mixture-of-experts router replay is not built"),
     default_only("*mtp*", "multi-token prediction is not built"),
@@ -216,9 +212,6 @@ ALIASES: tuple[Alias, ...] = (
     default_only("reward_manager.*", "a reward manager class of one's own is not loaded here: the managers are "
                                      "verl's registered ones (reward_model.reward_manager: naive, dapo, prime, batch, "
                                      "remote)"),
-    default_only("algorithm.rollout_correction.*", "rollout-correction importance weights are not built (the "
-                                                   "rollout samples with the actor's own weights)"),
-    default_only("algorithm.*pf_ppo*", "policy-filtration PPO is not built"),
     default_only("data.tokenizer", "the prompts are tokenized with actor_rollout_ref.model.tokenizer_path"),
     default_only("data.*max_samples", "each data file is read whole"),
     default_only("data.reward_fn_key", "each row's scorer is picked by its data_source column"),

@@ -49,14 +49,14 @@ def all_rules() -> tuple[Rule, ...]:
             environment.check_reward_model_paths, environment.check_train_files, environment.check_val_files,
             environment.check_reward_function_file, environment.trackers_installed,
             _check_batch_sizes, _check_token_budgets, _grpo_needs_several_responses, _gae_needs_a_critic,
-            _clip_range_is_positive,
             _resume_path_is_set, _validation_needs_data, ranks.check_devices, ranks.check_launch, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
             environment.actor_peft_installed, _actor_lora_keys, environment.critic_peft_installed, _critic_lora_keys,
             _checkpoint_counts_agree, _critic_warmup_needs_a_critic, _validation_only_needs_data,
             _scheduler_names_agree,
-            _reward_kwargs_of_the_manager, _overlong_buffer_fits, _batch_manager_needs_a_function)
+            _reward_kwargs_of_the_manager, _overlong_buffer_fits, _batch_manager_needs_a_function,
+            _bypass_loss_needs_bypass_mode)
 
 
 def checks_despite_schema_errors(raw: dict[str, Any], errors: Sequence[ErrorDetails]) -> list[ConfigProblem]:
@@ -232,13 +232,15 @@ def _gae_needs_a_critic(config: RunConfig) -> list[ConfigProblem]:
     return []
 
 
-def _clip_range_is_positive(config: RunConfig) -> list[ConfigProblem]:
-    actor = config.actor_rollout_ref.actor
-    low, _ = actor.clip_range
-    if low >= 1.0:
-        key = "clip_ratio_low" if actor.clip_ratio_low is not None else "clip_ratio"
-        return [ConfigProblem(f"actor_rollout_ref.actor.{key}", f"got {low}, which lets the policy ratio be "
-                              f"clipped at 0 or below; allowed: 0 < {key} < 1")]
+def _bypass_loss_needs_bypass_mode(config: RunConfig) -> list[ConfigProblem]:
+    """verl's bypass_mode loss reads the rollout correction that bypass mode hands it (verl fails at the first update
+    without it)."""
+    if (config.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode"
+            and not config.algorithm.rollout_correction.bypass_mode):
+        return [ConfigProblem("actor_rollout_ref.actor.policy_loss.loss_mode", "got 'bypass_mode', but "
+                              "algorithm.rollout_correction.bypass_mode is false (the loss corrects against the "
+                              "rollout's log-probs, which bypass mode makes the old ones); allowed: another loss mode, "
+                              "or algorithm.rollout_correction.bypass_mode=true")]
     return []
 
 

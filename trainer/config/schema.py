@@ -32,6 +32,7 @@ from trainer.config.fields import (
     TrackerBackend,
     show,
 )
+from trainer.config.losses import PfPpoConfig, PolicyLossConfig, RolloutCorrectionConfig
 from trainer.config.placement import DynamicOffload, DynamicOffloadConfig, FSDPConfig, OffloadPolicy, WrapPolicy
 from trainer.config.running import DaemonConfig, TelemetryConfig, TrainerConfig
 
@@ -45,6 +46,7 @@ __all__ = [
     "RefConfig", "RewardModelConfig", "RewardModelNetwork", "RolloutConfig", "RunConfig", "Section",
     "TelemetryConfig", "TrackerBackend", "TrainerConfig", "WrapPolicy",
     "OverlongBuffer", "RewardKwargs", "ValKwargs",
+    "PfPpoConfig", "PolicyLossConfig", "RolloutCorrectionConfig",  # losses.py
 ]
 
 BUILTIN_PREFIX = "builtin:"
@@ -157,6 +159,12 @@ class ActorConfig(Section):
     """Upper clip range; unset uses clip_ratio."""
     clip_ratio_c: float = Field(3.0, gt=1.0)
     """Dual-clip bound for negative advantages (Ye et al. 2020)."""
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    """The policy loss: verl's loss mode and its settings."""
+    tau_pos: float = Field(1.0, gt=0.0)
+    """SAPO's gate temperature on tokens of positive advantage."""
+    tau_neg: float = Field(1.05, gt=0.0)
+    """SAPO's gate temperature on tokens of zero or negative advantage."""
     entropy_coeff: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus."""
     use_kl_loss: bool = False
@@ -246,6 +254,8 @@ class RolloutConfig(Section):
     """GPU cache of frequent embedding rows."""
     val_kwargs: ValKwargs = ValKwargs()
     """Validation's own sampling (verl's val_kwargs): greedy, one response per prompt, unless set."""
+    calculate_log_probs: bool = False
+    """Record each sampled token's log-prob (at the temperature); on by itself when rollout_correction needs them."""
 
     @field_validator("name", mode="before")
     @classmethod
@@ -443,6 +453,12 @@ class AlgorithmConfig(Section):
     """KL estimator of the in-reward penalty (k1, k2, k3 are verl's names for kl, mse, low_var_kl)."""
     kl_ctrl: KLControl = KLControl()
     """Coefficient controller of the in-reward penalty."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Importance weights and rejection between the policy that sampled (its log-probs) and the one trained."""
+    use_pf_ppo: bool = False
+    """Policy-filtration PPO: resample each rank's batch by its responses' scores after the advantages."""
+    pf_ppo: PfPpoConfig = PfPpoConfig()
+    """How pf_ppo weighs the responses."""
 
 
 class DataConfig(Section):
@@ -522,6 +538,11 @@ class RunConfig(Section):
             return trainer.max_ckpt_to_keep
         counts = [trainer.max_actor_ckpt_to_keep] + ([trainer.max_critic_ckpt_to_keep] if self.use_critic else [])
         return max((count for count in counts if count is not None), default=None)
+
+    @property
+    def records_rollout_log_probs(self) -> bool:
+        """Whether the rollout records the log-prob of each token it samples: asked for, or rollout correction's."""
+        return self.actor_rollout_ref.rollout.calculate_log_probs or self.algorithm.rollout_correction.active
 
     @property
     def use_reference(self) -> bool:

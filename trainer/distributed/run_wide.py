@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-from trainer.algorithms.functional import WHITEN_EPSILON, masked_whiten
+from trainer.algorithms.functional import WHITEN_EPSILON, masked_mean, masked_whiten
 from trainer.config import RunConfig
 from trainer.config.messages import RankReport, RanksMessage, UpMessage
 from trainer.data import rank_share
@@ -74,6 +74,15 @@ class RunWide:
         mean = total / max(count, 1.0)
         variance = max(squares / max(count, 1.0) - mean ** 2, 0.0) * count / max(count - 1, 1.0)
         return ((values - mean) * (variance + WHITEN_EPSILON) ** -0.5 * mask).to(values.dtype)
+
+    def masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The mean of `values` over every rank's masked positions (the whole batch's), a 0-dim tensor: rollout
+        correction's importance weights are normalised by it."""
+        if not self.ranks.distributed:
+            return masked_mean(values, mask)
+        sums = torch.stack([(values * mask).sum(), mask.sum()]).double()
+        total, count = self.ranks.sum_tensor_over_data(sums).tolist()
+        return values.new_tensor(total / max(count, 1.0))
 
     def metrics(self, local: dict[str, float], *, sequences: int, step: int,
                 copy_latency_mean_s: float | None) -> dict[str, float]:

@@ -45,6 +45,12 @@ class RolloutBatch:
     """[B, R] advantages of each response token."""
     returns: torch.Tensor | None = None
     """[B, R] value targets."""
+    rollout_log_probs: torch.Tensor | None = None
+    """[B, R] log-probs the rollout gave the tokens it sampled, at the sampling temperature (when it records them)."""
+    rollout_is_weights: torch.Tensor | None = None
+    """[B, R] rollout correction's truncated importance weights pi_old / pi_rollout (detached; 0 at padding)."""
+    rollout_rs_mask: torch.Tensor | None = None
+    """[B, R] response_mask less the tokens rollout correction's rejection left out of the actor's loss."""
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -63,6 +69,12 @@ class RolloutBatch:
     def position_ids(self) -> torch.Tensor:
         """[B, P + R] positions counted from each sequence's first real token."""
         return (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+    @property
+    def actor_loss_mask(self) -> torch.Tensor:
+        """[B, R] the response tokens the actor's loss reads: rollout_rs_mask where rejection ran, else response_mask
+        (the forwards read response_mask: a rejected token is still attended to)."""
+        return self.response_mask if self.rollout_rs_mask is None else self.rollout_rs_mask
 
     @property
     def response_lengths(self) -> torch.Tensor:

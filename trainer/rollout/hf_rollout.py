@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from transformers import (
     GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     StoppingCriteria,
@@ -50,14 +53,56 @@ class SafePoints(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+class SampledLogProbs(LogitsProcessor):
+    """Records the log-prob of each token transformers' generate samples, at `temperature`, from the raw logits:
+    generate runs a caller's processors before its own sampling warpers (temperature, top-k, top-p), with the ids so
+    far. One step's log-softmax is kept until the next call, whose ids end in the token sampled from it; `read`
+    takes the last one's. It changes no score."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.columns: list[torch.Tensor] = []
+        self._last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._last is not None:
+            self.columns.append(self._last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self._last = (scores.float() / self.temperature).log_softmax(dim=-1)
+        return scores
+
+    def read(self, responses: torch.Tensor) -> torch.Tensor:
+        """[B, T] fp32 log-probs of `responses`, the [B, T] tokens generate returned (a step it undid is dropped)."""
+        columns = self.columns[:responses.shape[1]]
+        if len(columns) < responses.shape[1] and self._last is not None:
+            columns.append(self._last.gather(1, responses[:, len(columns):len(columns) + 1]).squeeze(1))
+        if not columns:
+            return torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
+        return torch.stack(columns, dim=1)
+
+
+class Sampled(NamedTuple):
+    """What one rollout of a batch of prompts gives. Shapes: B prompts, R = response_length."""
+
+    response_ids: torch.Tensor
+    """[B, R] sampled token ids, right-padded after EOS."""
+    response_mask: torch.Tensor
+    """[B, R] float, 1 up to and including EOS."""
+    log_probs: torch.Tensor | None
+    """[B, R] fp32 log-prob of each sampled token at the sampling temperature, 0 on padding (None: not recorded)."""
+
+
 class HFRollout:
-    """Samples `response_length` tokens at most per prompt, stopping at EOS."""
+    """Samples `response_length` tokens at most per prompt, stopping at EOS; with `record_log_probs`, records the
+    log-prob the model gave each token it sampled (rollout correction's pi_rollout: `sample`)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
                  response_length: int, *, safe_point: Callable[[], object] | None = None,
                  graph_safety: GraphSafety | None = None, synced: bool = False,
-                 agree_active: Callable[[int], int] | None = None, warn: Callable[[str], None] | None = None):
+                 agree_active: Callable[[int], int] | None = None, warn: Callable[[str], None] | None = None,
+                 record_log_probs: bool = False):
         self.model = model
+        self.record_log_probs = record_log_probs
+        self.temperature = config.temperature  # the actor scores at it, greedy or not
         # A model sharded over several ranks (FSDP2) gathers each layer's shards from all of them in every
         # forward, so every rank must run as many forwards. transformers' synced_gpus keeps a rank whose
         # responses have all ended stepping (its outputs discarded) until every rank's have. Where the whole
@@ -117,9 +162,16 @@ class HFRollout:
         return {"rollout/kv_cache_gb": self.decoder.cache_bytes / 2**30,
                 "rollout/graph_pool_gb": self.decoder.graph_pool_bytes / 2**30}
 
-    @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, P] left-padded prompts -> ([B, R] response ids right-padded, [B, R] response mask)."""
+        sampled = self.sample(prompt_ids, prompt_mask)
+        return sampled.response_ids, sampled.response_mask
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Sampled:
+        """[B, P] left-padded prompts -> the responses, their mask and, with `record_log_probs`, their log-probs
+        (recorded from the sampling step's own logits: the static decode inside its captured step, generate through
+        a logits processor)."""
         was_training = self.model.training
         model_defaults = self.model.generation_config
         self.model.eval()
@@ -129,22 +181,29 @@ class HFRollout:
         self.model.generation_config = GenerationConfig()
         try:
             self._decoded_static = self.decoder is not None and self._decodes_static(prompt_ids.device)
+            log_probs = None
             if self.decoder is not None and self._decoded_static:
                 self.decoder.agree_active = self._agree_active if self.synced else None
+                self.decoder.keep_log_probs = self.record_log_probs
                 responses = self.decoder.generate(prompt_ids, prompt_mask, self.response_length, self.safe_point)
+                log_probs = self.decoder.log_probs if self.record_log_probs else None
             else:
                 stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])
+                recorder = SampledLogProbs(self.temperature) if self.record_log_probs else None
                 sequences = self.model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
                     stopping_criteria=stopping, synced_gpus=self.synced,
+                    logits_processor=LogitsProcessorList([recorder] if recorder is not None else []),
                 )
                 responses = sequences[:, prompt_ids.shape[1]:]
+                log_probs = recorder.read(responses) if recorder is not None else None
         finally:
             self.model.generation_config = model_defaults
             self.model.train(was_training)
         padding = self.response_length - responses.shape[1]
         if padding > 0:
             responses = torch.nn.functional.pad(responses, (0, padding), value=self.pad_id)
+            log_probs = None if log_probs is None else torch.nn.functional.pad(log_probs, (0, padding))
         mask = response_mask_until_eos(responses, self.eos_ids)
         responses = responses.masked_fill(mask == 0, self.pad_id)
-        return responses, mask
+        return Sampled(responses, mask, None if log_probs is None else log_probs * mask)

@@ -139,9 +139,13 @@ class _Rows:
                      self.slot.clone(), None if self.chosen is None else self.chosen[keep])
 
 
-def _chosen(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The log-probability (fp32, temperature 1) `logits` give each of `tokens`."""
-    return logits.float().log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+def _chosen(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The log-probability (fp32) softmax(`logits` / `temperature`) gives each of `tokens`: what the actor's scoring
+    forward computes at the sampling temperature (before top-k and top-p, which it does not apply either)."""
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    return (scores.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1))
 
 
 class StaticDecoder:
@@ -172,7 +176,8 @@ class StaticDecoder:
         self._cache_argument = ("cache" if "cache" in inspect.signature(model.forward).parameters
                                 else "past_key_values")
         self.keep_log_probs = False
-        """Whether generate keeps each sampled token's log-probability (`log_probs`): a log-softmax a token."""
+        """Whether generate keeps each sampled token's log-probability (`log_probs`): a logsumexp a token, inside
+        the captured step (into the step's own buffer) under CUDA graphs."""
         self.log_probs = torch.zeros(0, 0)
         self.cuda_graphs = cuda_graphs
         self.safety: GraphSafety = safety or _Resident()
@@ -202,8 +207,9 @@ class StaticDecoder:
                  safe_point: Callable[[], object] | None = None) -> torch.Tensor:
         """[B, P] left-padded prompts -> [B, T] new tokens (T <= max_new_tokens: decoding stops once every row has
         finished), each row's tokens after its first EOS set to the pad id, as generate returns them.
-        `safe_point` runs every SAFE_POINT_EVERY tokens, between two forwards. `log_probs` holds afterwards the
-        [B, T] log-probabilities (fp32, temperature 1) the model gave each token as it was sampled."""
+        `safe_point` runs every SAFE_POINT_EVERY tokens, between two forwards. With `keep_log_probs`, `log_probs`
+        holds afterwards the [B, T] log-probabilities (fp32, at the sampling temperature) the model gave each token as
+        it was sampled (0 after a row's EOS)."""
         rows, prompt_length = prompt_ids.shape
         device = prompt_ids.device
         out = torch.full((rows, max_new_tokens), self.pad_id, dtype=prompt_ids.dtype, device=device)
@@ -236,7 +242,7 @@ class StaticDecoder:
             valid=torch.cat([prompt_mask.bool(), torch.zeros((rows, max_new_tokens), dtype=torch.bool,
                                                              device=device)], dim=1),
             slot=torch.tensor([prompt_length], device=device),
-            chosen=_chosen(logits, tokens) if self.keep_log_probs else None)
+            chosen=_chosen(logits, tokens, self.sampling.temperature) if self.keep_log_probs else None)
         self._record(out, state, 0)
         mask_4d = self._full_attention_only()
         capturable = self.cuda_graphs and device.type == "cuda" and mask_4d and self.agree_active is None
@@ -314,7 +320,7 @@ class StaticDecoder:
         state.slot.add_(1)
         tokens = self.sampling.next_tokens(logits).masked_fill(state.done, self.pad_id)
         if state.chosen is not None:  # 0 for a row that had finished
-            state.chosen.copy_(_chosen(logits, tokens).masked_fill(state.done, 0.0))
+            state.chosen.copy_(_chosen(logits, tokens, self.sampling.temperature).masked_fill(state.done, 0.0))
         state.tokens.copy_(tokens)
         torch.logical_or(state.done, torch.isin(tokens, eos), out=state.done)
 

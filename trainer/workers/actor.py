@@ -6,17 +6,21 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.algorithms import (
+    PolicyLossInputs,
     actor_loss,
     aggregate_loss,
-    compute_policy_loss,
+    get_policy_loss,
     kl_penalty,
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
+    off_policy_metrics,
+    policy_loss_mode,
     scaled_logits,
 )
 from trainer.algorithms.compiled_kernels import compiled_kernels
 from trainer.algorithms.functional import EAGER_KERNELS
 from trainer.config import KEYS, ActorConfig
+from trainer.config.losses import RolloutCorrectionConfig
 from trainer.distributed.ranks import Ranks
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import (
@@ -72,7 +76,8 @@ class Actor:
     def __init__(self, model: PreTrainedModel, config: ActorConfig, *, temperature: float, rollout_n: int,
                  log_prob_micro_batch_size: int, total_steps: int, seed: int, memory: WorkerMemory | None = None,
                  remove_padding: bool = False, log_prob_max_token_len: int | None = None,
-                 ranks: Ranks | None = None, sequence_split: SequenceSplit | None = None):
+                 ranks: Ranks | None = None, sequence_split: SequenceSplit | None = None,
+                 rollout_correction: RolloutCorrectionConfig | None = None):
         self.model = model
         self.ranks = ranks  # several: the model is sharded and the batches are this rank's share
         self.sequence_split = sequence_split  # Ulysses: every forward on this rank's slice of the sequences
@@ -80,6 +85,9 @@ class Actor:
         # micro-batches and relief after an out-of-memory error. None: plain AdamW, errors propagate.
         self.memory = memory
         self.config = config
+        # algorithm.rollout_correction: bypass mode's loss corrects for the rollout itself (policy_losses.py).
+        self.rollout_correction = rollout_correction or RolloutCorrectionConfig()
+        self.policy_loss = get_policy_loss(policy_loss_mode(config, self.rollout_correction))
         self.temperature = temperature
         self.rollout_n = rollout_n
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
@@ -136,41 +144,49 @@ class Actor:
             loss_agg_mode=self.config.loss_agg_mode,
             ranks=self.ranks,
             merging=self.merging,
+            loss_mask=lambda batch: batch.actor_loss_mask,
         )
         recovered = metrics.pop("oom_recoveries")
         if self.memory is not None:
             self.memory.count_recoveries(int(sum(recovered)))
-        metrics = {f"actor/{key}": values for key, values in metrics.items()}
+        # verl's names: the actor's own under actor/; rollout correction's keep their rollout_corr/.
+        metrics = {key if "/" in key else f"actor/{key}": values for key, values in metrics.items()}
         metrics["actor/lr"] = [self.scheduler.get_last_lr()[0]]
         self.scheduler.step()
         return metrics
 
-    def _loss(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, batch: RolloutBatch) -> tuple[torch.Tensor | dict[str, torch.Tensor], dict[str, float]]:
+        """The micro-batch's loss by actor.policy_loss.loss_mode (policy_losses.py) with the entropy bonus and KL
+        loss, over the tokens rollout correction kept; the policy loss apart where it aggregates its own way."""
         config = self.config
         log_probs, entropies = self._log_probs_and_entropy(batch)
-        low, high = config.clip_range
         # No old log-probs: an on-policy update (on_policy), whose weights are the ones that would have scored them.
         old_log_probs = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
-        policy = compute_policy_loss(old_log_probs, log_probs, batch.advantages, batch.response_mask,
-                                     clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=config.clip_ratio_c,
-                                     loss_agg_mode=config.loss_agg_mode)
-        entropy = aggregate_loss(entropies, batch.response_mask, config.loss_agg_mode)
-        metrics = {
-            "pg_loss": policy.loss.item(),
-            "pg_clipfrac": policy.clipfrac.item(),
-            "pg_clipfrac_lower": policy.clipfrac_lower.item(),
-            "ppo_kl": policy.ppo_kl.item(),
-            "entropy": entropy.item(),
-        }
+        mask = batch.actor_loss_mask
+        policy = self.policy_loss(PolicyLossInputs(old_log_probs, log_probs, batch.advantages, mask,
+                                                   config.loss_agg_mode, rollout_is_weights=batch.rollout_is_weights),
+                                  config, self.rollout_correction)
+        entropy = aggregate_loss(entropies, mask, config.loss_agg_mode)
+        metrics = {"pg_loss": policy.loss, **policy.metrics, "entropy": entropy}
+        if batch.rollout_log_probs is not None and not self.rollout_correction.bypass_mode:
+            # As verl's actor: how far the policy being trained has moved from the one that sampled.
+            drift = off_policy_metrics(log_probs.detach(), batch.rollout_log_probs, mask)
+            metrics.update({f"rollout_corr/{key}": value for key, value in drift.items()})
         kl_loss = None
         if config.use_kl_loss:
             kl = kl_penalty(log_probs, batch.ref_log_probs, config.kl_loss_type)
-            kl_loss = aggregate_loss(kl, batch.response_mask, config.loss_agg_mode)
-            metrics["kl_loss"] = kl_loss.item()
-            metrics["kl_coef"] = config.kl_loss_coef
-        loss = actor_loss(policy.loss, entropy, kl_loss, entropy_coeff=config.entropy_coeff,
-                          kl_loss_coef=config.kl_loss_coef)
-        return loss, metrics
+            kl_loss = aggregate_loss(kl, mask, config.loss_agg_mode)
+            metrics["kl_loss"] = kl_loss
+        # One host read for every metric of the micro-batch.
+        values = dict(zip(metrics, torch.stack([value.detach().float() for value in metrics.values()]).tolist(),
+                          strict=True))
+        if config.use_kl_loss:
+            values["kl_coef"] = config.kl_loss_coef
+        coefficients = {"entropy_coeff": config.entropy_coeff, "kl_loss_coef": config.kl_loss_coef}
+        if policy.aggregation == config.loss_agg_mode:
+            return actor_loss(policy.loss, entropy, kl_loss, **coefficients), values
+        regularisers = actor_loss(torch.zeros_like(policy.loss), entropy, kl_loss, **coefficients)
+        return {policy.aggregation: policy.loss, config.loss_agg_mode: regularisers}, values
 
     def _log_probs_and_entropy(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, R] log-probs and entropies of the responses under the policy at the sampling temperature."""

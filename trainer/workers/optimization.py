@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from trainer.algorithms import aggregation_weight
+from trainer.algorithms import LOSS_AGG_MODES, aggregation_weight
 from trainer.config import FSDP_CONFIG, FSDPConfig, OptimConfig
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
@@ -22,7 +22,11 @@ from trainer.rollout.batch import RolloutBatch
 from trainer.workers.packing import packed_response_outputs, plan_micro_batches, takes_logits_to_keep
 from trainer.workers.recovery import Piece, WorkerMemory, retry_out_of_memory
 
-LossFn = Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[RolloutBatch], tuple[torch.Tensor | dict[str, torch.Tensor], dict[str, float]]]
+"""A micro-batch's loss and metrics. The loss is a mean by the update's loss_agg_mode, or a dict of losses by the
+loss_agg_mode each is a mean by (a policy loss that aggregates its own way, beside the entropy and KL terms)."""
+MaskOf = Callable[[RolloutBatch], torch.Tensor]
+"""The [B, R] tokens a batch's loss reads (what its aggregation divides by)."""
 
 
 def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_padding: bool = False) -> torch.Tensor:
@@ -205,6 +209,7 @@ def run_updates(
     loss_agg_mode: str = "token-mean",
     ranks: Ranks | None = None,
     merging: MicroBatchMerging | None = None,
+    loss_mask: MaskOf | None = None,
 ) -> dict[str, list[float]]:
     """PPO's inner loop: `epochs` passes, one optimizer step per mini-batch of `mini_batch_size`
     sequences, gradients accumulated over micro-batches of `micro_batch_size` sequences or, with
@@ -221,6 +226,8 @@ def run_updates(
 
     With `merging` (and `memory`), a mini-batch whose update streams layers runs in fewer, larger micro-batches
     (MicroBatchMerging); the gradient is the same.
+
+    `loss_mask`: the tokens `loss_fn` reads of a batch (None: its response_mask), whose counts weigh the micro-batches.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
     recoveries = 0
@@ -236,7 +243,8 @@ def run_updates(
                 size, budget = merging.sizes(mini_batch, size, budget, memory.update_streams_layers())
             micro_metrics, recovered = accumulate_gradients(model, optimizer, mini_batch, loss_fn, size,
                                                             memory=memory, max_token_len=budget,
-                                                            loss_agg_mode=loss_agg_mode, ranks=ranks)
+                                                            loss_agg_mode=loss_agg_mode, ranks=ranks,
+                                                            loss_mask=loss_mask)
             if merging is not None and recovered and (size, budget) != (micro_batch_size, max_token_len):
                 merging.ran_out_of_memory(size, budget, micro_batch_size, max_token_len)
             recoveries += recovered
@@ -270,6 +278,7 @@ def accumulate_gradients(
     max_token_len: int | None = None,
     loss_agg_mode: str = "token-mean",
     ranks: Ranks | None = None,
+    loss_mask: MaskOf | None = None,
 ) -> tuple[dict[str, list[float]], int]:
     """The gradient of the mini-batch's loss, summed over micro-batches (of `micro_batch_size` sequences,
     or by token budget with `max_token_len`); its metrics (`mini_batch_metrics`), and the out-of-memory errors
@@ -293,23 +302,29 @@ def accumulate_gradients(
     ranks counts it S times; each rank's loss is the whole sequences' too, and the gathers' backward sums the
     group's S copies of its gradient onto each rank's positions: the two factors of S cancel, and the average
     is still the global batch's gradient (test_sequence_parallel_trainer.py checks it against one rank).
+
+    A loss given as a dict of losses by their loss_agg_mode weighs each by its own mode's share (a policy loss that
+    averages per sequence beside a token-mean entropy term); the metrics weigh by `loss_agg_mode`'s.
     """
     plan = plan_micro_batches(mini_batch, micro_batch_size, max_token_len,
                               agree=ranks.count_agreement if ranks is not None else None)
     arranged = plan.arrange(mini_batch)
-    whole = aggregation_weight(mini_batch.response_mask, loss_agg_mode).clamp(min=1)
+    mask_of = loss_mask or (lambda batch: batch.response_mask)
+    whole = _aggregation_weights(mask_of(mini_batch)).clamp(min=1)
     if ranks is not None and ranks.distributed:
-        whole = ranks.sum_tensor(aggregation_weight(mini_batch.response_mask, loss_agg_mode)).clamp(min=1) \
-            / ranks.world_size
+        whole = ranks.sum_tensor(_aggregation_weights(mask_of(mini_batch))).clamp(min=1) / ranks.world_size
 
     def backward(piece: Piece) -> tuple[dict[str, float], float]:
         if memory is not None:
             memory.safe_point()
         micro_batch = arranged.select(torch.arange(piece.first, piece.first + piece.count))
         loss, micro_metrics = loss_fn(micro_batch)
-        share = aggregation_weight(micro_batch.response_mask, loss_agg_mode) / whole
-        (loss * share).backward()
-        return micro_metrics, float(share)
+        shares = _aggregation_weights(mask_of(micro_batch)) / whole
+        parts = loss if isinstance(loss, dict) else {loss_agg_mode: loss}
+        total = sum((part * shares[LOSS_AGG_MODES.index(mode)] for mode, part in parts.items()),
+                    start=torch.zeros((), device=shares.device))
+        total.backward()
+        return micro_metrics, float(shares[LOSS_AGG_MODES.index(loss_agg_mode)])
 
     def discard() -> None:
         """Drop a failed attempt's gradients (its pass released first: it may still land some)."""
@@ -320,6 +335,12 @@ def accumulate_gradients(
         retried = retry_out_of_memory(backward, plan.pieces, memory,
                                       discard=discard, single_item_error=None)
     return mini_batch_metrics([result for _, result in retried.done]), retried.recoveries
+
+
+def _aggregation_weights(mask: torch.Tensor) -> torch.Tensor:
+    """[len(LOSS_AGG_MODES)] what each loss_agg_mode's mean over `mask` divides by (`aggregation_weight`), in one
+    tensor: on several ranks one collective sums them all."""
+    return torch.stack([aggregation_weight(mask, mode).float() for mode in LOSS_AGG_MODES])
 
 
 def mini_batch_metrics(done: list[tuple[dict[str, float], float]]) -> dict[str, list[float]]:

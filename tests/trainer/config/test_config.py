@@ -471,8 +471,6 @@ BAD_CONFIGS = [
      "dynamic_offload.min_transformer_layers_on_gpu", "got -1, out of range; allowed: an integer >= 0"),
     ("top_p of 0", None, ["actor_rollout_ref.rollout.top_p=0"],
      "actor_rollout_ref.rollout.top_p", "> 0 and <= 1"),
-    ("clip_ratio_low of 1", None, ["actor_rollout_ref.actor.clip_ratio_low=1.0"],
-     "actor_rollout_ref.actor.clip_ratio_low", "0 < clip_ratio_low < 1"),
     ("infinite learning rate", None, ["actor_rollout_ref.actor.optim.lr=inf"],
      "actor_rollout_ref.actor.optim.lr", "not a finite number"),
     ("betas not a pair", None, ["actor_rollout_ref.actor.optim.betas=[0.9]"],

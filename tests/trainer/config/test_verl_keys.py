@@ -135,11 +135,9 @@ REFUSED: list[tuple[list[str], dict[str, str]]] = [
     (["critic.model.fsdp_config.fsdp_size=8"], {"critic.model.fsdp_config.fsdp_size": "several GPUs, which is fixed"}),
     (["trainer.balance_batch=2"], {"trainer.balance_batch": "each data-parallel rank trains on the rollouts it "
                                                             "sampled from its own share of the prompts"}),
-    ([f"{ARO}.actor.policy_loss.loss_mode=gspo"], {f"{ARO}.actor.policy_loss.loss_mode": "PPO's clipped loss"}),
     ([f"{ARO}.actor.optim.optimizer=SGD"], {f"{ARO}.actor.optim.optimizer": "the optimizer here is AdamW"}),
     ([f"{ARO}.actor.optim._target_=my.Optimizer"], {f"{ARO}.actor.optim._target_": "Hydra instantiates"}),
     (["trainer.default_hdfs_dir=hdfs://cluster/checkpoints"], {"trainer.default_hdfs_dir": "local disk only"}),
-    (["algorithm.rollout_correction.rollout_is=token"], {"algorithm.rollout_correction.rollout_is": "not built"}),
     (["data.train_max_samples=100"], {"data.train_max_samples": "each data file is read whole"}),
     (["ray_kwargs.ray_init.num_cpus=8"], {"ray_kwargs.ray_init.num_cpus": "there is no Ray here"}),
     (["trainer.nnodes=2"], {"trainer.rdzv_endpoint": "is not set, but trainer.nnodes is 2"}),

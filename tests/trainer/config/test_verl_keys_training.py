@@ -107,8 +107,8 @@ def test_gpu_memory_utilization_decodes_the_batch_in_pieces_that_fit(tmp_path: P
     capacity = 2 * (in_use + 3 * per_row + per_row // 2)  # half of it: what is in use and 3.5 rows
     trainer.memory.probe = lambda: (in_use, capacity)  # a GPU's reading, on the CPU
     sizes: list[int] = []
-    generate = trainer.rollout.generate
-    trainer.rollout.generate = lambda ids, mask: sizes.append(len(ids)) or generate(ids, mask)
+    sample = trainer.rollout.sample
+    trainer.rollout.sample = lambda ids, mask: sizes.append(len(ids)) or sample(ids, mask)
     # 8 sequences of 3 prompt tokens
     batch = trainer.generation.generate([trainer.records[index] for index in range(4)])
     assert batch.prompt_ids.shape[1] == 3

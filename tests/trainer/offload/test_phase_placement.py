@@ -318,16 +318,16 @@ def test_the_trainer_places_groups_per_phase_within_the_threshold_and_recovers_a
         return original(phase, budget_bytes=budget_bytes)
 
     engine.placed_for = spy
-    generate = trainer.rollout.generate
+    sample = trainer.rollout.sample
     failed = []
 
     def generate_failing_once(prompt_ids, prompt_mask):
         if not failed:
             failed.append(len(prompt_ids))
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return generate(prompt_ids, prompt_mask)
+        return sample(prompt_ids, prompt_mask)
 
-    trainer.rollout.generate = generate_failing_once
+    trainer.rollout.sample = generate_failing_once
     trainer.fit()
     rows = trainer.metrics_log.read()
     assert [row["perf/oom_recoveries"] for row in rows] == [1, 0]
@@ -382,16 +382,16 @@ def test_an_oom_in_a_rollout_that_keeps_groups_drops_them_and_retries_the_whole_
     logs = []
     trainer = Trainer(config, log=logs.append, memory_probe=Probe(used=0, total=10**9))
     engine = trainer.memory.engine("actor")
-    generate = trainer.rollout.generate
+    sample = trainer.rollout.sample
     attempts = []
 
     def generate_failing_once(prompt_ids, prompt_mask):
         attempts.append((len(prompt_ids), sorted(engine.staging.staged_groups)))
         if len(attempts) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return generate(prompt_ids, prompt_mask)
+        return sample(prompt_ids, prompt_mask)
 
-    trainer.rollout.generate = generate_failing_once
+    trainer.rollout.sample = generate_failing_once
     trainer.fit()
     batch = config.data.train_batch_size
     assert attempts == [(batch, ["embedding", "lm_head"]), (batch, [])]  # the same batch, now streaming
