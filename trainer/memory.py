@@ -269,9 +269,12 @@ class MemoryManager:
         return self._roles.setdefault(role, ModelMemory(self, role))
 
     def summary_lines(self) -> list[str]:
-        """The offload summary of every model, each line after its role ("actor: Embedding: ..."), and with
-        dynamic offload how the phases will place the layers."""
+        """The offload summary of every model under the article's heading ("FSDP Offload Summary"), each line after
+        its role ("actor: Embedding: ..."), and with dynamic offload how the phases will place the layers."""
         lines = [f"{engine.role}: {line}" for engine in self._engines.values() for line in engine.summary_lines()]
+        if lines:
+            lines.insert(0, "FSDP Offload Summary: where each module group of each model lives, and the GPU memory "
+                            "that saves")
         if self._dynamic:
             layers = ", ".join(f"{engine.role} {engine.layers_on_gpu} of {len(engine.transformer_units)}"
                                for engine in self._dynamic)
