@@ -34,6 +34,14 @@ def response_mask_until_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> t
     return (eos_before == 0).float()
 
 
+def within_model_length(mask: torch.Tensor, prompt_mask: torch.Tensor, max_model_len: int) -> torch.Tensor:
+    """[B, R] response mask cut where each row's prompt and response reach `max_model_len` tokens (its prompt's
+    real tokens: [B, P] prompt_mask), as verl's engines stop a response there (rollout.max_model_len)."""
+    room = (max_model_len - prompt_mask.sum(dim=1, keepdim=True)).clamp(min=0)  # [B, 1] tokens left per row
+    positions = torch.arange(mask.shape[1], device=mask.device)[None, :]
+    return mask * (positions < room).to(mask.dtype)
+
+
 class SafePoints(StoppingCriteria):
     """Calls `callback` every `every` decoded tokens, between two forwards of the decode loop (no
     pass in flight: dynamic offload may move layers there). It never stops the generation."""
@@ -72,6 +80,7 @@ class HFRollout:
             raise ValueError("a static decode synced over several ranks needs their agreement (agree_active)")
         self.safe_point = safe_point  # called between decode chunks (dynamic offload)
         self.response_length = response_length
+        self.max_model_len = config.max_model_len
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
         # A fresh config on purpose: a checkpoint's own generation defaults (repetition penalty,
@@ -129,14 +138,15 @@ class HFRollout:
         self.model.generation_config = GenerationConfig()
         try:
             self._decoded_static = self.decoder is not None and self._decodes_static(prompt_ids.device)
+            length = self._tokens_to_decode(prompt_mask)
             if self.decoder is not None and self._decoded_static:
                 self.decoder.agree_active = self._agree_active if self.synced else None
-                responses = self.decoder.generate(prompt_ids, prompt_mask, self.response_length, self.safe_point)
+                responses = self.decoder.generate(prompt_ids, prompt_mask, length, self.safe_point)
             else:
                 stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])
                 sequences = self.model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
-                    stopping_criteria=stopping, synced_gpus=self.synced,
+                    stopping_criteria=stopping, synced_gpus=self.synced, max_new_tokens=length,
                 )
                 responses = sequences[:, prompt_ids.shape[1]:]
         finally:
@@ -146,5 +156,15 @@ class HFRollout:
         if padding > 0:
             responses = torch.nn.functional.pad(responses, (0, padding), value=self.pad_id)
         mask = response_mask_until_eos(responses, self.eos_ids)
+        if self.max_model_len is not None:
+            mask = within_model_length(mask, prompt_mask, self.max_model_len)
         responses = responses.masked_fill(mask == 0, self.pad_id)
         return responses, mask
+
+    def _tokens_to_decode(self, prompt_mask: torch.Tensor) -> int:
+        """response_length, or fewer where rollout.max_model_len leaves even the shortest prompt less room (several
+        ranks decode as many tokens: the synced decode steps together, so each decodes response_length)."""
+        if self.max_model_len is None or self.synced or prompt_mask.shape[0] == 0:
+            return self.response_length
+        shortest = int(prompt_mask.sum(dim=1).min())
+        return max(1, min(self.response_length, self.max_model_len - shortest))
