@@ -51,6 +51,18 @@ def ignored(key: str, value: Any, default: Any, why: str, remedy: str = "") -> C
                          f"({show(default)}; leave the key out){remedy}")
 
 
+@dataclass(frozen=True)
+class ConfigWarning(ConfigProblem):
+    """A problem of a config that runs as verl runs it: said at start in a WARNING line, not refused."""
+
+
+def warned(key: str, value: Any, default: Any, why: str, remedy: str = "") -> ConfigProblem:
+    """A key set to `value` that the run does not act on, `why` (verl runs it so too, and ignores it), and what to
+    do instead of setting it."""
+    return ConfigWarning(key, f"got {show(value)}, but {why}: it has no effect (the default: {show(default)}; leave "
+                         f"the key out{remedy})")
+
+
 # ------------------------------------------------------------------------------- schema messages
 
 

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from trainer.config.environment import RDZV_ENDPOINT_ENVIRONMENT
-from trainer.config.errors import ConfigProblem
+from trainer.config.errors import ConfigProblem, ConfigWarning
 from trainer.config.schema import BUILTIN_PREFIX, FSDP_PREFIX, RunConfig
 from trainer.config.sequence_parallel import model_heads, sequence_parallel_problems
 
@@ -140,13 +140,15 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     with its adapter's layers.)"""
     world = world_size(config)
     why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
-    problems = []
+    problems: list[ConfigProblem] = []
     if config.actor_rollout_ref.rollout.embedding_cache.enabled:
         # Several ranks' rollout reads an embedding gathered whole onto each GPU (FSDP2's all-gather of the unit,
         # or the whole weights held for the rollout): no row is looked up on the host, so there is nothing to cache.
-        problems.append(ConfigProblem("actor_rollout_ref.rollout.embedding_cache.enabled",
+        # A warning: the article's config (§4.2 with §4.3's sequence parallelism) runs on several GPUs as it is.
+        problems.append(ConfigWarning("actor_rollout_ref.rollout.embedding_cache.enabled",
                                       f"got true, which {why}: several ranks' rollout gathers the whole embedding "
-                                      "onto each GPU, so no row is looked up on the host; allowed: false"))
+                                      "onto each GPU, so no row is looked up on the host and there is nothing to "
+                                      "cache: it has no effect"))
     for role, fsdp in config.fsdp_configs().items():
         if fsdp.optimizer_update in ("gpu", "both") and fsdp.delayed_update and fsdp.optimizer_offload:
             problems.append(ConfigProblem(

@@ -12,15 +12,15 @@ import copy
 import itertools
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from trainer.config import environment, ranks
-from trainer.config.errors import ConfigProblem, dotted, ignored, meant_key
-from trainer.config.fields import Section, show
-from trainer.config.placement import DynamicOffloadConfig, FSDPConfig, WrapPolicy
+from trainer.config.errors import ConfigProblem, ConfigWarning, dotted, field_at, ignored, meant_key, warned
+from trainer.config.fields import Section, show, unwrap_optional
+from trainer.config.placement import TRAINING_ONLY_KEYS, DynamicOffloadConfig, FSDPConfig, WrapPolicy
 from trainer.config.ranks import data_parallel_size
 from trainer.config.schema import (
     FROZEN_ROLES,
@@ -49,6 +49,7 @@ def all_rules() -> tuple[Rule, ...]:
             environment.check_reward_model_paths, environment.check_train_files, environment.check_val_files,
             environment.check_reward_function_file, environment.trackers_installed,
             _check_batch_sizes, _check_token_budgets, _grpo_needs_several_responses, _gae_needs_a_critic,
+            _model_length_holds_a_prompt,
             _clip_range_is_positive,
             _resume_path_is_set, _validation_needs_data, ranks.check_devices, ranks.check_launch, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
@@ -62,9 +63,11 @@ def checks_despite_schema_errors(raw: dict[str, Any], errors: Sequence[ErrorDeta
     """The checks beyond the schema of a config that failed it, so that every problem shows in one round.
 
     The refused values are dropped and the rest validated again; in that config each refused key holds a
-    RefusedValue, and a check that reads one is skipped, since it would judge a default the user did not
-    write. A key misspelt (an unknown key close to a known one) refuses the key it was likely meant for.
-    Problems at or under a dropped key are left out: the schema has named them.
+    RefusedValue, since a check must not judge a default the user did not write. A check that reads one runs
+    again with each value the refused key allows (where they are few: a choice, a switch), and what it finds with
+    every one of them is reported: that does not depend on the refused value. A key misspelt (an unknown key close
+    to a known one) refuses the key it was likely meant for. Problems at or under a dropped key are left out: the
+    schema has named them.
     """
     patched = copy.deepcopy(raw)
     dropped: list[str] = []
@@ -80,15 +83,69 @@ def checks_despite_schema_errors(raw: dict[str, Any], errors: Sequence[ErrorDeta
         config = RunConfig.model_validate(patched)
     except ValidationError:
         return []
+    variants = _variants(config, refused)
     for field_path in refused:
         config = typing.cast(RunConfig, _refuse(config, field_path))
-    problems = []
-    for rule in all_rules():
-        try:
-            problems += rule(config)
-        except RefusedValueRead:
-            continue
+    problems = [problem for rule in all_rules() for problem in _despite_refused(rule, config, variants)]
     return [problem for problem in problems if not any(_is_under(problem.path, key) for key in dropped)]
+
+
+def _despite_refused(rule: Rule, config: RunConfig, variants: Sequence[RunConfig]) -> list[ConfigProblem]:
+    """What `rule` finds in `config` (refused values in it); where it reads one, what it finds in every variant
+    (each refused choice or switch at each of its values): none of that depends on the refused values."""
+    try:
+        return rule(config)
+    except RefusedValueRead:
+        pass
+    found: list[ConfigProblem] | None = None
+    for variant in variants:
+        try:
+            problems = rule(variant)
+        except RefusedValueRead:
+            return []
+        found = problems if found is None else [problem for problem in found if problem in problems]
+    return found or []
+
+
+_MOST_VARIANTS = 64
+
+
+def _variants(config: RunConfig, refused: Sequence[Sequence[str]]) -> list[RunConfig]:
+    """`config` with its refused keys at each combination of the values they allow, where each allows a few (a
+    Literal's choices, a boolean's two); one that allows more stays refused. None when there would be too many."""
+    choices = []
+    for field_path in refused:
+        field = field_at(field_path)
+        annotation = unwrap_optional(field.annotation) if field is not None else None
+        values: tuple[Any, ...] = (typing.get_args(annotation) if typing.get_origin(annotation) is Literal
+                                   else (False, True) if annotation is bool else ())
+        if values:
+            choices.append((field_path, values))
+    combinations = list(itertools.product(*(values for _, values in choices)))
+    if not choices or len(combinations) > _MOST_VARIANTS:
+        return []
+    refused_elsewhere = [path for path in refused if path not in [field_path for field_path, _ in choices]]
+    variants = []
+    for combination in combinations:
+        variant = config
+        for (field_path, _), value in zip(choices, combination, strict=True):
+            variant = typing.cast(RunConfig, _set(variant, field_path, value))
+        for field_path in refused_elsewhere:
+            variant = typing.cast(RunConfig, _refuse(variant, field_path))
+        variants.append(variant)
+    return variants
+
+
+def _set(section: Section, field_path: Sequence[str], value: Any) -> Section:
+    """`section` with the field at `field_path` set to `value` (unvalidated: one of the values it allows)."""
+    name = field_path[0]
+    if name not in type(section).model_fields:
+        return section
+    if len(field_path) > 1:
+        child = getattr(section, name)
+        return section.model_copy(update={name: _set(child, field_path[1:], value)}) if isinstance(
+            child, Section) else section
+    return section.model_copy(update={name: value})
 
 
 class RefusedValueRead(Exception):
@@ -217,10 +274,25 @@ def _largest_divisor(number: int, at_most: int) -> int:
 
 
 def _grpo_needs_several_responses(config: RunConfig) -> list[ConfigProblem]:
+    """A warning: verl runs it (and learns nothing from the scores)."""
     n = config.actor_rollout_ref.rollout.n
     if config.algorithm.adv_estimator == "grpo" and n < 2:
-        return [ConfigProblem("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator=grpo compares "
-                              "responses to the same prompt; allowed: n >= 2")]
+        return [ConfigWarning("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator=grpo normalizes "
+                              "each response's score within its prompt's group: with one response per prompt every "
+                              "advantage is 0, so the scores train nothing (only a KL or entropy term moves the "
+                              "actor), as in verl; set n >= 2 (verl's GRPO examples use 5)")]
+    return []
+
+
+def _model_length_holds_a_prompt(config: RunConfig) -> list[ConfigProblem]:
+    """rollout.max_model_len cuts responses (trainer/config/notes.py says so); a prompt must leave room for one."""
+    max_model_len, prompt = config.actor_rollout_ref.rollout.max_model_len, config.data.max_prompt_length
+    if max_model_len is not None and max_model_len <= prompt:
+        longest = prompt + config.data.max_response_length
+        return [ConfigProblem("actor_rollout_ref.rollout.max_model_len", f"got {max_model_len}, but a prompt of "
+                              f"data.max_prompt_length ({prompt}) tokens would leave no room for a response (verl's "
+                              f"engines raise on it); allowed: more than {prompt}, e.g. {longest} (prompt and "
+                              "response), or null")]
     return []
 
 
@@ -232,12 +304,14 @@ def _gae_needs_a_critic(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _clip_range_is_positive(config: RunConfig) -> list[ConfigProblem]:
+    """A warning: verl runs it (CISPO's examples set clip_ratio_low=10 on purpose: no lower bound)."""
     actor = config.actor_rollout_ref.actor
     low, _ = actor.clip_range
     if low >= 1.0:
         key = "clip_ratio_low" if actor.clip_ratio_low is not None else "clip_ratio"
-        return [ConfigProblem(f"actor_rollout_ref.actor.{key}", f"got {low}, which lets the policy ratio be "
-                              f"clipped at 0 or below; allowed: 0 < {key} < 1")]
+        return [ConfigWarning(f"actor_rollout_ref.actor.{key}", f"got {low}, which puts the lower clip of the policy "
+                              f"ratio at 1 - {low} = {1 - low:g}, where a ratio never is: the ratio has no lower clip, "
+                              f"as in verl; below 1 for one")]
     return []
 
 
@@ -263,8 +337,8 @@ def _checkpoint_counts_agree(config: RunConfig) -> list[ConfigProblem]:
     trainer = config.trainer
     problems = []
     if not config.use_critic and trainer.max_critic_ckpt_to_keep is not None:
-        problems.append(ignored("trainer.max_critic_ckpt_to_keep", trainer.max_critic_ckpt_to_keep, None,
-                                 "this run trains no critic"))
+        problems.append(warned("trainer.max_critic_ckpt_to_keep", trainer.max_critic_ckpt_to_keep, None,
+                               "this run trains no critic"))
     if trainer.max_ckpt_to_keep is None:
         return problems
     for key in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
@@ -280,8 +354,8 @@ def _critic_warmup_needs_a_critic(config: RunConfig) -> list[ConfigProblem]:
     warmup = config.trainer.critic_warmup
     if warmup == 0 or config.use_critic:
         return []
-    return [ignored("trainer.critic_warmup", warmup, 0, "this run trains no critic (algorithm.adv_estimator="
-                     f"{config.algorithm.adv_estimator}, critic.enable={show(config.critic.enable)})")]
+    return [warned("trainer.critic_warmup", warmup, 0, "this run trains no critic (algorithm.adv_estimator="
+                   f"{config.algorithm.adv_estimator}, critic.enable={show(config.critic.enable)})")]
 
 
 def _validation_only_needs_data(config: RunConfig) -> list[ConfigProblem]:
@@ -292,21 +366,21 @@ def _validation_only_needs_data(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _scheduler_names_agree(config: RunConfig) -> list[ConfigProblem]:
-    """warmup_style is verl's older name of lr_scheduler_type: both given and differing is a contradiction."""
-    problems = []
+    """warmup_style is verl's older name of lr_scheduler_type: both given and differing, it wins (a warning)."""
+    problems: list[ConfigProblem] = []
     default = OptimConfig().lr_scheduler_type
     for prefix, optim in (("actor_rollout_ref.actor.optim", config.actor_rollout_ref.actor.optim),
                           ("critic.optim", config.critic.optim)):
         if optim.warmup_style is not None and optim.lr_scheduler_type not in (default, optim.warmup_style):
-            problems.append(ConfigProblem(f"{prefix}.warmup_style", f"got {optim.warmup_style!r}, but "
-                                          f"{prefix}.lr_scheduler_type is {optim.lr_scheduler_type!r} (warmup_style "
-                                          "is verl's older name of it); allowed: one of the two"))
+            problems.append(ConfigWarning(f"{prefix}.warmup_style", f"got {optim.warmup_style!r}, but "
+                                          f"{prefix}.lr_scheduler_type is {optim.lr_scheduler_type!r}: warmup_style, "
+                                          "verl's older name of it, wins, as in verl; set one of the two"))
     return problems
 
 
-# Keys that this run would not act on: an error, not a warning, since whoever reads the config would believe
-# them. Only keys set away from their defaults are named, so a default config is clean, and so is a resolved
-# one (every default written out).
+# Keys that this run would not act on: an error where the key is this project's own, since whoever reads the config
+# would believe it; a warning where it is verl's and verl runs with it (and ignores it too). Only keys set away from
+# their defaults are named, so a default config is clean, and so is a resolved one (every default written out).
 
 
 def _reward_error_policy_without_a_function(config: RunConfig) -> list[ConfigProblem]:
@@ -332,9 +406,9 @@ def _lora_keys(prefix: str, model: ModelConfig | CriticModelConfig,
     """LoRA's other keys act only with an adapter (lora_rank > 0; that it needs peft: environment.py)."""
     if model.lora_rank > 0:
         return []
-    return [ignored(f"{prefix}.{key}", getattr(model, key), getattr(default, key),
-                     f"{prefix}.lora_rank is 0 (no LoRA adapter)", f", or set {prefix}.lora_rank (e.g. 8) to train an "
-                     "adapter")
+    return [warned(f"{prefix}.{key}", getattr(model, key), getattr(default, key),
+                   f"{prefix}.lora_rank is 0 (no LoRA adapter)", f", or set {prefix}.lora_rank (e.g. 8) to train an "
+                   "adapter")
             for key in ("lora_alpha", "target_modules", "exclude_modules")
             if hasattr(model, key) and getattr(model, key) != getattr(default, key)]
 
@@ -342,8 +416,8 @@ def _lora_keys(prefix: str, model: ModelConfig | CriticModelConfig,
 # ------------------------------------------------------------------------------------- placement
 
 
-_TRAINING_ONLY_KEYS = ("optimizer_offload", "optimizer_update", "offload_grad_dtype", "delayed_update",
-                       "merge_micro_batches")
+_TRAINING_ONLY_KEYS = TRAINING_ONLY_KEYS
+_VERL_TRAINING_KEYS = ("optimizer_offload",)
 
 
 def _fsdp_configs_by_role(config: RunConfig) -> dict[str, FSDPConfig]:
@@ -379,7 +453,7 @@ def _settings_of_models_not_built(config: RunConfig) -> list[ConfigProblem]:
     for role, fsdp in _fsdp_configs_by_role(config).items():
         if role not in built:
             why, remedy = not_built[role]
-            problems += [ignored(f"{FSDP_PREFIX[role]}.{key}", value, default, why, remedy)
+            problems += [warned(f"{FSDP_PREFIX[role]}.{key}", value, default, why, remedy)
                          for key, value, default in _keys_changed(fsdp, FSDPConfig())]
     return problems
 
@@ -393,8 +467,10 @@ def _training_settings_of_frozen_models(config: RunConfig) -> list[ConfigProblem
         what = "the reference policy" if role == "ref" else "the reward model"
         for key in _TRAINING_ONLY_KEYS:
             if getattr(fsdp, key) != getattr(default, key):
-                problems.append(ignored(f"{FSDP_PREFIX[role]}.{key}", getattr(fsdp, key), getattr(default, key),
-                                         f"{what} is frozen (no gradients, no optimizer)"))
+                # verl's own key (optimizer_offload) runs there, ignored: a warning; this project's, an error.
+                say = warned if key in _VERL_TRAINING_KEYS else ignored
+                problems.append(say(f"{FSDP_PREFIX[role]}.{key}", getattr(fsdp, key), getattr(default, key),
+                                    f"{what} is frozen (no gradients, no optimizer)"))
     return problems
 
 
@@ -406,10 +482,10 @@ def _settings_not_built_yet(config: RunConfig) -> list[ConfigProblem]:
     default = WrapPolicy().min_num_params
     for role, fsdp in config.fsdp_configs().items():
         if fsdp.wrap_policy.min_num_params != default:
-            problems.append(ignored(f"{FSDP_PREFIX[role]}.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params,
-                                     default, "wrapping by size shapes FSDP's units, which here are fixed: one "
-                                     "per decoder layer and per group (embedding, head, final norm) on several "
-                                     "ranks, none on one"))
+            problems.append(warned(f"{FSDP_PREFIX[role]}.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params,
+                                   default, "wrapping by size shapes FSDP's units, which here are fixed: one "
+                                   "per decoder layer and per group (embedding, head, final norm) on several "
+                                   "ranks, none on one"))
     return problems
 
 

@@ -195,12 +195,18 @@ class EmbeddingCache(Section):
 
 
 class RolloutConfig(Section):
-    name: Literal["hf"] = "hf"
-    """Generation engine: hf, the built-in rollout on the actor's own weights (verl's vllm and sglang: refused)."""
-    tensor_model_parallel_size: int = 1
-    """verl's key: 1 only (the rollout decodes with the actor's weights, in the trainer process, on one device)."""
+    name: Literal["hf", "vllm", "sglang", "trtllm"] = "hf"
+    """Generation engine: hf, the built-in rollout on the actor's own weights; verl's vllm, sglang, trtllm: it too."""
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    """verl's key: above 1, the rollout runs data-parallel on the run's ranks instead (each decodes its share whole)."""
     gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
     """Fraction of GPU memory in use while decoding (resident weights and states + KV cache); unset: no budget."""
+    max_num_seqs: int = Field(256, ge=1)
+    """verl's (vLLM's) key: most sequences the rollout decodes at once, in one piece of the batch."""
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    """verl's (vLLM's) key: most tokens one decode step of a piece processes, one per sequence: caps it as well."""
+    max_model_len: int | None = Field(None, ge=1)
+    """verl's key: most tokens of prompt and response; a response stops there, as verl's engines stop it; null: none."""
     n: int = Field(1, ge=1)
     """Responses sampled per prompt."""
     temperature: float = Field(1.0, gt=0.0)
@@ -226,23 +232,11 @@ class RolloutConfig(Section):
 
     @field_validator("name", mode="before")
     @classmethod
-    def _built_in_engine(cls, name: Any) -> Any:
+    def _engine_named(cls, name: Any) -> Any:
         if name == "???":
-            raise ValueError("got '???', verl's mark of a value a config must give; allowed: 'hf'")
-        if name in ("vllm", "sglang", "trtllm"):
-            raise ValueError(f"got {name!r}, but the rollout here is built in (it decodes with the actor's own "
-                             f"weights in the trainer process, so no weights are synced to a {name} server); "
-                             "allowed: 'hf'")
+            raise ValueError("got '???', verl's mark of a value a config must give; allowed: 'hf' (the built-in "
+                             "rollout), or verl's 'vllm', 'sglang' or 'trtllm', which run it too")
         return name
-
-    @field_validator("tensor_model_parallel_size", mode="before")
-    @classmethod
-    def _one_rollout_device(cls, size: Any) -> Any:
-        if isinstance(size, int) and not isinstance(size, bool) and size != 1:
-            raise ValueError(f"got {size}, but the rollout decodes with the actor's own weights on the trainer's "
-                             "one device (no tensor-parallel inference engine; the offload engine streams what "
-                             "does not fit); allowed: 1")
-        return size
 
 
 class RefConfig(Section):
