@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -144,9 +145,13 @@ class HFRollout:
                 responses = self.decoder.generate(prompt_ids, prompt_mask, length, self.safe_point)
             else:
                 stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])
+                generation_config = self.generation_config
+                if length != generation_config.max_new_tokens:  # rollout.max_model_len leaves every row less room
+                    generation_config = copy.deepcopy(generation_config)
+                    generation_config.max_new_tokens = length
                 sequences = self.model.generate(
-                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
-                    stopping_criteria=stopping, synced_gpus=self.synced, max_new_tokens=length,
+                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
+                    stopping_criteria=stopping, synced_gpus=self.synced,
                 )
                 responses = sequences[:, prompt_ids.shape[1]:]
         finally:
