@@ -2,10 +2,10 @@
 trainer<->daemon messages: everything the daemon shares with the trainer, none of it importing torch.
 
 By job: schema.py (the typed tree; its placement.py and running.py parts), rules.py (the rules between fields,
-one pass), environment.py (the rules that read the disk and the environment), errors.py (the messages),
-loading.py, aliases.py (verl's keys: the one alias table) and verl.py (which applies it), notes.py (the NOTE and
-WARNING lines of a load), keys.py (KEYS: keys
-named through the schema), docs.py (docs/config.md and docs/verl.md).
+one pass; refused.py: for a config the schema refused), environment.py (the rules that read the disk and the
+environment), errors.py (the messages, warnings among them), loading.py, aliases.py (verl's keys: the one alias
+table) and verl.py (which applies it), notes.py (the NOTE line of a load), megatron.py (its one refusal line),
+keys.py (KEYS: keys named through the schema), docs.py (docs/config.md and docs/verl.md).
 """
 
 from trainer.config.errors import ConfigError, ConfigProblem, ConfigWarning

@@ -17,11 +17,13 @@ from pydantic import ValidationError
 from trainer.config.environment import launch_keys_from_environment
 from trainer.config.errors import ConfigError, ConfigProblem, ConfigWarning, describe_pydantic_error
 from trainer.config.fields import Section
+from trainer.config.megatron import single_megatron_problem
 from trainer.config.notes import Note, engine_notes
 from trainer.config.overrides import apply_overrides, resolve_interpolations
-from trainer.config.rules import check_semantics, checks_despite_schema_errors
+from trainer.config.refused import checks_despite_schema_errors
+from trainer.config.rules import check_semantics
 from trainer.config.schema import RunConfig
-from trainer.config.verl import single_megatron_problem, translate
+from trainer.config.verl import translate
 
 
 class LoadedConfig(NamedTuple):

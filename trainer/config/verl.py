@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.config.aliases import Action, Alias, Reading, entries, entry_for, why
 from trainer.config.errors import ConfigProblem
 from trainer.config.fields import Section, section_type, show
+from trainer.config.megatron import CONFIG_NAMES, asks_for_megatron
 from trainer.config.notes import Note
 from trainer.config.placement import TRAINING_ONLY_KEYS
 from trainer.config.schema import FROZEN_ROLES, FSDP_PREFIX, RunConfig
@@ -56,8 +57,8 @@ class Translation:
 def translate(raw: dict[str, Any], config_name: str | None = None) -> Translation:
     """verl's dialect in `raw` (interpolations resolved) -> the tree the schema reads, and what was found.
     `config_name`: verl's Hydra --config-name, when a launch script gives one."""
-    translation = Translation(copy.deepcopy(raw), megatron=_asks_for_megatron(raw, config_name))
-    if config_name is not None and config_name.removesuffix(".yaml") not in _CONFIG_NAMES:
+    translation = Translation(copy.deepcopy(raw), megatron=asks_for_megatron(_leaves(raw, []), config_name))
+    if config_name is not None and config_name.removesuffix(".yaml") not in CONFIG_NAMES:
         translation.problems.append(ConfigProblem("--config-name", f"got {config_name!r}, a Hydra config of its "
                                                   "own, which this project cannot compose; allowed: ppo_trainer "
                                                   "(verl's, the default), or its settings in a YAML file given with "
@@ -67,41 +68,6 @@ def translate(raw: dict[str, Any], config_name: str | None = None) -> Translatio
     translation.problems += _drop_verl_keys(translation.tree, RunConfig, verl_only_defaults(), [], _Context(raw),
                                             translation.notes)
     return translation
-
-
-# ----------------------------------------------------------------------------------------- Megatron
-
-# verl's Hydra configs of its PPO trainer: the FSDP one (its keys: verl_ppo_trainer.yaml) and the Megatron one.
-_CONFIG_NAMES = ("ppo_trainer", "ppo_megatron_trainer")
-_MEGATRON = ("Megatron-LM is another training engine (verl's Megatron workers), not built here: the models train "
-             "with this project's offload engine (FSDP2 sharding, per-group placement)")
-
-
-def _asks_for_megatron(raw: dict[str, Any], config_name: str | None) -> list[tuple[str, Any]]:
-    """(key, value) of each setting that asks for Megatron: verl's ppo_megatron_trainer config, a strategy
-    `megatron`, any setting under a model's `megatron` section."""
-    settings: list[tuple[str, Any]] = []
-    if config_name is not None and config_name.removesuffix(".yaml") == "ppo_megatron_trainer":
-        settings.append(("--config-name", config_name))
-    for location, value in _leaves(raw, []):
-        if ("megatron" in location and value != {}) or (location[-1] == "strategy" and value == "megatron"):
-            settings.append((".".join(location), value))
-    return settings
-
-
-def single_megatron_problem(problems: Sequence[ConfigProblem],
-                            megatron: Sequence[tuple[str, Any]]) -> list[ConfigProblem]:
-    """`problems`, or where the config asks for Megatron, the one problem that says so: however many of its keys a
-    launch script sets, the training engine is the one question (the others, batch sizes over Megatron's
-    parallelism included, are moot until it is answered)."""
-    if not megatron:
-        return list(problems)
-    keys = [key for key, _ in megatron]
-    first, value = megatron[0]
-    more = f" (and {len(keys) - 1} more Megatron settings: {', '.join(keys[1:4])}{', ...' if len(keys) > 4 else ''})" \
-        if len(keys) > 1 else ""
-    return [ConfigProblem(first, f"got {show(value)}, but {_MEGATRON}{more}; allowed: verl's ppo_trainer config, "
-                          "strategy fsdp or fsdp2, and no *.megatron.* settings")]
 
 
 # ------------------------------------------------------------------------------------- mapped keys
