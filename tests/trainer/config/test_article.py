@@ -96,7 +96,9 @@ def test_section_3_1_sets_the_run_wide_levels_from_the_actors_fsdp_config(tmp_pa
     assert warnings == []
 
 
-def test_section_3_2_sets_the_policys_dtype_path_and_checkpointing(tmp_path: Path) -> None:
+def test_section_3_2_sets_the_policys_dtype_path_and_checkpointing(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))  # a machine without the 7B model
     path = tmp_path / "article.yaml"
     path.write_text(placed(SECTION_3_2, "actor_rollout_ref"), encoding="utf-8")
     with pytest.raises(ConfigError) as caught:  # verbatim: the 7B model, which this machine does not hold
