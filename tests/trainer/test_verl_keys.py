@@ -117,6 +117,7 @@ GOOD: list[tuple[list[str], dict[str, Any]]] = [
     ([f"+{ARO}.rollout.engine_kwargs.vllm.swap_space=32", f"{ARO}.rollout.load_format=safetensors",
       f"{ARO}.rollout.layered_summon=True"], {}),
     ([f"{ARO}.actor.fsdp_config.fsdp_size=8", "critic.model.fsdp_config.fsdp_size=8"], {}),
+    (["trainer.default_hdfs_dir=hdfs://cluster/checkpoints", "ray_kwargs.ray_init.num_cpus=8"], {}),
     # what verl runs with, said in a WARNING line
     (["trainer.critic_warmup=2", "algorithm.adv_estimator=grpo", f"{ARO}.rollout.n=4"], {"trainer.critic_warmup": 2}),
     (["trainer.max_critic_ckpt_to_keep=1", "algorithm.adv_estimator=grpo", f"{ARO}.rollout.n=4"],
@@ -142,10 +143,8 @@ REFUSED: list[tuple[list[str], dict[str, str]]] = [
     ([f"{ARO}.model.use_liger=True"], {f"{ARO}.model.use_liger": "kernel"}),
     ([f"{ARO}.actor.optim.optimizer=SGD"], {f"{ARO}.actor.optim.optimizer": "the optimizer here is AdamW"}),
     ([f"{ARO}.actor.optim._target_=my.Optimizer"], {f"{ARO}.actor.optim._target_": "Hydra instantiates"}),
-    (["trainer.default_hdfs_dir=hdfs://cluster/checkpoints"], {"trainer.default_hdfs_dir": "local disk only"}),
     (["algorithm.rollout_correction.rollout_is=token"], {"algorithm.rollout_correction.rollout_is": "not built"}),
     (["data.train_max_samples=100"], {"data.train_max_samples": "each data file is read whole"}),
-    (["ray_kwargs.ray_init.num_cpus=8"], {"ray_kwargs.ray_init.num_cpus": "there is no Ray here"}),
     (["trainer.nnodes=2"], {"trainer.rdzv_endpoint": "is not set, but trainer.nnodes is 2"}),
     (["data.max_prompt_length=1024", f"{ARO}.rollout.prompt_length=512"],
      {f"{ARO}.rollout.prompt_length": "it mirrors data.max_prompt_length; set that; allowed: verl's default 1024"}),

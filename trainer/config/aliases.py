@@ -112,7 +112,7 @@ _SHARDING = ("it shapes sharding or parallelism over several GPUs, which is fixe
              "(FSDP2) over all the run's ranks, one unit per decoder layer and per group (embedding, final norm, "
              "head), and sequence parallelism is the actor's and critic's ulysses_sequence_parallel_size")
 _KERNELS = "it is a kernel, compile or memory option of verl's FSDP workers that is not built here"
-_NO_RAY = "there is no Ray here: the trainer is one process, supervised by the daemon"
+_NO_RAY = "a Ray setting, with no effect here: there is no Ray, the trainer is one process, supervised by the daemon"
 _PROFILER = ("verl's profiler, with no effect here: it is not built (timings: timing_s/* in metrics.jsonl; every "
              "offload copy is timed with CUDA events)")
 _STRATEGY = ("the models here train with this project's offload engine (FSDP-style per-group placement); "
@@ -234,6 +234,11 @@ ALIASES: tuple[Alias, ...] = (
     noted("*.fsdp_config.reshard_after_forward", _SHARDING_TUNING),
     noted("*.fsdp_config.forward_prefetch", _SHARDING_TUNING),
     noted("*.fsdp_config.use_orig_params", _SHARDING_TUNING),
+    noted("*.fsdp_config.seed", _SHARDING_TUNING),
+    noted("*.fsdp_config.full_determinism", _SHARDING_TUNING),
+    noted("*.fsdp_config.forward_only", _SHARDING_TUNING),
+    noted("*.fsdp_config.mixed_precision*", "FSDP's mixed-precision settings, with no effect here: each model computes "
+                                            "in its fsdp_config.model_dtype"),
     noted("*.fsdp_config.dtype", "FSDP's mixed-precision dtype, with no effect here: each model computes in its "
                                  "fsdp_config.model_dtype"),
     default_only("*.fsdp_config.*", _SHARDING),
@@ -242,6 +247,8 @@ ALIASES: tuple[Alias, ...] = (
     noted("*.checkpoint.*", "what verl's checkpoints hold and how they are written, with no effect here: a "
                             "checkpoint always holds the models, their optimizers and the trainer's state, written at "
                             "once and atomically"),
+    noted("*.optim.total_training_steps", "verl injects it at run time: no effect here (the schedule reads "
+                                          "trainer.total_training_steps)"),
     default_only("*.optim.*", "the optimizer here is AdamW (torch's, or the offload engine's CPU AdamW), clipped at "
                               "grad_clip and scheduled by the optim keys it has"),
     default_only("*.policy_loss.*", "the policy loss here is PPO's clipped loss (with dual-clip clip_ratio_c); "
@@ -264,9 +271,9 @@ ALIASES: tuple[Alias, ...] = (
     default_only("*calculate_entropy", _KERNELS),
     default_only("*use_prefix_grouper", _KERNELS),
     default_only("*freeze_vision_tower", "vision-language models are not built"),
-    default_only("*data_loader_seed", "the order of sequences in mini-batches follows trainer.seed (and "
-                                      "actor.shuffle)"),
-    default_only("critic.shuffle", "the critic's mini-batches here follow the actor's order"),
+    noted("*data_loader_seed", "no effect here: the order of sequences in mini-batches follows trainer.seed (and "
+                               "actor.shuffle)"),
+    noted("critic.shuffle", "no effect here: the critic's mini-batches follow the actor's order"),
     default_only("*external_lib", "model code comes from transformers, or the model directory with "
                                   "trust_remote_code"),
     default_only("*hf_config_path", "the model's config.json is read from its own directory"),
@@ -285,11 +292,12 @@ ALIASES: tuple[Alias, ...] = (
     default_only("data.tokenizer", "the prompts are tokenized with actor_rollout_ref.model.tokenizer_path"),
     default_only("data.*max_samples", "each data file is read whole"),
     default_only("data.reward_fn_key", "each row's scorer is picked by its data_source column"),
-    default_only("data.validation_shuffle", "validation prompts are taken in the order of their files"),
+    noted("data.validation_shuffle", "no effect here: validation prompts are taken in the order of their files"),
     noted("data.filter_overlong_prompts_workers", "no effect here: filtering runs once, in the trainer process"),
     noted("data.dataloader_num_workers", "no effect here: prompts are read once, in the trainer process"),
     noted("data.trust_remote_code", "no effect here: the tokenizer follows actor_rollout_ref.model.trust_remote_code"),
-    default_only("data.return_*", "the rollout takes the chat messages and templates them itself"),
+    noted("data.return_*", "what verl's dataset hands its rollout, with no effect here: the rollout takes the chat "
+                           "messages and templates them itself"),
     default_only("data.apply_chat_template_kwargs", "prompts use the tokenizer's chat template with its defaults"),
     default_only("data.image_*", "vision-language models are not built"),
     default_only("data.video_key", "vision-language models are not built"),
@@ -302,17 +310,19 @@ ALIASES: tuple[Alias, ...] = (
                                           "share of the prompts; no batch is exchanged between ranks, so there is "
                                           "none to balance", (True, False)),
     default_only("trainer.log_val_generations", "validation generations are not logged"),
-    default_only("trainer.*_data_dir", "dumping generations to files is not built"),
-    default_only("trainer.esi_redundant_time", "it plans saves before a cloud instance's expiry; save with "
-                                               "trainer.save_freq"),
-    default_only("trainer.default_hdfs_dir", "checkpoints are written to local disk only (trainer.default_local_dir)"),
-    default_only("trainer.del_local_ckpt_after_load", "checkpoints are kept after a resume (retention: "
-                                                      "max_ckpt_to_keep)"),
-    default_only("trainer.ray_*", _NO_RAY),
+    noted("trainer.*_data_dir", "no effect here: dumping generations to files is not built (samples: "
+                                "metrics.jsonl and the trackers)"),
+    noted("trainer.esi_redundant_time", "no effect here: it plans saves before a cloud instance's expiry; save with "
+                                        "trainer.save_freq"),
+    noted("trainer.default_hdfs_dir", "no effect here: checkpoints are written to local disk only "
+                                      "(trainer.default_local_dir)"),
+    noted("trainer.del_local_ckpt_after_load", "no effect here: checkpoints are kept after a resume (retention: "
+                                               "max_ckpt_to_keep)"),
+    noted("trainer.ray_*", _NO_RAY),
     noted("trainer.use_legacy_worker_impl", "which of verl's worker implementations runs, with no effect here: "
                                             "there is no Ray, the trainer is one process, supervised by the daemon"),
-    default_only("ray_kwargs.*", _NO_RAY),
-    default_only("transfer_queue.*", _NO_RAY),
+    noted("ray_kwargs.*", _NO_RAY),
+    noted("transfer_queue.*", _NO_RAY),
 )
 
 

@@ -222,3 +222,13 @@ def test_a_size_over_all_gpus_smaller_than_the_ranks_is_refused() -> None:
     [problem] = problems_of("trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ppo_micro_batch_size=4")
     assert problem.path == "actor_rollout_ref.actor.ppo_micro_batch_size"
     assert "divided among the 8 data-parallel ranks; allowed: an integer >= 8" in problem.message
+
+
+def test_verls_infrastructure_keys_are_accepted_and_say_they_have_no_effect() -> None:
+    result = loaded("ray_kwargs.ray_init.num_cpus=8", "trainer.default_hdfs_dir=hdfs://cluster/checkpoints",
+                    "actor_rollout_ref.actor.fsdp_config.fsdp_size=8", "trainer.use_legacy_worker_impl=disable")
+    notes = notes_by_key(result)
+    assert sorted(notes) == ["actor_rollout_ref.actor.fsdp_config.fsdp_size", "ray_kwargs.ray_init.num_cpus",
+                             "trainer.default_hdfs_dir", "trainer.use_legacy_worker_impl"]
+    assert all("no effect here" in note.why for note in notes.values())
+    assert "written to local disk only" in notes["trainer.default_hdfs_dir"].why
