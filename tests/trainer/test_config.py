@@ -204,18 +204,18 @@ GRPO_WITHOUT_KL = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=
 # verl's keys verl runs with and ignores: a WARNING line each (this project's own keys: an error).
 @pytest.mark.parametrize(("overrides", "keys", "phrase"), [
     ([*GRPO_WITHOUT_KL, "critic.fsdp_config.dynamic_offload.enabled=true"],
-     ["critic.fsdp_config.dynamic_offload.enabled"], "this run trains no critic (critic.enable is unset, and "
+     ["critic.fsdp_config"], "this run trains no critic (critic.enable is unset, and "
      "algorithm.adv_estimator=grpo needs none)"),
     (["critic.enable=false", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
       "critic.fsdp_config.param_offload=true", "critic.fsdp_config.optimizer_offload=true"],
-     ["critic.fsdp_config.param_offload", "critic.fsdp_config.optimizer_offload"],
-     "trains no critic (critic.enable is false)"),
+     ["critic.fsdp_config"], "got param_offload=true, optimizer_offload=true, but this run trains no critic "
+     "(critic.enable is false)"),
     ([*GRPO_WITHOUT_KL, "actor_rollout_ref.ref.fsdp_config.offload_policy.transformer=cpu"],
-     ["actor_rollout_ref.ref.fsdp_config.offload_policy.transformer"], "builds no reference policy"),
+     ["actor_rollout_ref.ref.fsdp_config"], "builds no reference policy"),
     (["actor_rollout_ref.ref.fsdp_config.param_offload=true"],  # PPO, but no KL term either
-     ["actor_rollout_ref.ref.fsdp_config.param_offload"], "builds no reference policy"),
+     ["actor_rollout_ref.ref.fsdp_config"], "builds no reference policy"),
     (["reward_model.model.fsdp_config.param_offload=true"],
-     ["reward_model.model.fsdp_config.param_offload"], "builds no reward model"),
+     ["reward_model.model.fsdp_config"], "builds no reward model"),
     (["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=1000"],
      ["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"], "which here are fixed: one per decoder layer"),
 ])
@@ -224,7 +224,7 @@ def test_a_verl_key_the_run_would_ignore_is_a_warning(overrides: list[str], keys
     assert [warning.path for warning in loaded.warnings] == keys
     for warning in loaded.warnings:
         assert phrase in warning.message
-        assert "it has no effect (the default: " in warning.message
+        assert " no effect (" in warning.message
 
 
 def test_a_key_of_this_projects_the_run_would_ignore_is_an_error() -> None:
@@ -237,9 +237,8 @@ def test_a_key_of_this_projects_the_run_would_ignore_is_an_error() -> None:
 def test_an_ignored_key_says_how_to_make_it_count() -> None:
     [warning] = load_config_with_notes(None, ["reward_model.model.fsdp_config.offload_policy.embedding=cpu"]).warnings
     assert str(warning) == (
-        "reward_model.model.fsdp_config.offload_policy.embedding: got 'cpu', but this run builds no reward model "
-        "(reward_model.enable is false): it has no effect (the default: null; leave the key out, or set "
-        "reward_model.enable=true)")
+        "reward_model.model.fsdp_config: got offload_policy.embedding='cpu', but this run builds no reward model "
+        "(reward_model.enable is false): it has no effect (leave it out, or set reward_model.enable=true)")
 
 
 def test_the_same_keys_are_active_on_a_model_the_run_builds() -> None:

@@ -4,6 +4,7 @@ applied by trainer/config/verl.py), the schema and every rule beyond it in one p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import typing
@@ -69,8 +70,10 @@ def load_config_with_notes(path: str | os.PathLike[str] | None = None, overrides
     if problems or translation.megatron:
         raise ConfigError(single_megatron_problem([_as_written(problem, translation.written)
                                                    for problem in problems], translation.megatron))
+    # A warning about what a key of several models set for the reference alone does not apply to what was written.
     warnings = [_as_written(warning, translation.written) for warning in warnings
-                if not any(_is_under(warning.path, key) for key in translation.shared)]
+                if not all(any(_is_under(key, shared) for shared in translation.shared)
+                           for key in (getattr(warning, "keys", ()) or (warning.path,)))]
     return LoadedConfig(config, engine_notes(config) + translation.notes, warnings)
 
 
@@ -79,7 +82,11 @@ def _as_written(problem: ConfigProblem, written: dict[str, str]) -> ConfigProble
     critic.fsdp_config.param_offload)."""
     for canonical, as_written in written.items():
         if problem.path == canonical or problem.path.startswith(canonical + "."):
-            return ConfigProblem(as_written + problem.path[len(canonical):], problem.message)
+            return dataclasses.replace(problem, path=as_written + problem.path[len(canonical):])
+    for canonical, as_written in written.items():  # a section whose keys were written elsewhere
+        below = canonical[len(problem.path):]
+        if canonical.startswith(problem.path + ".") and as_written.endswith(below):
+            return dataclasses.replace(problem, path=as_written.removesuffix(below))
     return problem
 
 

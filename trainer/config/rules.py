@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainer.config import environment, ranks
-from trainer.config.errors import ConfigProblem, ConfigWarning, ignored, warned
+from trainer.config.errors import ConfigProblem, ConfigWarning, ignored, warned, warned_of_section
 from trainer.config.fields import Section, show
 from trainer.config.placement import TRAINING_ONLY_KEYS, DynamicOffloadConfig, FSDPConfig, WrapPolicy
 from trainer.config.ranks import data_parallel_size
@@ -312,8 +312,9 @@ def _settings_of_models_not_built(config: RunConfig) -> list[ConfigProblem]:
     for role, fsdp in _fsdp_configs_by_role(config).items():
         if role not in built:
             why, remedy = not_built[role]
-            problems += [warned(f"{FSDP_PREFIX[role]}.{key}", value, default, why, remedy)
-                         for key, value, default in _keys_changed(fsdp, FSDPConfig())]
+            changed = [(key, value) for key, value, _ in _keys_changed(fsdp, FSDPConfig())]
+            if changed:
+                problems.append(warned_of_section(FSDP_PREFIX[role], changed, why, remedy))
     return problems
 
 

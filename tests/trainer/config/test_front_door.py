@@ -143,9 +143,12 @@ def test_grpo_with_one_response_per_prompt_runs_with_a_warning_that_every_advant
 
 
 def test_a_references_placement_without_a_reference_runs_with_a_warning() -> None:
-    warnings = warnings_of("actor_rollout_ref.ref.fsdp_config.param_offload=true")
-    assert list(warnings) == ["actor_rollout_ref.ref.fsdp_config.param_offload"]
-    assert "builds no reference policy" in warnings["actor_rollout_ref.ref.fsdp_config.param_offload"]
+    warnings = warnings_of("actor_rollout_ref.ref.fsdp_config.param_offload=true",
+                           "actor_rollout_ref.ref.fsdp_config.offload_policy.embedding=gpu")
+    assert warnings == {"actor_rollout_ref.ref.fsdp_config": (
+        "got param_offload=true, offload_policy.embedding='gpu', but this run builds no reference policy (neither "
+        "actor_rollout_ref.actor.use_kl_loss nor algorithm.use_kl_in_reward is true): they have no effect (leave them "
+        "out, or set one of them to true to build it)")}, "one line for the model"
 
 
 def test_the_reward_models_padding_free_switch_is_accepted() -> None:
