@@ -310,8 +310,7 @@ ALIASES: tuple[Alias, ...] = (
                                           "share of the prompts; no batch is exchanged between ranks, so there is "
                                           "none to balance", (True, False)),
     default_only("trainer.log_val_generations", "validation generations are not logged"),
-    noted("trainer.*_data_dir", "no effect here: dumping generations to files is not built (samples: "
-                                "metrics.jsonl and the trackers)"),
+    noted("trainer.*_data_dir", "no effect here: dumping generations to files is not built"),
     noted("trainer.esi_redundant_time", "no effect here: it plans saves before a cloud instance's expiry; save with "
                                         "trainer.save_freq"),
     noted("trainer.default_hdfs_dir", "no effect here: checkpoints are written to local disk only "
