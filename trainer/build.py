@@ -69,7 +69,7 @@ def load_prompts(config: RunConfig, tokenizer: PreTrainedTokenizerBase, log: Log
     for files_key, loaded in records.items():
         check_prompts(loaded, tokenizer, files_key=files_key, max_length=data.max_prompt_length,
                       truncation=data.truncation, tokenizer_setting=KEYS.actor_rollout_ref.model.tokenizer_path,
-                      tokenizer_name=name)
+                      tokenizer_name=name, template_kwargs=data.apply_chat_template_kwargs)
     return records[KEYS.data.train_files], records[KEYS.data.val_files]
 
 
@@ -80,7 +80,7 @@ def _filtered(config: RunConfig, files_key: str, records: list[PromptRecord], to
     data = config.data
     if not data.filter_overlong_prompts:
         return records
-    kept = drop_overlong_prompts(records, tokenizer, data.max_prompt_length)
+    kept = drop_overlong_prompts(records, tokenizer, data.max_prompt_length, data.apply_chat_template_kwargs)
     log(f"{KEYS.data.filter_overlong_prompts}: dropped {len(records) - len(kept)} of {len(records)} prompts of "
         f"{files_key} longer than {KEYS.data.max_prompt_length}={data.max_prompt_length} tokens")
     if not kept:

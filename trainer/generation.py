@@ -52,7 +52,8 @@ class Generation:
         repeated = [record for record in records for _ in range(n)]
         prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
                                                  max_length=self.config.data.max_prompt_length,
-                                                 truncation=self.config.data.truncation)
+                                                 truncation=self.config.data.truncation,
+                                                 template_kwargs=self.config.data.apply_chat_template_kwargs)
         prompt_ids, prompt_mask = self.run_wide.pad_like_other_ranks(prompt_ids, prompt_mask,
                                                                      self.tokenizer.pad_token_id)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)

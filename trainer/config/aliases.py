@@ -269,7 +269,8 @@ ALIASES: tuple[Alias, ...] = (
     noted("*use_shm", "loading the model through shared memory (/dev/shm), with no effect here: it loads from its "
                       "directory"),
     default_only("*calculate_entropy", _KERNELS),
-    default_only("*use_prefix_grouper", _KERNELS),
+    noted("*use_prefix_grouper", "verl's shared-prefix forward (a prompt computed once for its group's responses), "
+                                 "a speed-up with no effect on the numbers: here each sequence runs its own forward"),
     default_only("*freeze_vision_tower", "vision-language models are not built"),
     noted("*data_loader_seed", "no effect here: the order of sequences in mini-batches follows trainer.seed (and "
                                "actor.shuffle)"),
@@ -298,7 +299,6 @@ ALIASES: tuple[Alias, ...] = (
     noted("data.trust_remote_code", "no effect here: the tokenizer follows actor_rollout_ref.model.trust_remote_code"),
     noted("data.return_*", "what verl's dataset hands its rollout, with no effect here: the rollout takes the chat "
                            "messages and templates them itself"),
-    default_only("data.apply_chat_template_kwargs", "prompts use the tokenizer's chat template with its defaults"),
     default_only("data.image_*", "vision-language models are not built"),
     default_only("data.video_key", "vision-language models are not built"),
     default_only("data.custom_cls.*", "a custom dataset class is not built (data files in verl's parquet layout or "

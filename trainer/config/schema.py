@@ -402,6 +402,8 @@ class DataConfig(Section):
     """Drop the prompts longer than max_prompt_length tokens when the data is loaded (counted in the log)."""
     return_raw_chat: bool = True
     """verl's key; either value runs the same here: the rollout always applies the chat template to the messages."""
+    apply_chat_template_kwargs: dict[str, Any] = {}
+    """Keyword arguments to the tokenizer's chat template for every prompt (e.g. enable_thinking, reasoning_effort)."""
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
