@@ -235,3 +235,9 @@ def test_verls_infrastructure_keys_are_accepted_and_say_they_have_no_effect() ->
                              "trainer.default_hdfs_dir", "trainer.use_legacy_worker_impl"]
     assert all("no effect here" in note.why for note in notes.values())
     assert "written to local disk only" in notes["trainer.default_hdfs_dir"].why
+
+
+def test_verls_prefix_grouper_is_accepted_as_the_speed_up_it_is() -> None:
+    result = loaded("actor_rollout_ref.actor.use_prefix_grouper=true")
+    note = notes_by_key(result)["actor_rollout_ref.actor.use_prefix_grouper"]
+    assert note.value is True and "no effect on the numbers" in note.why

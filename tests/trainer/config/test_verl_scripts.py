@@ -1,7 +1,8 @@
 """verl's own launch scripts run here as they are, with only their paths changed: a corpus of verl's examples
 (tests/trainer/assets/verl_examples/: PPO, GRPO, RLOO, REINFORCE++, ReMax, GPG, GSPO, CISPO, GMPO, OTB, rollout
-correction, LoRA tuning, reward-model runs, DAPO's reward manager; vLLM, SGLang and TensorRT-LLM rollouts), each
-expanded by bash with `python3` standing in for a function that prints its arguments.
+correction, LoRA tuning, reward-model runs, DAPO's reward manager, gpt-oss's chat-template keywords, the prefix
+grouper; vLLM, SGLang and TensorRT-LLM rollouts), each expanded by bash with `python3` standing in for a function
+that prints its arguments.
 
 Each script loads (its engine keys in the NOTE line), or, where it asks for Megatron, is refused in one line. A
 script that needs an algorithm or reward feature built in parallel (issue 38) is marked as waiting on it: a strict
@@ -78,6 +79,10 @@ CORPUS: dict[str, Script] = {
     "grpo_trainer_run_qwen3-8b.sh": Script(),
     "tuning_0.5b_qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh": Script(),
     "tuning_7b_qwen2-7b_grpo-lora_1_h100_fsdp_vllm.sh": Script(),
+    "grpo_trainer_run_gptoss_20b.sh": Script(engine="sglang"),  # data.apply_chat_template_kwargs
+    "prefix_grouper_run_qwen3_prefix_grouper.sh": Script(),
+    "grpo_trainer_run_mistral13b_skyworkrm_hhrlhf.sh": Script(),
+    "ppo_trainer_run_qwen2-7b_rm_reward_loop_colocate.sh": Script(),
     # The five of tests/trainer/test_verl_keys.py
     "ppo_trainer_run_deepseek7b_llm.sh": Script(),
     "ppo_trainer_run_qwen2-7b_seq_balance.sh": Script(),
