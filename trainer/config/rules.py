@@ -52,6 +52,7 @@ def all_rules() -> tuple[Rule, ...]:
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
             environment.actor_peft_installed, _actor_lora_keys, environment.critic_peft_installed, _critic_lora_keys,
+            environment.check_lora_adapter_path,
             _checkpoint_counts_agree, _critic_warmup_needs_a_critic, _validation_only_needs_data,
             _scheduler_names_agree)
 
@@ -262,8 +263,9 @@ def _critic_lora_keys(config: RunConfig) -> list[ConfigProblem]:
 
 def _lora_keys(prefix: str, model: ModelConfig | CriticModelConfig,
                default: ModelConfig | CriticModelConfig) -> list[ConfigProblem]:
-    """LoRA's other keys act only with an adapter (lora_rank > 0; that it needs peft: environment.py)."""
-    if model.lora_rank > 0:
+    """LoRA's other keys act only with an adapter (lora_rank > 0; that it needs peft: environment.py); a saved
+    one (lora_adapter_path) brings its own, and verl's scripts set them beside it: nothing to say."""
+    if model.lora_rank > 0 or getattr(model, "lora_adapter_path", None) is not None:
         return []
     return [warned(f"{prefix}.{key}", getattr(model, key), getattr(default, key),
                    f"{prefix}.lora_rank is 0 (no LoRA adapter)", f", or set {prefix}.lora_rank (e.g. 8) to train an "

@@ -76,6 +76,8 @@ class ModelConfig(Section):
     """Modules of target_modules left without an adapter: a list of names, or a regex; unset excludes none."""
     use_remove_padding: bool = False
     """Padding-free forward (real tokens packed in one row) for the actor's and reference's log-probs and update."""
+    lora_adapter_path: str | None = None
+    """A saved peft adapter the policy's LoRA starts from (its own rank, alpha and modules); unset: a new one."""
 
     @field_validator("target_modules", "exclude_modules", mode="before")
     @classmethod
