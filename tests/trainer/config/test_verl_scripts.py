@@ -79,6 +79,7 @@ CORPUS: dict[str, Script] = {
     "grpo_trainer_run_qwen3-8b.sh": Script(),
     "tuning_0.5b_qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh": Script(),
     "tuning_7b_qwen2-7b_grpo-lora_1_h100_fsdp_vllm.sh": Script(),
+    "grpo_trainer_run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh": Script(),  # lora_adapter_path
     "grpo_trainer_run_gptoss_20b.sh": Script(engine="sglang"),  # data.apply_chat_template_kwargs
     "prefix_grouper_run_qwen3_prefix_grouper.sh": Script(),
     "grpo_trainer_run_mistral13b_skyworkrm_hhrlhf.sh": Script(),
@@ -139,6 +140,11 @@ def launch_of(script: str, tmp_path: Path) -> Launch:
             argument = f"{key}=[{train if key == 'data.train_files' else test}]"
         elif key == "trainer.default_local_dir":
             argument = f"{key}={tmp_path / 'checkpoints'}"
+        elif key.endswith("lora_adapter_path"):
+            adapter = tmp_path / "lora_adapter"
+            adapter.mkdir(exist_ok=True)
+            (adapter / "adapter_config.json").write_text("{}")  # read at start (the load checks that it is there)
+            argument = f"{argument.partition('=')[0]}={adapter}"
         overrides.append(argument)
     return Launch(config_name, [*overrides, f"trainer.runs_dir={tmp_path / 'runs'}"])
 
