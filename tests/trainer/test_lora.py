@@ -237,10 +237,7 @@ def test_bad_lora_keys_are_named_all_at_once():
         "actor_rollout_ref.model.lora_rank: got -1, out of range; allowed: an integer >= 0",
         "actor_rollout_ref.model.target_modules: got []; allowed: all-linear, a list of module names (e.g. "
         "[q_proj, v_proj]) or a regex matching whole module names",
-        "critic.model.lora_alpha: got 32, but critic.model.lora_rank is 0 (no LoRA adapter): it would have no "
-        "effect; allowed: the default (16; leave the key out), or set critic.model.lora_rank (e.g. 8) to train an "
-        "adapter",
-    ]
+    ]  # critic.model.lora_alpha without an adapter runs, as in verl: a WARNING line, not one of the errors
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
