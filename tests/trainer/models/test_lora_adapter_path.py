@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import ConfigError, load_config_with_notes
+from trainer.config import ConfigError, load_config, load_config_with_notes
 from trainer.models import load_policy, load_tokenizer
 from trainer.models.loading import ModelLoadError
 from trainer.models.lora import LoraSettings, save_adapter, with_adapter
@@ -71,3 +71,37 @@ def test_a_path_without_a_saved_adapter_is_refused_at_load(tmp_path: Path) -> No
         load_config_with_notes(None, [f"{KEY}.lora_adapter_path={tmp_path}"])
     [problem] = caught.value.problems
     assert problem.path == f"{KEY}.lora_adapter_path" and "no adapter_config.json in it" in problem.message
+
+
+SMALL = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64}
+RUN = ["actor_rollout_ref.model.override_config={num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64}",
+       "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.optim.lr=1e-2",
+       "data.max_prompt_length=8", "data.max_response_length=4", "trainer.device=cpu",
+       "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.use_kl_loss=true",
+       "trainer.total_training_steps=1"]
+
+
+def test_a_run_from_a_saved_adapter_starts_from_it_and_trains_it(tmp_path: Path) -> None:
+    from trainer.loop import Trainer
+
+    base = load_policy("builtin:tiny-qwen2", load_tokenizer("builtin:tiny-qwen2"), dtype=torch.float32, seed=3,
+                       override_config=SMALL)
+    _, trained = with_adapter(base, settings(rank=4), role="actor", seed=1)
+    assert trained is not None
+    with torch.no_grad():
+        for name, parameter in trained.named_parameters():
+            if "lora_B" in name:
+                parameter.fill_(0.25)
+    save_adapter(trained, tmp_path / "adapter")
+    config = load_config(None, [*RUN, f"{KEY}.lora_adapter_path={tmp_path / 'adapter'}",
+                                f"trainer.runs_dir={tmp_path / 'runs'}"])
+    trainer = Trainer(config, log=lambda *_: None)
+    start = lora_b(trainer.actor.model)
+    assert start and all(torch.all(tensor == 0.25) for tensor in start.values())
+    assert trainer.reference.adapter is not None  # the reference is the base: the adapter disabled
+    trainer.fit()
+    after = lora_b(trainer.actor.model)
+    assert any(not torch.equal(after[name], value) for name, value in start.items())
+    kl = [row["actor/kl_loss"] for row in trainer.metrics_log.read() if "actor/kl_loss" in row]
+    assert kl and kl[-1] > 0  # the saved adapter already moved the policy off the base
