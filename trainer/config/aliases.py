@@ -106,6 +106,8 @@ _ENGINE = ("a vLLM, SGLang or TensorRT-LLM engine setting, with no effect here: 
            "with the actor's own weights in the trainer process)")
 _SERVED_REWARD_MODEL = ("verl's serving of the reward model by a rollout engine, with no effect here: the same "
                         "sequence-classification model scores in the trainer process")
+_MIXED_PRECISION = ("FSDP's mixed-precision settings, with no effect here: each model computes in its "
+                    "fsdp_config.model_dtype")
 _SHARDING_TUNING = ("an FSDP tuning setting of verl's workers, with no effect here: each model is sharded (FSDP2) over "
                     "all the run's ranks, one unit per decoder layer and per group")
 _SHARDING = ("it shapes sharding or parallelism over several GPUs, which is fixed here: each model is sharded "
@@ -237,8 +239,11 @@ ALIASES: tuple[Alias, ...] = (
     noted("*.fsdp_config.seed", _SHARDING_TUNING),
     noted("*.fsdp_config.full_determinism", _SHARDING_TUNING),
     noted("*.fsdp_config.forward_only", _SHARDING_TUNING),
-    noted("*.fsdp_config.mixed_precision*", "FSDP's mixed-precision settings, with no effect here: each model computes "
-                                            "in its fsdp_config.model_dtype"),
+    # verl's engine config has mixed_precision (default None) that its generated file leaves out: named, so that
+    # verl's scripts' `+...fsdp_config.mixed_precision.param_dtype=bf16` is noted, not an unknown key.
+    *(noted(f"{model}.fsdp_config.mixed_precision", _MIXED_PRECISION) for model in (
+        "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model.model")),
+    noted("*.fsdp_config.mixed_precision*", _MIXED_PRECISION),
     noted("*.fsdp_config.dtype", "FSDP's mixed-precision dtype, with no effect here: each model computes in its "
                                  "fsdp_config.model_dtype"),
     default_only("*.fsdp_config.*", _SHARDING),
