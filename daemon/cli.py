@@ -38,6 +38,7 @@ from daemon.runtime import RunDirInUse, RunLock, RunNotFound, RuntimeInfo, find_
 from trainer.config import KEYS, ConfigError, RunConfig, dump_config, load_config_with_notes, note_line
 from trainer.config.exit_codes import EXIT_USAGE
 from trainer.config.live import ALLOWED_NAMES, named_twice
+from trainer.config.ranks import missing_endpoint
 
 EXIT_INTERRUPTED = 130
 ACK_POLL_S = 0.2
@@ -161,6 +162,8 @@ def train_command(args: argparse.Namespace) -> int:
     config = load_run_config(args.config, args.overrides, args.config_name)
     if args.check:
         return check_command(config)
+    if (missing := missing_endpoint(config)) is not None:  # --check passes it with a WARNING line (ranks.py)
+        raise UsageError(str(missing))
     try:  # before anything is written there: another daemon's trainer reads that config when it restarts
         run_lock = RunLock.acquire(config.trainer.run_dir)
     except RunDirInUse as error:

@@ -145,7 +145,6 @@ REFUSED: list[tuple[list[str], dict[str, str]]] = [
     ([f"{ARO}.actor.optim._target_=my.Optimizer"], {f"{ARO}.actor.optim._target_": "Hydra instantiates"}),
     (["algorithm.rollout_correction.rollout_is=token"], {"algorithm.rollout_correction.rollout_is": "not built"}),
     (["data.train_max_samples=100"], {"data.train_max_samples": "each data file is read whole"}),
-    (["trainer.nnodes=2"], {"trainer.rdzv_endpoint": "is not set, but trainer.nnodes is 2"}),
     (["data.max_prompt_length=1024", f"{ARO}.rollout.prompt_length=512"],
      {f"{ARO}.rollout.prompt_length": "it mirrors data.max_prompt_length; set that; allowed: verl's default 1024"}),
     # a misspelt key is still the schema's unknown key, not one of verl's

@@ -40,11 +40,24 @@ def check_launch(config: RunConfig) -> list[ConfigProblem]:
     if trainer.rdzv_endpoint is not None and parse_endpoint(trainer.rdzv_endpoint) is None:
         problems.append(ConfigProblem("trainer.rdzv_endpoint", f"got {trainer.rdzv_endpoint!r}; allowed: "
                                       "host:port of node 0, e.g. node0.cluster:29500"))
-    elif trainer.rdzv_endpoint is None and trainer.nnodes > 1:
-        problems.append(ConfigProblem("trainer.rdzv_endpoint", f"is not set, but trainer.nnodes is "
-                                      f"{trainer.nnodes}; allowed: host:port of node 0, the same on every node "
-                                      f"(or set ${RDZV_ENDPOINT_ENVIRONMENT}, or MASTER_ADDR and MASTER_PORT)"))
+    elif (missing := missing_endpoint(config)) is not None:
+        # verl's several-node scripts leave the nodes to a Ray cluster: they load and pass --check here, and the
+        # run itself starts only with the endpoint (`verl train` refuses it then, daemon/cli.py).
+        problems.append(ConfigWarning(missing.path, f"is not set, but trainer.nnodes is {trainer.nnodes}: each "
+                                      "node's `verl train` meets the others at node 0's host:port (verl's scripts "
+                                      "leave it to a Ray cluster), and the run starts only with it; set it, "
+                                      f"${RDZV_ENDPOINT_ENVIRONMENT}, or MASTER_ADDR and MASTER_PORT on each node"))
     return problems
+
+
+def missing_endpoint(config: RunConfig) -> ConfigProblem | None:
+    """A run of several nodes without its rendezvous endpoint (None: one node, or the endpoint is set)."""
+    trainer = config.trainer
+    if trainer.rdzv_endpoint is not None or trainer.nnodes == 1:
+        return None
+    return ConfigProblem("trainer.rdzv_endpoint", f"is not set, but trainer.nnodes is {trainer.nnodes}; allowed: "
+                         "host:port of node 0, the same on every node (or set "
+                         f"${RDZV_ENDPOINT_ENVIRONMENT}, or MASTER_ADDR and MASTER_PORT)")
 
 
 def world_size(config: RunConfig) -> int:

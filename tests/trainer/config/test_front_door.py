@@ -4,12 +4,14 @@ verl (or the article) writes elsewhere are read where they belong. No torch here
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from trainer.config import ConfigError, ConfigProblem, LoadedConfig, Note, load_config, load_config_with_notes
 from trainer.config.aliases import entry_for
+from trainer.config.exit_codes import EXIT_USAGE
 
 ROLLOUT = "actor_rollout_ref.rollout"
 GRPO = ["algorithm.adv_estimator=grpo", f"{ROLLOUT}.n=4"]
@@ -241,3 +243,35 @@ def test_verls_prefix_grouper_is_accepted_as_the_speed_up_it_is() -> None:
     result = loaded("actor_rollout_ref.actor.use_prefix_grouper=true")
     note = notes_by_key(result)["actor_rollout_ref.actor.use_prefix_grouper"]
     assert note.value is True and "no effect on the numbers" in note.why
+
+
+@pytest.mark.parametrize("model", ["actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model",
+                                   "reward_model.model"])
+def test_fsdps_mixed_precision_that_verls_scripts_add_is_noted(model: str) -> None:
+    # verl's engine config has it (default None) though its generated file does not: `+...mixed_precision.*=...`
+    result = loaded(f"+{model}.fsdp_config.mixed_precision.param_dtype=bf16")
+    [note] = result.notes
+    assert note.key.endswith("fsdp_config.mixed_precision.param_dtype") and note.value == "bf16"
+    assert "no effect here: each model computes in its fsdp_config.model_dtype" in note.why
+    [problem] = problems_of(f"+{model}.fsdp_config.mixed_precisio.param_dtype=bf16")
+    assert "got the unknown key 'mixed_precisio'" in problem.message
+
+
+def test_several_nodes_without_an_endpoint_pass_the_check_and_the_run_is_refused_at_start(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from daemon import cli
+
+    for name in ("PET_RDZV_ENDPOINT", "MASTER_ADDR", "MASTER_PORT", "PET_MASTER_ADDR", "PET_MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "check_command", lambda config: 0)  # the data and model checks: not what is shown
+    assert cli.main(["train", "--check", "trainer.nnodes=4"]) == 0
+    checked = capsys.readouterr().err.splitlines()
+    [warning] = [line for line in checked if line.startswith(("WARNING", "ERROR"))]
+    assert warning.startswith("WARNING: trainer.rdzv_endpoint: is not set, but trainer.nnodes is 4: each node's")
+    assert cli.main(["train", "trainer.nnodes=4"]) == EXIT_USAGE
+    started = capsys.readouterr().err.splitlines()
+    assert [line for line in started if line.startswith("ERROR")] == [
+        "ERROR: trainer.rdzv_endpoint: is not set, but trainer.nnodes is 4; allowed: host:port of node 0, the same "
+        "on every node (or set $PET_RDZV_ENDPOINT, or MASTER_ADDR and MASTER_PORT)"]
+    assert not (tmp_path / "runs").exists()
