@@ -84,6 +84,9 @@ CORPUS: dict[str, Script] = {
     "prefix_grouper_run_qwen3_prefix_grouper.sh": Script(),
     "grpo_trainer_run_mistral13b_skyworkrm_hhrlhf.sh": Script(),
     "ppo_trainer_run_qwen2-7b_rm_reward_loop_colocate.sh": Script(),
+    "ppo_trainer_run_qwen2.5-32b.sh": Script(),  # 4 nodes, no rendezvous endpoint (verl's Ray): a WARNING line
+    # FSDP's mixed_precision (noted) and 2 nodes, with use_torch_compile=False
+    "grpo_trainer_run_qwen3-32b_npu.sh": Script(waits_on=(REWARD,)),
     # The five of tests/trainer/test_verl_keys.py
     "ppo_trainer_run_deepseek7b_llm.sh": Script(),
     "ppo_trainer_run_qwen2-7b_seq_balance.sh": Script(),
