@@ -230,10 +230,10 @@ def test_the_critics_value_head_is_refused_as_a_target():
 def test_bad_lora_keys_are_named_all_at_once():
     with pytest.raises(ConfigError) as raised:
         load_config(None, ["actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.target_modules=[]",
-                           "critic.model.lora_alpha=32", "actor_rollout_ref.model.lora_alpha=0"])
+                           "critic.model.lora_alpha=32", "actor_rollout_ref.model.lora_alpha=-1"])
     problems = sorted(str(problem) for problem in raised.value.problems)
     assert problems == [
-        "actor_rollout_ref.model.lora_alpha: got 0, out of range; allowed: an integer >= 1",
+        "actor_rollout_ref.model.lora_alpha: got -1, out of range; allowed: an integer >= 0",
         "actor_rollout_ref.model.lora_rank: got -1, out of range; allowed: an integer >= 0",
         "actor_rollout_ref.model.target_modules: got []; allowed: all-linear, a list of module names (e.g. "
         "[q_proj, v_proj]) or a regex matching whole module names",

@@ -265,6 +265,11 @@ def _lora_keys(prefix: str, model: ModelConfig | CriticModelConfig,
                default: ModelConfig | CriticModelConfig) -> list[ConfigProblem]:
     """LoRA's other keys act only with an adapter (lora_rank > 0; that it needs peft: environment.py); a saved
     one (lora_adapter_path) brings its own, and verl's scripts set them beside it: nothing to say."""
+    if model.lora_rank > 0 and model.lora_alpha == 0:
+        # verl runs it (peft scales the adapter's output by 0): the adapter never changes the model.
+        return [ConfigWarning(f"{prefix}.lora_alpha", f"got 0, but {prefix}.lora_rank is {model.lora_rank}: the "
+                              "adapter's output is scaled by lora_alpha / lora_rank = 0: it adds nothing to the layers "
+                              "it wraps, however it trains; set it (verl's default 16) for an adapter that acts")]
     if model.lora_rank > 0 or getattr(model, "lora_adapter_path", None) is not None:
         return []
     return [warned(f"{prefix}.{key}", getattr(model, key), getattr(default, key),

@@ -68,7 +68,7 @@ class ModelConfig(Section):
     """Allow model code shipped inside the model directory."""
     lora_rank: int = Field(0, ge=0)
     """Rank of a LoRA adapter (peft) trained on the frozen policy; 0 trains every weight (verl's key)."""
-    lora_alpha: int = Field(16, ge=1)
+    lora_alpha: int = Field(16, ge=0)
     """LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank."""
     target_modules: str | list[str] = "all-linear"
     """Modules that get an adapter: all-linear (every linear layer but the output head), a list of names, or a regex."""
@@ -278,7 +278,7 @@ class CriticModelConfig(Section):
     """Allow model code shipped inside the model directory."""
     lora_rank: int = Field(0, ge=0)
     """Rank of a LoRA adapter on the critic's frozen backbone (its value head trains whole); 0 trains every weight."""
-    lora_alpha: int = Field(16, ge=1)
+    lora_alpha: int = Field(16, ge=0)
     """LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank."""
     target_modules: str | list[str] = "all-linear"
     """Modules that get an adapter: all-linear (every linear layer but the value head), a list of names, or a regex."""
@@ -346,7 +346,13 @@ class CustomRewardFunction(Section):
     path: str | None = None
     """A Python file defining the scoring function; unset uses the built-in scorers."""
     name: str = "compute_score"
-    """Function in that file: (data_source, solution_str, ground_truth, extra_info) -> float."""
+    """Function in that file: (data_source, solution_str, ground_truth, extra_info) -> float (null: compute_score)."""
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _null_is_verls_default(cls, value: Any) -> Any:
+        """verl's scripts pass `custom_reward_function.name=null` beside a null path: verl's default name."""
+        return "compute_score" if value is None else value
     on_error: Literal["raise", "zero"] = "raise"
     """When the function raises: raise stops the run (exit 2), zero scores the response 0 (counted: reward/errors)."""
 
