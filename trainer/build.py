@@ -20,7 +20,7 @@ from trainer.data.checks import check_prompts, drop_overlong_prompts
 from trainer.distributed.layer_moves import ShardedLayers
 from trainer.distributed.ranks import Ranks, host_threads_per_rank
 from trainer.distributed.shard_copies import watch_shard_copies
-from trainer.distributed.sharding import Sharded, shard_model
+from trainer.distributed.sharding import Sharded, offload_summary, shard_model
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
@@ -267,6 +267,7 @@ class ModelBuilder:
             return self.memory.place(model, fsdp_config, role)
         sharded = shard_model(model, fsdp_config, ranks, role=role, log=self.log)
         self.sharded[role] = sharded
+        self.memory.sharded_summaries[role] = offload_summary(sharded.on_cpu, sharded.parts, ranks.device)
         copies = CopyLog(cuda=ranks.device.type == "cuda")
         watch_shard_copies(model, copies, parameter_groups(sharded.parts))
         self.shard_copies.append(copies)
