@@ -35,9 +35,10 @@ import yaml
 from api.client import ApiClient, ApiError, DaemonUnreachable, IncompatibleDaemon, Unauthorized, page_url
 from api.monitor import RunSummary, describe_status, format_value, run_monitor
 from daemon.runtime import RunDirInUse, RunLock, RunNotFound, RuntimeInfo, find_run, runtime_file, state_dir
-from trainer.config import KEYS, ConfigError, RunConfig, dump_config, load_config_with_notes
+from trainer.config import KEYS, ConfigError, RunConfig, dump_config, load_config_with_notes, note_line
 from trainer.config.exit_codes import EXIT_USAGE
 from trainer.config.live import ALLOWED_NAMES, named_twice
+from trainer.config.ranks import missing_endpoint
 
 EXIT_INTERRUPTED = 130
 ACK_POLL_S = 0.2
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--check", action="store_true",
                        help="validate the config, its files, models and prompt lengths without training; print "
                             "the resolved config (exit code 0, or 2 with every problem)")
+    # verl's launch scripts name its Hydra config (`python3 -m verl.trainer.main_ppo --config-path=config
+    # --config-name=ppo_trainer ...`): the same lines run `verl train`.
+    train.add_argument("--config-name", metavar="NAME", help="verl's Hydra config name: ppo_trainer (the default) "
+                       "is accepted; ppo_megatron_trainer is refused (Megatron is not an engine here)")
+    train.add_argument("--config-path", metavar="DIR", help="verl's Hydra config directory: accepted, unused")
     train.add_argument("overrides", nargs="*", metavar="key.path=value",
                        help="override config keys in Hydra's grammar: key=value, +key=value, ++key=value, ~key, "
                             f"lists [a,b], ${{oc.env:VAR}}; e.g. {KEYS.data.train_batch_size}=64")
@@ -153,9 +159,11 @@ def train_command(args: argparse.Namespace) -> int:
     if args.check and args.monitor:
         raise UsageError("--check validates without training; it does not go with --monitor",
                          "run `verl train --check ...` first, then `verl train --monitor ...`")
-    config = load_run_config(args.config, args.overrides)
+    config = load_run_config(args.config, args.overrides, args.config_name)
     if args.check:
         return check_command(config)
+    if (missing := missing_endpoint(config)) is not None:  # --check passes it with a WARNING line (ranks.py)
+        raise UsageError(str(missing))
     try:  # before anything is written there: another daemon's trainer reads that config when it restarts
         run_lock = RunLock.acquire(config.trainer.run_dir)
     except RunDirInUse as error:
@@ -167,12 +175,13 @@ def train_command(args: argparse.Namespace) -> int:
         run_lock.release()
 
 
-def load_run_config(config_file: str | None, overrides: Sequence[str]) -> RunConfig:
-    """The validated config, or a UsageError with every problem of the file and the overrides. verl's keys that
-    are accepted with no effect here (noted in the alias table, trainer/config/aliases.py) are named in one NOTE
-    line."""
+def load_run_config(config_file: str | None, overrides: Sequence[str], config_name: str | None = None) -> RunConfig:
+    """The validated config, or a UsageError with every problem of the file and the overrides. verl's keys read
+    otherwise than verl reads them (with no effect, most of them: the noted entries of the alias table,
+    trainer/config/aliases.py) are named in one NOTE line, and each setting that runs as in verl but likely not as
+    meant in a WARNING line."""
     try:
-        config, notes = load_config_with_notes(config_file, overrides)
+        config, notes, warnings = load_config_with_notes(config_file, overrides, config_name)
     except ConfigError as error:
         hint = None
         if any(problem.path != "--config" for problem in error.problems):
@@ -180,7 +189,9 @@ def load_run_config(config_file: str | None, overrides: Sequence[str]) -> RunCon
             hint = f"fix these {where}on the command line as key.path=value (Hydra's override grammar)"
         raise UsageError([str(problem) for problem in error.problems], hint) from None
     if notes:
-        print(f"NOTE: accepted, with no effect here: {'; '.join(notes)}", file=sys.stderr, flush=True)
+        print(note_line(notes), file=sys.stderr, flush=True)
+    for warning in warnings:
+        print(f"WARNING: {warning}", file=sys.stderr, flush=True)
     return config
 
 

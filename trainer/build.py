@@ -20,7 +20,7 @@ from trainer.data.checks import check_prompts, drop_overlong_prompts
 from trainer.distributed.layer_moves import ShardedLayers
 from trainer.distributed.ranks import Ranks, host_threads_per_rank
 from trainer.distributed.shard_copies import watch_shard_copies
-from trainer.distributed.sharding import Sharded, shard_model
+from trainer.distributed.sharding import Sharded, offload_summary, shard_model
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
@@ -69,7 +69,7 @@ def load_prompts(config: RunConfig, tokenizer: PreTrainedTokenizerBase, log: Log
     for files_key, loaded in records.items():
         check_prompts(loaded, tokenizer, files_key=files_key, max_length=data.max_prompt_length,
                       truncation=data.truncation, tokenizer_setting=KEYS.actor_rollout_ref.model.tokenizer_path,
-                      tokenizer_name=name)
+                      tokenizer_name=name, template_kwargs=data.apply_chat_template_kwargs)
     return records[KEYS.data.train_files], records[KEYS.data.val_files]
 
 
@@ -80,7 +80,7 @@ def _filtered(config: RunConfig, files_key: str, records: list[PromptRecord], to
     data = config.data
     if not data.filter_overlong_prompts:
         return records
-    kept = drop_overlong_prompts(records, tokenizer, data.max_prompt_length)
+    kept = drop_overlong_prompts(records, tokenizer, data.max_prompt_length, data.apply_chat_template_kwargs)
     log(f"{KEYS.data.filter_overlong_prompts}: dropped {len(records) - len(kept)} of {len(records)} prompts of "
         f"{files_key} longer than {KEYS.data.max_prompt_length}={data.max_prompt_length} tokens")
     if not kept:
@@ -270,6 +270,7 @@ class ModelBuilder:
             return self.memory.place(model, fsdp_config, role)
         sharded = shard_model(model, fsdp_config, ranks, role=role, log=self.log)
         self.sharded[role] = sharded
+        self.memory.sharded_summaries[role] = offload_summary(sharded.on_cpu, sharded.parts, ranks.device)
         copies = CopyLog(cuda=ranks.device.type == "cuda")
         watch_shard_copies(model, copies, parameter_groups(sharded.parts))
         self.shard_copies.append(copies)

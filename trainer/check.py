@@ -56,7 +56,8 @@ def check_run(config: RunConfig) -> list[str]:
         try:
             records = load_records(files, data.prompt_key, require_ground_truth=builtin_scoring)
             if tokenizer is not None and data.filter_overlong_prompts:
-                records = drop_overlong_prompts(records, tokenizer, data.max_prompt_length)
+                records = drop_overlong_prompts(records, tokenizer, data.max_prompt_length,
+                                                data.apply_chat_template_kwargs)
                 if files and not records:
                     problems.append(f"{files_key}: every prompt is longer than {KEYS.data.max_prompt_length}="
                                     f"{data.max_prompt_length} tokens ({KEYS.data.filter_overlong_prompts} drops "
@@ -67,7 +68,7 @@ def check_run(config: RunConfig) -> list[str]:
                         else repr(source))
                 check_prompts(records, tokenizer, files_key=files_key, max_length=data.max_prompt_length,
                               truncation=data.truncation, tokenizer_setting=KEYS.actor_rollout_ref.model.tokenizer_path,
-                              tokenizer_name=name)
+                              tokenizer_name=name, template_kwargs=data.apply_chat_template_kwargs)
         except UserError as error:
             problems.append(str(error))
     return problems

@@ -52,7 +52,8 @@ class Generation:
         repeated = [record for record in records for _ in range(n)]
         prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
                                                  max_length=self.config.data.max_prompt_length,
-                                                 truncation=self.config.data.truncation)
+                                                 truncation=self.config.data.truncation,
+                                                 template_kwargs=self.config.data.apply_chat_template_kwargs)
         prompt_ids, prompt_mask = self.run_wide.pad_like_other_ranks(prompt_ids, prompt_mask,
                                                                      self.tokenizer.pad_token_id)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
@@ -93,9 +94,13 @@ class Generation:
         return held
 
     def _rows_that_fit(self, rows: int, prompt_length: int) -> int:
-        """How many of `rows` sequences decode at once: all of them, or as many as rollout.gpu_memory_utilization
-        leaves room for beside what is in use now (trainer/rollout/budget.py; a GPU only)."""
-        utilization = self.config.actor_rollout_ref.rollout.gpu_memory_utilization
+        """How many of `rows` sequences decode at once: at most rollout.max_num_seqs and max_num_batched_tokens
+        (vLLM's caps: sequences decoding together, tokens a decode step processes, one a sequence), and as many as
+        rollout.gpu_memory_utilization leaves room for beside what is in use now (trainer/rollout/budget.py; a GPU
+        only)."""
+        settings = self.config.actor_rollout_ref.rollout
+        rows = min(rows, settings.max_num_seqs, settings.max_num_batched_tokens)
+        utilization = settings.gpu_memory_utilization
         if utilization is None or self.memory.probe is None:
             return rows
         in_use, capacity = self.memory.probe()

@@ -151,6 +151,7 @@ class MemoryManager:
         # and on several ranks sharded models (add_sharded).
         self._dynamic: list[LayerHolder] = []
         self._sharded: dict[str, LayerHolder] = {}  # several ranks: every sharded model's layers, by role
+        self.sharded_summaries: dict[str, list[str]] = {}  # several ranks: each sharded model's offload summary
         self._host_pending = 0  # host bytes placed engines will allocate once they train
         self._staged_logged: dict[tuple[str, str], tuple[str, ...]] = {}
         self._moves_reported = {"to_cpu": 0, "to_gpu": 0}
@@ -269,9 +270,13 @@ class MemoryManager:
         return self._roles.setdefault(role, ModelMemory(self, role))
 
     def summary_lines(self) -> list[str]:
-        """The offload summary of every model, each line after its role ("actor: Embedding: ..."), and with
-        dynamic offload how the phases will place the layers."""
+        """The offload summary of every model under the article's heading ("FSDP Offload Summary"), each line after
+        its role ("actor: Embedding: ..."), and with dynamic offload how the phases will place the layers."""
         lines = [f"{engine.role}: {line}" for engine in self._engines.values() for line in engine.summary_lines()]
+        lines += [f"{role}: {line}" for role, summary in self.sharded_summaries.items() for line in summary]
+        if lines:
+            lines.insert(0, "FSDP Offload Summary: where each module group of each model lives, and the GPU memory "
+                            "that saves")
         if self._dynamic:
             layers = ", ".join(f"{engine.role} {engine.layers_on_gpu} of {len(engine.transformer_units)}"
                                for engine in self._dynamic)

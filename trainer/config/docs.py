@@ -106,39 +106,75 @@ def _anchor(heading: str) -> str:
 
 
 _INTRO = """\
-A verl config file or launch script runs here as it is, with verl's key names: `actor_rollout_ref.{model, actor,
-rollout, ref}`, `critic`, `reward_model`, `algorithm`, `data`, `trainer`. Most keys mean the same thing here and
-are this project's own ([Config keys](config.md)). The rest are in the tables below, in four kinds:
+What verl accepts runs here. A verl config file or launch script runs as it is, with verl's key names:
+`actor_rollout_ref.{model, actor, rollout, ref}`, `critic`, `reward_model`, `algorithm`, `data`, `trainer`. Most
+keys mean the same thing here and are this project's own ([Config keys](config.md)); so are the rollout's engine
+keys whose meaning carries over (below). The rest are in the tables after them, in four kinds:
 
-- **mapped**: written where verl (or an older version of this project) puts it, read as this project's key. Given
-  in both places with different values, it is one error naming both.
-- **accepted at verl's default**: one of verl's keys with no counterpart here (an engine or a feature this
-  project does not have). At verl's default value (from verl's generated `ppo_trainer.yaml`) it is accepted and
-  changes nothing; at any other value it is refused, in one line saying why. A key that is in neither this
-  project's schema nor verl's file is an unknown key (with a did-you-mean), so a misspelt key is never taken for
-  one of verl's.
-- **noted**: accepted whatever its value, and named in one `NOTE:` line at start.
+- **mapped**: written where verl (or the article "verl CPU offloading实战", or an older version of this project)
+  puts it, read as this project's key. Given in two places with different values, it is one error naming both.
+- **noted**: accepted whatever its value; given away from verl's default, it is named in the one `NOTE:` line at
+  the start of the run, with what it does here (mostly nothing: an engine setting of vLLM's, or of verl's FSDP
+  workers).
+- **accepted at verl's default**: one of verl's keys with no counterpart here yet (a feature this project does not
+  have). At verl's default value (from verl's generated `ppo_trainer.yaml`) it is accepted and changes nothing; at
+  any other value it is refused, in one line saying why. A key that is in neither this project's schema nor
+  verl's file is an unknown key (with a did-you-mean), so a misspelt key is never taken for one of verl's.
 - **refused**: a key that moved; the error says where it lives now.
 
-A key takes the line of the first pattern that matches it (`*` matches any part of a dotted key)."""
+Megatron (`strategy: megatron`, any `*.megatron.*` key, verl's `--config-name=ppo_megatron_trainer`) is one
+refusal line: it is another training engine. A setting verl runs with but that likely does not do what its author
+meant (GRPO with `rollout.n=1`: every advantage is 0) is a `WARNING:` line, not a refusal.
+
+A key takes the line of the first pattern that matches it (`*` matches any part of a dotted key).
+
+## The rollout's engine keys
+
+The rollout here is built in: it decodes with the actor's own weights in the trainer process. verl's engine keys
+whose meaning carries over are this project's keys ([Config keys](config.md)):
+
+"""
+
+# The rollout's engine keys that are this project's own (trainer/config/schema.py RolloutConfig), in words.
+_ENGINE_KEYS = (
+    ("name: vllm, sglang, trtllm", "the built-in rollout runs (noted); `hf` names it"),
+    ("tensor_model_parallel_size", "above 1: the rollout runs data-parallel on the run's ranks, each decoding its "
+                                   "share of the prompts with the whole weights (noted)"),
+    ("gpu_memory_utilization", "the fraction of GPU memory in use while decoding: the decode's pieces are cut to fit"),
+    ("max_num_seqs", "the most sequences decoding at once: the batch decodes in pieces of at most this many (verl's "
+                     "default 256)"),
+    ("max_num_batched_tokens", "the most tokens one decode step processes (one per sequence, as vLLM's scheduler "
+                               "counts them): it caps a piece too"),
+    ("max_model_len", "a response stops where prompt and response reach it, as verl's engines stop it (noted where it "
+                      "cuts below `data.max_response_length`); a value not above `data.max_prompt_length` is "
+                      "refused, as verl's engines raise on such a prompt"),
+    ("enforce_eager", "the static decode's step runs eagerly instead of in CUDA graphs"),
+    ("free_cache_engine", "`true` (verl's default) is what happens: the decode's KV cache is freed after each "
+                          "rollout; `false` is noted"),
+)
 
 _READING = {
     Reading.MOVED: "`{canonical}`",
     Reading.SAME_AS: "accepted at the value of `{canonical}` only",
     Reading.OFFLOAD_SWITCH: "`true`: every group of `offload_policy` on `cpu`, and `optimizer_offload: true` for a "
                             "model that trains; `false`: nothing offloaded by it",
+    Reading.EACH: "each of `{canonical}`{also}",
+    Reading.PER_GPU: "`{canonical}`, divided among the data-parallel ranks",
 }
 
 
 def verl_page() -> str:
     """docs/verl.md: the alias table, by action."""
-    lines = [HEADER, "", "# Coming from verl", "", _INTRO, "",
-             f"Written from the alias table (trainer/config/aliases.py) by `{COMMAND}`.", ""]
+    lines = [HEADER, "", "# Coming from verl", "", _INTRO.rstrip(), "",
+             "| Key (`actor_rollout_ref.rollout.`) | Here |", "| --- | --- |",
+             *(f"| `{key}` | {meaning} |" for key, meaning in _ENGINE_KEYS), "",
+             f"The tables below are written from the alias table (trainer/config/aliases.py) by `{COMMAND}`.", ""]
     lines += _table("Mapped", "Read as", entries(Action.MAPPED), lambda alias: _READING[alias.reading].format(
-        canonical=alias.canonical))
+        canonical=alias.canonical, also="".join(f", `{key}`" for key in alias.also)))
     lines += _table("Accepted at verl's default only", "Accepted", entries(Action.DEFAULT_ONLY),
                     lambda alias: " or ".join(f"`{_value(value)}`" for value in alias.accepts) or "verl's default")
-    lines += _table("Noted", "", entries(Action.NOTED), lambda alias: "")
+    lines += _table("Noted", "Not noted at", entries(Action.NOTED),
+                    lambda alias: " or ".join(f"`{_value(value)}`" for value in alias.accepts) or "verl's default")
     lines += _table("Refused: keys that moved", "Set instead", entries(Action.REFUSED),
                     lambda alias: f"`{alias.canonical}`")
     return "\n".join(lines).rstrip() + "\n"

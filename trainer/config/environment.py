@@ -106,6 +106,17 @@ def check_reward_function_file(config: RunConfig) -> list[ConfigProblem]:
     return []
 
 
+def check_lora_adapter_path(config: RunConfig) -> list[ConfigProblem]:
+    """actor_rollout_ref.model.lora_adapter_path: a directory with a saved adapter's adapter_config.json."""
+    path = config.actor_rollout_ref.model.lora_adapter_path
+    if path is not None and not (Path(path).expanduser() / "adapter_config.json").is_file():
+        return [ConfigProblem("actor_rollout_ref.model.lora_adapter_path",
+                              f"got {path!r}, which is not a saved LoRA adapter (no adapter_config.json in it); "
+                              "allowed: a directory peft's save_pretrained wrote, e.g. a LoRA checkpoint's actor "
+                              "adapter")]
+    return []
+
+
 _DATA_FILES_ALLOWED = (f"{', '.join(DATA_FILE_SUFFIXES)} files (verl's parquet layout or JSONL), "
                        f"or {', '.join(BUILTIN_PREFIX + name for name in BUILTIN_DATASETS)}")
 
@@ -150,8 +161,9 @@ def critic_peft_installed(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _peft_installed(prefix: str, model: ModelConfig | CriticModelConfig) -> list[ConfigProblem]:
-    """A LoRA adapter (lora_rank > 0) needs peft."""
-    if model.lora_rank == 0 or importlib.util.find_spec("peft") is not None:
+    """A LoRA adapter (lora_rank > 0, or a saved one) needs peft."""
+    saved = getattr(model, "lora_adapter_path", None) is not None
+    if (model.lora_rank == 0 and not saved) or importlib.util.find_spec("peft") is not None:
         return []
     return [ConfigProblem(f"{prefix}.lora_rank", f"got {model.lora_rank}, but LoRA needs peft, which is not "
                           "installed; allowed: 0, or install the lora extra (pip install 'verl-offload[lora]')")]

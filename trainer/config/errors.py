@@ -51,6 +51,30 @@ def ignored(key: str, value: Any, default: Any, why: str, remedy: str = "") -> C
                          f"({show(default)}; leave the key out){remedy}")
 
 
+@dataclass(frozen=True)
+class ConfigWarning(ConfigProblem):
+    """A problem of a config that runs as verl runs it: said at start in a WARNING line, not refused."""
+
+    keys: tuple[str, ...] = ()
+    """The dotted keys it is about, where it names several under `path` (its section)."""
+
+
+def warned(key: str, value: Any, default: Any, why: str, remedy: str = "") -> ConfigProblem:
+    """A key set to `value` that the run does not act on, `why` (verl runs it so too, and ignores it), and what to
+    do instead of setting it."""
+    return ConfigWarning(key, f"got {show(value)}, but {why}: it has no effect (the default: {show(default)}; leave "
+                         f"the key out{remedy})")
+
+
+def warned_of_section(section: str, settings: Sequence[tuple[str, Any]], why: str, remedy: str = "") -> ConfigProblem:
+    """Settings of one section (`settings`: (key under it, value)) that the run does not act on, `why`: one warning
+    for all of them."""
+    given = ", ".join(f"{key}={show(value)}" for key, value in settings)
+    return ConfigWarning(section, f"got {given}, but {why}: {'they have' if len(settings) > 1 else 'it has'} no "
+                         f"effect (leave {'them' if len(settings) > 1 else 'it'} out{remedy})",
+                         keys=tuple(f"{section}.{key}" for key, _ in settings))
+
+
 # ------------------------------------------------------------------------------- schema messages
 
 

@@ -4,6 +4,7 @@ applied by trainer/config/verl.py), the schema and every rule beyond it in one p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import typing
@@ -15,19 +16,25 @@ import yaml
 from pydantic import ValidationError
 
 from trainer.config.environment import launch_keys_from_environment
-from trainer.config.errors import ConfigError, ConfigProblem, describe_pydantic_error
+from trainer.config.errors import ConfigError, ConfigProblem, ConfigWarning, describe_pydantic_error
 from trainer.config.fields import Section
+from trainer.config.megatron import single_megatron_problem
+from trainer.config.notes import Note, engine_notes
 from trainer.config.overrides import apply_overrides, resolve_interpolations
-from trainer.config.rules import check_semantics, checks_despite_schema_errors
+from trainer.config.refused import checks_despite_schema_errors
+from trainer.config.rules import check_semantics
 from trainer.config.schema import RunConfig
 from trainer.config.verl import translate
 
 
 class LoadedConfig(NamedTuple):
-    """A loaded config, and the NOTE lines to show at start (one per noted key of the alias table)."""
+    """A loaded config, and what to say at start: the notes of verl's keys read otherwise than in verl (one NOTE
+    line: notes.note_line), and the warnings of settings that run as in verl but likely not as meant (a WARNING
+    line each)."""
 
     config: RunConfig
-    notes: list[str]
+    notes: list[Note]
+    warnings: list[ConfigProblem]
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> RunConfig:
@@ -38,10 +45,13 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[
     return load_config_with_notes(path, overrides).config
 
 
-def load_config_with_notes(path: str | os.PathLike[str] | None = None,
-                           overrides: Iterable[str] = ()) -> LoadedConfig:
-    """load_config, and the notes of the keys accepted with no effect here (the noted entries of the alias
-    table), for one NOTE line at start."""
+def load_config_with_notes(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = (),
+                           config_name: str | None = None) -> LoadedConfig:
+    """load_config, and what to say at start: the notes of verl's keys read otherwise than verl reads them (the
+    noted entries of the alias table, the rollout's engine keys), for one NOTE line, and the warnings.
+
+    `config_name` is verl's Hydra --config-name, when a verl launch script gives one (verl.py: config_name_problems).
+    """
     raw: dict[str, Any] = read_yaml(Path(path)) if path is not None else {}
     problems = apply_overrides(raw, overrides)
     if problems:  # a line that could not be applied leaves the tree short of what the user meant
@@ -50,15 +60,21 @@ def load_config_with_notes(path: str | os.PathLike[str] | None = None,
     if problems:
         raise ConfigError(problems)
     environment_problems = launch_keys_from_environment(raw, os.environ)
-    translation = translate(raw)
+    translation = translate(raw, config_name)
     problems = translation.problems + environment_problems
+    warnings: list[ConfigProblem] = []
     try:
-        config = validate_config(translation.tree)
+        config, warnings = _validated(translation.tree)
     except ConfigError as error:
         problems += error.problems
-    if problems:
-        raise ConfigError([_as_written(problem, translation.written) for problem in problems])
-    return LoadedConfig(config, translation.notes)
+    if problems or translation.megatron:
+        raise ConfigError(single_megatron_problem([_as_written(problem, translation.written)
+                                                   for problem in problems], translation.megatron))
+    # A warning about what a key of several models set for the reference alone does not apply to what was written.
+    warnings = [_as_written(warning, translation.written) for warning in warnings
+                if not all(any(_is_under(key, shared) for shared in translation.shared)
+                           for key in (getattr(warning, "keys", ()) or (warning.path,)))]
+    return LoadedConfig(config, engine_notes(config) + translation.notes, warnings)
 
 
 def _as_written(problem: ConfigProblem, written: dict[str, str]) -> ConfigProblem:
@@ -66,23 +82,39 @@ def _as_written(problem: ConfigProblem, written: dict[str, str]) -> ConfigProble
     critic.fsdp_config.param_offload)."""
     for canonical, as_written in written.items():
         if problem.path == canonical or problem.path.startswith(canonical + "."):
-            return ConfigProblem(as_written + problem.path[len(canonical):], problem.message)
+            return dataclasses.replace(problem, path=as_written + problem.path[len(canonical):])
+    for canonical, as_written in written.items():  # a section whose keys were written elsewhere
+        below = canonical[len(problem.path):]
+        if canonical.startswith(problem.path + ".") and as_written.endswith(below):
+            return dataclasses.replace(problem, path=as_written.removesuffix(below))
     return problem
 
 
 def validate_config(raw: dict[str, Any]) -> RunConfig:
-    """Turn a plain dict into a RunConfig, or raise ConfigError naming every problem."""
+    """Turn a plain dict into a RunConfig, or raise ConfigError naming every problem (its warnings: see
+    load_config_with_notes)."""
+    return _validated(raw)[0]
+
+
+def _validated(raw: dict[str, Any]) -> tuple[RunConfig, list[ConfigProblem]]:
+    """The RunConfig of a plain dict and its warnings, or ConfigError naming every problem."""
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as error:
         errors = error.errors()
         problems = [describe_pydantic_error(item) for item in errors]
-        problems += checks_despite_schema_errors(raw, errors)
+        problems += [problem for problem in checks_despite_schema_errors(raw, errors)
+                     if not isinstance(problem, ConfigWarning)]
         raise ConfigError(problems) from None
-    problems = check_semantics(config)
+    found = check_semantics(config)
+    problems = [problem for problem in found if not isinstance(problem, ConfigWarning)]
     if problems:
         raise ConfigError(problems)
-    return resolve_defaults(config)
+    return resolve_defaults(config), [problem for problem in found if isinstance(problem, ConfigWarning)]
+
+
+def _is_under(path: str, key: str) -> bool:
+    return path == key or path.startswith(key + ".")
 
 
 def resolve_defaults(config: RunConfig) -> RunConfig:

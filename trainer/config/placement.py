@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from trainer.config.fields import LayerMinimum, MemoryThreshold, Placement, Section
 
@@ -53,6 +53,14 @@ class WrapPolicy(Section):
     """Wrap any module with at least this many parameters (0 wraps by layer class only)."""
 
 
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
+
+# The settings of an fsdp_config that act on a model that trains only (its gradients and optimizer): a frozen
+# model's (the reference's, the reward model's) have nothing to act on.
+TRAINING_ONLY_KEYS = ("optimizer_offload", "optimizer_update", "offload_grad_dtype", "delayed_update",
+                      "merge_micro_batches")
+
+
 class FSDPConfig(Section):
     param_offload: bool = False
     """Keep all parameters on the CPU and stream them to the GPU (offload_policy refines it)."""
@@ -67,13 +75,19 @@ class FSDPConfig(Section):
     wrap_policy: WrapPolicy = WrapPolicy()
     """How the model is split into units for sharding and offload."""
     model_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Dtype of the parameters (bf16 trains without fp32 master weights)."""
+    """Dtype of the parameters (bf16 trains without fp32 master weights); verl's float32 and bfloat16 are read so."""
     offload_grad_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of CPU gradients beside fp32 masters (bf16: half their host memory; on ranks, half the bytes down)."""
     delayed_update: bool = False
     """The actor's CPU update runs during the next rollout, which samples with the weights before it."""
     merge_micro_batches: bool = True
     """While the update streams layers from the CPU, run each mini-batch as one micro-batch (the same gradient)."""
+
+    @field_validator("model_dtype", mode="before")
+    @classmethod
+    def _torch_names(cls, dtype: Any) -> Any:
+        """verl (PrecisionType) and the article also write the dtype by torch's names."""
+        return _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
 
     def placement(self, group: str) -> Placement:
         """Where a module group lives once param_offload and offload_policy are combined."""

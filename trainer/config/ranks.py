@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from trainer.config.environment import RDZV_ENDPOINT_ENVIRONMENT
-from trainer.config.errors import ConfigProblem
+from trainer.config.errors import ConfigProblem, ConfigWarning
 from trainer.config.schema import BUILTIN_PREFIX, FSDP_PREFIX, RunConfig
 from trainer.config.sequence_parallel import model_heads, sequence_parallel_problems
 
@@ -40,11 +40,24 @@ def check_launch(config: RunConfig) -> list[ConfigProblem]:
     if trainer.rdzv_endpoint is not None and parse_endpoint(trainer.rdzv_endpoint) is None:
         problems.append(ConfigProblem("trainer.rdzv_endpoint", f"got {trainer.rdzv_endpoint!r}; allowed: "
                                       "host:port of node 0, e.g. node0.cluster:29500"))
-    elif trainer.rdzv_endpoint is None and trainer.nnodes > 1:
-        problems.append(ConfigProblem("trainer.rdzv_endpoint", f"is not set, but trainer.nnodes is "
-                                      f"{trainer.nnodes}; allowed: host:port of node 0, the same on every node "
-                                      f"(or set ${RDZV_ENDPOINT_ENVIRONMENT}, or MASTER_ADDR and MASTER_PORT)"))
+    elif (missing := missing_endpoint(config)) is not None:
+        # verl's several-node scripts leave the nodes to a Ray cluster: they load and pass --check here, and the
+        # run itself starts only with the endpoint (`verl train` refuses it then, daemon/cli.py).
+        problems.append(ConfigWarning(missing.path, f"is not set, but trainer.nnodes is {trainer.nnodes}: each "
+                                      "node's `verl train` meets the others at node 0's host:port (verl's scripts "
+                                      "leave it to a Ray cluster), and the run starts only with it; set it, "
+                                      f"${RDZV_ENDPOINT_ENVIRONMENT}, or MASTER_ADDR and MASTER_PORT on each node"))
     return problems
+
+
+def missing_endpoint(config: RunConfig) -> ConfigProblem | None:
+    """A run of several nodes without its rendezvous endpoint (None: one node, or the endpoint is set)."""
+    trainer = config.trainer
+    if trainer.rdzv_endpoint is not None or trainer.nnodes == 1:
+        return None
+    return ConfigProblem("trainer.rdzv_endpoint", f"is not set, but trainer.nnodes is {trainer.nnodes}; allowed: "
+                         "host:port of node 0, the same on every node (or set "
+                         f"${RDZV_ENDPOINT_ENVIRONMENT}, or MASTER_ADDR and MASTER_PORT)")
 
 
 def world_size(config: RunConfig) -> int:
@@ -140,13 +153,15 @@ def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:
     with its adapter's layers.)"""
     world = world_size(config)
     why = f"works on one rank only, and this run has {world} (trainer.nnodes x trainer.n_gpus_per_node)"
-    problems = []
+    problems: list[ConfigProblem] = []
     if config.actor_rollout_ref.rollout.embedding_cache.enabled:
         # Several ranks' rollout reads an embedding gathered whole onto each GPU (FSDP2's all-gather of the unit,
         # or the whole weights held for the rollout): no row is looked up on the host, so there is nothing to cache.
-        problems.append(ConfigProblem("actor_rollout_ref.rollout.embedding_cache.enabled",
+        # A warning: the article's config (§4.2 with §4.3's sequence parallelism) runs on several GPUs as it is.
+        problems.append(ConfigWarning("actor_rollout_ref.rollout.embedding_cache.enabled",
                                       f"got true, which {why}: several ranks' rollout gathers the whole embedding "
-                                      "onto each GPU, so no row is looked up on the host; allowed: false"))
+                                      "onto each GPU, so no row is looked up on the host and there is nothing to "
+                                      "cache: it has no effect"))
     for role, fsdp in config.fsdp_configs().items():
         if fsdp.optimizer_update in ("gpu", "both") and fsdp.delayed_update and fsdp.optimizer_offload:
             problems.append(ConfigProblem(

@@ -1,26 +1,22 @@
 """The rules of a config beyond its schema: how fields fit together. Every rule is listed in one tuple
 (`all_rules`) and run in one pass (`check_semantics`), those that read the disk and the environment
-(environment.py) and those of several ranks (ranks.py) included, so that every problem is named at once.
+(environment.py) and those of several ranks (ranks.py) included, so that every problem is named at once. Where
+verl runs a setting a rule would refuse, the rule says a ConfigWarning instead (a WARNING line at start; GRPO with
+one response per prompt): no rule is stricter than verl where verl runs.
 
-A config the schema refused still gets every rule that does not read a refused value
-(`checks_despite_schema_errors`): each refused key holds a RefusedValue, and a rule that reads one is skipped.
+A config the schema refused still gets every rule (refused.py: each refused key holds a RefusedValue, and a rule
+that reads one runs again with each value a refused choice allows).
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
-import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from pydantic import ValidationError
-from pydantic_core import ErrorDetails
-
 from trainer.config import environment, ranks
-from trainer.config.errors import ConfigProblem, dotted, ignored, meant_key
+from trainer.config.errors import ConfigProblem, ConfigWarning, ignored, warned, warned_of_section
 from trainer.config.fields import Section, show
-from trainer.config.placement import DynamicOffloadConfig, FSDPConfig, WrapPolicy
+from trainer.config.placement import TRAINING_ONLY_KEYS, DynamicOffloadConfig, FSDPConfig, WrapPolicy
 from trainer.config.ranks import data_parallel_size
 from trainer.config.schema import (
     FROZEN_ROLES,
@@ -38,7 +34,8 @@ Rule = Callable[[RunConfig], list[ConfigProblem]]
 
 
 def check_semantics(config: RunConfig) -> list[ConfigProblem]:
-    """Problems no single field can see: files, paths, and how fields fit together."""
+    """Problems no single field can see: files, paths, and how fields fit together (ConfigWarnings among them:
+    settings that run, said at start)."""
     return [problem for rule in all_rules() for problem in rule(config)]
 
 
@@ -49,96 +46,16 @@ def all_rules() -> tuple[Rule, ...]:
             environment.check_reward_model_paths, environment.check_train_files, environment.check_val_files,
             environment.check_reward_function_file, environment.trackers_installed,
             _check_batch_sizes, _check_token_budgets, _grpo_needs_several_responses, _gae_needs_a_critic,
+            _model_length_holds_a_prompt,
             _resume_path_is_set, _validation_needs_data, ranks.check_devices, ranks.check_launch, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
             environment.actor_peft_installed, _actor_lora_keys, environment.critic_peft_installed, _critic_lora_keys,
+            environment.check_lora_adapter_path,
             _checkpoint_counts_agree, _critic_warmup_needs_a_critic, _validation_only_needs_data,
             _scheduler_names_agree,
             _reward_kwargs_of_the_manager, _overlong_buffer_fits, _batch_manager_needs_a_function,
             _bypass_loss_needs_bypass_mode)
-
-
-def checks_despite_schema_errors(raw: dict[str, Any], errors: Sequence[ErrorDetails]) -> list[ConfigProblem]:
-    """The checks beyond the schema of a config that failed it, so that every problem shows in one round.
-
-    The refused values are dropped and the rest validated again; in that config each refused key holds a
-    RefusedValue, and a check that reads one is skipped, since it would judge a default the user did not
-    write. A key misspelt (an unknown key close to a known one) refuses the key it was likely meant for.
-    Problems at or under a dropped key are left out: the schema has named them.
-    """
-    patched = copy.deepcopy(raw)
-    dropped: list[str] = []
-    refused: list[list[str]] = []
-    for error in errors:
-        field_path = [str(part) for part in itertools.takewhile(lambda part: isinstance(part, str), error["loc"])]
-        if field_path and _drop(patched, field_path):
-            dropped.append(dotted(field_path))
-            refused.append(field_path)
-        if error["type"] == "extra_forbidden" and field_path:
-            refused += [field_path[:-1] + [meant] for meant in meant_key(field_path)]
-    try:
-        config = RunConfig.model_validate(patched)
-    except ValidationError:
-        return []
-    for field_path in refused:
-        config = typing.cast(RunConfig, _refuse(config, field_path))
-    problems = []
-    for rule in all_rules():
-        try:
-            problems += rule(config)
-        except RefusedValueRead:
-            continue
-    return [problem for problem in problems if not any(_is_under(problem.path, key) for key in dropped)]
-
-
-class RefusedValueRead(Exception):
-    """A check read a value the schema refused."""
-
-
-class RefusedValue:
-    """Stands in a config for a value the schema refused: any use of it (a comparison, arithmetic, truth,
-    text, an attribute) raises RefusedValueRead, so a check never judges the default in its place."""
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise RefusedValueRead
-
-    __bool__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = _refuse
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __mod__ = __rmod__ = _refuse
-    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __neg__ = __abs__ = _refuse
-    __str__ = __format__ = __iter__ = __len__ = __contains__ = __index__ = __int__ = __float__ = _refuse
-    __fspath__ = __getitem__ = _refuse
-
-    def __getattr__(self, name: str) -> Any:
-        raise RefusedValueRead
-
-    def __repr__(self) -> str:
-        return "<refused by the schema>"
-
-
-def _refuse(section: Section, field_path: Sequence[str]) -> Section:
-    """`section` with the field at `field_path` (or the deepest section field on the way) a RefusedValue."""
-    name = field_path[0]
-    if name not in type(section).model_fields:
-        return section
-    value = getattr(section, name)
-    if len(field_path) > 1 and isinstance(value, Section):
-        return section.model_copy(update={name: _refuse(value, field_path[1:])})
-    return section.model_copy(update={name: RefusedValue()})
-
-
-def _drop(raw: dict[str, Any], field_path: Sequence[str]) -> bool:
-    node: Any = raw
-    for part in field_path[:-1]:
-        node = node.get(part) if isinstance(node, dict) else None
-    if isinstance(node, dict) and field_path[-1] in node:
-        del node[field_path[-1]]
-        return True
-    return False
-
-
-def _is_under(path: str, key: str) -> bool:
-    return path == key or path.startswith((key + ".", key + "["))
 
 
 # ------------------------------------------------------------------------ the algorithm and batches
@@ -218,10 +135,25 @@ def _largest_divisor(number: int, at_most: int) -> int:
 
 
 def _grpo_needs_several_responses(config: RunConfig) -> list[ConfigProblem]:
+    """A warning: verl runs it (and learns nothing from the scores)."""
     n = config.actor_rollout_ref.rollout.n
     if config.algorithm.adv_estimator == "grpo" and n < 2:
-        return [ConfigProblem("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator=grpo compares "
-                              "responses to the same prompt; allowed: n >= 2")]
+        return [ConfigWarning("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator=grpo normalizes "
+                              "each response's score within its prompt's group: with one response per prompt every "
+                              "advantage is 0, so the scores train nothing (only a KL or entropy term moves the "
+                              "actor), as in verl; set n >= 2 (verl's GRPO examples use 5)")]
+    return []
+
+
+def _model_length_holds_a_prompt(config: RunConfig) -> list[ConfigProblem]:
+    """rollout.max_model_len cuts responses (trainer/config/notes.py says so); a prompt must leave room for one."""
+    max_model_len, prompt = config.actor_rollout_ref.rollout.max_model_len, config.data.max_prompt_length
+    if max_model_len is not None and max_model_len <= prompt:
+        longest = prompt + config.data.max_response_length
+        return [ConfigProblem("actor_rollout_ref.rollout.max_model_len", f"got {max_model_len}, but a prompt of "
+                              f"data.max_prompt_length ({prompt}) tokens would leave no room for a response (verl's "
+                              f"engines raise on it); allowed: more than {prompt}, e.g. {longest} (prompt and "
+                              "response), or null")]
     return []
 
 
@@ -266,8 +198,8 @@ def _checkpoint_counts_agree(config: RunConfig) -> list[ConfigProblem]:
     trainer = config.trainer
     problems = []
     if not config.use_critic and trainer.max_critic_ckpt_to_keep is not None:
-        problems.append(ignored("trainer.max_critic_ckpt_to_keep", trainer.max_critic_ckpt_to_keep, None,
-                                 "this run trains no critic"))
+        problems.append(warned("trainer.max_critic_ckpt_to_keep", trainer.max_critic_ckpt_to_keep, None,
+                               "this run trains no critic"))
     if trainer.max_ckpt_to_keep is None:
         return problems
     for key in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
@@ -283,8 +215,8 @@ def _critic_warmup_needs_a_critic(config: RunConfig) -> list[ConfigProblem]:
     warmup = config.trainer.critic_warmup
     if warmup == 0 or config.use_critic:
         return []
-    return [ignored("trainer.critic_warmup", warmup, 0, "this run trains no critic (algorithm.adv_estimator="
-                     f"{config.algorithm.adv_estimator}, critic.enable={show(config.critic.enable)})")]
+    return [warned("trainer.critic_warmup", warmup, 0, "this run trains no critic (algorithm.adv_estimator="
+                   f"{config.algorithm.adv_estimator}, critic.enable={show(config.critic.enable)})")]
 
 
 def _validation_only_needs_data(config: RunConfig) -> list[ConfigProblem]:
@@ -295,21 +227,21 @@ def _validation_only_needs_data(config: RunConfig) -> list[ConfigProblem]:
 
 
 def _scheduler_names_agree(config: RunConfig) -> list[ConfigProblem]:
-    """warmup_style is verl's older name of lr_scheduler_type: both given and differing is a contradiction."""
-    problems = []
+    """warmup_style is verl's older name of lr_scheduler_type: both given and differing, it wins (a warning)."""
+    problems: list[ConfigProblem] = []
     default = OptimConfig().lr_scheduler_type
     for prefix, optim in (("actor_rollout_ref.actor.optim", config.actor_rollout_ref.actor.optim),
                           ("critic.optim", config.critic.optim)):
         if optim.warmup_style is not None and optim.lr_scheduler_type not in (default, optim.warmup_style):
-            problems.append(ConfigProblem(f"{prefix}.warmup_style", f"got {optim.warmup_style!r}, but "
-                                          f"{prefix}.lr_scheduler_type is {optim.lr_scheduler_type!r} (warmup_style "
-                                          "is verl's older name of it); allowed: one of the two"))
+            problems.append(ConfigWarning(f"{prefix}.warmup_style", f"got {optim.warmup_style!r}, but "
+                                          f"{prefix}.lr_scheduler_type is {optim.lr_scheduler_type!r}: warmup_style, "
+                                          "verl's older name of it, wins, as in verl; set one of the two"))
     return problems
 
 
-# Keys that this run would not act on: an error, not a warning, since whoever reads the config would believe
-# them. Only keys set away from their defaults are named, so a default config is clean, and so is a resolved
-# one (every default written out).
+# Keys that this run would not act on: an error where the key is this project's own, since whoever reads the config
+# would believe it; a warning where it is verl's and verl runs with it (and ignores it too). Only keys set away from
+# their defaults are named, so a default config is clean, and so is a resolved one (every default written out).
 
 
 def _reward_error_policy_without_a_function(config: RunConfig) -> list[ConfigProblem]:
@@ -332,12 +264,18 @@ def _critic_lora_keys(config: RunConfig) -> list[ConfigProblem]:
 
 def _lora_keys(prefix: str, model: ModelConfig | CriticModelConfig,
                default: ModelConfig | CriticModelConfig) -> list[ConfigProblem]:
-    """LoRA's other keys act only with an adapter (lora_rank > 0; that it needs peft: environment.py)."""
-    if model.lora_rank > 0:
+    """LoRA's other keys act only with an adapter (lora_rank > 0; that it needs peft: environment.py); a saved
+    one (lora_adapter_path) brings its own, and verl's scripts set them beside it: nothing to say."""
+    if model.lora_rank > 0 and model.lora_alpha == 0:
+        # verl runs it (peft scales the adapter's output by 0): the adapter never changes the model.
+        return [ConfigWarning(f"{prefix}.lora_alpha", f"got 0, but {prefix}.lora_rank is {model.lora_rank}: the "
+                              "adapter's output is scaled by lora_alpha / lora_rank = 0: it adds nothing to the layers "
+                              "it wraps, however it trains; set it (verl's default 16) for an adapter that acts")]
+    if model.lora_rank > 0 or getattr(model, "lora_adapter_path", None) is not None:
         return []
-    return [ignored(f"{prefix}.{key}", getattr(model, key), getattr(default, key),
-                     f"{prefix}.lora_rank is 0 (no LoRA adapter)", f", or set {prefix}.lora_rank (e.g. 8) to train an "
-                     "adapter")
+    return [warned(f"{prefix}.{key}", getattr(model, key), getattr(default, key),
+                   f"{prefix}.lora_rank is 0 (no LoRA adapter)", f", or set {prefix}.lora_rank (e.g. 8) to train an "
+                   "adapter")
             for key in ("lora_alpha", "target_modules", "exclude_modules")
             if hasattr(model, key) and getattr(model, key) != getattr(default, key)]
 
@@ -345,8 +283,8 @@ def _lora_keys(prefix: str, model: ModelConfig | CriticModelConfig,
 # ------------------------------------------------------------------------------------- placement
 
 
-_TRAINING_ONLY_KEYS = ("optimizer_offload", "optimizer_update", "offload_grad_dtype", "delayed_update",
-                       "merge_micro_batches")
+_TRAINING_ONLY_KEYS = TRAINING_ONLY_KEYS
+_VERL_TRAINING_KEYS = ("optimizer_offload",)
 
 
 def _fsdp_configs_by_role(config: RunConfig) -> dict[str, FSDPConfig]:
@@ -382,8 +320,9 @@ def _settings_of_models_not_built(config: RunConfig) -> list[ConfigProblem]:
     for role, fsdp in _fsdp_configs_by_role(config).items():
         if role not in built:
             why, remedy = not_built[role]
-            problems += [ignored(f"{FSDP_PREFIX[role]}.{key}", value, default, why, remedy)
-                         for key, value, default in _keys_changed(fsdp, FSDPConfig())]
+            changed = [(key, value) for key, value, _ in _keys_changed(fsdp, FSDPConfig())]
+            if changed:
+                problems.append(warned_of_section(FSDP_PREFIX[role], changed, why, remedy))
     return problems
 
 
@@ -396,8 +335,10 @@ def _training_settings_of_frozen_models(config: RunConfig) -> list[ConfigProblem
         what = "the reference policy" if role == "ref" else "the reward model"
         for key in _TRAINING_ONLY_KEYS:
             if getattr(fsdp, key) != getattr(default, key):
-                problems.append(ignored(f"{FSDP_PREFIX[role]}.{key}", getattr(fsdp, key), getattr(default, key),
-                                         f"{what} is frozen (no gradients, no optimizer)"))
+                # verl's own key (optimizer_offload) runs there, ignored: a warning; this project's, an error.
+                say = warned if key in _VERL_TRAINING_KEYS else ignored
+                problems.append(say(f"{FSDP_PREFIX[role]}.{key}", getattr(fsdp, key), getattr(default, key),
+                                    f"{what} is frozen (no gradients, no optimizer)"))
     return problems
 
 
@@ -409,10 +350,10 @@ def _settings_not_built_yet(config: RunConfig) -> list[ConfigProblem]:
     default = WrapPolicy().min_num_params
     for role, fsdp in config.fsdp_configs().items():
         if fsdp.wrap_policy.min_num_params != default:
-            problems.append(ignored(f"{FSDP_PREFIX[role]}.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params,
-                                     default, "wrapping by size shapes FSDP's units, which here are fixed: one "
-                                     "per decoder layer and per group (embedding, head, final norm) on several "
-                                     "ranks, none on one"))
+            problems.append(warned(f"{FSDP_PREFIX[role]}.wrap_policy.min_num_params", fsdp.wrap_policy.min_num_params,
+                                   default, "wrapping by size shapes FSDP's units, which here are fixed: one "
+                                   "per decoder layer and per group (embedding, head, final norm) on several "
+                                   "ranks, none on one"))
     return problems
 
 

@@ -71,7 +71,7 @@ class ModelConfig(Section):
     """Allow model code shipped inside the model directory."""
     lora_rank: int = Field(0, ge=0)
     """Rank of a LoRA adapter (peft) trained on the frozen policy; 0 trains every weight (verl's key)."""
-    lora_alpha: int = Field(16, ge=1)
+    lora_alpha: int = Field(16, ge=0)
     """LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank."""
     target_modules: str | list[str] = "all-linear"
     """Modules that get an adapter: all-linear (every linear layer but the output head), a list of names, or a regex."""
@@ -79,6 +79,8 @@ class ModelConfig(Section):
     """Modules of target_modules left without an adapter: a list of names, or a regex; unset excludes none."""
     use_remove_padding: bool = False
     """Padding-free forward (real tokens packed in one row) for the actor's and reference's log-probs and update."""
+    lora_adapter_path: str | None = None
+    """A saved peft adapter the policy's LoRA starts from (its own rank, alpha and modules); unset: a new one."""
 
     @field_validator("target_modules", "exclude_modules", mode="before")
     @classmethod
@@ -224,12 +226,18 @@ class ValKwargs(Section):
 
 
 class RolloutConfig(Section):
-    name: Literal["hf"] = "hf"
-    """Generation engine: hf, the built-in rollout on the actor's own weights (verl's vllm and sglang: refused)."""
-    tensor_model_parallel_size: int = 1
-    """verl's key: 1 only (the rollout decodes with the actor's weights, in the trainer process, on one device)."""
+    name: Literal["hf", "vllm", "sglang", "trtllm"] = "hf"
+    """Generation engine: hf, the built-in rollout on the actor's own weights; verl's vllm, sglang, trtllm: it too."""
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    """verl's key: above 1, the rollout runs data-parallel on the run's ranks instead (each decodes its share whole)."""
     gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
     """Fraction of GPU memory in use while decoding (resident weights and states + KV cache); unset: no budget."""
+    max_num_seqs: int = Field(256, ge=1)
+    """verl's (vLLM's) key: most sequences the rollout decodes at once, in one piece of the batch."""
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    """verl's (vLLM's) key: most tokens one decode step of a piece processes, one per sequence: caps it as well."""
+    max_model_len: int | None = Field(None, ge=1)
+    """verl's key: most tokens of prompt and response; a response stops there, as verl's engines stop it; null: none."""
     n: int = Field(1, ge=1)
     """Responses sampled per prompt."""
     temperature: float = Field(1.0, gt=0.0)
@@ -259,23 +267,11 @@ class RolloutConfig(Section):
 
     @field_validator("name", mode="before")
     @classmethod
-    def _built_in_engine(cls, name: Any) -> Any:
+    def _engine_named(cls, name: Any) -> Any:
         if name == "???":
-            raise ValueError("got '???', verl's mark of a value a config must give; allowed: 'hf'")
-        if name in ("vllm", "sglang", "trtllm"):
-            raise ValueError(f"got {name!r}, but the rollout here is built in (it decodes with the actor's own "
-                             f"weights in the trainer process, so no weights are synced to a {name} server); "
-                             "allowed: 'hf'")
+            raise ValueError("got '???', verl's mark of a value a config must give; allowed: 'hf' (the built-in "
+                             "rollout), or verl's 'vllm', 'sglang' or 'trtllm', which run it too")
         return name
-
-    @field_validator("tensor_model_parallel_size", mode="before")
-    @classmethod
-    def _one_rollout_device(cls, size: Any) -> Any:
-        if isinstance(size, int) and not isinstance(size, bool) and size != 1:
-            raise ValueError(f"got {size}, but the rollout decodes with the actor's own weights on the trainer's "
-                             "one device (no tensor-parallel inference engine; the offload engine streams what "
-                             "does not fit); allowed: 1")
-        return size
 
 
 class RefConfig(Section):
@@ -315,7 +311,7 @@ class CriticModelConfig(Section):
     """Allow model code shipped inside the model directory."""
     lora_rank: int = Field(0, ge=0)
     """Rank of a LoRA adapter on the critic's frozen backbone (its value head trains whole); 0 trains every weight."""
-    lora_alpha: int = Field(16, ge=1)
+    lora_alpha: int = Field(16, ge=0)
     """LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank."""
     target_modules: str | list[str] = "all-linear"
     """Modules that get an adapter: all-linear (every linear layer but the value head), a list of names, or a regex."""
@@ -420,7 +416,13 @@ class CustomRewardFunction(Section):
     path: str | None = None
     """A Python file defining the scoring function; unset uses the built-in scorers."""
     name: str = "compute_score"
-    """Function in that file: (data_source, solution_str, ground_truth, extra_info) -> float."""
+    """Function in that file: (data_source, solution_str, ground_truth, extra_info) -> float (null: compute_score)."""
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _null_is_verls_default(cls, value: Any) -> Any:
+        """verl's scripts pass `custom_reward_function.name=null` beside a null path: verl's default name."""
+        return "compute_score" if value is None else value
     on_error: Literal["raise", "zero"] = "raise"
     """When the function raises: raise stops the run (exit 2), zero scores the response 0 (counted: reward/errors)."""
     reward_kwargs: dict[str, Any] = {}
@@ -486,6 +488,8 @@ class DataConfig(Section):
     """Drop the prompts longer than max_prompt_length tokens when the data is loaded (counted in the log)."""
     return_raw_chat: bool = True
     """verl's key; either value runs the same here: the rollout always applies the chat template to the messages."""
+    apply_chat_template_kwargs: dict[str, Any] = {}
+    """Keyword arguments to the tokenizer's chat template for every prompt (e.g. enable_thinking, reasoning_effort)."""
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod

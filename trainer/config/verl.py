@@ -26,6 +26,9 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.config.aliases import Action, Alias, Reading, entries, entry_for, why
 from trainer.config.errors import ConfigProblem
 from trainer.config.fields import Section, section_type, show
+from trainer.config.megatron import CONFIG_NAMES, asks_for_megatron
+from trainer.config.notes import Note
+from trainer.config.placement import TRAINING_ONLY_KEYS
 from trainer.config.schema import FROZEN_ROLES, FSDP_PREFIX, RunConfig
 
 VERL_CONFIG_FILE = Path(__file__).with_name("verl_ppo_trainer.yaml")
@@ -42,13 +45,24 @@ class Translation:
     """The problems of verl's keys."""
     written: dict[str, str] = field(default_factory=dict)
     """{canonical key: the key the user wrote}, for naming problems as the user wrote the keys."""
-    notes: list[str] = field(default_factory=list)
-    """One line per noted key: the key and why it has no effect here."""
+    notes: list[Note] = field(default_factory=list)
+    """One per noted key given away from verl's default: the key, its value and why it has no effect here."""
+    megatron: list[tuple[str, Any]] = field(default_factory=list)
+    """(key, value) of each setting that asks for Megatron-LM (`single_megatron_problem`)."""
+    shared: set[str] = field(default_factory=set)
+    """The canonical keys set by a key of several models (actor_rollout_ref.fsdp_config.*): a warning that one of
+    them has no effect (the reference's, when no reference is built) does not apply to what the user wrote."""
 
 
-def translate(raw: dict[str, Any]) -> Translation:
-    """verl's dialect in `raw` (interpolations resolved) -> the tree the schema reads, and what was found."""
-    translation = Translation(copy.deepcopy(raw))
+def translate(raw: dict[str, Any], config_name: str | None = None) -> Translation:
+    """verl's dialect in `raw` (interpolations resolved) -> the tree the schema reads, and what was found.
+    `config_name`: verl's Hydra --config-name, when a launch script gives one."""
+    translation = Translation(copy.deepcopy(raw), megatron=asks_for_megatron(_leaves(raw, []), config_name))
+    if config_name is not None and config_name.removesuffix(".yaml") not in CONFIG_NAMES:
+        translation.problems.append(ConfigProblem("--config-name", f"got {config_name!r}, a Hydra config of its "
+                                                  "own, which this project cannot compose; allowed: ppo_trainer "
+                                                  "(verl's, the default), or its settings in a YAML file given with "
+                                                  "--config"))
     for alias in entries(Action.MAPPED):
         _READERS[alias.reading](alias, translation)
     translation.problems += _drop_verl_keys(translation.tree, RunConfig, verl_only_defaults(), [], _Context(raw),
@@ -60,11 +74,13 @@ def translate(raw: dict[str, Any]) -> Translation:
 
 
 def _move(alias: Alias, translation: Translation) -> None:
-    """Each key the alias writes -> its canonical key; a key given in both places with different values is a
-    problem naming both, and the canonical place's value stands."""
+    """Each key the alias writes -> its canonical key (Reading.EACH: each of its canonical keys); a key given in
+    two places with different values is a problem naming both, and the value there first stands. A setting of a
+    trained model only (an optimizer's) goes to the first canonical key alone: the reference is frozen."""
     assert alias.canonical is not None  # a mapped entry names its canonical key
     pattern = re.compile(r"(.*)".join(re.escape(part) for part in alias.written.split("*")))
-    place = alias.canonical.removesuffix(".*")  # named in the message: a section's place, or the key
+    # Named in a message: a section's place, or the key.
+    places = [canonical.removesuffix(".*") for canonical in (alias.canonical, *alias.also)]
     tree = translation.tree
     for location, value in list(_leaves(tree, [])):
         written = ".".join(location)
@@ -74,20 +90,41 @@ def _move(alias: Alias, translation: Translation) -> None:
         match = pattern.fullmatch(written)
         if match is None:
             continue
-        target = _filled(alias.canonical, match.groups()).split(".")
-        if _blocked(tree, target[:-1]):
+        targets = [(_filled(canonical, match.groups()).split("."), place)
+                   for canonical, place in zip((alias.canonical, *alias.also), places, strict=True)]
+        targets = targets[:1] + [(target, place) for target, place in targets[1:] if not _trains_only(target)]
+        if any(_blocked(tree, target[:-1]) for target, _ in targets):
             continue  # a setting in the way: the schema names it, and this key left where it was written
         _remove(tree, location)
-        parent = _mapping_at(tree, target[:-1])
-        canonical, name = ".".join(target), target[-1]
-        if name in parent and not _same(parent[name], value):
-            translation.problems.append(ConfigProblem(written, f"got {show(value)}, but {canonical} is "
-                                                      f"{show(parent[name])}: the two are one setting ({place} is "
-                                                      "its canonical place); allowed: one of them, or the same value"))
-            continue
-        if name not in parent:
-            translation.written[canonical] = written
-        parent[name] = value
+        for target, place in targets:
+            canonical = ".".join(target)
+            _put(translation, _mapping_at(tree, target[:-1]), canonical, written, copy.deepcopy(value), place)
+            if alias.also:
+                translation.shared.add(canonical)
+
+
+def _put(translation: Translation, parent: dict[str, Any], canonical: str, written: str, value: Any,
+         place: str) -> None:
+    """`value`, written at `written`, as the canonical key's (in `parent`); a different value there already is a
+    problem naming both places: the canonical one, or the other key that was read as it (each model's
+    dynamic_offload level, read as the run-wide one)."""
+    name = canonical.rpartition(".")[2]
+    if name in parent and not _same(parent[name], value):
+        other = translation.written.get(canonical, canonical)
+        translation.problems.append(ConfigProblem(written, f"got {show(value)}, but {other} is "
+                                                  f"{show(parent[name])}: the two are one setting ({place} is "
+                                                  "its canonical place); allowed: one of them, or the same value"))
+        return
+    if name not in parent:
+        translation.written[canonical] = written
+    parent[name] = value
+
+
+def _trains_only(target: Sequence[str]) -> bool:
+    """Whether a dotted key (split) is a frozen model's setting that acts on training only (its optimizer's)."""
+    key = ".".join(target)
+    return any(key.startswith(FSDP_PREFIX[role] + ".") and key[len(FSDP_PREFIX[role]) + 1:].split(".")[0]
+               in TRAINING_ONLY_KEYS for role in FROZEN_ROLES)
 
 
 def _same_as(alias: Alias, translation: Translation) -> None:
@@ -113,8 +150,48 @@ def _offload_switch(alias: Alias, translation: Translation) -> None:
             translation.problems += _offload_policy(translation.tree, prefix.split("."), role not in FROZEN_ROLES)
 
 
+def _per_gpu(alias: Alias, translation: Translation) -> None:
+    """verl's size over all GPUs -> the per-GPU size: divided among the data-parallel ranks (the world size over
+    the model's Ulysses degree; the reward model's over the world size), as verl's workers divide it."""
+    assert alias.canonical is not None
+    tree = translation.tree
+    location = alias.written.split(".")
+    parent = _node(tree, location[:-1])
+    if not isinstance(parent, dict) or location[-1] not in parent:
+        return
+    value = parent.pop(location[-1])
+    if value is None:
+        return  # verl's default: unset
+    ranks = _data_parallel_ranks(tree, alias.canonical)
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= ranks):
+        what = f"the {ranks} data-parallel ranks" if ranks > 1 else "the run's rank"
+        translation.problems.append(ConfigProblem(alias.written, f"got {show(value)}, but it is verl's size over all "
+                                                  f"GPUs, divided among {what}; allowed: an integer >= {ranks}, or "
+                                                  f"set {alias.canonical.rpartition('.')[2]}"))
+        return
+    target = alias.canonical.split(".")
+    _put(translation, _mapping_at(tree, target[:-1]), alias.canonical, alias.written, value // ranks,
+         alias.canonical)
+
+
+def _data_parallel_ranks(tree: dict[str, Any], canonical: str) -> int:
+    """The ranks a size over all GPUs is divided among, for the model of `canonical` (verl's fsdp_workers: the
+    world size over the Ulysses degree; its reward model: the world size)."""
+    numbers = [_value_or_default(tree, ["trainer", "nnodes"]), _value_or_default(tree, ["trainer", "n_gpus_per_node"])]
+    model = canonical.split(".")[0]
+    if model != "reward_model":
+        numbers.append(_value_or_default(tree, [model, "ulysses_sequence_parallel_size"] if model == "critic" else
+                                         ["actor_rollout_ref", "actor", "ulysses_sequence_parallel_size"]))
+    counts = [number for number in numbers if isinstance(number, int) and not isinstance(number, bool) and number >= 1]
+    if len(counts) < len(numbers):
+        return 1  # a bad number: the schema names it
+    world = counts[0] * counts[1]
+    return max(1, world // counts[2]) if len(counts) > 2 else world
+
+
 _READERS: dict[Reading, Callable[[Alias, Translation], None]] = {
-    Reading.MOVED: _move, Reading.SAME_AS: _same_as, Reading.OFFLOAD_SWITCH: _offload_switch}
+    Reading.MOVED: _move, Reading.SAME_AS: _same_as, Reading.OFFLOAD_SWITCH: _offload_switch, Reading.EACH: _move,
+    Reading.PER_GPU: _per_gpu}
 
 
 def _offload_policy(tree: dict[str, Any], path: Sequence[str], trains: bool) -> list[ConfigProblem]:
@@ -297,7 +374,7 @@ def _merged(defaults: Any, raw: Any) -> Any:
 
 
 def _drop_verl_keys(node: dict[str, Any], section: type[Section] | None, verl: Any, location: list[str],
-                    context: _Context, notes: list[str]) -> list[ConfigProblem]:
+                    context: _Context, notes: list[Note]) -> list[ConfigProblem]:
     """Remove from `node` each key of verl's the schema lacks; a problem for each one away from its default (a
     note for each noted one)."""
     problems: list[ConfigProblem] = []
@@ -316,7 +393,9 @@ def _drop_verl_keys(node: dict[str, Any], section: type[Section] | None, verl: A
             problems += _compare([*location, key], value, verl[key], context, notes)
         elif _noted_by_name(".".join([*location, key])):
             del node[key]
-            notes.append(_note(".".join([*location, key])))
+            alias = entry_for(".".join([*location, key]))
+            assert alias is not None
+            notes += _noted([*location, key], value, _ABSENT, alias, context)
     return problems
 
 
@@ -327,18 +406,41 @@ def _noted_by_name(key: str) -> bool:
     return alias is not None and alias.action is Action.NOTED and alias.written == key
 
 
-def _note(key: str) -> str:
-    alias = entry_for(key)
-    assert alias is not None
-    return f"{key}: {alias.why}"
+_ABSENT = object()  # a key verl's file does not have
+
+
+def _noted(location: list[str], value: Any, default: Any, alias: Alias, context: _Context) -> list[Note]:
+    """The notes of a noted key given at `value`: none at verl's default (or at a value the entry accepts: what
+    happens here anyway), else one for each setting of it (each leaf of a mapping given under it)."""
+    if isinstance(value, dict) and value and (isinstance(default, dict) or default is _ABSENT):
+        return [note for name, item in value.items() for note in _noted(
+            [*location, str(name)], item, default.get(name, _ABSENT) if isinstance(default, dict) else _ABSENT,
+            alias, context)]
+    if isinstance(default, str) and "${" in default:
+        default = context.value_of(location, default)
+    if (default is not _ABSENT and _same(value, default)) or any(_same(value, choice) for choice in alias.accepts):
+        return []
+    return [Note(".".join(location), value, alias.why)]
 
 
 def _compare(location: list[str], value: Any, default: Any, context: _Context,
-             notes: list[str]) -> list[ConfigProblem]:
+             notes: list[Note]) -> list[ConfigProblem]:
     key = ".".join(location)
+    if isinstance(default, dict) and isinstance(value, dict):
+        # Each setting under a section takes its own entry (multi_turn.enable is refused where rollout.* is noted).
+        problems: list[ConfigProblem] = []
+        for name, item in value.items():
+            below = [*location, str(name)]
+            if name in default:
+                problems += _compare(below, item, default[name], context, notes)
+            elif (entry := entry_for(".".join(below))) is not None and entry.action is Action.NOTED:
+                notes += _noted(below, item, _ABSENT, entry, context)
+            else:
+                problems.append(_refused(".".join(below), item, None, key))
+        return problems
     alias = entry_for(key)
     if alias is not None and alias.action is Action.NOTED:
-        notes.append(_note(key))
+        notes += _noted(location, value, default, alias, context)
         return []
     if isinstance(default, str) and "${" in default:
         # verl's key mirrors another (actor.use_remove_padding: ${...model.use_remove_padding}): where it does,
@@ -351,15 +453,6 @@ def _compare(location: list[str], value: Any, default: Any, context: _Context,
             return []
         return [ConfigProblem(key, f"got {show(value)}, but {alias.why}; allowed: "
                               f"{' or '.join(show(choice) for choice in alias.accepts)}")]
-    if isinstance(default, dict) and isinstance(value, dict):
-        problems: list[ConfigProblem] = []
-        for name, item in value.items():
-            below = [*location, str(name)]
-            if name in default:
-                problems += _compare(below, item, default[name], context, notes)
-            else:
-                problems.append(_refused(".".join(below), item, None, key))
-        return problems
     if _same(value, default):
         return []
     return [_refused(key, value, default, key)]

@@ -4,7 +4,8 @@ prompt tokens the tokenizer does not know, which it would train on as <unk>."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -25,14 +26,15 @@ class UnknownTokens(DataError):
 
 
 def check_prompts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase, *, files_key: str,
-                  max_length: int, truncation: str, tokenizer_setting: str, tokenizer_name: str) -> None:
+                  max_length: int, truncation: str, tokenizer_setting: str, tokenizer_name: str,
+                  template_kwargs: Mapping[str, Any] | None = None) -> None:
     """Raise PromptTooLong for the first prompt over `max_length` tokens (with truncation "error") or
     of no tokens, and UnknownTokens when more than UNKNOWN_TOKEN_LIMIT of all tokens are unknown.
     `files_key` (data.train_files), `tokenizer_setting` and `tokenizer_name` go into the messages."""
     unknown_id = tokenizer.unk_token_id
     unknown = total = 0
     first_unknown: list[PromptRecord] = []
-    for record, ids in zip(records, _token_ids(records, tokenizer), strict=True):
+    for record, ids in zip(records, _token_ids(records, tokenizer, template_kwargs), strict=True):
         if not ids:
             raise PromptTooLong(f"{record.source}: the prompt is empty after tokenization; every prompt needs "
                                 "at least one token")
@@ -47,7 +49,7 @@ def check_prompts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenize
             if count and len(first_unknown) < 3:
                 first_unknown.append(record)
     if total and unknown / total > UNKNOWN_TOKEN_LIMIT:
-        words = ", ".join(repr(word) for word in _unknown_words(first_unknown, tokenizer))
+        words = ", ".join(repr(word) for word in _unknown_words(first_unknown, tokenizer, template_kwargs))
         examples = f"e.g. {words} in {first_unknown[0].source}" if words else f"e.g. in {first_unknown[0].source}"
         raise UnknownTokens(f"{unknown / total:.0%} of the prompt tokens of {files_key} ({unknown} of {total}) are "
                             f"unknown to the tokenizer ({tokenizer_name}; {examples}): training would read "
@@ -57,23 +59,26 @@ def check_prompts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenize
 
 
 def drop_overlong_prompts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase,
-                          max_length: int) -> list[PromptRecord]:
+                          max_length: int, template_kwargs: Mapping[str, Any] | None = None) -> list[PromptRecord]:
     """The records whose prompt has at most `max_length` tokens, as the rollout tokenizes it (verl's
     data.filter_overlong_prompts, which counts the chat template's tokens too)."""
-    return [record for record, ids in zip(records, _token_ids(records, tokenizer), strict=True)
+    return [record for record, ids in zip(records, _token_ids(records, tokenizer, template_kwargs), strict=True)
             if len(ids) <= max_length]
 
 
-def _texts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, bool]]:
+def _texts(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase,
+           template_kwargs: Mapping[str, Any] | None) -> list[tuple[str, bool]]:
     """(text, add special tokens) per prompt, as trainer/rollout/prompts.py prompt_token_ids tokenizes it."""
     return [(record.prompt, True) if isinstance(record.prompt, str)
-            else (str(tokenizer.apply_chat_template(record.prompt, add_generation_prompt=True, tokenize=False)), False)
+            else (str(tokenizer.apply_chat_template(record.prompt, add_generation_prompt=True, tokenize=False,
+                                                    **(template_kwargs or {}))), False)
             for record in records]
 
 
-def _token_ids(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase) -> Iterator[list[int]]:
+def _token_ids(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase,
+               template_kwargs: Mapping[str, Any] | None) -> Iterator[list[int]]:
     for start in range(0, len(records), _BATCH):
-        texts = _texts(records[start:start + _BATCH], tokenizer)
+        texts = _texts(records[start:start + _BATCH], tokenizer, template_kwargs)
         ids: dict[int, list[int]] = {}
         for special in (True, False):
             positions = [index for index, (_, add) in enumerate(texts) if add == special]
@@ -83,12 +88,13 @@ def _token_ids(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBa
         yield from (ids[index] for index in range(len(texts)))
 
 
-def _unknown_words(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+def _unknown_words(records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase,
+                   template_kwargs: Mapping[str, Any] | None) -> list[str]:
     """Up to three distinct pieces of the prompts' text that became the unknown token."""
     words: list[str] = []
     if not tokenizer.is_fast:  # only fast tokenizers map tokens back to the text
         return words
-    for text, special in _texts(records, tokenizer):
+    for text, special in _texts(records, tokenizer, template_kwargs):
         encoded = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
         for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
             if token == tokenizer.unk_token_id and text[start:end] not in words:

@@ -42,10 +42,12 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 
 from trainer.config import FSDPConfig
 from trainer.distributed.ranks import Ranks
 from trainer.offload.groups import GROUPS, TITLES, ModelParts, find_parts
+from trainer.offload.layout import format_bytes
 
 
 def group_placements(fsdp_config: FSDPConfig, parts: ModelParts) -> dict[str, bool]:
@@ -251,6 +253,39 @@ def describe_sharding(role: str, world_size: int, on_cpu: dict[str, bool], parts
                else f"the {where[0]} keeps its" if len(where) == 1 else f"the {_listed(where)} keep their")
     return (f"{line}; {holders} local shards' parameters, gradients and optimizer states on the CPU through "
             "FSDP2's CPUOffloadPolicy (the project's own offload engine places whole models on one rank only)")
+
+
+def offload_summary(on_cpu: dict[str, bool], parts: ModelParts, device: torch.device) -> list[str]:
+    """A sharded model's offload summary in the article's words, as one rank's engine says it (offload/layout.py
+    summary_lines): each group OFFLOADED to CPU or KEPT on the device, with the bytes of this rank's local shards,
+    and the device memory that saves on each rank."""
+    on_gpu = device.type == "cuda"
+    resident = "KEPT on GPU" if on_gpu else f"KEPT on the compute device, the {device.type.upper()}"
+    modules = {"embedding": [parts.embedding], "transformer": list(parts.layers),
+               "norm": [parts.norm] if parts.norm is not None else [],
+               "lm_head": [parts.head] if parts.head is not None else []}
+    lines, saved = [], 0
+    for group in GROUPS:
+        if not modules[group]:
+            continue
+        title = TITLES[group] + (f" ({len(parts.layers)} layers)" if group == "transformer" else "")
+        if group == "lm_head" and parts.tied:
+            lines.append(f"{title}: tied to the embedding")
+            continue
+        nbytes = sum(_local_bytes(parameter) for module in modules[group] for parameter in module.parameters())
+        saved += nbytes if on_cpu[group] else 0
+        lines.append(f"{title}: {'OFFLOADED to CPU' if on_cpu[group] else resident} ({format_bytes(nbytes)} of "
+                     "this rank's shards)")
+    lines.append(f"Total GPU Memory Saved: {format_bytes(saved)} on each rank" if on_gpu else
+                 f"Total GPU Memory Saved on a GPU: {format_bytes(saved)} on each rank (this run computes on the "
+                 f"{device.type.upper()})")
+    return lines
+
+
+def _local_bytes(parameter: torch.Tensor) -> int:
+    """The bytes this rank holds of a parameter: its local shard where FSDP2 sharded it."""
+    local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+    return local.numel() * local.element_size()
 
 
 def _listed(names: list[str]) -> str:

@@ -48,15 +48,20 @@ class LoraSettings:
     exclude_modules: str | list[str] | None
     setting: str
     """The config section the keys are in, e.g. "actor_rollout_ref.model"."""
+    adapter_path: str | None = None
+    """A saved adapter to start from (verl's lora_adapter_path): its own rank, alpha and modules, not the keys'."""
 
     @classmethod
     def of(cls, model_config: Any, setting: str) -> LoraSettings | None:
-        """The settings of a model config section; None when it asks for no adapter (lora_rank 0)."""
-        if model_config.lora_rank == 0:
+        """The settings of a model config section; None when it asks for no adapter (lora_rank 0, no
+        lora_adapter_path)."""
+        adapter_path = getattr(model_config, "lora_adapter_path", None)
+        if model_config.lora_rank == 0 and adapter_path is None:
             return None
         return cls(rank=model_config.lora_rank, alpha=model_config.lora_alpha,
                    target_modules=model_config.target_modules,
-                   exclude_modules=getattr(model_config, "exclude_modules", None), setting=setting)
+                   exclude_modules=getattr(model_config, "exclude_modules", None), setting=setting,
+                   adapter_path=adapter_path)
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings, *, role: Literal["actor", "critic"], seed: int) -> PeftModel:
@@ -66,6 +71,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, role: Literal["actor
     (with fp32 masters on the CPU when the optimizer is offloaded, as every trained weight)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
+    if settings.adapter_path is not None:
+        return saved_adapter(model, settings)
     head = _value_head(model) if role == "critic" else None
     _check_modules(model, settings, head)
     exclude = settings.exclude_modules
@@ -85,6 +92,28 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, role: Literal["actor
     except (ValueError, TypeError) as error:
         raise ModelLoadError(f"{settings.setting}.target_modules: got {settings.target_modules!r}: "
                              f"{_one_line(error)}; {_linear_layers(model)}") from None
+
+
+def saved_adapter(model: nn.Module, settings: LoraSettings) -> PeftModel:
+    """`model` with the adapter saved at `settings.adapter_path` (peft's format: adapter_config.json beside its
+    weights), trainable, every other weight frozen: verl's lora_adapter_path, which continues a LoRA run. The
+    adapter's own config sets its rank, alpha and modules (as in verl, lora_rank and target_modules are not read);
+    its weights keep the model's dtype."""
+    from peft import PeftModel
+
+    key = f"{settings.setting}.lora_adapter_path"
+    directory = Path(str(settings.adapter_path)).expanduser()
+    if not (directory / ADAPTER_CONFIG).is_file():
+        raise ModelLoadError(f"{key}: got {settings.adapter_path!r}, which is not a saved LoRA adapter (no "
+                             f"{ADAPTER_CONFIG} in it); allowed: a directory peft's save_pretrained wrote, e.g. "
+                             "a LoRA checkpoint's actor adapter")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return PeftModel.from_pretrained(model, str(directory), is_trainable=True, autocast_adapter_dtype=False)
+    except (ValueError, TypeError, KeyError, RuntimeError, OSError) as error:
+        raise ModelLoadError(f"{key}: got {settings.adapter_path!r}, which does not fit the model "
+                             f"({_one_line(error)}); allowed: an adapter saved for this model") from None
 
 
 def with_adapter(model: nn.Module, settings: LoraSettings | None, *, role: Literal["actor", "critic"],

@@ -401,12 +401,14 @@ def summary_rows(layout: Layout, role: str, device: torch.device) -> list[dict[s
 
 def summary_lines(layout: Layout, *, role: str, device: torch.device, host: dict[str, int],
                   saved_gpu_bytes: int) -> list[str]:
-    """The offload summary in words, e.g. "Embedding: OFFLOADED to CPU (1.02 GiB)"."""
+    """The offload summary in words, in the words of the article this project answers ("verl CPU offloading实战":
+    "Embedding: OFFLOADED to CPU (1.02 GiB)", "Transformer (28 layers): KEPT on GPU (12.15 GiB)", "Total GPU
+    Memory Saved: 1.02 GiB"), so that a reader who greps a log for them finds them."""
     lines = []
     layers = len(layout.transformer_units)
     # The "gpu" placement means "resident on the compute device": say which when that is not a GPU.
     on_gpu = device.type == "cuda"
-    resident = "on GPU" if on_gpu else f"resident on the compute device, the {device.type.upper()}"
+    resident = "KEPT on GPU" if on_gpu else f"KEPT on the compute device, the {device.type.upper()}"
     for row in summary_rows(layout, role, device):
         group = str(row["group"])
         title = TITLES[group] + (f" ({layers} layers)" if group == "transformer" else "")
@@ -432,8 +434,8 @@ def summary_lines(layout: Layout, *, role: str, device: torch.device, host: dict
         lines.append(f"Optimizer: {where} ({master_name} master weights and AdamW states, "
                      f"{format_bytes(3 * on_host * master.itemsize)}{update})")
     saved = format_bytes(saved_gpu_bytes)
-    lines.append(f"GPU memory saved: {saved}" if on_gpu
-                 else f"GPU memory saved on a GPU: {saved} (this run computes on the {device.type.upper()})")
+    lines.append(f"Total GPU Memory Saved: {saved}" if on_gpu
+                 else f"Total GPU Memory Saved on a GPU: {saved} (this run computes on the {device.type.upper()})")
     if sum(host.values()):
         pinned = " pinned" if on_gpu else ""
         now = f"{format_bytes(host['arena'])}{pinned} weights"

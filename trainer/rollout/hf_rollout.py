@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -35,6 +36,14 @@ def response_mask_until_eos(response_ids: torch.Tensor, eos_ids: list[int]) -> t
     # Count EOS tokens seen strictly before each position; the response is what precedes the first.
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (eos_before == 0).float()
+
+
+def within_model_length(mask: torch.Tensor, prompt_mask: torch.Tensor, max_model_len: int) -> torch.Tensor:
+    """[B, R] response mask cut where each row's prompt and response reach `max_model_len` tokens (its prompt's
+    real tokens: [B, P] prompt_mask), as verl's engines stop a response there (rollout.max_model_len)."""
+    room = (max_model_len - prompt_mask.sum(dim=1, keepdim=True)).clamp(min=0)  # [B, 1] tokens left per row
+    positions = torch.arange(mask.shape[1], device=mask.device)[None, :]
+    return mask * (positions < room).to(mask.dtype)
 
 
 class SafePoints(StoppingCriteria):
@@ -117,6 +126,7 @@ class HFRollout:
             raise ValueError("a static decode synced over several ranks needs their agreement (agree_active)")
         self.safe_point = safe_point  # called between decode chunks (dynamic offload)
         self.response_length = response_length
+        self.max_model_len = config.max_model_len
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
         # A fresh config on purpose: a checkpoint's own generation defaults (repetition penalty,
@@ -182,16 +192,21 @@ class HFRollout:
         try:
             self._decoded_static = self.decoder is not None and self._decodes_static(prompt_ids.device)
             log_probs = None
+            length = self._tokens_to_decode(prompt_mask)
             if self.decoder is not None and self._decoded_static:
                 self.decoder.agree_active = self._agree_active if self.synced else None
                 self.decoder.keep_log_probs = self.record_log_probs
-                responses = self.decoder.generate(prompt_ids, prompt_mask, self.response_length, self.safe_point)
+                responses = self.decoder.generate(prompt_ids, prompt_mask, length, self.safe_point)
                 log_probs = self.decoder.log_probs if self.record_log_probs else None
             else:
                 stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])
                 recorder = SampledLogProbs(self.temperature) if self.record_log_probs else None
+                generation_config = self.generation_config
+                if length != generation_config.max_new_tokens:  # rollout.max_model_len leaves every row less room
+                    generation_config = copy.deepcopy(generation_config)
+                    generation_config.max_new_tokens = length
                 sequences = self.model.generate(
-                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
+                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
                     stopping_criteria=stopping, synced_gpus=self.synced,
                     logits_processor=LogitsProcessorList([recorder] if recorder is not None else []),
                 )
@@ -205,5 +220,15 @@ class HFRollout:
             responses = torch.nn.functional.pad(responses, (0, padding), value=self.pad_id)
             log_probs = None if log_probs is None else torch.nn.functional.pad(log_probs, (0, padding))
         mask = response_mask_until_eos(responses, self.eos_ids)
+        if self.max_model_len is not None:
+            mask = within_model_length(mask, prompt_mask, self.max_model_len)
         responses = responses.masked_fill(mask == 0, self.pad_id)
         return Sampled(responses, mask, None if log_probs is None else log_probs * mask)
+
+    def _tokens_to_decode(self, prompt_mask: torch.Tensor) -> int:
+        """response_length, or fewer where rollout.max_model_len leaves even the shortest prompt less room (several
+        ranks decode as many tokens: the synced decode steps together, so each decodes response_length)."""
+        if self.max_model_len is None or self.synced or prompt_mask.shape[0] == 0:
+            return self.response_length
+        shortest = int(prompt_mask.sum(dim=1).min())
+        return max(1, min(self.response_length, self.max_model_len - shortest))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,11 +16,13 @@ class PromptTooLong(UserError, ValueError):
     """A prompt over data.max_prompt_length with data.truncation=error."""
 
 
-def prompt_token_ids(prompt: str | list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Chat messages go through the tokenizer's chat template; plain text is tokenized as is."""
+def prompt_token_ids(prompt: str | list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase,
+                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """Chat messages go through the tokenizer's chat template (given `template_kwargs`: verl's
+    data.apply_chat_template_kwargs); plain text is tokenized as is."""
     if isinstance(prompt, str):
         return tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
     # The template already wrote any special tokens it wants.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -31,11 +33,12 @@ def encode_prompts(
     *,
     max_length: int,
     truncation: str = "error",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded [N, P] ids and mask, P the longest prompt (at most max_length)."""
     rows = []
     for prompt in prompts:
-        ids = prompt_token_ids(prompt, tokenizer)
+        ids = prompt_token_ids(prompt, tokenizer, template_kwargs)
         if len(ids) > max_length:
             if truncation == "error":
                 raise PromptTooLong(f"a prompt has {len(ids)} tokens, more than {KEYS.data.max_prompt_length}="

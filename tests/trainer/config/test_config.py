@@ -18,6 +18,7 @@ from trainer.config import (
     Section,
     dump_config,
     load_config,
+    load_config_with_notes,
     validate_config,
 )
 from trainer.config.live import (
@@ -201,40 +202,44 @@ def test_dynamic_offload_the_embedding_cache_and_the_block_classes_are_active() 
 GRPO_WITHOUT_KL = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"]
 
 
+# verl's keys verl runs with and ignores: a WARNING line each (this project's own keys: an error).
 @pytest.mark.parametrize(("overrides", "keys", "phrase"), [
     ([*GRPO_WITHOUT_KL, "critic.fsdp_config.dynamic_offload.enabled=true"],
-     ["critic.fsdp_config.dynamic_offload.enabled"], "this run trains no critic (critic.enable is unset, and "
+     ["critic.fsdp_config"], "this run trains no critic (critic.enable is unset, and "
      "algorithm.adv_estimator=grpo needs none)"),
     (["critic.enable=false", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
       "critic.fsdp_config.param_offload=true", "critic.fsdp_config.optimizer_offload=true"],
-     ["critic.fsdp_config.param_offload", "critic.fsdp_config.optimizer_offload"],
-     "trains no critic (critic.enable is false)"),
+     ["critic.fsdp_config"], "got param_offload=true, optimizer_offload=true, but this run trains no critic "
+     "(critic.enable is false)"),
     ([*GRPO_WITHOUT_KL, "actor_rollout_ref.ref.fsdp_config.offload_policy.transformer=cpu"],
-     ["actor_rollout_ref.ref.fsdp_config.offload_policy.transformer"], "builds no reference policy"),
+     ["actor_rollout_ref.ref.fsdp_config"], "builds no reference policy"),
     (["actor_rollout_ref.ref.fsdp_config.param_offload=true"],  # PPO, but no KL term either
-     ["actor_rollout_ref.ref.fsdp_config.param_offload"], "builds no reference policy"),
+     ["actor_rollout_ref.ref.fsdp_config"], "builds no reference policy"),
     (["reward_model.model.fsdp_config.param_offload=true"],
-     ["reward_model.model.fsdp_config.param_offload"], "builds no reward model"),
+     ["reward_model.model.fsdp_config"], "builds no reward model"),
     (["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=1000"],
      ["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"], "which here are fixed: one per decoder layer"),
-    (["dynamic_offload.min_transformer_layers_on_gpu=4"],
-     ["dynamic_offload.min_transformer_layers_on_gpu"], "no model this run builds has "
-     "fsdp_config.dynamic_offload.enabled: true"),
 ])
-def test_a_key_the_run_would_ignore_is_an_error(overrides: list[str], keys: list[str], phrase: str) -> None:
-    problems = problems_of(None, overrides)
-    assert [problem.path for problem in problems] == keys
-    for problem in problems:
-        assert phrase in problem.message
-        assert "it would have no effect; allowed: the default (" in problem.message
+def test_a_verl_key_the_run_would_ignore_is_a_warning(overrides: list[str], keys: list[str], phrase: str) -> None:
+    loaded = load_config_with_notes(None, overrides)
+    assert [warning.path for warning in loaded.warnings] == keys
+    for warning in loaded.warnings:
+        assert phrase in warning.message
+        assert " no effect (" in warning.message
+
+
+def test_a_key_of_this_projects_the_run_would_ignore_is_an_error() -> None:
+    [problem] = problems_of(None, ["dynamic_offload.min_transformer_layers_on_gpu=4"])
+    assert problem.path == "dynamic_offload.min_transformer_layers_on_gpu"
+    assert "no model this run builds has fsdp_config.dynamic_offload.enabled: true" in problem.message
+    assert "it would have no effect; allowed: the default (" in problem.message
 
 
 def test_an_ignored_key_says_how_to_make_it_count() -> None:
-    [problem] = problems_of(None, ["reward_model.model.fsdp_config.offload_policy.embedding=cpu"])
-    assert str(problem) == (
-        "reward_model.model.fsdp_config.offload_policy.embedding: got 'cpu', but this run builds no reward model "
-        "(reward_model.enable is false): it would have no effect; allowed: the default (null; leave the key out), "
-        "or set reward_model.enable=true")
+    [warning] = load_config_with_notes(None, ["reward_model.model.fsdp_config.offload_policy.embedding=cpu"]).warnings
+    assert str(warning) == (
+        "reward_model.model.fsdp_config: got offload_policy.embedding='cpu', but this run builds no reward model "
+        "(reward_model.enable is false): it has no effect (leave it out, or set reward_model.enable=true)")
 
 
 def test_the_same_keys_are_active_on_a_model_the_run_builds() -> None:
@@ -256,10 +261,17 @@ def test_optimizer_settings_of_a_frozen_model_are_errors(model_dir: Path, prefix
                                                          key: str) -> None:
     name, _, value = key.partition("=")
     default = {"offload_grad_dtype": "'fp32'", "merge_micro_batches": "true"}.get(name, "false")
+    given = value if value in ('true', 'false') else repr(value)
+    if name == "optimizer_offload":  # verl's own key, which verl runs with and ignores: a warning
+        loaded = load_config_with_notes(None, [enable, f"reward_model.model.path={model_dir}", f"{prefix}.{key}"])
+        assert [str(warning) for warning in loaded.warnings] == [
+            f"{prefix}.{name}: got {given}, but {what} is frozen (no gradients, no optimizer): it has no effect (the "
+            f"default: {default}; leave the key out)"]
+        return
     problems = problems_of(None, [enable, f"reward_model.model.path={model_dir}", f"{prefix}.{key}"])
     # Only this one: the check that bf16 host gradients sit beside fp32 masters has no gradients to judge.
     assert [str(problem) for problem in problems] == [
-        f"{prefix}.{name}: got {value if value in ('true', 'false') else repr(value)}, but {what} is frozen "
+        f"{prefix}.{name}: got {given}, but {what} is frozen "
         f"(no gradients, no optimizer): it would have no effect; allowed: the default ({default}; leave the key out)"]
 
 
@@ -274,10 +286,12 @@ def test_keys_left_at_their_defaults_on_a_model_not_built_are_fine(tmp_path: Pat
 
 def test_ignored_keys_are_reported_with_the_other_problems() -> None:
     problems = problems_of(None, ["algorithm.adv_estimator=grpo", "critic.fsdp_config.param_offload=true",
-                                  "data.train_batch_size=100", "dynamic_offload.min_transformer_layers_on_gpu=1"])
+                                  "data.train_batch_size=100", "dynamic_offload.min_transformer_layers_on_gpu=1",
+                                  "actor_rollout_ref.actor.fsdp_config.delayed_update=true"])
+    # verl's keys that verl runs with (GRPO with one response, the critic's placement without a critic): warnings.
     assert [problem.path for problem in problems] == [
-        "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.n",
-        "critic.fsdp_config.param_offload", "dynamic_offload.min_transformer_layers_on_gpu"]
+        "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.fsdp_config.delayed_update",
+        "dynamic_offload.min_transformer_layers_on_gpu"]
 
 
 # --------------------------------------------------------------------------- dynamic offload's levels
@@ -298,19 +312,14 @@ def test_the_threshold_and_the_layer_minimum_are_run_wide() -> None:
 
 
 @pytest.mark.parametrize("prefix", MODEL_FSDP_PREFIXES)
-@pytest.mark.parametrize(("key", "value", "what"), [
-    ("gpu_memory_threshold", "0.8", "the threshold is run-wide now"),
-    ("min_transformer_layers_on_gpu", "2", "the layer minimum is run-wide now"),
-])
-def test_a_level_under_a_model_says_where_it_lives_now(prefix: str, key: str, value: str, what: str) -> None:
-    [problem] = problems_of(None, [f"{prefix}.dynamic_offload.{key}={value}"])
-    assert problem.path == f"{prefix}.dynamic_offload.{key}"
-    assert problem.message.startswith(f"got {value}, but {what} (")
-    assert f"set dynamic_offload.{key} instead; allowed: enabled" in problem.message
+def test_a_level_under_a_model_is_read_as_the_run_wide_one(prefix: str) -> None:
+    """The article puts the levels under a model's fsdp_config (§3.1): read as the run-wide keys."""
+    config = load_config(None, [f"{prefix}.dynamic_offload.gpu_memory_threshold=0.8"])
+    assert config.dynamic_offload.gpu_memory_threshold == 0.8
 
 
-def test_an_old_config_file_gets_every_moved_key_and_keeps_enabled(tmp_path: Path) -> None:
-    old = write(tmp_path / "old.yaml", """
+def test_the_articles_levels_under_the_actor_set_the_run_wide_ones(tmp_path: Path) -> None:
+    article = write(tmp_path / "article.yaml", """
 actor_rollout_ref:
   actor:
     fsdp_config:
@@ -319,19 +328,21 @@ critic:
   fsdp_config:
     dynamic_offload: {enabled: true, gpu_memory_threshold: 0.85}
 """)
-    assert [str(problem) for problem in problems_of(old)] == [
-        "actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold: got 0.85, but the threshold is "
-        "run-wide now (GPU memory in use is one number for all models): set dynamic_offload.gpu_memory_threshold "
-        "instead; allowed: enabled",
-        "actor_rollout_ref.actor.fsdp_config.dynamic_offload.min_transformer_layers_on_gpu: got 4, but the layer "
-        "minimum is run-wide now (it applies to each dynamically offloaded model): set "
-        "dynamic_offload.min_transformer_layers_on_gpu instead; allowed: enabled",
-        "critic.fsdp_config.dynamic_offload.gpu_memory_threshold: got 0.85, but the threshold is run-wide now (GPU "
-        "memory in use is one number for all models): set dynamic_offload.gpu_memory_threshold instead; allowed: "
-        "enabled"]
-    enabled_only = write(tmp_path / "new.yaml", "actor_rollout_ref:\n  actor:\n    fsdp_config:\n"
-                         "      dynamic_offload: {enabled: true}\n")
-    assert load_config(enabled_only).actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
+    config = load_config(article)
+    assert (config.dynamic_offload.gpu_memory_threshold, config.dynamic_offload.min_transformer_layers_on_gpu) == (
+        0.85, 4)
+    assert config.actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
+    assert config.critic.fsdp_config.dynamic_offload.enabled
+    disagree = write(tmp_path / "disagree.yaml", """
+dynamic_offload: {gpu_memory_threshold: 0.9}
+critic:
+  fsdp_config:
+    dynamic_offload: {enabled: true, gpu_memory_threshold: 0.85}
+""")
+    assert [str(problem) for problem in problems_of(disagree)] == [
+        "critic.fsdp_config.dynamic_offload.gpu_memory_threshold: got 0.85, but dynamic_offload.gpu_memory_threshold "
+        "is 0.9: the two are one setting (dynamic_offload.gpu_memory_threshold is its canonical place); allowed: one "
+        "of them, or the same value"]
 
 
 def test_enabling_dynamic_offload_run_wide_says_it_is_per_model() -> None:
@@ -507,8 +518,6 @@ BAD_CONFIGS = [
      "data.train_files[0]", "not a built-in dataset; allowed: .parquet, .jsonl, .json files"),
     ("unknown built-in model", None, ["actor_rollout_ref.model.path=builtin:tiny-llama"],
      "actor_rollout_ref.model.path", "not a built-in model; allowed: builtin:tiny-qwen2"),
-    ("grpo with one response per prompt", None, ["algorithm.adv_estimator=grpo"],
-     "actor_rollout_ref.rollout.n", "got 1, but algorithm.adv_estimator=grpo"),
     ("gae without a critic", None, ["critic.enable=false"],
      "critic.enable", "algorithm.adv_estimator=gae needs a critic"),
     ("mini-batch not dividing the batch", None,
@@ -531,9 +540,6 @@ BAD_CONFIGS = [
     ("a global batch that does not divide among the ranks", None,
      ["trainer.n_gpus_per_node=2", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
      "actor_rollout_ref.actor.ppo_mini_batch_size", "got 3, which does not divide among the run's 2 ranks"),
-    ("a feature of one rank on several", None,
-     ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.embedding_cache.enabled=true"],
-     "actor_rollout_ref.rollout.embedding_cache.enabled", "works on one rank only, and this run has 2"),
     ("a delayed update split between the GPU and the host on several ranks", None,
      ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
       "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", "actor_rollout_ref.actor.fsdp_config.delayed_update=true",
@@ -641,8 +647,7 @@ def test_semantic_problems_are_all_reported_together(tmp_path: Path) -> None:
                                   "reward_model.enable=true", "data.train_batch_size=100",
                                   "actor_rollout_ref.actor.ppo_mini_batch_size=64"])
     assert {problem.path for problem in problems} == {
-        "actor_rollout_ref.rollout.n", "data.train_files[0]", "reward_model.model.path",
-        "actor_rollout_ref.actor.ppo_mini_batch_size"}
+        "data.train_files[0]", "reward_model.model.path", "actor_rollout_ref.actor.ppo_mini_batch_size"}
 
 
 def test_every_malformed_override_is_reported_at_once() -> None:
@@ -715,16 +720,16 @@ def test_the_7b_example_validates_once_its_paths_are_filled_in(model_dir: Path, 
     assert config.algorithm.use_kl_in_reward, "the KL penalty is what the offloaded reference is for"
 
 
-def test_the_7b_example_on_several_ranks_is_refused_for_its_embedding_cache_alone(model_dir: Path,
-                                                                                  tmp_path: Path) -> None:
-    """examples/README.md: of what ppo_7b.yaml turns on, only the embedding cache is one rank's; its dynamic offload
-    runs on several ranks (trainer/distributed/layer_moves.py)."""
+def test_the_7b_example_on_several_ranks_warns_of_its_embedding_cache_alone(model_dir: Path, tmp_path: Path) -> None:
+    """examples/README.md: of what ppo_7b.yaml turns on, only the embedding cache is one rank's (on several it has
+    nothing to cache: a warning); its dynamic offload runs on several ranks (trainer/distributed/layer_moves.py)."""
     train = write(tmp_path / "gsm8k" / "train.parquet", "")
     test = write(tmp_path / "gsm8k" / "test.parquet", "")
     paths = [f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
              f"data.train_files=[{train}]", f"data.val_files=[{test}]", "trainer.n_gpus_per_node=2"]
-    problems = problems_of(EXAMPLES / "ppo_7b.yaml", paths)
-    assert [problem.path for problem in problems] == ["actor_rollout_ref.rollout.embedding_cache.enabled"]
+    warnings = load_config_with_notes(EXAMPLES / "ppo_7b.yaml", paths).warnings
+    assert [warning.path for warning in warnings] == ["actor_rollout_ref.rollout.embedding_cache.enabled"]
+    assert "works on one rank only, and this run has 2" in warnings[0].message
     config = load_config(EXAMPLES / "ppo_7b.yaml", [*paths, "actor_rollout_ref.rollout.embedding_cache.enabled=false"])
     assert config.actor_rollout_ref.actor.fsdp_config.dynamic_offload.enabled
     assert config.critic.fsdp_config.dynamic_offload.enabled

@@ -150,18 +150,18 @@ def test_interpolations_in_the_file_resolve_too(tmp_path: Path) -> None:
 
 
 def test_schema_and_cross_field_problems_come_in_one_report() -> None:
-    problems = problems_of(None, ["data.max_prompt_length=abc", "algorithm.adv_estimator=grpo",
+    problems = problems_of(None, ["data.max_prompt_length=abc", "critic.enable=false",
                                   "trainer.n_gpus_per_node=3", "trainer.test_freq=5"])
     assert {problem.path for problem in problems} == {
-        "data.max_prompt_length", "actor_rollout_ref.rollout.n", "data.train_batch_size",
+        "data.max_prompt_length", "critic.enable", "data.train_batch_size",
         "actor_rollout_ref.actor.ppo_mini_batch_size", "trainer.test_freq"}
 
 
 def test_a_cross_field_check_that_reads_a_refused_value_is_skipped() -> None:
     """The batch-size rule would judge the default batch size (1024) in place of the refused 'abc'."""
     problems = problems_of(None, ["data.train_batch_size=abc", f"{ARO}.actor.ppo_mini_batch_size=2048",
-                                  "algorithm.adv_estimator=grpo"])
-    assert [problem.path for problem in problems] == ["data.train_batch_size", "actor_rollout_ref.rollout.n"]
+                                  "critic.enable=false"])
+    assert [problem.path for problem in problems] == ["data.train_batch_size", "critic.enable"]
 
 
 def test_a_misspelt_key_skips_the_checks_of_the_key_it_was_meant_for() -> None:

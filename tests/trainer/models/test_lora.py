@@ -230,17 +230,14 @@ def test_the_critics_value_head_is_refused_as_a_target():
 def test_bad_lora_keys_are_named_all_at_once():
     with pytest.raises(ConfigError) as raised:
         load_config(None, ["actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.target_modules=[]",
-                           "critic.model.lora_alpha=32", "actor_rollout_ref.model.lora_alpha=0"])
+                           "critic.model.lora_alpha=32", "actor_rollout_ref.model.lora_alpha=-1"])
     problems = sorted(str(problem) for problem in raised.value.problems)
     assert problems == [
-        "actor_rollout_ref.model.lora_alpha: got 0, out of range; allowed: an integer >= 1",
+        "actor_rollout_ref.model.lora_alpha: got -1, out of range; allowed: an integer >= 0",
         "actor_rollout_ref.model.lora_rank: got -1, out of range; allowed: an integer >= 0",
         "actor_rollout_ref.model.target_modules: got []; allowed: all-linear, a list of module names (e.g. "
         "[q_proj, v_proj]) or a regex matching whole module names",
-        "critic.model.lora_alpha: got 32, but critic.model.lora_rank is 0 (no LoRA adapter): it would have no "
-        "effect; allowed: the default (16; leave the key out), or set critic.model.lora_rank (e.g. 8) to train an "
-        "adapter",
-    ]
+    ]  # critic.model.lora_alpha without an adapter runs, as in verl: a WARNING line, not one of the errors
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])

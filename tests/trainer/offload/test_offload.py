@@ -241,8 +241,8 @@ def test_the_summary_reports_each_groups_place_and_parameter_bytes():
     assert {row["role"] for row in summary} == {"actor"}
     lines = engine.summary_lines()
     assert f"Embedding: OFFLOADED to CPU ({expected['embedding'] / 1024:.2f} KiB)" in lines
-    assert any(line.startswith("Transformer (4 layers): resident on the compute device, the CPU") for line in lines)
-    assert lines[-2].startswith("GPU memory saved on a GPU: ")
+    assert any(line.startswith("Transformer (4 layers): KEPT on the compute device, the CPU") for line in lines)
+    assert lines[-2].startswith("Total GPU Memory Saved on a GPU: ")
     host = engine.host_bytes()
     assert lines[-1] == (f"Host memory: {format_bytes(sum(host.values()))} ({format_bytes(host['arena'])} weights, "
                          f"{format_bytes(host['gradients'] + host['optimizer'])} more once it trains)")
@@ -255,8 +255,8 @@ def test_a_cpu_run_summary_names_the_compute_device_in_its_words_and_its_rows():
     `placement` keeps offload_policy's choice."""
     engine = offloaded(policy(), POLICIES["layered"])
     lines = engine.summary_lines()
-    assert not [line for line in lines if "on GPU" in line or line.startswith("GPU memory saved:")], lines
-    assert "Norm: resident on the compute device, the CPU (" in "\n".join(lines)
+    assert not [line for line in lines if "on GPU" in line or line.startswith("Total GPU Memory Saved:")], lines
+    assert "Norm: KEPT on the compute device, the CPU (" in "\n".join(lines)
     assert "(this run computes on the CPU)" in lines[-2]
     rows = engine.summary()
     assert {row["group"]: (row["placement"], row["device"]) for row in rows} == {

@@ -3,8 +3,8 @@ CUDA graphs and from transformers' generate, against the scoring forward's (roll
 
 import pytest
 import torch
-from tests.trainer.rollout.test_static_decode_gpu import bf16_policy_and_prompts
 
+from tests.trainer.rollout.test_static_decode_gpu import bf16_policy_and_prompts
 from trainer.config import RolloutConfig
 from trainer.data import PromptRecord
 from trainer.rollout.batch import RolloutBatch
