@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # A CPU build of torch lies on the disk of machines without a GPU; a plain `torch` would pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv tools demo test lint clean
+.PHONY: venv tools demo test test-quick lint clean
 
 venv: $(VENV)/.installed
 
@@ -32,8 +32,15 @@ tools:
 		|| (DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1) \
 		|| echo "chromium could not be installed (not root, or no package index): the live page's browser test will skip"
 
+# The suite on TEST_WORKERS processes (pytest-xdist; a module's tests stay in one, so its shared runs are made
+# once); most of its time is processes starting and waiting on each other, so two overlap on two cores.
+# `make test-quick` leaves out the tests marked slow (whole runs through the daemon, the benchmarks' scripts).
+TEST_WORKERS ?= 2
 test: venv tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
+test-quick: venv
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow"
 
 lint: venv
 	$(BIN)/ruff check .

@@ -21,3 +21,9 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible to torch)")
     for item in gpu_tests:
         item.add_marker(skip)
+
+
+def pytest_itemcollected(item):
+    # Every end-to-end test runs `verl train` (a daemon and its trainer) for real: slow by what it is.
+    if "e2e" in item.path.parts:
+        item.add_marker(pytest.mark.slow)

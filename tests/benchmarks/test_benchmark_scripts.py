@@ -12,10 +12,12 @@ import torch
 from benchmarks import e2e_bench, grpo_headline, offload_bench, peak_timeline, ranks_bench, telemetry_bench
 
 
+@pytest.mark.slow
 def test_the_headline_step_runs_its_quick_shape_on_the_cpu_with_the_profile(tmp_path, capsys):
     out = tmp_path / "headline.json"
-    assert grpo_headline.main(["--quick", "--device", "cpu", "--profile", "--steps", "2", "--out", str(out),
-                               "--scratch", str(tmp_path)]) == 0
+    # Four prompts of two responses (one micro-batch of 8), three safe points of the decode: every path, in seconds.
+    assert grpo_headline.main(["--quick", "--device", "cpu", "--profile", "--steps", "2", "--prompts", "4", "--n", "2",
+                               "--response-length", "24", "--out", str(out), "--scratch", str(tmp_path)]) == 0
     result = json.loads(out.read_text())
     assert result["steps"] == 2 and result["step_s"] > 0 and result["tokens_per_s"] > 0
     assert {"gen", "update_actor", "old_log_prob", "ref", "reward"} <= set(result["phases_s"])
@@ -96,6 +98,7 @@ def test_the_report_names_a_missing_file(tmp_path, capsys):
     assert error.startswith("ERROR: --report") and "cannot read it (No such file or directory)" in error
 
 
+@pytest.mark.slow
 def test_the_telemetry_overhead_alternates_its_blocks_on_a_real_daemon(tmp_path, capsys):
     out = tmp_path / "overhead.json"
     assert telemetry_bench.main(["overhead", "--shape", "tiny", "--device", "cpu", "--block-steps", "1",
@@ -111,6 +114,7 @@ def test_the_telemetry_overhead_alternates_its_blocks_on_a_real_daemon(tmp_path,
     assert telemetry_bench.main(["--report", str(out)]) == 0
 
 
+@pytest.mark.slow
 def test_the_telemetry_api_load_times_every_request_of_a_real_run(tmp_path, capsys):
     out = tmp_path / "api.json"
     assert telemetry_bench.main(["api", "--window-s", "3", "--cycles", "1", "--rate", "40", "--clients", "4",
@@ -131,6 +135,7 @@ def test_the_telemetry_benchmark_refuses_bad_arguments_in_one_line(argv, capsys)
 
 
 
+@pytest.mark.slow
 def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_the_variants(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--out", str(out),
@@ -178,6 +183,7 @@ def test_the_whole_step_benchmark_refuses_an_unknown_variant_in_one_line(capsys)
     assert error.startswith("ERROR: --variants: unknown nonsense") and "\n" not in error
 
 
+@pytest.mark.slow
 def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp_path):
     out = tmp_path / "e2e.json"
     assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants",
@@ -195,6 +201,7 @@ def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp
         e2e_bench.overrides("quick", "offload_delayed", "cuda", tmp_path, tmp_path / "models", 2)
 
 
+@pytest.mark.slow
 def test_the_whole_step_benchmark_runs_the_lora_variant_when_asked(tmp_path):
     out = tmp_path / "e2e.json"
     assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants",
@@ -206,6 +213,7 @@ def test_the_whole_step_benchmark_runs_the_lora_variant_when_asked(tmp_path):
             "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"} <= set(rows)
 
 
+@pytest.mark.slow
 def test_the_whole_step_benchmark_decodes_with_the_static_cache_when_asked(tmp_path):
     out = tmp_path / "e2e.json"
     assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants",
@@ -233,6 +241,7 @@ def test_the_remove_padding_sections_passes_run_on_the_cpu_with_gradient_checkpo
         run()
 
 
+@pytest.mark.slow
 def test_the_ranks_benchmark_runs_its_quick_shape_on_two_cpu_ranks_and_compares_the_placements(tmp_path, capsys):
     out = tmp_path / "ranks.json"
     assert ranks_bench.main(["--shape", "quick", "--device", "cpu", "--ranks", "2", "--steps", "2", "--warmup", "1",
@@ -256,6 +265,7 @@ def test_the_ranks_benchmarks_update_on_the_gpu_is_the_actors_and_the_critics(tm
             for key in ("optimizer_offload=true", "optimizer_update=gpu")} <= rows
 
 
+@pytest.mark.slow
 def test_the_ranks_benchmark_at_one_rank_runs_each_variant_plain_and_as_a_group_of_one_with_the_same_losses(
         tmp_path, capsys):
     out = tmp_path / "ranks.json"

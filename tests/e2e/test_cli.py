@@ -115,7 +115,7 @@ def test_train_monitor_shows_the_live_view_and_ctrl_c_stops_the_run_with_a_check
             assert process.poll() is None and time.monotonic() < deadline, screen.decode(errors="replace")
             screen += _read_terminal(leader, 0.2)
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
-        assert process.wait(timeout=60) == 0, screen.decode(errors="replace")
+        assert process.wait(timeout=150) == 0, screen.decode(errors="replace")
         while chunk := _read_terminal(leader, 0.5):
             screen += chunk
     finally:

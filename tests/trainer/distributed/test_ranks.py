@@ -152,6 +152,7 @@ def test_two_ranks_train_the_same_parameters_as_one_on_the_same_global_batch(run
             assert row_two["actor/grad_norm"] == pytest.approx(row_one["actor/grad_norm"], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_ppo_with_a_critic_on_two_ranks_trains_both_models_as_one_rank(tmp_path, ppo_one_rank):
     """The critic is sharded too, and GAE's advantages are whitened over both ranks' tokens, as one rank whitens
     its whole batch. Dynamic offload is accepted on several ranks (each rank moves its own shards' layers from its
@@ -167,6 +168,7 @@ def test_ppo_with_a_critic_on_two_ranks_trains_both_models_as_one_rank(tmp_path,
         metrics(ppo_one_rank)[1]["critic/advantages/mean"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_metrics_have_the_same_keys_on_two_ranks_and_only_rank_0_writes_them(runs):
     one, two = metrics(runs / "one"), metrics(runs / "two")
     assert [row["step"] for row in two] == [0, 1, 2, 3]  # one line per step, not one per rank
@@ -215,6 +217,7 @@ def test_grpo_groups_stay_whole_on_one_rank(tmp_path):
     assert [record.prompt for record in batch.records] == [record.prompt for record in share for _ in range(2)]
 
 
+@pytest.mark.slow
 def test_a_batch_size_that_does_not_divide_among_the_ranks_is_one_config_line_and_exit_2_on_every_rank(tmp_path):
     bad = ["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=6"]
     line = ("ERROR: actor_rollout_ref.actor.ppo_mini_batch_size: got 3, which does not divide among the run's 2 ranks "
@@ -258,6 +261,7 @@ when the response ends early): one or two sequences a micro-batch as their lengt
 one rank's share needs one micro-batch ([9, 4]) and the other's two ([9, 9])."""
 
 
+@pytest.mark.slow
 def test_token_budget_micro_batches_and_the_static_decode_on_two_ranks_train_as_one_rank(tmp_path, ppo_one_rank):
     """Two features whose passes are collectives on sharded models, in one launch (starting ranks costs seconds):
 
@@ -284,6 +288,7 @@ LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alp
 disabled (no second model)."""
 
 
+@pytest.mark.slow
 def test_a_lora_adapter_trains_on_two_ranks_as_on_one_and_resumes_from_a_one_rank_checkpoint(tmp_path):
     """One rank trains 2 steps (its checkpoints hold the adapter alone, in peft's format); two ranks resume its
     step-1 checkpoint (every rank loads the adapter into its shards, the base weights being the model's own) and
@@ -313,6 +318,7 @@ OPTIMIZER_OFFLOAD = ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true
 engine) and on several (FSDP2 shards on the device, HostAdamW)."""
 
 
+@pytest.mark.slow
 def test_optimizer_offload_of_a_bf16_actor_on_two_ranks_resumes_from_and_into_one_rank_with_the_same_weights(tmp_path):
     """One rank trains 3 steps; two ranks resume its step 1 (AdamW's states loaded onto the CPU for HostAdamW) and
     train steps 2 and 3; one rank resumes the two ranks' step 2 and trains step 3. The three step-3 actors are the
@@ -398,6 +404,7 @@ def test_without_torchruns_ranks_per_node_only_a_rank_without_a_gpu_stops(two_gp
         Ranks.from_environment("cuda", {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2"})
 
 
+@pytest.mark.slow
 def test_the_actors_delayed_update_on_two_ranks_trains_the_weights_of_one_ranks(tmp_path):
     """delayed_update: one rank's engine and two ranks' HostAdamW both run the host's update during the next rollout,
     which samples with the weights from before it, and publish it before the log-probs and before a checkpoint (so a
@@ -420,6 +427,7 @@ def test_the_actors_delayed_update_on_two_ranks_trains_the_weights_of_one_ranks(
     assert largest_difference(one, resumed) < HOST_ADAMW_TOLERANCE
 
 
+@pytest.mark.slow
 def test_an_on_policy_delayed_update_on_two_ranks_lands_at_the_update_and_trains_the_weights_of_one_ranks(tmp_path):
     """One mini-batch, one epoch: no step scores the old log-probs in a pass of its own (the update takes its own), so
     two ranks' delayed HostAdamW update lands at the next update's first mini-batch instead, after the values and the
@@ -434,6 +442,7 @@ def test_an_on_policy_delayed_update_on_two_ranks_lands_at_the_update_and_trains
     assert largest_difference(one, two) < HOST_ADAMW_TOLERANCE
 
 
+@pytest.mark.slow
 def test_the_critics_host_update_on_two_ranks_runs_beside_the_actors_and_trains_the_weights_of_one_ranks(tmp_path):
     """PPO whose critic keeps AdamW on the host (optimizer_offload, bf16): on two ranks its HostAdamW computes the
     update in a thread of its own while the actor updates, and the next step's values apply it first, as one rank's
@@ -465,6 +474,7 @@ def host_adamw_runs(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_the_update_on_the_gpu_over_streamed_moments_on_two_ranks_trains_the_weights_of_the_hosts(host_adamw_runs):
     """optimizer_update gpu and both with optimizer_offload on two ranks (refused there before): HostAdamW updates
     each shard where it is, over AdamW's moments streamed up from the host and back (on CPU ranks, in place), or splits
@@ -481,6 +491,7 @@ def test_the_update_on_the_gpu_over_streamed_moments_on_two_ranks_trains_the_wei
     assert largest_difference(split, host) < HOST_ADAMW_TOLERANCE
 
 
+@pytest.mark.slow
 def test_bf16_host_gradients_on_two_ranks_train_with_the_gradient_shards_down_in_bf16(host_adamw_runs):
     """offload_grad_dtype bf16 with optimizer_offload on two ranks (refused there before): each gradient shard,
     accumulated and reduced in fp32 on the device, goes down to HostAdamW in bf16 (half the bytes) and AdamW takes the
@@ -546,6 +557,7 @@ def test_verls_nccl_timeout_is_how_long_the_ranks_collectives_wait(two_gpu_node,
     assert load_config(None, []).actor_rollout_ref.nccl_timeout == 600  # verl's default
 
 
+@pytest.mark.slow
 def test_a_reward_model_sharded_over_two_ranks_scores_every_response_as_one_rank(tmp_path):
     """The reward model is an FSDP2 model of its own on several ranks; the run-wide scores of each step (each rank
     scores its own share of the responses) are one rank's scores of the whole batch."""
@@ -590,6 +602,7 @@ if os.environ.get("RANK") == "1":  # rank 1 of the group dies once its shards of
 '''
 
 
+@pytest.mark.slow
 def test_a_rank_killed_while_the_ranks_write_a_checkpoint_leaves_the_last_complete_one_which_resumes(tmp_path):
     """A sharded save is atomic across ranks: rank 1 killed after writing its shards of step 2 (rank 0's rename not
     done) leaves step 1 as the latest checkpoint and no step 2; the next start clears the partial folder and
