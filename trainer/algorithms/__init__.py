@@ -35,6 +35,21 @@ from trainer.algorithms.kl_control import (
     KLController,
     build_kl_controller,
 )
+from trainer.algorithms.outcome_advantages import (
+    compute_gpg_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+)
+from trainer.algorithms.token_baselines import (
+    compute_optimal_token_baseline_advantage,
+    sum_pi_squared_from_logits,
+    variance_proxy_metrics,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -53,7 +68,16 @@ __all__ = [
     "apply_kl_penalty",
     "build_kl_controller",
     "compute_gae_advantage_return",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
+    "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage",
     "compute_policy_loss",
     "compute_value_loss",
     "entropy_from_logits",
@@ -66,4 +90,6 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "register_advantage_estimator",
+    "sum_pi_squared_from_logits",
+    "variance_proxy_metrics",
 ]
