@@ -179,7 +179,9 @@ ALIASES: tuple[Alias, ...] = (
     default_only("*fused_kernel*", _KERNELS),
     default_only("*use_liger", _KERNELS),
     default_only("*entropy_*", _KERNELS),
-    default_only("*sum_pi_squared*", _KERNELS),
+    default_only("actor_rollout_ref.actor.sum_pi_squared_checkpointing", "the sum of squared probabilities is "
+                 "computed here in the old-log-prob pass, without an autograd graph and a chunk of logits at a time: "
+                 "there is nothing to recompute, and either value runs the same", (True, False)),
     default_only("*tiled_mlp.*", _KERNELS),
     default_only("*activation_offload", _KERNELS),
     default_only("*use_shm", _KERNELS),

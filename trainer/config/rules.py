@@ -55,7 +55,7 @@ def all_rules() -> tuple[Rule, ...]:
             _layer_minimum_without_dynamic_offload, _reward_error_policy_without_a_function,
             environment.actor_peft_installed, _actor_lora_keys, environment.critic_peft_installed, _critic_lora_keys,
             _checkpoint_counts_agree, _critic_warmup_needs_a_critic, _validation_only_needs_data,
-            _scheduler_names_agree)
+            _scheduler_names_agree, _passk_needs_several_responses)
 
 
 def checks_despite_schema_errors(raw: dict[str, Any], errors: Sequence[ErrorDetails]) -> list[ConfigProblem]:
@@ -221,6 +221,16 @@ def _grpo_needs_several_responses(config: RunConfig) -> list[ConfigProblem]:
     if config.algorithm.adv_estimator == "grpo" and n < 2:
         return [ConfigProblem("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator=grpo compares "
                               "responses to the same prompt; allowed: n >= 2")]
+    return []
+
+
+def _passk_needs_several_responses(config: RunConfig) -> list[ConfigProblem]:
+    """Pass@k learns from each group's best response's margin over its runner-up: verl refuses a group of one."""
+    n = config.actor_rollout_ref.rollout.n
+    if config.algorithm.adv_estimator == "grpo_passk" and n < 2:
+        return [ConfigProblem("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator=grpo_passk gives "
+                              "each prompt's best response its margin over the second best (verl refuses a group of "
+                              "one); allowed: n >= 2")]
     return []
 
 
