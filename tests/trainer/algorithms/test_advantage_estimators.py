@@ -28,9 +28,9 @@ from trainer.algorithms import (
     get_advantage_estimator,
     masked_whiten,
     sum_pi_squared_from_logits,
+    token_baselines,
     variance_proxy_metrics,
 )
-from trainer.algorithms import token_baselines
 from trainer.algorithms.advantages import lone_response_warning
 from trainer.config import AlgorithmConfig
 from trainer.config.schema import AdvantageEstimatorName
