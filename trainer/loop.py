@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-from trainer.algorithms import AdvantageInputs, apply_kl_penalty, build_kl_controller, get_advantage_estimator
+from trainer.algorithms import (
+    AdvantageInputs,
+    apply_kl_penalty,
+    build_kl_controller,
+    get_advantage_estimator,
+    variance_proxy_metrics,
+)
+from trainer.algorithms.advantages import lone_response_warning
 from trainer.build import ModelBuilder, load_prompts, set_host_threads
 from trainer.checkpointer import Checkpointer
 from trainer.config import KEYS, RunConfig, dump_config
@@ -27,7 +34,7 @@ from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks, resolve_device
 from trainer.distributed.run_wide import RunWide
 from trainer.errors import RunSetupError
-from trainer.generation import Generation
+from trainer.generation import Generation, GreedyBaseline
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
 from trainer.metrics import MetricsLog, StepTimer, device_peak_flops, reduce_metrics, step_figures
 from trainer.models import load_tokenizer
@@ -101,6 +108,17 @@ class Trainer:
                                      heartbeat=self.control.heartbeat, log=log, warn=warn)
         self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
         self.advantage_estimator = get_advantage_estimator(config.algorithm.adv_estimator)
+        if lone := lone_response_warning(config.algorithm.adv_estimator, config.actor_rollout_ref.rollout.n):
+            warn(lone)
+        # ReMax's baseline: each prompt's greedy response, scored in the gen phase.
+        self.greedy_baseline = GreedyBaseline(
+            config, self.generation, self.models.reward, self.staging, synchronize=self._synchronize,
+            safe_point=self._rollout_safe_point if self.memory.moves_layers else None, warn=warn,
+        ) if config.algorithm.adv_estimator == "remax" else None
+        # Each position's sum of squared probabilities, scored with the old log-probs (the optimal token baselines
+        # read both; verl's variance_proxy/* metrics read them with any estimator).
+        self.scores_sum_pi_squared = (config.actor_rollout_ref.actor.calculate_sum_pi_squared
+                                      or config.algorithm.reads_sum_pi_squared)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         # Only rank 0 writes the run's metrics (the run-wide ones); the others' MetricsLog is never appended to.
@@ -201,6 +219,9 @@ class Trainer:
         with timer.phase("step"):
             with timer.phase("gen"):
                 batch = self.generation.generate(records)
+                if self.greedy_baseline is not None:
+                    batch.reward_baselines = self.greedy_baseline(records)
+                    metrics["timing_s/gen_max"] = self.greedy_baseline.seconds
                 self.memory.end_rollout()
             metrics.update(self.generation.decode_memory())
             with self._phase(timer, "reward", "scoring", Role.REWARD, batch):
@@ -210,7 +231,8 @@ class Trainer:
                     # (Not scored, a delayed update lands at the next read of the actor's weights: LoRA's reference,
                     # or the update.)
                     with self.staging("scoring", Role.ACTOR, len(batch)):
-                        batch.old_log_probs = self.actor.compute_log_probs(batch)
+                        batch.old_log_probs, batch.sum_pi_squared = self.actor.score_responses(
+                            batch, sum_pi_squared=self.scores_sum_pi_squared)
             if self.reference is not None:
                 with self._phase(timer, "ref", "scoring", self.reference.role, batch):
                     batch.ref_log_probs = self.reference.compute_log_probs(batch)
@@ -225,6 +247,8 @@ class Trainer:
             if self.step >= self.config.trainer.critic_warmup:  # the first critic_warmup steps train the critic only
                 with self._phase(timer, "update_actor", "training", Role.ACTOR, batch):
                     metrics.update(reduce_metrics(self.actor.update(batch)))
+            if batch.sum_pi_squared is not None:
+                metrics.update(self._variance_proxies(batch, metrics))
         self._say_merging_news()
         return {**metrics, **self._step_metrics(batch, timer)}
 
@@ -256,17 +280,21 @@ class Trainer:
         else:
             batch.token_level_rewards = batch.token_level_scores
         inputs = AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
-                                 values=batch.values, whiten=self.run_wide.whiten)
+                                 values=batch.values, whiten=self.run_wide.whiten,
+                                 old_log_probs=batch.old_log_probs, sum_pi_squared=batch.sum_pi_squared,
+                                 reward_baselines=batch.reward_baselines,
+                                 sum_over_batch=self.ranks.sum_tensor_over_data)
         batch.advantages, batch.returns = self.advantage_estimator(inputs, algorithm)
         return metrics
 
     def _scores_old_log_probs(self, size: int) -> bool:
         """Whether the step scores the old log-probs in a pass of their own: when the reward's KL penalty reads
-        them, or when the actor's update is more than one optimizer step. An update of one step computes the same
+        them, when the sums of squared probabilities are scored with them (the optimal token baselines read both),
+        or when the actor's update is more than one optimizer step. An update of one step computes the same
         log-probs in its own forwards, on the same weights, and takes them as the old ones (Actor.on_policy): one
         forward of the actor over the batch less a step, and under delayed_update the update's publish gets the
         reference's, the values' and the critic's update's time to finish in before the actor's weights are read."""
-        if self.config.algorithm.use_kl_in_reward:
+        if self.config.algorithm.use_kl_in_reward or self.scores_sum_pi_squared:
             return True
         updates = self.step >= self.config.trainer.critic_warmup
         scored = updates and not self.actor.on_policy(size)
@@ -278,6 +306,14 @@ class Trainer:
             self._said.add(reason)
             self.log(f"old_log_prob: not scored in a pass of its own: {reason}")
         return scored
+
+    def _variance_proxies(self, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:
+        """verl's variance_proxy/* metrics of the step, from the sums of squared probabilities and the actor's
+        gradient norm (trainer/algorithms/token_baselines.py)."""
+        assert batch.advantages is not None and batch.old_log_probs is not None and batch.sum_pi_squared is not None
+        return variance_proxy_metrics(batch.advantages, batch.response_mask, batch.old_log_probs,
+                                      batch.sum_pi_squared, grad_norm=metrics.get("actor/grad_norm"),
+                                      sum_over_batch=self.ranks.sum_tensor_over_data)
 
     def _step_metrics(self, batch: RolloutBatch, timer: StepTimer) -> dict[str, float]:
         critic = None if self.critic is None else (self.critic.model.config, self.critic.config.ppo_epochs)
