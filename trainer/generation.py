@@ -3,10 +3,15 @@
 A batch decodes whole, or in as many pieces as rollout.gpu_memory_utilization leaves room for; a piece that runs out
 of device memory is retried once layers moved off, or in halves. On several ranks every rank pads its prompts like
 the others and decodes as many pieces.
+
+ReMax's baseline (algorithm.adv_estimator=remax), the score of the actor's greedy response to each prompt, is
+generated here too: verl decodes it in the step's generation, after the sampled responses (its `gen_max` timing),
+and scores it with the same reward; the trainer does the same inside its `gen` phase (`timing_s/gen_max`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,6 +23,7 @@ from trainer.data import PromptRecord
 from trainer.distributed.run_wide import RunWide
 from trainer.memory import MemoryManager
 from trainer.models import torch_dtype
+from trainer.rewards.manager import RewardFunction
 from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.budget import KVCacheShape, over_budget_message, rows_within_budget
 from trainer.rollout.hf_rollout import HFRollout
@@ -114,3 +120,39 @@ class Generation:
             self.warn(over_budget_message(utilization=utilization, in_use=in_use, capacity=capacity,
                                           bytes_per_row=per_row))
         return max(1, fitting)
+
+
+class GreedyBaseline:
+    """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): one greedy response per prompt with the actor's
+    weights, scored with the run's reward."""
+
+    def __init__(self, config: RunConfig, generation: Generation, reward: RewardFunction, staging: Staging, *,
+                 synchronize: Callable[[], None], safe_point: Callable[[], object] | None = None,
+                 warn: Callable[[str], None] | None = None):
+        self.generation = generation
+        self.reward = reward
+        self.staging = staging
+        self.synchronize = synchronize
+        self.n = config.actor_rollout_ref.rollout.n
+        # The rollout's own settings (decode, enforce_eager, top_k...) but greedy: verl's do_sample=False. Built once,
+        # so that its static decode captures its graphs once.
+        self.rollout = HFRollout(generation.rollout.model, generation.tokenizer,
+                                 config.actor_rollout_ref.rollout.model_copy(update={"do_sample": False}),
+                                 config.data.max_response_length, safe_point=safe_point,
+                                 graph_safety=generation.memory.engine(Role.ACTOR), synced=generation.ranks.distributed,
+                                 agree_active=generation.ranks.count_agreement, warn=warn)
+        self.seconds = 0.0
+        """How long the last call took (timing_s/gen_max)."""
+
+    @torch.no_grad()
+    def __call__(self, records: Sequence[PromptRecord]) -> torch.Tensor:
+        """[len(records) * rollout.n] the score of each prompt's greedy response, once for each of its sampled
+        responses (the batch's order: prompt i's at i*n ... i*n + n - 1)."""
+        start = time.perf_counter()
+        batch = self.generation.generate(records, rollout=self.rollout, n=1)
+        with self.staging("scoring", Role.REWARD, len(batch)):
+            scores = self.reward(batch).to(self.generation.device, torch.float32)
+        baselines = scores.repeat_interleave(self.n)
+        self.synchronize()
+        self.seconds = time.perf_counter() - start
+        return baselines

@@ -3,8 +3,8 @@
 `fit` resumes, then per step: train, record, checkpoint, validate. One step reads top to bottom in `train_step`:
 generate, score, old log-probs, reference log-probs, values, advantages, critic update, actor update. What else a
 run needs is built and kept elsewhere: the models and their placement (build.py), a phase's weights (staging.py),
-the rollout (generation.py), checkpoints (checkpointer.py), validation (validation.py), the daemon's control
-(control.py) and what crosses ranks (distributed/run_wide.py).
+the rollout (generation.py), the advantages (advantage_phase.py), checkpoints (checkpointer.py), validation
+(validation.py), the daemon's control (control.py) and what crosses ranks (distributed/run_wide.py).
 """
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ from typing import Any
 
 import torch
 
-from trainer.algorithms import (
-    AdvantageInputs,
-    apply_kl_penalty,
-    build_kl_controller,
-    compute_rollout_correction,
-    get_advantage_estimator,
-    pf_ppo_resample,
-)
+from trainer.advantage_phase import AdvantagePhase
+from trainer.algorithms import build_kl_controller
+from trainer.algorithms.advantages import lone_response_warning
 from trainer.build import ModelBuilder, load_prompts, set_host_threads
 from trainer.checkpointer import Checkpointer
 from trainer.config import KEYS, RunConfig, dump_config
@@ -36,7 +31,7 @@ from trainer.distributed.ranks import Ranks, resolve_device
 from trainer.distributed.run_wide import RunWide
 from trainer.dumps import decode_texts, generation_lines, write_generations
 from trainer.errors import RunSetupError
-from trainer.generation import Generation
+from trainer.generation import Generation, GreedyBaseline
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
 from trainer.metrics import MetricsLog, StepTimer, device_peak_flops, reduce_metrics, step_figures
 from trainer.models import load_tokenizer
@@ -110,9 +105,20 @@ class Trainer:
         self.generation = Generation(config, self.tokenizer, self.rollout, self.staging, self.run_wide,
                                      heartbeat=self.control.heartbeat, log=log, warn=warn)
         self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
-        self.advantage_estimator = get_advantage_estimator(config.algorithm.adv_estimator)
+        if lone := lone_response_warning(config.algorithm.adv_estimator, config.actor_rollout_ref.rollout.n):
+            warn(lone)
+        # ReMax's baseline: each prompt's greedy response, scored in the gen phase.
+        self.greedy_baseline = GreedyBaseline(
+            config, self.generation, self.models.reward, self.staging, synchronize=self._synchronize,
+            safe_point=self._rollout_safe_point if self.memory.moves_layers else None, warn=warn,
+        ) if config.algorithm.adv_estimator == "remax" else None
+        # Each position's sum of squared probabilities, scored with the old log-probs (the optimal token baselines
+        # read both; verl's variance_proxy/* metrics read them with any estimator).
+        self.scores_sum_pi_squared = (config.actor_rollout_ref.actor.calculate_sum_pi_squared
+                                      or config.algorithm.reads_sum_pi_squared)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.advantages = AdvantagePhase(config, self.run_wide, self.ranks, self.kl_controller)
         # Only rank 0 writes the run's metrics (the run-wide ones); the others' MetricsLog is never appended to.
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", warn=warn)
         self.checkpointer = Checkpointer(config, self.models, self.sampler, self.kl_controller, self.ranks,
@@ -212,6 +218,9 @@ class Trainer:
         with timer.phase("step"):
             with timer.phase("gen"):
                 batch = self.generation.generate(records)
+                if self.greedy_baseline is not None:
+                    batch.reward_baselines = self.greedy_baseline(records)
+                    metrics["timing_s/gen_max"] = self.greedy_baseline.seconds
                 self.memory.end_rollout()
             metrics.update(self.generation.decode_memory())
             with self._phase(timer, "reward", "scoring", Role.REWARD, batch):
@@ -223,7 +232,8 @@ class Trainer:
                     # (Not scored, a delayed update lands at the next read of the actor's weights: LoRA's reference,
                     # or the update.)
                     with self.staging("scoring", Role.ACTOR, len(batch)):
-                        batch.old_log_probs = self.actor.compute_log_probs(batch)
+                        batch.old_log_probs, batch.sum_pi_squared = self.actor.score_responses(
+                            batch, sum_pi_squared=self.scores_sum_pi_squared)
             if self.reference is not None:
                 with self._phase(timer, "ref", "scoring", self.reference.role, batch):
                     batch.ref_log_probs = self.reference.compute_log_probs(batch)
@@ -231,15 +241,16 @@ class Trainer:
                 with self._phase(timer, "values", "scoring", Role.CRITIC, batch):
                     batch.values = self.critic.compute_values(batch)
             with timer.phase("adv"):
-                metrics.update(self.correct_for_rollout(batch))
-                metrics.update(self.compute_advantages(batch))
-                batch = self.filter_policy(batch)
+                batch, adv_metrics = self.advantages(batch)
+                metrics.update(adv_metrics)
             if self.critic is not None:
                 with self._phase(timer, "update_critic", "training", Role.CRITIC, batch):
                     metrics.update(reduce_metrics(self.critic.update(batch)))
             if self.step >= self.config.trainer.critic_warmup:  # the first critic_warmup steps train the critic only
                 with self._phase(timer, "update_actor", "training", Role.ACTOR, batch):
                     metrics.update(reduce_metrics(self.actor.update(batch)))
+            if batch.sum_pi_squared is not None:
+                metrics.update(self.advantages.variance_proxies(batch, metrics.get("actor/grad_norm")))
         self._say_merging_news()
         return {**metrics, **self._step_metrics(batch, timer)}
 
@@ -275,57 +286,16 @@ class Trainer:
                                      [line for rank_lines in everyone for line in rank_lines])
             self.log(f"step {step}'s responses written to {path} ({KEYS.trainer.rollout_data_dir})")
 
-    def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
-        """Token rewards (less the KL penalty when it is in the reward), then advantages and returns by
-        algorithm.adv_estimator (trainer/algorithms/advantages.py)."""
-        algorithm = self.config.algorithm
-        metrics = {}
-        if algorithm.use_kl_in_reward:
-            batch.token_level_rewards, mean_kl = apply_kl_penalty(
-                batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
-                kl_coef=self.kl_controller.value, estimator=algorithm.kl_penalty)
-            metrics = {"actor/reward_kl_penalty": float(mean_kl),
-                       "actor/reward_kl_penalty_coeff": self.kl_controller.value}
-            self.kl_controller.update(float(mean_kl), n_steps=len(batch))
-        else:
-            batch.token_level_rewards = batch.token_level_scores
-        inputs = AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
-                                 values=batch.values, whiten=self.run_wide.whiten)
-        batch.advantages, batch.returns = self.advantage_estimator(inputs, algorithm)
-        return metrics
-
-    def correct_for_rollout(self, batch: RolloutBatch) -> dict[str, float]:
-        """verl's decoupled rollout correction (algorithm.rollout_correction, bypass mode off): importance weights
-        pi_old / pi_rollout and the rejection mask for the actor's loss, and the rollout_corr/ metrics, from the
-        rollout's log-probs (trainer/algorithms/rollout_correction.py). Nothing without them."""
-        correction = self.config.algorithm.rollout_correction
-        if batch.rollout_log_probs is None or batch.old_log_probs is None or correction.bypass_mode:
-            return {}
-        result = compute_rollout_correction(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask,
-                                            correction, mean=self.run_wide.masked_mean)
-        batch.rollout_is_weights, batch.rollout_rs_mask = result.weights, result.response_mask
-        return dict(zip(result.metrics, torch.stack(list(result.metrics.values())).tolist(), strict=True))
-
-    def filter_policy(self, batch: RolloutBatch) -> RolloutBatch:
-        """Policy-filtration PPO (algorithm.use_pf_ppo): the batch resampled by its responses' scores
-        (trainer/algorithms/pf_ppo.py); each rank resamples its own share (verl resamples the whole batch in one
-        place), the ranks of a sequence-parallel group alike. verl reweights under gae only; here every estimator."""
-        algorithm = self.config.algorithm
-        if not algorithm.use_pf_ppo:
-            return batch
-        assert batch.token_level_scores is not None
-        indices = pf_ppo_resample(batch.token_level_scores.sum(-1), algorithm.pf_ppo.reweight_method,
-                                  algorithm.pf_ppo.weight_pow)
-        return batch.select(self.ranks.broadcast_in_sequence_group([indices])[0])
-
     def _scores_old_log_probs(self, size: int) -> bool:
         """Whether the step scores the old log-probs in a pass of their own: when the reward's KL penalty or rollout
-        correction (pi_old against the rollout's pi_rollout, before the advantages) reads them, or when the actor's
-        update is more than one optimizer step. An update of one step computes the same
-        log-probs in its own forwards, on the same weights, and takes them as the old ones (Actor.on_policy): one
-        forward of the actor over the batch less a step, and under delayed_update the update's publish gets the
-        reference's, the values' and the critic's update's time to finish in before the actor's weights are read."""
-        if self.config.algorithm.use_kl_in_reward or self.config.records_rollout_log_probs:
+        correction (pi_old against the rollout's pi_rollout, before the advantages) reads them, when the sums of
+        squared probabilities are scored with them (the optimal token baselines read both), or when the actor's
+        update is more than one optimizer step. An update of one step computes the same log-probs in its own
+        forwards, on the same weights, and takes them as the old ones (Actor.on_policy): one forward of the actor
+        over the batch less a step, and under delayed_update the update's publish gets the reference's, the
+        values' and the critic's update's time to finish in before the actor's weights are read."""
+        if (self.config.algorithm.use_kl_in_reward or self.config.records_rollout_log_probs
+                or self.scores_sum_pi_squared):
             return True
         updates = self.step >= self.config.trainer.critic_warmup
         scored = updates and not self.actor.on_policy(size)

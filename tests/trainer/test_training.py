@@ -204,7 +204,7 @@ def test_grpo_advantages_are_centred_within_each_prompts_group(tmp_path):
     batch = trainer.generation.generate(trainer.records[:4])
     scores = torch.tensor([0.0, 1.0, 0.5, 0.5] * 4)
     batch.token_level_scores = place_on_last_token(scores, batch.response_mask)
-    trainer.compute_advantages(batch)
+    trainer.advantages.compute_advantages(batch)
     # Every token of a response carries that response's advantage; the group's advantages sum to 0.
     per_response = batch.advantages[:, 0]
     torch.testing.assert_close(per_response.view(4, 4).sum(dim=1), torch.zeros(4), atol=1e-5, rtol=0)

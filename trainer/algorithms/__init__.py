@@ -36,6 +36,16 @@ from trainer.algorithms.kl_control import (
     KLController,
     build_kl_controller,
 )
+from trainer.algorithms.outcome_advantages import (
+    compute_gpg_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+)
 from trainer.algorithms.pf_ppo import PF_PPO_METHODS, pf_ppo_resample, pf_ppo_weights
 from trainer.algorithms.policy_losses import (
     POLICY_LOSSES,
@@ -47,6 +57,11 @@ from trainer.algorithms.policy_losses import (
     register_policy_loss,
 )
 from trainer.algorithms.rollout_correction import RolloutCorrection, compute_rollout_correction, off_policy_metrics
+from trainer.algorithms.token_baselines import (
+    compute_optimal_token_baseline_advantage,
+    sum_pi_squared_from_logits,
+    variance_proxy_metrics,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -65,7 +80,16 @@ __all__ = [
     "apply_kl_penalty",
     "build_kl_controller",
     "compute_gae_advantage_return",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
+    "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage",
     "compute_policy_loss",
     "compute_value_loss",
     "entropy_from_logits",
@@ -82,4 +106,6 @@ __all__ = [
     "PF_PPO_METHODS", "POLICY_LOSSES", "PolicyLossFn", "PolicyLossInputs", "PolicyLossResult", "RolloutCorrection",
     "compute_rollout_correction", "get_policy_loss", "off_policy_metrics", "pf_ppo_resample", "pf_ppo_weights",
     "policy_loss_mode", "register_policy_loss",
+    "sum_pi_squared_from_logits",
+    "variance_proxy_metrics",
 ]

@@ -19,6 +19,13 @@ from trainer.config import AlgorithmConfig
 
 Whiten = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(values [B, T], mask [B, T]) -> values whitened over the batch's masked positions."""
+SumOverBatch = Callable[[torch.Tensor], torch.Tensor]
+"""A tensor summed over every rank's share of the batch (on one rank: the tensor itself)."""
+
+
+def same_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """One rank's `SumOverBatch`: its share is the whole batch."""
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,16 @@ class AdvantageInputs:
     """[B, T] the critic's values (None: the run has no critic)."""
     whiten: Whiten = masked_whiten
     """Whitens over the whole batch: on several ranks, over every rank's tokens (distributed/run_wide.py)."""
+    old_log_probs: torch.Tensor | None = None
+    """[B, T] log-probs of the sampled tokens under the policy being trained (None: not scored this step)."""
+    sum_pi_squared: torch.Tensor | None = None
+    """[B, T] that policy's sum over the vocabulary of squared probabilities (None: not computed)."""
+    reward_baselines: torch.Tensor | None = None
+    """[B] the score of the greedy response to each response's prompt (ReMax; None: not generated)."""
+    rollout_is_weights: torch.Tensor | None = None
+    """[B, T] rollout importance weights (None: uniform, no rollout correction)."""
+    sum_over_batch: SumOverBatch = same_tensor
+    """Sums over the whole batch: on several ranks, over every rank's share (Ranks.sum_tensor_over_data)."""
 
 
 Estimator = Callable[[AdvantageInputs, AlgorithmConfig], tuple[torch.Tensor, torch.Tensor]]
@@ -59,6 +76,30 @@ def get_advantage_estimator(name: str) -> Estimator:
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator '{name}'; allowed: {', '.join(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[name]
+
+
+# What a response alone in its group gets from each estimator that compares the responses to a prompt (rollout.n=1).
+# GRPO's case is a rule of the config's.
+_LONE_RESPONSE_ADVANTAGE = {
+    "grpo_vectorized": "its own score (the group's mean is taken as 0 and its std as 1)",
+    "rloo": "its own score (no other response to leave out)",
+    "rloo_vectorized": "0, so the policy gets no gradient from the advantages",
+    "opo": "its own score (no group baseline)",
+    "gpg": "its own score, scaled (no group baseline)",
+    "reinforce_plus_plus_baseline": "its own score whitened over the batch (no group baseline)",
+    "optimal_token_baseline": "its reward-to-go (no baseline)",
+    "tir_optimal_token_baseline": "its reward-to-go (no baseline)",
+}
+
+
+def lone_response_warning(name: str, n: int) -> str | None:
+    """The warning for estimator `name` run with `n` responses per prompt: None unless it compares the responses to
+    a prompt and has one of each. verl runs it, so it runs here too."""
+    if n > 1 or name not in _LONE_RESPONSE_ADVANTAGE:
+        return None
+    return (f"algorithm.adv_estimator={name} compares the responses to each prompt, but actor_rollout_ref.rollout.n "
+            f"is {n}: each response's advantage is {_LONE_RESPONSE_ADVANTAGE[name]}; set rollout.n >= 2 for a "
+            "baseline from its group")
 
 
 @torch.no_grad()

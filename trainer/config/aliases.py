@@ -270,7 +270,9 @@ ALIASES: tuple[Alias, ...] = (
     noted("*use_liger", "Liger's kernels are not used: the models run transformers' own code (the decode compiles its "
                         "fused rotary and MLP pieces on a GPU)"),
     default_only("*entropy_*", _ENTROPY, (True, False)),
-    default_only("*sum_pi_squared*", _KERNELS),
+    default_only("actor_rollout_ref.actor.sum_pi_squared_checkpointing", "the sum of squared probabilities is "
+                 "computed here in the old-log-prob pass, without an autograd graph and a chunk of logits at a time: "
+                 "there is nothing to recompute, and either value runs the same", (True, False)),
     default_only("*tiled_mlp.*", _KERNELS),
     noted("*activation_offload", "verl's activation offload, with no effect here: activations stay on the compute "
                                  "device (enable_gradient_checkpointing recomputes them instead)"),

@@ -55,7 +55,7 @@ def all_rules() -> tuple[Rule, ...]:
             _checkpoint_counts_agree, _critic_warmup_needs_a_critic, _validation_only_needs_data,
             _scheduler_names_agree,
             _reward_kwargs_of_the_manager, _overlong_buffer_fits, _batch_manager_needs_a_function,
-            _bypass_loss_needs_bypass_mode)
+            _bypass_loss_needs_bypass_mode, _passk_needs_several_responses)
 
 
 # ------------------------------------------------------------------------ the algorithm and batches
@@ -154,6 +154,16 @@ def _model_length_holds_a_prompt(config: RunConfig) -> list[ConfigProblem]:
                               f"data.max_prompt_length ({prompt}) tokens would leave no room for a response (verl's "
                               f"engines raise on it); allowed: more than {prompt}, e.g. {longest} (prompt and "
                               "response), or null")]
+    return []
+
+
+def _passk_needs_several_responses(config: RunConfig) -> list[ConfigProblem]:
+    """Pass@k learns from each group's best response's margin over its runner-up: verl refuses a group of one."""
+    n = config.actor_rollout_ref.rollout.n
+    if config.algorithm.adv_estimator == "grpo_passk" and n < 2:
+        return [ConfigProblem("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator=grpo_passk gives "
+                              "each prompt's best response its margin over the second best (verl refuses a group of "
+                              "one); allowed: n >= 2")]
     return []
 
 

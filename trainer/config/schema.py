@@ -181,6 +181,8 @@ class ActorConfig(Section):
     """Clip the gradient norm to this value."""
     use_torch_compile: bool = True
     """Compile the update's log-prob and entropy computation from the logits (torch.compile, on a GPU; verl's key)."""
+    calculate_sum_pi_squared: bool = False
+    """Score each token's sum of squared probabilities with the old log-probs (variance_proxy/*; OTB always does)."""
     ulysses_sequence_parallel_size: int = Field(1, ge=1)
     """Ulysses degree S of the actor and reference: S ranks split each sequence (also verl's fsdp_config key)."""
     sequence_parallel_offload: bool = False
@@ -440,9 +442,15 @@ class KLControl(Section):
     """KL the adaptive controller aims at."""
 
 
+AdvantageEstimatorName = Literal[
+    "gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo", "grpo_passk", "gpg",
+    "rloo_vectorized", "grpo_vectorized", "optimal_token_baseline", "tir_optimal_token_baseline"]
+"""verl's AdvantageEstimator names, in its order (trainer/algorithms registers an estimator under each)."""
+
+
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["gae", "grpo"] = "gae"
-    """Advantage estimator: gae (PPO with a critic) or grpo (group-normalized, no critic)."""
+    adv_estimator: AdvantageEstimatorName = "gae"
+    """Advantage estimator, by verl's name: gae (PPO, with a critic), grpo or another (no critic; docs/training.md)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount factor."""
     lam: float = Field(1.0, ge=0.0, le=1.0)
@@ -461,6 +469,11 @@ class AlgorithmConfig(Section):
     """Policy-filtration PPO: resample each rank's batch by its responses' scores after the advantages."""
     pf_ppo: PfPpoConfig = PfPpoConfig()
     """How pf_ppo weighs the responses."""
+
+    @property
+    def reads_sum_pi_squared(self) -> bool:
+        """Whether the estimator reads the policy's sum of squared probabilities (the optimal token baselines)."""
+        return self.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 class DataConfig(Section):

@@ -35,6 +35,11 @@ class RolloutBatch:
     """[B, R] log-probs of the responses under the policy that sampled them."""
     ref_log_probs: torch.Tensor | None = None
     """[B, R] log-probs under the frozen reference policy."""
+    sum_pi_squared: torch.Tensor | None = None
+    """[B, R] float32: the policy's sum over the vocabulary of squared probabilities at each response position, from
+    the old-log-prob pass (actor.calculate_sum_pi_squared, or an estimator that reads it)."""
+    reward_baselines: torch.Tensor | None = None
+    """[B] the score of the greedy response to each sequence's prompt (ReMax's baseline, generated with the rollout)."""
     values: torch.Tensor | None = None
     """[B, R] critic values of the state before each response token."""
     token_level_scores: torch.Tensor | None = None

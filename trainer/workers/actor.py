@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers import PreTrainedModel
 
@@ -16,6 +18,7 @@ from trainer.algorithms import (
     off_policy_metrics,
     policy_loss_mode,
     scaled_logits,
+    sum_pi_squared_from_logits,
 )
 from trainer.algorithms.compiled_kernels import compiled_kernels
 from trainer.algorithms.functional import EAGER_KERNELS
@@ -37,29 +40,56 @@ from trainer.workers.recovery import WorkerMemory, run_pieces
 from trainer.workers.sequence_split import SequenceSplit
 
 
+class ResponseScores(NamedTuple):
+    """What the policy's scoring pass gives at each response position."""
+
+    log_probs: torch.Tensor
+    """[B, R] log-probs of the sampled tokens at the sampling temperature."""
+    sum_pi_squared: torch.Tensor | None
+    """[B, R] the sum over the vocabulary of squared probabilities at that temperature (None: not asked for)."""
+
+
 @torch.no_grad()
 def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
                       temperature: float, memory: WorkerMemory | None = None, remove_padding: bool = False,
                       max_token_len: int | None = None, sequence_split: SequenceSplit | None = None,
                       ranks: Ranks | None = None) -> torch.Tensor:
+    """[B, R] log-probs of the sampled responses under `model` at the sampling temperature (`score_responses`)."""
+    return score_responses(model, batch, micro_batch_size=micro_batch_size, temperature=temperature, memory=memory,
+                           remove_padding=remove_padding, max_token_len=max_token_len, sequence_split=sequence_split,
+                           ranks=ranks).log_probs
+
+
+@torch.no_grad()
+def score_responses(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
+                    temperature: float, memory: WorkerMemory | None = None, remove_padding: bool = False,
+                    max_token_len: int | None = None, sequence_split: SequenceSplit | None = None,
+                    ranks: Ranks | None = None, sum_pi_squared: bool = False) -> ResponseScores:
     """[B, R] log-probs of the sampled responses under `model` at the sampling temperature, in micro-batches
     of `micro_batch_size` sequences or, with `max_token_len`, of at most that many real tokens (as many on
     every one of several `ranks`); with `remove_padding`, each from a padding-free forward; with
     `sequence_split`, each on this rank's sequence shard (Ulysses). With `memory` (the memory manager's, for
-    `model`), a micro-batch that runs out of device memory is retried or split."""
+    `model`), a micro-batch that runs out of device memory is retried or split. With `sum_pi_squared`, also each
+    position's sum of squared probabilities (verl's calculate_sum_pi_squared), from the same logits, a chunk at a
+    time."""
     plan = plan_micro_batches(batch, micro_batch_size, max_token_len,
                               agree=ranks.count_agreement if ranks is not None else None)
     arranged = plan.arrange(batch)
 
     def score(first: int, count: int) -> torch.Tensor:
+        """[b, R] log-probs, or [b, R, 2] log-probs and sums of squared probabilities."""
         micro_batch = arranged.select(torch.arange(first, first + count))
         if sequence_split is not None:
+            if sum_pi_squared:
+                return torch.stack(sequence_split.log_probs_and_sum_pi_squared(model, micro_batch, temperature), -1)
             return sequence_split.log_probs_and_entropy(model, micro_batch, temperature, entropy=False)[0]
         logits = response_logits(model, micro_batch, remove_padding=remove_padding)
+        squares = sum_pi_squared_from_logits(logits, temperature) if sum_pi_squared else None
         # At temperature 1 half-precision logits go as they are: log_probs_from_logits upcasts them a row at a
         # time, instead of one float32 copy of the whole [B, R, V].
         logits = logits if temperature == 1.0 else scaled_logits(logits, temperature)
-        return log_probs_from_logits(logits, micro_batch.response_ids)
+        log_probs = log_probs_from_logits(logits, micro_batch.response_ids)
+        return log_probs if squares is None else torch.stack([log_probs, squares.to(log_probs.dtype)], -1)
 
     was_training = model.training
     model.eval()
@@ -67,7 +97,10 @@ def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batc
         parts = run_pieces(score, plan.pieces, memory=memory)
     finally:
         model.train(was_training)
-    return plan.restore(torch.cat(parts)) * batch.response_mask
+    scores = plan.restore(torch.cat(parts))
+    if not sum_pi_squared:
+        return ResponseScores(scores * batch.response_mask, None)
+    return ResponseScores(scores[..., 0] * batch.response_mask, scores[..., 1] * batch.response_mask)
 
 
 class Actor:
@@ -125,10 +158,14 @@ class Actor:
         return self.config.ppo_epochs == 1 and size <= self.mini_batch_size
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        return compute_log_probs(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
-                                 temperature=self.temperature, memory=self.memory,
-                                 remove_padding=self.remove_padding, max_token_len=self.log_prob_max_token_len,
-                                 sequence_split=self.sequence_split, ranks=self.ranks)
+        return self.score_responses(batch).log_probs
+
+    def score_responses(self, batch: RolloutBatch, *, sum_pi_squared: bool = False) -> ResponseScores:
+        """The old log-probs and, with `sum_pi_squared`, the policy's sum of squared probabilities per position."""
+        return score_responses(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
+                               temperature=self.temperature, memory=self.memory,
+                               remove_padding=self.remove_padding, max_token_len=self.log_prob_max_token_len,
+                               sequence_split=self.sequence_split, ranks=self.ranks, sum_pi_squared=sum_pi_squared)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""

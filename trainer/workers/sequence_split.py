@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from trainer.algorithms import log_probs_and_entropy_from_logits, scaled_logits
+from trainer.algorithms import log_probs_and_entropy_from_logits, scaled_logits, sum_pi_squared_from_logits
 from trainer.algorithms.functional import EAGER_KERNELS, ChunkKernels
 from trainer.config import KEYS
 from trainer.distributed.ranks import Ranks
@@ -78,6 +78,15 @@ class SequenceSplit:
                                                                              kernels=kernels)
         return (self._responses(shard.gather(local_log_probs), batch, row),
                 self._responses(shard.gather(local_entropies), batch, row))
+
+    def log_probs_and_sum_pi_squared(self, model: PreTrainedModel, batch: RolloutBatch,
+                                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, R] log-probs of the responses at `temperature` and the policy's sum of squared probabilities at each
+        response position, each computed on this rank's positions and gathered (never the logits)."""
+        logits, shard, row = self._forward(model, batch)
+        squares = sum_pi_squared_from_logits(logits, temperature)
+        log_probs = shard.log_probs(scaled_logits(logits, temperature))
+        return self._responses(log_probs, batch, row), self._responses(shard.gather(squares), batch, row)
 
     def values(self, model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
         """[B, R] a value model's one output at the position before each response token."""

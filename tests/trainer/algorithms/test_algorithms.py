@@ -182,7 +182,9 @@ def test_grpo_without_std_division_only_centres():
 def test_advantage_registry_names_the_allowed_estimators():
     with pytest.raises(ValueError) as error:
         get_advantage_estimator("x")
-    assert str(error.value) == "unknown advantage estimator 'x'; allowed: gae, grpo"
+    assert str(error.value) == ("unknown advantage estimator 'x'; allowed: gae, grpo, rloo, rloo_vectorized, "
+                                "grpo_vectorized, grpo_passk, opo, gpg, reinforce_plus_plus_baseline, "
+                                "reinforce_plus_plus, remax, optimal_token_baseline, tir_optimal_token_baseline")
 
 
 def test_each_registered_estimator_reads_its_inputs_and_the_algorithm_config():

@@ -5,9 +5,8 @@ grouper; vLLM, SGLang and TensorRT-LLM rollouts), each expanded by bash with `py
 that prints its arguments.
 
 Each script loads (its engine keys in the NOTE line), or, where it asks for Megatron, is refused in one line. A
-script that needs an algorithm or reward feature built in parallel (issue 38) is marked as waiting on it: a strict
-xfail, so that it fails the moment the feature lets it pass; the marks go once the features are merged. Four of
-them also go through `verl train --check` as it is.
+script added before the feature it needs is marked as waiting on it (Script.waits_on): a strict xfail, so that it
+fails the moment the feature lets it pass. Four of them also go through `verl train --check` as it is.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ SHIM = ('python3() { if [ "$1 $2" = "-m verl.trainer.main_ppo" ]; then printf "%
 # A script's own parameters, as a user on one node sets them (the DAPO and GSPO scripts read these).
 ENVIRONMENT = {"NNODES": "1", "SLURM_JOB_NUM_NODES": "1"}
 
-ADVANTAGE = "the advantage estimators (r38-adv)"
 
 
 @dataclass(frozen=True)
@@ -54,14 +52,14 @@ CORPUS: dict[str, Script] = {
     "cispo_trainer_run_cispo_qwen2_5_0_5b_gsm8k.sh": Script(),
     "gmpo_trainer_run_qwen2_5-7b_math.sh": Script(),
     "gmpo_trainer_test_dapo_7b_math.sh": Script(),
-    "gpg_trainer_run_qwen2-7b_math.sh": Script(waits_on=(ADVANTAGE,)),
+    "gpg_trainer_run_qwen2-7b_math.sh": Script(),
     "gspo_trainer_test_gspo_3b_math.sh": Script(),
-    "otb_trainer_run_qwen2_5-7b.sh": Script(waits_on=(ADVANTAGE,)),  # calculate_sum_pi_squared too
-    "reinforce_plus_plus_trainer_run_qwen2-7b_math_rf.sh": Script(waits_on=(ADVANTAGE,)),
-    "reinforce_plus_plus_trainer_run_qwen2-7b_math_rf_baseline.sh": Script(waits_on=(ADVANTAGE,)),
-    "remax_trainer_run_qwen2.5-3b_seq_balance.sh": Script(waits_on=(ADVANTAGE,)),
-    "rloo_trainer_run_qwen2-7b.sh": Script(waits_on=(ADVANTAGE,)),
-    "rollout_correction_run_with_rollout_corr.sh": Script(waits_on=(ADVANTAGE,)),
+    "otb_trainer_run_qwen2_5-7b.sh": Script(),  # calculate_sum_pi_squared too
+    "reinforce_plus_plus_trainer_run_qwen2-7b_math_rf.sh": Script(),
+    "reinforce_plus_plus_trainer_run_qwen2-7b_math_rf_baseline.sh": Script(),
+    "remax_trainer_run_qwen2.5-3b_seq_balance.sh": Script(),
+    "rloo_trainer_run_qwen2-7b.sh": Script(),
+    "rollout_correction_run_with_rollout_corr.sh": Script(),
     "ppo_trainer_run_qwen2-7b_rm.sh": Script(),
     "ppo_trainer_run_qwen2-7b_rm_legacy.sh": Script(),
     "ppo_trainer_run_qwen2-7b_rm_seq_balance.sh": Script(),

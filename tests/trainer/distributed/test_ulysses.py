@@ -59,7 +59,8 @@ def test_the_padding_free_row_split_over_two_ranks_gives_one_ranks_padding_free_
     """use_remove_padding with Ulysses (what every verl Ulysses config sets): the packed row of real tokens is split
     along the sequence, and the responses' log-probs, entropies and gradients are one rank's padding-free ones."""
     for report in reports:
-        for measured in ("log_probs", "entropy", "against_padded", "grads"):
+        for measured in ("log_probs", "entropy", "against_padded", "grads", "sum_pi_squared",
+                         "sum_pi_squared_log_probs"):
             value = report[f"padding_free/{case}/{measured}"]
             assert value < TOLERANCE, (case, measured, value)
         assert report[f"padding_free/{case}/padding_zero"] == 0.0

@@ -26,6 +26,7 @@ from trainer.algorithms import (
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
     masked_mean,
+    sum_pi_squared_from_logits,
 )
 from trainer.distributed.ulysses import SequenceParallel, sequence_parallel_mesh, use_ulysses_attention
 from trainer.rollout.batch import RolloutBatch
@@ -204,9 +205,16 @@ def padding_free_checks(sp: SequenceParallel, kind: str, key_value_heads: int) -
     # did not see each other.
     padded_log_probs, _ = SequenceSplit(sp, pad_token_id=0).log_probs_and_entropy(sharded_model, batch, 1.0,
                                                                                    entropy=False)
+    # verl's calculate_sum_pi_squared on the split row: each rank's positions' sums, gathered.
+    with torch.no_grad():
+        whole_squares = sum_pi_squared_from_logits(response_logits(whole_model, batch, remove_padding=True))
+        squares_log_probs, squares = split.log_probs_and_sum_pi_squared(sharded_model, batch, 1.0)
     name = f"padding_free/{kind}/kv{key_value_heads}"
     pairs = list(zip(sharded_model.parameters(), whole_model.parameters(), strict=True))
-    return {f"{name}/log_probs": difference(log_probs[wanted], whole_log_probs[wanted].detach()),
+    results = {f"{name}/sum_pi_squared": difference(squares[wanted], whole_squares[wanted]),
+               f"{name}/sum_pi_squared_log_probs": difference(squares_log_probs[wanted],
+                                                              whole_log_probs[wanted].detach())}
+    return results | {f"{name}/log_probs": difference(log_probs[wanted], whole_log_probs[wanted].detach()),
             f"{name}/entropy": difference(entropy[wanted], whole_entropy[wanted].detach()),
             f"{name}/padding_zero": float(log_probs[~wanted].abs().max()),
             f"{name}/against_padded": difference(padded_log_probs[wanted], whole_log_probs[wanted].detach()),
