@@ -106,6 +106,13 @@ class TrainerConfig(Section):
         return self.run_dir / "checkpoints"
 
 
+    @field_validator("save_freq", "test_freq", mode="before")
+    @classmethod
+    def _frequency_of_a_boolean(cls, value: Any) -> Any:
+        """verl compares a frequency with `> 0` and takes it modulo the step, so its scripts' `test_freq=false` runs
+        (never) and `true` is every step: read so here, rather than as the boolean-for-a-number mistake."""
+        return (1 if value else -1) if isinstance(value, bool) else value
+
 class TelemetryConfig(Section):
     host: str = "127.0.0.1"
     """Address the API binds; anything but loopback exposes it beyond this machine (token still needed)."""

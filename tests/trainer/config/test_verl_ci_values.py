@@ -31,3 +31,11 @@ def test_a_null_reward_function_name_beside_a_null_path_is_verls_default_name() 
                                                             "custom_reward_function.name=null"])
     assert config.custom_reward_function.name == "compute_score"
     assert (notes, warnings) == ([], [])
+
+
+
+@pytest.mark.parametrize(("written", "read"), [("false", -1), ("true", 1), ("3", 3)])
+def test_a_boolean_frequency_is_read_as_verl_compares_it(written: str, read: int) -> None:
+    """verl's CI sets trainer.test_freq=false: its `test_freq > 0` never validates (and `true` is every step)."""
+    assert load_config_with_notes(None, [f"trainer.save_freq={written}"]).config.trainer.save_freq == read
+    assert load_config_with_notes(None, ["trainer.test_freq=false"]).config.trainer.test_freq == -1
