@@ -112,7 +112,7 @@ class Profile:
             if hasattr(optimizer, method):  # the offload optimizer's; a plain one (e2e_bench's fsdp2) has some
                 setattr(optimizer, method, self._timed(getattr(optimizer, method), f"actor optimizer.{method}"))
         rollout = trainer.rollout
-        rollout.generate = self._timed(rollout.generate, "rollout generate")
+        rollout.sample = self._timed(rollout.sample, "rollout generate")  # generate() calls sample() too
         # The decode's safe points (every few tokens) time its chunks: the first holds the prefill
         # (and any wait for the update), the others decoding alone.
         # (Without dynamic offload the rollout gets safe points for the timing alone.)

@@ -118,7 +118,10 @@ def main() -> int:
         if crash_how and step + 1 == crash_at and run <= crash_runs:
             crash(crash_how)
         step += 1
-        PROGRESS.write_text(str(step))
+        # Written whole or not at all (a rename): a group's ranks write it, and a restart's reads it.
+        partial = PROGRESS.with_name(f"progress.{os.getpid()}")
+        partial.write_text(str(step))
+        os.replace(partial, PROGRESS)
         if client is not None:
             client.send(StepMessage(step=step, metrics={"critic/score/mean": step / total, "timing_s/step": step_s}))
     safe_point(step + 1)

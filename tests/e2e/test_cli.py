@@ -138,10 +138,10 @@ def _write_parquet(path: Path, table: dict) -> str:
     return str(path)
 
 
-BAD_INPUTS = ["wrong type", "unknown key", "out of range", "moved key", "ignored key", "bad choice",
+BAD_INPUTS = ["wrong type", "unknown key", "out of range", "moved key", "megatron", "bad choice",
               "missing model", "not a model dir", "missing data file", "unknown data format", "no prompt column",
-              "not parquet", "reward function missing", "mini-batch", "grpo n", "malformed override", "broken yaml",
-              "empty config", "data directory", "truncated weights"]
+              "not parquet", "reward function missing", "mini-batch", "grpo_passk n", "malformed override",
+              "broken yaml", "empty config", "data directory", "truncated weights"]
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
@@ -166,9 +166,8 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "wrong type": (["data.train_batch_size=abc"], "data.train_batch_size"),
         "unknown key": (["actor_rollout_ref.actor.optm.lr=1"], "did you mean 'optim'"),
         "out of range": (["dynamic_offload.gpu_memory_threshold=1.5"], "dynamic_offload.gpu_memory_threshold"),
-        "moved key": (["actor_rollout_ref.actor.fsdp_config.dynamic_offload.gpu_memory_threshold=0.8"],
-                      "set dynamic_offload.gpu_memory_threshold instead"),
-        "ignored key": (["reward_model.model.fsdp_config.param_offload=true"], "builds no reward model"),
+        "moved key": (["dynamic_offload.enabled=true"], "dynamic offload is enabled per model"),
+        "megatron": (["actor_rollout_ref.actor.strategy=megatron"], "Megatron-LM is another training engine"),
         "bad choice": (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator"),
         "missing model": (["actor_rollout_ref.model.path=/nonexistent/model"], "actor_rollout_ref.model.path"),
         "not a model dir": ([f"actor_rollout_ref.model.path={not_a_model}"], "config.json"),
@@ -178,7 +177,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "not parquet": ([f"data.train_files={garbage}"], "garbage.parquet"),
         "reward function missing": ([f"custom_reward_function.path={reward}"], "compute_score"),
         "mini-batch": (["data.train_batch_size=100"], "ppo_mini_batch_size"),
-        "grpo n": (["algorithm.adv_estimator=grpo"], "actor_rollout_ref.rollout.n"),
+        "grpo_passk n": (["algorithm.adv_estimator=grpo_passk"], "actor_rollout_ref.rollout.n"),
         "malformed override": (["data.train_batch_size"], "not an override (no '=')"),
         "broken yaml": (["--config", str(broken_yaml)], "line"),
         "empty config": (["--config", str(empty_yaml)], "which is empty (or only comments)"),
@@ -269,13 +268,13 @@ def test_check_validates_without_training_and_prints_the_resolved_config(tmp_pat
 
 def test_check_reports_schema_and_cross_field_problems_in_one_round(tmp_path):
     result = verl("train", "--check", "--config", QUICKSTART, "data.max_prompt_length=abc",
-                  "algorithm.adv_estimator=grpo", "data.x=[", cwd=tmp_path)
+                  "algorithm.adv_estimator=grpo_passk", "data.x=[", cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
     assert [line.split(":")[1].strip() for line in errors] == ["data.x"], "a grammar error stops before the schema"
     result = verl("train", "--check", "--config", QUICKSTART, "data.max_prompt_length=abc",
-                  "algorithm.adv_estimator=grpo", cwd=tmp_path)
+                  "algorithm.adv_estimator=grpo_passk", cwd=tmp_path)
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
     assert [line.split(":")[1].strip() for line in errors] == ["data.max_prompt_length", "actor_rollout_ref.rollout.n"]
     assert result.stdout == ""
