@@ -168,6 +168,15 @@
 # use_remove_padding on 2 GPUs (`SET="actor_rollout_ref.actor.ulysses_sequence_parallel_size=2
 # actor_rollout_ref.model.use_remove_padding=true" VARIANTS=all_gpu ranks`: never run on GPUs, CPU-tested); on one H200,
 # `VARIANTS=all_gpu,offload,offload_balanced e2e-ppo3b` and `PROFILE=1 VARIANTS=all_gpu,offload_delayed e2e-headline`.
+# 2026-12-07 11:04-12:58: nine refusals cost about 1,400 s of the 1,800 s budget; the one call that ran (H100, 191 s) fitted only
+# `VARIANTS=all_gpu,offload STEPS=3 WARMUP=1 TIMEOUT=90 e2e-ppo3b` for main after issues 37 and 38 and for cfb571f (before
+# 37) in .baseline/, 95 s each: all_gpu 1.99 s a step after against 2.05 before (0.97x, same within noise); neither
+# offload variant finished in its 95 s (the first step compiles: after's update_actor 5.5 s with use_torch_compile).
+# Results: benchmarks/results/e2e-ppo3b-h100-2026-12-07T1258-*.json.
+# Next, first: `tests` (issue 38's GPU tests, test_rollout_log_probs_gpu.py and test_compiled_kernels.py, never run
+# on a GPU), then the offload side of the issue-37 check: a copy of cfb571f (`git archive cfb571f`) in .baseline/
+# (excluded, carried), `VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 TIMEOUT=200 TAG=-before37 e2e-ppo3b` run from it and
+# from the repository's root in the same call (about 330 s each pair with the machine's start).
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
