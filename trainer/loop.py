@@ -3,8 +3,9 @@
 `fit` resumes, then per step: train, record, checkpoint, validate. One step reads top to bottom in `train_step`:
 generate, score, old log-probs, reference log-probs, values, advantages, critic update, actor update. What else a
 run needs is built and kept elsewhere: the models and their placement (build.py), a phase's weights (staging.py),
-the rollout (generation.py), the advantages (advantage_phase.py), checkpoints (checkpointer.py), validation
-(validation.py), the daemon's control (control.py) and what crosses ranks (distributed/run_wide.py).
+the rollout (generation.py), the scores (scoring.py), the advantages (advantage_phase.py), checkpoints
+(checkpointer.py), validation (validation.py), the daemon's control (control.py) and what crosses ranks
+(distributed/run_wide.py).
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from trainer.advantage_phase import AdvantagePhase
 from trainer.algorithms import build_kl_controller
-from trainer.algorithms.advantages import lone_response_warning
 from trainer.build import ModelBuilder, load_prompts, set_host_threads
 from trainer.checkpointer import Checkpointer
 from trainer.config import KEYS, RunConfig, dump_config
@@ -29,7 +28,6 @@ from trainer.data import PromptRecord, PromptSampler
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks, resolve_device
 from trainer.distributed.run_wide import RunWide
-from trainer.dumps import decode_texts, generation_lines, write_generations
 from trainer.errors import RunSetupError
 from trainer.generation import Generation, GreedyBaseline
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
@@ -40,9 +38,9 @@ from trainer.offload.copies import CopyLog
 from trainer.offload.dynamic import MemoryProbe
 from trainer.randomness import seed_everything
 from trainer.reporting import StepObserver
-from trainer.rewards.manager import place_on_last_token
 from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.hf_rollout import HFRollout
+from trainer.scoring import Scoring
 from trainer.staging import StagedPhase, Staging
 from trainer.validation import Validator
 
@@ -105,17 +103,12 @@ class Trainer:
         self.generation = Generation(config, self.tokenizer, self.rollout, self.staging, self.run_wide,
                                      heartbeat=self.control.heartbeat, log=log, warn=warn)
         self.memory.enable_embedding_cache(config.actor_rollout_ref.rollout.embedding_cache)
-        if lone := lone_response_warning(config.algorithm.adv_estimator, config.actor_rollout_ref.rollout.n):
-            warn(lone)
         # ReMax's baseline: each prompt's greedy response, scored in the gen phase.
         self.greedy_baseline = GreedyBaseline(
             config, self.generation, self.models.reward, self.staging, synchronize=self._synchronize,
             safe_point=self._rollout_safe_point if self.memory.moves_layers else None, warn=warn,
         ) if config.algorithm.adv_estimator == "remax" else None
-        # Each position's sum of squared probabilities, scored with the old log-probs (the optimal token baselines
-        # read both; verl's variance_proxy/* metrics read them with any estimator).
-        self.scores_sum_pi_squared = (config.actor_rollout_ref.actor.calculate_sum_pi_squared
-                                      or config.algorithm.reads_sum_pi_squared)
+        self.score = Scoring(config, self.models.reward, self.tokenizer, self.ranks, step=lambda: self.step, log=log)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.advantages = AdvantagePhase(config, self.run_wide, self.ranks, self.kl_controller)
@@ -233,7 +226,7 @@ class Trainer:
                     # or the update.)
                     with self.staging("scoring", Role.ACTOR, len(batch)):
                         batch.old_log_probs, batch.sum_pi_squared = self.actor.score_responses(
-                            batch, sum_pi_squared=self.scores_sum_pi_squared)
+                            batch, sum_pi_squared=self.config.scores_sum_pi_squared)
             if self.reference is not None:
                 with self._phase(timer, "ref", "scoring", self.reference.role, batch):
                     batch.ref_log_probs = self.reference.compute_log_probs(batch)
@@ -261,31 +254,6 @@ class Trainer:
         with timer.phase(name), self.staging(staged_as, role, len(batch)):
             yield
 
-    def score(self, batch: RolloutBatch) -> dict[str, float]:
-        """Each response's reward on its last token (batch.token_level_scores); the responses scored 0 on an error
-        (reward/errors) and the mean of each number the reward manager reported (reward/<name>/mean)."""
-        errors = self.models.reward.errors
-        scored = self.models.reward.score(batch)
-        batch.token_level_scores = place_on_last_token(scored.scores, batch.response_mask)
-        if self.config.trainer.rollout_data_dir is not None:
-            self._write_rollouts(batch, scored.scores.tolist(), scored.extra)
-        return {"reward/errors": self.models.reward.errors - errors, **scored.metrics()}
-
-    def _write_rollouts(self, batch: RolloutBatch, scores: list[float], reported: list[dict[str, Any]]) -> None:
-        """trainer.rollout_data_dir: the step's responses, every data-parallel rank's, as verl dumps them
-        (trainer/dumps.py), written by rank 0."""
-        tokenizer, step = self.generation.tokenizer, self.step + 1  # the step being trained
-        lines = generation_lines(decode_texts(tokenizer, batch.prompt_ids, batch.prompt_mask),
-                                 decode_texts(tokenizer, batch.response_ids, batch.response_mask),
-                                 [record.ground_truth for record in batch.records],
-                                 scores, reported, step)
-        # The ranks of a sequence-parallel group hold the same responses: its first rank's are written.
-        everyone = self.ranks.gather_objects(lines if self.ranks.sp_rank == 0 else [])
-        if self.ranks.is_main:
-            path = write_generations(self.config.trainer.rollout_data_dir or "", step,
-                                     [line for rank_lines in everyone for line in rank_lines])
-            self.log(f"step {step}'s responses written to {path} ({KEYS.trainer.rollout_data_dir})")
-
     def _scores_old_log_probs(self, size: int) -> bool:
         """Whether the step scores the old log-probs in a pass of their own: when the reward's KL penalty or rollout
         correction (pi_old against the rollout's pi_rollout, before the advantages) reads them, when the sums of
@@ -295,7 +263,7 @@ class Trainer:
         over the batch less a step, and under delayed_update the update's publish gets the reference's, the
         values' and the critic's update's time to finish in before the actor's weights are read."""
         if (self.config.algorithm.use_kl_in_reward or self.config.records_rollout_log_probs
-                or self.scores_sum_pi_squared):
+                or self.config.scores_sum_pi_squared):
             return True
         updates = self.step >= self.config.trainer.critic_warmup
         scored = updates and not self.actor.on_policy(size)

@@ -80,28 +80,6 @@ def get_advantage_estimator(name: str) -> Estimator:
 
 # What a response alone in its group gets from each estimator that compares the responses to a prompt (rollout.n=1).
 # GRPO's case is a rule of the config's.
-_LONE_RESPONSE_ADVANTAGE = {
-    "grpo_vectorized": "its own score (the group's mean is taken as 0 and its std as 1)",
-    "rloo": "its own score (no other response to leave out)",
-    "rloo_vectorized": "0, so the policy gets no gradient from the advantages",
-    "opo": "its own score (no group baseline)",
-    "gpg": "its own score, scaled (no group baseline)",
-    "reinforce_plus_plus_baseline": "its own score whitened over the batch (no group baseline)",
-    "optimal_token_baseline": "its reward-to-go (no baseline)",
-    "tir_optimal_token_baseline": "its reward-to-go (no baseline)",
-}
-
-
-def lone_response_warning(name: str, n: int) -> str | None:
-    """The warning for estimator `name` run with `n` responses per prompt: None unless it compares the responses to
-    a prompt and has one of each. verl runs it, so it runs here too."""
-    if n > 1 or name not in _LONE_RESPONSE_ADVANTAGE:
-        return None
-    return (f"algorithm.adv_estimator={name} compares the responses to each prompt, but actor_rollout_ref.rollout.n "
-            f"is {n}: each response's advantage is {_LONE_RESPONSE_ADVANTAGE[name]}; set rollout.n >= 2 for a "
-            "baseline from its group")
-
-
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,

@@ -45,7 +45,7 @@ def all_rules() -> tuple[Rule, ...]:
     return (environment.check_actor_model_paths, environment.check_critic_model_paths,
             environment.check_reward_model_paths, environment.check_train_files, environment.check_val_files,
             environment.check_reward_function_file, environment.trackers_installed,
-            _check_batch_sizes, _check_token_budgets, _grpo_needs_several_responses, _gae_needs_a_critic,
+            _check_batch_sizes, _check_token_budgets, _group_estimators_need_several_responses, _gae_needs_a_critic,
             _model_length_holds_a_prompt,
             _resume_path_is_set, _validation_needs_data, ranks.check_devices, ranks.check_launch, _check_offload,
             _settings_of_models_not_built, _training_settings_of_frozen_models, _settings_not_built_yet,
@@ -134,15 +134,29 @@ def _largest_divisor(number: int, at_most: int) -> int:
     return max(divisor for divisor in range(1, min(number, at_most) + 1) if number % divisor == 0)
 
 
-def _grpo_needs_several_responses(config: RunConfig) -> list[ConfigProblem]:
-    """A warning: verl runs it (and learns nothing from the scores)."""
-    n = config.actor_rollout_ref.rollout.n
-    if config.algorithm.adv_estimator == "grpo" and n < 2:
-        return [ConfigWarning("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator=grpo normalizes "
-                              "each response's score within its prompt's group: with one response per prompt every "
-                              "advantage is 0, so the scores train nothing (only a KL or entropy term moves the "
-                              "actor), as in verl; set n >= 2 (verl's GRPO examples use 5)")]
-    return []
+# What each estimator that compares the responses to a prompt makes of a lone response's advantage.
+_LONE_RESPONSE_ADVANTAGE = {
+    "grpo": "0 (every advantage is 0: the scores train nothing; only a KL or entropy term moves the actor)",
+    "grpo_vectorized": "its own score (the group's mean is taken as 0 and its std as 1)",
+    "rloo": "its own score (no other response to leave out)",
+    "rloo_vectorized": "0, so the policy gets no gradient from the advantages",
+    "opo": "its own score (no group baseline)",
+    "gpg": "its own score, scaled (no group baseline)",
+    "reinforce_plus_plus_baseline": "its own score whitened over the batch (no group baseline)",
+    "optimal_token_baseline": "its reward-to-go (no baseline)",
+    "tir_optimal_token_baseline": "its reward-to-go (no baseline)",
+}
+
+
+def _group_estimators_need_several_responses(config: RunConfig) -> list[ConfigProblem]:
+    """A warning: verl runs an estimator that compares a prompt's responses with one response per prompt (grpo_passk,
+    which raises in verl, is refused by _passk_needs_several_responses)."""
+    n, name = config.actor_rollout_ref.rollout.n, config.algorithm.adv_estimator
+    if n > 1 or name not in _LONE_RESPONSE_ADVANTAGE:
+        return []
+    return [ConfigWarning("actor_rollout_ref.rollout.n", f"got {n}, but algorithm.adv_estimator={name} compares the "
+                          f"responses to each prompt: each response's advantage is {_LONE_RESPONSE_ADVANTAGE[name]}, "
+                          "as in verl; set n >= 2 for a baseline from its group (verl's GRPO examples use 5)")]
 
 
 def _model_length_holds_a_prompt(config: RunConfig) -> list[ConfigProblem]:

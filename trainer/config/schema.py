@@ -562,6 +562,12 @@ class RunConfig(Section):
         return self.actor_rollout_ref.rollout.calculate_log_probs or self.algorithm.rollout_correction.active
 
     @property
+    def scores_sum_pi_squared(self) -> bool:
+        """Whether the old-log-prob pass scores each position's sum of squared probabilities: asked for (verl's
+        variance_proxy/* metrics, any estimator), or read by the optimal token baselines."""
+        return self.actor_rollout_ref.actor.calculate_sum_pi_squared or self.algorithm.reads_sum_pi_squared
+
+    @property
     def use_reference(self) -> bool:
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 

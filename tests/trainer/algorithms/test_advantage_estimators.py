@@ -31,8 +31,7 @@ from trainer.algorithms import (
     token_baselines,
     variance_proxy_metrics,
 )
-from trainer.algorithms.advantages import lone_response_warning
-from trainer.config import AlgorithmConfig
+from trainer.config import AlgorithmConfig, load_config_with_notes
 from trainer.config.schema import AdvantageEstimatorName
 
 # verl's AdvantageEstimator (verl/trainer/ppo/core_algos.py), every value.
@@ -361,11 +360,17 @@ def test_variance_proxies_on_two_ranks_are_the_whole_batchs():
 
 
 def test_group_estimators_with_one_response_per_prompt_warn_what_the_advantage_becomes():
-    assert lone_response_warning("rloo_vectorized", 1) == (
-        "algorithm.adv_estimator=rloo_vectorized compares the responses to each prompt, but "
-        "actor_rollout_ref.rollout.n is 1: each response's advantage is 0, so the policy gets no gradient from the "
-        "advantages; set rollout.n >= 2 for a baseline from its group")
-    assert "its own score" in lone_response_warning("rloo", 1)
-    assert lone_response_warning("rloo", 2) is None
-    for name in ("gae", "reinforce_plus_plus", "remax", "grpo"):  # no group (GRPO's is the config's rule)
-        assert lone_response_warning(name, 1) is None
+    """The config's WARNING line (trainer/config/rules.py): verl runs these with one response per prompt."""
+    def warnings(name: str, n: int) -> list[str]:
+        loaded = load_config_with_notes(None, [f"algorithm.adv_estimator={name}", f"actor_rollout_ref.rollout.n={n}",
+                                               "critic.enable=false"])
+        return [warning.message for warning in loaded.warnings if warning.path == "actor_rollout_ref.rollout.n"]
+
+    assert warnings("rloo_vectorized", 1) == [
+        "got 1, but algorithm.adv_estimator=rloo_vectorized compares the responses to each prompt: each response's "
+        "advantage is 0, so the policy gets no gradient from the advantages, as in verl; set n >= 2 for a baseline "
+        "from its group (verl's GRPO examples use 5)"]
+    assert "its own score" in warnings("rloo", 1)[0]
+    assert warnings("rloo", 2) == []
+    for name in ("reinforce_plus_plus", "remax"):  # no group
+        assert warnings(name, 1) == []

@@ -67,7 +67,7 @@ def scored_step(trainer: Trainer, scores: list[float]):
     batch = trainer.generation.generate(records)
     if trainer.greedy_baseline is not None:
         batch.reward_baselines = trainer.greedy_baseline(records)
-    if trainer.scores_sum_pi_squared:
+    if trainer.config.scores_sum_pi_squared:
         batch.old_log_probs, batch.sum_pi_squared = trainer.actor.score_responses(batch, sum_pi_squared=True)
     batch.token_level_scores = place_on_last_token(torch.tensor(scores), batch.response_mask)
     trainer.advantages.compute_advantages(batch)
@@ -104,13 +104,3 @@ def test_calculate_sum_pi_squared_reports_verls_variance_proxies_with_any_estima
     for key in VARIANCE_PROXIES:
         assert math.isfinite(row[key]), key
     assert row["variance_proxy/proxy1_signal_strength"] == pytest.approx(row["actor/grad_norm"] ** 2)
-
-
-def test_a_group_estimator_with_one_response_per_prompt_warns_what_its_advantages_become(tmp_path):
-    warnings: list[str] = []
-    make_trainer(tmp_path, "algorithm.adv_estimator=rloo_vectorized", "actor_rollout_ref.rollout.n=1",
-                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", warn=warnings.append)
-    assert [line for line in warnings if "rloo_vectorized" in line] == [
-        "algorithm.adv_estimator=rloo_vectorized compares the responses to each prompt, but "
-        "actor_rollout_ref.rollout.n is 1: each response's advantage is 0, so the policy gets no gradient from the "
-        "advantages; set rollout.n >= 2 for a baseline from its group"]
