@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trainer.config import RunConfig
+from trainer.config import RolloutConfig, RunConfig
 from trainer.config.messages import Role
 from trainer.data import PromptRecord
 from trainer.distributed.run_wide import RunWide
@@ -85,6 +85,14 @@ class Generation:
                             response_mask=response_mask, group_index=group_index, records=repeated,
                             rollout_log_probs=log_probs[0] if log_probs else None)
 
+    def rollout_like(self, settings: RolloutConfig, *, safe_point: Callable[[], object] | None = None,
+                     warn: Callable[[str], None] | None = None) -> HFRollout:
+        """A rollout of the step's model, placed and synced as the step's, sampling as `settings` say (validation's
+        val_kwargs, ReMax's greedy baseline)."""
+        return HFRollout(self.rollout.model, self.tokenizer, settings, self.config.data.max_response_length,
+                         safe_point=safe_point, graph_safety=self.memory.engine(Role.ACTOR),
+                         synced=self.ranks.distributed, agree_active=self.ranks.count_agreement, warn=warn)
+
     def decode_memory(self) -> dict[str, float]:
         """The static decode's KV cache and CUDA graphs' pool (rollout/kv_cache_gb, rollout/graph_pool_gb), said in
         the log the first time and when they grow by more than a tenth: device memory the rollout holds besides the
@@ -136,11 +144,8 @@ class GreedyBaseline:
         self.n = config.actor_rollout_ref.rollout.n
         # The rollout's own settings (decode, enforce_eager, top_k...) but greedy: verl's do_sample=False. Built once,
         # so that its static decode captures its graphs once.
-        self.rollout = HFRollout(generation.rollout.model, generation.tokenizer,
-                                 config.actor_rollout_ref.rollout.model_copy(update={"do_sample": False}),
-                                 config.data.max_response_length, safe_point=safe_point,
-                                 graph_safety=generation.memory.engine(Role.ACTOR), synced=generation.ranks.distributed,
-                                 agree_active=generation.ranks.count_agreement, warn=warn)
+        self.rollout = generation.rollout_like(config.actor_rollout_ref.rollout.model_copy(update={"do_sample": False}),
+                                               safe_point=safe_point, warn=warn)
         self.seconds = 0.0
         """How long the last call took (timing_s/gen_max)."""
 

@@ -33,13 +33,11 @@ import numpy as np
 import torch
 
 from trainer.config import KEYS, RolloutConfig, RunConfig
-from trainer.config.messages import Role
 from trainer.data import PromptRecord
 from trainer.dumps import decode_texts, generation_lines, write_generations
 from trainer.generation import Generation
 from trainer.rewards.manager import RewardFunction
 from trainer.rollout.batch import RolloutBatch
-from trainer.rollout.hf_rollout import HFRollout
 
 BOOTSTRAP_DRAWS = 1000
 BOOTSTRAP_SEED = 42
@@ -195,9 +193,7 @@ class Validator:
         self.publish_updates()
         generation = self.generation
         responses = self.config.actor_rollout_ref.rollout.val_kwargs.n
-        rollout = HFRollout(generation.rollout.model, generation.tokenizer, self.sampling(),
-                            self.config.data.max_response_length, graph_safety=generation.memory.engine(Role.ACTOR),
-                            synced=generation.ranks.distributed, agree_active=generation.ranks.count_agreement)
+        rollout = generation.rollout_like(self.sampling())
         gathered: dict[tuple[int, int], ValidationSample] = {}
         size = self.config.data.val_batch_size or len(self.records)  # null: all at once, as verl
         for start in range(0, len(self.records), size):

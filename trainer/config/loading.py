@@ -21,7 +21,7 @@ from trainer.config.fields import Section
 from trainer.config.megatron import single_megatron_problem
 from trainer.config.notes import Note, engine_notes
 from trainer.config.overrides import apply_overrides, resolve_interpolations
-from trainer.config.refused import checks_despite_schema_errors
+from trainer.config.refused import checks_despite_schema_errors, is_under
 from trainer.config.rules import check_semantics
 from trainer.config.schema import RunConfig
 from trainer.config.verl import translate
@@ -72,7 +72,7 @@ def load_config_with_notes(path: str | os.PathLike[str] | None = None, overrides
                                                    for problem in problems], translation.megatron))
     # A warning about what a key of several models set for the reference alone does not apply to what was written.
     warnings = [_as_written(warning, translation.written) for warning in warnings
-                if not all(any(_is_under(key, shared) for shared in translation.shared)
+                if not all(any(is_under(key, shared) for shared in translation.shared)
                            for key in (getattr(warning, "keys", ()) or (warning.path,)))]
     return LoadedConfig(config, engine_notes(config) + translation.notes, warnings)
 
@@ -111,10 +111,6 @@ def _validated(raw: dict[str, Any]) -> tuple[RunConfig, list[ConfigProblem]]:
     if problems:
         raise ConfigError(problems)
     return resolve_defaults(config), [problem for problem in found if isinstance(problem, ConfigWarning)]
-
-
-def _is_under(path: str, key: str) -> bool:
-    return path == key or path.startswith(key + ".")
 
 
 def resolve_defaults(config: RunConfig) -> RunConfig:

@@ -48,7 +48,7 @@ def checks_despite_schema_errors(raw: dict[str, Any], errors: Sequence[ErrorDeta
     for field_path in refused:
         config = typing.cast(RunConfig, _refuse(config, field_path))
     problems = [problem for rule in all_rules() for problem in _despite_refused(rule, config, variants)]
-    return [problem for problem in problems if not any(_is_under(problem.path, key) for key in dropped)]
+    return [problem for problem in problems if not any(is_under(problem.path, key) for key in dropped)]
 
 
 def _despite_refused(rule: Rule, config: RunConfig, variants: Sequence[RunConfig]) -> list[ConfigProblem]:
@@ -154,5 +154,6 @@ def _drop(raw: dict[str, Any], field_path: Sequence[str]) -> bool:
     return False
 
 
-def _is_under(path: str, key: str) -> bool:
+def is_under(path: str, key: str) -> bool:
+    """Whether dotted `path` is `key` or lies under it (a field, or an item of a list)."""
     return path == key or path.startswith((key + ".", key + "["))
