@@ -177,6 +177,16 @@
 # on a GPU), then the offload side of the issue-37 check: a copy of cfb571f (`git archive cfb571f`) in .baseline/
 # (excluded, carried), `VARIANTS=all_gpu,offload STEPS=4 WARMUP=2 TIMEOUT=200 TAG=-before37 e2e-ppo3b` run from it and
 # from the repository's root in the same call (about 330 s each pair with the machine's start).
+# 2026-12-07 14:25-14:31 (second session), H100, one call of 286 s: the issue-37 check's offload half, `VARIANTS=all_gpu,offload
+# STEPS=4 WARMUP=2 TIMEOUT=200 e2e-ppo3b` from the root (TAG=-after37) and from .baseline/ (cfb571f, TAG=-before37),
+# 158 s and 119 s: all_gpu 1.650 s a step after against 1.644 s before; offload 3.441 s (2.09x) after against 3.152 s
+# (1.92x) before. The counted steps: after 3.29 and 3.59 s, before 3.19 and 3.12 s; after's step 4 had one slow
+# update_critic (0.77 s against 0.33-0.39 s in every other step of both). The first step is 28 s after against 19 s
+# before: use_torch_compile (issue 38) compiles the actor's update in step 1. Results:
+# benchmarks/results/e2e-ppo3b-h100-2026-12-07T1440-*.json. `tests` failed to collect: the image lacks uvicorn, which
+# tests/trainer/distributed/conftest.py reaches through tests/support.py; fastapi, starlette, uvicorn and their
+# dependencies are now wheels in .whl/ too. A second call (STEPS=7, to settle the offload figure, plus `tests`) was
+# refused.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
