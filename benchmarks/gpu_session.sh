@@ -185,8 +185,13 @@
 # before: use_torch_compile (issue 38) compiles the actor's update in step 1. Results:
 # benchmarks/results/e2e-ppo3b-h100-2026-12-07T1440-*.json. `tests` failed to collect: the image lacks uvicorn, which
 # tests/trainer/distributed/conftest.py reaches through tests/support.py; fastapi, starlette, uvicorn and their
-# dependencies are now wheels in .whl/ too. A second call (STEPS=7, to settle the offload figure, plus `tests`) was
-# refused.
+# dependencies are now wheels in .whl/ too. Two calls were then refused (300 s of budget).
+# 2026-12-07 14:58-15:08, H100 (another host, whose host-side update ran 1.8-2.7 ns an element against 1.0 before): the
+# same pair at STEPS=6 WARMUP=2, 186 s and 169 s: all_gpu 1.943 s after against 2.055 s before; offload 3.983 s (2.05x)
+# after against 4.446 s (2.16x) before. Counted steps after 3.79 3.63 4.93 3.59 s, before 5.66 3.92 4.02 4.19 s: one
+# step in four is 1-2 s slow on either tree (a values or critic phase), so the two calls together say the same speed
+# within this noise: +9% in the first, -10% in the second. `tests` was killed by its `timeout` at 204 s, and `tail`
+# printed nothing: run pytest with its output to a file under $OUT. Results: e2e-ppo3b-h100-2026-12-07T1500-*.json.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
@@ -203,7 +208,8 @@ case "${1:-}" in
     # The files that hold GPU tests only: the others import the daemon's web stack (fastapi, uvicorn),
     # which a GPU image may lack.
     files=$(grep -rl --include='*.py' 'pytest.mark.gpu' tests)
-    python3 -m pytest -q -p no:cacheprovider -m gpu -rfs $files 2>&1 | tail -60 | tee "$out/gpu_tests.txt" ;;
+    # Written as it goes, so a stage cut by a timeout still shows how far it came.
+    python3 -m pytest -q -p no:cacheprovider -m gpu -rfs $files > "$out/gpu_tests.txt" 2>&1; tail -60 "$out/gpu_tests.txt" ;;
   rollout)
     timeout 580 python3 benchmarks/rollout_bench.py ${SECTIONS:+--only $SECTIONS} ${BATCH:+--batch $BATCH} --out "$out/rollout${BATCH:+-b$BATCH}.json" 2>&1 \
       | tee "$out/rollout${BATCH:+-b$BATCH}.txt" | tail -30 ;;
