@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,16 @@ def run_variant(args: argparse.Namespace, variant: str, models: Path, scratch: P
             **({"final_checkpoint": unsaved[0].removeprefix("ERROR: ")[:200]} if unsaved else {})}
 
 
+def run_order(variants: Sequence[str], ranks: int, repeat: int) -> list[tuple[str, str, bool]]:
+    """The runs in the order they go, as (name, variant, launched under torchrun). One rank: each variant as one
+    plain process, then as a rank group of one. --repeat passes over them, every other one in reverse (A B B A)."""
+    once = [(variant + suffix, variant, launched) for variant in variants
+            for suffix, launched in ((("", False), (LAUNCHED, True)) if ranks == 1 else (("", True),))]
+    return [(name + (f"{REPEATED}{number}" if number > 1 else ""), variant, launched)
+            for number in range(1, repeat + 1)
+            for name, variant, launched in (once if number % 2 else once[::-1])]
+
+
 def world_size_one(variants: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Each variant's rank group of one against its plain process: step seconds (the mean over --repeat's runs,
     with their range) and the losses step by step."""
@@ -235,13 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                                   capture_output=True, text=True)
         if prepared.returncode != 0:
             raise SystemExit(f"ERROR: the shape's models could not be made:\n{prepared.stderr[-3000:]}")
-        # One rank: each variant as today's one process, then as a rank group of one, one after the other.
-        once = [(variant + suffix, variant, launched) for variant in variants
-                for suffix, launched in ((("", False), (LAUNCHED, True)) if args.ranks == 1 else (("", True),))]
-        runs = [(name + (f"{REPEATED}{number}" if number > 1 else ""), variant, launched)
-                for number in range(1, args.repeat + 1)
-                for name, variant, launched in (once if number % 2 else once[::-1])]
-        for number, (name, variant, launched) in enumerate(runs):
+        for number, (name, variant, launched) in enumerate(run_order(variants, args.ranks, args.repeat)):
             print(f"[{name}]", flush=True)
             folder = Path(scratch) / f"run{number}"  # a name a config override may hold (no "#")
             folder.mkdir()
