@@ -90,7 +90,8 @@ class Generation:
                             rollout_log_probs=log_probs[0] if log_probs else None)
 
     def _conversations(self, repeated: list[PromptRecord], rollout: HFRollout, groups: int, n: int) -> RolloutBatch:
-        """The multi-turn rollout of `repeated` (trainer/rollout/multi_turn.py), the batch decoded whole each turn."""
+        """The multi-turn rollout of `repeated` (trainer/rollout/multi_turn.py), the batch decoded whole each turn;
+        synced over ranks, every rank samples as many turns."""
         assert self.multi_turn is not None
         prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
                                                  max_length=self.config.data.max_prompt_length,
@@ -101,8 +102,11 @@ class Generation:
             rollout.synced = self.ranks.distributed and not alone
             prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
             done = self.multi_turn.run(repeated, prompts,
-                                       lambda ids, mask: rollout.sample(ids.to(self.device), mask.to(self.device)))
-        return RolloutBatch(prompt_ids=done.prompt_ids.to(self.device), prompt_mask=done.prompt_mask.to(self.device),
+                                       lambda ids, mask: rollout.sample(ids.to(self.device), mask.to(self.device)),
+                                       agree=self.ranks.count_agreement if rollout.synced else None)
+        prompt_ids, prompt_mask = self.run_wide.pad_like_other_ranks(done.prompt_ids, done.prompt_mask,
+                                                                     self.tokenizer.pad_token_id)
+        return RolloutBatch(prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
                             response_ids=done.response_ids.to(self.device),
                             response_mask=done.response_mask.to(self.device),
                             response_attention=done.response_attention.to(self.device),

@@ -104,12 +104,19 @@ class MultiTurnRollout:
 
     # ----------------------------------------------------------------------------------------- the turns
 
-    def run(self, records: Sequence[Any], prompts: Sequence[list[int]], sample: Sample) -> MultiTurnBatch:
-        """Each record's conversation from its prompt's tokens (chat template applied), to the end."""
+    def run(self, records: Sequence[Any], prompts: Sequence[list[int]], sample: Sample,
+            agree: Callable[[int], int] | None = None) -> MultiTurnBatch:
+        """Each record's conversation from its prompt's tokens (chat template applied), to the end. `agree`: where
+        the ranks' forwards meet (a rollout synced over ranks), the most conversations going on any rank; a rank
+        whose conversations have all ended samples a one-token stand-in while another's go on."""
         conversations = [self._start(record, prompt) for record, prompt in zip(records, prompts, strict=True)]
         self._recorded = False
-        while going := [conversation for conversation in conversations if not conversation.done]:
-            ids, mask = self._left_padded([conversation.prompt + conversation.response for conversation in going])
+        while True:
+            going = [conversation for conversation in conversations if not conversation.done]
+            if (agree(len(going)) if agree is not None else len(going)) == 0:
+                break
+            contexts = [conversation.prompt + conversation.response for conversation in going]
+            ids, mask = self._left_padded(contexts or [[self.tokenizer.pad_token_id]])
             tokens, generated, *log_probs = sample(ids, mask)
             assert tokens is not None and generated is not None
             for row, conversation in enumerate(going):

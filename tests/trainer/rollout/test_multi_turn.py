@@ -52,8 +52,8 @@ def ids(text: str) -> list[int]:
 
 
 class ScriptedModel:
-    """Answers each row (known by its question, its prompt's second word) with its next scripted turn; records what it
-    was shown."""
+    """Answers each row (known by its question, its prompt's second word after "user:", or a one-token stand-in's
+    token) with its next scripted turn; records what it was shown."""
 
     def __init__(self, turns: dict[str, list[str]], width: int = 16):
         self.turns = {first: [ids(turn) for turn in script] for first, script in turns.items()}
@@ -66,7 +66,7 @@ class ScriptedModel:
         tokens = torch.zeros((len(rows), self.width), dtype=torch.long)
         generated = torch.zeros((len(rows), self.width))
         for index, row in enumerate(rows):
-            turn = self.turns[TOK.convert_ids_to_tokens(row[1])].pop(0)  # the question, after "user:"
+            turn = self.turns[TOK.convert_ids_to_tokens(row[min(1, len(row) - 1)])].pop(0)
             tokens[index, :len(turn)] = torch.tensor(turn)
             generated[index, :len(turn)] = 1.0
         return tokens, generated, None
@@ -228,3 +228,15 @@ def test_max_tool_response_length_cuts_the_tools_text(side: str) -> None:
     # "Current parsed answer='7' reward=1.0" (4 words) cut to one word ("Cu...(truncated)...1.0" and the like).
     assert batch.response_ids[0, 8:11].tolist() == ids("tool: <unk> assistant:")
     assert batch.response_mask[0, :12].tolist() == [1.0] * 8 + [0.0] * 3 + [1.0]
+
+
+def test_synced_ranks_sample_as_many_turns_a_finished_rank_with_a_stand_in() -> None:
+    """Another rank's conversation goes on for 3 turns (agree says so) while this rank's ended after 1: this rank
+    keeps sampling (a one-token stand-in) so that the ranks' forwards meet, and its response is unchanged."""
+    other_rank_going = iter([1, 1, 1, 0])
+    model = ScriptedModel({"q2": ["8 <eos>"], "<pad>": ["<eos>", "<eos>"]})
+    batch = rollout(MultiTurnConfig(enable=True)).run(
+        [record("q2", "8")], [prompt_of("q2")], model,
+        agree=lambda going: max(going, next(other_rank_going)))
+    assert len(model.shown) == 3 and model.shown[1] == [[TOK.pad_token_id]] == model.shown[2]
+    assert batch.response_mask[0].tolist() == [1.0] * 2 + [0.0] * 30
