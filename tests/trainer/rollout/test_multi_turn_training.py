@@ -32,7 +32,11 @@ def gsm8k_multi_turn_data(path: Path) -> Path:
     return path
 
 
-def test_a_multi_turn_grpo_step_with_the_gsm8k_tool_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+# verl's multi-turn scripts run the padding-free forward (use_remove_padding=True): the packed row holds the tool
+# turns, the loss reads the model's tokens.
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_a_multi_turn_grpo_step_with_the_gsm8k_tool_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           remove_padding: bool) -> None:
     calls: list[str] = []
 
     def every_turn_calls_the_tool(text: str) -> tuple[str, list[ToolCall]]:
@@ -48,6 +52,7 @@ def test_a_multi_turn_grpo_step_with_the_gsm8k_tool_trains(tmp_path: Path, monke
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.device=cpu",
         "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.model.use_remove_padding={remove_padding}",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOL_CONFIG}", "trainer.total_training_steps=1",
         f"trainer.runs_dir={tmp_path}", "trainer.experiment_name=multi_turn"])
