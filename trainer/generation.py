@@ -90,7 +90,7 @@ class Generation:
                             rollout_log_probs=log_probs[0] if log_probs else None)
 
     def _conversations(self, repeated: list[PromptRecord], rollout: HFRollout, groups: int, n: int) -> RolloutBatch:
-        """The multi-turn rollout of `repeated` (trainer/rollout/multi_turn.py), the batch decoded whole each turn;
+        """The multi-turn rollout of `repeated` (trainer/rollout/multi_turn.py), each turn sampled by `_sample_turn`;
         synced over ranks, every rank samples as many turns."""
         assert self.multi_turn is not None
         prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
@@ -101,8 +101,7 @@ class Generation:
         with self.staging("rollout", Role.ACTOR, len(repeated)) as alone:
             rollout.synced = self.ranks.distributed and not alone
             prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-            done = self.multi_turn.run(repeated, prompts,
-                                       lambda ids, mask: rollout.sample(ids.to(self.device), mask.to(self.device)),
+            done = self.multi_turn.run(repeated, prompts, lambda ids, mask: self._sample_turn(rollout, ids, mask),
                                        agree=self.ranks.count_agreement if rollout.synced else None)
         prompt_ids, prompt_mask = self.run_wide.pad_like_other_ranks(done.prompt_ids, done.prompt_mask,
                                                                      self.tokenizer.pad_token_id)
@@ -113,6 +112,18 @@ class Generation:
                             group_index=torch.arange(groups, device=self.device).repeat_interleave(n),
                             records=done.records,
                             rollout_log_probs=None if done.log_probs is None else done.log_probs.to(self.device))
+
+    def _sample_turn(self, rollout: HFRollout, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor | None]:
+        """One turn of the multi-turn rollout: on one rank in pieces, as the step's rollout decodes (max_num_seqs,
+        the memory budget, a retry after running out of memory); on several ranks whole, so that every rank decodes
+        as many pieces."""
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        if self.ranks.distributed:
+            return list(rollout.sample(ids, mask))
+        pieces = run_in_pieces(lambda first, count: rollout.sample(ids[first:first + count], mask[first:first + count]),
+                               len(ids), self._rows_that_fit(len(ids), ids.shape[1]),
+                               memory=self.memory.for_role(Role.ACTOR))
+        return [None if parts[0] is None else torch.cat(parts) for parts in zip(*pieces, strict=True)]
 
     def rollout_like(self, settings: RolloutConfig, *, safe_point: Callable[[], object] | None = None,
                      warn: Callable[[str], None] | None = None) -> HFRollout:

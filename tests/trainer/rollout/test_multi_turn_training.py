@@ -33,7 +33,7 @@ def gsm8k_multi_turn_data(path: Path) -> Path:
 
 
 # verl's multi-turn scripts run the padding-free forward (use_remove_padding=True): the packed row holds the tool
-# turns, the loss reads the model's tokens.
+# turns, the loss reads the model's tokens. That run also samples each turn in pieces.
 @pytest.mark.parametrize("remove_padding", [False, True])
 def test_a_multi_turn_grpo_step_with_the_gsm8k_tool_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            remove_padding: bool) -> None:
@@ -53,6 +53,8 @@ def test_a_multi_turn_grpo_step_with_the_gsm8k_tool_trains(tmp_path: Path, monke
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.device=cpu",
         "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.model.use_remove_padding={remove_padding}",
+        # and a turn's rows in pieces of at most 3 (vLLM's max_num_seqs): 4, then fewer, per turn
+        f"actor_rollout_ref.rollout.max_num_seqs={3 if remove_padding else 256}",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOL_CONFIG}", "trainer.total_training_steps=1",
         f"trainer.runs_dir={tmp_path}", "trainer.experiment_name=multi_turn"])
