@@ -27,6 +27,7 @@ from trainer.rewards.manager import RewardFunction
 from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.budget import KVCacheShape, over_budget_message, rows_within_budget
 from trainer.rollout.hf_rollout import HFRollout
+from trainer.rollout.multi_turn import multi_turn_rollout
 from trainer.rollout.prompts import encode_prompts
 from trainer.staging import Staging
 from trainer.workers.recovery import run_in_pieces
@@ -50,12 +51,15 @@ class Generation:
         self.log, self.warn = log, warn
         self._over_budget_warned = False  # rollout.gpu_memory_utilization leaves no room: said once
         self._decode_memory_logged = 0.0  # GiB the static decode held when the log last said so
+        self.multi_turn = multi_turn_rollout(config, tokenizer, log)  # None: one turn
 
     def generate(self, records: Sequence[PromptRecord], rollout: HFRollout | None = None,
                  n: int | None = None) -> RolloutBatch:
         """Sample n responses per prompt; the batch holds prompt i's responses at i*n ... i*n + n - 1."""
         n = self.config.actor_rollout_ref.rollout.n if n is None else n
         repeated = [record for record in records for _ in range(n)]
+        if self.multi_turn is not None:
+            return self._conversations(repeated, rollout or self.rollout, len(records), n)
         prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
                                                  max_length=self.config.data.max_prompt_length,
                                                  truncation=self.config.data.truncation,
@@ -84,6 +88,42 @@ class Generation:
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated,
                             rollout_log_probs=log_probs[0] if log_probs else None)
+
+    def _conversations(self, repeated: list[PromptRecord], rollout: HFRollout, groups: int, n: int) -> RolloutBatch:
+        """The multi-turn rollout of `repeated` (trainer/rollout/multi_turn.py), each turn sampled by `_sample_turn`;
+        synced over ranks, every rank samples as many turns."""
+        assert self.multi_turn is not None
+        prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
+                                                 max_length=self.config.data.max_prompt_length,
+                                                 truncation=self.config.data.truncation,
+                                                 template_kwargs=self.multi_turn.prompt_kwargs())
+        self.heartbeat()
+        with self.staging("rollout", Role.ACTOR, len(repeated)) as alone:
+            rollout.synced = self.ranks.distributed and not alone
+            prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+            done = self.multi_turn.run(repeated, prompts, lambda ids, mask: self._sample_turn(rollout, ids, mask),
+                                       agree=self.ranks.count_agreement if rollout.synced else None)
+        prompt_ids, prompt_mask = self.run_wide.pad_like_other_ranks(done.prompt_ids, done.prompt_mask,
+                                                                     self.tokenizer.pad_token_id)
+        return RolloutBatch(prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
+                            response_ids=done.response_ids.to(self.device),
+                            response_mask=done.response_mask.to(self.device),
+                            response_attention=done.response_attention.to(self.device),
+                            group_index=torch.arange(groups, device=self.device).repeat_interleave(n),
+                            records=done.records,
+                            rollout_log_probs=None if done.log_probs is None else done.log_probs.to(self.device))
+
+    def _sample_turn(self, rollout: HFRollout, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor | None]:
+        """One turn of the multi-turn rollout: on one rank in pieces, as the step's rollout decodes (max_num_seqs,
+        the memory budget, a retry after running out of memory); on several ranks whole, so that every rank decodes
+        as many pieces."""
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        if self.ranks.distributed:
+            return list(rollout.sample(ids, mask))
+        pieces = run_in_pieces(lambda first, count: rollout.sample(ids[first:first + count], mask[first:first + count]),
+                               len(ids), self._rows_that_fit(len(ids), ids.shape[1]),
+                               memory=self.memory.for_role(Role.ACTOR))
+        return [None if parts[0] is None else torch.cat(parts) for parts in zip(*pieces, strict=True)]
 
     def rollout_like(self, settings: RolloutConfig, *, safe_point: Callable[[], object] | None = None,
                      warn: Callable[[str], None] | None = None) -> HFRollout:

@@ -150,7 +150,7 @@ def mfu_metrics(batch: RolloutBatch, seconds: Mapping[str, float], *, peak_flops
     model's config and its ppo_epochs. Left out where the peak or the model's FLOPs are unknown."""
     if peak_flops is None:
         return {}
-    lengths = (batch.prompt_mask.sum(dim=1) + batch.response_mask.sum(dim=1)).tolist()
+    lengths = (batch.prompt_mask.sum(dim=1) + batch.response_lengths).tolist()
     passes = [("perf/mfu/actor", "update_actor", actor, True), ("perf/mfu/actor_infer", "old_log_prob", actor, False)]
     if critic is not None:
         passes.append(("perf/mfu/critic", "update_critic", critic, True))

@@ -36,7 +36,7 @@ class Scoring:
         (trainer/dumps.py), written by rank 0."""
         step = self.step() + 1  # the step being trained
         lines = generation_lines(decode_texts(self.tokenizer, batch.prompt_ids, batch.prompt_mask),
-                                 decode_texts(self.tokenizer, batch.response_ids, batch.response_mask),
+                                 decode_texts(self.tokenizer, batch.response_ids, batch.response_real_mask),
                                  [record.ground_truth for record in batch.records],
                                  scores, reported, step)
         # The ranks of a sequence-parallel group hold the same responses: its first rank's are written.

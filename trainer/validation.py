@@ -225,7 +225,7 @@ class Validator:
         texts = self.config.trainer.log_val_generations > 0 or self.config.trainer.validation_data_dir is not None
         tokenizer = self.generation.tokenizer
         prompts = decode_texts(tokenizer, batch.prompt_ids, batch.prompt_mask) if texts else None
-        replies = decode_texts(tokenizer, batch.response_ids, batch.response_mask) if texts else None
+        replies = decode_texts(tokenizer, batch.response_ids, batch.response_real_mask) if texts else None
         return [ValidationSample(record.data_source, prompt_indices[position // responses], position % responses,
                                  score, scored.extra[position], prompts[position] if prompts else "",
                                  replies[position] if replies else "", record.ground_truth)

@@ -60,10 +60,11 @@ FSDP_CONFIG = Key("fsdp_config", FSDPConfig)
 
 
 def key_of(dotted: str) -> Key:
-    """The Key of a dotted path, checked step by step (AttributeError names the first step the schema lacks)."""
+    """The Key of a dotted path, checked step by step (AttributeError names the first step the schema lacks); a
+    step named like a str method (verl's multi_turn.format) is the key too."""
     key = KEYS
     for name in dotted.split("."):
-        key = getattr(key, name)
+        key = Key.__getattr__(key, name)
     return key
 
 

@@ -19,11 +19,13 @@ from trainer.config.environment import launch_keys_from_environment
 from trainer.config.errors import ConfigError, ConfigProblem, ConfigWarning, describe_pydantic_error
 from trainer.config.fields import Section
 from trainer.config.megatron import single_megatron_problem
+from trainer.config.multi_turn import under_named_config
 from trainer.config.notes import Note, engine_notes
 from trainer.config.overrides import apply_overrides, resolve_interpolations
 from trainer.config.refused import checks_despite_schema_errors, is_under
 from trainer.config.rules import check_semantics
 from trainer.config.schema import RunConfig
+from trainer.config.tool_files import single_vision_problem
 from trainer.config.verl import translate
 
 
@@ -53,6 +55,7 @@ def load_config_with_notes(path: str | os.PathLike[str] | None = None, overrides
     `config_name` is verl's Hydra --config-name, when a verl launch script gives one (verl.py: config_name_problems).
     """
     raw: dict[str, Any] = read_yaml(Path(path)) if path is not None else {}
+    raw = under_named_config(raw, config_name)
     problems = apply_overrides(raw, overrides)
     if problems:  # a line that could not be applied leaves the tree short of what the user meant
         raise ConfigError(problems)
@@ -69,7 +72,8 @@ def load_config_with_notes(path: str | os.PathLike[str] | None = None, overrides
         problems += error.problems
     if problems or translation.megatron:
         raise ConfigError(single_megatron_problem([_as_written(problem, translation.written)
-                                                   for problem in problems], translation.megatron))
+                                                   for problem in single_vision_problem(problems)],
+                                                  translation.megatron))
     # A warning about what a key of several models set for the reference alone does not apply to what was written.
     warnings = [_as_written(warning, translation.written) for warning in warnings
                 if not all(any(is_under(key, shared) for shared in translation.shared)

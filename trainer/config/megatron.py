@@ -9,6 +9,7 @@ from typing import Any
 
 from trainer.config.errors import ConfigProblem
 from trainer.config.fields import show
+from trainer.config.multi_turn import MEGATRON_NAMED_CONFIGS
 
 # verl's Hydra configs of its PPO trainer: the FSDP one (its keys: verl_ppo_trainer.yaml) and the Megatron one.
 CONFIG_NAMES = ("ppo_trainer", "ppo_megatron_trainer")
@@ -21,7 +22,8 @@ def asks_for_megatron(config: Iterable[tuple[list[str], Any]], config_name: str 
     --config-name: verl's ppo_megatron_trainer config, a strategy `megatron`, any setting under a model's
     `megatron` section."""
     settings: list[tuple[str, Any]] = []
-    if config_name is not None and config_name.removesuffix(".yaml") == "ppo_megatron_trainer":
+    if config_name is not None and config_name.removesuffix(".yaml") in ("ppo_megatron_trainer",
+                                                                          *MEGATRON_NAMED_CONFIGS):
         settings.append(("--config-name", config_name))
     for location, value in config:
         if ("megatron" in location and value != {}) or (location[-1] == "strategy" and value == "megatron"):

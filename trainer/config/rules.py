@@ -29,6 +29,7 @@ from trainer.config.schema import (
     RolloutConfig,
     RunConfig,
 )
+from trainer.config.tool_files import check_tool_files
 
 Rule = Callable[[RunConfig], list[ConfigProblem]]
 
@@ -55,7 +56,7 @@ def all_rules() -> tuple[Rule, ...]:
             _checkpoint_counts_agree, _critic_warmup_needs_a_critic, _validation_only_needs_data,
             _scheduler_names_agree,
             _reward_kwargs_of_the_manager, _overlong_buffer_fits, _batch_manager_needs_a_function,
-            _bypass_loss_needs_bypass_mode, _passk_needs_several_responses)
+            _bypass_loss_needs_bypass_mode, _passk_needs_several_responses, check_tool_files)
 
 
 # ------------------------------------------------------------------------ the algorithm and batches

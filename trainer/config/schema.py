@@ -33,6 +33,7 @@ from trainer.config.fields import (
     show,
 )
 from trainer.config.losses import PfPpoConfig, PolicyLossConfig, RolloutCorrectionConfig
+from trainer.config.multi_turn import MultiTurnConfig
 from trainer.config.placement import DynamicOffload, DynamicOffloadConfig, FSDPConfig, OffloadPolicy, WrapPolicy
 from trainer.config.running import DaemonConfig, TelemetryConfig, TrainerConfig
 
@@ -266,6 +267,8 @@ class RolloutConfig(Section):
     """Validation's own sampling (verl's val_kwargs): greedy, one response per prompt, unless set."""
     calculate_log_probs: bool = False
     """Record each sampled token's log-prob (at the temperature); on by itself when rollout_correction needs them."""
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
+    """verl's multi-turn rollout: tool calls run and their responses appended between the model's turns."""
 
     @field_validator("name", mode="before")
     @classmethod

@@ -59,16 +59,18 @@ class RewardFunction(Protocol):
 
 
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] scores -> [B, R] token-level scores, each on its response's last token (EOS included)."""
+    """[B] scores -> [B, R] token-level scores, each on its response's last token (EOS included): the last the mask
+    marks (a multi-turn response's last token of the model's own)."""
     token_scores = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(dim=1).long() - 1).clamp(min=0)
+    positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    last = ((response_mask > 0).long() * positions).amax(dim=1).sub(1).clamp(min=0)  # [B]; 0 for an empty mask
     token_scores[torch.arange(len(scores), device=scores.device), last] = scores.float()
     return token_scores
 
 
 def decode_responses(batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """The responses as text, without padding or EOS."""
-    return tokenizer.batch_decode(batch.response_ids.masked_fill(batch.response_mask == 0, tokenizer.pad_token_id),
+    return tokenizer.batch_decode(batch.response_ids.masked_fill(batch.response_real_mask == 0, tokenizer.pad_token_id),
                                   skip_special_tokens=True)
 
 

@@ -56,6 +56,9 @@ class RolloutBatch:
     """[B, R] rollout correction's truncated importance weights pi_old / pi_rollout (detached; 0 at padding)."""
     rollout_rs_mask: torch.Tensor | None = None
     """[B, R] response_mask less the tokens rollout correction's rejection left out of the actor's loss."""
+    response_attention: torch.Tensor | None = None
+    """[B, R] float: 1 on every real response token, where a multi-turn rollout put tool or user turns between the
+    model's (response_mask then marks the model's own tokens alone); None: response_mask."""
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -68,7 +71,12 @@ class RolloutBatch:
     @property
     def attention_mask(self) -> torch.Tensor:
         """[B, P + R] long mask of real tokens."""
-        return torch.cat([self.prompt_mask.long(), self.response_mask.long()], dim=1)
+        return torch.cat([self.prompt_mask.long(), self.response_real_mask.long()], dim=1)
+
+    @property
+    def response_real_mask(self) -> torch.Tensor:
+        """[B, R] every real response token: the model's, and a multi-turn rollout's tool and user turns."""
+        return self.response_mask if self.response_attention is None else self.response_attention
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -83,8 +91,8 @@ class RolloutBatch:
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """[B] number of response tokens."""
-        return self.response_mask.sum(dim=1)
+        """[B] number of response tokens (a multi-turn response's tool and user turns included, as verl counts)."""
+        return self.response_real_mask.sum(dim=1)
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> RolloutBatch:
         """The sequences at `indices`, in that order."""

@@ -133,7 +133,7 @@ REFUSED: list[tuple[list[str], dict[str, str]]] = [
     ([f"{ARO}.rollout.gpu_memory_utilisation=0.5"],
      {f"{ARO}.rollout.gpu_memory_utilisation": "did you mean 'gpu_memory_utilization'?"}),
     ([f"{ARO}.rollout.mode=sync"], {f"{ARO}.rollout.mode": "verl removed its sync rollout mode"}),
-    ([f"{ARO}.rollout.multi_turn.enable=True"], {f"{ARO}.rollout.multi_turn.enable": "multi-turn"}),
+    ([f"{ARO}.rollout.multi_turn.format=gpt-oss"], {f"{ARO}.rollout.multi_turn.format": "'hermes' or 'qwen'"}),
     ([f"{ARO}.actor.strategy=megatron"], {f"{ARO}.actor.strategy": "Megatron-LM is another training engine"}),
     ([f"+{ARO}.actor.megatron.tensor_model_parallel_size=2"],
      {f"{ARO}.actor.megatron.tensor_model_parallel_size": "Megatron-LM is another training engine"}),

@@ -24,6 +24,8 @@ import pytest
 from trainer.config import ConfigError, LoadedConfig, load_config_with_notes
 
 EXAMPLES = Path(__file__).resolve().parent / "assets" / "verl_examples"
+# verl's examples/sglang_multiturn/config/{tool_config,interaction_config}/*.yaml, which its multi-turn scripts name.
+TOOL_CONFIGS = EXAMPLES / "sglang_multiturn_config"
 VERL = Path(sys.executable).parent / "verl"
 TINY = "builtin:tiny-qwen2"
 
@@ -46,6 +48,8 @@ class Script:
     """The features, built in parallel, without which it is refused today."""
     megatron: bool = False
     """It asks for Megatron: one refusal line."""
+    vision: bool = False
+    """It trains a vision-language model: one refusal line."""
 
 
 CORPUS: dict[str, Script] = {
@@ -82,6 +86,14 @@ CORPUS: dict[str, Script] = {
     "ppo_trainer_run_qwen2.5-32b.sh": Script(),  # 4 nodes, no rendezvous endpoint (verl's Ray): a WARNING line
     # FSDP's mixed_precision (noted) and 2 nodes, with use_torch_compile=False
     "grpo_trainer_run_qwen3-32b_npu.sh": Script(),
+    # verl's multi-turn and tool-calling examples (examples/sglang_multiturn/): a named config of its own
+    # (--config-name=gsm8k_multiturn_grpo ...) with a tool or interaction config file
+    "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn.sh": Script(engine="sglang"),
+    "sglang_multiturn_run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh": Script(engine="sglang"),
+    "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn_server.sh": Script(engine="sglang"),
+    "sglang_multiturn_search_r1_like_run_qwen2.5-3b_instruct_search_multiturn.sh": Script(engine="sglang"),
+    "sglang_multiturn_run_qwen2.5-3b_megatron_gsm8k_multiturn.sh": Script(engine="sglang", megatron=True),
+    "sglang_multiturn_geo3k_run_qwen2.5-3b_geo3k_multiturn.sh": Script(engine="sglang", vision=True),
     # The five of tests/trainer/test_verl_keys.py
     "ppo_trainer_run_deepseek7b_llm.sh": Script(),
     "ppo_trainer_run_qwen2-7b_seq_balance.sh": Script(),
@@ -138,6 +150,8 @@ def launch_of(script: str, tmp_path: Path) -> Launch:
             argument = f"{key}=[{train if key == 'data.train_files' else test}]"
         elif key == "trainer.default_local_dir":
             argument = f"{key}={tmp_path / 'checkpoints'}"
+        elif key.endswith(("tool_config_path", "interaction_config_path")):  # verl's files, copied beside the scripts
+            argument = f"{argument.partition('=')[0]}={TOOL_CONFIGS / Path(argument.partition('=')[2]).name}"
         elif key.endswith("lora_adapter_path"):
             adapter = tmp_path / "lora_adapter"
             adapter.mkdir(exist_ok=True)
@@ -164,7 +178,8 @@ def test_the_corpus_is_the_assets_folder() -> None:
     assert len(CORPUS) >= 25
 
 
-@pytest.mark.parametrize("script", [marked(script) for script in CORPUS if not CORPUS[script].megatron])
+@pytest.mark.parametrize("script", [marked(script) for script in CORPUS
+                                    if not CORPUS[script].megatron and not CORPUS[script].vision])
 def test_a_verl_script_loads_as_it_is(script: str, tmp_path: Path) -> None:
     config, notes, _ = load(launch_of(script, tmp_path))
     engine = CORPUS[script].engine
@@ -181,9 +196,43 @@ def test_a_megatron_script_is_refused_in_one_line(script: str, tmp_path: Path) -
     assert problem.path == "--config-name" and "Megatron-LM is another training engine" in problem.message
 
 
-# One PPO run with a critic, a reward model's, GRPO on TensorRT-LLM's rollout, and Megatron's refusal.
+@pytest.mark.parametrize("script", [script for script in CORPUS if CORPUS[script].vision])
+def test_a_vision_language_script_is_refused_in_one_line(script: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load(launch_of(script, tmp_path))
+    [problem] = caught.value.problems
+    assert problem.path == "--config-name" and "vision-language models are not built here" in problem.message
+
+
+# What verl's multi-turn configs set, with the script's own settings over them (as Hydra composes them).
+MULTI_TURN = {
+    "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn.sh": ("gsm8k_tool_config.yaml", None, 5, None, "hermes"),
+    "sglang_multiturn_run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh": (None, "gsm8k_interaction_config.yaml",
+                                                                           None, 5, "hermes"),
+    "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn_server.sh": ("gsm8k_tool_config.yaml", None, 5, None, "hermes"),
+    "sglang_multiturn_search_r1_like_run_qwen2.5-3b_instruct_search_multiturn.sh": ("search_tool_config.yaml", None,
+                                                                                    2, None, "qwen"),
+}
+
+
+@pytest.mark.parametrize("script", MULTI_TURN)
+def test_a_multi_turn_script_turns_the_multi_turn_rollout_on(script: str, tmp_path: Path) -> None:
+    config, _, _ = load(launch_of(script, tmp_path))
+    tools, interaction, assistant_turns, user_turns, format_ = MULTI_TURN[script]
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    assert multi_turn.enable
+    assert (multi_turn.tool_config_path and Path(multi_turn.tool_config_path).name) == tools
+    assert (multi_turn.interaction_config_path and Path(multi_turn.interaction_config_path).name) == interaction
+    assert (multi_turn.max_assistant_turns, multi_turn.max_user_turns, multi_turn.format) == (assistant_turns,
+                                                                                              user_turns, format_)
+    assert config.data.max_response_length == (3072 if "interaction" in script else 3000 if "search" in script
+                                               else 1024)  # the script's, over the named config's 1024
+
+
+# One PPO run with a critic, a reward model's, GRPO on TensorRT-LLM's rollout, Megatron's refusal, and a multi-turn
+# run with verl's gsm8k tool.
 CHECKED = ["ppo_trainer_run_gemma.sh", "ppo_trainer_run_qwen2-7b_rm.sh", "grpo_trainer_run_qwen2-7b_math_trtllm.sh",
-           "ppo_trainer_run_deepseek_math_gsm8k_megatron.sh"]
+           "ppo_trainer_run_deepseek_math_gsm8k_megatron.sh", "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn.sh"]
 
 
 @pytest.mark.slow
