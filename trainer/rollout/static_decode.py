@@ -290,7 +290,7 @@ class StaticDecoder:
         logits = self._forward(prompt_ids[first], positions, prompt_mask[first], cache)[:, -1]
         self.cache_bytes, self.graph_pool_bytes = _cache_bytes(cache), 0  # the prefill allocated the cache
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
-        tokens = self.sampling.next_tokens(logits)
+        tokens = self._next_tokens(first, torch.zeros_like(first), logits)
         pending = PendingRows(batch.stop, batch.start + slots)
         column = torch.zeros(slots, dtype=torch.long, device=device)
         state = _Rows(
@@ -375,7 +375,7 @@ class StaticDecoder:
         prompts = StaticCache(config=self.model.config, max_cache_len=ids.shape[1])
         positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
         logits = self._forward(ids, positions, mask, prompts)[:, -1]
-        tokens = self.sampling.next_tokens(logits)
+        tokens = self._next_tokens(rows, torch.zeros_like(rows), logits)
         columns = ring_columns(next_column, ids.shape[1], state.valid.shape[1], free.device)
         copy_prompt_rows(cache, prompts, free, columns)
         valid = torch.zeros((len(rows), state.valid.shape[1]), dtype=torch.bool, device=free.device)
@@ -421,16 +421,16 @@ class StaticDecoder:
         if state.ring:
             state.slot.remainder_(state.valid.shape[1])
         state.column.add_(1).clamp_(max=state.limit)
-        tokens = self._next_tokens(state, logits).masked_fill(state.done, self.pad_id)
+        tokens = self._next_tokens(state.index, state.column, logits).masked_fill(state.done, self.pad_id)
         if state.chosen is not None:  # 0 for a row that had finished
             state.chosen.copy_(_chosen(logits, tokens, self.sampling.temperature).masked_fill(state.done, 0.0))
         state.tokens.copy_(tokens)
         finished = torch.isin(tokens, eos) | (state.column >= state.limit - 1)
         torch.logical_or(state.done, finished, out=state.done)
 
-    def _next_tokens(self, state: _Rows, logits: torch.Tensor) -> torch.Tensor:
-        """[rows] the next token of each row of `state` from its [rows, vocab] logits (a benchmark may force an EOS
-        here: rollout_bench.py's uneven lengths)."""
+    def _next_tokens(self, index: torch.Tensor, column: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """[rows] the next token of each row from its [rows, vocab] logits; `index`: the rows' original rows,
+        `column`: the response column the token goes to (a benchmark forces an EOS here: uneven_decode.py)."""
         return self.sampling.next_tokens(logits)
 
     def _record(self, out: torch.Tensor, state: _Rows) -> None:
