@@ -23,6 +23,7 @@ the masked attention reads (`step_floor_allocated_ms`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import time
@@ -65,11 +66,11 @@ QUICK_UNEVEN = UnevenPlan(rows=16, slots=8, prompt_tokens=8, new_tokens=24, medi
 """The smoke shape (a CPU test runs it with the tiny model)."""
 
 
-def long_tailed_lengths(rows: int, limit: int, *, median: int, sigma: float, seed: int) -> torch.Tensor:
-    """[rows] response lengths (int64) from a log-normal of `median` and `sigma`, clipped to [2, limit] (at least an
-    answer and its EOS)."""
+def long_tailed_lengths(rows: int, limit: int, *, median_tokens: int, sigma: float, seed: int) -> torch.Tensor:
+    """[rows] response lengths (int64) from a log-normal of median `median_tokens` and `sigma`, clipped to [2, limit]
+    (at least an answer and its EOS)."""
     generator = torch.Generator().manual_seed(seed)
-    drawn = torch.exp(math.log(median) + sigma * torch.randn(rows, generator=generator, dtype=torch.float64))
+    drawn = torch.exp(math.log(median_tokens) + sigma * torch.randn(rows, generator=generator, dtype=torch.float64))
     return drawn.round().clamp(2, limit).long()
 
 
@@ -85,6 +86,34 @@ class ForcedEnds(StaticDecoder):
         tokens = super()._next_tokens(index, column, logits)
         tokens = tokens.masked_fill(tokens == self.eos_id, self.eos_id + 1)
         return torch.where(column == self.ends[index] - 1, self.eos_id, tokens)
+
+
+def end_at_drawn_lengths(decoder: StaticDecoder, *, median_tokens: int, sigma: float, seed: int = 0) -> None:
+    """Makes `decoder` (a trainer's rollout's) end each row at a length drawn anew for every generate (seeds `seed`,
+    `seed` + 1, ...), as `ForcedEnds` does: what e2e_bench.py's long-tailed shapes decode with random-init models."""
+    generate, choose = decoder.generate, decoder._next_tokens
+    eos_ids = torch.tensor(decoder.eos_ids)
+    # A token that ends nothing, for a sampled one that would (ids 0, 1, ...: the first that is neither EOS nor pad).
+    other = next(token for token in range(len(decoder.eos_ids) + 2)
+                 if token not in decoder.eos_ids and token != decoder.pad_id)
+    calls = itertools.count(seed)
+    ends: list[torch.Tensor] = []
+
+    def drawn(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, *args: Any,
+              **kwargs: Any) -> torch.Tensor:
+        # On the device before the decode: a captured step may not copy from the host.
+        lengths = long_tailed_lengths(len(prompt_ids), max(2, max_new_tokens), median_tokens=median_tokens,
+                                      sigma=sigma, seed=next(calls))
+        ends[:] = [lengths.to(prompt_ids.device), eos_ids.to(prompt_ids.device)]
+        return generate(prompt_ids, prompt_mask, max_new_tokens, *args, **kwargs)
+
+    def forced(index: torch.Tensor, column: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        tokens = choose(index, column, logits)
+        tokens = tokens.masked_fill(torch.isin(tokens, ends[1]), other)
+        return torch.where(column == ends[0][index] - 1, decoder.eos_ids[0], tokens)
+
+    decoder.generate = drawn  # type: ignore[method-assign]
+    decoder._next_tokens = forced  # type: ignore[method-assign]
 
 
 def useful_floor_s(lengths: torch.Tensor, *, prompt_tokens: int, slots: int, weight_bytes: int,
@@ -111,7 +140,7 @@ def measure(model: Any, plan: UnevenPlan, device: torch.device, *, hbm_bytes_per
     vocab = model.config.vocab_size
     prompts = torch.randint(2, vocab, (plan.rows, plan.prompt_tokens), generator=generator).to(device)
     mask = torch.ones_like(prompts)
-    lengths = long_tailed_lengths(plan.rows, plan.new_tokens, median=plan.median_tokens, sigma=plan.sigma,
+    lengths = long_tailed_lengths(plan.rows, plan.new_tokens, median_tokens=plan.median_tokens, sigma=plan.sigma,
                                   seed=plan.seed)
     ends = lengths.to(device)
     parameter = next(model.parameters())

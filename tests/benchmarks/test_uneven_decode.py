@@ -21,13 +21,13 @@ def test_every_variant_ends_each_row_at_its_drawn_length_and_refills_run_fewer_s
     assert variants["refill"]["steps"] < variants["static"]["steps"]
     assert variants["static"]["useful_speedup"] == 1.0 and result["useful_speedup"] > 0
     assert result["useful_tokens"] == int(uneven_decode.long_tailed_lengths(
-        plan.rows, plan.new_tokens, median=plan.median_tokens, sigma=plan.sigma, seed=plan.seed).sum())
+        plan.rows, plan.new_tokens, median_tokens=plan.median_tokens, sigma=plan.sigma, seed=plan.seed).sum())
     assert result["step"]["rows"] == plan.slots and result["step"]["step_floor_ms"] > 0
     assert any(line.startswith("| refill |") for line in lines)
 
 
 def test_lengths_are_long_tailed_and_within_the_limit():
-    lengths = uneven_decode.long_tailed_lengths(4096, 1024, median=160, sigma=1.0, seed=0)
+    lengths = uneven_decode.long_tailed_lengths(4096, 1024, median_tokens=160, sigma=1.0, seed=0)
     assert int(lengths.min()) >= 2 and int(lengths.max()) == 1024
     assert 140 <= float(lengths.median()) <= 180  # the median drawn
     assert float(lengths.double().mean()) > 1.4 * float(lengths.median())  # the tail pulls the mean up
