@@ -137,3 +137,29 @@ def test_waiting_rows_are_taken_in_order_until_none_is_left():
     assert list(pending.take(2)) == [2, 3]
     assert list(pending.take(4)) == [4] and len(pending) == 0
     assert list(pending.take(1)) == []
+
+
+def test_the_steps_rollout_hands_the_whole_batch_to_the_static_decode_with_max_num_seqs_slots(tmp_path):
+    """rollout.max_num_seqs=3 and 8 sequences a step: one decode of all 8, 3 at a time (not three pieces), and the
+    responses are each prompt's greedy ones."""
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    aro = "actor_rollout_ref"
+    config = load_config(None, ["data.train_files=[builtin:counting]", "data.train_batch_size=4",
+                                "data.max_prompt_length=8", "data.max_response_length=6",
+                                f"{aro}.model.path=builtin:tiny-qwen2", "algorithm.adv_estimator=grpo",
+                                f"{aro}.rollout.n=2", f"{aro}.rollout.decode=static", f"{aro}.rollout.do_sample=false",
+                                f"{aro}.rollout.max_num_seqs=3", f"{aro}.actor.ppo_mini_batch_size=4",
+                                f"{aro}.model.override_config={{num_hidden_layers: 2}}", "trainer.device=cpu",
+                                f"trainer.runs_dir={tmp_path / 'runs'}"])
+    trainer = Trainer(config, log=lambda *_: None, warn=lambda *_: None)
+    calls: list[tuple[int, int | None]] = []
+    sample = trainer.rollout.sample
+    trainer.rollout.sample = lambda ids, mask, slots=None: calls.append((len(ids), slots)) or sample(ids, mask, slots)
+    batch = trainer.generation.generate(trainer.records[:4])
+    assert calls == [(8, 3)]
+    assert trainer.rollout.decoder.refilled == 5
+    alone = [trainer.rollout.sample(batch.prompt_ids[row:row + 1], batch.prompt_mask[row:row + 1]).response_ids
+             for row in range(8)]
+    assert torch.equal(batch.response_ids, torch.cat(alone))
