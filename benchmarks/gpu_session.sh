@@ -234,7 +234,10 @@ case "${1:-}" in
       ${DECODE:+--decode $DECODE} "${sets[@]}" --out "$out/e2e-ppo3b${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b${TAG:-}.txt" | tail -30 ;;
   issue40)
     # Issue 40 (2026-12-07, second session): the decode with refilled slots, then the realistic 7B GRPO shape. Results
-    # are named by shape, card and date (e2e-gsm8k7b-<gpu>-<date>.json); 7 files come back.
+    # are named by shape, card and date (e2e-gsm8k7b-<gpu>-<date>.json); 8 files come back. The refill's GPU tests
+    # first (~30 s): its decode under CUDA graphs and with streamed layers.
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -o faulthandler_timeout=80 \
+      tests/trainer/rollout/test_refill_decode_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests_refill.txt"
     timeout 170 python3 benchmarks/rollout_bench.py --only uneven --out "$out/rollout-uneven.json" 2>&1 \
       | tee "$out/rollout-uneven.txt" | tail -12
     timeout 420 python3 benchmarks/e2e_bench.py --shape gsm8k7b --variants ${VARIANTS:-all_gpu,offload,offload_delayed} \
