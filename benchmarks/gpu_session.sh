@@ -20,7 +20,7 @@
 #                                          # (512 rows of long-tailed lengths, 256 at once: useful_speedup of refilled
 #                                          # slots against a static batch, and a batch-256 decode step against its HBM
 #                                          # floor; ~2 min) and e2e-gsm8k7b's all_gpu, offload, offload_delayed at
-#                                          # STEPS=2 WARMUP=1 (TIMEOUT=130 each). all_gpu at 7B holds fp32 master weights
+#                                          # STEPS=2 WARMUP=1 (TIMEOUT=100 each; at most 580 s in all). all_gpu at 7B holds fp32 master weights
 #                                          # and AdamW states (~120 GB): it fits an H200 only (run it with needs_h200)
 #   benchmarks/gpu_session.sh e2e-gsm8k7b  # e2e_bench.py: 7B GRPO + reference, 64 prompts x 8, 1024 long-tailed tokens, 40 GiB cap
 #   benchmarks/gpu_session.sh e2e-long3b   # e2e_bench.py: 3B PPO + critic, 4096-token responses, 12 GiB cap (not timed yet:
@@ -236,12 +236,12 @@ case "${1:-}" in
     # Issue 40 (2026-12-07, second session): the decode with refilled slots, then the realistic 7B GRPO shape. Results
     # are named by shape, card and date (e2e-gsm8k7b-<gpu>-<date>.json); 8 files come back. The refill's GPU tests
     # first (~30 s): its decode under CUDA graphs and with streamed layers.
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -o faulthandler_timeout=80 \
+    timeout 80 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -o faulthandler_timeout=70 \
       tests/trainer/rollout/test_refill_decode_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests_refill.txt"
-    timeout 170 python3 benchmarks/rollout_bench.py --only uneven --out "$out/rollout-uneven.json" 2>&1 \
+    timeout 160 python3 benchmarks/rollout_bench.py --only uneven --out "$out/rollout-uneven.json" 2>&1 \
       | tee "$out/rollout-uneven.txt" | tail -12
-    timeout 420 python3 benchmarks/e2e_bench.py --shape gsm8k7b --variants ${VARIANTS:-all_gpu,offload,offload_delayed} \
-      --steps ${STEPS:-2} --warmup ${WARMUP:-1} --timeout ${TIMEOUT:-130} ${DECODE:+--decode $DECODE} "${sets[@]}" \
+    timeout 340 python3 benchmarks/e2e_bench.py --shape gsm8k7b --variants ${VARIANTS:-all_gpu,offload,offload_delayed} \
+      --steps ${STEPS:-2} --warmup ${WARMUP:-1} --timeout ${TIMEOUT:-100} ${DECODE:+--decode $DECODE} "${sets[@]}" \
       --out "$out" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-gsm8k7b${TAG:-}.txt" | tail -30 ;;
   e2e-gsm8k7b|e2e-long3b|e2e-lora14b)
     shape=${1#e2e-}
