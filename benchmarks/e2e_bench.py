@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -318,6 +319,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         steps=len(rows),
         **steady_state(per_step, args.warmup),
         peak_gpu_gib=max(row.get("perf/max_memory_allocated_gb", 0.0) for row in rows),
+        # The variant's process at its largest (pinned arenas included): lora14b's must fit a 128 GiB host.
+        peak_host_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         oom_recoveries=sum(row.get("perf/oom_recoveries", 0) for row in rows),
         # Updates skipped on a non-finite gradient norm: a variant that skips them is faster for nothing.
         skipped_updates=sum(row.get(f"{role}/skipped_steps", 0) for row in rows for role in ("actor", "critic")),
@@ -503,7 +506,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{name}: H2D {copied['h2d'] / 1e9:.2f} GB, D2H {copied['d2h'] / 1e9:.2f} GB a step "
                      f"(PCIe floor {floor:.3f} s at {bandwidth['h2d']:.1f}/{bandwidth['d2h']:.1f} GB/s); "
                      f"layer moves a step {run['layer_moves_per_step']:.1f} (phase swaps "
-                     f"{run.get('phase_swaps_per_step', 0):.1f}); peak GPU {run['peak_gpu_gib']:.1f} GiB; "
+                     f"{run.get('phase_swaps_per_step', 0):.1f}); peak GPU {run['peak_gpu_gib']:.1f} GiB, host "
+                     f"{run.get('peak_host_gib', float('nan')):.1f} GiB; "
                      f"OOMs recovered {run['oom_recoveries']:.0f}"
                      + (f"; UPDATES SKIPPED {run['skipped_updates']:.0f} (non-finite gradient norms: its times do not "
                         "count)" if run.get("skipped_updates") else ""))

@@ -42,6 +42,7 @@ def test_each_realistic_shape_trains_at_the_tiny_size(tmp_path, shape):
                               warmup=1, models=tmp_path / "models", decode="auto", set=[], profile=False)
     result = e2e_bench.run_variant(args)
     assert result["steps"] == 2 and result["phases_s"]["step"] > 0
+    assert 0.1 < result["peak_host_gib"] < 64  # this process's largest resident size, in GiB
     spec = e2e_bench.SHAPES[name]
     if spec["lengths"] is not None:
         # Each step's rollout: one generate of prompts x n rows, their lengths drawn with seeds 0, 1, ...
