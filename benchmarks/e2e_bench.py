@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -65,6 +67,7 @@ from benchmarks.grpo_headline import (  # noqa: E402
     save_reward_model,
 )
 from benchmarks.offload_bench import GIB, SHAPE, machine, random_bf16  # noqa: E402
+from benchmarks.uneven_decode import end_at_drawn_lengths  # noqa: E402
 from trainer.models import load_tokenizer  # noqa: E402
 from trainer.models.tiny import tiny_qwen2_config  # noqa: E402
 
@@ -90,22 +93,55 @@ FROZEN_OFFLOADED = {"model_dtype": "bf16", "dynamic_offload": {"enabled": True}}
 models the other phases run (they run once a step)."""
 
 
+QWEN_14B = dict(hidden_size=5120, num_hidden_layers=48, intermediate_size=13824, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
+"""Qwen2.5-14B's shape: 29.5 GB of bf16 weights, more than a 40 GiB cap holds beside a step's activations."""
+ACTOR_SHAPES: dict[str, dict[str, Any]] = {
+    "headline": {key: SHAPE[key] for key in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                             "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                             "tie_word_embeddings")},
+    "ppo3b": QWEN_3B, "long3b": QWEN_3B, "lora14b": QWEN_14B,
+}
+ACTOR_SHAPES["gsm8k7b"] = ACTOR_SHAPES["headline"]
+
+
 def _actor_shape(shape: str) -> dict[str, Any]:
-    if shape == "headline":
-        return {key: SHAPE[key] for key in ("hidden_size", "num_hidden_layers", "intermediate_size",
-                                            "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                            "tie_word_embeddings")}
-    return QWEN_3B if shape == "ppo3b" else QUICK_ACTOR
+    return ACTOR_SHAPES.get(shape, QUICK_ACTOR)  # the quick and the *_tiny shapes: the tiny actor
 
 
+LONG_TAILED = {"median_tokens": 160, "sigma": 1.0}
+"""Response lengths of the realistic shapes (issue 40): log-normal, clipped to the limit (uneven_decode.py); a
+random-init model's rows end at them (an EOS forced at the drawn length, in the benchmark only)."""
 SHAPES: dict[str, dict[str, Any]] = {
     "headline": {"cap_gib": 40.0, "algorithm": "grpo", "prompts": 8, "n": 4, "response_length": 128,
-                 "reference": True, "reward_model": True},
+                 "reference": True, "reward_model": True, "lora": False, "lengths": None},
     "ppo3b": {"cap_gib": 12.0, "algorithm": "gae", "prompts": 16, "n": 1, "response_length": 128,
-              "reference": False, "reward_model": False},
+              "reference": False, "reward_model": False, "lora": False, "lengths": None},
     "quick": {"cap_gib": 0.0, "algorithm": "gae", "prompts": 4, "n": 2, "response_length": 8,
-              "reference": True, "reward_model": True},
+              "reference": True, "reward_model": True, "lora": False, "lengths": None},
+    # Issue 40's shapes: what RL recipes run. gsm8k7b: verl's GSM8K GRPO recipe's batch at 7B; long3b: long responses
+    # (its rows run to the limit); lora14b: a model whose bf16 weights do not fit a 40 GiB cap beside a step's work.
+    "gsm8k7b": {"cap_gib": 40.0, "algorithm": "grpo", "prompts": 64, "n": 8, "response_length": 1024,
+                "reference": True, "reward_model": False, "lora": False, "lengths": LONG_TAILED},
+    "long3b": {"cap_gib": 12.0, "algorithm": "gae", "prompts": 16, "n": 1, "response_length": 4096,
+               "reference": False, "reward_model": False, "lora": False, "lengths": None},
+    "lora14b": {"cap_gib": 40.0, "algorithm": "grpo", "prompts": 16, "n": 4, "response_length": 512,
+                "reference": True, "reward_model": False, "lora": True, "lengths": LONG_TAILED},
 }
+for _name in ("gsm8k7b", "long3b", "lora14b"):
+    # The CPU smoke of each: its algorithm, models and options at the tiny actor's size.
+    SHAPES[f"{_name}_tiny"] = SHAPES[_name] | {"cap_gib": 0.0, "prompts": 4, "n": 2, "response_length": 8}
+    if SHAPES[_name]["lengths"] is not None:
+        SHAPES[f"{_name}_tiny"]["lengths"] = {"median_tokens": 3, "sigma": 1.0}
+
+
+def gpu_tag(device: str) -> str:
+    """The card in a result's name: h100, h200, ... (the device name's model), or cpu."""
+    if device != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    found = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name)
+    return (found.group(1) if found else name.split()[-1]).lower()
 
 
 def fsdp_overrides(prefix: str, settings: dict[str, Any]) -> list[str]:
@@ -141,7 +177,9 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
         "data.max_prompt_length=16", f"data.max_response_length={spec['response_length']}",
         f"actor_rollout_ref.model.path={models / 'policy'}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-        f"actor_rollout_ref.rollout.n={spec['n']}", f"actor_rollout_ref.rollout.decode={decode}",
+        f"actor_rollout_ref.rollout.n={spec['n']}",
+        # Drawn lengths are forced in the static decode (auto is static on a GPU; on the CPU it is generate).
+        f"actor_rollout_ref.rollout.decode={'static' if spec['lengths'] and decode == 'auto' else decode}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={spec['prompts']}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-6",
@@ -151,7 +189,7 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
         f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", f"trainer.device={device}",
         f"trainer.runs_dir={runs_dir}", f"trainer.experiment_name=e2e-{shape}-{variant}",
     ]
-    if variant == "offload_lora":
+    if variant == "offload_lora" or spec["lora"]:
         rows += fsdp_overrides("actor_rollout_ref.model", LORA)
         if spec["algorithm"] == "gae":
             rows += fsdp_overrides("critic.model", LORA)
@@ -263,6 +301,11 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
         started = time.perf_counter()
         trainer = StepsOnly(config, log=log, warn=log)
+        if spec["lengths"] is not None:
+            if trainer.rollout.decoder is None:
+                raise SystemExit(f"ERROR: shape {args.shape} ends rows at drawn lengths in the static decode: "
+                                 "--decode static or auto")
+            end_at_drawn_lengths(trainer.rollout.decoder, **spec["lengths"])
         log(f"e2e_bench: {args.variant} built in {time.perf_counter() - started:.1f} s")
         copied: list[dict[str, int]] = []
         observer = CopiedPerStep(trainer, copied)
@@ -276,6 +319,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         steps=len(rows),
         **steady_state(per_step, args.warmup),
         peak_gpu_gib=max(row.get("perf/max_memory_allocated_gb", 0.0) for row in rows),
+        # The variant's process at its largest (pinned arenas included): lora14b's must fit a 128 GiB host.
+        peak_host_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         oom_recoveries=sum(row.get("perf/oom_recoveries", 0) for row in rows),
         # Updates skipped on a non-finite gradient norm: a variant that skips them is faster for nothing.
         skipped_updates=sum(row.get(f"{role}/skipped_steps", 0) for row in rows for role in ("actor", "critic")),
@@ -461,7 +506,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{name}: H2D {copied['h2d'] / 1e9:.2f} GB, D2H {copied['d2h'] / 1e9:.2f} GB a step "
                      f"(PCIe floor {floor:.3f} s at {bandwidth['h2d']:.1f}/{bandwidth['d2h']:.1f} GB/s); "
                      f"layer moves a step {run['layer_moves_per_step']:.1f} (phase swaps "
-                     f"{run.get('phase_swaps_per_step', 0):.1f}); peak GPU {run['peak_gpu_gib']:.1f} GiB; "
+                     f"{run.get('phase_swaps_per_step', 0):.1f}); peak GPU {run['peak_gpu_gib']:.1f} GiB, host "
+                     f"{run.get('peak_host_gib', float('nan')):.1f} GiB; "
                      f"OOMs recovered {run['oom_recoveries']:.0f}"
                      + (f"; UPDATES SKIPPED {run['skipped_updates']:.0f} (non-finite gradient norms: its times do not "
                         "count)" if run.get("skipped_updates") else ""))
@@ -503,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                              "saved result without them")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a variant may take (900)")
     parser.add_argument("--scratch", type=Path, default=Path.cwd(), help="a directory on disk for models and runs")
-    parser.add_argument("--out", type=Path, help="write the result as JSON here (default: benchmarks/results/)")
+    parser.add_argument("--out", type=Path, help="write the result as JSON here, or in this existing "
+                        "directory as e2e-<shape>-<gpu>-<date>.json (default: benchmarks/results/)")
     parser.add_argument("--report", type=Path, help="print the table of a saved result and exit")
     parser.add_argument("--decode", default="auto", choices=["auto", "generate", "static"],
                         help="rollout.decode of every variant (auto: static with CUDA graphs on a GPU)")
@@ -552,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         args.out.write_text(json.dumps(run_variant(args)))
         return 0
-    out = args.out or RESULTS / f"e2e-{args.shape}-{time.strftime('%Y-%m-%dT%H%M')}.json"
+    named = f"e2e-{args.shape}-{gpu_tag(args.device)}-{time.strftime('%Y-%m-%dT%H%M')}.json"
+    out = args.out / named if args.out is not None and args.out.is_dir() else args.out or RESULTS / named
     # Beside a result the user names; in the scratch directory for one kept under benchmarks/results.
     result = run_shape(args, out, out.parent if args.out is not None else args.scratch)
     print(table(result))

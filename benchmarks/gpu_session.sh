@@ -16,6 +16,17 @@
 #   benchmarks/gpu_session.sh telemetry    # telemetry_bench.py overhead, small and tiny  (~4 min)
 #   benchmarks/gpu_session.sh e2e-headline # e2e_bench.py: 7B GRPO whole steps, all-GPU vs offloaded at 40 GiB
 #   benchmarks/gpu_session.sh e2e-ppo3b    # e2e_bench.py: 3B PPO + critic, all-GPU vs offloaded at 12 GiB vs FSDP2
+#   benchmarks/gpu_session.sh issue40      # 2026-12-07's second session, one call (~8 min): rollout_bench.py's `uneven`
+#                                          # (512 rows of long-tailed lengths, 256 at once: useful_speedup of refilled
+#                                          # slots against a static batch, and a batch-256 decode step against its HBM
+#                                          # floor; ~2 min) and e2e-gsm8k7b's all_gpu, offload, offload_delayed at
+#                                          # STEPS=2 WARMUP=1 (TIMEOUT=100 each; at most 580 s in all). all_gpu at 7B holds fp32 master weights
+#                                          # and AdamW states (~120 GB): it fits an H200 only (run it with needs_h200)
+#   benchmarks/gpu_session.sh e2e-gsm8k7b  # e2e_bench.py: 7B GRPO + reference, 64 prompts x 8, 1024 long-tailed tokens, 40 GiB cap
+#   benchmarks/gpu_session.sh e2e-long3b   # e2e_bench.py: 3B PPO + critic, 4096-token responses, 12 GiB cap (not timed yet:
+#                                          # a rollout of 4096 steps alone is about 30 s; give it a call of its own)
+#   benchmarks/gpu_session.sh e2e-lora14b  # e2e_bench.py: Qwen2.5-14B's shape with LoRA at a 40 GiB cap (not timed yet;
+#                                          # all_gpu needs about 35 GB of bf16 weights and adapters: an 80 GB card holds it)
 #   benchmarks/gpu_session.sh ranks        # ranks_bench.py on every GPU of the machine (kind nvidia-h200-x2 or more):
 #                                          # all-GPU vs optimizer_offload (HostAdamW) vs optimizer_offload_delayed (its
 #                                          # update during the next rollout) vs optimizer_offload_gpu (its update on
@@ -192,6 +203,8 @@
 # step in four is 1-2 s slow on either tree (a values or critic phase), so the two calls together say the same speed
 # within this noise: +9% in the first, -10% in the second. `tests` was killed by its `timeout` at 204 s, and `tail`
 # printed nothing: run pytest with its output to a file under $OUT. Results: e2e-ppo3b-h100-2026-12-07T1500-*.json.
+# Next: `issue40` in one call (needs_h200: its all_gpu 7B variant does not fit an H100);
+# then `e2e-long3b` and `e2e-lora14b` (VARIANTS=all_gpu,offload,offload_delayed STEPS=3 WARMUP=1), a call each.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
@@ -235,12 +248,28 @@ case "${1:-}" in
   e2e-ppo3b)
     timeout 590 python3 benchmarks/e2e_bench.py --shape ppo3b --variants ${VARIANTS:-all_gpu,offload,fsdp2} --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} ${TIMEOUT:+--timeout $TIMEOUT} \
       ${DECODE:+--decode $DECODE} "${sets[@]}" --out "$out/e2e-ppo3b${TAG:-}.json" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-ppo3b${TAG:-}.txt" | tail -30 ;;
+  issue40)
+    # Issue 40 (2026-12-07, second session): the decode with refilled slots, then the realistic 7B GRPO shape. Results
+    # are named by shape, card and date (e2e-gsm8k7b-<gpu>-<date>.json); 8 files come back. The refill's GPU tests
+    # first (~30 s): its decode under CUDA graphs and with streamed layers.
+    timeout 80 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -o faulthandler_timeout=70 \
+      tests/trainer/rollout/test_refill_decode_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests_refill.txt"
+    timeout 160 python3 benchmarks/rollout_bench.py --only uneven --out "$out/rollout-uneven.json" 2>&1 \
+      | tee "$out/rollout-uneven.txt" | tail -12
+    timeout 340 python3 benchmarks/e2e_bench.py --shape gsm8k7b --variants ${VARIANTS:-all_gpu,offload,offload_delayed} \
+      --steps ${STEPS:-2} --warmup ${WARMUP:-1} --timeout ${TIMEOUT:-100} ${DECODE:+--decode $DECODE} "${sets[@]}" \
+      --out "$out" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-gsm8k7b${TAG:-}.txt" | tail -30 ;;
+  e2e-gsm8k7b|e2e-long3b|e2e-lora14b)
+    shape=${1#e2e-}
+    timeout 590 python3 benchmarks/e2e_bench.py --shape "$shape" --variants ${VARIANTS:-all_gpu,offload,offload_delayed} \
+      --steps ${STEPS:-3} --warmup ${WARMUP:-1} ${TIMEOUT:+--timeout $TIMEOUT} ${DECODE:+--decode $DECODE} "${sets[@]}" \
+      --out "$out" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-$shape${TAG:-}.txt" | tail -30 ;;
   ranks)
     gpus=${RANKS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
     timeout 590 python3 benchmarks/ranks_bench.py --shape ${SHAPE:-ppo3b} --ranks "$gpus" ${VARIANTS:+--variants $VARIANTS} ${REPEAT:+--repeat $REPEAT} \
       --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} "${sets[@]}" --out "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.json" 2>&1 \
       | tee "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.txt" | tail -30 ;;
   *)
-    echo "usage: $0 tests|rollout|offload|host|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b|ranks" >&2
+    echo "usage: $0 tests|rollout|offload|host|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b|issue40|e2e-gsm8k7b|e2e-long3b|e2e-lora14b|ranks" >&2
     exit 2 ;;
 esac

@@ -10,11 +10,15 @@ EOS: every variant decodes exactly the same number of steps). ms/step is (genera
 time) / (new tokens - 1), the prefill time being that of a generate of one token; `vs GPU` is the
 all-GPU ms/step over the variant's (its decode throughput relative to all-GPU).
 
+`uneven` (issue 40): responses of long-tailed lengths (--rows, --slots), as benchmarks/uneven_decode.py says; its row
+carries `useful_speedup`, the refilled decode's useful tokens a second over a static batch's.
+
 Sections (--only): allgpu, allgpu_static, allgpu_static_graphs, allgpu_static_graphs_unfused,
-allgpu_static_graphs_repeat_kv, accelerate, fsdp2, ours_layered, ours_phase, ours_phase_static, capped (`_static`:
-the same variant decoded by rollout.decode=static, trainer/rollout/static_decode.py, instead of generate; `_graphs`:
-with its per-token step in CUDA graphs; `_unfused`: with transformers' own RMSNorm instead of the fused kernel the
-static decode runs; `_repeat_kv`: with transformers' own SDPA attention instead of trainer/models/attention.py's).
+allgpu_static_graphs_repeat_kv, accelerate, fsdp2, ours_layered, ours_phase, ours_phase_static, uneven, capped
+(`_static`: the same variant decoded by rollout.decode=static, trainer/rollout/static_decode.py, instead of generate;
+`_graphs`: with its per-token step in CUDA graphs; `_unfused`: with transformers' own RMSNorm instead of the fused
+kernel the static decode runs; `_repeat_kv`: with transformers' own SDPA attention instead of
+trainer/models/attention.py's).
 `capped` runs last: it caps this process's GPU memory below the model's weights, where the all-GPU rollout
 cannot run and the engine's dynamic offload keeps only the layers that fit. Each section writes its rows to
 --out as soon as it finishes; a section that fails records its error and the others still run.
@@ -42,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, StoppingCriteriaList  # noqa: E402
 
+from benchmarks import uneven_decode  # noqa: E402
 from benchmarks.offload_bench import (  # noqa: E402
     GIB,
     LAYERED,
@@ -60,7 +65,7 @@ from trainer.rollout.static_decode import Sampling, StaticDecoder  # noqa: E402
 SECTIONS = ("allgpu", "allgpu_static", "allgpu_static_graphs", "allgpu_static_graphs_unfused",
             "allgpu_static_graphs_unfused_rotary",
             "allgpu_static_graphs_repeat_kv", "accelerate", "fsdp2",
-            "ours_layered", "ours_phase", "ours_phase_static", "capped", "static_profile")
+            "ours_layered", "ours_phase", "ours_phase_static", "uneven", "capped", "static_profile")
 DEFAULT_SECTIONS = SECTIONS[:-1]
 """What a run without --only measures (static_profile is a diagnosis, not a comparison)."""
 CACHE_ROWS = 8192
@@ -112,8 +117,9 @@ class Decode:
 
 
 class Bench:
-    def __init__(self, plan: Plan, out: Path | None):
+    def __init__(self, plan: Plan, out: Path | None, uneven_plan: uneven_decode.UnevenPlan | None = None):
         self.plan, self.out = plan, out
+        self.uneven_plan = uneven_plan or uneven_decode.UnevenPlan()
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.rows: list[dict] = []
         self.errors: dict[str, str] = {}
@@ -316,6 +322,22 @@ class Bench:
                             replays=decoder.replays)
         finally:
             engine.close()
+
+    def uneven(self) -> None:
+        """Long-tailed response lengths (issue 40, benchmarks/uneven_decode.py): useful tokens a second of a static
+        batch, the shrinking buckets and the refilled slots, against each other and the HBM floor; and one decode
+        step of a full batch of `--slots` rows against its floor. --quick: the smoke plan."""
+        model = self.build(on_gpu=True)
+        plan = self.uneven_plan
+        result = uneven_decode.measure(model, plan, self.device, hbm_bytes_per_s=_hbm_bandwidth(self.device),
+                                       log=lambda line: print(f"  {line}", flush=True))
+        step = result["step"]
+        self.rows.append({"variant": "uneven", "ms_per_step": step["step_ms"], "tokens_per_s": None, "peak_gib": None,
+                          "useful_speedup": result["useful_speedup"], "uneven": result,
+                          "notes": f"refill: {result['useful_speedup']:.2f}x the useful tokens/s of a static batch, "
+                                   f"{result['variants']['refill']['vs_floor']:.2f}x its HBM floor; a step at batch "
+                                   f"{step['rows']} {step['vs_floor']:.2f}x its floor"})
+        self.save()
 
     def accelerate(self) -> None:
         """The issue's baseline: embedding and head through `accelerate.cpu_offload`, the rest on the GPU."""
@@ -629,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap-gib", type=float, help="GPU memory cap of the capped section (default: 12, quick: 3)")
     parser.add_argument("--iters", type=int, help="timed generates per variant (default: 3, quick: 1)")
     parser.add_argument("--batch", type=int, help="sequences decoded at once (default: 32, quick: 8)")
+    parser.add_argument("--slots", type=int, help="uneven: rows decoding at once (default: 256, quick: 8)")
+    parser.add_argument("--rows", type=int, help="uneven: responses of long-tailed lengths (default: 512, quick: 16)")
     args = parser.parse_args(argv)
     sections = chosen_sections(args.only, SECTIONS)
     if sections is None:
@@ -652,11 +676,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ERROR: --batch must be at least 1, got {args.batch}", file=sys.stderr)
             return 2
         plan = dataclasses.replace(plan, batch=args.batch)
+    uneven_plan = uneven_decode.QUICK_UNEVEN if args.quick else uneven_decode.UnevenPlan()
+    for name in ("slots", "rows"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"ERROR: --{name} must be at least 1, got {value}", file=sys.stderr)
+            return 2
+        if value is not None:
+            uneven_plan = dataclasses.replace(uneven_plan, **{name: value})
     torch.manual_seed(0)
     # As the trainer's model loading does: a decoded token attends on the key/value heads on any transformers.
     print("attention: a decoded token on the key/value heads by " +
           ("this project's packing" if attention.use_packed_gqa() else "transformers' own pack_gqa"))
-    bench = Bench(plan, args.out)
+    bench = Bench(plan, args.out, uneven_plan)
     print(f"{bench.meta['gpu']}, {bench.meta['host_cores']} host cores", flush=True)
     # In this order whatever --only says: capped, which caps memory, comes last.
     run_sections(bench, [name for name in SECTIONS if name in sections], lambda name: getattr(bench, name)())

@@ -75,9 +75,12 @@ class Generation:
             rollout.synced = self.ranks.distributed and not alone
             # A batch that runs out of device memory is retried once layers moved off, or in halves.
             rows = self.run_wide.fewest(self._rows_that_fit(len(repeated), prompt_ids.shape[1]))
+            # The static decode takes the whole batch and refills finished rows' slots (`rows` at once) with it.
+            refills = rollout.refills(self.device)
+            slots = {"slots": rows} if refills else {}
             pieces = run_in_pieces(lambda first, count: rollout.sample(prompt_ids[first:first + count],
-                                                                       prompt_mask[first:first + count]),
-                                   len(repeated), rows,
+                                                                       prompt_mask[first:first + count], **slots),
+                                   len(repeated), len(repeated) if refills else rows,
                                    memory=None if self.ranks.distributed else self.memory.for_role(Role.ACTOR))
         sampled = [torch.cat(parts) for parts in zip(*pieces, strict=True) if parts[0] is not None]
         # The ranks of a sequence-parallel group sampled the same prompts from the same random stream; their first

@@ -163,6 +163,13 @@ class HFRollout:
         return (device.type == "cuda" and bool(getattr(model_class, "_can_compile_fullgraph", False))
                 and not getattr(model_class, "_is_stateful", False))
 
+    def refills(self, device: torch.device) -> bool:
+        """Whether a batch larger than the rows that decode at once goes to `sample` whole: the static decode then
+        refills a finished row's slot with the next waiting prompt (continuous batching, refill.py) instead of the
+        batch decoding in pieces, each until its longest row ends."""
+        return (self.decoder is not None and not self.synced and self._decodes_static(device)
+                and self.decoder.refills())
+
     def decode_memory(self) -> dict[str, float]:
         """What the last static decode held on the device besides the weights, as step metrics (GB): its KV cache
         and its CUDA graphs' pool (the phase planner learns them within the rollout's peak); nothing after a
@@ -178,10 +185,10 @@ class HFRollout:
         return sampled.response_ids, sampled.response_mask
 
     @torch.no_grad()
-    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Sampled:
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, slots: int | None = None) -> Sampled:
         """[B, P] left-padded prompts -> the responses, their mask and, with `record_log_probs`, their log-probs
         (recorded from the sampling step's own logits: the static decode inside its captured step, generate through
-        a logits processor)."""
+        a logits processor). `slots`: the static decode decodes at most that many rows at once (`refills`)."""
         was_training = self.model.training
         model_defaults = self.model.generation_config
         self.model.eval()
@@ -196,7 +203,7 @@ class HFRollout:
             if self.decoder is not None and self._decoded_static:
                 self.decoder.agree_active = self._agree_active if self.synced else None
                 self.decoder.keep_log_probs = self.record_log_probs
-                responses = self.decoder.generate(prompt_ids, prompt_mask, length, self.safe_point)
+                responses = self.decoder.generate(prompt_ids, prompt_mask, length, self.safe_point, slots)
                 log_probs = self.decoder.log_probs if self.record_log_probs else None
             else:
                 stopping = StoppingCriteriaList([SafePoints(self.safe_point)] if self.safe_point is not None else [])

@@ -40,6 +40,7 @@ from transformers import PreTrainedModel, StaticCache
 from trainer.rollout.fused_mlp import fused_mlps
 from trainer.rollout.fused_norms import fused_rms_norms
 from trainer.rollout.fused_rotary import fused_rotary
+from trainer.rollout.refill import PendingRows, copy_prompt_rows, ring_columns, set_write_column, supports_ring
 
 SAFE_POINT_EVERY = 8
 """Decoded tokens between two safe points of a rollout (a memory reading each: microseconds)."""
@@ -120,10 +121,24 @@ def buckets(batch: int) -> list[int]:
     return sizes
 
 
+def fine_buckets(batch: int, ratio: float = 0.75) -> list[int]:
+    """Finer batch sizes than `buckets` (issue 40): each at most `ratio` of the one before, multiples of 8 from 16 up
+    and powers of two below (sizes vLLM captures CUDA graphs at), so a batch pays for at most a third more rows than
+    still decode where powers of two pay for up to twice as many, in about twice as many graphs."""
+    sizes = [batch]
+    while sizes[-1] > 1:
+        below = max(1, int(sizes[-1] * ratio))
+        size = below // 8 * 8 if below >= 16 else 1 << (below.bit_length() - 1)
+        sizes.append(min(size, sizes[-1] - 1))
+    return sizes
+
+
 @dataclass
 class _Rows:
     """The rows decoding now: each one's original row, last token, whether it finished, next position, which cache
-    positions it attends to, the cache position the next token goes to, and its last token's log-probability."""
+    positions it attends to, the cache position the next token goes to, its last token's log-probability and the
+    response column its last token went to; `limit`: the tokens a response may have; `ring`: whether the cache's
+    columns are a ring (refilled rows, refill.py) whose write position the step sets."""
 
     index: torch.Tensor
     tokens: torch.Tensor
@@ -132,11 +147,15 @@ class _Rows:
     valid: torch.Tensor
     slot: torch.Tensor
     chosen: torch.Tensor | None
+    column: torch.Tensor
+    limit: int
+    ring: bool = False
 
     def rows(self, keep: torch.Tensor) -> _Rows:
         """A batch of the rows `keep` (new tensors: a CUDA graph of the step is per batch)."""
         return _Rows(self.index[keep], self.tokens[keep], self.done[keep], self.position[keep], self.valid[keep],
-                     self.slot.clone(), None if self.chosen is None else self.chosen[keep])
+                     self.slot.clone(), None if self.chosen is None else self.chosen[keep], self.column[keep],
+                     self.limit, self.ring)
 
 
 def _chosen(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -201,20 +220,36 @@ class StaticDecoder:
         """Device bytes of the last generate's static KV cache (keys and values of every layer, allocated whole)."""
         self.graph_pool_bytes = 0
         """Device memory the last generate's CUDA graph captures reserved (their private pool)."""
+        self.fine_buckets = True
+        """Whether a shrinking batch goes through `fine_buckets`' sizes (about 3/4 each) instead of powers of two."""
+        self.refill = True
+        """Whether a generate given fewer `slots` than prompts refills finished rows with waiting prompts
+        (continuous batching, refill.py) instead of decoding in pieces."""
+        self.refill_share = 0.125
+        """Refill once this share of the slots (at least one) has finished: each refill is a prefill forward, which
+        reads the weights once as a decode step does."""
+        self.refilled = 0
+        """Rows the last generate refilled (prompts that took a finished row's slot)."""
+        self.steps = 0
+        """Decode steps (one token for every row of the batch) the last generate ran, its prefills left out."""
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
-                 safe_point: Callable[[], object] | None = None) -> torch.Tensor:
+                 safe_point: Callable[[], object] | None = None, slots: int | None = None) -> torch.Tensor:
         """[B, P] left-padded prompts -> [B, T] new tokens (T <= max_new_tokens: decoding stops once every row has
         finished), each row's tokens after its first EOS set to the pad id, as generate returns them.
         `safe_point` runs every SAFE_POINT_EVERY tokens, between two forwards. With `keep_log_probs`, `log_probs`
         holds afterwards the [B, T] log-probabilities (fp32, at the sampling temperature) the model gave each token as
-        it was sampled (0 after a row's EOS)."""
+        it was sampled (0 after a row's EOS). `slots` (fewer than B): at most that many rows decode at once, a row
+        whose sequence finished taking the next waiting prompt (refill.py); where the cache cannot be a ring (see
+        `refills`), in pieces of `slots` rows."""
         rows, prompt_length = prompt_ids.shape
         device = prompt_ids.device
-        out = torch.full((rows, max_new_tokens), self.pad_id, dtype=prompt_ids.dtype, device=device)
-        self.log_probs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
-        self.bucket_history = [rows]
+        slots = rows if slots is None else max(1, min(rows, slots))
+        # One column more than a response holds: a finished row's pads go there (see _step).
+        out = torch.full((rows, max_new_tokens + 1), self.pad_id, dtype=prompt_ids.dtype, device=device)
+        self.log_probs = torch.zeros((rows, max_new_tokens + 1), dtype=torch.float32, device=device)
+        self.bucket_history, self.refilled, self.steps = [slots], 0, 0
         if rows == 0 or max_new_tokens == 0:
             self.log_probs = self.log_probs[:, :0]
             return out[:, :0]
@@ -222,28 +257,55 @@ class StaticDecoder:
         rotary = fused_rotary(self.model, device, self.warn) if self.fuse_rotary else contextlib.nullcontext(0)
         mlps = fused_mlps(self.model, device, self.warn) if self.fuse_mlps else contextlib.nullcontext(0)
         with fused as self.fused_norms, rotary as self.fused_rotary, mlps as self.fused_mlps:
-            return self._generate(prompt_ids, prompt_mask, max_new_tokens, safe_point, out)
+            if slots < rows and not self.refills():
+                for first in range(0, rows, slots):
+                    self._generate(prompt_ids, prompt_mask, max_new_tokens, safe_point, out,
+                                   range(first, min(rows, first + slots)))
+            else:
+                self._generate(prompt_ids, prompt_mask, max_new_tokens, safe_point, out, range(rows), slots)
+        # Steps decoded after every row had finished (between two reads) hold pads only: generate stops at the
+        # token where the last row finishes.
+        length = self._decoded_length(out[:, :max_new_tokens], torch.tensor(self.eos_ids, device=device))
+        self.log_probs = self.log_probs[:, :length]
+        return out[:, :length]
+
+    def refills(self) -> bool:
+        """Whether a finished row's slot may take a waiting prompt: the cache's columns become a ring, which needs
+        a [rows, 1, 1, positions] mask every layer takes as it is and no ranks stepping together (a refill's prefill
+        is a forward the others would not run)."""
+        return self.refill and self._full_attention_only() and self.agree_active is None
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
-                  safe_point: Callable[[], object] | None, out: torch.Tensor) -> torch.Tensor:
-        rows, prompt_length = prompt_ids.shape
+                  safe_point: Callable[[], object] | None, out: torch.Tensor, batch: range,
+                  slots: int | None = None) -> None:
+        """Decodes the rows `batch` of the prompts into `out`, `slots` of them at once (all of them: None)."""
+        prompt_length = prompt_ids.shape[1]
         device = prompt_ids.device
-        cache = StaticCache(config=self.model.config, max_cache_len=prompt_length + max_new_tokens)
+        slots = len(batch) if slots is None else slots
+        ring = prompt_length + max_new_tokens
+        cache = StaticCache(config=self.model.config, max_cache_len=ring)
+        first = torch.arange(batch.start, batch.start + slots, device=device)
         # Left padding: a row's first real token is at position 0 (generate's position ids).
-        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        logits = self._forward(prompt_ids, positions, prompt_mask, cache)[:, -1]
+        positions = (prompt_mask[first].long().cumsum(dim=1) - 1).clamp(min=0)
+        logits = self._forward(prompt_ids[first], positions, prompt_mask[first], cache)[:, -1]
         self.cache_bytes, self.graph_pool_bytes = _cache_bytes(cache), 0  # the prefill allocated the cache
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
-        tokens = self.sampling.next_tokens(logits)
+        tokens = self._next_tokens(first, torch.zeros_like(first), logits)
+        pending = PendingRows(batch.stop, batch.start + slots)
+        column = torch.zeros(slots, dtype=torch.long, device=device)
         state = _Rows(
-            index=torch.arange(rows, device=device), tokens=tokens, done=torch.isin(tokens, eos),
+            index=first, tokens=tokens, done=torch.isin(tokens, eos) | (column >= max_new_tokens - 1),
             position=positions[:, -1:] + 1,
             # Which cache positions each row attends to: its prompt's real tokens, then every token decoded.
-            valid=torch.cat([prompt_mask.bool(), torch.zeros((rows, max_new_tokens), dtype=torch.bool,
-                                                             device=device)], dim=1),
+            valid=torch.cat([prompt_mask[first].bool(), torch.zeros((slots, max_new_tokens), dtype=torch.bool,
+                                                                    device=device)], dim=1),
             slot=torch.tensor([prompt_length], device=device),
-            chosen=_chosen(logits, tokens, self.sampling.temperature) if self.keep_log_probs else None)
-        self._record(out, state, 0)
+            chosen=_chosen(logits, tokens, self.sampling.temperature) if self.keep_log_probs else None,
+            column=column, limit=max_new_tokens, ring=len(pending) > 0)
+        if state.ring and not supports_ring(cache):
+            raise RuntimeError("the installed transformers' StaticCache keeps no write position in a tensor: "
+                               "a static decode cannot refill its rows (decode in pieces: slots=None)")
+        self._record(out, state)
         mask_4d = self._full_attention_only()
         capturable = self.cuda_graphs and device.type == "cuda" and mask_4d and self.agree_active is None
         key = self.safety.graph_key() if capturable else None
@@ -251,22 +313,28 @@ class StaticDecoder:
         graphs: dict[tuple[int, Hashable], torch.cuda.CUDAGraph] = {}
         warm: set[tuple[int, Hashable]] = set()  # the (batch size, key)s whose step ran once (a capture's warm-up)
         self.replays = 0
-        sizes = buckets(rows)
-        length = 1
-        for length in range(2, max_new_tokens + 1):
-            if (length - 2) % self.check_every == 0:
-                active = int((~state.done).sum())  # waits for the device: whether to stop, or to shrink the batch
-                if (active if self.agree_active is None else self.agree_active(active)) == 0:
-                    length -= 1
+        sizes = fine_buckets(slots) if self.fine_buckets else buckets(slots)
+        horizon = max_new_tokens - 1  # the steps after which every row of the batch has run to its length
+        step = 0
+        while True:
+            ended = step >= horizon
+            if ended or step % self.check_every == 0:
+                active = int((~state.done).sum())  # waits for the device: whether to stop, refill or shrink
+                if pending and (ended or slots - active >= max(1, int(slots * self.refill_share))):
+                    active += self._refill(state, cache, pending, prompt_ids, prompt_mask, out, eos,
+                                           next_column=(prompt_length + step) % ring)
+                    horizon, ended = step + max_new_tokens - 1, False
+                if ended or (active if self.agree_active is None else self.agree_active(active)) == 0:
                     break
-                if self.compact and len(sizes) > 1 and active <= sizes[1]:
+                if self.compact and not pending and len(sizes) > 1 and active <= sizes[1]:
                     while len(sizes) > 1 and active <= sizes[1]:
                         sizes.pop(0)
                     keep = self._rows_to_keep(state.done, sizes[0])
                     self._compact(cache, keep)
                     state = state.rows(keep)
                     self.bucket_history.append(sizes[0])
-            if safe_point is not None and (length - 1) % SAFE_POINT_EVERY == 0:
+            step += 1
+            if safe_point is not None and step % SAFE_POINT_EVERY == 0:
                 safe_point()
                 if capturable:
                     key = self.safety.graph_key()  # layers may have moved
@@ -290,12 +358,41 @@ class StaticDecoder:
                 # Also a capture's warm-up: a graph of a batch size is captured at its second step.
                 self._step(state, cache, eos, mask_4d=mask_4d)
                 warm.add(shape)
-            self._record(out, state, length - 1)
-        # Steps decoded after every row had finished (between two reads) hold pads only: generate stops at the
-        # token where the last row finishes.
-        length = min(length, self._decoded_length(out[:, :length], eos))
-        self.log_probs = self.log_probs[:, :length]
-        return out[:, :length]
+            self._record(out, state)
+        self.steps += step
+
+    def _refill(self, state: _Rows, cache: StaticCache, pending: PendingRows, prompt_ids: torch.Tensor,
+                prompt_mask: torch.Tensor, out: torch.Tensor, eos: torch.Tensor, *, next_column: int) -> int:
+        """The finished rows of `state` take the next waiting prompts, in place (a captured step reads the same
+        tensors): each prompt prefilled alone and copied into its row's cache before `next_column`, its first token
+        sampled and recorded. Returns how many rows it refilled."""
+        free = torch.nonzero(state.done).squeeze(1)
+        rows = torch.tensor(pending.take(len(free)), dtype=torch.long, device=free.device)
+        free = free[:len(rows)]
+        if len(rows) == 0:
+            return 0
+        ids, mask = prompt_ids[rows], prompt_mask[rows]
+        prompts = StaticCache(config=self.model.config, max_cache_len=ids.shape[1])
+        positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        logits = self._forward(ids, positions, mask, prompts)[:, -1]
+        tokens = self._next_tokens(rows, torch.zeros_like(rows), logits)
+        columns = ring_columns(next_column, ids.shape[1], state.valid.shape[1], free.device)
+        copy_prompt_rows(cache, prompts, free, columns)
+        valid = torch.zeros((len(rows), state.valid.shape[1]), dtype=torch.bool, device=free.device)
+        valid.index_copy_(1, columns, mask.bool())
+        state.valid.index_copy_(0, free, valid)
+        state.index.index_copy_(0, free, rows)
+        state.tokens.index_copy_(0, free, tokens)
+        state.position.index_copy_(0, free, positions[:, -1:] + 1)
+        state.column.index_fill_(0, free, 0)
+        state.done.index_copy_(0, free, torch.isin(tokens, eos) | (state.limit <= 1))
+        if state.chosen is not None:
+            state.chosen.index_copy_(0, free, _chosen(logits, tokens, self.sampling.temperature))
+        out[rows, 0] = tokens
+        if state.chosen is not None:
+            self.log_probs[rows, 0] = state.chosen[free]
+        self.refilled += len(rows)
+        return len(rows)
 
     @staticmethod
     def _decoded_length(out: torch.Tensor, eos: torch.Tensor) -> int:
@@ -308,26 +405,38 @@ class StaticDecoder:
     def _step(self, state: _Rows, cache: StaticCache, eos: torch.Tensor, *, mask_4d: bool) -> None:
         """One token for every row, in place in `state`'s tensors (what a CUDA graph of the step replays): the cache
         position `slot` becomes attended, the model reads each row's last token at its position, the next one is
-        sampled; a row that had finished gets the pad id."""
+        sampled; a row that had finished gets the pad id, and its response column stays past the last (`limit`: the
+        output's spare column)."""
         state.valid.index_fill_(1, state.slot, True)
         if mask_4d:
             # A [rows, 1, 1, positions] boolean mask is taken as it is: no mask to build, no host read.
             attention_mask = state.valid[:, None, None, :]
         else:  # sliding-window layers: transformers builds their masks from the 2-D one
             attention_mask = state.valid[:, :int(state.slot) + 1].long()
+        if state.ring:
+            set_write_column(cache, state.slot)
         logits = self._forward(state.tokens[:, None], state.position, attention_mask, cache)[:, -1]
         state.position.add_(1)
         state.slot.add_(1)
-        tokens = self.sampling.next_tokens(logits).masked_fill(state.done, self.pad_id)
+        if state.ring:
+            state.slot.remainder_(state.valid.shape[1])
+        state.column.add_(1).clamp_(max=state.limit)
+        tokens = self._next_tokens(state.index, state.column, logits).masked_fill(state.done, self.pad_id)
         if state.chosen is not None:  # 0 for a row that had finished
             state.chosen.copy_(_chosen(logits, tokens, self.sampling.temperature).masked_fill(state.done, 0.0))
         state.tokens.copy_(tokens)
-        torch.logical_or(state.done, torch.isin(tokens, eos), out=state.done)
+        finished = torch.isin(tokens, eos) | (state.column >= state.limit - 1)
+        torch.logical_or(state.done, finished, out=state.done)
 
-    def _record(self, out: torch.Tensor, state: _Rows, column: int) -> None:
-        out[state.index, column] = state.tokens
+    def _next_tokens(self, index: torch.Tensor, column: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """[rows] the next token of each row from its [rows, vocab] logits; `index`: the rows' original rows,
+        `column`: the response column the token goes to (a benchmark forces an EOS here: uneven_decode.py)."""
+        return self.sampling.next_tokens(logits)
+
+    def _record(self, out: torch.Tensor, state: _Rows) -> None:
+        out[state.index, state.column] = state.tokens
         if state.chosen is not None:
-            self.log_probs[state.index, column] = state.chosen
+            self.log_probs[state.index, state.column] = state.chosen
 
     def _full_attention_only(self) -> bool:
         """Whether a [rows, 1, 1, positions] boolean mask means what it says to every layer: SDPA attention (the
