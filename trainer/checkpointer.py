@@ -21,7 +21,6 @@ from trainer.checkpoint import (
     CheckpointWriteError,
     FinalCheckpointError,
     is_sharded_checkpoint,
-    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_sharded_into_sharded,
@@ -34,6 +33,7 @@ from trainer.checkpoint import (
     save_sharded_checkpoint,
     save_weights,
 )
+from trainer.checkpoint_manifest import verify_checkpoint
 from trainer.config import KEYS, RunConfig
 from trainer.config.messages import CheckpointMessage, UpMessage
 from trainer.data import PromptSampler
@@ -163,8 +163,10 @@ class Checkpointer:
             path = None
         elif mode == "resume_path":
             path = Path(self.config.trainer.resume_from_path)
+            self._verified(path)
         else:
-            path = latest_checkpoint(self.directory)
+            # One rank reads the shared folder's checksums; every rank loads what it chose.
+            path = self.ranks.broadcast_from_main(self._newest_verified() if self.ranks.is_main else None)
         if path is None:
             if self.ranks.is_main:
                 self.metrics_log.truncate_after(-1)  # a fresh start: not even a step 0 (validation) line stays
@@ -172,6 +174,41 @@ class Checkpointer:
         step = self._restore(path)
         self.saved_at = step
         return step
+
+    def _verified(self, path: Path) -> None:
+        """The checkpoint the user named (trainer.resume_from_path), refused when its manifest says it is damaged:
+        resume_path means that one, so there is nothing to fall back to."""
+        verdict = verify_checkpoint(path) if path.is_dir() else None
+        if verdict is not None and not verdict.ok:
+            raise CheckpointError(f"cannot resume from {path}: {verdict.problem}; name another checkpoint in "
+                                  f"{KEYS.trainer.resume_from_path}")
+        if verdict is not None and not verdict.has_manifest:
+            self.log(f"note: {path} predates checkpoint manifests: loaded without verifying its files")
+
+    def _newest_verified(self) -> Path | None:
+        """The newest checkpoint whose files are those its manifest lists (one without a manifest, written before
+        checkpoints carried one, loads as before, with a note); a damaged newer one is one WARNING naming the
+        damaged file and the step resumed from instead. None: no checkpoint (a fresh start)."""
+        checkpoints = list_checkpoints(self.directory)
+        damaged: list[tuple[int, str]] = []
+        for step, path in reversed(checkpoints):
+            verdict = verify_checkpoint(path)
+            if not verdict.ok:
+                damaged.append((step, verdict.problem or ""))
+                continue
+            if not verdict.has_manifest:
+                self.log(f"note: {path} predates checkpoint manifests: loaded without verifying its files")
+            if damaged:
+                self.warn(f"the checkpoint of step {damaged[0][0]} is damaged ({damaged[0][1]}); resuming from the "
+                          f"newest one that verifies, step {step}"
+                          + (f" (also damaged: steps {', '.join(str(s) for s, _ in damaged[1:])})"
+                             if len(damaged) > 1 else ""))
+            return path
+        if damaged:
+            raise CheckpointError(f"every checkpoint in {self.directory} is damaged (the newest, step {damaged[0][0]}: "
+                                  f"{damaged[0][1]}); set {KEYS.trainer.resume_mode}=disable with another "
+                                  f"{KEYS.trainer.experiment_name} to start afresh")
+        return None
 
     def _restore(self, path: Path) -> int:
         models = self.models
