@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -41,11 +42,16 @@ class Verdict:
 
 
 def file_checksum(path: Path) -> str:
-    """The XXH3-128 checksum of a file, read in 8-MiB blocks, as hex."""
+    """The XXH3-128 checksum of a file, as hex: hashed through a memory map in 8-MiB slices, so no byte is copied
+    (a read into Python bytes costs more than the hash itself)."""
     digest = xxhash.xxh3_128()
     with open(path, "rb") as file:
-        while block := file.read(_BLOCK_BYTES):
-            digest.update(block)
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:
+            return digest.hexdigest()
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            for offset in range(0, size, _BLOCK_BYTES):
+                digest.update(view[offset:offset + _BLOCK_BYTES])
     return digest.hexdigest()
 
 
