@@ -28,6 +28,7 @@ from trainer.data import PromptRecord, PromptSampler
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks, resolve_device
 from trainer.distributed.run_wide import RunWide
+from trainer.divergence import DivergenceWatch
 from trainer.errors import RunSetupError
 from trainer.generation import Generation, GreedyBaseline
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
@@ -120,6 +121,7 @@ class Trainer:
         self.validator = Validator(config, self.val_records, self.generation, self.models.reward,
                                    publish_updates=self.staging.publish_updates, log=log, observers=self.observers,
                                    step=lambda: self.step)
+        self.divergence = DivergenceWatch(config.trainer.max_nonfinite_steps, warn=warn)
         self.peak_flops = device_peak_flops(self.device)  # None: no MFU figures (a CPU, an unknown GPU)
         self._resumed = False
         self._summary_sent = False
@@ -175,6 +177,8 @@ class Trainer:
 
     def save(self, *, final: bool = False) -> Path | None:
         """Checkpoint this step (checkpointer.py: a save the disk refuses warns; a final one raises)."""
+        if not self.divergence.allows_save(self.step):
+            return None
         self.control.phase_started("save_checkpoint")
         return self.checkpointer.save(self.step, final=final)
 
@@ -182,13 +186,9 @@ class Trainer:
         """metrics.jsonl, the daemon and every observer (the console) get the step's metrics: rank 0 the run-wide
         `metrics`; another rank sends its `local` figures to the daemon and its own log, and writes no
         metrics.jsonl."""
+        run_wide = metrics  # every rank judges divergence on the same figures
         if not self.ranks.is_main:
             metrics = metrics if local is None else local
-        for key, value in metrics.items():
-            if key.endswith("skipped_steps") and value > 0:
-                self.warn(f"STEP {self.step}: {key.split('/')[0]} skipped its optimizer update on a non-finite "
-                          f"gradient norm ({key} {value:g}); its weights did not change. Lower the learning rate "
-                          "or check the data and the reward if it goes on")
         if self.ranks.is_main:
             self.metrics_log.append(self.step, metrics)
         self.control.send(StepMessage(step=self.step, metrics=metrics))
@@ -201,6 +201,7 @@ class Trainer:
             self._copy_latency_mean_s = report.copy_latency_mean_s  # what the next step's RankReport carries
         for observer in self.observers:
             observer.on_step(self.step, metrics)
+        self.divergence.observe(self.step, run_wide)  # after the step's line: it shows what was not finite
 
     # ------------------------------------------------------------------------------------ the step
 

@@ -86,8 +86,9 @@ def as_float_score(value: Any) -> float:
         raise CustomRewardError(f"the reward function returned {type(value).__name__}; "
                                 "return a float or a dict with a 'score' key")
     score = float(value)
-    if math.isnan(score):
-        raise CustomRewardError("the reward function returned nan; a nan reward would spoil every update")
+    if not math.isfinite(score):
+        raise CustomRewardError(f"the reward function returned {score}; a reward that is not finite would spoil "
+                                "every update")
     return score
 
 
