@@ -40,7 +40,7 @@ from trainer.data import PromptSampler
 from trainer.distributed.ranks import Ranks
 from trainer.errors import RunSetupError
 from trainer.metrics import MetricsLog
-from trainer.randomness import restore_rank_streams, rng_state
+from trainer.randomness import restore_rank_streams, rng_state, set_rng_state
 
 
 class Checkpointer:
@@ -63,6 +63,7 @@ class Checkpointer:
         self.failures = 0  # saves that failed since the last step's metrics (checkpoint/failures)
         self._failing = False  # the latest save failed (checkpoint/failing)
         self._seconds = 0.0  # spent saving since the last step's metrics (timing_s/save_checkpoint)
+        self._step_start: tuple[dict[str, Any], dict[str, Any]] | None = None  # the sampler's and RNG's states
 
     # ---------------------------------------------------------------------------------------- saving
 
@@ -146,6 +147,20 @@ class Checkpointer:
             metrics["timing_s/save_checkpoint"] = self._seconds
         self.failures, self._seconds = 0, 0.0
         return metrics
+
+    def mark_step_start(self) -> None:
+        """Remember what a step changes before its updates (the prompt sampler's position, the random streams), so
+        that a step abandoned before them (a stop during a stuck reward call) can be undone: `rewind_step`."""
+        self._step_start = (self.sampler.state_dict(), rng_state())
+
+    def rewind_step(self, why: str) -> None:
+        """Undo the abandoned step's draws: the checkpoint then saved is the last completed step's, as if the step
+        had never started (its weights were not updated yet)."""
+        assert self._step_start is not None, "mark_step_start() was not called"
+        sampler, rng = self._step_start
+        self.sampler.load_state_dict(sampler)
+        set_rng_state(rng)
+        self.log(f"{why}: the step is abandoned; the last completed step is checkpointed")
 
     # -------------------------------------------------------------------------------------- resuming
 

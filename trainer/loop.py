@@ -39,6 +39,7 @@ from trainer.offload.copies import CopyLog
 from trainer.offload.dynamic import MemoryProbe
 from trainer.randomness import seed_everything
 from trainer.reporting import StepObserver
+from trainer.rewards.time_limit import StepInterrupted
 from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.hf_rollout import HFRollout
 from trainer.scoring import Scoring
@@ -109,7 +110,8 @@ class Trainer:
             config, self.generation, self.models.reward, self.staging, synchronize=self._synchronize,
             safe_point=self._rollout_safe_point if self.memory.moves_layers else None, warn=warn,
         ) if config.algorithm.adv_estimator == "remax" else None
-        self.score = Scoring(config, self.models.reward, self.tokenizer, self.ranks, step=lambda: self.step, log=log)
+        self.score = Scoring(config, self.models.reward, self.tokenizer, self.ranks, step=lambda: self.step, log=log,
+                             stopping=self.control.stop_requested.is_set)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.advantages = AdvantagePhase(config, self.run_wide, self.ranks, self.kl_controller)
@@ -151,8 +153,13 @@ class Trainer:
             if self.step >= self.total_steps or self.control.stopping():
                 break
             self.memory.safe_point()
+            self.checkpointer.mark_step_start()
             records = [self.records[index] for index in self.run_wide.share_of(self.sampler.next_batch())]
-            local = self.train_step(records)
+            try:
+                local = self.train_step(records)
+            except StepInterrupted as interrupted:  # a stop while the user's reward function was stuck
+                self.checkpointer.rewind_step(str(interrupted))
+                break
             self.step += 1
             local["training/global_step"] = self.step
             if self.validator.due(self.step, self.total_steps):
