@@ -71,17 +71,27 @@ def last_error_line(text: str) -> str | None:
 
 
 def hang_place(text: str) -> str | None:
-    """Where a hung trainer's main thread was, from the stacks faulthandler wrote (`text`: the log from the daemon's
-    hang marker on): the innermost frame of the current thread ("reward.py:12 in compute_score"); None when no
-    stacks were written (a stopped process cannot write them)."""
-    lines = text.splitlines()
-    start = next((index for index, line in enumerate(lines) if line.startswith("Current thread")), None)
-    if start is None:
-        start = next((index for index, line in enumerate(lines) if line.startswith("Thread 0x")), None)
-    if start is None:
-        return None
-    for line in lines[start + 1:]:
+    """Where a hung trainer was stuck, from the stacks faulthandler wrote (`text`: the log from the daemon's hang
+    marker on): the innermost frame of the current (main) thread ("reward.py:12 in compute_score"), unless it only
+    waits in the standard library (for a user's function on a thread of its own: reward_model.reward_timeout_s),
+    then the first other thread's innermost frame outside it. None when no stacks were written (a stopped process
+    cannot write them)."""
+    innermost: list[tuple[bool, str]] = []  # (is the current thread, its innermost frame), in the dump's order
+    current = False
+    for line in text.splitlines():
+        if line.startswith(("Current thread", "Thread 0x")):
+            current = line.startswith("Current thread")
+            innermost.append((current, ""))
+            continue
         match = _FRAME.match(line)
-        if match:
-            return f"{match.group('file')}:{match.group('line')} in {match.group('function')}"
-    return None
+        if match and innermost and not innermost[-1][1]:
+            innermost[-1] = (current, f"{match.group('file')}:{match.group('line')} in {match.group('function')}")
+    frames = [frame for is_current, frame in sorted(innermost, key=lambda item: not item[0]) if frame]
+    if not frames:
+        return None
+    return next((frame for frame in frames if not _in_standard_library(frame)), frames[0])
+
+
+def _in_standard_library(frame: str) -> bool:
+    path = frame.rsplit(":", 1)[0]
+    return "/lib/python3" in path and "-packages/" not in path

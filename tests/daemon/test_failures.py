@@ -39,6 +39,10 @@ def test_the_cause_is_the_final_line_of_the_last_traceback():
 def test_a_hang_is_placed_at_the_main_threads_innermost_frame():
     assert hang_place(STACKS) == "/home/user/reward.py:7 in compute_score"
     assert hang_place("2026-12-07 10:00:00 ERROR the verl daemon got no Python stacks\n") is None
+    waiting = STACKS.replace('"/home/user/reward.py", line 7 in compute_score',
+                             '"/usr/lib/python3.11/threading.py", line 359 in wait')
+    waiting += 'Thread 0x00007f0000000003 (most recent call first):\n  File "/home/user/reward.py", line 9 in score\n'
+    assert hang_place(waiting) == "/home/user/reward.py:9 in score"  # the main thread waits on the reward's thread
 
 
 def test_only_the_same_step_and_the_same_known_cause_repeat():
