@@ -838,6 +838,10 @@ class Daemon:
         elif supervisor.last_exit_code == EXIT_USAGE:
             print(f"ERROR: the trainer stopped on a problem with the config, data or models (exit code 2)\n"
                   f"HINT: see its ERROR lines in {logs / 'trainer.out'}", file=sys.stderr)
+        elif supervisor.crash_loop and supervisor.last_failure is not None:
+            print(f"ERROR: the restarted trainer failed at step {supervisor.last_failure.step} as the previous one did "
+                  f"({supervisor.last_failure.cause}): restarting cannot help\n"
+                  f"HINT: see {logs / 'trainer.log'} and {logs / 'daemon.log'}", file=sys.stderr)
         elif supervisor.last_exit_code == EXIT_OUT_OF_MEMORY:
             print(f"ERROR: the trainer failed {supervisor.restarts + 1} times, the last one out of memory; gave up "
                   f"after {KEYS.daemon.max_restarts}={self.config.daemon.max_restarts} restarts\n"

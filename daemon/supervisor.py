@@ -118,6 +118,7 @@ class Supervisor:
         self._hang_timeout_s, self._on_hang = hang_timeout_s, on_hang
         self._on_stacks_due, self._explain_failure = on_stacks_due, explain_failure
         self.last_failure: Failure | None = None  # the previous failed trainer's, to recognise a crash loop
+        self.crash_loop = False  # the run ended because a restart failed as the one before it
         self.output_start = 0  # where the current trainer's output begins in `output`
         self._heard_at: dict[int, float] = {}  # rank -> monotonic time of its last sign of life (watched ranks only)
         self._hung = False  # the current trainer was killed as hung
@@ -303,6 +304,7 @@ class Supervisor:
         log.error("the restarted trainer failed at step %s as the previous one did (%s): restarting cannot help; "
                   "stopping with %d of %d restarts unused", failure.step, failure.cause,
                   self.policy.max_restarts - self.restarts, self.policy.max_restarts)
+        self.crash_loop = True
         self._set_state("failed")
         return True
 

@@ -52,8 +52,8 @@ def test_only_the_same_step_and_the_same_known_cause_repeat():
     assert not Failure(3, None, shown="killed by SIGKILL").repeats(Failure(3, None, shown="killed by SIGKILL"))
 
 
-def test_a_restart_that_fails_the_same_way_at_the_same_step_ends_the_run_with_its_cause(tmp_path: Path,
-                                                                                       monkeypatch) -> None:
+def test_a_restart_that_fails_the_same_way_at_the_same_step_ends_the_run_with_its_cause(tmp_path: Path, monkeypatch,
+                                                                                       capsys) -> None:
     """Probes 1 and 4: a trainer that crashed the same way at the same step was restarted until daemon.max_restarts
     ran out, and daemon.log said only "exited with code 1". Now the first repeat ends the run, the cause in
     daemon.log's exit line and in /v1/status."""
@@ -67,6 +67,7 @@ def test_a_restart_that_fails_the_same_way_at_the_same_step_ends_the_run_with_it
     assert ("the restarted trainer failed at step 1 as the previous one did (RuntimeError: probability tensor "
             "contains nan): restarting cannot help") in text
     assert daemon.status().restarts.last_failure == "RuntimeError: probability tensor contains nan"
+    assert "restarting cannot help" in capsys.readouterr().err
 
 
 def test_the_stack_dump_says_when_a_stopped_trainer_could_not_write_its_stacks(tmp_path: Path, monkeypatch) -> None:
