@@ -203,7 +203,8 @@ class Checkpointer:
     def _newest_verified(self) -> Path | None:
         """The newest checkpoint whose files are those its manifest lists (one without a manifest, written before
         checkpoints carried one, loads as before, with a note); a damaged newer one is one WARNING naming the
-        damaged file and the step resumed from instead. None: no checkpoint (a fresh start)."""
+        damaged file and the step resumed from instead. None: a fresh start (no checkpoint, or none verifies: a
+        WARNING says so)."""
         checkpoints = list_checkpoints(self.directory)
         damaged: list[tuple[int, str]] = []
         for step, path in reversed(checkpoints):
@@ -220,9 +221,10 @@ class Checkpointer:
                              if len(damaged) > 1 else ""))
             return path
         if damaged:
-            raise CheckpointError(f"every checkpoint in {self.directory} is damaged (the newest, step {damaged[0][0]}: "
-                                  f"{damaged[0][1]}); set {KEYS.trainer.resume_mode}=disable with another "
-                                  f"{KEYS.trainer.experiment_name} to start afresh")
+            # Step 0 is the one state every run can rebuild (from trainer.seed): the run starts again from there, and
+            # its saves replace the damaged checkpoints step by step.
+            self.warn(f"every checkpoint in {self.directory} is damaged (the newest, step {damaged[0][0]}: "
+                      f"{damaged[0][1]}); starting again from step 0")
         return None
 
     def _restore(self, path: Path) -> int:

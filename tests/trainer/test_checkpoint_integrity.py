@@ -110,3 +110,16 @@ def test_first_nonfinite_walks_nested_states():
              "kl": 0.1, "positions": torch.tensor([1, 2])}
     assert first_nonfinite(state) == "optimizer.state.0.exp_avg"
     assert first_nonfinite({"a": torch.ones(2), "b": [torch.zeros(1)]}) is None
+
+
+def test_when_no_checkpoint_verifies_the_run_starts_again_from_step_0_saying_so(tmp_path):
+    """Found by the chaos soak: the only checkpoint damaged refused the resume (exit 2, not restarted). Step 0 is
+    the state every run can rebuild, so the run starts again from there, with one WARNING."""
+    make_trainer(tmp_path, "trainer.total_training_steps=1").fit()
+    latest = list_checkpoints(tmp_path / "run" / "checkpoints")[-1][1]
+    nan_in_place(latest / "actor" / "model.safetensors")
+    warnings: list[str] = []
+    resumed = make_trainer(tmp_path, "trainer.total_training_steps=1", warnings=warnings)
+    resumed.resume()
+    assert resumed.step == 0
+    assert len(warnings) == 1 and "every checkpoint" in warnings[0] and "starting again from step 0" in warnings[0]
