@@ -302,6 +302,8 @@ def _phase(status: RunStatus, now: float) -> Text:
     reasons = _reasons(restarts)
     if reasons:
         text.append(f" ({reasons})")
+    if restarts.last_failure:
+        text.append(f" · last failure: {restarts.last_failure}", style="red")
     return text
 
 
@@ -429,6 +431,8 @@ def describe_status(status: RunStatus) -> list[str]:
     reasons = _reasons(status.restarts)
     lines.append(f"restarts {status.restarts.total} of at most {status.restarts.max}"
                  + (f" ({reasons})" if reasons else ""))
+    if status.restarts.last_failure:
+        lines.append(f"last failure: {status.restarts.last_failure}")
     settings = status.settings
     values = ", ".join(f"{name}={format_value(value)}" for name, value in settings.values.public().items())
     lines.append(f"settings v{settings.version} ({_acknowledgement(settings)}): {values}")

@@ -409,8 +409,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="more config overrides for the run")
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("--report", metavar="FILE", help="print a saved result's table and exit")
+    chaos = parser.add_argument_group("the chaos soak (benchmarks/chaos.py): faults injected, then compared")
+    chaos.add_argument("--chaos", action="store_true", help="inject faults into a run of --steps steps")
+    chaos.add_argument("--steps", type=int, default=2000, help="steps of the chaos run (default 2000)")
+    chaos.add_argument("--mean-interval", type=float, default=30.0, help="mean seconds between faults (default 30)")
+    chaos.add_argument("--hang-timeout", type=float, default=20.0, help="daemon.hang_timeout_s (default 20)")
+    chaos.add_argument("--burst", type=int, default=100, help="API clients of a burst (default 100)")
+    chaos.add_argument("--seed", type=int, default=1, help="the faults' random seed (default 1)")
     args = parser.parse_args(argv)
-    if args.report is None and not args.duration > args.history_seconds + args.settle:
+    if args.report is None and not args.chaos and not args.duration > args.history_seconds + args.settle:
         parser.error("--duration must exceed --history-seconds + --settle: the slopes are fitted after both")
     return args
 
@@ -424,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
         return 0
+
+    if args.chaos:
+        return _chaos(args)
 
     def progress(sample: Sample) -> None:
         figures = "  ".join(f"{name} {values['rss_bytes'] / MiB:.1f} MiB {values['fds']} fds"
@@ -442,6 +452,26 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result, indent=1))
     met = all(all(checks.values()) for checks in result["targets_met"].values())
     return 0 if met else 1
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from benchmarks.chaos import chaos_report, run_chaos
+    from benchmarks.soak import SoakError as StartError  # the class chaos.py raises (this file runs as __main__)
+
+    with tempfile.TemporaryDirectory(prefix="verl-chaos-") as work:
+        try:
+            result = run_chaos(Path(work), steps=args.steps, save_freq=args.save_freq, hang_timeout_s=args.hang_timeout,
+                               mean_interval_s=args.mean_interval, seed=args.seed, burst=args.burst,
+                               log=lambda line: print(line, file=sys.stderr, flush=True))
+        except (SoakError, StartError) as error:
+            print(f"ERROR: {error}", file=sys.stderr)
+            return 2
+    result["machine"] = machine()
+    print(chaos_report(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    faults_recovered = result["injected"] == result["recovered"]
+    return 0 if faults_recovered and result["metrics_equal"] and result["weights_equal"] else 1
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+import psutil
 import uvicorn
 from prometheus_client import CollectorRegistry
 
@@ -55,6 +56,7 @@ from api.client import page_url
 from api.hub import TelemetryHub
 from api.prometheus import GIB, MEMORY_KEY, TelemetryMetrics
 from api.schemas import NotControlNodeError, SettingsBody, SettingsRejectedError
+from daemon.failures import Failure, hang_place, last_error_line, read_tail
 from daemon.gpu import GpuSampler
 from daemon.ipc import MAX_SOCKET_PATH_BYTES, IpcServer, TrainerConnection
 from daemon.ranks import RankTable
@@ -70,7 +72,7 @@ from daemon.runtime import (
     write_runtime_file,
 )
 from daemon.settings import SettingsStore
-from daemon.supervisor import RestartPolicy, Supervisor
+from daemon.supervisor import STACK_DUMP_WAIT_S, RestartPolicy, Supervisor, describe_exit
 from trainer.config import FSDP_CONFIG, KEYS, RunConfig
 from trainer.config.exit_codes import EXIT_OUT_OF_MEMORY, EXIT_USAGE
 from trainer.config.ipc import ENV_DAEMON_PID, ENV_SOCKET, ENV_TOKEN
@@ -195,7 +197,11 @@ class Daemon:
             output=self.run_dir / "logs" / "trainer.out" if monitor else None,
             on_started=self._trainer_started, on_exited=self._trainer_exited, on_restart=self._trainer_restarting,
             on_state=self._state_changed, request_trainer_stop=lambda: self._send_down(StopMessage()),
-            hang_timeout_s=self.hang_timeout_s, on_hang=self._trainer_hangs)
+            hang_timeout_s=self.hang_timeout_s, on_hang=self._trainer_hangs, on_stacks_due=self._stacks_due,
+            explain_failure=lambda: self.last_failure)
+        self.last_failure: Failure | None = None  # the latest failed trainer's step and cause (daemon/failures.py)
+        self._log_start = 0  # where the current trainer's lines begin in logs/trainer.log
+        self._hang_marker_end: int | None = None  # where a hung trainer's stacks begin in logs/trainer.log
         self.run_lock = run_lock
         # Rank 0 reports the other nodes' ranks at every step's end: silent past the hang timeout, they may be gone.
         self.ranks = RankTable(node_rank=config.trainer.node_rank, ranks_per_node=config.trainer.n_gpus_per_node,
@@ -388,7 +394,8 @@ class Daemon:
             progress=self.progress,
             restarts=Restarts(total=supervisor.restarts, max=self.config.daemon.max_restarts,
                               by_reason={reason: supervisor.restarts_by_reason[reason] for reason in
-                                         sorted({*RESTART_REASONS, *supervisor.restarts_by_reason})}),
+                                         sorted({*RESTART_REASONS, *supervisor.restarts_by_reason})},
+                              last_failure=self.last_failure.shown if self.last_failure is not None else None),
             settings=self.settings_store.state(),
             telemetry=TelemetryHealth(nvml=self.sampler is not None and self.sampler.nvml_up,
                                       dropped_messages=self.dropped_messages),
@@ -635,6 +642,7 @@ class Daemon:
     # --------------------------------------------------------------------------- supervisor events
 
     def _trainer_started(self, pid: int) -> None:
+        self._log_start, self._hang_marker_end = self._trainer_log_size(), None
         log.info("%s started: pid %d", "trainer" if self.world_size == 1 else "launcher of this node's ranks", pid)
         self._trainers_changed()
 
@@ -654,8 +662,51 @@ class Daemon:
         return list(dict.fromkeys([*self.supervisor.pids, *self.ranks.pids()]))
 
     def _trainer_exited(self, pid: int, returncode: int) -> None:
-        log.info("trainer pid %d exited with code %d", pid, returncode)
+        self.last_failure = None if returncode == 0 or self.supervisor.stopping else self._failure(returncode)
+        cause = self.last_failure.cause if self.last_failure is not None else None
+        (log.error if cause else log.info)("trainer pid %d exited with code %d%s", pid, returncode,
+                                           f": {cause}" if cause else "")
         self._write_runtime_file()
+
+    def _trainer_log(self) -> Path:
+        return self.run_dir / "logs" / "trainer.log"
+
+    def _trainer_log_size(self) -> int:
+        try:
+            return self._trainer_log().stat().st_size
+        except OSError:
+            return 0
+
+    def _failure(self, returncode: int) -> Failure:
+        """The failed trainer's step and cause: where it hung, what killed it, or the final line of its last
+        traceback (or ERROR line) in logs/trainer.log (and logs/trainer.out under --monitor)."""
+        step = self.progress.step
+        if self.supervisor.hung:
+            place = hang_place(read_tail(self._trainer_log(), self._hang_marker_end or self._log_start))
+            return Failure(step, f"hung in {place}" if place else None,
+                           shown="hung; it wrote no stacks (see logs/trainer.log)" if place is None else None)
+        if returncode < 0:
+            return Failure(step, None, shown=describe_exit(returncode))
+        output = self.supervisor.output
+        text = read_tail(self._trainer_log(), self._log_start)
+        cause = last_error_line(text) or (last_error_line(read_tail(output, self.supervisor.output_start))
+                                          if output is not None else None)
+        return Failure(step, cause)
+
+    def _stacks_due(self, pid: int) -> None:
+        """After a hung trainer had its time to write its stacks: a plain line when none came (a stopped process
+        runs no signal handler, so it cannot write them)."""
+        if self._hang_marker_end is None or self._trainer_log_size() > self._hang_marker_end:
+            return
+        try:
+            state = psutil.Process(pid).status()
+        except psutil.Error:
+            state = "gone"
+        why = ("it is stopped (SIGSTOP or SIGTSTP): a stopped process runs no signal handler, so it cannot write them"
+               if state == psutil.STATUS_STOPPED else f"it did not answer the signal (process state: {state})")
+        with contextlib.suppress(OSError), self._trainer_log().open("a", encoding="utf-8") as file:
+            file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR the verl daemon got no Python stacks from trainer "
+                       f"pid {pid} within {STACK_DUMP_WAIT_S:.0f} s: {why}; it is killed now\n")
 
     def hang_timeout_s(self) -> float:
         """daemon.hang_timeout_s, else derived from the median step time so far (derived_hang_timeout)."""
@@ -669,6 +720,7 @@ class Daemon:
             file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR the verl daemon heard nothing from trainer pid "
                        f"{pid} for {silent_s:.0f} s ({KEYS.daemon.hang_timeout_s} {self.hang_timeout_s():.0f} s): its "
                        "Python stacks follow; it is then killed and restarted from its latest checkpoint\n")
+        self._hang_marker_end = self._trainer_log_size()
 
     def _trainer_restarting(self, event: dict[str, Any]) -> None:
         self.metrics.count_restart(event["reason"])
@@ -786,6 +838,10 @@ class Daemon:
         elif supervisor.last_exit_code == EXIT_USAGE:
             print(f"ERROR: the trainer stopped on a problem with the config, data or models (exit code 2)\n"
                   f"HINT: see its ERROR lines in {logs / 'trainer.out'}", file=sys.stderr)
+        elif supervisor.crash_loop and supervisor.last_failure is not None:
+            print(f"ERROR: the restarted trainer failed at step {supervisor.last_failure.step} as the previous one did "
+                  f"({supervisor.last_failure.cause}): restarting cannot help\n"
+                  f"HINT: see {logs / 'trainer.log'} and {logs / 'daemon.log'}", file=sys.stderr)
         elif supervisor.last_exit_code == EXIT_OUT_OF_MEMORY:
             print(f"ERROR: the trainer failed {supervisor.restarts + 1} times, the last one out of memory; gave up "
                   f"after {KEYS.daemon.max_restarts}={self.config.daemon.max_restarts} restarts\n"

@@ -43,6 +43,7 @@ from typing import Any
 
 import psutil
 
+from daemon.failures import Failure
 from trainer.config import KEYS
 from trainer.config.exit_codes import EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_USAGE
 from trainer.config.ipc import STACK_DUMP_SIGNAL
@@ -103,6 +104,8 @@ class Supervisor:
                  request_trainer_stop: Callable[[], None] = lambda: None,
                  hang_timeout_s: Callable[[], float] | None = None,
                  on_hang: Callable[[int, float], None] = lambda pid, silent_s: None,
+                 on_stacks_due: Callable[[int], None] = lambda pid: None,
+                 explain_failure: Callable[[], Failure | None] = lambda: None,
                  pass_fds: Sequence[int] = ()):
         self.command = list(command)
         self.policy = policy
@@ -113,6 +116,10 @@ class Supervisor:
         self._on_started, self._on_exited, self._on_restart = on_started, on_exited, on_restart
         self._on_state, self._request_trainer_stop = on_state, request_trainer_stop
         self._hang_timeout_s, self._on_hang = hang_timeout_s, on_hang
+        self._on_stacks_due, self._explain_failure = on_stacks_due, explain_failure
+        self.last_failure: Failure | None = None  # the previous failed trainer's, to recognise a crash loop
+        self.crash_loop = False  # the run ended because a restart failed as the one before it
+        self.output_start = 0  # where the current trainer's output begins in `output`
         self._heard_at: dict[int, float] = {}  # rank -> monotonic time of its last sign of life (watched ranks only)
         self._hung = False  # the current trainer was killed as hung
         self.state = "starting"
@@ -138,6 +145,8 @@ class Supervisor:
             outcome = self._judge(returncode)
             if outcome is not None:
                 return outcome
+            if self._cannot_help():
+                return EXIT_GAVE_UP
             self.restarts += 1
             reason = "hang" if self._hung else exit_reason(returncode)
             self.restarts_by_reason[reason] += 1
@@ -219,6 +228,7 @@ class Supervisor:
         if self.output is not None:
             self.output.parent.mkdir(parents=True, exist_ok=True)
             output = self.output.open("ab")
+            self.output_start = output.tell()
             output.write(f"=== trainer starting {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.command)}\n"
                          .encode())
             output.flush()
@@ -275,8 +285,28 @@ class Supervisor:
             _signal(process, STACK_DUMP_SIGNAL)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(process.wait()), STACK_DUMP_WAIT_S)
+            self._on_stacks_due(process.pid)
             _kill(process)
             return
+
+    @property
+    def hung(self) -> bool:
+        """The current (or last) trainer was killed as hung."""
+        return self._hung
+
+    def _cannot_help(self) -> bool:
+        """Whether this failure repeats the previous one (the same step, the same error or hang place): then a
+        restart would only fail again, and the run ends with its cause instead of spending the restarts left."""
+        failure = self._explain_failure()
+        previous, self.last_failure = self.last_failure, failure
+        if failure is None or not failure.repeats(previous):
+            return False
+        log.error("the restarted trainer failed at step %s as the previous one did (%s): restarting cannot help; "
+                  "stopping with %d of %d restarts unused", failure.step, failure.cause,
+                  self.policy.max_restarts - self.restarts, self.policy.max_restarts)
+        self.crash_loop = True
+        self._set_state("failed")
+        return True
 
     def _judge(self, returncode: int) -> int | None:
         """The daemon's exit code for this trainer exit, or None to restart it."""

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
+from trainer.checkpoint_manifest import first_nonfinite, write_manifest
 from trainer.config import KEYS
 from trainer.config.run_files import CHECKPOINTS_DIR, LATEST_CHECKPOINT_FILE
 from trainer.errors import UserError
@@ -44,6 +45,23 @@ class CheckpointWriteError(CheckpointError):
 
 class FinalCheckpointError(CheckpointError):
     """The run's last checkpoint could not be written; the message says what was written instead."""
+
+
+class NonFiniteCheckpointError(CheckpointError):
+    """A checkpoint refused before a byte of it was written: a tensor holds a NaN or an infinity (the run has
+    diverged), and resuming from it would only repeat the divergence. The checkpoints on disk are left as they
+    were."""
+
+
+def refuse_nonfinite(step: int, named: dict[str, Any]) -> None:
+    """NonFiniteCheckpointError naming the first tensor of `named` (role -> state dict, or the trainer state)
+    that is not finite."""
+    name = first_nonfinite(named)
+    if name is not None:
+        raise NonFiniteCheckpointError(
+            f"the checkpoint of step {step} was not written: {name} holds NaN or infinity (the run has diverged); "
+            f"the checkpoints on disk are left as they were. Lower the learning rate "
+            f"({KEYS.actor_rollout_ref.actor.optim.lr}) or check the reward")
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -74,6 +92,7 @@ def save_checkpoint(root: Path, step: int, models: dict[str, torch.nn.Module], s
     """Write the models' weights and `state` (optimizers, RNG, data position...) for `step` into the checkpoint
     folder `root`; with `keep`, only the newest `keep` checkpoints stay."""
     root = Path(root)
+    refuse_nonfinite(step, {**{role: model.state_dict() for role, model in models.items()}, "trainer_state": state})
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"global_step_{step}"
     partial = root / f".global_step_{step}.partial-{os.getpid()}"
@@ -88,6 +107,7 @@ def save_checkpoint(root: Path, step: int, models: dict[str, torch.nn.Module], s
             (partial / role).mkdir()
             _save_model(model, partial / role)
         torch.save(state, partial / TRAINER_STATE)
+        write_manifest(partial)  # last: a checkpoint with a manifest is complete (trainer/checkpoint_manifest.py)
         _fsync_tree(partial)
     except (OSError, RuntimeError) as error:
         # torch.save reports a full disk as a RuntimeError of its zip writer, not as an OSError.
@@ -428,6 +448,10 @@ def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch
     from torch.distributed import checkpoint as dcp
 
     root = Path(root)
+    local = {role: model.state_dict() for role, (model, _) in models.items()}
+    problems = [problem for problem in ranks.gather_objects(_nonfinite_problem(step, local, state)) if problem]
+    if problems:
+        raise NonFiniteCheckpointError(problems[0])
     final = root / f"global_step_{step}"
     partial = root / ranks.broadcast_from_main(f".global_step_{step}.partial-{os.getpid()}")
     failure = shortage = None
@@ -454,6 +478,7 @@ def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch
                          checkpoint_id=partial / role / SHARDED)
             if ranks.is_main:
                 torch.save(state, partial / TRAINER_STATE)
+                write_manifest(partial)  # dcp.save returns on every rank once all shards are written
                 _fsync_tree(partial)
         except (OSError, RuntimeError) as error:  # DCP raises a CheckpointException (a RuntimeError) on every rank
             failure = _one_line(error)
@@ -470,6 +495,15 @@ def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch
                 shutil.rmtree(old, ignore_errors=True)
     ranks.barrier()  # no rank goes on (and may be killed) before the checkpoint is in place
     return final
+
+
+def _nonfinite_problem(step: int, local: dict[str, Any], state: dict[str, Any]) -> str | None:
+    """This rank's refusal of non-finite shards (every rank checks its own and all agree on the first one)."""
+    try:
+        refuse_nonfinite(step, {**local, "trainer_state": state})
+    except NonFiniteCheckpointError as error:
+        return str(error)
+    return None
 
 
 def load_sharded_into_sharded(path: Path, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:

@@ -21,7 +21,6 @@ from trainer.checkpoint import (
     CheckpointWriteError,
     FinalCheckpointError,
     is_sharded_checkpoint,
-    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_sharded_into_sharded,
@@ -34,13 +33,14 @@ from trainer.checkpoint import (
     save_sharded_checkpoint,
     save_weights,
 )
+from trainer.checkpoint_manifest import verify_checkpoint
 from trainer.config import KEYS, RunConfig
 from trainer.config.messages import CheckpointMessage, UpMessage
 from trainer.data import PromptSampler
 from trainer.distributed.ranks import Ranks
 from trainer.errors import RunSetupError
 from trainer.metrics import MetricsLog
-from trainer.randomness import restore_rank_streams, rng_state
+from trainer.randomness import restore_rank_streams, rng_state, set_rng_state
 
 
 class Checkpointer:
@@ -63,6 +63,7 @@ class Checkpointer:
         self.failures = 0  # saves that failed since the last step's metrics (checkpoint/failures)
         self._failing = False  # the latest save failed (checkpoint/failing)
         self._seconds = 0.0  # spent saving since the last step's metrics (timing_s/save_checkpoint)
+        self._step_start: tuple[dict[str, Any], dict[str, Any]] | None = None  # the sampler's and RNG's states
 
     # ---------------------------------------------------------------------------------------- saving
 
@@ -147,6 +148,20 @@ class Checkpointer:
         self.failures, self._seconds = 0, 0.0
         return metrics
 
+    def mark_step_start(self) -> None:
+        """Remember what a step changes before its updates (the prompt sampler's position, the random streams), so
+        that a step abandoned before them (a stop during a stuck reward call) can be undone: `rewind_step`."""
+        self._step_start = (self.sampler.state_dict(), rng_state())
+
+    def rewind_step(self, why: str) -> None:
+        """Undo the abandoned step's draws: the checkpoint then saved is the last completed step's, as if the step
+        had never started (its weights were not updated yet)."""
+        assert self._step_start is not None, "mark_step_start() was not called"
+        sampler, rng = self._step_start
+        self.sampler.load_state_dict(sampler)
+        set_rng_state(rng)
+        self.log(f"{why}: the step is abandoned; the last completed step is checkpointed")
+
     # -------------------------------------------------------------------------------------- resuming
 
     def resume(self) -> int:
@@ -163,8 +178,10 @@ class Checkpointer:
             path = None
         elif mode == "resume_path":
             path = Path(self.config.trainer.resume_from_path)
+            self._verified(path)
         else:
-            path = latest_checkpoint(self.directory)
+            # One rank reads the shared folder's checksums; every rank loads what it chose.
+            path = self.ranks.broadcast_from_main(self._newest_verified() if self.ranks.is_main else None)
         if path is None:
             if self.ranks.is_main:
                 self.metrics_log.truncate_after(-1)  # a fresh start: not even a step 0 (validation) line stays
@@ -172,6 +189,43 @@ class Checkpointer:
         step = self._restore(path)
         self.saved_at = step
         return step
+
+    def _verified(self, path: Path) -> None:
+        """The checkpoint the user named (trainer.resume_from_path), refused when its manifest says it is damaged:
+        resume_path means that one, so there is nothing to fall back to."""
+        verdict = verify_checkpoint(path) if path.is_dir() else None
+        if verdict is not None and not verdict.ok:
+            raise CheckpointError(f"cannot resume from {path}: {verdict.problem}; name another checkpoint in "
+                                  f"{KEYS.trainer.resume_from_path}")
+        if verdict is not None and not verdict.has_manifest:
+            self.log(f"note: {path} predates checkpoint manifests: loaded without verifying its files")
+
+    def _newest_verified(self) -> Path | None:
+        """The newest checkpoint whose files are those its manifest lists (one without a manifest, written before
+        checkpoints carried one, loads as before, with a note); a damaged newer one is one WARNING naming the
+        damaged file and the step resumed from instead. None: a fresh start (no checkpoint, or none verifies: a
+        WARNING says so)."""
+        checkpoints = list_checkpoints(self.directory)
+        damaged: list[tuple[int, str]] = []
+        for step, path in reversed(checkpoints):
+            verdict = verify_checkpoint(path)
+            if not verdict.ok:
+                damaged.append((step, verdict.problem or ""))
+                continue
+            if not verdict.has_manifest:
+                self.log(f"note: {path} predates checkpoint manifests: loaded without verifying its files")
+            if damaged:
+                self.warn(f"the checkpoint of step {damaged[0][0]} is damaged ({damaged[0][1]}); resuming from the "
+                          f"newest one that verifies, step {step}"
+                          + (f" (also damaged: steps {', '.join(str(s) for s, _ in damaged[1:])})"
+                             if len(damaged) > 1 else ""))
+            return path
+        if damaged:
+            # Step 0 is the one state every run can rebuild (from trainer.seed): the run starts again from there, and
+            # its saves replace the damaged checkpoints step by step.
+            self.warn(f"every checkpoint in {self.directory} is damaged (the newest, step {damaged[0][0]}: "
+                      f"{damaged[0][1]}); starting again from step 0")
+        return None
 
     def _restore(self, path: Path) -> int:
         models = self.models

@@ -28,6 +28,7 @@ from trainer.data import PromptRecord, PromptSampler
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks, resolve_device
 from trainer.distributed.run_wide import RunWide
+from trainer.divergence import DivergenceWatch
 from trainer.errors import RunSetupError
 from trainer.generation import Generation, GreedyBaseline
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
@@ -38,6 +39,7 @@ from trainer.offload.copies import CopyLog
 from trainer.offload.dynamic import MemoryProbe
 from trainer.randomness import seed_everything
 from trainer.reporting import StepObserver
+from trainer.rewards.time_limit import StepInterrupted
 from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.hf_rollout import HFRollout
 from trainer.scoring import Scoring
@@ -108,7 +110,8 @@ class Trainer:
             config, self.generation, self.models.reward, self.staging, synchronize=self._synchronize,
             safe_point=self._rollout_safe_point if self.memory.moves_layers else None, warn=warn,
         ) if config.algorithm.adv_estimator == "remax" else None
-        self.score = Scoring(config, self.models.reward, self.tokenizer, self.ranks, step=lambda: self.step, log=log)
+        self.score = Scoring(config, self.models.reward, self.tokenizer, self.ranks, step=lambda: self.step, log=log,
+                             stopping=self.control.stop_requested.is_set)
         kl = config.algorithm.kl_ctrl
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.advantages = AdvantagePhase(config, self.run_wide, self.ranks, self.kl_controller)
@@ -120,6 +123,7 @@ class Trainer:
         self.validator = Validator(config, self.val_records, self.generation, self.models.reward,
                                    publish_updates=self.staging.publish_updates, log=log, observers=self.observers,
                                    step=lambda: self.step)
+        self.divergence = DivergenceWatch(config.trainer.max_nonfinite_steps, warn=warn)
         self.peak_flops = device_peak_flops(self.device)  # None: no MFU figures (a CPU, an unknown GPU)
         self._resumed = False
         self._summary_sent = False
@@ -149,8 +153,13 @@ class Trainer:
             if self.step >= self.total_steps or self.control.stopping():
                 break
             self.memory.safe_point()
+            self.checkpointer.mark_step_start()
             records = [self.records[index] for index in self.run_wide.share_of(self.sampler.next_batch())]
-            local = self.train_step(records)
+            try:
+                local = self.train_step(records)
+            except StepInterrupted as interrupted:  # a stop while the user's reward function was stuck
+                self.checkpointer.rewind_step(str(interrupted))
+                break
             self.step += 1
             local["training/global_step"] = self.step
             if self.validator.due(self.step, self.total_steps):
@@ -175,6 +184,8 @@ class Trainer:
 
     def save(self, *, final: bool = False) -> Path | None:
         """Checkpoint this step (checkpointer.py: a save the disk refuses warns; a final one raises)."""
+        if not self.divergence.allows_save(self.step):
+            return None
         self.control.phase_started("save_checkpoint")
         return self.checkpointer.save(self.step, final=final)
 
@@ -182,13 +193,9 @@ class Trainer:
         """metrics.jsonl, the daemon and every observer (the console) get the step's metrics: rank 0 the run-wide
         `metrics`; another rank sends its `local` figures to the daemon and its own log, and writes no
         metrics.jsonl."""
+        run_wide = metrics  # every rank judges divergence on the same figures
         if not self.ranks.is_main:
             metrics = metrics if local is None else local
-        for key, value in metrics.items():
-            if key.endswith("skipped_steps") and value > 0:
-                self.warn(f"STEP {self.step}: {key.split('/')[0]} skipped its optimizer update on a non-finite "
-                          f"gradient norm ({key} {value:g}); its weights did not change. Lower the learning rate "
-                          "or check the data and the reward if it goes on")
         if self.ranks.is_main:
             self.metrics_log.append(self.step, metrics)
         self.control.send(StepMessage(step=self.step, metrics=metrics))
@@ -201,6 +208,7 @@ class Trainer:
             self._copy_latency_mean_s = report.copy_latency_mean_s  # what the next step's RankReport carries
         for observer in self.observers:
             observer.on_step(self.step, metrics)
+        self.divergence.observe(self.step, run_wide)  # after the step's line: it shows what was not finite
 
     # ------------------------------------------------------------------------------------ the step
 

@@ -153,6 +153,9 @@ def _train(config, ranks) -> int:
         return _report_user_error(error, reporter, telemetry, log_path=log_path, prints=ranks.is_main)
     except torch.OutOfMemoryError as error:  # the trainer's own recovery (offload more, split) did not suffice
         return _report_out_of_memory(error, reporter, telemetry)
+    except Exception as error:  # a crash: its traceback into the run's log, where the user and the daemon look
+        _log_crash(error, reporter, telemetry)
+        raise
     finally:
         if restore_signal_handlers is not None:  # the interpreter's last reference to the trainer
             restore_signal_handlers()
@@ -176,6 +179,20 @@ def _log_forwarder(telemetry):
     from trainer.config.messages import LogMessage
 
     return lambda level, message: telemetry.send(LogMessage(level=level, message=message))
+
+
+def _log_crash(error: BaseException, reporter, telemetry) -> None:
+    """A crash's traceback in the run's log (the terminal gets it from the interpreter as the exception goes on up),
+    and its final line in the daemon's stream: the daemon puts it in its "exited with code N" line and /v1/status."""
+    import traceback
+
+    final = traceback.format_exception_only(type(error), error)[-1].strip()
+    if reporter is not None:
+        reporter.logger.error("the trainer crashed: %s\n%s", final, "".join(traceback.format_exception(error)).rstrip())
+    if telemetry is not None:
+        from trainer.config.messages import LogMessage
+
+        telemetry.send(LogMessage(level="error", message=f"the trainer crashed: {final}"))
 
 
 def _report_out_of_memory(error: BaseException, reporter, telemetry) -> int:

@@ -20,8 +20,10 @@ from trainer.rollout.batch import RolloutBatch
 
 
 def reduce_metrics(metrics: Mapping[str, list[float]]) -> dict[str, float]:
-    """Mean of each metric's micro-batch values."""
-    return {key: sum(values) / len(values) for key, values in metrics.items() if values}
+    """Mean of each metric's micro-batch values; a count (`skipped_steps`: one value per optimizer update, 1 for
+    each skipped) is summed."""
+    return {key: (sum(values) if key.endswith("skipped_steps") else sum(values) / len(values))
+            for key, values in metrics.items() if values}
 
 
 def _summary(name: str, values: torch.Tensor) -> dict[str, float]:
@@ -308,8 +310,10 @@ def rank_reduction(key: str) -> str:
     """How `key` combines over the ranks: "sum" (counts, tokens, every process's memory), "max" (a maximum,
     a rank's device memory, the host's memory in use, the step's timings: the step waits for the slowest rank),
     "min", or "mean" (weighted by each rank's sequences, or tokens for the token-level summaries)."""
-    if key in _SUMMED or key.endswith("skipped_steps"):
+    if key in _SUMMED:
         return "sum"
+    if key.endswith("skipped_steps"):  # the ranks step one optimizer together: each counts the same updates
+        return "max"
     if key.startswith("rollout_corr/") and key.endswith(("_max", "_min")):  # verl's names of rollout correction's
         return key[-3:]
     if (key.endswith("/max") or key.startswith(("timing_s/", "perf/max_memory_")) or key in (

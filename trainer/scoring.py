@@ -10,6 +10,7 @@ from trainer.config import KEYS, RunConfig
 from trainer.distributed.ranks import Ranks
 from trainer.dumps import decode_texts, generation_lines, write_generations
 from trainer.rewards.manager import place_on_last_token
+from trainer.rewards.time_limit import bind_stop
 from trainer.rollout.batch import RolloutBatch
 
 
@@ -17,9 +18,11 @@ class Scoring:
     """Called with a batch: its token_level_scores set, the phase's metrics returned."""
 
     def __init__(self, config: RunConfig, reward: Any, tokenizer: Any, ranks: Ranks, *, step: Callable[[], int],
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, stopping: Callable[[], bool] | None = None):
         self.rollout_data_dir = config.trainer.rollout_data_dir
         self.reward, self.tokenizer, self.ranks, self.step, self.log = reward, tokenizer, ranks, step, log
+        if stopping is not None and not ranks.distributed:  # one rank: the step can be abandoned alone
+            bind_stop(reward, stopping)  # a stop while the user's function is stuck abandons the step
 
     def __call__(self, batch: RolloutBatch) -> dict[str, float]:
         """Each response's reward on its last token (batch.token_level_scores); the responses scored 0 on an error

@@ -15,6 +15,7 @@ Environment:
   FAKE_CRASH_FILE    also crash (SIGKILL) as soon as this file exists; the file is removed first
   FAKE_IGNORE_STOP   "1": ignore SIGTERM and the IPC stop (the daemon must kill it)
   FAKE_CRASH_RANK    crash (FAKE_CRASH, FAKE_CRASH_FILE) only as this rank
+  FAKE_LOG           with FAKE_CRASH "raise:MESSAGE": the log a traceback ending in RuntimeError: MESSAGE goes to
 
 As a rank of a group (trainer/distributed/launch.py runs it with `-- fake_trainer.py`; RANK set), each event
 also names the rank; every rank steps in time with the others (they share the progress file, as ranks share
@@ -68,6 +69,12 @@ def crash(how: str) -> None:
     record("crash", how=how)
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if how.startswith("raise:"):  # as the real trainer logs a crash: an ERROR line, then the traceback
+        with open(os.environ["FAKE_LOG"], "a", encoding="utf-8") as log:
+            log.write(f"2026-01-01 00:00:00 ERROR the trainer crashed: RuntimeError: {how[6:]}\n"
+                      "Traceback (most recent call last):\n  File \"loop.py\", line 1, in fit\n"
+                      f"RuntimeError: {how[6:]}\n")
+        os._exit(1)
     os._exit(int(how.split(":")[1]))
 
 

@@ -615,8 +615,8 @@ def test_an_update_skipped_on_a_non_finite_gradient_norm_is_a_loud_line_and_leav
     after = dict(trainer.actor.model.named_parameters())
     assert all(torch.equal(before[name], after[name].detach()) for name in before)
     rows = trainer.metrics_log.read()
-    assert [row["actor/skipped_steps"] for row in rows] == [1.0, 1.0]
-    skipped = [line for line in warnings if "actor skipped its optimizer update on a non-finite gradient norm" in line]
+    assert [row["actor/skipped_steps"] for row in rows] == [2.0, 2.0]  # two mini-batches: two updates a step
+    skipped = [line for line in warnings if "actor skipped 2 optimizer update(s) on a non-finite gradient norm" in line]
     assert [line.split(":")[0] for line in skipped] == ["STEP 1", "STEP 2"]
 
 

@@ -373,6 +373,9 @@ class Restarts(Message):
     """daemon.max_restarts."""
     by_reason: dict[str, int]
     """crash, signal, oom, ... -> count."""
+    last_failure: str | None = None
+    """Why the latest trainer failed: the final line of its last traceback or ERROR line, where it hung, or what
+    killed it (null: none failed)."""
 
 
 class SettingsState(Message):

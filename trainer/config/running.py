@@ -47,6 +47,8 @@ class TrainerConfig(Section):
     """A folder each validation writes all its responses to, as <step>.jsonl (input, output, gts, score, step)."""
     rollout_data_dir: str | None = None
     """A folder each step writes its responses to, every rank's, as <step>.jsonl (as validation_data_dir's)."""
+    max_nonfinite_steps: int | None = Field(3, ge=1)
+    """Steps in a row whose loss, gradient norm or reward is NaN or infinite that end the run (null: never)."""
     critic_warmup: int = Field(0, ge=0)
     """Steps at the start of a run that update the critic only; the actor's updates start after them."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"

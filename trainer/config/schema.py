@@ -415,6 +415,9 @@ class RewardModelConfig(Section):
     """verl's rule-based reward manager: naive, dapo (overlong penalty), prime or remote (in processes) or batch."""
     reward_kwargs: RewardKwargs = RewardKwargs()
     """Arguments of the reward manager (verl's scripts give them as +reward_model.reward_kwargs.*)."""
+    reward_timeout_s: float | None = Field(300.0, gt=0)
+    """Seconds each call of custom_reward_function may take before the run stops (exit 2); null: no limit, called on
+    the main thread."""
 
 
 class CustomRewardFunction(Section):

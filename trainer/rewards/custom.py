@@ -16,6 +16,7 @@ from typing import Any
 from trainer.config import KEYS
 from trainer.errors import UserError
 from trainer.rewards.scorers import default_compute_score
+from trainer.rewards.time_limit import RewardTimeoutError, StepInterrupted, call_with_time_limit
 
 ComputeScore = Callable[..., Any]
 
@@ -86,17 +87,20 @@ def as_float_score(value: Any) -> float:
         raise CustomRewardError(f"the reward function returned {type(value).__name__}; "
                                 "return a float or a dict with a 'score' key")
     score = float(value)
-    if math.isnan(score):
-        raise CustomRewardError("the reward function returned nan; a nan reward would spoil every update")
+    if not math.isfinite(score):
+        raise CustomRewardError(f"the reward function returned {score}; a reward that is not finite would spoil "
+                                "every update")
     return score
 
 
-def resolve_compute_score(path: str | None, name: str, keywords: dict[str, Any] | None = None) -> Callable[..., Any]:
+def resolve_compute_score(path: str | None, name: str, keywords: dict[str, Any] | None = None,
+                          timeout_s: float | None = None) -> Callable[..., Any]:
     """The run's scorer: the custom function when ``path`` is set (called with `keywords` too:
-    custom_reward_function.reward_kwargs), else the built-in ones (which take no keywords, as in verl)."""
+    custom_reward_function.reward_kwargs, each call within `timeout_s`: reward_model.reward_timeout_s), else the
+    built-in ones (which take no keywords, as in verl)."""
     if path is None:
         return default_compute_score
-    return CustomScore(path, name, keywords)
+    return CustomScore(path, name, keywords, timeout_s)
 
 
 class CustomScore:
@@ -108,20 +112,28 @@ class CustomScore:
 
     Pickled as its path, name and keywords, so that a worker process (the prime manager's) loads the file itself."""
 
-    def __init__(self, path: str, name: str, keywords: dict[str, Any] | None = None):
+    def __init__(self, path: str, name: str, keywords: dict[str, Any] | None = None, timeout_s: float | None = None):
         self.path, self.name = path, name
         self.keywords = dict(keywords or {})
+        self.timeout_s = timeout_s  # reward_model.reward_timeout_s: each call's limit (trainer/rewards/time_limit.py)
+        self.stopping: Callable[[], bool] | None = None  # the trainer's stop request, watched while a call runs
         self.function = load_custom_score(path, name)  # loaded now: a missing file or name fails before training
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any,
                  extra_info: dict[str, Any] | None = None) -> Any:
         try:
-            return self.function(data_source, solution_str, ground_truth, extra_info, **self.keywords)
+            return call_with_time_limit(
+                self.function, (data_source, solution_str, ground_truth, extra_info), self.keywords,
+                limit_s=self.timeout_s, stopping=self.stopping,
+                what=lambda: f"{KEYS.custom_reward_function} {self.name!r} ({self.path}) scoring a response of "
+                             f"data_source {data_source!r}")
+        except (RewardTimeoutError, StepInterrupted):
+            raise
         except Exception as error:  # the user's code: anything it raises is theirs to fix
             raise RewardFunctionError.from_exception(error, self.path, self.name, data_source) from error
 
-    def __reduce__(self) -> tuple[type[CustomScore], tuple[str, str, dict[str, Any]]]:
-        return CustomScore, (self.path, self.name, self.keywords)
+    def __reduce__(self) -> tuple[type[CustomScore], tuple[str, str, dict[str, Any], float | None]]:
+        return CustomScore, (self.path, self.name, self.keywords, self.timeout_s)
 
 
 def score_in_worker(compute_score: Callable[..., Any], data_source: str, solution_str: str, ground_truth: Any,

@@ -39,6 +39,7 @@ from trainer.rewards.custom import (
     worker_ready,
 )
 from trainer.rewards.manager import RewardFunction, RewardScores, RuleReward, ScoreFunction, decode_responses
+from trainer.rewards.time_limit import RewardTimeoutError, StepInterrupted, call_with_time_limit
 from trainer.rollout.batch import RolloutBatch
 
 Warn = Callable[[str], None]
@@ -199,9 +200,11 @@ class BatchReward:
     or (custom_reward_function.on_error: zero) scores the batch 0, every response counted (reward/errors)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, function: Callable[..., Any], keywords: dict[str, Any], *,
-                 path: str, name: str, on_error: str = "raise", warn: Warn = print):
+                 path: str, name: str, on_error: str = "raise", warn: Warn = print, timeout_s: float | None = None):
         self.tokenizer = tokenizer
         self.function = function
+        self.timeout_s = timeout_s  # reward_model.reward_timeout_s
+        self.stopping: Callable[[], bool] | None = None  # the trainer's stop request, watched while the call runs
         self.keywords = keywords
         self.path, self.name = path, name
         self.on_error = on_error
@@ -214,11 +217,17 @@ class BatchReward:
     def score(self, batch: RolloutBatch) -> RewardScores:
         records = batch.records
         device = batch.response_ids.device
+        arguments = {"data_sources": [record.data_source for record in records],
+                     "solution_strs": decode_responses(batch, self.tokenizer),
+                     "ground_truths": [record.ground_truth for record in records],
+                     "extra_infos": [record.extra_info for record in records], **self.keywords}
         try:
-            results = self.function(data_sources=[record.data_source for record in records],
-                                    solution_strs=decode_responses(batch, self.tokenizer),
-                                    ground_truths=[record.ground_truth for record in records],
-                                    extra_infos=[record.extra_info for record in records], **self.keywords)
+            results = call_with_time_limit(
+                self.function, (), arguments, limit_s=self.timeout_s, stopping=self.stopping,
+                what=lambda: f"{KEYS.custom_reward_function} {self.name!r} ({self.path}) scoring a batch of "
+                             f"{len(records)} responses (data_source {records[0].data_source!r})")
+        except (RewardTimeoutError, StepInterrupted):
+            raise
         except Exception as error:  # the user's code: anything it raises is theirs to fix
             failure = RewardFunctionError.from_exception(error, self.path, self.name, "",
                                                          scoring=f"a batch of {len(records)} responses")
@@ -253,7 +262,8 @@ def build_rule_reward(config: RunConfig, tokenizer: PreTrainedTokenizerBase, *, 
 def _scorer(config: RunConfig) -> ScoreFunction:
     """The run's function (custom_reward_function, with its reward_kwargs), or the built-in scorers."""
     function = config.custom_reward_function
-    return resolve_compute_score(function.path, function.name, function.reward_kwargs)
+    return resolve_compute_score(function.path, function.name, function.reward_kwargs,
+                                 config.reward_model.reward_timeout_s)
 
 
 def _naive(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
@@ -280,7 +290,8 @@ def _batch(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) ->
     # verl calls the function with custom_reward_function's reward_kwargs and then all the manager's
     keywords = {**function.reward_kwargs, **config.reward_model.reward_kwargs.given()}
     return BatchReward(tokenizer, load_custom_score(function.path, function.name), keywords, path=function.path,
-                       name=function.name, on_error=function.on_error, warn=warn)
+                       name=function.name, on_error=function.on_error, warn=warn,
+                       timeout_s=config.reward_model.reward_timeout_s)
 
 
 REWARD_MANAGERS: dict[str, Callable[[RunConfig, PreTrainedTokenizerBase, Warn], RewardFunction]] = {

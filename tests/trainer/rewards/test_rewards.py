@@ -194,7 +194,8 @@ def test_as_float_score_accepts_numbers_and_score_dicts(value, expected):
     (None, "the reward function returned NoneType; return a float or a dict with a 'score' key"),
     ({"acc": 1.0}, "the reward function returned a dict without a 'score' key (keys: acc)"),
     ({"score": [1.0]}, "the reward function returned list; return a float or a dict with a 'score' key"),
-    (float("nan"), "the reward function returned nan; a nan reward would spoil every update"),
+    (float("nan"), "the reward function returned nan; a reward that is not finite would spoil every update"),
+    (float("-inf"), "the reward function returned -inf; a reward that is not finite would spoil every update"),
 ])
 def test_as_float_score_rejects_the_rest(value, message):
     with pytest.raises(CustomRewardError) as caught:

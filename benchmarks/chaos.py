@@ -1,0 +1,198 @@
+"""The chaos soak (issue 41, item 6): `python benchmarks/soak.py --chaos --steps N [--out FILE]`.
+
+A real `verl train` of the soak's shrunk quickstart runs N steps on the CPU while faults are injected at random
+times (one every `--mean-interval` seconds on average, exponentially spaced, from `--seed`):
+
+- kill:   SIGKILL of the trainer (the daemon restarts it; it resumes from its latest checkpoint);
+- stop:   SIGSTOP of the trainer (the hang watchdog, daemon.hang_timeout_s, kills and restarts it);
+- damage: the latest checkpoint's actor weights overwritten in place with NaN bytes of the same length, then
+          SIGKILL (the resume must catch the damage and fall back to the checkpoint before);
+- burst:  `--burst` concurrent API clients (GET /v1/status, /metrics) at once; none may get a 5xx.
+
+A full disk (a small tmpfs) is injected only where mounting is allowed (`--tmpfs`, as root); otherwise the report
+says it was not. Afterwards the same run goes again without faults, with the same seed: the metrics that do not
+measure the machine (metrics.jsonl without timing_s/, timing_per_token_ms/, perf/, checkpoint/) and the final
+weights must be equal to the bit. The report says how long it ran, what it injected and what it recovered from.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import struct
+import subprocess
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+MACHINE_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/", "checkpoint/")
+FAULTS = ("kill", "stop", "damage", "burst")
+RECOVERY_TIMEOUT_S = 600.0
+
+
+def chaos_overrides(steps: int, save_freq: int, hang_timeout_s: float) -> list[str]:
+    return [f"trainer.total_training_steps={steps}", f"trainer.save_freq={save_freq}", "trainer.max_ckpt_to_keep=3",
+            "daemon.max_restarts=100000", "daemon.restart_backoff_s=0.5", "daemon.restart_backoff_max_s=2",
+            f"daemon.hang_timeout_s={hang_timeout_s}"]
+
+
+class Api:
+    def __init__(self, url: str, token: str):
+        import httpx
+
+        self.client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            response = self.client.get("/v1/status")
+            return response.json() if response.status_code == 200 else None
+        except Exception:  # the daemon is exiting: no status
+            return None
+
+    def burst(self, clients: int) -> Counter[int]:
+        """`clients` requests at once (status and /metrics alternately): the count of each HTTP status."""
+        def one(index: int) -> int:
+            try:
+                return self.client.get("/v1/status" if index % 2 else "/metrics").status_code
+            except Exception:
+                return 0
+        with ThreadPoolExecutor(max_workers=clients) as pool:
+            return Counter(pool.map(one, range(clients)))
+
+
+def damage_latest(checkpoints: Path) -> str | None:
+    """The latest checkpoint's actor weights with their last 4 bytes a float32 NaN, the size unchanged."""
+    steps = sorted((int(path.name.rsplit("_", 1)[1]), path) for path in checkpoints.glob("global_step_*"))
+    if not steps:
+        return None
+    weights = steps[-1][1] / "actor" / "model.safetensors"
+    try:
+        with open(weights, "r+b") as file:
+            file.seek(-4, 2)
+            file.write(struct.pack("<f", float("nan")))
+    except OSError:
+        return None
+    return str(weights)
+
+
+def wait_for_progress(api: Api, after_step: int, process: subprocess.Popen[bytes]) -> float | None:
+    """Seconds until the run reports a step past `after_step` (or finishes); None if it never does."""
+    start = time.monotonic()
+    while time.monotonic() - start < RECOVERY_TIMEOUT_S:
+        if process.poll() is not None:
+            return time.monotonic() - start if process.returncode == 0 else None
+        status = api.status()
+        if status is not None and status["progress"]["step"] > after_step:
+            return time.monotonic() - start
+        time.sleep(0.5)
+    return None
+
+
+def inject(fault: str, api: Api, process: subprocess.Popen[bytes], state: Path, checkpoints: Path,
+           burst: int) -> dict[str, Any]:
+    from benchmarks.soak import trainer_pid
+
+    status = api.status() or {"progress": {"step": -1}}
+    step = status["progress"]["step"]
+    event: dict[str, Any] = {"fault": fault, "at_step": step, "time": time.time()}
+    pid = trainer_pid(state, process.pid)
+    if fault == "burst":
+        codes = api.burst(burst)
+        event.update(codes={str(code): count for code, count in codes.items()},
+                     recovered=all(200 <= code < 500 for code in codes))
+        return event
+    if pid is None:
+        event.update(skipped="no trainer running")
+        return event
+    if fault == "damage":
+        event["damaged"] = damage_latest(checkpoints)
+    import os
+
+    os.kill(pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+    seconds = wait_for_progress(api, step, process)
+    event.update(recovered=seconds is not None, recovery_s=seconds)
+    return event
+
+
+def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, mean_interval_s: float, seed: int,
+              burst: int, log=print) -> dict[str, Any]:
+    """The faulted run, then the same run untouched; the comparison and what happened."""
+    from benchmarks.soak import SoakError, start_run
+
+    randomness = random.Random(seed)
+    overrides = chaos_overrides(steps, save_freq, hang_timeout_s)
+    started = time.monotonic()
+    chaos_dir = work / "chaos"
+    chaos_dir.mkdir(parents=True, exist_ok=True)
+    process, info, _ = start_run(chaos_dir, [*overrides, "trainer.experiment_name=chaos"])
+    api = Api(info["url"], info["token"])
+    checkpoints = chaos_dir / "runs" / "chaos" / "checkpoints"
+    events: list[dict[str, Any]] = []
+    stop = threading.Event()
+    while process.poll() is None and not stop.is_set():
+        deadline = time.monotonic() + randomness.expovariate(1.0 / mean_interval_s)
+        while time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.2)
+        if process.poll() is not None:
+            break
+        fault = randomness.choice(FAULTS)
+        event = inject(fault, api, process, chaos_dir / "state", checkpoints, burst)
+        log(f"  {fault} at step {event['at_step']}: "
+            + ("recovered" if event.get("recovered") else f"NOT recovered ({event})"))
+        events.append(event)
+    process.wait()
+    chaos_s = time.monotonic() - started
+    reference_dir = work / "reference"
+    reference_dir.mkdir(parents=True, exist_ok=True)
+    reference, _, _ = start_run(reference_dir, [*overrides, "trainer.experiment_name=chaos"])
+    reference.wait()
+    if process.returncode != 0 or reference.returncode != 0:
+        raise SoakError(f"the faulted run exited {process.returncode}, the reference {reference.returncode}; see "
+                        f"{chaos_dir / 'verl.out'} and {reference_dir / 'verl.out'}")
+    comparison = compare(chaos_dir / "runs" / "chaos", reference_dir / "runs" / "chaos", steps)
+    return {"steps": steps, "seed": seed, "chaos_run_s": chaos_s, "total_s": time.monotonic() - started,
+            "injected": dict(Counter(event["fault"] for event in events)),
+            "recovered": dict(Counter(event["fault"] for event in events if event.get("recovered"))),
+            "full_disk": "not injected: needs a tmpfs mount (root)", "events": events, **comparison}
+
+
+def computed(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{key: value for key, value in row.items() if not key.startswith(MACHINE_METRICS)} for row in rows]
+
+
+def compare(chaos: Path, reference: Path, steps: int) -> dict[str, Any]:
+    """Whether the faulted run's metrics and final weights equal the reference's, to the bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    ours, theirs = computed(chaos), computed(reference)
+    differing = [row["step"] for row, other in zip(ours, theirs, strict=False) if row != other]
+    weights_equal = True
+    for role in ("actor", "critic"):
+        mine = chaos / "checkpoints" / f"global_step_{steps}" / role / "model.safetensors"
+        other = reference / "checkpoints" / f"global_step_{steps}" / role / "model.safetensors"
+        if not mine.is_file() and not other.is_file():
+            continue
+        first, second = load_file(str(mine)), load_file(str(other))
+        weights_equal &= first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    return {"metrics_rows": [len(ours), len(theirs)], "metrics_equal": ours == theirs,
+            "metrics_differing_steps": differing[:20], "weights_equal": weights_equal}
+
+
+def chaos_report(result: dict[str, Any]) -> str:
+    injected = ", ".join(f"{fault} {count}" for fault, count in result["injected"].items()) or "nothing"
+    recovered = ", ".join(f"{fault} {count}" for fault, count in result["recovered"].items()) or "nothing"
+    return "\n".join([
+        f"chaos soak: {result['steps']} steps, seed {result['seed']}; the faulted run took "
+        f"{result['chaos_run_s'] / 60:.1f} min, {result['total_s'] / 60:.1f} min with the reference run",
+        f"injected: {injected}; recovered: {recovered}; full disk: {result['full_disk']}",
+        f"metrics equal to the uninterrupted run's: {result['metrics_equal']} (rows {result['metrics_rows']}"
+        + (f", first differing steps {result['metrics_differing_steps']}" if result["metrics_differing_steps"]
+           else "") + ")",
+        f"final weights equal to the bit: {result['weights_equal']}",
+    ])
