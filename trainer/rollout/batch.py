@@ -55,7 +55,7 @@ class RolloutBatch:
     rollout_is_weights: torch.Tensor | None = None
     """[B, R] rollout correction's truncated importance weights pi_old / pi_rollout (detached; 0 at padding)."""
     rollout_rs_mask: torch.Tensor | None = None
-    """[B, R] response_mask less the tokens rollout correction's rejection left out of the actor's loss."""
+    """[B, R] response_mask less the tokens rollout correction's rejection left out of training (`training_mask`)."""
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -76,9 +76,11 @@ class RolloutBatch:
         return (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
     @property
-    def actor_loss_mask(self) -> torch.Tensor:
-        """[B, R] the response tokens the actor's loss reads: rollout_rs_mask where rejection ran, else response_mask
-        (the forwards read response_mask: a rejected token is still attended to)."""
+    def training_mask(self) -> torch.Tensor:
+        """[B, R] the response tokens the advantages, the critic's and the actor's losses and the step's
+        advantage/return/value metrics read: rollout_rs_mask where rejection ran, else response_mask. verl's
+        rollout correction replaces its batch's response_mask so (rollout_corr_helper.py); the forwards here read
+        response_mask, as verl's read attention_mask: a rejected token is still attended to."""
         return self.response_mask if self.rollout_rs_mask is None else self.rollout_rs_mask
 
     @property
