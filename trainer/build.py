@@ -25,6 +25,7 @@ from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
 from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
+from trainer.models.vision import freeze_vision_tower
 from trainer.offload.copies import CopyLog
 from trainer.offload.groups import parameter_groups
 from trainer.rewards.manager import ModelReward, RewardFunction
@@ -162,6 +163,8 @@ class ModelBuilder:
         # With LoRA the adapter is in the model before the engine lays it out; peft's wrapper disables it for the
         # reference policy and saves it in the checkpoints.
         policy = self._policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing)
+        if actor_config.freeze_vision_tower:
+            freeze_vision_tower(policy, self.log)
         model, adapter = with_adapter(policy, LoraSettings.of(model_config, KEYS.actor_rollout_ref.model), role="actor",
                                       seed=config.trainer.seed)
         model = self._place(model, self._policy_placement(actor_config.fsdp_config), Role.ACTOR, split)

@@ -283,7 +283,6 @@ ALIASES: tuple[Alias, ...] = (
                  (True, False)),
     noted("*use_prefix_grouper", "verl's shared-prefix forward (a prompt computed once for its group's responses), "
                                  "a speed-up with no effect on the numbers: here each sequence runs its own forward"),
-    default_only("*freeze_vision_tower", "vision-language models are not built"),
     noted("*data_loader_seed", "no effect here: the order of sequences in mini-batches follows trainer.seed (and "
                                "actor.shuffle)"),
     noted("critic.shuffle", "no effect here: the critic's mini-batches follow the actor's order"),

@@ -173,6 +173,8 @@ class ActorConfig(Section):
     """Add a KL(actor || reference) term to the actor loss (GRPO style)."""
     kl_loss_coef: float = Field(0.001, ge=0.0)
     """Weight of the KL loss."""
+    freeze_vision_tower: bool = False
+    """A vision-language model's vision encoder is not trained (no effect on a text model: a NOTE says so)."""
     kl_loss_type: KLEstimator = "low_var_kl"
     """KL estimator of the KL loss (k1, k2, k3 are verl's names for kl, mse, low_var_kl)."""
     loss_agg_mode: LossAggregation = "token-mean"
