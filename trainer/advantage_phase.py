@@ -37,8 +37,9 @@ class AdvantagePhase:
 
     def correct_for_rollout(self, batch: RolloutBatch) -> dict[str, float]:
         """verl's decoupled rollout correction (algorithm.rollout_correction, bypass mode off): importance weights
-        pi_old / pi_rollout and the rejection mask (what the advantages, the critic and the actor train on), and the rollout_corr/ metrics, from the
-        rollout's log-probs (trainer/algorithms/rollout_correction.py). Nothing without them."""
+        pi_old / pi_rollout and the rejection mask (what the advantages, the critic and the actor train on), and the
+        rollout_corr/ metrics, from the rollout's log-probs (trainer/algorithms/rollout_correction.py). Nothing
+        without them."""
         correction = self.algorithm.rollout_correction
         if batch.rollout_log_probs is None or batch.old_log_probs is None or correction.bypass_mode:
             return {}

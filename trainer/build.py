@@ -15,8 +15,9 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.config import BUILTIN_PREFIX, KEYS, FSDPConfig, RunConfig
 from trainer.config.messages import Role
-from trainer.data import PromptRecord, load_records
+from trainer.data import PromptRecord
 from trainer.data.checks import check_prompts, drop_overlong_prompts
+from trainer.data.user_classes import read_records
 from trainer.distributed.layer_moves import ShardedLayers
 from trainer.distributed.ranks import Ranks, host_threads_per_rank
 from trainer.distributed.shard_copies import watch_shard_copies
@@ -64,7 +65,7 @@ def load_prompts(config: RunConfig, tokenizer: PreTrainedTokenizerBase, log: Log
     name = (f"{source}'s built-in {len(tokenizer)}-token tokenizer" if source.startswith(BUILTIN_PREFIX)
             else repr(source))
     files = ((KEYS.data.train_files, data.train_files), (KEYS.data.val_files, data.val_files))
-    records = {key: _filtered(config, key, load_records(paths, data.prompt_key, require_ground_truth=builtin_scoring),
+    records = {key: _filtered(config, key, read_records(config, paths, tokenizer, require_ground_truth=builtin_scoring),
                               tokenizer, log) if paths else []
                for key, paths in files}
     for files_key, loaded in records.items():

@@ -315,9 +315,6 @@ ALIASES: tuple[Alias, ...] = (
                            "messages and templates them itself"),
     default_only("data.image_*", "vision-language models are not built"),
     default_only("data.video_key", "vision-language models are not built"),
-    default_only("data.custom_cls.*", "a custom dataset class is not built (data files in verl's parquet layout or "
-                                      "JSONL)"),
-    default_only("data.sampler.*", "a custom sampler (curriculum) is not built"),
     default_only("data.datagen.*", "dynamic data generation is not built"),
     # balance_batch does nothing here, whichever way it is set: no batch crosses ranks to be balanced.
     default_only("trainer.balance_batch", "each data-parallel rank trains on the rollouts it sampled from its own "

@@ -478,6 +478,20 @@ class AlgorithmConfig(Section):
         return self.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
+class CustomDatasetClass(Section):
+    path: str | None = None
+    """A Python file (or pkg://module) with a dataset class of one's own; null: verl's parquet or JSONL files."""
+    name: str | None = None
+    """The class's name there: a torch Dataset built as cls(data_files=, tokenizer=, processor=, config=)."""
+
+
+class CustomSampler(Section):
+    class_path: str | None = None
+    """A Python file (or pkg://module) with a sampler of one's own (a curriculum among them); null: data.shuffle."""
+    class_name: str | None = None
+    """The sampler's class name there, built as cls(data_source=, data_config=); update(batch) after each step."""
+
+
 class DataConfig(Section):
     train_files: list[str] = ["builtin:counting"]
     """Training prompts: verl parquet or JSONL files, or builtin:counting."""
@@ -505,6 +519,10 @@ class DataConfig(Section):
     """verl's key; either value runs the same here: the rollout always applies the chat template to the messages."""
     apply_chat_template_kwargs: dict[str, Any] = {}
     """Keyword arguments to the tokenizer's chat template for every prompt (e.g. enable_thinking, reasoning_effort)."""
+    custom_cls: CustomDatasetClass = CustomDatasetClass()
+    """verl's dataset class of one's own (both keys, or neither)."""
+    sampler: CustomSampler = CustomSampler()
+    """verl's sampler of one's own, a curriculum among them (both keys, or neither)."""
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
