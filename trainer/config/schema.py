@@ -403,6 +403,15 @@ class RewardKwargs(Section):
                 if name not in RewardKwargs.model_fields or getattr(self, name) != getattr(default, name)}
 
 
+class SandboxFusionConfig(Section):
+    url: str | None = None
+    """A SandboxFusion service's /run_code URL: code data sources (codecontests, apps, ...) are scored there."""
+    max_concurrent: int = Field(64, ge=1)
+    """Most requests to the sandbox in flight at once."""
+    memory_limit_mb: int = Field(1024, ge=1)
+    """Memory limit of each program the sandbox runs, in MB."""
+
+
 class RewardModelConfig(Section):
     enable: bool = False
     """Score responses with a reward model instead of the rule-based scorers."""
@@ -414,6 +423,8 @@ class RewardModelConfig(Section):
     """verl's rule-based reward manager: naive, dapo (overlong penalty), prime or remote (in processes) or batch."""
     reward_kwargs: RewardKwargs = RewardKwargs()
     """Arguments of the reward manager (verl's scripts give them as +reward_model.reward_kwargs.*)."""
+    sandbox_fusion: SandboxFusionConfig = SandboxFusionConfig()
+    """verl's code sandbox for the built-in scorers (without custom_reward_function.path, as in verl)."""
 
 
 class CustomRewardFunction(Section):
