@@ -82,6 +82,8 @@ CORPUS: dict[str, Script] = {
     "ppo_trainer_run_qwen2.5-32b.sh": Script(),  # 4 nodes, no rendezvous endpoint (verl's Ray): a WARNING line
     # FSDP's mixed_precision (noted) and 2 nodes, with use_torch_compile=False
     "grpo_trainer_run_qwen3-32b_npu.sh": Script(),
+    "grpo_trainer_run_qwen2_5_vl-7b_freeze_vision.sh": Script(),  # actor.freeze_vision_tower (a NOTE on a text model)
+    "ppo_trainer_run_deepseek7b_llm_sandbox_fusion.sh": Script(),  # reward_model.sandbox_fusion, the prime manager
     # The five of tests/trainer/test_verl_keys.py
     "ppo_trainer_run_deepseek7b_llm.sh": Script(),
     "ppo_trainer_run_qwen2-7b_seq_balance.sh": Script(),
