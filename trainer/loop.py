@@ -74,7 +74,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path,
                                         trust_remote_code=model_config.trust_remote_code)
         self.records, self.val_records = load_prompts(config, self.tokenizer, log)
-        self.sampler = prompt_sampler(config, self.records)  # data.shuffle's order, or data.sampler's
+        # data.shuffle's order, or data.sampler's (rank 0's on several ranks)
+        self.sampler = prompt_sampler(config, self.records, agree=self.ranks.broadcast_from_main)
         self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
         self.memory = MemoryManager(self.device, settings=self.settings.current,
                                     probe=memory_probe or default_memory_probe(self.device),

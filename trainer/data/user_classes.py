@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import inspect
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,10 +127,13 @@ class UserSampler:
 
     A checkpoint keeps the epoch, the batches taken in it and, where the sampler has them, its own state_dict (as
     verl's StatefulDataLoader keeps a stateful sampler's); a resume restores that state and skips the batches
-    already taken in the epoch."""
+    already taken in the epoch. On several ranks rank 0's sampler orders the run, and its update sees rank 0's
+    share of the step."""
 
-    def __init__(self, sampler: Any, batch_size: int, name: str):
+    def __init__(self, sampler: Any, batch_size: int, name: str,
+                 agree: Callable[[list[int]], list[int]] | None = None):
         self.sampler, self.batch_size, self.name = sampler, batch_size, name
+        self.agree = agree
         self.epoch = 0
         self.position = 0
         self._iterator: Iterator[Any] | None = None
@@ -153,7 +156,8 @@ class UserSampler:
                 next(self._iterator)
         batch = [int(next(self._iterator)) for _ in range(self.batch_size)]
         self.position += 1
-        return batch
+        # Several ranks: rank 0's sampler orders the run (verl's one driver samples), whatever the others drew.
+        return batch if self.agree is None else self.agree(batch)
 
     def update(self, batch: Any) -> None:
         """A curriculum sampler's update with the step's batch, in verl's DataProto layout (StepBatch)."""
@@ -198,9 +202,11 @@ class StepBatch:
         return len(self.non_tensor_batch["uid"])
 
 
-def prompt_sampler(config: RunConfig, records: Sequence[PromptRecord]) -> PromptSampler | UserSampler:
+def prompt_sampler(config: RunConfig, records: Sequence[PromptRecord],
+                   agree: Callable[[list[int]], list[int]] | None = None) -> PromptSampler | UserSampler:
     """The order prompts are taken in: data.sampler's, built as verl builds it (cls(data_source=, data_config=)),
-    or data.shuffle's."""
+    or data.shuffle's. `agree`: rank 0's batch on every rank (Ranks.broadcast_from_main), for a user's sampler,
+    whose order may follow what each rank's update saw."""
     data = config.data
     try:
         if data.sampler.class_path is None or data.sampler.class_name is None:
@@ -215,7 +221,7 @@ def prompt_sampler(config: RunConfig, records: Sequence[PromptRecord]) -> Prompt
     except Exception as error:  # noqa: BLE001 - the user's class, said in one line
         raise UserClassError(f"{KEYS.data.sampler.class_name}: {data.sampler.class_name}(data_source=..., "
                              f"data_config=...) raised {_one_line(error)}") from None
-    return UserSampler(sampler, data.train_batch_size, data.sampler.class_name)
+    return UserSampler(sampler, data.train_batch_size, data.sampler.class_name, agree=agree)
 
 
 def _one_line(error: BaseException) -> str:

@@ -135,6 +135,15 @@ def test_a_user_sampler_batches_its_order_and_resumes_where_it_stopped(tmp_path)
         plain.load_state_dict(state)
 
 
+def test_on_several_ranks_every_rank_takes_rank_0s_batch(tmp_path):
+    (tmp_path / "curriculum.py").write_text(CURRICULUM)
+    config = load_config(None, [f"data.sampler.class_path={tmp_path}/curriculum.py", "data.sampler.class_name=Reversed",
+                                *batches(2)])
+    drawn = []
+    rank_0s = prompt_sampler(config, list(range(5)), agree=lambda batch: drawn.append(batch) or [0, 2])
+    assert rank_0s.next_batch() == [0, 2] and drawn == [[4, 3]]  # this rank drew [4, 3]; rank 0 drew [0, 2]
+
+
 def test_a_sampler_too_short_for_one_batch_is_a_setup_error(tmp_path):
     (tmp_path / "curriculum.py").write_text(CURRICULUM)
     config = load_config(None, [f"data.sampler.class_path={tmp_path}/curriculum.py", "data.sampler.class_name=Reversed",
