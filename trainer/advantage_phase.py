@@ -37,8 +37,9 @@ class AdvantagePhase:
 
     def correct_for_rollout(self, batch: RolloutBatch) -> dict[str, float]:
         """verl's decoupled rollout correction (algorithm.rollout_correction, bypass mode off): importance weights
-        pi_old / pi_rollout and the rejection mask for the actor's loss, and the rollout_corr/ metrics, from the
-        rollout's log-probs (trainer/algorithms/rollout_correction.py). Nothing without them."""
+        pi_old / pi_rollout and the rejection mask (what the advantages, the critic and the actor train on), and the
+        rollout_corr/ metrics, from the rollout's log-probs (trainer/algorithms/rollout_correction.py). Nothing
+        without them."""
         correction = self.algorithm.rollout_correction
         if batch.rollout_log_probs is None or batch.old_log_probs is None or correction.bypass_mode:
             return {}
@@ -61,7 +62,8 @@ class AdvantagePhase:
             self.kl_controller.update(float(mean_kl), n_steps=len(batch))
         else:
             batch.token_level_rewards = batch.token_level_scores
-        inputs = AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
+        # The tokens rollout correction rejected take no advantage (verl's rejection replaces its response_mask).
+        inputs = AdvantageInputs(batch.token_level_rewards, batch.training_mask, batch.group_index,
                                  values=batch.values, whiten=self.run_wide.whiten,
                                  old_log_probs=batch.old_log_probs, sum_pi_squared=batch.sum_pi_squared,
                                  rollout_is_weights=batch.rollout_is_weights,
@@ -85,7 +87,7 @@ class AdvantagePhase:
         """verl's variance_proxy/* metrics of the step, from the sums of squared probabilities and the actor's
         gradient norm (trainer/algorithms/token_baselines.py)."""
         assert batch.advantages is not None and batch.old_log_probs is not None and batch.sum_pi_squared is not None
-        return variance_proxy_metrics(batch.advantages, batch.response_mask, batch.old_log_probs,
+        return variance_proxy_metrics(batch.advantages, batch.training_mask, batch.old_log_probs,
                                       batch.sum_pi_squared, grad_norm=grad_norm,
                                       rollout_is_weights=batch.rollout_is_weights,
                                       sum_over_batch=self.ranks.sum_tensor_over_data)

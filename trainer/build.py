@@ -15,8 +15,9 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.config import BUILTIN_PREFIX, KEYS, FSDPConfig, RunConfig
 from trainer.config.messages import Role
-from trainer.data import PromptRecord, load_records
+from trainer.data import PromptRecord
 from trainer.data.checks import check_prompts, drop_overlong_prompts
+from trainer.data.user_classes import read_records
 from trainer.distributed.layer_moves import ShardedLayers
 from trainer.distributed.ranks import Ranks, host_threads_per_rank
 from trainer.distributed.shard_copies import watch_shard_copies
@@ -25,6 +26,7 @@ from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
 from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
+from trainer.models.vision import freeze_vision_tower
 from trainer.offload.copies import CopyLog
 from trainer.offload.groups import parameter_groups
 from trainer.rewards.manager import ModelReward, RewardFunction
@@ -63,7 +65,7 @@ def load_prompts(config: RunConfig, tokenizer: PreTrainedTokenizerBase, log: Log
     name = (f"{source}'s built-in {len(tokenizer)}-token tokenizer" if source.startswith(BUILTIN_PREFIX)
             else repr(source))
     files = ((KEYS.data.train_files, data.train_files), (KEYS.data.val_files, data.val_files))
-    records = {key: _filtered(config, key, load_records(paths, data.prompt_key, require_ground_truth=builtin_scoring),
+    records = {key: _filtered(config, key, read_records(config, paths, tokenizer, require_ground_truth=builtin_scoring),
                               tokenizer, log) if paths else []
                for key, paths in files}
     for files_key, loaded in records.items():
@@ -162,6 +164,8 @@ class ModelBuilder:
         # With LoRA the adapter is in the model before the engine lays it out; peft's wrapper disables it for the
         # reference policy and saves it in the checkpoints.
         policy = self._policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing)
+        if actor_config.freeze_vision_tower:
+            freeze_vision_tower(policy, self.log)
         model, adapter = with_adapter(policy, LoraSettings.of(model_config, KEYS.actor_rollout_ref.model), role="actor",
                                       seed=config.trainer.seed)
         model = self._place(model, self._policy_placement(actor_config.fsdp_config), Role.ACTOR, split)

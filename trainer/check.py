@@ -32,8 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def check_run(config: RunConfig) -> list[str]:
     """One line per problem with the run's tokenizers, data files and model directories."""
-    from trainer.data import load_records
     from trainer.data.checks import check_prompts, drop_overlong_prompts
+    from trainer.data.user_classes import prompt_sampler, read_records
     from trainer.errors import UserError
     from trainer.models.loading import load_tokenizer
 
@@ -54,7 +54,11 @@ def check_run(config: RunConfig) -> list[str]:
     builtin_scoring = not config.reward_model.enable and config.custom_reward_function.path is None
     for files_key, files in ((KEYS.data.train_files, data.train_files), (KEYS.data.val_files, data.val_files)):
         try:
-            records = load_records(files, data.prompt_key, require_ground_truth=builtin_scoring)
+            if tokenizer is None and data.custom_cls.path is not None:
+                continue  # the dataset class is given the tokenizer, whose problem is said above
+            records = read_records(config, files, tokenizer, require_ground_truth=builtin_scoring)
+            if files_key == KEYS.data.train_files and data.sampler.class_path is not None:
+                prompt_sampler(config, records)
             if tokenizer is not None and data.filter_overlong_prompts:
                 records = drop_overlong_prompts(records, tokenizer, data.max_prompt_length,
                                                 data.apply_chat_template_kwargs)

@@ -24,12 +24,12 @@ from trainer.config import KEYS, RunConfig, dump_config
 from trainer.config.live import initial_live_settings
 from trainer.config.messages import Role, StepMessage
 from trainer.control import Control, SettingsFeed, TelemetryLink
-from trainer.data import PromptRecord, PromptSampler
+from trainer.data import PromptRecord
+from trainer.data.user_classes import prompt_sampler
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks, resolve_device
 from trainer.distributed.run_wide import RunWide
 from trainer.divergence import DivergenceWatch
-from trainer.errors import RunSetupError
 from trainer.generation import Generation, GreedyBaseline
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
 from trainer.metrics import MetricsLog, StepTimer, device_peak_flops, reduce_metrics, step_figures
@@ -76,11 +76,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path,
                                         trust_remote_code=model_config.trust_remote_code)
         self.records, self.val_records = load_prompts(config, self.tokenizer, log)
-        try:
-            self.sampler = PromptSampler(len(self.records), config.data.train_batch_size,
-                                         shuffle=config.data.shuffle, seed=config.prompt_order_seed)
-        except ValueError as error:
-            raise RunSetupError(str(error)) from None
+        # data.shuffle's order, or data.sampler's (rank 0's on several ranks)
+        self.sampler = prompt_sampler(config, self.records, agree=self.ranks.broadcast_from_main)
         self.total_steps = count_total_steps(config, self.sampler.steps_per_epoch)
         self.memory = MemoryManager(self.device, settings=self.settings.current,
                                     probe=memory_probe or default_memory_probe(self.device),
@@ -252,6 +249,7 @@ class Trainer:
                     metrics.update(reduce_metrics(self.actor.update(batch)))
             if batch.sum_pi_squared is not None:
                 metrics.update(self.advantages.variance_proxies(batch, metrics.get("actor/grad_norm")))
+            self.sampler.update(batch)  # a curriculum sampler (data.sampler) reads the step, as in verl's fit
         self._say_merging_news()
         return {**metrics, **self._step_metrics(batch, timer)}
 

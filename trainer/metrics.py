@@ -38,7 +38,7 @@ def _masked_values(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def data_metrics(batch: RolloutBatch, *, response_length: int, prompt_length: int) -> dict[str, float]:
     """Scores, rewards, advantages, returns, values and lengths of one step's batch."""
-    mask = batch.response_mask
+    mask = batch.training_mask  # verl's response_mask after rollout correction's rejection
     response_lengths = batch.response_lengths
     prompt_lengths = batch.prompt_mask.sum(dim=1).float()
     metrics = {

@@ -35,7 +35,8 @@ from trainer.config.messages import (
 )
 from trainer.data import DataError
 from trainer.data.checks import UnknownTokens
-from trainer.loop import RunSetupError, Trainer
+from trainer.errors import RunSetupError
+from trainer.loop import Trainer
 from trainer.models import load_policy, load_tokenizer
 from trainer.offload import OffloadAdamW
 from trainer.rewards import RewardFunctionError

@@ -286,7 +286,6 @@ ALIASES: tuple[Alias, ...] = (
                  (True, False)),
     noted("*use_prefix_grouper", "verl's shared-prefix forward (a prompt computed once for its group's responses), "
                                  "a speed-up with no effect on the numbers: here each sequence runs its own forward"),
-    default_only("*freeze_vision_tower", "vision-language models are not built"),
     noted("*data_loader_seed", "no effect here: the order of sequences in mini-batches follows trainer.seed (and "
                                "actor.shuffle)"),
     noted("critic.shuffle", "no effect here: the critic's mini-batches follow the actor's order"),
@@ -319,9 +318,6 @@ ALIASES: tuple[Alias, ...] = (
                            "messages and templates them itself"),
     default_only("data.image_*", "vision-language models are not built"),
     default_only("data.video_key", "vision-language models are not built"),
-    default_only("data.custom_cls.*", "a custom dataset class is not built (data files in verl's parquet layout or "
-                                      "JSONL)"),
-    default_only("data.sampler.*", "a custom sampler (curriculum) is not built"),
     default_only("data.datagen.*", "dynamic data generation is not built"),
     # balance_batch does nothing here, whichever way it is set: no batch crosses ranks to be balanced.
     default_only("trainer.balance_batch", "each data-parallel rank trains on the rollouts it sampled from its own "

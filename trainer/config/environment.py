@@ -106,6 +106,32 @@ def check_reward_function_file(config: RunConfig) -> list[ConfigProblem]:
     return []
 
 
+PACKAGE_PREFIX, FILE_PREFIX = "pkg://", "file://"
+"""verl's two spellings of where a user's class lives (verl/utils/import_utils.py: load_module): a module to import,
+or a Python file (the prefix optional)."""
+
+
+def check_user_classes(config: RunConfig) -> list[ConfigProblem]:
+    """data.custom_cls and data.sampler: both keys or neither, and a file that exists (a pkg:// module is imported
+    when the run starts)."""
+    problems = []
+    for section, (path_key, name_key) in ((config.data.custom_cls, ("path", "name")),
+                                          (config.data.sampler, ("class_path", "class_name"))):
+        prefix = "data.custom_cls" if path_key == "path" else "data.sampler"
+        path, name = getattr(section, path_key), getattr(section, name_key)
+        if (path is None) != (name is None):
+            given, missing = (path_key, name_key) if name is None else (name_key, path_key)
+            problems.append(ConfigProblem(f"{prefix}.{missing}", f"got null, but {prefix}.{given} is set; allowed: "
+                                          "both keys (a Python file or pkg://module, and the class's name in it), or "
+                                          "neither"))
+        elif path is not None and not path.startswith(PACKAGE_PREFIX):
+            file = Path(path.removeprefix(FILE_PREFIX)).expanduser()
+            if not file.is_file():
+                problems.append(ConfigProblem(f"{prefix}.{path_key}", f"got {path!r}, which is not a file; allowed: "
+                                              f"a Python file that defines {name}, or pkg://a.module"))
+    return problems
+
+
 def check_lora_adapter_path(config: RunConfig) -> list[ConfigProblem]:
     """actor_rollout_ref.model.lora_adapter_path: a directory with a saved adapter's adapter_config.json."""
     path = config.actor_rollout_ref.model.lora_adapter_path

@@ -45,7 +45,7 @@ def all_rules() -> tuple[Rule, ...]:
     checks_despite_schema_errors): the disk and the environment first, then how fields fit together."""
     return (environment.check_actor_model_paths, environment.check_critic_model_paths,
             environment.check_reward_model_paths, environment.check_train_files, environment.check_val_files,
-            environment.check_reward_function_file, environment.trackers_installed,
+            environment.check_reward_function_file, environment.check_user_classes, environment.trackers_installed,
             _check_batch_sizes, _check_token_budgets, _group_estimators_need_several_responses, _gae_needs_a_critic,
             _model_length_holds_a_prompt,
             _resume_path_is_set, _validation_needs_data, ranks.check_devices, ranks.check_launch, _check_offload,

@@ -174,6 +174,8 @@ class ActorConfig(Section):
     """Add a KL(actor || reference) term to the actor loss (GRPO style)."""
     kl_loss_coef: float = Field(0.001, ge=0.0)
     """Weight of the KL loss."""
+    freeze_vision_tower: bool = False
+    """A vision-language model's vision encoder is not trained (no effect on a text model: a NOTE says so)."""
     kl_loss_type: KLEstimator = "low_var_kl"
     """KL estimator of the KL loss (k1, k2, k3 are verl's names for kl, mse, low_var_kl)."""
     loss_agg_mode: LossAggregation = "token-mean"
@@ -404,6 +406,15 @@ class RewardKwargs(Section):
                 if name not in RewardKwargs.model_fields or getattr(self, name) != getattr(default, name)}
 
 
+class SandboxFusionConfig(Section):
+    url: str | None = None
+    """A SandboxFusion service's /run_code URL: code data sources (codecontests, apps, ...) are scored there."""
+    max_concurrent: int = Field(64, ge=1)
+    """Most requests to the sandbox in flight at once."""
+    memory_limit_mb: int = Field(1024, ge=1)
+    """Memory limit of each program the sandbox runs, in MB."""
+
+
 class RewardModelConfig(Section):
     enable: bool = False
     """Score responses with a reward model instead of the rule-based scorers."""
@@ -416,8 +427,9 @@ class RewardModelConfig(Section):
     reward_kwargs: RewardKwargs = RewardKwargs()
     """Arguments of the reward manager (verl's scripts give them as +reward_model.reward_kwargs.*)."""
     reward_timeout_s: float | None = Field(300.0, gt=0)
-    """Seconds each call of custom_reward_function may take before the run stops (exit 2); null: no limit, called on
-    the main thread."""
+    """Seconds a call of custom_reward_function may take before the run stops (exit 2); null: no limit."""
+    sandbox_fusion: SandboxFusionConfig = SandboxFusionConfig()
+    """verl's code sandbox for the built-in scorers (without custom_reward_function.path, as in verl)."""
 
 
 class CustomRewardFunction(Section):
@@ -482,6 +494,20 @@ class AlgorithmConfig(Section):
         return self.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
+class CustomDatasetClass(Section):
+    path: str | None = None
+    """A Python file (or pkg://module) with a dataset class of one's own; null: verl's parquet or JSONL files."""
+    name: str | None = None
+    """The class's name there: a torch Dataset built as cls(data_files=, tokenizer=, processor=, config=)."""
+
+
+class CustomSampler(Section):
+    class_path: str | None = None
+    """A Python file (or pkg://module) with a sampler of one's own (a curriculum among them); null: data.shuffle."""
+    class_name: str | None = None
+    """The sampler's class name there, built as cls(data_source=, data_config=); update(batch) after each step."""
+
+
 class DataConfig(Section):
     train_files: list[str] = ["builtin:counting"]
     """Training prompts: verl parquet or JSONL files, or builtin:counting."""
@@ -509,6 +535,10 @@ class DataConfig(Section):
     """verl's key; either value runs the same here: the rollout always applies the chat template to the messages."""
     apply_chat_template_kwargs: dict[str, Any] = {}
     """Keyword arguments to the tokenizer's chat template for every prompt (e.g. enable_thinking, reasoning_effort)."""
+    custom_cls: CustomDatasetClass = CustomDatasetClass()
+    """verl's dataset class of one's own (both keys, or neither)."""
+    sampler: CustomSampler = CustomSampler()
+    """verl's sampler of one's own, a curriculum among them (both keys, or neither)."""
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod

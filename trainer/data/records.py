@@ -56,13 +56,18 @@ def load_records(files: Iterable[str], prompt_key: str = "prompt", *,
         else:
             records += _read_file(file, prompt_key)
     if require_ground_truth:
-        for record in records:
-            if record.ground_truth is None:
-                raise DataError(f"{record.source}: reward_model.ground_truth is missing, but the built-in scorer "
-                                f"for data_source {record.data_source!r} compares each response with it; "
-                                "allowed: reward_model: {'style': 'rule', 'ground_truth': ...}, or score with "
-                                f"{KEYS.custom_reward_function.path} or a reward model ({KEYS.reward_model.enable})")
+        check_ground_truths(records)
     return records
+
+
+def check_ground_truths(records: Iterable[PromptRecord]) -> None:
+    """Every record carries reward_model.ground_truth, which the built-in rule scorers compare each response with."""
+    for record in records:
+        if record.ground_truth is None:
+            raise DataError(f"{record.source}: reward_model.ground_truth is missing, but the built-in scorer "
+                            f"for data_source {record.data_source!r} compares each response with it; "
+                            "allowed: reward_model: {'style': 'rule', 'ground_truth': ...}, or score with "
+                            f"{KEYS.custom_reward_function.path} or a reward model ({KEYS.reward_model.enable})")
 
 
 def write_records(records: Iterable[PromptRecord], path: str | Path) -> None:
@@ -111,7 +116,7 @@ def _read_file(file: str, prompt_key: str) -> list[PromptRecord]:
     if path.stat().st_size == 0:
         raise DataError(f"{name} is empty (0 bytes)")
     rows = _parquet_rows(path, name, prompt_key) if path.suffix == PARQUET_SUFFIX else _jsonl_rows(path, name)
-    records = [_to_record(row, where, prompt_key) for where, row in rows]
+    records = [record_of_row(row, where, prompt_key) for where, row in rows]
     if not records:
         raise DataError(f"{name} has no rows")
     return records
@@ -154,7 +159,8 @@ _COLUMN_HINTS = {
 }
 
 
-def _to_record(row: dict[str, Any], where: str, prompt_key: str) -> PromptRecord:
+def record_of_row(row: dict[str, Any], where: str, prompt_key: str) -> PromptRecord:
+    """One row in verl's layout (`where` names it in errors) as a PromptRecord."""
     for column in (prompt_key, "data_source"):
         if column not in row:
             hint = _COLUMN_HINTS["prompt" if column == prompt_key else column]

@@ -61,8 +61,14 @@ class PromptSampler:
         return {"epoch": self.epoch, "position": self.position, "num_records": self.num_records,
                 "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
 
+    def update(self, batch: Any) -> None:
+        """Nothing: the order is fixed by (seed, epoch); a curriculum sampler (data.sampler) reads the step's batch."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` left off; the prompts and batching must be those it was saved with."""
+        if "sampler_state" in state:
+            raise ValueError(f"the checkpoint's prompt order was {state['sampler']}'s ({KEYS.data.sampler}), this "
+                             f"run's is {KEYS.data.shuffle}'s: resume with the same {KEYS.data.sampler}")
         changed = [f"{name} {state[key]} in the checkpoint, {getattr(self, key)} now"
                    for key, name in _RESUME_KEYS.items() if state[key] != getattr(self, key)]
         if changed:

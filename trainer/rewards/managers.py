@@ -39,6 +39,7 @@ from trainer.rewards.custom import (
     worker_ready,
 )
 from trainer.rewards.manager import RewardFunction, RewardScores, RuleReward, ScoreFunction, decode_responses
+from trainer.rewards.sandbox_fusion import SandboxFusion, SandboxScore
 from trainer.rewards.time_limit import RewardTimeoutError, StepInterrupted, call_with_time_limit
 from trainer.rollout.batch import RolloutBatch
 
@@ -262,6 +263,12 @@ def build_rule_reward(config: RunConfig, tokenizer: PreTrainedTokenizerBase, *, 
 def _scorer(config: RunConfig) -> ScoreFunction:
     """The run's function (custom_reward_function, with its reward_kwargs), or the built-in scorers."""
     function = config.custom_reward_function
+    sandbox = config.reward_model.sandbox_fusion
+    if function.path is None and sandbox.url is not None:  # verl's default_compute_score with its sandbox
+        client = SandboxFusion(sandbox.url, max_concurrent=sandbox.max_concurrent,
+                               memory_limit_mb=sandbox.memory_limit_mb)
+        client.check_reachable()
+        return SandboxScore(client)
     return resolve_compute_score(function.path, function.name, function.reward_kwargs,
                                  config.reward_model.reward_timeout_s)
 

@@ -55,7 +55,7 @@ class RolloutBatch:
     rollout_is_weights: torch.Tensor | None = None
     """[B, R] rollout correction's truncated importance weights pi_old / pi_rollout (detached; 0 at padding)."""
     rollout_rs_mask: torch.Tensor | None = None
-    """[B, R] response_mask less the tokens rollout correction's rejection left out of the actor's loss."""
+    """[B, R] response_mask less the tokens rollout correction's rejection left out of training (`training_mask`)."""
     response_attention: torch.Tensor | None = None
     """[B, R] float: 1 on every real response token, where a multi-turn rollout put tool or user turns between the
     model's (response_mask then marks the model's own tokens alone); None: response_mask."""
@@ -84,9 +84,11 @@ class RolloutBatch:
         return (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
     @property
-    def actor_loss_mask(self) -> torch.Tensor:
-        """[B, R] the response tokens the actor's loss reads: rollout_rs_mask where rejection ran, else response_mask
-        (the forwards read response_mask: a rejected token is still attended to)."""
+    def training_mask(self) -> torch.Tensor:
+        """[B, R] the response tokens the advantages, the critic's and the actor's losses and the step's
+        advantage/return/value metrics read: rollout_rs_mask where rejection ran, else response_mask. verl's
+        rollout correction replaces its batch's response_mask so (rollout_corr_helper.py); the forwards here read
+        response_mask, as verl's read attention_mask: a rejected token is still attended to."""
         return self.response_mask if self.rollout_rs_mask is None else self.rollout_rs_mask
 
     @property

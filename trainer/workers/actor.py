@@ -181,7 +181,7 @@ class Actor:
             loss_agg_mode=self.config.loss_agg_mode,
             ranks=self.ranks,
             merging=self.merging,
-            loss_mask=lambda batch: batch.actor_loss_mask,
+            loss_mask=lambda batch: batch.training_mask,
         )
         recovered = metrics.pop("oom_recoveries")
         if self.memory is not None:
@@ -199,7 +199,7 @@ class Actor:
         log_probs, entropies = self._log_probs_and_entropy(batch)
         # No old log-probs: an on-policy update (on_policy), whose weights are the ones that would have scored them.
         old_log_probs = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
-        mask = batch.actor_loss_mask
+        mask = batch.training_mask
         policy = self.policy_loss(PolicyLossInputs(old_log_probs, log_probs, batch.advantages, mask,
                                                    config.loss_agg_mode, rollout_is_weights=batch.rollout_is_weights),
                                   config, self.rollout_correction)

@@ -97,6 +97,7 @@ class Critic:
             loss_agg_mode=self.config.loss_agg_mode,
             ranks=self.ranks,
             merging=self.merging,
+            loss_mask=lambda batch: batch.training_mask,
         )
         recovered = metrics.pop("oom_recoveries")
         if self.memory is not None:
@@ -108,10 +109,11 @@ class Critic:
 
     def _loss(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         predictions = self._values(batch)
-        loss, clipfrac = compute_value_loss(predictions, batch.values, batch.returns, batch.response_mask,
+        mask = batch.training_mask  # less the tokens rollout correction rejected, as verl's critic reads them
+        loss, clipfrac = compute_value_loss(predictions, batch.values, batch.returns, mask,
                                             cliprange_value=self.config.cliprange_value,
                                             loss_agg_mode=self.config.loss_agg_mode)
-        mean_prediction = (predictions * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)
+        mean_prediction = (predictions * mask).sum() / mask.sum().clamp(min=1)
         return loss, {"vf_loss": loss.item(), "vf_clipfrac": clipfrac.item(), "vpred_mean": mean_prediction.item()}
 
     def state_dict(self) -> dict:

@@ -126,7 +126,7 @@ def test_verls_megatron_config_name_is_the_refusal_line() -> None:
     [problem] = problems_of(config_name="ppo_megatron_trainer")
     assert problem.path == "--config-name"
     assert loaded(config_name="ppo_trainer").config == load_config()
-    [problem] = problems_of(config_name="search_multiturn_grpo")
+    [problem] = problems_of(config_name="my_own_trainer")
     assert problem.path == "--config-name" and "allowed: ppo_trainer" in problem.message
 
 

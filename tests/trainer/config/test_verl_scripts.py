@@ -94,6 +94,8 @@ CORPUS: dict[str, Script] = {
     "sglang_multiturn_search_r1_like_run_qwen2.5-3b_instruct_search_multiturn.sh": Script(engine="sglang"),
     "sglang_multiturn_run_qwen2.5-3b_megatron_gsm8k_multiturn.sh": Script(engine="sglang", megatron=True),
     "sglang_multiturn_geo3k_run_qwen2.5-3b_geo3k_multiturn.sh": Script(engine="sglang", vision=True),
+    "grpo_trainer_run_qwen2_5_vl-7b_freeze_vision.sh": Script(),  # actor.freeze_vision_tower (a NOTE on a text model)
+    "ppo_trainer_run_deepseek7b_llm_sandbox_fusion.sh": Script(),  # reward_model.sandbox_fusion, the prime manager
     # The five of tests/trainer/test_verl_keys.py
     "ppo_trainer_run_deepseek7b_llm.sh": Script(),
     "ppo_trainer_run_qwen2-7b_seq_balance.sh": Script(),

@@ -24,7 +24,7 @@ def responses_of_three_lengths(vocabulary: int) -> RolloutBatch:
 def gradient(actor: Actor, batch: RolloutBatch, micro_batch_size: int) -> list[torch.Tensor]:
     actor.optimizer.zero_grad(set_to_none=True)
     accumulate_gradients(actor.model, actor.optimizer, batch, actor._loss, micro_batch_size,
-                         loss_agg_mode=actor.config.loss_agg_mode, loss_mask=lambda part: part.actor_loss_mask)
+                         loss_agg_mode=actor.config.loss_agg_mode, loss_mask=lambda part: part.training_mask)
     return [parameter.grad.clone() for parameter in actor.model.parameters() if parameter.grad is not None]
 
 
