@@ -307,9 +307,10 @@ class Streamer:
         self._steady = None
 
     def acquire(self, block: Block) -> None:
-        if self._steady is not None:
+        if self._steady is not None and block.unit.kind == UnitKind.HOOKED:
             block.acquired = True  # in its slot, current, and waited for by the compute stream already
             return
+        # (A steady forward vouches for the hooked blocks alone: a head streamed in chunks is fetched as ever.)
         self.fetch(block, required=True)
         self._compute_waits_for(block)
         block.acquired = True
@@ -323,8 +324,8 @@ class Streamer:
 
     def release(self, block: Block) -> None:
         block.acquired = False
-        if self._steady is not None:
-            return  # the forward's end records the event for every block
+        if self._steady is not None and block.unit.kind == UnitKind.HOOKED:
+            return  # the forward's end records the event for every steady block
         block.slot.free_event = self.streams.record_compute(block.slot.free_event)
 
     def prefetch(self, position: int, step: int) -> None:
