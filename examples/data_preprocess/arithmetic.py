@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 
 DATA_SOURCE = "arithmetic"
 INSTRUCTION = "Answer with just the number."
-# Addition and subtraction of two two-digit numbers: a 135M instruct model gets some right from the start (so
-# GRPO's groups are not all-zero) and many wrong (so there is room to learn).
+# Addition and subtraction of numbers up to 50: a 135M instruct model gets some right from the start (so GRPO's
+# groups are not all-zero) and many wrong, most by explaining instead of answering (so there is room to learn).
 OPERATORS = {"+": operator.add, "-": operator.sub}
 
 
@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_save_dir", default="~/data/arithmetic", help="where train.parquet and "
                         "test.parquet are written")
     parser.add_argument("--train_size", type=int, default=512)
-    parser.add_argument("--test_size", type=int, default=64, help="held-out questions, none of them in train")
-    parser.add_argument("--low", type=int, default=10, help="the smallest operand")
-    parser.add_argument("--high", type=int, default=99, help="the largest operand")
+    parser.add_argument("--test_size", type=int, default=32, help="held-out questions, none of them in train")
+    parser.add_argument("--low", type=int, default=1, help="the smallest operand")
+    parser.add_argument("--high", type=int, default=50, help="the largest operand")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)

@@ -29,7 +29,7 @@ def test_the_files_are_verl_layout_held_out_and_scored_right_by_their_truth(tmp_
         left, right = info["left"], info["right"]
         assert record.prompt[0]["content"] == f"What is {left} {info['operator']} {right}? Answer with just the number."
         assert int(record.ground_truth) == (left + right if info["operator"] == "+" else left - right)
-        assert 10 <= left <= 99 and 10 <= right <= 99
+        assert 1 <= left <= 50 and 1 <= right <= 50
         assert default_compute_score(record.data_source, f"{left} {info['operator']} {right} = "
                                      f"{record.ground_truth}", record.ground_truth) == 1.0
     assert [record.extra_info["index"] for record in test] == list(range(10))
