@@ -94,3 +94,15 @@ def test_a_readable_file_passes_the_check_and_a_missing_one_is_refused(tmp_path)
     check_gguf_file(write_gguf(tmp_path / "model.gguf"), "actor_rollout_ref.model.path")  # no error
     with pytest.raises(GGUFError, match="'nowhere.gguf' is not a file"):
         gguf_directory("nowhere.gguf")
+
+
+def test_verl_train_check_reads_a_gguf_file_instead_of_a_config_json(tmp_path):
+    from trainer.check import _unreadable_model_configs
+
+    good = write_gguf(tmp_path / "model.gguf")
+    assert _unreadable_model_configs(load_config(None, [f"actor_rollout_ref.model.path={good}"])) == []
+    unreadable = write_gguf(tmp_path / "rwkv.gguf", architecture="rwkv6")
+    problems = _unreadable_model_configs(load_config(None, [f"actor_rollout_ref.model.path={unreadable}"]))
+    # The default run's critic starts from the actor's model: both keys are named.
+    assert [problem.split(":")[0] for problem in problems] == ["actor_rollout_ref.model.path", "critic.model.path"]
+    assert all("the GGUF file" in problem and "holds a 'rwkv6' model" in problem for problem in problems)
