@@ -109,6 +109,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 def collected(runs_dir: Path, variant: str) -> dict[str, Any]:
     """A variant's rows from the metrics.jsonl of its run under `runs_dir` (--collect: a run stopped part way)."""
     path = runs_dir / f"real-model-{variant}" / "metrics.jsonl"
+    if not path.is_file():  # stopped before its first validation or step
+        return {"variant": variant, "build_s": 0.0, "total_s": 0.0, "rows": []}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     seconds = path.stat().st_mtime - (path.parent / "config.yaml").stat().st_mtime
     return {"variant": variant, "build_s": 0.0, "total_s": seconds, "rows": rows}
@@ -130,9 +132,11 @@ def max_abs_diff(first: list[list[float]], second: list[list[float]]) -> float |
 
 def summary(results: dict[str, dict[str, Any]], accuracy: str) -> dict[str, Any]:
     lines = {variant: curves(result["rows"], accuracy) for variant, result in results.items()}
-    reference = lines.get("resident") or next(iter(lines.values()))
-    accuracy_curve = reference["val_accuracy"]
+    # The accuracy of the variant that validated most often (the other may have been stopped earlier).
+    measured = max(lines, key=lambda variant: len(lines[variant]["val_accuracy"]))
+    accuracy_curve = lines[measured]["val_accuracy"]
     found: dict[str, Any] = {
+        "val_accuracy_of": measured,
         "val_accuracy_start": accuracy_curve[0][1] if accuracy_curve else None,
         "val_accuracy_end": accuracy_curve[-1][1] if accuracy_curve else None,
         "steps": max((row["training/global_step"] for row in next(iter(results.values()))["rows"]), default=0),
@@ -171,6 +175,9 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
                           **styles.get(variant, {}))
         axis.set_title(title)
         axis.set_xlabel("step")
+        axis.set_xlim(-0.5, result["configured_steps"] + 0.5)
+        if curve != "kl":  # both are shares of answers right
+            axis.set_ylim(-0.02, 1.02)
         axis.grid(alpha=0.3)
     axes[0].legend()
     figure.suptitle(f"GRPO on {result['model_name']} ({result['machine']}): offloaded and resident, same seed")
@@ -276,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": "builtin:tiny-qwen2" if args.quick else args.model,
         "model_name": "the tiny built-in model" if args.quick else Path(args.model).stem,
         "config": str(EXAMPLE.relative_to(REPO)), "seed": args.seed, "variants": variants,
+        "configured_steps": 2 if args.quick else args.steps, "test_freq": 1 if args.quick else args.test_freq,
         "overrides": {variant: overrides(args, variant, Path("RUNS")) for variant in variants},
         **summary(results, QUICK_ACCURACY if args.quick else ACCURACY),
         "host_cores": os.cpu_count(),

@@ -36,6 +36,11 @@ def test_the_gguf_model_answers_through_the_rollout_and_trains_a_step_into_a_mod
         f"actor_rollout_ref.model.path={MODEL}", f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",
         f"data.val_files=[{tmp_path / 'data' / 'test.parquet'}]", "data.train_batch_size=2",
         "data.max_response_length=16", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        # an entropy bonus: the step has a gradient even when the two answers to each question score alike
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
         "trainer.total_training_steps=1", "trainer.test_freq=1", "trainer.log_val_generations=1",
         "trainer.device=cpu", f"trainer.runs_dir={tmp_path / 'runs'}", "trainer.experiment_name=real"])
     lines = []
