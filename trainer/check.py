@@ -79,7 +79,10 @@ def check_run(config: RunConfig) -> list[str]:
 
 
 def _unreadable_model_configs(config: RunConfig) -> list[str]:
-    """The config.json of each model directory the run builds, read as JSON (the schema saw that it exists)."""
+    """The config.json of each model directory the run builds, read as JSON (the schema saw that it exists); a GGUF
+    file's header, tensors and architecture (trainer/models/gguf.py)."""
+    from trainer.models.gguf import GGUFError, check_gguf_file, is_gguf
+
     paths = [(KEYS.actor_rollout_ref.model.path, config.actor_rollout_ref.model.path)]
     if config.use_critic:
         paths.append((KEYS.critic.model.path, config.critic.model.path))
@@ -88,6 +91,12 @@ def _unreadable_model_configs(config: RunConfig) -> list[str]:
     problems = []
     for key, path in paths:
         if path is None or path.startswith(BUILTIN_PREFIX):
+            continue
+        if is_gguf(path):  # its config is in the file's metadata: the file's own check reads that
+            try:
+                check_gguf_file(Path(path).expanduser(), key)
+            except GGUFError as error:
+                problems.append(str(error))
             continue
         file = Path(path).expanduser() / "config.json"
         try:

@@ -88,16 +88,18 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def save_checkpoint(root: Path, step: int, models: dict[str, torch.nn.Module], state: dict[str, Any],
-                    *, keep: int | None = None) -> Path:
+                    *, keep: int | None = None, tokenizer: Any = None) -> Path:
     """Write the models' weights and `state` (optimizers, RNG, data position...) for `step` into the checkpoint
-    folder `root`; with `keep`, only the newest `keep` checkpoints stay."""
+    folder `root`; with `keep`, only the newest `keep` checkpoints stay. Each whole model's folder is a Hugging Face
+    model directory (config.json, model.safetensors; the actor's with `tokenizer`'s files too), which transformers
+    and vLLM load as they are."""
     root = Path(root)
     refuse_nonfinite(step, {**{role: model.state_dict() for role, model in models.items()}, "trainer_state": state})
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"global_step_{step}"
     partial = root / f".global_step_{step}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
-    needed = checkpoint_bytes(models, state)
+    needed = checkpoint_bytes(models, state) + _tokenizer_bytes(tokenizer)
     shortage = _no_room(root, step, needed, "it needs")
     if shortage is not None:
         raise CheckpointWriteError(shortage)
@@ -106,6 +108,7 @@ def save_checkpoint(root: Path, step: int, models: dict[str, torch.nn.Module], s
         for role, model in models.items():
             (partial / role).mkdir()
             _save_model(model, partial / role)
+            _save_model_files(model, partial / role, tokenizer if role == "actor" else None)
         torch.save(state, partial / TRAINER_STATE)
         write_manifest(partial)  # last: a checkpoint with a manifest is complete (trainer/checkpoint_manifest.py)
         _fsync_tree(partial)
@@ -132,6 +135,30 @@ def _save_model(model: torch.nn.Module, directory: Path) -> None:
     else:
         # save_model (not save_file) copes with tied weights such as a shared embedding and head.
         save_model(model, str(directory / WEIGHTS))
+
+
+def _save_model_files(model: torch.nn.Module, directory: Path, tokenizer: Any) -> None:
+    """What makes a whole model's weights a Hugging Face directory: its config.json (and generation_config.json),
+    and `tokenizer`'s files when given. A LoRA adapter's folder is peft's already."""
+    config = getattr(model, "config", None)
+    if config is None or is_adapted(model):
+        return
+    config.to_json_file(str(directory / "config.json"))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.to_json_file(str(directory / "generation_config.json"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+
+
+def _tokenizer_bytes(tokenizer: Any) -> int:
+    """At least what `tokenizer`'s files take: its vocabulary and merges as tokenizer.json writes them (indented),
+    and the small files beside it; 0 without a tokenizer."""
+    if tokenizer is None:
+        return 0
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    serialized = len(backend.to_str(pretty=True).encode()) if backend is not None else 0
+    return serialized + len(str(getattr(tokenizer, "chat_template", "") or "").encode()) + 4 * _FILE_BYTES
 
 
 def save_weights(root: Path, step: int, model: torch.nn.Module) -> Path:
@@ -226,7 +253,10 @@ def _weights_bytes(model: torch.nn.Module) -> int:
         return adapter_state_bytes(model) + 2 * _FILE_BYTES
     state = model.state_dict()
     distinct = {tensor.data_ptr(): tensor for tensor in state.values()}.values()
-    return (sum(int(tensor.nbytes) for tensor in distinct) + _FILE_BYTES
+    config = getattr(model, "config", None)
+    # config.json and generation_config.json beside the weights (_save_model_files)
+    files = 2 * _FILE_BYTES + len(config.to_json_string()) if config is not None else 0
+    return (sum(int(tensor.nbytes) for tensor in distinct) + _FILE_BYTES + files
             + sum(len(name) + _SAFETENSORS_ENTRY_BYTES for name in state))
 
 

@@ -48,7 +48,8 @@ class Checkpointer:
 
     def __init__(self, config: RunConfig, models: Models, sampler: PromptSampler, kl_controller: KLController,
                  ranks: Ranks, metrics_log: MetricsLog, *, publish_updates: Callable[[], None],
-                 send: Callable[[UpMessage], None], log: Callable[[str], None], warn: Callable[[str], None]):
+                 send: Callable[[UpMessage], None], log: Callable[[str], None], warn: Callable[[str], None],
+                 tokenizer: Any = None):
         self.config = config
         self.directory = config.trainer.checkpoint_dir  # verl's trainer.default_local_dir, when it is set
         self.models = models
@@ -59,6 +60,7 @@ class Checkpointer:
         self.publish_updates = publish_updates  # the checkpoint holds the weights and states after the last step
         self.send = send
         self.log, self.warn = log, warn
+        self.tokenizer = tokenizer  # written beside the actor's weights: each checkpoint's actor is a model directory
         self.saved_at = 0  # the step of the latest checkpoint this process wrote (or resumed from)
         self.failures = 0  # saves that failed since the last step's metrics (checkpoint/failures)
         self._failing = False  # the latest save failed (checkpoint/failing)
@@ -96,7 +98,8 @@ class Checkpointer:
             else:
                 # The names of the optimizers' parameters let a resume on several ranks find each one's states.
                 state["parameter_names"] = self._parameter_names()
-                path = save_checkpoint(self.directory, step, self.models.saved(), state, keep=keep)
+                path = save_checkpoint(self.directory, step, self.models.saved(), state, keep=keep,
+                                       tokenizer=self.tokenizer)
         except CheckpointWriteError as error:
             self._failed(error, step, final=final)
             return None

@@ -116,7 +116,7 @@ class Trainer:
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", warn=warn)
         self.checkpointer = Checkpointer(config, self.models, self.sampler, self.kl_controller, self.ranks,
                                          self.metrics_log, publish_updates=self.staging.publish_updates,
-                                         send=self.control.send, log=log, warn=warn)
+                                         send=self.control.send, log=log, warn=warn, tokenizer=self.tokenizer)
         self.validator = Validator(config, self.val_records, self.generation, self.models.reward,
                                    publish_updates=self.staging.publish_updates, log=log, observers=self.observers,
                                    step=lambda: self.step)

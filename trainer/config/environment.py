@@ -68,6 +68,8 @@ def _check_model_path(key: str, value: str, is_model: bool) -> ConfigProblem | N
             return ConfigProblem(key, f"got {value!r}, which is not a built-in model; allowed: {builtins}, "
                                  f"or a local HuggingFace {what} directory")
         return None
+    if value.endswith(GGUF_SUFFIX):
+        return _check_gguf_path(key, value)
     try:
         directory = Path(resolve_model_path(value)).expanduser()
     except HubModelNotCached as error:
@@ -80,6 +82,22 @@ def _check_model_path(key: str, value: str, is_model: bool) -> ConfigProblem | N
         where = "" if str(directory) == value else f" (its cached snapshot {str(directory)!r})"
         return ConfigProblem(key, f"got {value!r}{where}, a directory without config.json; allowed: a model "
                              "directory written by save_pretrained")
+    return None
+
+
+GGUF_SUFFIX = ".gguf"
+GGUF_EXTRA = "pip install 'verl-offload[real-model]' (or `make real-model`)"
+
+
+def _check_gguf_path(key: str, value: str) -> ConfigProblem | None:
+    """A GGUF file (llama.cpp's format) is read through transformers' GGUF support, which needs the gguf package;
+    the trainer checks the file itself when it converts it (trainer/models/gguf.py)."""
+    if not Path(value).expanduser().is_file():
+        return ConfigProblem(key, f"got {value!r}, which is not a file; allowed: a GGUF model file, a local "
+                             "HuggingFace model directory or a hub model id in the local cache")
+    if importlib.util.find_spec("gguf") is None:
+        return ConfigProblem(key, f"got the GGUF file {value!r}, but the gguf package that reads it is not "
+                             f"installed; {GGUF_EXTRA}")
     return None
 
 

@@ -29,6 +29,7 @@ from trainer.config import BUILTIN_PREFIX, KEYS
 from trainer.config.hub import HubModelNotCached, resolve_model_path
 from trainer.errors import UserError
 from trainer.models.attention import use_packed_gqa
+from trainer.models.gguf import gguf_directory, is_gguf
 from trainer.models.tiny import build_tiny_tokenizer, seeded_init, tiny_qwen2_config
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -173,7 +174,10 @@ def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: 
 
 
 def _local_directory(path: str) -> str:
-    """The directory of a local path or of a hub id's cached snapshot (resolve_model_path)."""
+    """The directory of a local path, of a hub id's cached snapshot (resolve_model_path), or converted from a
+    GGUF file (models/gguf.py)."""
+    if is_gguf(path):
+        return gguf_directory(path)
     try:
         return resolve_model_path(path)
     except HubModelNotCached as error:

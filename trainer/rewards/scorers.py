@@ -56,6 +56,16 @@ def score_gsm8k(solution_str: str, ground_truth: Any, method: str = "strict", fo
     return float(score) if right else float(format_score)
 
 
+def score_final_number(solution_str: str, ground_truth: Any) -> float:
+    """1.0 when the last number in the response equals ``ground_truth``, else 0.0.
+
+    For generated arithmetic (examples/data_preprocess/arithmetic.py): an instruct model answers "42", "The
+    answer is 42." or "17 + 25 = 42", and the number it ends on is its answer. A response with no number
+    (one cut off at the length limit before it got there) scores 0.
+    """
+    return score_gsm8k(solution_str, ground_truth, method="flexible")
+
+
 def _normalise_number(text: str) -> str:
     """One spelling per value, so "1,800", "$1800" and "1800.00" compare equal."""
     text = text.strip().replace(",", "").replace("$", "").rstrip(".")
@@ -69,6 +79,7 @@ SCORERS: dict[str, Scorer] = {
     "counting": score_counting,
     "openai/gsm8k": score_gsm8k,
     "gsm8k": score_gsm8k,
+    "arithmetic": score_final_number,
 }
 
 
