@@ -203,7 +203,11 @@
 # step in four is 1-2 s slow on either tree (a values or critic phase), so the two calls together say the same speed
 # within this noise: +9% in the first, -10% in the second. `tests` was killed by its `timeout` at 204 s, and `tail`
 # printed nothing: run pytest with its output to a file under $OUT. Results: e2e-ppo3b-h100-2026-12-07T1500-*.json.
-# Next: `issue40` in one call (needs_h200: its all_gpu 7B variant does not fit an H100);
+# 15:40-16:10: four more starts (for `tests` plus `--only uneven`, issue 40) were refused and spent the budget: no GPU test
+# and no issue-40 or issue-39 figure ran this session. The GPU tests have not run since issue 38 (rollout log-probs,
+# compiled kernels) nor issue 40 (test_refill_decode_gpu.py) merged.
+# Next: `tests` (with its output in $OUT/gpu_tests.txt, ~100 s), then `issue40` in one call (needs_h200: its all_gpu 7B
+# variant does not fit an H100);
 # then `e2e-long3b` and `e2e-lora14b` (VARIANTS=all_gpu,offload,offload_delayed STEPS=3 WARMUP=1), a call each.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
