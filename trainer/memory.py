@@ -525,8 +525,11 @@ class ModelMemory:
         return build_optimizer(model, config, self.manager.engine(self.role))
 
     def update_streams_layers(self) -> bool:
+        # On a CPU compute device nothing moves: the "streamed" layers are in host memory already, so merging
+        # micro-batches saves no copy and would only sum the gradient in another order than the resident run.
         engine = self.manager.engine(self.role)
-        return engine is not None and engine.layers_on_gpu < len(engine.transformer_units)
+        return (engine is not None and engine.device.type != "cpu"
+                and engine.layers_on_gpu < len(engine.transformer_units))
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         engine = self.manager.engine(self.role)

@@ -81,7 +81,7 @@ class FSDPConfig(Section):
     delayed_update: bool = False
     """The actor's CPU update runs during the next rollout, which samples with the weights before it."""
     merge_micro_batches: bool = True
-    """While the update streams layers from the CPU, run each mini-batch as one micro-batch (the same gradient)."""
+    """While the update streams layers from the CPU to a GPU, run each mini-batch as one micro-batch (same gradient)."""
 
     @field_validator("model_dtype", mode="before")
     @classmethod
