@@ -18,6 +18,7 @@ from trainer.algorithms import (
 from trainer.config import RunConfig
 from trainer.distributed.ranks import Ranks
 from trainer.distributed.run_wide import RunWide
+from trainer.distributed.whole_groups import advantages_over_whole_groups
 from trainer.rollout.batch import RolloutBatch
 
 
@@ -69,7 +70,10 @@ class AdvantagePhase:
                                  rollout_is_weights=batch.rollout_is_weights,
                                  reward_baselines=batch.reward_baselines,
                                  sum_over_batch=self.ranks.sum_tensor_over_data)
-        batch.advantages, batch.returns = self.estimator(inputs, algorithm)
+        # A prompt's responses spread over ranks (verl's split of the sequences): the estimator sees the whole batch.
+        batch.advantages, batch.returns = (
+            advantages_over_whole_groups(self.estimator, inputs, algorithm, self.ranks)
+            if self.run_wide.splits_groups else self.estimator(inputs, algorithm))
         return metrics
 
     def filter_policy(self, batch: RolloutBatch) -> RolloutBatch:

@@ -54,12 +54,15 @@ class Generation:
         self.multi_turn = multi_turn_rollout(config, tokenizer, log)  # None: one turn
 
     def generate(self, records: Sequence[PromptRecord], rollout: HFRollout | None = None,
-                 n: int | None = None) -> RolloutBatch:
-        """Sample n responses per prompt; the batch holds prompt i's responses at i*n ... i*n + n - 1."""
+                 n: int | None = None, groups: Sequence[int] | None = None) -> RolloutBatch:
+        """Sample n responses per prompt; the batch holds prompt i's responses at i*n ... i*n + n - 1, in group i,
+        or in group groups[i] (a step whose sequences the ranks split: StepShare.groups)."""
         n = self.config.actor_rollout_ref.rollout.n if n is None else n
         repeated = [record for record in records for _ in range(n)]
+        group_index = (torch.arange(len(records)) if groups is None else torch.tensor(list(groups))
+                       ).to(self.device).repeat_interleave(n)
         if self.multi_turn is not None:
-            return self._conversations(repeated, rollout or self.rollout, len(records), n)
+            return self._conversations(repeated, rollout or self.rollout, group_index)
         prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
                                                  max_length=self.config.data.max_prompt_length,
                                                  truncation=self.config.data.truncation,
@@ -87,12 +90,12 @@ class Generation:
         # rank's responses go to the others, so that a kernel not bitwise deterministic on another device cannot
         # give the group different sequences to split.
         response_ids, response_mask, *log_probs = self.ranks.broadcast_in_sequence_group(sampled)
-        group_index = torch.arange(len(records), device=self.device).repeat_interleave(n)
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated,
                             rollout_log_probs=log_probs[0] if log_probs else None)
 
-    def _conversations(self, repeated: list[PromptRecord], rollout: HFRollout, groups: int, n: int) -> RolloutBatch:
+    def _conversations(self, repeated: list[PromptRecord], rollout: HFRollout, group_index: torch.Tensor
+                       ) -> RolloutBatch:
         """The multi-turn rollout of `repeated` (trainer/rollout/multi_turn.py), each turn sampled by `_sample_turn`;
         synced over ranks, every rank samples as many turns."""
         assert self.multi_turn is not None
@@ -112,7 +115,7 @@ class Generation:
                             response_ids=done.response_ids.to(self.device),
                             response_mask=done.response_mask.to(self.device),
                             response_attention=done.response_attention.to(self.device),
-                            group_index=torch.arange(groups, device=self.device).repeat_interleave(n),
+                            group_index=group_index,
                             records=done.records,
                             rollout_log_probs=None if done.log_probs is None else done.log_probs.to(self.device))
 
@@ -193,14 +196,14 @@ class GreedyBaseline:
         """How long the last call took (timing_s/gen_max)."""
 
     @torch.no_grad()
-    def __call__(self, records: Sequence[PromptRecord]) -> torch.Tensor:
-        """[len(records) * rollout.n] the score of each prompt's greedy response, once for each of its sampled
-        responses (the batch's order: prompt i's at i*n ... i*n + n - 1)."""
+    def __call__(self, records: Sequence[PromptRecord], copies: int | None = None) -> torch.Tensor:
+        """[len(records) * copies] the score of each prompt's greedy response, once for each of its `copies` sampled
+        responses (rollout.n; the batch's order: prompt i's at i*n ... i*n + n - 1)."""
         start = time.perf_counter()
         batch = self.generation.generate(records, rollout=self.rollout, n=1)
         with self.staging("scoring", Role.REWARD, len(batch)):
             scores = self.reward(batch).to(self.generation.device, torch.float32)
-        baselines = scores.repeat_interleave(self.n)
+        baselines = scores.repeat_interleave(self.n if copies is None else copies)
         self.synchronize()
         self.seconds = time.perf_counter() - start
         return baselines

@@ -28,7 +28,7 @@ from trainer.data import PromptRecord
 from trainer.data.user_classes import prompt_sampler
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks, resolve_device
-from trainer.distributed.run_wide import RunWide
+from trainer.distributed.run_wide import RunWide, StepShare
 from trainer.divergence import DivergenceWatch
 from trainer.generation import Generation, GreedyBaseline
 from trainer.memory import MemoryManager, default_memory_probe, host_memory_available
@@ -151,9 +151,9 @@ class Trainer:
                 break
             self.memory.safe_point()
             self.checkpointer.mark_step_start()
-            records = [self.records[index] for index in self.run_wide.share_of(self.sampler.next_batch())]
+            share = self.run_wide.share_of(self.sampler.next_batch())
             try:
-                local = self.train_step(records)
+                local = self.train_step([self.records[index] for index in share.prompts], share)
             except StepInterrupted as interrupted:  # a stop while the user's reward function was stuck
                 self.checkpointer.rewind_step(str(interrupted))
                 break
@@ -162,8 +162,7 @@ class Trainer:
             if self.validator.due(self.step, self.total_steps):
                 local.update(self.validator.timed())
             local.update(self.checkpointer.metrics())
-            self._record_step(self.run_wide.metrics(local, sequences=len(records) * self.config.actor_rollout_ref
-                                                    .rollout.n, step=self.step,
+            self._record_step(self.run_wide.metrics(local, sequences=share.sequences, step=self.step,
                                                     copy_latency_mean_s=self._copy_latency_mean_s), local=local)
             # The last step's save is the final one, below.
             save_freq = self.config.trainer.save_freq
@@ -209,15 +208,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ the step
 
-    def train_step(self, records: Sequence[PromptRecord]) -> dict[str, float]:
-        """One RL step over a batch of prompts; returns its metrics under verl's names."""
+    def train_step(self, records: Sequence[PromptRecord], share: StepShare | None = None) -> dict[str, float]:
+        """One RL step over a batch of prompts (`share`: how this rank samples them; None: rollout.n responses
+        each, a group each); returns its metrics under verl's names."""
+        share = share or StepShare(list(range(len(records))), self.config.actor_rollout_ref.rollout.n)
         timer = StepTimer(self._synchronize, on_phase=self.control.phase_started)
         metrics: dict[str, float] = {}
         with timer.phase("step"):
             with timer.phase("gen"):
-                batch = self.generation.generate(records)
+                batch = self.generation.generate(records, n=share.copies, groups=share.groups)
                 if self.greedy_baseline is not None:
-                    batch.reward_baselines = self.greedy_baseline(records)
+                    batch.reward_baselines = self.greedy_baseline(records, share.copies)
                     metrics["timing_s/gen_max"] = self.greedy_baseline.seconds
                 self.memory.end_rollout()
             metrics.update(self.generation.decode_memory())

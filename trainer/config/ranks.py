@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import math
+
 from trainer.config.environment import RDZV_ENDPOINT_ENVIRONMENT
 from trainer.config.errors import ConfigProblem, ConfigWarning
 from trainer.config.schema import BUILTIN_PREFIX, FSDP_PREFIX, RunConfig
@@ -126,20 +128,34 @@ def _sequence_parallel_offload_problems(config: RunConfig) -> list[ConfigProblem
 
 
 def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
-    """verl's semantics: data.train_batch_size and ppo_mini_batch_size count prompts of the whole run, divided
-    among the data-parallel ranks (the *_micro_batch_size_per_gpu keys count per rank), so each divides by the
-    world size."""
-    world, sp = data_parallel_size(config), config.sequence_parallel_size
-    groups = (f"{world} data-parallel groups ({world_size(config)} ranks over the sequence-parallel degree {sp}"
-              if sp > 1 else f"{world} ranks (trainer.nnodes x trainer.n_gpus_per_node")
-    sizes = [("data.train_batch_size", config.data.train_batch_size),
-             ("actor_rollout_ref.actor.ppo_mini_batch_size", config.actor_rollout_ref.actor.ppo_mini_batch_size)]
+    """verl's rules, no stricter: data.train_batch_size and ppo_mini_batch_size count prompts of the whole run. verl
+    splits the step's sequences (prompts x rollout.n) among the ranks (utils/config.py: real_train_batch_size
+    divisible by the GPUs, checked without use_dynamic_bsz), and each rank's mini-batch is ppo_mini_batch_size x
+    rollout.n // the data-parallel groups sequences, which must be at least one (fsdp_workers.py). Prompts that do
+    not divide among the ranks are split by their sequences (distributed/run_wide.py: StepShare)."""
+    world, dp, sp = world_size(config), data_parallel_size(config), config.sequence_parallel_size
+    n = config.actor_rollout_ref.rollout.n
+    batch = config.data.train_batch_size
+    problems = []
+    if config.actor_rollout_ref.actor.use_dynamic_bsz and batch * n % dp:
+        # verl skips its check then and pads the batch it dispatches; here every data-parallel group takes as many.
+        problems.append(ConfigProblem("data.train_batch_size", f"got {batch}, whose {batch * n} sequences (x "
+                                      f"rollout.n {n}) do not divide among the run's {dp} data-parallel groups; "
+                                      f"allowed: a multiple of {dp // math.gcd(dp, n)} (verl pads such a batch; "
+                                      "this trainer does not)"))
+    elif batch * n % world and not config.actor_rollout_ref.actor.use_dynamic_bsz:
+        problems.append(ConfigProblem("data.train_batch_size", f"got {batch}, whose {batch * n} sequences (x "
+                                      f"rollout.n {n}) do not divide among the run's {world} ranks (trainer.nnodes x "
+                                      "trainer.n_gpus_per_node); verl requires train_batch_size x rollout.n to be a "
+                                      f"multiple of the GPUs; allowed: a multiple of {world // math.gcd(world, n)}"))
+    groups = f"{dp} data-parallel groups" if sp > 1 else f"{dp} ranks"
+    sizes = [("actor_rollout_ref.actor.ppo_mini_batch_size", config.actor_rollout_ref.actor.ppo_mini_batch_size)]
     if config.use_critic and config.critic.ppo_mini_batch_size is not None:
         sizes.append(("critic.ppo_mini_batch_size", config.critic.ppo_mini_batch_size))
-    return [ConfigProblem(key, f"got {size}, which does not divide among the run's {groups}; it counts the prompts "
-                               f"of all of them); allowed: a multiple of {world}, e.g. "
-                               f"{max(world, size - size % world)}")
-            for key, size in sizes if size % world]
+    return problems + [
+        ConfigProblem(key, f"got {size}, which leaves no sequence per rank: {size} x rollout.n {n} // {groups} is 0, "
+                      f"and verl requires at least one; allowed: at least {-(-dp // n)}")
+        for key, size in sizes if size * n // dp == 0]
 
 
 def _single_rank_features(config: RunConfig) -> list[ConfigProblem]:

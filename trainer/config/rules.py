@@ -83,10 +83,11 @@ def _check_batch_sizes(config: RunConfig) -> list[ConfigProblem]:
             problems.append(ConfigProblem(f"{prefix}.ppo_mini_batch_size", f"got {mini}, which {why} "
                                           f"data.train_batch_size ({batch}); allowed: a divisor of {batch}, "
                                           f"e.g. {_largest_divisor(batch, mini)}"))
-        elif not by_tokens and mini % world == 0 and (mini * n // world) % micro:
-            # Each data-parallel group's share of the mini-batch is what its micro-batches split.
+        elif not by_tokens and mini * n // world and (mini * n // world) % micro:
+            # Each data-parallel group's share of the mini-batch is what its micro-batches split (verl's normalized
+            # ppo_mini_batch_size, rounded down; none at all is ranks.py's problem).
             sequences = mini * n // world
-            per_rank = "" if world == 1 else f" / {world} data-parallel groups" if sp > 1 else f" / {world} ranks"
+            per_rank = "" if world == 1 else f" // {world} data-parallel groups" if sp > 1 else f" // {world} ranks"
             problems.append(ConfigProblem(
                 f"{prefix}.ppo_micro_batch_size_per_gpu",
                 f"got {micro}, which does not divide the mini-batch of {sequences} sequences "

@@ -2,7 +2,7 @@
 
 from trainer.data.builtin import BUILTIN_DATASETS, counting_records
 from trainer.data.records import DataError, PromptRecord, load_records, write_records
-from trainer.data.sampler import PromptSampler, rank_share
+from trainer.data.sampler import PromptSampler, rank_share, sequence_share
 
 __all__ = [
     "BUILTIN_DATASETS",
@@ -12,5 +12,6 @@ __all__ = [
     "counting_records",
     "load_records",
     "rank_share",
+    "sequence_share",
     "write_records",
 ]

@@ -101,3 +101,26 @@ def rank_share(batch: list[int], *, rank: int, world_size: int, mini_batch_size:
     share = mini_batch_size // world_size
     return [index for start in range(0, len(batch), mini_batch_size)
             for index in batch[start + rank * share: start + (rank + 1) * share]]
+
+
+def sequence_share(batch: list[int], *, copies: int, rank: int, world_size: int,
+                   mini_batch_size: int) -> tuple[list[int], list[int]]:
+    """Rank `rank`'s share of a step's sequences when whole prompts do not split among the ranks (fewer prompts
+    than ranks, per step or per mini-batch, or not a multiple of them): verl splits the sequences, each prompt of
+    `batch` repeated `copies` (rollout.n) times in a row, not the prompts, so a prompt's group may span ranks.
+
+    As rank_share deals prompts, each rank takes its 1/world_size slice of every mini-batch of the sequences, so the
+    ranks' local mini-batches together are the global ones a single rank would take; `mini_batch_size` is verl's
+    per-rank size (ppo_mini_batch_size x rollout.n // ranks, workers/optimization.rank_mini_batch_size), and the
+    last mini-batch may be shorter. Returns each of this rank's sequences' prompt (an entry of `batch`) and its
+    group: the position of that prompt in `batch`, the same on every rank."""
+    sequences = len(batch) * copies
+    if sequences % world_size or mini_batch_size < 1:
+        raise ValueError(f"{len(batch)} prompts x {copies} responses in mini-batches of {mini_batch_size} per rank "
+                         f"do not split among {world_size} ranks")
+    positions: list[int] = []
+    for start in range(0, sequences, mini_batch_size * world_size):
+        share = min(mini_batch_size * world_size, sequences - start) // world_size
+        positions.extend(range(start + rank * share, start + (rank + 1) * share))
+    groups = [position // copies for position in positions]
+    return [batch[group] for group in groups], groups

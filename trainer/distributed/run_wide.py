@@ -1,4 +1,5 @@
-"""What the RL step does across ranks: each rank's share of the prompts, prompts padded alike, the step's metrics and
+"""What the RL step does across ranks: each rank's share of the prompts (or of their sequences, StepShare), prompts
+padded alike, the step's metrics and
 GAE's whitening over every rank's tokens, and rank 0's report of every rank to the daemon of node 0.
 
 On one rank every function here is the identity (or close to it), so the loop calls them unconditionally.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -16,11 +18,28 @@ import torch
 from trainer.algorithms.functional import WHITEN_EPSILON, masked_mean, masked_whiten
 from trainer.config import RunConfig
 from trainer.config.messages import RankReport, RanksMessage, UpMessage
-from trainer.data import rank_share
+from trainer.data import rank_share, sequence_share
 from trainer.distributed.ranks import Ranks
 from trainer.metrics import combine_rank_metrics, rank_reduction
 
 Record = TypeVar("Record")
+
+
+@dataclass(frozen=True)
+class StepShare:
+    """This rank's part of a step's batch: the prompts it samples, how many responses each, and each one's group."""
+
+    prompts: list[int]
+    """Indices of the prompts this rank samples; with `copies` 1 one entry per sequence (a prompt may repeat)."""
+    copies: int
+    """Responses sampled per entry of `prompts`: rollout.n, or 1 where the ranks split the step's sequences."""
+    groups: list[int] | None = None
+    """Each entry's group, the same on every rank (its prompt's position in the step's batch); None: its own
+    position in `prompts`, a group whole on this rank."""
+
+    @property
+    def sequences(self) -> int:
+        return len(self.prompts) * self.copies
 
 
 class RunWide:
@@ -31,13 +50,29 @@ class RunWide:
         self.config = config
         self.send = send
 
-    def share_of(self, batch: list[int]) -> list[int]:
-        """This rank's prompts of the global batch (all of it on one rank): a slice of each actor mini-batch. The
-        ranks of a sequence-parallel group take the same share: they split its sequences instead."""
+    def share_of(self, batch: list[int]) -> StepShare:
+        """This rank's part of the global batch (all of it on one rank): a slice of each actor mini-batch, of whole
+        prompts where they divide among the ranks, otherwise of the sequences, as verl splits them (`splits_groups`).
+        The ranks of a sequence-parallel group take the same share: they split its sequences instead."""
+        n = self.config.actor_rollout_ref.rollout.n
         if not self.ranks.distributed:
-            return batch
-        return rank_share(batch, rank=self.ranks.dp_rank, world_size=self.ranks.dp_size,
-                          mini_batch_size=self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
+            return StepShare(batch, n)
+        mini_batch_size = self.config.actor_rollout_ref.actor.ppo_mini_batch_size
+        if not self.splits_groups:
+            return StepShare(rank_share(batch, rank=self.ranks.dp_rank, world_size=self.ranks.dp_size,
+                                        mini_batch_size=mini_batch_size), n)
+        prompts, groups = sequence_share(batch, copies=n, rank=self.ranks.dp_rank, world_size=self.ranks.dp_size,
+                                         mini_batch_size=mini_batch_size * n // self.ranks.dp_size)
+        return StepShare(prompts, 1, groups)
+
+    @property
+    def splits_groups(self) -> bool:
+        """Whether a prompt's responses may be on several ranks: the prompts of a step or of an actor mini-batch are
+        fewer than the data-parallel groups, or not a multiple of them (verl accepts it: it splits the sequences).
+        The group estimators then gather what they read over the ranks (distributed/whole_groups.py)."""
+        ranks = self.ranks.dp_size
+        return ranks > 1 and bool(self.config.data.train_batch_size % ranks
+                                  or self.config.actor_rollout_ref.actor.ppo_mini_batch_size % ranks)
 
     def validation_share(self, records: Sequence[Record]) -> tuple[list[Record], int]:
         """This rank's slice of a validation batch and how many of it count. Every rank generates as many

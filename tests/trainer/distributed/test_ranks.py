@@ -219,10 +219,12 @@ def test_grpo_groups_stay_whole_on_one_rank(tmp_path):
 
 @pytest.mark.slow
 def test_a_batch_size_that_does_not_divide_among_the_ranks_is_one_config_line_and_exit_2_on_every_rank(tmp_path):
-    bad = ["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=6"]
-    line = ("ERROR: actor_rollout_ref.actor.ppo_mini_batch_size: got 3, which does not divide among the run's 2 ranks "
-            "(trainer.nnodes x trainer.n_gpus_per_node; it counts the prompts of all of them); allowed: a multiple "
-            "of 2, e.g. 2")
+    # verl refuses it too: 3 prompts x 1 response do not split among 2 GPUs (its real_train_batch_size).
+    bad = ["actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=3", "actor_rollout_ref.rollout.n=1",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+    line = ("ERROR: data.train_batch_size: got 3, whose 3 sequences (x rollout.n 1) do not divide among the run's 2 "
+            "ranks (trainer.nnodes x trainer.n_gpus_per_node); verl requires train_batch_size x rollout.n to be a "
+            "multiple of the GPUs; allowed: a multiple of 2")
     finished = launch(2, tmp_path, "bad", *bad)
     output = finished.stdout + finished.stderr
     assert [text for text in output.splitlines() if "ERROR:" in text] == [line]
