@@ -56,6 +56,16 @@ def test_a_tool_class_of_verls_not_built_here_is_refused_at_load(tmp_path: Path)
     assert "verl.tools.gsm8k_tool.Gsm8kTool" in message
 
 
+def test_an_mcp_tool_loads_and_one_without_its_servers_file_is_named(tmp_path: Path) -> None:
+    tools = tmp_path / "mcp.yaml"
+    tools.write_text("tools:\n  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n    config: {type: mcp}\n"
+                     "    mcp: {mcp_servers_config_path: ./mcp_server.json}\n")
+    assert load_config(None, [f"{KEY}.tool_config_path={tools}"]).actor_rollout_ref.rollout.multi_turn.tool_config_path
+    tools.write_text("tools:\n  - class_name: my.McpTool\n    config: {type: mcp}\n")
+    [(path, message)] = problems_of(f"{KEY}.tool_config_path={tools}")
+    assert path == f"{KEY}.tool_config_path" and "an MCP tool without mcp.mcp_servers_config_path" in message
+
+
 def test_a_tool_without_a_function_name_and_an_interaction_without_a_class_are_both_named(tmp_path: Path) -> None:
     tools, interactions = tmp_path / "tools.yaml", tmp_path / "interactions.yaml"
     tools.write_text("tools:\n  - class_name: my.Tool\n    tool_schema: {type: function}\n")
