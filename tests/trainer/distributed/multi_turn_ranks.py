@@ -1,8 +1,9 @@
 """One rank of the 2-rank multi-turn check, run by torch.distributed.run (2 CPU ranks over gloo) from
 test_multi_turn_ranks.py.
 
-Each rank trains the tiny model for a GRPO step with verl's gsm8k tool config. The tiny model's word-level
-vocabulary cannot write <tool_call>, so its turns are read as calls: on rank 0 every turn calls the tool (up to
+Each rank trains the tiny model for a GRPO step with verl's gsm8k tool config and the padding-free forward
+(use_remove_padding, as verl's multi-turn scripts set it). The tiny model's word-level vocabulary cannot write
+<tool_call>, so its turns are read as calls: on rank 0 every turn calls the tool (up to
 max_assistant_turns), on rank 1 none does, so that rank 1's conversations end after one turn while rank 0's go on,
 and the sharded rollout's forwards still meet. Each rank writes what it saw to OUT/rank<r>.json:
 
@@ -43,7 +44,8 @@ def main(out: Path, data: str, tools: str, runs_dir: str) -> None:
         "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.multi_turn.enable=true",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}", "trainer.total_training_steps=1",
-        "trainer.save_freq=-1", f"trainer.runs_dir={runs_dir}", "trainer.experiment_name=multi_turn_ranks"])
+        "trainer.save_freq=-1", "actor_rollout_ref.model.use_remove_padding=true",
+        f"trainer.runs_dir={runs_dir}", "trainer.experiment_name=multi_turn_ranks"])
     trainer = Trainer(config, log=lambda *_: None, ranks=ranks)
     batches = []
     generate = trainer.generation.generate
