@@ -2,7 +2,8 @@
 import: ``python -m trainer.check --config RESOLVED.yaml``.
 
 Loads what is cheap to load and builds no model: the tokenizers, every data file (each row as the
-trainer reads it) and each model directory's config.json, then checks every prompt's length against
+trainer reads it), each model directory's config.json and the multi-turn rollout's tools and interactions (each
+class imported and built with its config, its schema checked), then checks every prompt's length against
 data.max_prompt_length as the trainer does at start (trainer/data/checks.py). Prints one ``ERROR:`` line
 per problem and exits 2, or exits 0 with nothing printed.
 """
@@ -36,6 +37,7 @@ def check_run(config: RunConfig) -> list[str]:
     from trainer.data.user_classes import prompt_sampler, read_records
     from trainer.errors import UserError
     from trainer.models.loading import load_tokenizer
+    from trainer.rollout.tools import tool_problems
 
     problems: list[str] = []
     model, data = config.actor_rollout_ref.model, config.data
@@ -50,6 +52,7 @@ def check_run(config: RunConfig) -> list[str]:
     except UserError as error:
         problems.append(str(error))
     problems += _unreadable_model_configs(config)
+    problems += tool_problems(config)  # the multi-turn rollout's tools and interactions, built
     # The built-in rule scorers compare each response with the row's ground truth (as the trainer loads them).
     builtin_scoring = not config.reward_model.enable and config.custom_reward_function.path is None
     for files_key, files in ((KEYS.data.train_files, data.train_files), (KEYS.data.val_files, data.val_files)):

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from trainer.config.fields import Section
 
-ToolCallFormat = Literal["hermes", "qwen"]
+ToolCallFormat = Literal["hermes", "qwen", "gpt-oss"]
 TruncateSide = Literal["left", "right", "middle"]
 
 
@@ -42,7 +42,7 @@ class MultiTurnConfig(Section):
     tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "disable"] = "strict"
     """verl's SGLang rollout's key, with no effect here: the tokens are built turn by turn, never re-tokenized."""
     format: ToolCallFormat = "hermes"
-    """How the model writes a tool call: hermes (<tool_call>{"name", "arguments"}</tool_call>); qwen: the same."""
+    """How the model writes a tool call: hermes (<tool_call>{name, arguments}</tool_call>), qwen (the same), gpt-oss."""
     num_repeat_rollouts: int | None = Field(None, ge=1)
     """verl's key of its legacy SGLang rollout, with no effect here: rollout.n sets the responses per prompt."""
 

@@ -18,6 +18,8 @@ VERL_TOOLS = {"verl.tools.gsm8k_tool.Gsm8kTool": "Gsm8kTool",
               "verl.tools.search_tool.SearchTool": "SearchTool",
               "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "SandboxFusionTool"}
 VERL_INTERACTIONS = {"verl.interactions.gsm8k_interaction.Gsm8kInteraction": "Gsm8kInteraction"}
+# verl's MCP tools (config.type: mcp): accepted here, said at `verl train --check` (trainer/rollout/tools.py).
+MCP_TOOLS = ("verl.tools.mcp_search_tool.MCPSearchTool", "verl.tools.mcp_base_tool.MCPBaseTool")
 _KEY = "actor_rollout_ref.rollout.multi_turn"
 
 
@@ -54,11 +56,17 @@ def _entries_problems(key: str, path: str, section: str, known: dict[str, str]) 
         if not isinstance(class_name, str) or "." not in class_name:
             problems.append(ConfigProblem(key, f"{where}: class_name is {class_name!r}; allowed: verl's "
                                                f"{', '.join(known)}, or a class by its import path (module.Class)"))
-        elif class_name.startswith("verl.") and class_name not in known:
+        elif class_name.startswith("verl.") and class_name not in known and class_name not in MCP_TOOLS:
             problems.append(ConfigProblem(key, f"{where}: class_name is {class_name!r}, a class of verl's not built "
                                                f"here; allowed: verl's {', '.join(known)}, or a class of your own by "
                                                "its import path (module.Class) with verl's methods"))
-        if section == "tools":
+        if section == "tools" and is_mcp(entry):
+            servers = entry.get("mcp")
+            if not isinstance(servers, dict) or not isinstance(servers.get("mcp_servers_config_path"), str):
+                problems.append(ConfigProblem(key, f"{where}: an MCP tool without mcp.mcp_servers_config_path; "
+                                                   "allowed: mcp: {mcp_servers_config_path: servers.json, "
+                                                   "tool_selected_list: [...]}, as verl reads it"))
+        elif section == "tools":
             schema = entry.get("tool_schema")
             function = schema.get("function") if isinstance(schema, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -66,6 +74,12 @@ def _entries_problems(key: str, path: str, section: str, known: dict[str, str]) 
                                                    "OpenAI function schema (type: function, function: {name, "
                                                    "description, parameters})"))
     return problems
+
+
+def is_mcp(entry: dict[str, Any]) -> bool:
+    """Whether a tool config entry is verl's MCP tool (config.type: mcp, or one of verl's MCP classes)."""
+    config = entry.get("config")
+    return (isinstance(config, dict) and config.get("type") == "mcp") or entry.get("class_name") in MCP_TOOLS
 
 
 def single_vision_problem(problems: list[ConfigProblem]) -> list[ConfigProblem]:

@@ -1,10 +1,11 @@
 """verl's multi-turn, tool-calling rollout (its ToolAgentLoop) on the built-in engine.
 
 Each conversation: the prompt through the chat template (with the tools' schemas, `tools=`); then turn after turn,
-the model generates; its tool calls (multi_turn.format: hermes) run, at most max_parallel_calls of them, and their
-responses, as `tool` messages through the chat template, are appended; with an interaction and no call, the
-interaction answers as the user. A conversation ends when the model calls nothing, at max_assistant_turns or
-max_user_turns, when the response reaches response_length, or when the interaction says so.
+the model generates; its tool calls (multi_turn.format: hermes, qwen or gpt-oss) run, at most max_parallel_calls of
+them, and their responses, as `tool` messages through the chat template (gpt-oss's written by hand), are appended;
+with an interaction and no call, the interaction answers as the user. A conversation ends when the model calls
+nothing, at max_assistant_turns or max_user_turns, when the response reaches response_length, or when the
+interaction says so.
 
 The response is every token after the prompt, the model's and the tools' (the attention reads them all); its loss
 mask (RolloutBatch.response_mask) marks the model's own tokens only, so that tool and interaction tokens are left out
@@ -27,8 +28,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trainer.config.multi_turn import MultiTurnConfig
-from trainer.rollout.tool_calls import ToolCall, parse_tool_calls, truncated
-from trainer.rollout.tools import load_interactions, load_tools, text_of, tool_schemas
+from trainer.rollout.tool_calls import (
+    ToolCall,
+    gpt_oss_tool_responses,
+    parse_gpt_oss_tool_calls,
+    parse_tool_calls,
+    truncated,
+)
+from trainer.rollout.tools import has_media, load_interactions, load_tools, text_of, tool_schemas
 
 # One turn's sampling: [b, T] left-padded contexts and mask -> ([b, R] tokens, [b, R] mask of those generated (EOS
 # included), [b, R] their log-probs or None).
@@ -91,8 +98,10 @@ class MultiTurnRollout:
 
     def __init__(self, settings: MultiTurnConfig, tokenizer: PreTrainedTokenizerBase, *, response_length: int,
                  tools: Mapping[str, Any], interactions: Mapping[str, Any],
-                 template_kwargs: Mapping[str, Any] | None = None):
+                 template_kwargs: Mapping[str, Any] | None = None, log: Callable[[str], None] = print):
         self.settings = settings
+        self.log = log
+        self._media_said: set[str] = set()  # the tools whose images the log has named
         self.tokenizer = tokenizer
         self.response_length = response_length
         self.tools = dict(tools)
@@ -160,9 +169,10 @@ class MultiTurnRollout:
                 or (settings.max_user_turns and conversation.user_turns >= settings.max_user_turns)):
             conversation.done = True
             return
-        _, calls = parse_tool_calls(self.tokenizer.decode(turn)) if self.tools else ("", [])
+        _, calls = self._parse(self.tokenizer.decode(turn)) if self.tools else ("", [])
         if calls:
             messages = self.loop.run_until_complete(self._call_tools(conversation, calls))
+            calls = calls[:self.settings.max_parallel_calls]
         elif conversation.interaction is not None:
             conversation.messages.append({"role": "assistant",
                                           "content": self.tokenizer.decode(turn, skip_special_tokens=True)})
@@ -171,7 +181,8 @@ class MultiTurnRollout:
             conversation.done = True
             return
         conversation.messages += messages
-        added = self.template_tail(messages)
+        added = self.gpt_oss_tail(messages, calls) if calls and self.settings.format == "gpt-oss" else \
+            self.template_tail(messages)
         if calls and len(conversation.response) + len(added) >= self.response_length:
             conversation.done = True  # verl drops tool responses that do not fit
             return
@@ -208,6 +219,10 @@ class MultiTurnRollout:
         finally:
             if tool is not None and instance_id is not None:
                 await tool.release(instance_id)
+        if has_media(response) and call.name not in self._media_said:
+            self._media_said.add(call.name)
+            self.log(f"NOTE: tool {call.name!r} answered with images or video, which this text-only model cannot "
+                     "read: only the response's text is passed on (vision-language models take them)")
         text = truncated(text_of(response), self.settings.max_tool_response_length,
                          self.settings.tool_response_truncate_side)
         return text, reward
@@ -223,6 +238,17 @@ class MultiTurnRollout:
         return [{"role": "user", "content": text}]
 
     # ------------------------------------------------------------------------------------- the template
+
+    def _parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A turn's text -> (its text less the calls, the calls), in multi_turn.format."""
+        return parse_gpt_oss_tool_calls(text) if self.settings.format == "gpt-oss" else parse_tool_calls(text)
+
+    def gpt_oss_tail(self, messages: list[dict[str, Any]], calls: list[ToolCall]) -> list[int]:
+        """The tools' responses (one `tool` message per call, in order) in gpt-oss's harmony format, written by hand
+        as verl writes them, with the next assistant turn's opening."""
+        text = gpt_oss_tool_responses([str(message["content"]) for message in messages],
+                                      [call.name for call in calls])
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_kwargs(self) -> dict[str, Any]:
         """The chat template's keywords for a prompt: the data's, and the tools' schemas."""
@@ -292,4 +318,5 @@ def multi_turn_rollout(config: Any, tokenizer: PreTrainedTokenizerBase,
         f"at most {settings.max_assistant_turns or 'any number of'} assistant turns and "
         f"{settings.max_user_turns or 'any number of'} user turns in {config.data.max_response_length} tokens")
     return MultiTurnRollout(settings, tokenizer, response_length=config.data.max_response_length, tools=tools,
-                            interactions=interactions, template_kwargs=config.data.apply_chat_template_kwargs)
+                            interactions=interactions, template_kwargs=config.data.apply_chat_template_kwargs,
+                            log=log)

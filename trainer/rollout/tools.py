@@ -6,11 +6,16 @@ and interaction, and its search and sandbox-fusion tools as HTTP clients of thei
 class_name is a user's class by its import path, built as verl builds it (`cls(config, tool_schema)`,
 `cls(config)`) and called through verl's BaseTool and BaseInteraction methods (async create, execute, calc_reward,
 release; start_interaction, generate_response, calculate_score, finalize_interaction): duck-typed, verl not needed.
+
+verl's MCP tools (config.type: mcp, their schemas fetched from MCP servers) need verl's MCP client, the `fastmcp`
+package, which is not a dependency here, and are not built: `tool_problems` says so in one line at
+`verl train --check`, and the trainer stops with the same line at its start.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import urllib.error
 import urllib.request
@@ -21,7 +26,7 @@ from uuid import uuid4
 
 import yaml
 
-from trainer.config.tool_files import VERL_INTERACTIONS, VERL_TOOLS
+from trainer.config.tool_files import VERL_INTERACTIONS, VERL_TOOLS, is_mcp
 from trainer.errors import UserError
 from trainer.rewards.scorers import score_gsm8k
 
@@ -61,6 +66,13 @@ def text_of(response: Any) -> str:
     if isinstance(response, dict):
         return str(response.get("text") or "")
     return str(getattr(response, "text", None) or "")
+
+
+def has_media(response: Any) -> bool:
+    """Whether a tool's response carries images or video (verl's ToolResponse.image, .video, or a dict's)."""
+    if isinstance(response, dict):
+        return bool(response.get("image") or response.get("video"))
+    return bool(getattr(response, "image", None) or getattr(response, "video", None))
 
 
 class BuiltinTool:
@@ -228,28 +240,145 @@ _BUILTIN: dict[str, type] = {"Gsm8kTool": Gsm8kTool, "SearchTool": SearchTool,
                              "SandboxFusionTool": SandboxFusionTool, "Gsm8kInteraction": Gsm8kInteraction}
 
 
-def _class_of(class_name: str, known: dict[str, str], path: str) -> type:
+TOOLS_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+INTERACTIONS_KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
+
+
+def _class_of(class_name: str, known: dict[str, str], where: str) -> type:
     if class_name in known:
         return _BUILTIN[known[class_name]]
     module_name, _, attribute = class_name.rpartition(".")
     try:
-        return getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ToolConfigError(f"{path}: class_name {class_name!r} cannot be imported ({error}); allowed: verl's "
-                              f"{', '.join(known)}, or a class importable by that path") from None
+        found = getattr(importlib.import_module(module_name), attribute)
+    except Exception as error:  # noqa: BLE001 (a user's module may raise anything as it imports)
+        raise ToolConfigError(f"{where}: class_name {class_name!r} cannot be imported ({type(error).__name__}: "
+                              f"{error}); allowed: verl's {', '.join(known)}, or a class importable by that path"
+                              ) from None
+    if not isinstance(found, type):
+        raise ToolConfigError(f"{where}: class_name {class_name!r} is a {type(found).__name__}, not a class; "
+                              f"allowed: verl's {', '.join(known)}, or a class importable by that path")
+    return found
+
+
+def _entries(path: str, section: str) -> list[dict[str, Any]]:
+    return list(yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8"))[section])
+
+
+def schema_problem(schema: Any) -> str | None:
+    """What makes a tool_schema other than verl's OpenAIFunctionToolSchema reads it, or None. A function without a
+    description, parameters without properties or required are let through (verl asks for them; a chat template
+    writes none)."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("type"), str):
+        return "tool_schema.type is missing"
+    function = schema.get("function")
+    if not isinstance(function, dict):
+        return "tool_schema.function is missing"
+    if not isinstance(function.get("name"), str):
+        return f"tool_schema.function.name is {function.get('name')!r}, not a string"
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        return f"tool_schema.function.description is {function['description']!r}, not a string"
+    parameters = function.get("parameters")
+    if parameters is None:
+        return None
+    where = "tool_schema.function.parameters"
+    if not isinstance(parameters, dict) or not isinstance(parameters.get("type"), str):
+        return f"{where}.type is missing"
+    properties, required = parameters.get("properties", {}), parameters.get("required", [])
+    if not isinstance(properties, dict):
+        return f"{where}.properties is {properties!r}, not a mapping"
+    for name, value in properties.items():
+        if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+            return f"{where}.properties.{name}.type is missing"
+        if value.get("enum") is not None and not (isinstance(value["enum"], list)
+                                                  and all(isinstance(item, str) for item in value["enum"])):
+            return f"{where}.properties.{name}.enum is {value['enum']!r}, not a list of strings"
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        return f"{where}.required is {required!r}, not a list of names"
+    return None
+
+
+SCHEMA = ("an OpenAI function schema as verl's OpenAIFunctionToolSchema reads it (type: function, function: {name, "
+          "description, parameters: {type: object, properties: {NAME: {type, description}}, required: [NAME, ...]}})")
+
+
+def _build_tool(entry: dict[str, Any], where: str, report: Callable[[str], None]) -> Any:
+    """One tool of a tool config file, as verl builds it; ToolConfigError naming `where` if it cannot be."""
+    class_name = entry.get("class_name")
+    if is_mcp(entry):
+        servers = (entry.get("mcp") or {}).get("mcp_servers_config_path")
+        missing = importlib.util.find_spec("fastmcp") is None
+        raise ToolConfigError(
+            f"{where}: an MCP tool (config.type: mcp, servers in {servers!r}) needs verl's MCP client, the "
+            f"`fastmcp` package, {'which is not installed, ' if missing else ''}and MCP tools are not built here; "
+            f"allowed: a native tool (verl's {', '.join(VERL_TOOLS)}, or your class by import path)")
+    cls = _class_of(str(class_name), VERL_TOOLS, where)
+    problem = schema_problem(entry.get("tool_schema"))
+    if problem is not None:
+        raise ToolConfigError(f"{where}: {problem}; allowed: {SCHEMA}")
+    schema = Schema(entry["tool_schema"])
+    try:
+        tool = cls(config=entry.get("config") or {}, tool_schema=schema)
+    except ToolConfigError as error:
+        raise ToolConfigError(f"{where}: {error}") from None
+    except Exception as error:  # noqa: BLE001 (a user's class may raise anything on its config)
+        raise ToolConfigError(f"{where}: building it with its config and tool_schema raised "
+                              f"{type(error).__name__}: {error}; allowed: a config its class accepts") from None
+    _check_methods(tool, ("create", "execute", "release"), "BaseTool", where)
+    if isinstance(tool, BuiltinTool):
+        tool.report = report
+    return tool
+
+
+def _check_methods(built: Any, methods: tuple[str, ...], base: str, where: str) -> None:
+    missing = [method for method in methods if not callable(getattr(built, method, None))]
+    if missing:
+        raise ToolConfigError(f"{where}: the class has no {', '.join(missing)}; allowed: a class with verl's {base} "
+                              f"methods (async {', '.join(methods)})")
+
+
+def _build_interaction(entry: dict[str, Any], where: str) -> Any:
+    cls = _class_of(str(entry.get("class_name")), VERL_INTERACTIONS, where)
+    try:
+        interaction = cls(config={**(entry.get("config") or {}), "name": entry.get("name", "")})
+    except Exception as error:  # noqa: BLE001 (a user's class may raise anything on its config)
+        raise ToolConfigError(f"{where}: building it with its config raised {type(error).__name__}: {error}; "
+                              "allowed: a config its class accepts") from None
+    _check_methods(interaction, ("start_interaction", "generate_response", "finalize_interaction"),
+                   "BaseInteraction", where)
+    return interaction
+
+
+def _where(key: str, path: str, section: str, index: int, entry: dict[str, Any]) -> str:
+    return f"{key}: {path!r} {section}[{index}] ({entry.get('class_name')})"
 
 
 def load_tools(path: str, report: Callable[[str], None] = print) -> dict[str, Any]:
-    """{function name: tool} of a tool config file (checked when the config loaded: tool_files.py)."""
+    """{function name: tool} of a tool config file (its layout checked when the config loaded: tool_files.py)."""
     tools = {}
-    for entry in yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8"))["tools"]:
-        schema = Schema(entry["tool_schema"])
-        tool = _class_of(entry["class_name"], VERL_TOOLS, path)(entry.get("config") or {}, schema)
-        if isinstance(tool, BuiltinTool):
-            tool.report = report
-        name = getattr(tool, "name", None) or schema.function.name
-        tools[name] = tool
+    for index, entry in enumerate(_entries(path, "tools")):
+        tool = _build_tool(entry, _where(TOOLS_KEY, path, "tools", index, entry), report)
+        tools[getattr(tool, "name", None) or Schema(entry["tool_schema"]).function.name] = tool
     return tools
+
+
+def tool_problems(config: Any) -> list[str]:
+    """`verl train --check`: each tool and interaction of the run's multi-turn rollout built as the trainer builds
+    it (its class imported, its schema as verl's, its config accepted), one line per one that cannot be."""
+    settings = config.actor_rollout_ref.rollout.multi_turn
+    if not settings.runs:
+        return []
+    problems = []
+    for key, path, section in ((TOOLS_KEY, settings.tool_config_path, "tools"),
+                               (INTERACTIONS_KEY, settings.interaction_config_path, "interaction")):
+        if path is None:
+            continue
+        for index, entry in enumerate(_entries(path, section)):
+            where = _where(key, path, section, index, entry)
+            try:
+                _build_tool(entry, where, print) if section == "tools" else _build_interaction(entry, where)
+            except ToolConfigError as error:
+                problems.append(str(error))
+    return problems
 
 
 def tool_schemas(tools: dict[str, Any]) -> list[dict[str, Any]]:
@@ -262,8 +391,7 @@ def load_interactions(path: str) -> dict[str, Any]:
     """{name: interaction} of an interaction config file; a row names its interaction in
     extra_info.interaction_kwargs.name."""
     interactions = {}
-    for entry in yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8"))["interaction"]:
-        config = {**(entry.get("config") or {}), "name": entry.get("name", "")}
-        interaction = _class_of(entry["class_name"], VERL_INTERACTIONS, path)(config)
+    for index, entry in enumerate(_entries(path, "interaction")):
+        interaction = _build_interaction(entry, _where(INTERACTIONS_KEY, path, "interaction", index, entry))
         interactions[entry.get("name") or getattr(interaction, "name", "")] = interaction
     return interactions

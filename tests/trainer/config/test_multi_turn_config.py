@@ -47,13 +47,23 @@ def test_a_missing_tool_config_file_is_named_with_its_key(tmp_path: Path) -> Non
 
 
 def test_a_tool_class_of_verls_not_built_here_is_refused_at_load(tmp_path: Path) -> None:
-    config = tmp_path / "mcp.yaml"
-    config.write_text("tools:\n  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n    config: {}\n"
-                      "    tool_schema: {type: function, function: {name: search}}\n")
+    config = tmp_path / "zoom.yaml"
+    config.write_text("tools:\n  - class_name: verl.tools.image_zoom_in_tool.ImageZoomInTool\n    config: {}\n"
+                      "    tool_schema: {type: function, function: {name: zoom}}\n")
     [(path, message)] = problems_of(f"{KEY}.tool_config_path={config}")
     assert path == f"{KEY}.tool_config_path"
-    assert "'verl.tools.mcp_search_tool.MCPSearchTool', a class of verl's not built here" in message
+    assert "'verl.tools.image_zoom_in_tool.ImageZoomInTool', a class of verl's not built here" in message
     assert "verl.tools.gsm8k_tool.Gsm8kTool" in message
+
+
+def test_an_mcp_tool_loads_and_one_without_its_servers_file_is_named(tmp_path: Path) -> None:
+    tools = tmp_path / "mcp.yaml"
+    tools.write_text("tools:\n  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n    config: {type: mcp}\n"
+                     "    mcp: {mcp_servers_config_path: ./mcp_server.json}\n")
+    assert load_config(None, [f"{KEY}.tool_config_path={tools}"]).actor_rollout_ref.rollout.multi_turn.tool_config_path
+    tools.write_text("tools:\n  - class_name: my.McpTool\n    config: {type: mcp}\n")
+    [(path, message)] = problems_of(f"{KEY}.tool_config_path={tools}")
+    assert path == f"{KEY}.tool_config_path" and "an MCP tool without mcp.mcp_servers_config_path" in message
 
 
 def test_a_tool_without_a_function_name_and_an_interaction_without_a_class_are_both_named(tmp_path: Path) -> None:
@@ -77,5 +87,5 @@ def test_verls_files_load_and_the_datas_mirror_of_the_path_is_accepted() -> None
 
 
 def test_a_format_not_built_is_refused_naming_the_allowed_ones() -> None:
-    [(path, message)] = problems_of(f"{KEY}.format=gpt-oss")
-    assert path == f"{KEY}.format" and "'hermes' or 'qwen'" in message
+    [(path, message)] = problems_of(f"{KEY}.format=llama3_json")
+    assert path == f"{KEY}.format" and "'hermes' or 'qwen' or 'gpt-oss'" in message

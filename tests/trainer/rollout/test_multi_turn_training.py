@@ -21,14 +21,14 @@ TOOL_CONFIG = Path(__file__).parents[1] / "config" / "assets" / "verl_examples" 
     / "gsm8k_tool_config.yaml"
 
 
-def gsm8k_multi_turn_data(path: Path) -> Path:
-    """Two prompts in the layout of verl's gsm8k multi-turn data (examples/data_preprocess/gsm8k_multiturn_w_tool)."""
+def gsm8k_multi_turn_data(path: Path, prompts: int = 2) -> Path:
+    """Prompts in the layout of verl's gsm8k multi-turn data (examples/data_preprocess/gsm8k_multiturn_w_tool)."""
     pq.write_table(pa.Table.from_pylist([
         {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{index} + {index}"}],
          "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * index)},
          "extra_info": {"index": index, "tools_kwargs": {"calc_gsm8k_reward": {
              "create_kwargs": {"ground_truth": str(2 * index)}}}}}
-        for index in range(2)]), path)
+        for index in range(prompts)]), path)
     return path
 
 
