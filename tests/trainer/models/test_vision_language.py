@@ -12,6 +12,7 @@ from PIL import Image
 
 from trainer.models import ModelLoadError, load_critic, load_policy, load_tokenizer
 from trainer.models.vision_language import IMAGE_PAD, VISION_END, VISION_START, ImageDataError, ImageProcessor
+from trainer.rollout.budget import KVCacheShape
 
 TINY_VL = "builtin:tiny-qwen2-vl"
 
@@ -70,3 +71,10 @@ def test_the_tiny_model_sees_its_images() -> None:
 def test_a_vision_language_critic_is_refused_naming_the_key() -> None:
     with pytest.raises(ModelLoadError, match=r"critic.model.path: 'builtin:tiny-qwen2-vl' is a vision-language model"):
         load_critic(TINY_VL, load_tokenizer(TINY_VL), dtype=torch.float32, seed=0)
+
+
+def test_the_rollout_budget_reads_the_language_models_shape() -> None:
+    tokenizer = load_tokenizer(TINY_VL)
+    config = load_policy(TINY_VL, tokenizer, dtype=torch.float32, seed=0).config
+    # 2 layers x 2 key/value heads x 16 dims, keys and values, 10 tokens of fp32; plus one fp32 row of logits.
+    assert KVCacheShape.of(config).bytes_per_sequence(10, 4) == 2 * 2 * 2 * 16 * 10 * 4 + 4 * len(tokenizer)
