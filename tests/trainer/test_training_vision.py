@@ -45,8 +45,8 @@ def write_geo3k_layout(path: Path, rows: int = 4) -> Path:
     return path
 
 
-@pytest.fixture
-def vision_trainer(tmp_path: Path) -> Trainer:
+def make_vision_trainer(tmp_path: Path, *overrides: str) -> Trainer:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = write_geo3k_layout(tmp_path / "train.parquet")
     # A reward that differs between a random model's responses (the rule's would be 0 for nearly all), so that the
     # step has advantages to train on.
@@ -59,8 +59,13 @@ def vision_trainer(tmp_path: Path) -> Trainer:
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.optim.lr=1e-2",
         "data.max_prompt_length=16", "data.max_response_length=3", "trainer.device=cpu",
-        "trainer.total_training_steps=1", "trainer.save_freq=-1", f"trainer.runs_dir={tmp_path}"])
+        "trainer.total_training_steps=1", "trainer.save_freq=-1", f"trainer.runs_dir={tmp_path}", *overrides])
     return Trainer(config, log=lambda *_: None)
+
+
+@pytest.fixture
+def vision_trainer(tmp_path: Path) -> Trainer:
+    return make_vision_trainer(tmp_path)
 
 
 def plain_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -105,3 +110,21 @@ def test_a_grpo_step_of_a_vision_language_model_trains_on_its_images(vision_trai
     swapped.multi_modal_inputs = batch.multi_modal_inputs[::-1]
     other = vision_trainer.actor.compute_log_probs(swapped)
     assert (ours[mask] - other[mask]).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+def test_an_offloaded_vision_language_run_is_the_resident_run(tmp_path: Path) -> None:
+    """Every group of the language model on the CPU (the engine streams its layers; the vision tower, in no group,
+    stays on the compute device): the resident run's metrics, a KL to the reference at step 2 included."""
+    keys = ("actor/grad_norm", "actor/kl_loss", "actor/pg_loss", "actor/entropy")
+    runs = []
+    for name, offload in (("resident", "false"), ("offloaded", "true")):
+        trainer = make_vision_trainer(tmp_path / name, "trainer.total_training_steps=2",
+                                      f"actor_rollout_ref.actor.fsdp_config.param_offload={offload}",
+                                      "actor_rollout_ref.actor.fsdp_config.merge_micro_batches=false")
+        trainer.fit()
+        runs.append([tuple(row[key] for key in keys) for row in trainer.metrics_log.read()])
+    resident, offloaded = runs
+    assert [value for step in offloaded for value in step] == pytest.approx(
+        [value for step in resident for value in step], rel=1e-6, abs=1e-9)
+    assert resident[0][0] > 0 and resident[1][1] > 0
