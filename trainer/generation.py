@@ -58,6 +58,10 @@ class Generation:
         # A vision-language model's prompts carry their images (None: a text model's).
         self.images = (ImageProcessor.load(config.actor_rollout_ref.model.path, tokenizer)
                        if is_vision_language(rollout.model) else None)
+        if self.images is not None and config.data.truncation != "error":
+            raise RunSetupError(f"{KEYS.data.truncation}: {config.data.truncation} with a vision-language model, whose "
+                                "prompts cut short would lose vision tokens their images need; set error (and "
+                                f"{KEYS.data.max_prompt_length} to hold the images' tokens)")
         if self.images is not None and self.multi_turn is not None:
             raise RunSetupError(f"{KEYS.actor_rollout_ref.rollout.multi_turn.enable}: true with a vision-language "
                                 "model, but the multi-turn rollout with images is not built here; set it to false")

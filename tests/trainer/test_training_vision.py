@@ -16,6 +16,7 @@ from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 
 from trainer.config import load_config
+from trainer.errors import RunSetupError
 from trainer.loop import Trainer
 from trainer.models.vision_language import TINY_MAX_PIXELS, TINY_MIN_PIXELS
 
@@ -128,3 +129,8 @@ def test_an_offloaded_vision_language_run_is_the_resident_run(tmp_path: Path) ->
     assert [value for step in offloaded for value in step] == pytest.approx(
         [value for step in resident for value in step], rel=1e-6, abs=1e-9)
     assert resident[0][0] > 0 and resident[1][1] > 0
+
+
+def test_a_truncated_prompt_with_images_is_refused_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(RunSetupError, match=r"data.truncation: left with a vision-language model"):
+        make_vision_trainer(tmp_path, "data.truncation=left")
