@@ -78,3 +78,22 @@ def test_the_rollout_budget_reads_the_language_models_shape() -> None:
     config = load_policy(TINY_VL, tokenizer, dtype=torch.float32, seed=0).config
     # 2 layers x 2 key/value heads x 16 dims, keys and values, 10 tokens of fp32; plus one fp32 row of logits.
     assert KVCacheShape.of(config).bytes_per_sequence(10, 4) == 2 * 2 * 2 * 16 * 10 * 4 + 4 * len(tokenizer)
+
+
+def test_a_qwen2_vl_directory_loads_with_its_image_processor(tmp_path) -> None:
+    """A Qwen2-VL directory (what save_pretrained writes, as a downloaded Qwen2.5-VL holds): the model as a
+    vision-language model with its weights, and the image processor of its preprocessor_config.json."""
+    tokenizer = load_tokenizer(TINY_VL)
+    model = load_policy(TINY_VL, tokenizer, dtype=torch.float32, seed=0)
+    builtin = ImageProcessor.load(TINY_VL, tokenizer)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    builtin.images.save_pretrained(tmp_path)
+    loaded = load_policy(str(tmp_path), load_tokenizer(str(tmp_path)), dtype=torch.float32, seed=1)
+    assert type(loaded).__name__ == "Qwen2VLForConditionalGeneration"
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(model.state_dict().values(),
+                                                                 loaded.state_dict().values(), strict=True))
+    processor = ImageProcessor.load(str(tmp_path), load_tokenizer(str(tmp_path)))
+    image = png(56, 112)
+    assert processor.prompt_inputs("<image> =", [image], "row 0")[0] == builtin.prompt_inputs("<image> =", [image],
+                                                                                             "row 0")[0]
