@@ -27,6 +27,7 @@ from trainer.memory import MemoryManager, Model, ModelMemory
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
 from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
 from trainer.models.vision import freeze_vision_tower
+from trainer.models.vision_language import is_vision_language
 from trainer.offload.copies import CopyLog
 from trainer.offload.groups import parameter_groups
 from trainer.rewards.manager import ModelReward, RewardFunction
@@ -166,6 +167,10 @@ class ModelBuilder:
         policy = self._policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing)
         if actor_config.freeze_vision_tower:
             freeze_vision_tower(policy, self.log)
+        if split is not None and is_vision_language(policy):
+            raise RunSetupError(f"{KEYS.actor_rollout_ref.actor.ulysses_sequence_parallel_size}: "
+                                f"{actor_config.ulysses_sequence_parallel_size} with a vision-language model, whose "
+                                "sequences are not split here (their images and multimodal positions would be); set 1")
         model, adapter = with_adapter(policy, LoraSettings.of(model_config, KEYS.actor_rollout_ref.model), role="actor",
                                       seed=config.trainer.seed)
         model = self._place(model, self._policy_placement(actor_config.fsdp_config), Role.ACTOR, split)

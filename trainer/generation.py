@@ -17,12 +17,15 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trainer.config import RolloutConfig, RunConfig
+from trainer.config import KEYS, RolloutConfig, RunConfig
 from trainer.config.messages import Role
 from trainer.data import PromptRecord
+from trainer.data.records import Prompt
 from trainer.distributed.run_wide import RunWide
+from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager
 from trainer.models import torch_dtype
+from trainer.models.vision_language import ImageProcessor, is_vision_language
 from trainer.rewards.manager import RewardFunction
 from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.budget import KVCacheShape, over_budget_message, rows_within_budget
@@ -52,6 +55,16 @@ class Generation:
         self._over_budget_warned = False  # rollout.gpu_memory_utilization leaves no room: said once
         self._decode_memory_logged = 0.0  # GiB the static decode held when the log last said so
         self.multi_turn = multi_turn_rollout(config, tokenizer, log)  # None: one turn
+        # A vision-language model's prompts carry their images (None: a text model's).
+        self.images = (ImageProcessor.load(config.actor_rollout_ref.model.path, tokenizer)
+                       if is_vision_language(rollout.model) else None)
+        if self.images is not None and config.data.truncation != "error":
+            raise RunSetupError(f"{KEYS.data.truncation}: {config.data.truncation} with a vision-language model, whose "
+                                "prompts cut short would lose vision tokens their images need; set error (and "
+                                f"{KEYS.data.max_prompt_length} to hold the images' tokens)")
+        if self.images is not None and self.multi_turn is not None:
+            raise RunSetupError(f"{KEYS.actor_rollout_ref.rollout.multi_turn.enable}: true with a vision-language "
+                                "model, but the multi-turn rollout with images is not built here; set it to false")
 
     def generate(self, records: Sequence[PromptRecord], rollout: HFRollout | None = None,
                  n: int | None = None, groups: Sequence[int] | None = None) -> RolloutBatch:
@@ -63,12 +76,17 @@ class Generation:
                        ).to(self.device).repeat_interleave(n)
         if self.multi_turn is not None:
             return self._conversations(repeated, rollout or self.rollout, group_index)
-        prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
+        prompts, multi_modal = self._prompts(records, n)
+        prompt_ids, prompt_mask = encode_prompts(prompts, self.tokenizer,
                                                  max_length=self.config.data.max_prompt_length,
                                                  truncation=self.config.data.truncation,
                                                  template_kwargs=self.config.data.apply_chat_template_kwargs)
         prompt_ids, prompt_mask = self.run_wide.pad_like_other_ranks(prompt_ids, prompt_mask,
                                                                      self.tokenizer.pad_token_id)
+        if multi_modal is not None:  # rows added to match other ranks have no images
+            multi_modal += [{}] * (len(prompt_ids) - len(multi_modal))
+        images = (lambda first, count: {}) if multi_modal is None else (
+            lambda first, count: {"multi_modal": multi_modal[first:first + count]})
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         rollout = rollout or self.rollout  # either samples with the actor's weights
         self.heartbeat()  # once per validation batch too
@@ -82,7 +100,8 @@ class Generation:
             refills = rollout.refills(self.device)
             slots = {"slots": rows} if refills else {}
             pieces = run_in_pieces(lambda first, count: rollout.sample(prompt_ids[first:first + count],
-                                                                       prompt_mask[first:first + count], **slots),
+                                                                       prompt_mask[first:first + count], **slots,
+                                                                       **images(first, count)),
                                    len(repeated), len(repeated) if refills else rows,
                                    memory=None if self.ranks.distributed else self.memory.for_role(Role.ACTOR))
         sampled = [torch.cat(parts) for parts in zip(*pieces, strict=True) if parts[0] is not None]
@@ -92,7 +111,18 @@ class Generation:
         response_ids, response_mask, *log_probs = self.ranks.broadcast_in_sequence_group(sampled)
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated,
-                            rollout_log_probs=log_probs[0] if log_probs else None)
+                            rollout_log_probs=log_probs[0] if log_probs else None, multi_modal_inputs=multi_modal)
+
+    def _prompts(self, records: Sequence[PromptRecord], n: int
+                 ) -> tuple[list[Prompt], list[dict[str, torch.Tensor]] | None]:
+        """Each record's prompt n times over; for a vision-language model, with its images written as vision tokens,
+        and each row's multi-modal inputs (the images processed once per prompt)."""
+        if self.images is None:
+            return [record.prompt for record in records for _ in range(n)], None
+        processed = [self.images.prompt_inputs(record.prompt, record.images, record.source or "a prompt")
+                     for record in records]
+        return ([prompt for prompt, _ in processed for _ in range(n)],
+                [inputs for _, inputs in processed for _ in range(n)])
 
     def _conversations(self, repeated: list[PromptRecord], rollout: HFRollout, group_index: torch.Tensor
                        ) -> RolloutBatch:

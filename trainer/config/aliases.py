@@ -316,8 +316,9 @@ ALIASES: tuple[Alias, ...] = (
     noted("data.trust_remote_code", "no effect here: the tokenizer follows actor_rollout_ref.model.trust_remote_code"),
     noted("data.return_*", "what verl's dataset hands its rollout, with no effect here: the rollout takes the chat "
                            "messages and templates them itself"),
-    default_only("data.image_*", "vision-language models are not built"),
-    default_only("data.video_key", "vision-language models are not built"),
+    noted("data.image_patch_size", "no effect here: the images are cut in patches of the model's own processor "
+                                   "(its image processor's patch_size)"),
+    default_only("data.video_key", "videos in the prompts are not built (images are: data.image_key)"),
     default_only("data.datagen.*", "dynamic data generation is not built"),
     # balance_batch does nothing here, whichever way it is set: no batch crosses ranks to be balanced.
     default_only("trainer.balance_batch", "each data-parallel rank trains on the rollouts it sampled from its own "

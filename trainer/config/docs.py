@@ -124,9 +124,10 @@ keys whose meaning carries over (below). The rest are in the tables after them, 
 
 Megatron (`strategy: megatron`, any `*.megatron.*` key, verl's `--config-name=ppo_megatron_trainer`) is one
 refusal line: it is another training engine. verl's multi-turn configs (`--config-name=gsm8k_multiturn_grpo` and
-the others of its examples/sglang_multiturn) load with the script's settings over them; the vision-language one
-(`geo3k_multiturn_grpo`) is one refusal line. A setting verl runs with but that likely does not do what its author
-meant (GRPO with `rollout.n=1`: every advantage is 0) is a `WARNING:` line, not a refusal.
+the others of its examples/sglang_multiturn) load with the script's settings over them; the multi-turn
+vision-language one (`geo3k_multiturn_grpo`) is one refusal line (a vision-language model trains single-turn).
+A setting verl runs with but that likely does not do what its author meant (GRPO with `rollout.n=1`: every
+advantage is 0) is a `WARNING:` line, not a refusal.
 
 A key takes the line of the first pattern that matches it (`*` matches any part of a dotted key).
 

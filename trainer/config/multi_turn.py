@@ -4,7 +4,8 @@ examples that turn it on (`--config-name=gsm8k_multiturn_grpo` and its siblings)
 A named config is verl's ppo_trainer with a few settings of its own; those settings are written here (verl's
 examples/sglang_multiturn/config/*.yaml, without their Hydra lines), and the loader reads them under the user's
 YAML file and overrides, as Hydra composes them. A named config built on ppo_megatron_trainer asks for Megatron;
-one that trains a vision-language model on images is refused in one line (trainer/models loads causal LMs only).
+one that trains a vision-language model on images in several turns is refused in one line (a vision-language model
+trains with the single-turn rollout only).
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
 MEGATRON_NAMED_CONFIGS = ("gsm8k_multiturn_megatron_grpo", "geo3k_multiturn_megatron_grpo")
 # verl's geo3k configs train Qwen2.5-VL on geometry diagrams (images in the prompts).
 VISION_NAMED_CONFIGS = ("geo3k_multiturn_grpo",)
-VISION_REFUSAL = ("trains a vision-language model on images (verl's geo3k example, Qwen2.5-VL), and vision-language "
-                  "models are not built here: the trainer loads causal language models and text prompts")
+VISION_REFUSAL = ("trains a vision-language model on images in a multi-turn rollout (verl's geo3k example, Qwen2.5-VL, "
+                  "with its Geo3kTool), and the multi-turn rollout with images is not built here: a vision-language "
+                  "model trains with the single-turn rollout (drop --config-name and multi_turn; images come from "
+                  "data.image_key)")
 
 
 def named_config(config_name: str | None) -> dict[str, Any]:

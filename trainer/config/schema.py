@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny-qwen2",)
+BUILTIN_MODELS = ("tiny-qwen2", "tiny-qwen2-vl")
 BUILTIN_DATASETS = ("counting",)
 DATA_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 
@@ -515,6 +515,8 @@ class DataConfig(Section):
     """Validation prompts, scored every trainer.test_freq steps."""
     prompt_key: str = "prompt"
     """Column holding the prompt (chat messages or plain text)."""
+    image_key: str = "images"
+    """Column of a row's images ({bytes} or paths), one per <image> in its prompt; read for a vision-language model."""
     max_prompt_length: int = Field(512, ge=1)
     """Longest prompt in tokens."""
     max_response_length: int = Field(512, ge=1)

@@ -40,10 +40,12 @@ class PromptRecord:
     extra_info: dict[str, Any] = field(default_factory=dict)
     source: str = field(default="", compare=False)
     """Where the record was read ("data file 'train.jsonl' line 3"), for error messages."""
+    images: tuple[Any, ...] = field(default=(), compare=False)
+    """The row's images (data.image_key: {'bytes': PNG} or paths), one per <image> in the prompt; () for a text row."""
 
 
 def load_records(files: Iterable[str], prompt_key: str = "prompt", *,
-                 require_ground_truth: bool = False) -> list[PromptRecord]:
+                 require_ground_truth: bool = False, image_key: str = "images") -> list[PromptRecord]:
     """All records of ``files`` in order; ``builtin:NAME`` stands for a built-in dataset.
 
     `require_ground_truth`: every row must carry ``reward_model.ground_truth`` (the built-in rule
@@ -54,7 +56,7 @@ def load_records(files: Iterable[str], prompt_key: str = "prompt", *,
         if file.startswith(BUILTIN_PREFIX):
             records += _builtin_records(file)
         else:
-            records += _read_file(file, prompt_key)
+            records += _read_file(file, prompt_key, image_key)
     if require_ground_truth:
         check_ground_truths(records)
     return records
@@ -102,7 +104,7 @@ def _builtin_records(file: str) -> list[PromptRecord]:
     return BUILTIN_DATASETS[name]()
 
 
-def _read_file(file: str, prompt_key: str) -> list[PromptRecord]:
+def _read_file(file: str, prompt_key: str, image_key: str = "images") -> list[PromptRecord]:
     path = Path(file).expanduser()
     name = f"data file {file!r}"
     if path.is_dir():
@@ -116,7 +118,7 @@ def _read_file(file: str, prompt_key: str) -> list[PromptRecord]:
     if path.stat().st_size == 0:
         raise DataError(f"{name} is empty (0 bytes)")
     rows = _parquet_rows(path, name, prompt_key) if path.suffix == PARQUET_SUFFIX else _jsonl_rows(path, name)
-    records = [record_of_row(row, where, prompt_key) for where, row in rows]
+    records = [record_of_row(row, where, prompt_key, image_key) for where, row in rows]
     if not records:
         raise DataError(f"{name} has no rows")
     return records
@@ -159,7 +161,7 @@ _COLUMN_HINTS = {
 }
 
 
-def record_of_row(row: dict[str, Any], where: str, prompt_key: str) -> PromptRecord:
+def record_of_row(row: dict[str, Any], where: str, prompt_key: str, image_key: str = "images") -> PromptRecord:
     """One row in verl's layout (`where` names it in errors) as a PromptRecord."""
     for column in (prompt_key, "data_source"):
         if column not in row:
@@ -175,7 +177,20 @@ def record_of_row(row: dict[str, Any], where: str, prompt_key: str) -> PromptRec
         ground_truth=_ground_truth(row.get("reward_model"), where),
         extra_info=_extra_info(row.get("extra_info"), where),
         source=where,
+        images=_images(row.get(image_key), where, image_key),
     )
+
+
+def _images(images: Any, where: str, image_key: str) -> tuple[Any, ...]:
+    """A row's images as verl's geo3k layout holds them (a list, or one); None: no images."""
+    if images is None:
+        return ()
+    images = images if isinstance(images, list | tuple) else [images]
+    for image in images:
+        if not isinstance(image, dict | bytes | str):
+            raise DataError(f"{where}: {image_key} holds {_type_name(image)}; allowed: a list of {{'bytes': PNG or "
+                            "JPEG bytes}, bytes or paths")
+    return tuple(images)
 
 
 def _check_prompt(prompt: Any, where: str, prompt_key: str) -> Prompt:

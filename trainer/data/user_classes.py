@@ -62,7 +62,8 @@ def read_records(config: RunConfig, files: Sequence[str], tokenizer: Any, *,
     """The prompts of `files`: read by data.custom_cls where it is set, else as verl's parquet or JSONL."""
     data = config.data
     if data.custom_cls.path is None or data.custom_cls.name is None or not files:
-        return load_records(files, data.prompt_key, require_ground_truth=require_ground_truth)
+        return load_records(files, data.prompt_key, require_ground_truth=require_ground_truth,
+                            image_key=data.image_key)
     records = dataset_records(config, files, tokenizer)
     if require_ground_truth:
         check_ground_truths(records)

@@ -13,6 +13,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -22,6 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
     Qwen2ForTokenClassification,
+    Qwen2VLForConditionalGeneration,
 )
 from transformers.utils import logging as transformers_logging
 
@@ -31,6 +33,7 @@ from trainer.errors import UserError
 from trainer.models.attention import use_packed_gqa
 from trainer.models.gguf import gguf_directory, is_gguf
 from trainer.models.tiny import build_tiny_tokenizer, seeded_init, tiny_qwen2_config
+from trainer.models.vision_language import TINY_VL, is_vision_language, tiny_qwen2_vl_config, tiny_vision_tokenizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -47,7 +50,9 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False,
                    setting: str = KEYS.actor_rollout_ref.model.tokenizer_path) -> PreTrainedTokenizerBase:
     """A tokenizer set up for generation: left padding, and a pad token (eos when it has none).
     `setting`: the config key that chooses the tokenizer, named in the errors."""
-    if path.startswith(BUILTIN_PREFIX):
+    if path == BUILTIN_PREFIX + TINY_VL:
+        tokenizer = tiny_vision_tokenizer(build_tiny_tokenizer())
+    elif path.startswith(BUILTIN_PREFIX):
         tokenizer = build_tiny_tokenizer()
     elif _declares_plain_tokenizer_json(path := _local_directory(path)):
         tokenizer = _from_local(PreTrainedTokenizerFast, path, "tokenizer")
@@ -90,8 +95,18 @@ def load_policy(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """A causal LM: the actor, the rollout and (frozen) the reference policy."""
-    if path.startswith(BUILTIN_PREFIX):
+    """A causal LM, or a vision-language model (Qwen2-VL's: images in its prompts): the actor, the rollout and
+    (frozen) the reference policy."""
+    if path == BUILTIN_PREFIX + TINY_VL:
+        try:
+            config = tiny_qwen2_vl_config(tokenizer, override_config)
+        except (TypeError, ValueError) as error:
+            raise ModelLoadError(f"could not build the built-in model from override_config: {error}") from None
+        model = seeded_init(Qwen2VLForConditionalGeneration, config, seed)
+    elif not path.startswith(BUILTIN_PREFIX) and is_vision_language(_local_directory(path)):
+        model = _from_local(AutoModelForImageTextToText, path, "model", dtype=dtype,
+                            trust_remote_code=trust_remote_code, **(override_config or {}))
+    elif path.startswith(BUILTIN_PREFIX):
         model = seeded_init(Qwen2ForCausalLM, _builtin_config(tokenizer, override_config), seed)
     else:
         model = _from_local(AutoModelForCausalLM, path, "model", dtype=dtype,
@@ -121,6 +136,10 @@ def load_critic(
     From a directory the backbone's weights load and the head starts random; the built-in
     preset copies the backbone of the policy built from the same seed, to match.
     """
+    if is_vision_language(path if path.startswith(BUILTIN_PREFIX) else _local_directory(path)):
+        raise ModelLoadError(f"{KEYS.critic.model.path}: {path!r} is a vision-language model, and a critic that sees "
+                             "the images is not built here; train it with GRPO or another estimator without a critic "
+                             f"({KEYS.algorithm.adv_estimator}=grpo)")
     if path.startswith(BUILTIN_PREFIX):
         config = _builtin_config(tokenizer, override_config, num_labels=1)
         model = seeded_init(Qwen2ForTokenClassification, config, seed + 1)
@@ -160,7 +179,7 @@ def _prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: 
              gradient_checkpointing: bool) -> PreTrainedModel:
     model = model.to(dtype)
     use_packed_gqa()  # a decoded token attends on the key/value heads (models/attention.py), on any release
-    if model.config.pad_token_id is None:
+    if getattr(model.config, "pad_token_id", None) is None:
         # Sequence classifiers find the last real token through pad_token_id.
         model.config.pad_token_id = tokenizer.pad_token_id
     model.config.use_cache = False

@@ -75,11 +75,16 @@ def find_parts(model: nn.Module, layer_classes: Sequence[str] | None = None) -> 
         raise UnsupportedModel(f"cannot tell the transformer blocks of {type(model).__name__}: set "
                                f"{FSDP_CONFIG.wrap_policy.transformer_layer_cls_to_wrap} to their class name")
     # By the class's name, which FSDP2 prefixes when it shards a block (Qwen2DecoderLayer: FSDPQwen2DecoderLayer).
-    layers = [module for module in model.modules() if type(module).__name__.removeprefix("FSDP") in classes]
+    # A vision-language model's vision blocks are no decoder blocks: its vision tower is in no group (`other`).
+    tower = getattr(getattr(model, "model", None), "visual", None)
+    in_tower = {id(module) for module in tower.modules()} if isinstance(tower, nn.Module) else set()
+    layers = [module for module in model.modules()
+              if type(module).__name__.removeprefix("FSDP") in classes and id(module) not in in_tower]
     if not layers:
         raise UnsupportedModel(f"no module of class {sorted(classes)} in {type(model).__name__}: set "
                                f"{FSDP_CONFIG.wrap_policy.transformer_layer_cls_to_wrap} to the block class name")
     base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    base = getattr(base, "language_model", None) or base  # a vision-language model's decoder holds the final norm
     norm = next((getattr(base, name) for name in _NORM_NAMES if isinstance(getattr(base, name, None), nn.Module)),
                 None)
     output_embeddings = getattr(model, "get_output_embeddings", None)

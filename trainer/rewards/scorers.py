@@ -75,11 +75,40 @@ def _normalise_number(text: str) -> str:
         return text
 
 
+_GEO3K_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+
+
+def score_geo3k(solution_str: str, ground_truth: Any, format_score: float = 0.1) -> float:
+    """verl's geo3k rule (verl/utils/reward_score/geo3k.py): 0.9 for the right answer in the last \\boxed{...},
+    plus 0.1 when the response is `<think>...</think>` then a boxed answer. verl grades the answer with mathruler's
+    symbolic check; here the boxed text and the truth compare as numbers where both are, else as text without
+    spaces and $ signs (the geometry3k answers are numbers and short expressions)."""
+    answer = _last_boxed(solution_str)
+    right = answer is not None and (_normalise_number(answer.replace(" ", ""))
+                                    == _normalise_number(str(ground_truth).replace(" ", "")))
+    formatted = _GEO3K_FORMAT.fullmatch(solution_str) is not None
+    return (1.0 - format_score) * float(right) + format_score * float(formatted)
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} of `text`, its braces balanced; None without one."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[begin:index]
+    return None
+
+
 SCORERS: dict[str, Scorer] = {
     "counting": score_counting,
     "openai/gsm8k": score_gsm8k,
     "gsm8k": score_gsm8k,
     "arithmetic": score_final_number,
+    "hiyouga/geometry3k": score_geo3k,
 }
 
 

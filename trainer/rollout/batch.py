@@ -59,6 +59,9 @@ class RolloutBatch:
     response_attention: torch.Tensor | None = None
     """[B, R] float: 1 on every real response token, where a multi-turn rollout put tool or user turns between the
     model's (response_mask then marks the model's own tokens alone); None: response_mask."""
+    multi_modal_inputs: list[dict[str, torch.Tensor]] | None = None
+    """B dicts, a vision-language model's inputs of each sequence's images (verl's multi_modal_inputs: pixel_values
+    [patches, D], image_grid_thw [images, 3]; {} for a row without images); None: a text model."""
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -104,7 +107,7 @@ class RolloutBatch:
             value = getattr(self, field.name)
             if isinstance(value, torch.Tensor):
                 updates[field.name] = value[index.to(value.device)]
-            elif field.name == "records":
+            elif field.name in ("records", "multi_modal_inputs") and value is not None:
                 updates[field.name] = [value[i] for i in index.tolist()]
         return replace(self, **updates)
 

@@ -34,6 +34,7 @@ class KVCacheShape:
 
     @classmethod
     def of(cls, config: PretrainedConfig) -> KVCacheShape:
+        config = config.get_text_config()  # a vision-language model's decoder (the config itself for a text model)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(layers=config.num_hidden_layers, key_value_heads=getattr(config, "num_key_value_heads", None)

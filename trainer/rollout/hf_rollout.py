@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from trainer.config import RolloutConfig
+from trainer.models.vision_language import forward_inputs, is_vision_language, vision_token_ids
 from trainer.rollout.static_decode import SAFE_POINT_EVERY, GraphSafety, Sampling, StaticDecoder
 
 
@@ -142,9 +143,14 @@ class HFRollout:
             pad_token_id=self.pad_id,
             use_cache=True,
         )
+        if is_vision_language(model):
+            # A response that holds an image placeholder token would ask the forward for an image it has not got.
+            self.generation_config.suppress_tokens = vision_token_ids(model)
         self.decode = config.decode
         self._decoded_static = False  # whether the last generate decoded with the static decoder
-        self.decoder = None if config.decode == "generate" else StaticDecoder(
+        # A vision-language model decodes with transformers' generate, which passes the images to the first forward
+        # and keeps the multimodal RoPE positions; the static decode is text-only.
+        self.decoder = None if config.decode == "generate" or is_vision_language(model) else StaticDecoder(
             model, eos_ids=self.eos_ids, pad_id=self.pad_id,
             sampling=Sampling(do_sample=config.do_sample, temperature=config.temperature,
                               top_k=max(config.top_k, 0), top_p=config.top_p),
@@ -185,10 +191,12 @@ class HFRollout:
         return sampled.response_ids, sampled.response_mask
 
     @torch.no_grad()
-    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, slots: int | None = None) -> Sampled:
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, slots: int | None = None,
+               multi_modal: Sequence[dict[str, torch.Tensor]] = ()) -> Sampled:
         """[B, P] left-padded prompts -> the responses, their mask and, with `record_log_probs`, their log-probs
         (recorded from the sampling step's own logits: the static decode inside its captured step, generate through
-        a logits processor). `slots`: the static decode decodes at most that many rows at once (`refills`)."""
+        a logits processor). `slots`: the static decode decodes at most that many rows at once (`refills`).
+        `multi_modal`: a vision-language model's inputs of each row's images (RolloutBatch.multi_modal_inputs)."""
         was_training = self.model.training
         model_defaults = self.model.generation_config
         self.model.eval()
@@ -216,6 +224,7 @@ class HFRollout:
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
                     stopping_criteria=stopping, synced_gpus=self.synced,
                     logits_processor=LogitsProcessorList([recorder] if recorder is not None else []),
+                    **forward_inputs(self.model, prompt_ids, multi_modal),
                 )
                 responses = sequences[:, prompt_ids.shape[1]:]
                 log_probs = recorder.read(responses) if recorder is not None else None

@@ -16,6 +16,7 @@ from trainer.algorithms import LOSS_AGG_MODES, aggregation_weight
 from trainer.config import FSDP_CONFIG, FSDPConfig, OptimConfig
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
+from trainer.models.vision_language import forward_inputs
 from trainer.offload import OffloadEngine
 from trainer.offload.groups import find_parts, parameter_groups
 from trainer.rollout.batch import RolloutBatch
@@ -32,6 +33,8 @@ MaskOf = Callable[[RolloutBatch], torch.Tensor]
 def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_padding: bool = False) -> torch.Tensor:
     """[B, R, ...] the model's output at the positions that predict (or value) each response token; with
     `remove_padding`, from one padding-free forward over the real tokens (zeros where responses are padding)."""
+    if batch.multi_modal_inputs is not None:
+        return vision_response_logits(model, batch)
     if remove_padding:
         return packed_response_outputs(model, batch)
     response_length = batch.response_ids.shape[1]
@@ -47,6 +50,18 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_paddi
     # Position t predicts token t + 1: the last prompt position predicts the first response token.
     first = output.logits.shape[1] - response_length - 1
     return output.logits[:, first: first + response_length]
+
+
+def vision_response_logits(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+    """[B, R, V] a vision-language model's logits that predict each response token, from a padded forward with the
+    rows' images (a padding-free one would need the multimodal RoPE positions per packed sequence: verl computes
+    them itself; here the model does, from the padded rows); the position ids are the model's own."""
+    assert batch.multi_modal_inputs is not None
+    response_length = batch.response_ids.shape[1]
+    input_ids = batch.input_ids
+    output = model(input_ids=input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                   logits_to_keep=response_length + 1, **forward_inputs(model, input_ids, batch.multi_modal_inputs))
+    return output.logits[:, :response_length]
 
 
 def build_optimizer(model: PreTrainedModel, config: OptimConfig, engine: OffloadEngine | None = None, *,

@@ -203,7 +203,7 @@ def test_a_vision_language_script_is_refused_in_one_line(script: str, tmp_path: 
     with pytest.raises(ConfigError) as caught:
         load(launch_of(script, tmp_path))
     [problem] = caught.value.problems
-    assert problem.path == "--config-name" and "vision-language models are not built here" in problem.message
+    assert problem.path == "--config-name" and "the multi-turn rollout with images is not built here" in problem.message
 
 
 # What verl's multi-turn configs set, with the script's own settings over them (as Hydra composes them).

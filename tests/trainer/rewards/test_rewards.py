@@ -68,7 +68,7 @@ def test_score_gsm8k_normalises_commas_dollars_and_format_score():
 
 
 def test_registry_dispatches_on_data_source():
-    assert set(SCORERS) == {"arithmetic", "counting", "gsm8k", "openai/gsm8k"}
+    assert set(SCORERS) == {"arithmetic", "counting", "gsm8k", "openai/gsm8k", "hiyouga/geometry3k"}
     assert default_compute_score("counting", "0 1 9 3", "0 1 2 3") == 0.75
     assert default_compute_score("openai/gsm8k", "#### 72", "72", {"index": 0}) == 1.0
     assert default_compute_score("gsm8k", "#### 71", "72") == 0.0
@@ -79,7 +79,8 @@ def test_unknown_data_source_says_what_to_do():
     with pytest.raises(UnknownDataSource) as caught:
         default_compute_score("lighteval/MATH", "x", "y", None)
     assert str(caught.value) == (
-        "no built-in scorer for data_source 'lighteval/MATH'; known: arithmetic, counting, gsm8k, openai/gsm8k; "
+        "no built-in scorer for data_source 'lighteval/MATH'; known: arithmetic, counting, gsm8k, hiyouga/geometry3k, "
+        "openai/gsm8k; "
         "set custom_reward_function.path to a Python file that defines "
         "compute_score(data_source, solution_str, ground_truth, extra_info)")
     assert isinstance(caught.value, ValueError)
