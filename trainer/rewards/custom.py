@@ -29,6 +29,8 @@ class RewardFunctionError(CustomRewardError):
     """The custom reward function raised. `what` names the function, where it raised and the exception
     (the message adds what to do); `traceback_text` is the full traceback, for the run's log."""
 
+    rank_local = True
+
     def __init__(self, what: str, traceback_text: str):
         super().__init__(f"{what}; fix the function, or set {KEYS.custom_reward_function.on_error}=zero to score "
                          "such responses 0")

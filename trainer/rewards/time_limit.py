@@ -39,10 +39,14 @@ class RewardTimeoutError(UserError):
     """A call of the user's reward function did not return within reward_model.reward_timeout_s: the run ends
     (whatever custom_reward_function.on_error says: the call is still running, nothing was scored)."""
 
+    rank_local = True
+
 
 class RewardThreadsExhausted(UserError):
     """MAX_LOST_THREADS abandoned calls are still stuck: a further call is refused rather than leave one more thread
     behind (each holds what its call holds, for as long as it is stuck)."""
+
+    rank_local = True
 
 
 class StepInterrupted(Exception):
