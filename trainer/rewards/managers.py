@@ -4,9 +4,10 @@ verl/workers/reward_manager/): how a batch of responses is turned into rewards w
 
 - naive: each response scored in turn (manager.py's RuleReward);
 - dapo: naive, plus DAPO's overlong penalty (reward_kwargs.overlong_buffer_cfg) and the raw score as `acc`;
-- prime: each response scored in a pool of worker processes, a failure or a late score counting 0 (PRIME's);
+- prime: each response scored in a pool of worker processes, a failure or a late score counting 0 (PRIME's: every
+  score due within PRIME_TIMEOUT_S of the batch's start, as verl's; reward_model.reward_timeout_s does not apply);
 - batch: one call of the function for the whole batch (data_sources, solution_strs, ground_truths, extra_infos,
-  and reward_kwargs as keyword arguments);
+  and reward_kwargs as keyword arguments), the whole call within one reward_model.reward_timeout_s;
 - remote (verl's reward loop's): each response scored in a pool of worker processes, as prime, waiting for every
   score, a failure the run's error (or, custom_reward_function.on_error: zero, a 0), a dict result's entries reported.
 
@@ -260,8 +261,9 @@ def build_rule_reward(config: RunConfig, tokenizer: PreTrainedTokenizerBase, *, 
     return REWARD_MANAGERS[config.reward_model.reward_manager](config, tokenizer, warn)
 
 
-def _scorer(config: RunConfig) -> ScoreFunction:
-    """The run's function (custom_reward_function, with its reward_kwargs), or the built-in scorers."""
+def _scorer(config: RunConfig, *, limited: bool = True) -> ScoreFunction:
+    """The run's function (custom_reward_function, with its reward_kwargs, each call within
+    reward_model.reward_timeout_s unless not `limited`), or the built-in scorers."""
     function = config.custom_reward_function
     sandbox = config.reward_model.sandbox_fusion
     if function.path is None and sandbox.url is not None:  # verl's default_compute_score with its sandbox
@@ -270,7 +272,7 @@ def _scorer(config: RunConfig) -> ScoreFunction:
         client.check_reachable()
         return SandboxScore(client)
     return resolve_compute_score(function.path, function.name, function.reward_kwargs,
-                                 config.reward_model.reward_timeout_s)
+                                 config.reward_model.reward_timeout_s if limited else None)
 
 
 def _naive(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
@@ -284,7 +286,9 @@ def _dapo(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> 
 
 
 def _prime(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
-    return PrimeReward(tokenizer, _scorer(config), warn=warn)
+    # prime's own deadline bounds each response (verl's: PRIME_TIMEOUT_S, a late one scores 0 and the run goes on),
+    # not reward_model.reward_timeout_s, which would end the run or, inside a worker, leave threads stuck there.
+    return PrimeReward(tokenizer, _scorer(config, limited=False), warn=warn)
 
 
 def _remote(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
