@@ -31,6 +31,7 @@ from trainer.algorithms.reward_shaping import overlong_penalty
 from trainer.config import KEYS, RunConfig
 from trainer.config.schema import OverlongBuffer
 from trainer.rewards.custom import (
+    THREADS_EXHAUSTED,
     CustomRewardError,
     RewardFunctionError,
     load_custom_score,
@@ -41,7 +42,7 @@ from trainer.rewards.custom import (
 )
 from trainer.rewards.manager import RewardFunction, RewardScores, RuleReward, ScoreFunction, decode_responses
 from trainer.rewards.sandbox_fusion import SandboxFusion, SandboxScore
-from trainer.rewards.time_limit import RewardTimeoutError, StepInterrupted, call_with_time_limit
+from trainer.rewards.time_limit import RewardThreadsExhausted, RewardTimeoutError, StepInterrupted, call_with_time_limit
 from trainer.rollout.batch import RolloutBatch
 
 Warn = Callable[[str], None]
@@ -191,6 +192,8 @@ class RemoteReward(PrimeReward):
         return extra
 
     def _failed(self, failure: str) -> None:
+        if failure.startswith(THREADS_EXHAUSTED):
+            raise RewardThreadsExhausted(f"{KEYS.reward_model.reward_manager} remote: a response was {failure}")
         if self.on_error != "zero":
             raise RewardFunctionError(f"{KEYS.reward_model.reward_manager} remote: a response was {failure}", "")
 
@@ -228,7 +231,7 @@ class BatchReward:
                 self.function, (), arguments, limit_s=self.timeout_s, stopping=self.stopping,
                 what=lambda: f"{KEYS.custom_reward_function} {self.name!r} ({self.path}) scoring a batch of "
                              f"{len(records)} responses (data_source {records[0].data_source!r})")
-        except (RewardTimeoutError, StepInterrupted):
+        except (RewardTimeoutError, RewardThreadsExhausted, StepInterrupted):  # not the function's own
             raise
         except Exception as error:  # the user's code: anything it raises is theirs to fix
             failure = RewardFunctionError.from_exception(error, self.path, self.name, "",

@@ -13,8 +13,9 @@ import torch
 from trainer.config import load_config
 from trainer.data import PromptRecord
 from trainer.models import load_tokenizer
-from trainer.rewards.managers import BatchReward, PrimeReward, build_rule_reward
-from trainer.rewards.time_limit import RewardTimeoutError
+from trainer.rewards.custom import CustomScore
+from trainer.rewards.managers import BatchReward, PrimeReward, RemoteReward, build_rule_reward
+from trainer.rewards.time_limit import MAX_LOST_THREADS, RewardThreadsExhausted, RewardTimeoutError
 from trainer.rollout.batch import RolloutBatch
 
 TOKENIZER = load_tokenizer("builtin:tiny-qwen2")
@@ -24,6 +25,9 @@ import time
 def score_all(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
     time.sleep(0.2 * len(solution_strs))  # each response takes 0.2 s: the batch, 0.8 s
     return [1.0] * len(solution_strs)
+
+def hangs(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(60)
 
 def slow_one(data_source, solution_str, ground_truth, extra_info=None):
     if ground_truth == "slow":
@@ -79,5 +83,22 @@ def test_prime_keeps_verls_deadline_for_each_response_not_the_reward_time_limit(
         assert reward(batch_of(["1", "slow"])).tolist() == [1.5, 0.5]
         assert time.monotonic() - start >= 1.5
         assert reward.errors == 0 and warnings == []
+    finally:
+        reward.close()
+
+
+def test_remote_stops_the_run_once_a_worker_has_no_thread_left_to_give_even_with_on_error_zero(tmp_path: Path) -> None:
+    """remote scores in worker processes, each call within reward_model.reward_timeout_s there; with on_error: zero a
+    stuck call scores 0 and leaves its thread behind in the worker. It was: past the bound of lost threads, every
+    later response of that worker scored 0 at once, under the one warning already given. Now the refusal is the
+    run's error."""
+    reward = RemoteReward(TOKENIZER, CustomScore(str(functions(tmp_path)), "hangs", timeout_s=0.1), processes=1,
+                          on_error="zero", warn=lambda _: None)
+    try:
+        with pytest.raises(RewardThreadsExhausted, match=r"^reward_model.reward_manager remote: a response was refused "
+                                                         rf"in a worker: {MAX_LOST_THREADS} calls of the reward "
+                                                         "function that did not return within"):
+            reward(batch_of(["1"] * (MAX_LOST_THREADS + 1)))
+        assert reward.errors == MAX_LOST_THREADS  # the stuck ones, each scored 0 as on_error: zero says
     finally:
         reward.close()
