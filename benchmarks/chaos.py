@@ -7,10 +7,12 @@ times (one every `--mean-interval` seconds on average, exponentially spaced, fro
 - stop:   SIGSTOP of the trainer (the hang watchdog, daemon.hang_timeout_s, kills and restarts it);
 - damage: the latest checkpoint's actor weights overwritten in place with NaN bytes of the same length, then
           SIGKILL (the resume must catch the damage and fall back to the checkpoint before);
-- burst:  `--burst` concurrent API clients (GET /v1/status, /metrics) at once; none may get a 5xx.
+- burst:  `--burst` concurrent API clients (GET /v1/status, /metrics) at once; none may get a 5xx;
+- disk:   a full disk at the next save (before the final one): its write or its rename fails with ENOSPC, through
+          the trainer's fault hook (VERL_FAULT_FULL_DISK, trainer/faults.py: no tmpfs, so no root); the run must
+          warn, leave no partial checkpoint, train on and save at a later step.
 
-A full disk (a small tmpfs) is injected only where mounting is allowed (`--tmpfs`, as root); otherwise the report
-says it was not. Afterwards the same run goes again without faults, with the same seed: the metrics that do not
+Afterwards the same run goes again without faults, with the same seed: the metrics that do not
 measure the machine (metrics.jsonl without timing_s/, timing_per_token_ms/, perf/, checkpoint/) and the final
 weights must be equal to the bit. The report says how long it ran, what it injected and what it recovered from.
 """
@@ -29,8 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from trainer.faults import FULL_DISK_ENV
+
 MACHINE_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/", "checkpoint/")
-FAULTS = ("kill", "stop", "damage", "burst")
+FAULTS = ("kill", "stop", "damage", "burst", "disk")
 RECOVERY_TIMEOUT_S = 600.0
 
 
@@ -92,14 +96,48 @@ def wait_for_progress(api: Api, after_step: int, process: subprocess.Popen[bytes
     return None
 
 
+def fill_disk(api: Api, process: subprocess.Popen[bytes], checkpoints: Path, marker: Path, *, step: int,
+              save_freq: int, steps: int, where: str) -> dict[str, Any]:
+    """The next save before the final one meets a full disk (at its `where`: write or rename); recovered when the run
+    trains past it, saves a later step and leaves no partial checkpoint."""
+    failing = (max(step, 0) // save_freq + 1) * save_freq
+    if failing >= steps:
+        return {"skipped": "no save left before the final one"}
+    marker.write_text(f"{where}@{failing}")
+    try:
+        seconds = wait_for_progress(api, failing, process)
+        saved = seconds is not None and (process.poll() is not None or wait_for_checkpoint_after(
+            checkpoints, failing, process))
+    finally:
+        marker.unlink(missing_ok=True)  # a resume that redoes the step saves it
+    partial = list(checkpoints.glob(f".global_step_{failing}.partial-*"))
+    return {"full_disk_at_step": failing, "where": where, "recovered": bool(saved) and not partial,
+            "recovery_s": seconds, "partial_left": [str(path) for path in partial]}
+
+
+def wait_for_checkpoint_after(checkpoints: Path, step: int, process: subprocess.Popen[bytes]) -> bool:
+    """Whether a checkpoint of a step after `step` appears (or the run ends) within the recovery time."""
+    start = time.monotonic()
+    while time.monotonic() - start < RECOVERY_TIMEOUT_S and process.poll() is None:
+        if any(int(path.name.rsplit("_", 1)[1]) > step for path in checkpoints.glob("global_step_*")):
+            return True
+        time.sleep(0.5)
+    return process.poll() is not None and process.returncode == 0
+
+
 def inject(fault: str, api: Api, process: subprocess.Popen[bytes], state: Path, checkpoints: Path,
-           burst: int) -> dict[str, Any]:
+           burst: int, *, disk: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`disk`: the full disk's marker file, save_freq, steps and where it fails (write or rename)."""
     from benchmarks.soak import trainer_pid
 
     status = api.status() or {"progress": {"step": -1}}
     step = status["progress"]["step"]
     event: dict[str, Any] = {"fault": fault, "at_step": step, "time": time.time()}
     pid = trainer_pid(state, process.pid)
+    if fault == "disk":
+        assert disk is not None
+        event.update(fill_disk(api, process, checkpoints, step=step, **disk))
+        return event
     if fault == "burst":
         codes = api.burst(burst)
         event.update(codes={str(code): count for code, count in codes.items()},
@@ -119,16 +157,22 @@ def inject(fault: str, api: Api, process: subprocess.Popen[bytes], state: Path, 
 
 
 def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, mean_interval_s: float, seed: int,
-              burst: int, log=print) -> dict[str, Any]:
-    """The faulted run, then the same run untouched; the comparison and what happened."""
+              burst: int, faults: tuple[str, ...] = FAULTS, log=print) -> dict[str, Any]:
+    """The faulted run (each fault drawn from `faults`), then the same run untouched; the comparison and what
+    happened."""
     from benchmarks.soak import SoakError, start_run
+
+    if unknown := set(faults) - set(FAULTS):
+        raise SoakError(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")
 
     randomness = random.Random(seed)
     overrides = chaos_overrides(steps, save_freq, hang_timeout_s)
     started = time.monotonic()
     chaos_dir = work / "chaos"
     chaos_dir.mkdir(parents=True, exist_ok=True)
-    process, info, _ = start_run(chaos_dir, [*overrides, "trainer.experiment_name=chaos"])
+    marker = chaos_dir / "full_disk"  # the full disk's fault hook reads it (trainer/faults.py)
+    process, info, _ = start_run(chaos_dir, [*overrides, "trainer.experiment_name=chaos"],
+                                 env={FULL_DISK_ENV: str(marker)})
     api = Api(info["url"], info["token"])
     checkpoints = chaos_dir / "runs" / "chaos" / "checkpoints"
     events: list[dict[str, Any]] = []
@@ -139,8 +183,10 @@ def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, 
             time.sleep(0.2)
         if process.poll() is not None:
             break
-        fault = randomness.choice(FAULTS)
-        event = inject(fault, api, process, chaos_dir / "state", checkpoints, burst)
+        fault = randomness.choice(faults)
+        disk = {"marker": marker, "save_freq": save_freq, "steps": steps,
+                "where": randomness.choice(("write", "rename")) if fault == "disk" else "write"}
+        event = inject(fault, api, process, chaos_dir / "state", checkpoints, burst, disk=disk)
         log(f"  {fault} at step {event['at_step']}: "
             + ("recovered" if event.get("recovered") else f"NOT recovered ({event})"))
         events.append(event)
@@ -157,7 +203,8 @@ def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, 
     return {"steps": steps, "seed": seed, "chaos_run_s": chaos_s, "total_s": time.monotonic() - started,
             "injected": dict(Counter(event["fault"] for event in events)),
             "recovered": dict(Counter(event["fault"] for event in events if event.get("recovered"))),
-            "full_disk": "not injected: needs a tmpfs mount (root)", "events": events, **comparison}
+            "full_disk": "through VERL_FAULT_FULL_DISK (ENOSPC at a save's write or rename), no tmpfs",
+            "events": events, **comparison}
 
 
 def computed(run_dir: Path) -> list[dict[str, Any]]:

@@ -84,11 +84,14 @@ def verl_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from daemon.cli import main; sys.exit(main())"]
 
 
-def start_run(work: Path, overrides: list[str]) -> tuple[subprocess.Popen[bytes], dict[str, str], dict[str, str]]:
-    """`verl train` of the quickstart in `work`: the daemon process, its runtime info and environment."""
+def start_run(work: Path, overrides: list[str], env: dict[str, str] | None = None
+              ) -> tuple[subprocess.Popen[bytes], dict[str, str], dict[str, str]]:
+    """`verl train` of the quickstart in `work` (with `env` added to the environment): the daemon process, its
+    runtime info and environment."""
     from daemon.runtime import live_runs
 
-    env = {**os.environ, "VERL_STATE_DIR": str(work / "state"), "PYTHONPATH": repository_first(os.environ)}
+    env = {**os.environ, **(env or {}), "VERL_STATE_DIR": str(work / "state"),
+           "PYTHONPATH": repository_first(os.environ)}
     with (work / "verl.out").open("w") as log:
         process = subprocess.Popen([*verl_command(), "train", "--config", str(QUICKSTART),
                                     f"trainer.runs_dir={work / 'runs'}", *RUN_OVERRIDES, *overrides],
@@ -416,6 +419,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     chaos.add_argument("--hang-timeout", type=float, default=20.0, help="daemon.hang_timeout_s (default 20)")
     chaos.add_argument("--burst", type=int, default=100, help="API clients of a burst (default 100)")
     chaos.add_argument("--seed", type=int, default=1, help="the faults' random seed (default 1)")
+    chaos.add_argument("--faults", default="kill,stop,damage,burst,disk",
+                       help="the faults drawn from, comma-separated (default all: kill,stop,damage,burst,disk)")
     args = parser.parse_args(argv)
     if args.report is None and not args.chaos and not args.duration > args.history_seconds + args.settle:
         parser.error("--duration must exceed --history-seconds + --settle: the slopes are fitted after both")
@@ -462,6 +467,7 @@ def _chaos(args: argparse.Namespace) -> int:
         try:
             result = run_chaos(Path(work), steps=args.steps, save_freq=args.save_freq, hang_timeout_s=args.hang_timeout,
                                mean_interval_s=args.mean_interval, seed=args.seed, burst=args.burst,
+                               faults=tuple(args.faults.split(",")),
                                log=lambda line: print(line, file=sys.stderr, flush=True))
         except (SoakError, StartError) as error:
             print(f"ERROR: {error}", file=sys.stderr)

@@ -73,9 +73,9 @@ def last_error_line(text: str) -> str | None:
 def hang_place(text: str) -> str | None:
     """Where a hung trainer was stuck, from the stacks faulthandler wrote (`text`: the log from the daemon's hang
     marker on): the innermost frame of the current (main) thread ("reward.py:12 in compute_score"), unless it only
-    waits in the standard library (for a user's function on a thread of its own: reward_model.reward_timeout_s),
-    then the first other thread's innermost frame outside it. None when no stacks were written (a stopped process
-    cannot write them)."""
+    waits (in the standard library, or for a user's function on a thread of the reward time limit's pool:
+    reward_model.reward_timeout_s), then the first other thread's innermost frame that does not only wait. None
+    when no stacks were written (a stopped process cannot write them)."""
     innermost: list[tuple[bool, str]] = []  # (is the current thread, its innermost frame), in the dump's order
     current = False
     for line in text.splitlines():
@@ -89,9 +89,19 @@ def hang_place(text: str) -> str | None:
     frames = [frame for is_current, frame in sorted(innermost, key=lambda item: not item[0]) if frame]
     if not frames:
         return None
-    return next((frame for frame in frames if not _in_standard_library(frame)), frames[0])
+    return next((frame for frame in frames if not _only_waits(frame)), frames[0])
 
 
-def _in_standard_library(frame: str) -> bool:
+_REWARD_TIME_LIMIT_WAITS = ("trainer/rewards/time_limit.py:", (" in call_with_time_limit", " in _work"))
+"""The reward time limit's own waits (trainer/rewards/time_limit.py): the caller waiting for a call, an idle worker
+of its pool waiting for the next one; a file name, not an import (the daemon imports no trainer code)."""
+
+
+def _only_waits(frame: str) -> bool:
+    """Whether a thread whose innermost frame is `frame` only waits: in the standard library, or in the reward
+    time limit's waits (whose waiting is a C call, with no frame of its own)."""
     path = frame.rsplit(":", 1)[0]
-    return "/lib/python3" in path and "-packages/" not in path
+    if "/lib/python3" in path and "-packages/" not in path:
+        return True
+    file, functions = _REWARD_TIME_LIMIT_WAITS
+    return file in frame and frame.endswith(functions)

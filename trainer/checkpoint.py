@@ -7,6 +7,7 @@ a crash at any moment leaves either a complete checkpoint or none: never half of
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -19,10 +20,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
-from trainer.checkpoint_manifest import first_nonfinite, write_manifest
+from trainer.checkpoint_manifest import MANIFEST, first_nonfinite, write_manifest
 from trainer.config import KEYS
 from trainer.config.run_files import CHECKPOINTS_DIR, LATEST_CHECKPOINT_FILE
 from trainer.errors import UserError
+from trainer.faults import full_disk
 from trainer.models.lora import ADAPTER_WEIGHTS, adapter_state_bytes, is_adapted, load_adapter, save_adapter
 from trainer.offload.layout import format_bytes, storage_bytes
 from trainer.offload.streamer import nested_tensors
@@ -110,12 +112,13 @@ def save_checkpoint(root: Path, step: int, models: dict[str, torch.nn.Module], s
             _save_model(model, partial / role)
             _save_model_files(model, partial / role, tokenizer if role == "actor" else None)
         torch.save(state, partial / TRAINER_STATE)
+        full_disk("write", step, partial / MANIFEST)  # the chaos soak's full disk (trainer/faults.py)
         write_manifest(partial)  # last: a checkpoint with a manifest is complete (trainer/checkpoint_manifest.py)
         _fsync_tree(partial)
+        _move_into_place(partial, final, step)  # a rename too can meet a full disk (a directory that grows)
     except (OSError, RuntimeError) as error:
         # torch.save reports a full disk as a RuntimeError of its zip writer, not as an OSError.
         raise _write_failure(f"the checkpoint of step {step}", root, partial, needed, error) from None
-    _move_into_place(partial, final)
     try:
         _write_atomically(root / LATEST_CHECKPOINT_FILE, f"{step}\n")
     except OSError as error:
@@ -203,7 +206,20 @@ def _write_failure(what: str, root: Path, partial: Path, needed: int, error: Bas
     shutil.rmtree(partial, ignore_errors=True)
     return CheckpointWriteError(f"could not write {what} to {str(root)!r} ({_one_line(error)}) after "
                                 f"{format_bytes(written)} of about {format_bytes(needed)}; {format_bytes(free)} was "
-                                "free then")
+                                f"free then{_what_to_do(error)}")
+
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""The write failures that mean no room: the device is full, the user's quota is spent, a file size limit is met."""
+
+
+def _what_to_do(error: BaseException) -> str:
+    """What to do about a write the disk refused for want of room ("; free some space, ..."), else nothing."""
+    if not (isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS):
+        return ""
+    room = "raise the disk quota or free some of it" if error.errno == errno.EDQUOT else "free some space"
+    return (f"; {room}, keep fewer checkpoints ({KEYS.trainer.max_ckpt_to_keep}) or write the checkpoints elsewhere "
+            f"({KEYS.trainer.default_local_dir})")
 
 
 def _one_line(error: BaseException) -> str:
@@ -385,14 +401,21 @@ def _is_alive(pid: int) -> bool:
     return True
 
 
-def _move_into_place(partial: Path, final: Path) -> None:
+def _move_into_place(partial: Path, final: Path, step: int) -> None:
+    """Rename the complete `partial` folder to `final`; where that fails, `final` is as it was."""
     if final.exists():
         # Re-saving a step (after a resume redid it): swap, so a complete copy exists throughout.
         stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
         os.replace(final, stale)
-        os.replace(partial, final)
+        try:
+            full_disk("rename", step, final)
+            os.replace(partial, final)
+        except OSError:
+            os.replace(stale, final)  # the complete copy goes back where a resume looks for it
+            raise
         shutil.rmtree(stale, ignore_errors=True)
     else:
+        full_disk("rename", step, final)
         os.replace(partial, final)
     _fsync_directory(final.parent)
 
@@ -508,6 +531,7 @@ def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch
                          checkpoint_id=partial / role / SHARDED)
             if ranks.is_main:
                 torch.save(state, partial / TRAINER_STATE)
+                full_disk("write", step, partial / MANIFEST)
                 write_manifest(partial)  # dcp.save returns on every rank once all shards are written
                 _fsync_tree(partial)
         except (OSError, RuntimeError) as error:  # DCP raises a CheckpointException (a RuntimeError) on every rank
@@ -517,13 +541,25 @@ def save_sharded_checkpoint(root: Path, step: int, models: dict[str, tuple[torch
         if ranks.is_main:
             shutil.rmtree(partial, ignore_errors=True)
         raise CheckpointWriteError(f"could not write the checkpoint of step {step} to {str(root)!r} ({failures[0]})")
+    moved: CheckpointWriteError | None = None
     if ranks.is_main:
-        _move_into_place(partial, final)
-        _write_atomically(root / LATEST_CHECKPOINT_FILE, f"{step}\n")
-        if keep is not None:
-            for _, old in list_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    ranks.barrier()  # no rank goes on (and may be killed) before the checkpoint is in place
+        try:
+            _move_into_place(partial, final, step)  # a rename too can meet a full disk
+        except OSError as error:
+            moved = _write_failure(f"the checkpoint of step {step}", root, partial, needed, error)
+        else:
+            try:
+                _write_atomically(root / LATEST_CHECKPOINT_FILE, f"{step}\n")
+            except OSError as error:
+                moved = CheckpointWriteError(f"the checkpoint of step {step} is complete in {str(final)!r}, but "
+                                             f"{LATEST_CHECKPOINT_FILE} could not be updated ({_one_line(error)})")
+            else:
+                for _, old in list_checkpoints(root)[:-keep] if keep is not None else []:
+                    shutil.rmtree(old, ignore_errors=True)
+    # No rank goes on (and may be killed) before the checkpoint is in place, and every rank raises rank 0's failure.
+    message = ranks.broadcast_from_main(None if moved is None else str(moved))
+    if message is not None:
+        raise CheckpointWriteError(message)
     return final
 
 

@@ -9,6 +9,11 @@ Each module keeps its own error types (CheckpointError in trainer/checkpoint.py,
 class UserError(Exception):
     """A problem the user can fix from the config, the data or the models: reported as one line, exit code 2."""
 
+    rank_local = False
+    """True for an error one rank can meet alone while it trains (a user's reward function that raises or hangs on
+    that rank's share of the responses): with several ranks that rank prints its line, since rank 0, which prints
+    the errors every rank finds, may be waiting for it and know nothing."""
+
 
 class RunSetupError(UserError):
     """The run cannot start as configured; the message names the setting to change."""

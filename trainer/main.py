@@ -149,8 +149,9 @@ def _train(config, ranks) -> int:
         reporter.start(trainer.step)
         trainer.fit()
         finished = True
-    except UserError as error:
-        return _report_user_error(error, reporter, telemetry, log_path=log_path, prints=ranks.is_main)
+    except UserError as error:  # with several ranks rank 0 prints, and a rank that met its error alone
+        return _report_user_error(error, reporter, telemetry, log_path=log_path,
+                                  prints=ranks.is_main or error.rank_local, rank=None if ranks.is_main else ranks.rank)
     except torch.OutOfMemoryError as error:  # the trainer's own recovery (offload more, split) did not suffice
         return _report_out_of_memory(error, reporter, telemetry)
     except Exception as error:  # a crash: its traceback into the run's log, where the user and the daemon look
@@ -210,9 +211,11 @@ def _report_out_of_memory(error: BaseException, reporter, telemetry) -> int:
     return EXIT_OUT_OF_MEMORY
 
 
-def _report_user_error(error: BaseException, reporter, telemetry, *, log_path: Path, prints: bool = True) -> int:
+def _report_user_error(error: BaseException, reporter, telemetry, *, log_path: Path, prints: bool = True,
+                       rank: int | None = None) -> int:
     """One ERROR line for a problem the user can fix, in the terminal, the run's log and the daemon's stream;
-    the log also gets the traceback when the user's own code raised (a custom reward function)."""
+    the log also gets the traceback when the user's own code raised (a custom reward function). A `rank` other
+    than 0 that prints names itself in the terminal's line."""
     from trainer.rewards import RewardFunctionError
 
     message = " ".join(str(error).split())
@@ -224,7 +227,7 @@ def _report_user_error(error: BaseException, reporter, telemetry, *, log_path: P
         reporter.logger.error(message + details)
         reporter.close()  # the progress bar off the terminal before the line goes there
     if prints:  # with several ranks, rank 0's line stands for all of them (each one's log has its own)
-        print(f"ERROR: {message}", file=sys.stderr, flush=True)
+        print(f"ERROR: {'' if rank is None else f'rank {rank}: '}{message}", file=sys.stderr, flush=True)
     elif not _is_rank_zero():
         time.sleep(RANK_ZERO_FIRST_S)  # rank 0's line first (_report_errors)
     if telemetry is not None:

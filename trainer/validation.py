@@ -37,6 +37,7 @@ from trainer.data import PromptRecord
 from trainer.dumps import decode_texts, generation_lines, write_generations
 from trainer.generation import Generation
 from trainer.rewards.manager import RewardFunction
+from trainer.rewards.time_limit import StepInterrupted
 from trainer.rollout.batch import RolloutBatch
 
 BOOTSTRAP_DRAWS = 1000
@@ -181,9 +182,14 @@ class Validator:
         return step == 0 and bool(self.records) and (trainer.val_before_train or trainer.val_only)
 
     def timed(self) -> dict[str, float]:
-        """`validate`'s metrics and timing_s/testing."""
+        """`validate`'s metrics and timing_s/testing; none when a stop came while the user's reward function was
+        stuck scoring a response (the step validation follows is complete: the trainer goes on to checkpoint it)."""
         start = time.perf_counter()
-        metrics = self.validate()
+        try:
+            metrics = self.validate()
+        except StepInterrupted as interrupted:
+            self.log(f"{interrupted}: validation at step {self.step()} is abandoned; the step is checkpointed")
+            return {}
         return {**metrics, "timing_s/testing": time.perf_counter() - start}
 
     @torch.no_grad()

@@ -213,7 +213,9 @@ def test_the_disk_full_message_gives_the_free_space_when_the_write_failed(tokeni
     monkeypatch.setattr(trainer.checkpoint.torch, "save", write_until_full)
     with pytest.raises(CheckpointWriteError) as error:
         save_checkpoint(tmp_path, 5, saved, {"step": 5})
-    assert str(error.value).endswith("; 0.10 KiB was free then")
+    assert str(error.value).endswith("; 0.10 KiB was free then; free some space, keep fewer checkpoints "
+                                     "(trainer.max_ckpt_to_keep) or write the checkpoints elsewhere "
+                                     "(trainer.default_local_dir)")
     assert "No space left on device" in str(error.value)
     assert step_dirs(tmp_path) == []
 

@@ -16,7 +16,12 @@ from typing import Any
 from trainer.config import KEYS
 from trainer.errors import UserError
 from trainer.rewards.scorers import default_compute_score
-from trainer.rewards.time_limit import RewardTimeoutError, StepInterrupted, call_with_time_limit
+from trainer.rewards.time_limit import (
+    RewardThreadsExhausted,
+    RewardTimeoutError,
+    StepInterrupted,
+    call_with_time_limit,
+)
 
 ComputeScore = Callable[..., Any]
 
@@ -28,6 +33,8 @@ class CustomRewardError(UserError, ValueError):
 class RewardFunctionError(CustomRewardError):
     """The custom reward function raised. `what` names the function, where it raised and the exception
     (the message adds what to do); `traceback_text` is the full traceback, for the run's log."""
+
+    rank_local = True
 
     def __init__(self, what: str, traceback_text: str):
         super().__init__(f"{what}; fix the function, or set {KEYS.custom_reward_function.on_error}=zero to score "
@@ -127,13 +134,18 @@ class CustomScore:
                 limit_s=self.timeout_s, stopping=self.stopping,
                 what=lambda: f"{KEYS.custom_reward_function} {self.name!r} ({self.path}) scoring a response of "
                              f"data_source {data_source!r}")
-        except (RewardTimeoutError, StepInterrupted):
+        except (RewardTimeoutError, RewardThreadsExhausted, StepInterrupted):  # not the function's own
             raise
         except Exception as error:  # the user's code: anything it raises is theirs to fix
             raise RewardFunctionError.from_exception(error, self.path, self.name, data_source) from error
 
     def __reduce__(self) -> tuple[type[CustomScore], tuple[str, str, dict[str, Any], float | None]]:
         return CustomScore, (self.path, self.name, self.keywords, self.timeout_s)
+
+
+THREADS_EXHAUSTED = "refused in a worker"
+"""How score_in_worker's failure starts when the worker's calls are refused (RewardThreadsExhausted): the run's
+error whatever custom_reward_function.on_error says, since every later response of that worker would be refused."""
 
 
 def score_in_worker(compute_score: Callable[..., Any], data_source: str, solution_str: str, ground_truth: Any,
@@ -148,6 +160,8 @@ def score_in_worker(compute_score: Callable[..., Any], data_source: str, solutio
             result = result[0]
         score, extra = split_score(result)
         return score, extra, None
+    except RewardThreadsExhausted as error:  # the worker's own pool is spent: not a response's failure
+        return None, {}, f"{THREADS_EXHAUSTED}: {error}"
     except RewardFunctionError as error:
         return None, {}, f"not scored: {error.what}"
     except Exception as error:  # the scorer's own code, or a result that is no score

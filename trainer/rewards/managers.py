@@ -4,9 +4,10 @@ verl/workers/reward_manager/): how a batch of responses is turned into rewards w
 
 - naive: each response scored in turn (manager.py's RuleReward);
 - dapo: naive, plus DAPO's overlong penalty (reward_kwargs.overlong_buffer_cfg) and the raw score as `acc`;
-- prime: each response scored in a pool of worker processes, a failure or a late score counting 0 (PRIME's);
+- prime: each response scored in a pool of worker processes, a failure or a late score counting 0 (PRIME's: every
+  score due within PRIME_TIMEOUT_S of the batch's start, as verl's; reward_model.reward_timeout_s does not apply);
 - batch: one call of the function for the whole batch (data_sources, solution_strs, ground_truths, extra_infos,
-  and reward_kwargs as keyword arguments);
+  and reward_kwargs as keyword arguments), the whole call within one reward_model.reward_timeout_s;
 - remote (verl's reward loop's): each response scored in a pool of worker processes, as prime, waiting for every
   score, a failure the run's error (or, custom_reward_function.on_error: zero, a 0), a dict result's entries reported.
 
@@ -30,6 +31,7 @@ from trainer.algorithms.reward_shaping import overlong_penalty
 from trainer.config import KEYS, RunConfig
 from trainer.config.schema import OverlongBuffer
 from trainer.rewards.custom import (
+    THREADS_EXHAUSTED,
     CustomRewardError,
     RewardFunctionError,
     load_custom_score,
@@ -40,7 +42,7 @@ from trainer.rewards.custom import (
 )
 from trainer.rewards.manager import RewardFunction, RewardScores, RuleReward, ScoreFunction, decode_responses
 from trainer.rewards.sandbox_fusion import SandboxFusion, SandboxScore
-from trainer.rewards.time_limit import RewardTimeoutError, StepInterrupted, call_with_time_limit
+from trainer.rewards.time_limit import RewardThreadsExhausted, RewardTimeoutError, StepInterrupted, call_with_time_limit
 from trainer.rollout.batch import RolloutBatch
 
 Warn = Callable[[str], None]
@@ -190,6 +192,8 @@ class RemoteReward(PrimeReward):
         return extra
 
     def _failed(self, failure: str) -> None:
+        if failure.startswith(THREADS_EXHAUSTED):
+            raise RewardThreadsExhausted(f"{KEYS.reward_model.reward_manager} remote: a response was {failure}")
         if self.on_error != "zero":
             raise RewardFunctionError(f"{KEYS.reward_model.reward_manager} remote: a response was {failure}", "")
 
@@ -227,7 +231,7 @@ class BatchReward:
                 self.function, (), arguments, limit_s=self.timeout_s, stopping=self.stopping,
                 what=lambda: f"{KEYS.custom_reward_function} {self.name!r} ({self.path}) scoring a batch of "
                              f"{len(records)} responses (data_source {records[0].data_source!r})")
-        except (RewardTimeoutError, StepInterrupted):
+        except (RewardTimeoutError, RewardThreadsExhausted, StepInterrupted):  # not the function's own
             raise
         except Exception as error:  # the user's code: anything it raises is theirs to fix
             failure = RewardFunctionError.from_exception(error, self.path, self.name, "",
@@ -260,8 +264,9 @@ def build_rule_reward(config: RunConfig, tokenizer: PreTrainedTokenizerBase, *, 
     return REWARD_MANAGERS[config.reward_model.reward_manager](config, tokenizer, warn)
 
 
-def _scorer(config: RunConfig) -> ScoreFunction:
-    """The run's function (custom_reward_function, with its reward_kwargs), or the built-in scorers."""
+def _scorer(config: RunConfig, *, limited: bool = True) -> ScoreFunction:
+    """The run's function (custom_reward_function, with its reward_kwargs, each call within
+    reward_model.reward_timeout_s unless not `limited`), or the built-in scorers."""
     function = config.custom_reward_function
     sandbox = config.reward_model.sandbox_fusion
     if function.path is None and sandbox.url is not None:  # verl's default_compute_score with its sandbox
@@ -270,7 +275,7 @@ def _scorer(config: RunConfig) -> ScoreFunction:
         client.check_reachable()
         return SandboxScore(client)
     return resolve_compute_score(function.path, function.name, function.reward_kwargs,
-                                 config.reward_model.reward_timeout_s)
+                                 config.reward_model.reward_timeout_s if limited else None)
 
 
 def _naive(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
@@ -284,7 +289,9 @@ def _dapo(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> 
 
 
 def _prime(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
-    return PrimeReward(tokenizer, _scorer(config), warn=warn)
+    # prime's own deadline bounds each response (verl's: PRIME_TIMEOUT_S, a late one scores 0 and the run goes on),
+    # not reward_model.reward_timeout_s, which would end the run or, inside a worker, leave threads stuck there.
+    return PrimeReward(tokenizer, _scorer(config, limited=False), warn=warn)
 
 
 def _remote(config: RunConfig, tokenizer: PreTrainedTokenizerBase, warn: Warn) -> RewardFunction:
