@@ -19,18 +19,12 @@ TINY_QWEN2: dict[str, Any] = dict(
 
 # A Qwen2-VL of the same text shape with a one-block vision tower (patches of 14 pixels, 2x2 merged into one token):
 # the language model's settings (Qwen2VLTextConfig) and the vision tower's (Qwen2VLVisionConfig).
-TINY_QWEN2_VL: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
+TINY_QWEN2_VL: dict[str, Any] = {
+    **{key: value for key, value in TINY_QWEN2.items() if key != "rope_theta"},
+    "intermediate_size": 128,
     # The head's 16 dimensions rotate as 8 pairs: 2 by time, 3 by height, 3 by width (multimodal RoPE).
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-)
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+}
 TINY_QWEN2_VL_VISION: dict[str, Any] = dict(depth=1, embed_dim=32, num_heads=2, hidden_size=64, mlp_ratio=2,
                                             patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                                             in_channels=3)
