@@ -154,7 +154,8 @@ def test_schema_and_cross_field_problems_come_in_one_report() -> None:
                                   "trainer.n_gpus_per_node=3", "trainer.test_freq=5"])
     assert {problem.path for problem in problems} == {
         "data.max_prompt_length", "critic.enable", "data.train_batch_size",
-        "actor_rollout_ref.actor.ppo_mini_batch_size", "trainer.test_freq"}
+        # verl's rule: a rank's share of the mini-batch, 256 // 3 = 85 sequences, takes whole micro-batches of 8
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "trainer.test_freq"}
 
 
 def test_a_cross_field_check_that_reads_a_refused_value_is_skipped() -> None:
