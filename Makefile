@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # A CPU build of torch lies on the disk of machines without a GPU; a plain `torch` would pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv tools real-model real-model-deps demo test test-quick lint clean
+.PHONY: venv tools real-model real-model-deps demo test test-slow test-all lint clean
 
 venv: $(VENV)/.installed
 
@@ -46,14 +46,22 @@ tools:
 		|| echo "chromium could not be installed (not root, or no package index): the live page's browser test will skip"
 
 # The suite on TEST_WORKERS processes (pytest-xdist; a module's tests stay in one, so its shared runs are made
-# once): two keep both cores of a 2-core machine busy (24 min there on 2026-12-07, against 36 min in one process).
-# `make test-quick` leaves out the tests marked slow (whole runs through the daemon, the benchmarks' scripts).
+# once): two keep both cores of a 2-core machine busy. It is two tiers, by the `slow` marker:
+#   make test       every test but the slow ones: units, config, algorithms, in-process trainer runs (~6 min on 2 cores)
+#   make test-slow  the tests marked slow: whole runs through the daemon and the CLI, groups of rank processes, the
+#                   benchmarks' scripts, the real GGUF model (~20 min on 2 cores: each process imports torch and
+#                   transformers, about 10 CPU-s, before it trains)
+#   make test-all   both in one pytest run (.ci/run runs both tiers)
 TEST_WORKERS ?= 2
-test: venv tools real-model-deps
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+test: venv tools
+	$(PYTEST) -m "not slow"
 
-test-quick: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow"
+test-slow: venv tools real-model-deps
+	$(PYTEST) -m slow
+
+test-all: venv tools real-model-deps
+	$(PYTEST)
 
 lint: venv
 	$(BIN)/ruff check .
