@@ -209,10 +209,15 @@
 # Next: `tests` (with its output in $OUT/gpu_tests.txt, ~100 s), then `issue40` in one call (needs_h200: its all_gpu 7B
 # variant does not fit an H100);
 # then `e2e-long3b` and `e2e-lora14b` (VARIANTS=all_gpu,offload,offload_delayed STEPS=3 WARMUP=1), a call each.
-# 2026-12-07 17:25-18:50 (third session): eight starts refused (H200 with needs_h200, H100, and a call naming no kind,
-# which tried both: 180 s), about 900 s of the budget: nothing measured. The same next calls stand: the first must be
-# `tests` (issues 38-41's GPU tests have never run on a GPU), then `issue40` on an H200. .whl/ now holds xxhash
+# 2026-12-07 17:25-19:15 (third session): eight starts refused (H200 with needs_h200, H100, and a call naming no kind,
+# which tried both: 180 s), about 1,000 s of the budget. Then one H100, two calls: the GPU tests under `timeout 200`
+# (49 passed, none failed, cut before the rest: give `tests` 300 s alone) with `--only uneven` (refill 1.93x a static
+# batch's useful tokens/s, 2.91x its HBM floor; 115 s), and `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=110
+# e2e-long3b`: offload ran out of memory at 12 GiB in the critic's update with one 4096-token sequence (the recovery
+# had nothing left to split: a bug to find first, with PROFILE=1), all_gpu's first step took 74.5 s (gen 50.7 s) and
+# did not finish two steps in 110 s: give long3b a call of its own with TIMEOUT=250. .whl/ now holds xxhash
 # (trainer/checkpoint_manifest.py imports it) and gguf (a .gguf model path) for python 3.12 too.
+# Next: `tests` alone (300 s), then `issue40` on an H200 (gsm8k7b), then long3b's memory at 12 GiB, then e2e-lora14b.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
