@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.test_sharded_checkpoint_disk import TwoRanks
 from trainer import checkpoint as checkpoint_module
 from trainer.checkpoint import (
     CheckpointWriteError,
@@ -113,21 +114,6 @@ def test_the_fault_hook_fails_the_write_of_the_step_it_names_only(actor, tmp_pat
     save_checkpoint(root, 3, actor, {"step": 3})
     assert [step for step, _ in list_checkpoints(root)] == [1, 3]
     assert not [name for name in names(root) if name.startswith(".")]
-
-
-class TwoRanks:
-    """Rank 0 of a 2-rank run (gathered objects repeat this rank's)."""
-
-    is_main, world_size = True, 2
-
-    def gather_objects(self, value):
-        return [value, value]
-
-    def broadcast_from_main(self, value):
-        return value
-
-    def barrier(self):
-        pass
 
 
 def test_a_sharded_checkpoint_whose_rename_fails_is_one_error_on_every_rank(tmp_path, monkeypatch):
