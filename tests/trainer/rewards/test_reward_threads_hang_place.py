@@ -4,8 +4,10 @@ for the call, an idle worker of the pool waiting for the next one)."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from daemon.failures import hang_place
@@ -27,7 +29,10 @@ for caller in callers:
     caller.start()
 for caller in callers:
     caller.join()
-threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+# The test sends the signal from outside, as the daemon does, once the call below is under way: a thread of this
+# process sending it (threading.Timer) may take the signal itself while it exits, and faulthandler walking the
+# threads then reads the exiting one's freed state and crashes (CPython 3.11, about 1 run in 20 under load).
+open({ready!r}, "w").close()
 try:
     call_with_time_limit(stuck_reward.compute_score, ("gsm8k", "1", "1", None), {{}}, limit_s=2, what=lambda: "f")
 except Exception as error:
@@ -45,9 +50,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_a_hang_in_a_reward_call_on_the_pool_is_placed_in_the_users_function(tmp_path):
     (tmp_path / "stuck_reward.py").write_text(STUCK)
     stacks = tmp_path / "stacks.txt"
-    script = SCRIPT.format(repo=str(REPO), folder=str(tmp_path), stacks=str(stacks))
-    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert finished.stdout.strip() == "RewardTimeoutError", finished.stderr
+    ready = tmp_path / "ready"
+    script = SCRIPT.format(repo=str(REPO), folder=str(tmp_path), stacks=str(stacks), ready=str(ready))
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # well inside the call's 2 s limit
+        child.send_signal(signal.SIGUSR1)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert (child.returncode, out.strip()) == (0, "RewardTimeoutError"), err
     text = stacks.read_text()
     assert "in _work" in text, text  # the idle worker is in the dump
     assert hang_place(text) == f"{tmp_path / 'stuck_reward.py'}:5 in compute_score", text
