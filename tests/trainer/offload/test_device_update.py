@@ -165,8 +165,11 @@ def test_the_split_learns_each_paths_speed_from_the_steps_timings():
     train(model, engine, optimizer, steps=2)
     learned = engine.update_split.seconds_per_element
     assert all(value > 0 for value in learned.values())
-    used = set(engine.update_split.last_assignment)
-    assert all(learned[path] != guessed[path] for path in used)
+    # Each path that ran a learned step's units has its own figure now. Which paths those are depends on this
+    # machine's load (a slow host moves the next step's units to the device, measured one step later), so the test
+    # asks it of the paths measured, not of the last step's assignment.
+    measured = engine.update_split.measured
+    assert measured and all(learned[path] != guessed[path] for path in measured)
     assert engine.update_mode == "both"
 
 
