@@ -12,7 +12,6 @@ import select
 import signal
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,9 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-VERL = Path(sys.executable).parent / "verl"
-QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
+from tests.e2e.runs import QUICKSTART, VERL
+
 SMALL = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.device=cpu"]
 

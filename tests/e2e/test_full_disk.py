@@ -8,14 +8,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+from tests.e2e.runs import QUICKSTART, VERL
 from trainer.checkpoint_manifest import verify_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
-VERL = Path(sys.executable).parent / "verl"
-QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 SMALL = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.device=cpu", "trainer.save_freq=1"]
 ADVICE = ("free some space, keep fewer checkpoints (trainer.max_ckpt_to_keep) or write the checkpoints elsewhere "

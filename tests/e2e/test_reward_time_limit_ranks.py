@@ -6,14 +6,11 @@ and one ERROR line, rank 1's, naming the function, the data source and the limit
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
+from tests.e2e.runs import QUICKSTART, VERL
 from trainer.data import counting_records, write_records
 
-REPO = Path(__file__).resolve().parents[2]
-VERL = Path(sys.executable).parent / "verl"
-QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 TWO_RANKS = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "trainer.device=cpu",
              "trainer.n_gpus_per_node=2"]

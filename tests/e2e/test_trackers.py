@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-VERL = Path(sys.executable).parent / "verl"
-QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
+from tests.e2e.runs import QUICKSTART, VERL
+
 SMALL = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "trainer.device=cpu",
          "trainer.total_training_steps=2"]
