@@ -137,11 +137,17 @@ def test_the_telemetry_benchmark_refuses_bad_arguments_in_one_line(argv, capsys)
 
 @pytest.mark.slow
 def test_the_whole_step_benchmark_runs_its_quick_shape_on_the_cpu_and_compares_the_variants(tmp_path, capsys):
+    """The default variants (all_gpu, offload, and fsdp2, which needs a GPU and is dropped here), the delayed
+    update's and LoRA's, in one call: each variant is a run of its own, and one call builds the models once."""
     out = tmp_path / "e2e.json"
     assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--out", str(out),
-                           "--scratch", str(tmp_path), "--profile"]) == 0
+                           "--scratch", str(tmp_path), "--profile",
+                           "--variants", "all_gpu,offload,fsdp2,offload_delayed,offload_lora"]) == 0
     result = json.loads(out.read_text())
-    assert set(result["variants"]) == {"all_gpu", "offload"}  # fsdp2 needs a GPU
+    assert set(result["variants"]) == {"all_gpu", "offload", "offload_delayed", "offload_lora"}  # fsdp2: a GPU
+    delayed, lora = result["variants"]["offload_delayed"], result["variants"]["offload_lora"]
+    assert delayed["steps"] == 2 and delayed["copied_bytes_per_step"]["h2d"] > 0
+    assert lora["steps"] == 2 and {"update_actor", "update_critic", "ref"} <= set(lora["phases_s"])
     assert result["models_s"] > 0 and not list(tmp_path.glob("e2e_models_*"))  # made once, then removed
     offloaded, resident = result["variants"]["offload"], result["variants"]["all_gpu"]
     assert {"step", "gen", "update_actor", "update_critic", "ref", "reward"} <= set(offloaded["phases_s"])
@@ -183,13 +189,7 @@ def test_the_whole_step_benchmark_refuses_an_unknown_variant_in_one_line(capsys)
     assert error.startswith("ERROR: --variants: unknown nonsense") and "\n" not in error
 
 
-@pytest.mark.slow
-def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp_path):
-    out = tmp_path / "e2e.json"
-    assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants",
-                           "offload_delayed", "--out", str(out), "--scratch", str(tmp_path)]) == 0
-    run = json.loads(out.read_text())["variants"]["offload_delayed"]
-    assert run["steps"] == 2 and run["copied_bytes_per_step"]["h2d"] > 0
+def test_the_whole_step_benchmarks_delayed_update_variants_set_their_keys(tmp_path):
     assert "actor_rollout_ref.actor.fsdp_config.delayed_update=true" in e2e_bench.overrides(
         "quick", "offload_delayed", "cpu", tmp_path, tmp_path / "models", 2)
     # The delayed update on the host's cores alone (auto splits it between the GPU and the host's cores).
@@ -201,13 +201,7 @@ def test_the_whole_step_benchmark_runs_the_delayed_update_variant_when_asked(tmp
         e2e_bench.overrides("quick", "offload_delayed", "cuda", tmp_path, tmp_path / "models", 2)
 
 
-@pytest.mark.slow
-def test_the_whole_step_benchmark_runs_the_lora_variant_when_asked(tmp_path):
-    out = tmp_path / "e2e.json"
-    assert e2e_bench.main(["--shape", "quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants",
-                           "offload_lora", "--out", str(out), "--scratch", str(tmp_path)]) == 0
-    run = json.loads(out.read_text())["variants"]["offload_lora"]
-    assert run["steps"] == 2 and {"update_actor", "update_critic", "ref"} <= set(run["phases_s"])
+def test_the_whole_step_benchmarks_lora_variant_sets_its_keys(tmp_path):
     rows = e2e_bench.overrides("quick", "offload_lora", "cpu", tmp_path, tmp_path / "models", 2)
     assert {"actor_rollout_ref.model.lora_rank=64", "critic.model.lora_rank=64",
             "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"} <= set(rows)
