@@ -158,8 +158,8 @@ def inject(fault: str, api: Api, process: subprocess.Popen[bytes], state: Path, 
 
 def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, mean_interval_s: float, seed: int,
               burst: int, faults: tuple[str, ...] = FAULTS, log=print) -> dict[str, Any]:
-    """The faulted run (each fault drawn from `faults`), then the same run untouched; the comparison and what
-    happened."""
+    """The faulted run (each fault drawn from `faults`) and, beside it, the same run untouched; the comparison and
+    what happened."""
     from benchmarks.soak import SoakError, start_run
 
     if unknown := set(faults) - set(FAULTS):
@@ -173,29 +173,35 @@ def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, 
     marker = chaos_dir / "full_disk"  # the full disk's fault hook reads it (trainer/faults.py)
     process, info, _ = start_run(chaos_dir, [*overrides, "trainer.experiment_name=chaos"],
                                  env={FULL_DISK_ENV: str(marker)})
-    api = Api(info["url"], info["token"])
-    checkpoints = chaos_dir / "runs" / "chaos" / "checkpoints"
-    events: list[dict[str, Any]] = []
-    stop = threading.Event()
-    while process.poll() is None and not stop.is_set():
-        deadline = time.monotonic() + randomness.expovariate(1.0 / mean_interval_s)
-        while time.monotonic() < deadline and process.poll() is None:
-            time.sleep(0.2)
-        if process.poll() is not None:
-            break
-        fault = randomness.choice(faults)
-        disk = {"marker": marker, "save_freq": save_freq, "steps": steps,
-                "where": randomness.choice(("write", "rename")) if fault == "disk" else "write"}
-        event = inject(fault, api, process, chaos_dir / "state", checkpoints, burst, disk=disk)
-        log(f"  {fault} at step {event['at_step']}: "
-            + ("recovered" if event.get("recovered") else f"NOT recovered ({event})"))
-        events.append(event)
-    process.wait()
-    chaos_s = time.monotonic() - started
+    # The same run untouched, beside it: a run of its own (its own state dir and daemon), so the soak takes the
+    # faulted run's time rather than both runs' one after the other.
     reference_dir = work / "reference"
     reference_dir.mkdir(parents=True, exist_ok=True)
     reference, _, _ = start_run(reference_dir, [*overrides, "trainer.experiment_name=chaos"])
-    reference.wait()
+    try:
+        api = Api(info["url"], info["token"])
+        checkpoints = chaos_dir / "runs" / "chaos" / "checkpoints"
+        events: list[dict[str, Any]] = []
+        stop = threading.Event()
+        while process.poll() is None and not stop.is_set():
+            deadline = time.monotonic() + randomness.expovariate(1.0 / mean_interval_s)
+            while time.monotonic() < deadline and process.poll() is None:
+                time.sleep(0.2)
+            if process.poll() is not None:
+                break
+            fault = randomness.choice(faults)
+            disk = {"marker": marker, "save_freq": save_freq, "steps": steps,
+                    "where": randomness.choice(("write", "rename")) if fault == "disk" else "write"}
+            event = inject(fault, api, process, chaos_dir / "state", checkpoints, burst, disk=disk)
+            log(f"  {fault} at step {event['at_step']}: "
+                + ("recovered" if event.get("recovered") else f"NOT recovered ({event})"))
+            events.append(event)
+        process.wait()
+        chaos_s = time.monotonic() - started
+        reference.wait()
+    finally:
+        if reference.poll() is None:  # the faulted run broke off: the reference has no use
+            reference.kill()
     if process.returncode != 0 or reference.returncode != 0:
         raise SoakError(f"the faulted run exited {process.returncode}, the reference {reference.returncode}; see "
                         f"{chaos_dir / 'verl.out'} and {reference_dir / 'verl.out'}")
