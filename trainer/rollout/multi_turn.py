@@ -132,9 +132,11 @@ class MultiTurnRollout:
             if (agree(len(going)) if agree is not None else len(going)) == 0:
                 break
             contexts = [conversations[index].prompt + conversations[index].response for index in going]
-            ids, mask = self._left_padded(contexts or [[self.tokenizer.pad_token_id]])
-            images = () if multi_modal is None else ([multi_modal[index] for index in going] or [{}],)
-            tokens, generated, *log_probs = sample(ids, mask, *images)
+            images = None if multi_modal is None else [multi_modal[index] for index in going]
+            if not going:  # another rank's conversations go on
+                contexts, images = self._stand_in(conversations, multi_modal)
+            ids, mask = self._left_padded(contexts)
+            tokens, generated, *log_probs = sample(ids, mask, *(() if images is None else (images,)))
             assert tokens is not None and generated is not None
             for row, conversation in enumerate(conversations[index] for index in going):
                 kept = generated[row] > 0
@@ -148,6 +150,15 @@ class MultiTurnRollout:
                 self.loop.run_until_complete(conversation.interaction.finalize_interaction(
                     conversation.interaction_id))
         return self._batch(conversations)
+
+    def _stand_in(self, conversations: list[Conversation], multi_modal: Sequence[dict[str, torch.Tensor]] | None
+                  ) -> tuple[list[list[int]], list[dict[str, torch.Tensor]] | None]:
+        """The one row a rank whose conversations have all ended samples while another rank's go on (its output is
+        dropped): a pad token; with images, the first prompt and its images, so that this rank's forward runs the
+        vision tower as the other ranks' forwards do (a sharded tower's weights are gathered by all of them)."""
+        if multi_modal is None or not conversations or not multi_modal[0]:
+            return [[self.tokenizer.pad_token_id]], None if multi_modal is None else [{}]
+        return [conversations[0].prompt], [multi_modal[0]]
 
     def _start(self, record: Any, prompt: list[int]) -> Conversation:
         messages = list(record.prompt) if isinstance(record.prompt, list) else [{"role": "user",
