@@ -114,6 +114,7 @@ class MultiTurnRollout:
         self._system_prefix = self._template_prefix()
         self.loop = asyncio.new_event_loop()
         self._recorded = False  # whether the last run's sampling recorded log-probs
+        self._vision = False  # whether the last run's rows have images (a vision-language model's)
 
     # ----------------------------------------------------------------------------------------- the turns
 
@@ -126,7 +127,7 @@ class MultiTurnRollout:
         vision-language model's inputs of each row's prompt images, passed with the row's context to every turn's
         `sample` (the context holds the prompt's image tokens all along; the tools answer in text)."""
         conversations = [self._start(record, prompt) for record, prompt in zip(records, prompts, strict=True)]
-        self._recorded = False
+        self._recorded, self._vision = False, multi_modal is not None
         while True:
             going = [index for index, conversation in enumerate(conversations) if not conversation.done]
             if (agree(len(going)) if agree is not None else len(going)) == 0:
@@ -240,7 +241,10 @@ class MultiTurnRollout:
                 await tool.release(instance_id)
         if has_media(response) and call.name not in self._media_said:
             self._media_said.add(call.name)
-            self.log(f"NOTE: tool {call.name!r} answered with images or video, which this text-only model cannot "
+            self.log(f"NOTE: tool {call.name!r} answered with images or video, which the multi-turn rollout does "
+                     "not pass on to a vision-language model (only the prompt's images): only the response's text "
+                     "is passed on" if self._vision else
+                     f"NOTE: tool {call.name!r} answered with images or video, which this text-only model cannot "
                      "read: only the response's text is passed on (vision-language models take them)")
         text = truncated(text_of(response), self.settings.max_tool_response_length,
                          self.settings.tool_response_truncate_side)
