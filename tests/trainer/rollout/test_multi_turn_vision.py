@@ -1,6 +1,7 @@
 """verl's geo3k multi-turn example (--config-name=geo3k_multiturn_grpo, its Geo3kTool) through the real trainer with
 the built-in tiny Qwen2-VL: the prompt's images go to every turn's generation and to the forwards after the rollout,
-the tool answers in text, and the loss reads the model's own turns only.
+the tool answers in text, and the loss reads the model's own turns only; a PPO critic on the same model reads them
+too.
 
 The tiny model's word-level vocabulary cannot write <tool_call>: each of its turns is read as a call of the geo3k tool,
 and cut after TURN tokens (as a stop would cut it), so that every conversation has two turns of the model's with the
@@ -8,6 +9,7 @@ tool's response between them."""
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,10 +19,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
+from transformers import Qwen2VLImageProcessorPil
 
 from tests.trainer.test_training_vision import dots_png, plain_log_probs
 from trainer.config import load_config_with_notes
 from trainer.loop import Trainer
+from trainer.models.vision_language import TINY_MAX_PIXELS, TINY_MIN_PIXELS
 from trainer.rollout import multi_turn
 from trainer.rollout.hf_rollout import Sampled
 from trainer.rollout.tool_calls import ToolCall
@@ -46,6 +51,11 @@ def geo3k_multi_turn_data(path: Path, rows: int = 2) -> Path:
 
 @pytest.fixture
 def geo3k_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Trainer, list[Sequence[dict]]]:
+    return make_geo3k_trainer(tmp_path, monkeypatch)
+
+
+def make_geo3k_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str
+                       ) -> tuple[Trainer, list[Sequence[dict]]]:
     """A trainer of verl's geo3k multi-turn config, and the multi-modal rows each turn's sampling was given."""
     monkeypatch.setattr(multi_turn, "parse_tool_calls",
                         lambda text: (text, [ToolCall("calc_geo3k_reward", {"answer": text})]))
@@ -61,7 +71,7 @@ def geo3k_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Trai
         "actor_rollout_ref.actor.optim.lr=1e-2", "data.max_prompt_length=24", "data.max_response_length=16",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOL_CONFIG}", "trainer.device=cpu",
-        "trainer.total_training_steps=1", "trainer.save_freq=-1", f"trainer.runs_dir={tmp_path}"],
+        "trainer.total_training_steps=1", "trainer.save_freq=-1", f"trainer.runs_dir={tmp_path}", *overrides],
         "geo3k_multiturn_grpo").config
     trainer = Trainer(config, log=lambda *_: None)
     turns: list[Sequence[dict]] = []
@@ -118,3 +128,41 @@ def test_a_two_turn_conversations_log_probs_are_the_models_with_its_images(
     swapped = batch.select([0, 1])
     swapped.multi_modal_inputs = batch.multi_modal_inputs[::-1]
     assert (trainer.actor.compute_log_probs(swapped)[mask] - ours[mask]).abs().max() > 1e-4
+
+
+def plain_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list[bytes],
+                 response_length: int) -> torch.Tensor:
+    """[B, R] the value head's output at the position before each response token, from one forward of the HF model
+    with its images processed here."""
+    processor = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS)
+    processed = processor(images=[Image.open(io.BytesIO(png)).convert("RGB") for png in images], return_tensors="pt")
+    with torch.no_grad():
+        values = model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=processed["pixel_values"],
+                       image_grid_thw=processed["image_grid_thw"],
+                       mm_token_type_ids=(input_ids == model.config.image_token_id).int()).logits.float()
+    return values[:, -response_length - 1:-1, 0]
+
+
+def test_a_ppo_critic_of_the_vision_language_model_reads_the_images(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer, _ = make_geo3k_trainer(tmp_path, monkeypatch, "algorithm.adv_estimator=gae",
+                                    "critic.model.path=builtin:tiny-qwen2-vl", "critic.optim.lr=1e-2")
+    assert trainer.critic is not None
+    before = {name: parameter.detach().clone() for name, parameter in trainer.critic.model.named_parameters()}
+    trainer.fit()
+    [metrics] = trainer.metrics_log.read()
+    for key in ("critic/vf_loss", "critic/values/mean", "actor/pg_loss"):
+        assert math.isfinite(metrics[key]), key
+    changed = {name.split(".")[1] for name, parameter in trainer.critic.model.named_parameters()
+               if not torch.equal(parameter, before[name])}
+    assert {"visual", "language_model"} <= changed  # the critic's update read the images too
+    records = trainer.records[:2]
+    batch = trainer.generation.generate(records, n=1)
+    ours = trainer.critic.compute_values(batch)
+    mask = batch.response_mask.bool()
+    plain = plain_values(trainer.critic.model, batch.input_ids, batch.attention_mask,
+                         [record.images[0]["bytes"] for record in records], batch.response_ids.shape[1])
+    torch.testing.assert_close(ours[mask], plain[mask], atol=1e-5, rtol=1e-4)
+    swapped = batch.select([0, 1])
+    swapped.multi_modal_inputs = batch.multi_modal_inputs[::-1]
+    assert (trainer.critic.compute_values(swapped)[mask] - ours[mask]).abs().max() > 1e-5
