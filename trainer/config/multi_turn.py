@@ -10,6 +10,7 @@ geo3k_multiturn_grpo trains a vision-language model (Qwen2.5-VL) on images in se
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
@@ -52,6 +53,9 @@ class MultiTurnConfig(Section):
         return self.enable
 
 
+# Qwen2.5-VL's chat template with tools (their schemas in the system prompt, tool responses as the user's
+# <tool_response>) and images, as verl's geo3k_multiturn_grpo.yaml writes it (model.custom_chat_template).
+GEO3K_CHAT_TEMPLATE = (Path(__file__).with_name("geo3k_chat_template.jinja")).read_text(encoding="utf-8")
 # verl's examples/sglang_multiturn/config/*.yaml, their own settings (each composes ppo_trainer under them).
 _DATA: dict[str, Any] = {"max_prompt_length": 1024, "max_response_length": 1024, "train_batch_size": 256,
                          "return_raw_chat": True}
@@ -88,12 +92,11 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
                                                                              "sandbox_fusion_tool_config.yaml"}}}},
     "search_multiturn_grpo": _SEARCH,
     "search_multiturn_grpo_one_step_off": _SEARCH,
-    # verl's geo3k config also sets model.custom_chat_template: Qwen2.5-VL's own template with its tools and images,
-    # which the model's tokenizer writes here; and data.return_multi_modal_inputs=False, which moves verl's image
-    # processing from its dataset to its agent loop: here the rollout processes a prompt's images either way.
+    # verl's geo3k config also sets data.return_multi_modal_inputs=False, which moves verl's image processing from
+    # its dataset to its agent loop: here the rollout processes a prompt's images either way.
     "geo3k_multiturn_grpo": {
         "data": {**_DATA, "max_prompt_length": 2048, "max_response_length": 2048},
-        "actor_rollout_ref": {"hybrid_engine": True,
+        "actor_rollout_ref": {"hybrid_engine": True, "model": {"custom_chat_template": GEO3K_CHAT_TEMPLATE},
                               "rollout": {"name": "sglang",
                                           "multi_turn": {"enable": True, "max_assistant_turns": 5}}}},
 }

@@ -47,9 +47,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False,
-                   setting: str = KEYS.actor_rollout_ref.model.tokenizer_path) -> PreTrainedTokenizerBase:
-    """A tokenizer set up for generation: left padding, and a pad token (eos when it has none).
-    `setting`: the config key that chooses the tokenizer, named in the errors."""
+                   setting: str = KEYS.actor_rollout_ref.model.tokenizer_path,
+                   chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """A tokenizer set up for generation: left padding, and a pad token (eos when it has none); `chat_template`
+    (model.custom_chat_template) in place of its own. `setting`: the config key that chooses the tokenizer, named in
+    the errors."""
     if path == BUILTIN_PREFIX + TINY_VL:
         tokenizer = tiny_vision_tokenizer(build_tiny_tokenizer())
     elif path.startswith(BUILTIN_PREFIX):
@@ -68,6 +70,8 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False,
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(f"tokenizer at {path!r} has no eos token: responses could never end")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -38,6 +38,7 @@ def main(out: Path, data: str, tools: str, runs_dir: str) -> None:
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}", "trainer.total_training_steps=1",
+        "actor_rollout_ref.model.custom_chat_template=null",  # Qwen2.5-VL's, which the word-level tokenizer cannot read
         "trainer.save_freq=-1", f"trainer.runs_dir={runs_dir}", "trainer.experiment_name=multi_turn_vision_ranks"],
         "geo3k_multiturn_grpo").config
     trainer = Trainer(config, log=lambda *_: None, ranks=ranks)

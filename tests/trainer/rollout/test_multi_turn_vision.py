@@ -70,6 +70,9 @@ def make_geo3k_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrid
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.optim.lr=1e-2", "data.max_prompt_length=24", "data.max_response_length=16",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        # The built-in word-level tokenizer cannot read Qwen2.5-VL's template, which the named config sets
+        # (test_custom_chat_template.py renders it): its own template joins the messages.
+        "actor_rollout_ref.model.custom_chat_template=null",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOL_CONFIG}", "trainer.device=cpu",
         "trainer.total_training_steps=1", "trainer.save_freq=-1", f"trainer.runs_dir={tmp_path}", *overrides],
         "geo3k_multiturn_grpo").config
