@@ -226,10 +226,11 @@ def test_a_multi_turn_script_turns_the_multi_turn_rollout_on(script: str, tmp_pa
                                                else 1024)  # the script's, over the named config's
 
 
-# One PPO run with a critic, a reward model's, GRPO on TensorRT-LLM's rollout, Megatron's refusal, and a multi-turn
-# run with verl's gsm8k tool.
+# One PPO run with a critic, a reward model's, GRPO on TensorRT-LLM's rollout, Megatron's refusal, and multi-turn
+# runs with verl's gsm8k tool and with its geo3k tool (its Geo3kTool built, its chat template set).
 CHECKED = ["ppo_trainer_run_gemma.sh", "ppo_trainer_run_qwen2-7b_rm.sh", "grpo_trainer_run_qwen2-7b_math_trtllm.sh",
-           "ppo_trainer_run_deepseek_math_gsm8k_megatron.sh", "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn.sh"]
+           "ppo_trainer_run_deepseek_math_gsm8k_megatron.sh", "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn.sh",
+           "sglang_multiturn_geo3k_run_qwen2.5-3b_geo3k_multiturn.sh"]
 
 
 @pytest.mark.slow
