@@ -44,7 +44,8 @@ def check_run(config: RunConfig) -> list[str]:
     source = model.tokenizer_path or model.path
     tokenizer = None
     try:
-        tokenizer = load_tokenizer(source, trust_remote_code=model.trust_remote_code)
+        tokenizer = load_tokenizer(source, trust_remote_code=model.trust_remote_code,
+                                   chat_template=model.custom_chat_template)
         if config.reward_model.enable:
             network = config.reward_model.model
             load_tokenizer(network.tokenizer_path or network.path, trust_remote_code=network.trust_remote_code,

@@ -62,9 +62,6 @@ class Generation:
             raise RunSetupError(f"{KEYS.data.truncation}: {config.data.truncation} with a vision-language model, whose "
                                 "prompts cut short would lose vision tokens their images need; set error (and "
                                 f"{KEYS.data.max_prompt_length} to hold the images' tokens)")
-        if self.images is not None and self.multi_turn is not None:
-            raise RunSetupError(f"{KEYS.actor_rollout_ref.rollout.multi_turn.enable}: true with a vision-language "
-                                "model, but the multi-turn rollout with images is not built here; set it to false")
 
     def generate(self, records: Sequence[PromptRecord], rollout: HFRollout | None = None,
                  n: int | None = None, groups: Sequence[int] | None = None) -> RolloutBatch:
@@ -74,9 +71,9 @@ class Generation:
         repeated = [record for record in records for _ in range(n)]
         group_index = (torch.arange(len(records)) if groups is None else torch.tensor(list(groups))
                        ).to(self.device).repeat_interleave(n)
-        if self.multi_turn is not None:
-            return self._conversations(repeated, rollout or self.rollout, group_index)
         prompts, multi_modal = self._prompts(records, n)
+        if self.multi_turn is not None:
+            return self._conversations(repeated, prompts, multi_modal, rollout or self.rollout, group_index)
         prompt_ids, prompt_mask = encode_prompts(prompts, self.tokenizer,
                                                  max_length=self.config.data.max_prompt_length,
                                                  truncation=self.config.data.truncation,
@@ -124,12 +121,15 @@ class Generation:
         return ([prompt for prompt, _ in processed for _ in range(n)],
                 [inputs for _, inputs in processed for _ in range(n)])
 
-    def _conversations(self, repeated: list[PromptRecord], rollout: HFRollout, group_index: torch.Tensor
-                       ) -> RolloutBatch:
-        """The multi-turn rollout of `repeated` (trainer/rollout/multi_turn.py), each turn sampled by `_sample_turn`;
-        synced over ranks, every rank samples as many turns."""
+    def _conversations(self, repeated: list[PromptRecord], texts: list[Prompt],
+                       multi_modal: list[dict[str, torch.Tensor]] | None, rollout: HFRollout,
+                       group_index: torch.Tensor) -> RolloutBatch:
+        """The multi-turn rollout of `repeated` (trainer/rollout/multi_turn.py) from their prompts `texts`, each turn
+        sampled by `_sample_turn`; synced over ranks, every rank samples as many turns. A vision-language model's
+        rows keep their prompt's images (`multi_modal`) for every turn's generation and for the forwards after it, as
+        verl's agent loop keeps its image_data; the tools answer in text."""
         assert self.multi_turn is not None
-        prompt_ids, prompt_mask = encode_prompts([record.prompt for record in repeated], self.tokenizer,
+        prompt_ids, prompt_mask = encode_prompts(texts, self.tokenizer,
                                                  max_length=self.config.data.max_prompt_length,
                                                  truncation=self.config.data.truncation,
                                                  template_kwargs=self.multi_turn.prompt_kwargs())
@@ -137,8 +137,10 @@ class Generation:
         with self.staging("rollout", Role.ACTOR, len(repeated)) as alone:
             rollout.synced = self.ranks.distributed and not alone
             prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-            done = self.multi_turn.run(repeated, prompts, lambda ids, mask: self._sample_turn(rollout, ids, mask),
-                                       agree=self.ranks.count_agreement if rollout.synced else None)
+            done = self.multi_turn.run(repeated, prompts,
+                                       lambda ids, mask, images=(): self._sample_turn(rollout, ids, mask, images),
+                                       agree=self.ranks.count_agreement if rollout.synced else None,
+                                       multi_modal=multi_modal)
         prompt_ids, prompt_mask = self.run_wide.pad_like_other_ranks(done.prompt_ids, done.prompt_mask,
                                                                      self.tokenizer.pad_token_id)
         return RolloutBatch(prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
@@ -147,16 +149,19 @@ class Generation:
                             response_attention=done.response_attention.to(self.device),
                             group_index=group_index,
                             records=done.records,
-                            rollout_log_probs=None if done.log_probs is None else done.log_probs.to(self.device))
+                            rollout_log_probs=None if done.log_probs is None else done.log_probs.to(self.device),
+                            multi_modal_inputs=multi_modal)
 
-    def _sample_turn(self, rollout: HFRollout, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor | None]:
+    def _sample_turn(self, rollout: HFRollout, ids: torch.Tensor, mask: torch.Tensor,
+                     images: Sequence[dict[str, torch.Tensor]] = ()) -> list[torch.Tensor | None]:
         """One turn of the multi-turn rollout: on one rank in pieces, as the step's rollout decodes (max_num_seqs,
         the memory budget, a retry after running out of memory); on several ranks whole, so that every rank decodes
-        as many pieces."""
+        as many pieces. `images`: each row's multi-modal inputs (a vision-language model's; () for a text one)."""
         ids, mask = ids.to(self.device), mask.to(self.device)
         if self.ranks.distributed:
-            return list(rollout.sample(ids, mask))
-        pieces = run_in_pieces(lambda first, count: rollout.sample(ids[first:first + count], mask[first:first + count]),
+            return list(rollout.sample(ids, mask, multi_modal=images))
+        pieces = run_in_pieces(lambda first, count: rollout.sample(ids[first:first + count], mask[first:first + count],
+                                                                   multi_modal=images[first:first + count]),
                                len(ids), self._rows_that_fit(len(ids), ids.shape[1]),
                                memory=self.memory.for_role(Role.ACTOR))
         return [None if parts[0] is None else torch.cat(parts) for parts in zip(*pieces, strict=True)]

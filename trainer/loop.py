@@ -74,7 +74,8 @@ class Trainer:
         seed_everything(config.trainer.seed)  # the same on every rank: each shards the same initial weights
         model_config = config.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path,
-                                        trust_remote_code=model_config.trust_remote_code)
+                                        trust_remote_code=model_config.trust_remote_code,
+                                        chat_template=model_config.custom_chat_template)
         self.records, self.val_records = load_prompts(config, self.tokenizer, log)
         # data.shuffle's order, or data.sampler's (rank 0's on several ranks)
         self.sampler = prompt_sampler(config, self.records, agree=self.ranks.broadcast_from_main)

@@ -292,7 +292,6 @@ ALIASES: tuple[Alias, ...] = (
     default_only("*external_lib", "model code comes from transformers, or the model directory with "
                                   "trust_remote_code"),
     default_only("*hf_config_path", "the model's config.json is read from its own directory"),
-    default_only("*custom_chat_template", "prompts use the tokenizer's own chat template"),
     default_only("reward_model.model.input_tokenizer", "responses are decoded with the actor's tokenizer"),
     default_only("reward_model.model.override_config", "the reward model is built from its directory as it is"),
     default_only("reward_model.max_length", "reward-model inputs here are cut at data.max_prompt_length + "

@@ -124,8 +124,8 @@ keys whose meaning carries over (below). The rest are in the tables after them, 
 
 Megatron (`strategy: megatron`, any `*.megatron.*` key, verl's `--config-name=ppo_megatron_trainer`) is one
 refusal line: it is another training engine. verl's multi-turn configs (`--config-name=gsm8k_multiturn_grpo` and
-the others of its examples/sglang_multiturn) load with the script's settings over them; the multi-turn
-vision-language one (`geo3k_multiturn_grpo`) is one refusal line (a vision-language model trains single-turn).
+the others of its examples/sglang_multiturn) load with the script's settings over them, the vision-language one
+(`geo3k_multiturn_grpo`, Qwen2.5-VL with its Geo3kTool) too: the prompt's images go to every turn.
 A setting verl runs with but that likely does not do what its author meant (GRPO with `rollout.n=1`: every
 advantage is 0) is a `WARNING:` line, not a refusal.
 

@@ -25,7 +25,6 @@ from trainer.config.overrides import apply_overrides, resolve_interpolations
 from trainer.config.refused import checks_despite_schema_errors, is_under
 from trainer.config.rules import check_semantics
 from trainer.config.schema import RunConfig
-from trainer.config.tool_files import single_vision_problem
 from trainer.config.verl import translate
 
 
@@ -71,8 +70,7 @@ def load_config_with_notes(path: str | os.PathLike[str] | None = None, overrides
     except ConfigError as error:
         problems += error.problems
     if problems or translation.megatron:
-        raise ConfigError(single_megatron_problem([_as_written(problem, translation.written)
-                                                   for problem in single_vision_problem(problems)],
+        raise ConfigError(single_megatron_problem([_as_written(problem, translation.written) for problem in problems],
                                                   translation.megatron))
     # A warning about what a key of several models set for the reference alone does not apply to what was written.
     warnings = [_as_written(warning, translation.written) for warning in warnings

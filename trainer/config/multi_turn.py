@@ -3,14 +3,14 @@ examples that turn it on (`--config-name=gsm8k_multiturn_grpo` and its siblings)
 
 A named config is verl's ppo_trainer with a few settings of its own; those settings are written here (verl's
 examples/sglang_multiturn/config/*.yaml, without their Hydra lines), and the loader reads them under the user's
-YAML file and overrides, as Hydra composes them. A named config built on ppo_megatron_trainer asks for Megatron;
-one that trains a vision-language model on images in several turns is refused in one line (a vision-language model
-trains with the single-turn rollout only).
+YAML file and overrides, as Hydra composes them. A named config built on ppo_megatron_trainer asks for Megatron.
+geo3k_multiturn_grpo trains a vision-language model (Qwen2.5-VL) on images in several turns, with verl's Geo3kTool.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
@@ -53,6 +53,9 @@ class MultiTurnConfig(Section):
         return self.enable
 
 
+# Qwen2.5-VL's chat template with tools (their schemas in the system prompt, tool responses as the user's
+# <tool_response>) and images, as verl's geo3k_multiturn_grpo.yaml writes it (model.custom_chat_template).
+GEO3K_CHAT_TEMPLATE = (Path(__file__).with_name("geo3k_chat_template.jinja")).read_text(encoding="utf-8")
 # verl's examples/sglang_multiturn/config/*.yaml, their own settings (each composes ppo_trainer under them).
 _DATA: dict[str, Any] = {"max_prompt_length": 1024, "max_response_length": 1024, "train_batch_size": 256,
                          "return_raw_chat": True}
@@ -89,15 +92,16 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
                                                                              "sandbox_fusion_tool_config.yaml"}}}},
     "search_multiturn_grpo": _SEARCH,
     "search_multiturn_grpo_one_step_off": _SEARCH,
+    # verl's geo3k config also sets data.return_multi_modal_inputs=False, which moves verl's image processing from
+    # its dataset to its agent loop: here the rollout processes a prompt's images either way.
+    "geo3k_multiturn_grpo": {
+        "data": {**_DATA, "max_prompt_length": 2048, "max_response_length": 2048},
+        "actor_rollout_ref": {"hybrid_engine": True, "model": {"custom_chat_template": GEO3K_CHAT_TEMPLATE},
+                              "rollout": {"name": "sglang",
+                                          "multi_turn": {"enable": True, "max_assistant_turns": 5}}}},
 }
 # Built on verl's ppo_megatron_trainer: Megatron's one refusal line (megatron.py).
 MEGATRON_NAMED_CONFIGS = ("gsm8k_multiturn_megatron_grpo", "geo3k_multiturn_megatron_grpo")
-# verl's geo3k configs train Qwen2.5-VL on geometry diagrams (images in the prompts).
-VISION_NAMED_CONFIGS = ("geo3k_multiturn_grpo",)
-VISION_REFUSAL = ("trains a vision-language model on images in a multi-turn rollout (verl's geo3k example, Qwen2.5-VL, "
-                  "with its Geo3kTool), and the multi-turn rollout with images is not built here: a vision-language "
-                  "model trains with the single-turn rollout (drop --config-name and multi_turn; images come from "
-                  "data.image_key)")
 
 
 def named_config(config_name: str | None) -> dict[str, Any]:

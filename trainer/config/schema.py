@@ -82,6 +82,8 @@ class ModelConfig(Section):
     """Padding-free forward (real tokens packed in one row) for the actor's and reference's log-probs and update."""
     lora_adapter_path: str | None = None
     """A saved peft adapter the policy's LoRA starts from (its own rank, alpha and modules); unset: a new one."""
+    custom_chat_template: str | None = None
+    """A Jinja chat template used in place of the tokenizer's own for the prompts and the multi-turn rollout's turns."""
 
     @field_validator("target_modules", "exclude_modules", mode="before")
     @classmethod

@@ -10,11 +10,12 @@ from typing import Any
 import yaml
 
 from trainer.config.errors import ConfigProblem
-from trainer.config.multi_turn import VISION_REFUSAL, MultiTurnConfig
+from trainer.config.multi_turn import MultiTurnConfig
 
 # verl's own tool and interaction classes -> this project's implementations (trainer/rollout/tools.py); any other
 # class_name is a user's class by import path, with verl's BaseTool (or BaseInteraction) methods.
 VERL_TOOLS = {"verl.tools.gsm8k_tool.Gsm8kTool": "Gsm8kTool",
+              "verl.tools.geo3k_tool.Geo3kTool": "Geo3kTool",
               "verl.tools.search_tool.SearchTool": "SearchTool",
               "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "SandboxFusionTool"}
 VERL_INTERACTIONS = {"verl.interactions.gsm8k_interaction.Gsm8kInteraction": "Gsm8kInteraction"}
@@ -81,9 +82,3 @@ def is_mcp(entry: dict[str, Any]) -> bool:
     config = entry.get("config")
     return (isinstance(config, dict) and config.get("type") == "mcp") or entry.get("class_name") in MCP_TOOLS
 
-
-def single_vision_problem(problems: list[ConfigProblem]) -> list[ConfigProblem]:
-    """`problems`, or where the named config trains a vision-language model, the one problem that says so (its
-    tool's class and image keys are moot until it is answered)."""
-    vision = [problem for problem in problems if problem.path == "--config-name" and VISION_REFUSAL in problem.message]
-    return vision or problems

@@ -27,7 +27,7 @@ from trainer.config.aliases import Action, Alias, Reading, entries, entry_for, w
 from trainer.config.errors import ConfigProblem
 from trainer.config.fields import Section, section_type, show
 from trainer.config.megatron import CONFIG_NAMES, asks_for_megatron
-from trainer.config.multi_turn import MEGATRON_NAMED_CONFIGS, NAMED_CONFIGS, VISION_NAMED_CONFIGS, VISION_REFUSAL
+from trainer.config.multi_turn import MEGATRON_NAMED_CONFIGS, NAMED_CONFIGS
 from trainer.config.notes import Note
 from trainer.config.placement import TRAINING_ONLY_KEYS
 from trainer.config.schema import FROZEN_ROLES, FSDP_PREFIX, RunConfig
@@ -60,9 +60,7 @@ def translate(raw: dict[str, Any], config_name: str | None = None) -> Translatio
     `config_name`: verl's Hydra --config-name, when a launch script gives one."""
     translation = Translation(copy.deepcopy(raw), megatron=asks_for_megatron(_leaves(raw, []), config_name))
     name = None if config_name is None else config_name.removesuffix(".yaml")
-    if name in VISION_NAMED_CONFIGS:
-        translation.problems.append(ConfigProblem("--config-name", f"got {config_name!r}, which {VISION_REFUSAL}"))
-    elif name is not None and name not in (*CONFIG_NAMES, *NAMED_CONFIGS, *MEGATRON_NAMED_CONFIGS):
+    if name is not None and name not in (*CONFIG_NAMES, *NAMED_CONFIGS, *MEGATRON_NAMED_CONFIGS):
         translation.problems.append(ConfigProblem("--config-name", f"got {config_name!r}, a Hydra config of its "
                                                   "own, which this project cannot compose; allowed: ppo_trainer "
                                                   "(verl's, the default), verl's multi-turn examples' "

@@ -84,10 +84,14 @@ def score_geo3k(solution_str: str, ground_truth: Any, format_score: float = 0.1)
     symbolic check; here the boxed text and the truth compare as numbers where both are, else as text without
     spaces and $ signs (the geometry3k answers are numbers and short expressions)."""
     answer = _last_boxed(solution_str)
-    right = answer is not None and (_normalise_number(answer.replace(" ", ""))
-                                    == _normalise_number(str(ground_truth).replace(" ", "")))
+    right = answer is not None and same_geo3k_answer(answer, ground_truth)
     formatted = _GEO3K_FORMAT.fullmatch(solution_str) is not None
     return (1.0 - format_score) * float(right) + format_score * float(formatted)
+
+
+def same_geo3k_answer(answer: str, ground_truth: Any) -> bool:
+    """Whether `answer` is `ground_truth`: as numbers where both are, else as text without spaces and $ signs."""
+    return _normalise_number(answer.replace(" ", "")) == _normalise_number(str(ground_truth).replace(" ", ""))
 
 
 def _last_boxed(text: str) -> str | None:

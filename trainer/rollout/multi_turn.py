@@ -13,6 +13,10 @@ of the loss, the advantages, the KL and the critic, as in verl.
 
 Batched by turns: each turn samples the conversations still going in one batch (rows that called a tool wait while
 the others finish theirs); their tools then run.
+
+A vision-language model's conversation (verl's geo3k example) holds its prompt's image tokens from the start, and
+every turn's sampling gets the row's multi-modal inputs (pixel_values, image_grid_thw) with its context, as verl's
+agent loop passes its image_data to each generate; the tools answer in text.
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ from trainer.rollout.tool_calls import (
 )
 from trainer.rollout.tools import has_media, load_interactions, load_tools, text_of, tool_schemas
 
-# One turn's sampling: [b, T] left-padded contexts and mask -> ([b, R] tokens, [b, R] mask of those generated (EOS
-# included), [b, R] their log-probs or None).
-Sample = Callable[[torch.Tensor, torch.Tensor], Sequence[torch.Tensor | None]]
+# One turn's sampling: [b, T] left-padded contexts and mask (and, for a vision-language model, the b rows' multi-modal
+# inputs) -> ([b, R] tokens, [b, R] mask of those generated (EOS included), [b, R] their log-probs or None).
+Sample = Callable[..., Sequence[torch.Tensor | None]]
 
 
 @dataclass
@@ -110,25 +114,32 @@ class MultiTurnRollout:
         self._system_prefix = self._template_prefix()
         self.loop = asyncio.new_event_loop()
         self._recorded = False  # whether the last run's sampling recorded log-probs
+        self._vision = False  # whether the last run's rows have images (a vision-language model's)
 
     # ----------------------------------------------------------------------------------------- the turns
 
     def run(self, records: Sequence[Any], prompts: Sequence[list[int]], sample: Sample,
-            agree: Callable[[int], int] | None = None) -> MultiTurnBatch:
+            agree: Callable[[int], int] | None = None,
+            multi_modal: Sequence[dict[str, torch.Tensor]] | None = None) -> MultiTurnBatch:
         """Each record's conversation from its prompt's tokens (chat template applied), to the end. `agree`: where
         the ranks' forwards meet (a rollout synced over ranks), the most conversations going on any rank; a rank
-        whose conversations have all ended samples a one-token stand-in while another's go on."""
+        whose conversations have all ended samples a one-token stand-in while another's go on. `multi_modal`: a
+        vision-language model's inputs of each row's prompt images, passed with the row's context to every turn's
+        `sample` (the context holds the prompt's image tokens all along; the tools answer in text)."""
         conversations = [self._start(record, prompt) for record, prompt in zip(records, prompts, strict=True)]
-        self._recorded = False
+        self._recorded, self._vision = False, multi_modal is not None
         while True:
-            going = [conversation for conversation in conversations if not conversation.done]
+            going = [index for index, conversation in enumerate(conversations) if not conversation.done]
             if (agree(len(going)) if agree is not None else len(going)) == 0:
                 break
-            contexts = [conversation.prompt + conversation.response for conversation in going]
-            ids, mask = self._left_padded(contexts or [[self.tokenizer.pad_token_id]])
-            tokens, generated, *log_probs = sample(ids, mask)
+            contexts = [conversations[index].prompt + conversations[index].response for index in going]
+            images = None if multi_modal is None else [multi_modal[index] for index in going]
+            if not going:  # another rank's conversations go on
+                contexts, images = self._stand_in(conversations, multi_modal)
+            ids, mask = self._left_padded(contexts)
+            tokens, generated, *log_probs = sample(ids, mask, *(() if images is None else (images,)))
             assert tokens is not None and generated is not None
-            for row, conversation in enumerate(going):
+            for row, conversation in enumerate(conversations[index] for index in going):
                 kept = generated[row] > 0
                 turn = tokens[row][kept].tolist()
                 recorded = bool(log_probs) and log_probs[0] is not None
@@ -140,6 +151,15 @@ class MultiTurnRollout:
                 self.loop.run_until_complete(conversation.interaction.finalize_interaction(
                     conversation.interaction_id))
         return self._batch(conversations)
+
+    def _stand_in(self, conversations: list[Conversation], multi_modal: Sequence[dict[str, torch.Tensor]] | None
+                  ) -> tuple[list[list[int]], list[dict[str, torch.Tensor]] | None]:
+        """The one row a rank whose conversations have all ended samples while another rank's go on (its output is
+        dropped): a pad token; with images, the first prompt and its images, so that this rank's forward runs the
+        vision tower as the other ranks' forwards do (a sharded tower's weights are gathered by all of them)."""
+        if multi_modal is None or not conversations or not multi_modal[0]:
+            return [[self.tokenizer.pad_token_id]], None if multi_modal is None else [{}]
+        return [conversations[0].prompt], [multi_modal[0]]
 
     def _start(self, record: Any, prompt: list[int]) -> Conversation:
         messages = list(record.prompt) if isinstance(record.prompt, list) else [{"role": "user",
@@ -221,7 +241,10 @@ class MultiTurnRollout:
                 await tool.release(instance_id)
         if has_media(response) and call.name not in self._media_said:
             self._media_said.add(call.name)
-            self.log(f"NOTE: tool {call.name!r} answered with images or video, which this text-only model cannot "
+            self.log(f"NOTE: tool {call.name!r} answered with images or video, which the multi-turn rollout does "
+                     "not pass on to a vision-language model (only the prompt's images): only the response's text "
+                     "is passed on" if self._vision else
+                     f"NOTE: tool {call.name!r} answered with images or video, which this text-only model cannot "
                      "read: only the response's text is passed on (vision-language models take them)")
         text = truncated(text_of(response), self.settings.max_tool_response_length,
                          self.settings.tool_response_truncate_side)

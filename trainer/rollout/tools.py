@@ -1,9 +1,9 @@
 """The multi-turn rollout's tools and interactions, from verl's config files (multi_turn.tool_config_path,
 interaction_config_path): `tools: [{class_name, config, tool_schema}]`, `interaction: [{name, class_name, config}]`.
 
-verl's own classes map to this project's implementations (trainer/config/tool_files.py names them): its gsm8k tool
-and interaction, and its search and sandbox-fusion tools as HTTP clients of their configured URL. Any other
-class_name is a user's class by its import path, built as verl builds it (`cls(config, tool_schema)`,
+verl's own classes map to this project's implementations (trainer/config/tool_files.py names them): its gsm8k and
+geo3k tools, its gsm8k interaction, and its search and sandbox-fusion tools as HTTP clients of their configured URL.
+Any other class_name is a user's class by its import path, built as verl builds it (`cls(config, tool_schema)`,
 `cls(config)`) and called through verl's BaseTool and BaseInteraction methods (async create, execute, calc_reward,
 release; start_interaction, generate_response, calculate_score, finalize_interaction): duck-typed, verl not needed.
 
@@ -28,7 +28,7 @@ import yaml
 
 from trainer.config.tool_files import VERL_INTERACTIONS, VERL_TOOLS, is_mcp
 from trainer.errors import UserError
-from trainer.rewards.scorers import score_gsm8k
+from trainer.rewards.scorers import same_geo3k_answer, score_gsm8k
 
 
 class ToolConfigError(UserError, ValueError):
@@ -111,6 +111,21 @@ class Gsm8kTool(BuiltinTool):
         answer = str(parameters.get("answer", ""))
         state["response"] = answer if answer.startswith("#### ") else "#### " + answer
         reward = score_gsm8k(state["response"], state["create_kwargs"].get("ground_truth"), method="flexible")
+        tool_reward = 0.0 if reward > state["reward"] else -0.05
+        state["reward"] = reward
+        return Response(f"Current parsed {answer=} {reward=}"), tool_reward, {}
+
+
+class Geo3kTool(BuiltinTool):
+    """verl's geo3k tool (verl/tools/geo3k_tool.py): the model submits its answer to the geometry problem and gets its
+    score back. The ground truth comes from the row's extra_info.tools_kwargs.calc_geo3k_reward.create_kwargs
+    .ground_truth; each execute scores the answer as it is (verl's geo3k rule with use_boxed=False and no format
+    score: 1.0 right, 0.0 not) and rewards -0.05 for a submission that does not improve on the last one."""
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[Any, float, dict]:
+        state = self._instances[instance_id]
+        answer = str(parameters.get("answer", ""))
+        reward = float(same_geo3k_answer(answer, state["create_kwargs"].get("ground_truth")))
         tool_reward = 0.0 if reward > state["reward"] else -0.05
         state["reward"] = reward
         return Response(f"Current parsed {answer=} {reward=}"), tool_reward, {}
@@ -236,7 +251,7 @@ class Gsm8kInteraction:
         self._instances.pop(instance_id, None)
 
 
-_BUILTIN: dict[str, type] = {"Gsm8kTool": Gsm8kTool, "SearchTool": SearchTool,
+_BUILTIN: dict[str, type] = {"Gsm8kTool": Gsm8kTool, "Geo3kTool": Geo3kTool, "SearchTool": SearchTool,
                              "SandboxFusionTool": SandboxFusionTool, "Gsm8kInteraction": Gsm8kInteraction}
 
 

@@ -48,8 +48,6 @@ class Script:
     """The features, built in parallel, without which it is refused today."""
     megatron: bool = False
     """It asks for Megatron: one refusal line."""
-    vision: bool = False
-    """It trains a vision-language model: one refusal line."""
 
 
 CORPUS: dict[str, Script] = {
@@ -93,7 +91,9 @@ CORPUS: dict[str, Script] = {
     "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn_server.sh": Script(engine="sglang"),
     "sglang_multiturn_search_r1_like_run_qwen2.5-3b_instruct_search_multiturn.sh": Script(engine="sglang"),
     "sglang_multiturn_run_qwen2.5-3b_megatron_gsm8k_multiturn.sh": Script(engine="sglang", megatron=True),
-    "sglang_multiturn_geo3k_run_qwen2.5-3b_geo3k_multiturn.sh": Script(engine="sglang", vision=True),
+    # Qwen2.5-VL on geo3k's images, with verl's Geo3kTool (--config-name=geo3k_multiturn_grpo)
+    "sglang_multiturn_geo3k_run_qwen2.5-3b_geo3k_multiturn.sh": Script(engine="sglang"),
+    "sglang_multiturn_geo3k_run_qwen2.5-3b_geo3k_multiturn_4xgpu.sh": Script(engine="sglang"),
     "grpo_trainer_run_qwen2_5_vl-7b_freeze_vision.sh": Script(),  # actor.freeze_vision_tower (a NOTE on a text model)
     "ppo_trainer_run_deepseek7b_llm_sandbox_fusion.sh": Script(),  # reward_model.sandbox_fusion, the prime manager
     # The five of tests/trainer/test_verl_keys.py
@@ -180,8 +180,7 @@ def test_the_corpus_is_the_assets_folder() -> None:
     assert len(CORPUS) >= 25
 
 
-@pytest.mark.parametrize("script", [marked(script) for script in CORPUS
-                                    if not CORPUS[script].megatron and not CORPUS[script].vision])
+@pytest.mark.parametrize("script", [marked(script) for script in CORPUS if not CORPUS[script].megatron])
 def test_a_verl_script_loads_as_it_is(script: str, tmp_path: Path) -> None:
     config, notes, _ = load(launch_of(script, tmp_path))
     engine = CORPUS[script].engine
@@ -198,14 +197,6 @@ def test_a_megatron_script_is_refused_in_one_line(script: str, tmp_path: Path) -
     assert problem.path == "--config-name" and "Megatron-LM is another training engine" in problem.message
 
 
-@pytest.mark.parametrize("script", [script for script in CORPUS if CORPUS[script].vision])
-def test_a_vision_language_script_is_refused_in_one_line(script: str, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError) as caught:
-        load(launch_of(script, tmp_path))
-    [problem] = caught.value.problems
-    assert problem.path == "--config-name" and "the multi-turn rollout with images is not built here" in problem.message
-
-
 # What verl's multi-turn configs set, with the script's own settings over them (as Hydra composes them).
 MULTI_TURN = {
     "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn.sh": ("gsm8k_tool_config.yaml", None, 5, None, "hermes"),
@@ -214,6 +205,9 @@ MULTI_TURN = {
     "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn_server.sh": ("gsm8k_tool_config.yaml", None, 5, None, "hermes"),
     "sglang_multiturn_search_r1_like_run_qwen2.5-3b_instruct_search_multiturn.sh": ("search_tool_config.yaml", None,
                                                                                     2, None, "qwen"),
+    "sglang_multiturn_geo3k_run_qwen2.5-3b_geo3k_multiturn.sh": ("geo3k_tool_config.yaml", None, 5, None, "hermes"),
+    "sglang_multiturn_geo3k_run_qwen2.5-3b_geo3k_multiturn_4xgpu.sh": ("geo3k_tool_config.yaml", None, 5, None,
+                                                                       "hermes"),
 }
 
 
@@ -228,13 +222,15 @@ def test_a_multi_turn_script_turns_the_multi_turn_rollout_on(script: str, tmp_pa
     assert (multi_turn.max_assistant_turns, multi_turn.max_user_turns, multi_turn.format) == (assistant_turns,
                                                                                               user_turns, format_)
     assert config.data.max_response_length == (3072 if "interaction" in script else 3000 if "search" in script
-                                               else 1024)  # the script's, over the named config's 1024
+                                               else 2048 if "geo3k" in script
+                                               else 1024)  # the script's, over the named config's
 
 
-# One PPO run with a critic, a reward model's, GRPO on TensorRT-LLM's rollout, Megatron's refusal, and a multi-turn
-# run with verl's gsm8k tool.
+# One PPO run with a critic, a reward model's, GRPO on TensorRT-LLM's rollout, Megatron's refusal, and multi-turn
+# runs with verl's gsm8k tool and with its geo3k tool (its Geo3kTool built, its chat template set).
 CHECKED = ["ppo_trainer_run_gemma.sh", "ppo_trainer_run_qwen2-7b_rm.sh", "grpo_trainer_run_qwen2-7b_math_trtllm.sh",
-           "ppo_trainer_run_deepseek_math_gsm8k_megatron.sh", "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn.sh"]
+           "ppo_trainer_run_deepseek_math_gsm8k_megatron.sh", "sglang_multiturn_run_qwen2.5-3b_gsm8k_multiturn.sh",
+           "sglang_multiturn_geo3k_run_qwen2.5-3b_geo3k_multiturn.sh"]
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """verl's vision-language settings (its geo3k examples): the image column, the built-in tiny Qwen2-VL, and what stays
-refused (videos, the multi-turn rollout with images)."""
+refused (videos)."""
 
 from __future__ import annotations
 
