@@ -8,8 +8,9 @@ writes the same column at each step, so the columns any row has written are the 
 attention needs no more. `LiveWindow` makes every layer of a cache return that prefix of its keys and values (a view,
 no copy), with the step's mask cut to the same columns.
 
-The length read is the written length rounded up to a multiple of `step` (an eighth of the cache's columns by
-default), so a batch size's decode runs at about eight lengths, each one CUDA graph. The columns cut off are masked
+The length read is the written length rounded up to a multiple of `step` (an eighth of the cache's columns, in
+multiples of 64 columns, by default), so a batch size's decode runs at about eight lengths, each one CUDA graph; a
+multiple of 64 keeps the mask's rows aligned as the fused attention kernels tile them. The columns cut off are masked
 for every row, and a masked key adds nothing to attention: the step's result is the same. A ring cache (refill.py,
 where rows write wherever the ring is) reads all of its columns.
 """
@@ -24,13 +25,14 @@ from transformers import StaticCache
 
 LIVE_STEPS = 8
 """Lengths a decode reads at by default: the read length is a multiple of 1/LIVE_STEPS of the cache's columns."""
-MIN_LIVE_STEP = 16
-"""The least step the read length goes up by, by default."""
+LIVE_ALIGN = 64
+"""The default step is a multiple of this many columns."""
 
 
 def live_step(columns: int) -> int:
-    """The default multiple of the read length, for a cache of `columns` columns."""
-    return max(MIN_LIVE_STEP, -(-columns // LIVE_STEPS))
+    """The default multiple of the read length, for a cache of `columns` columns: an eighth of them, rounded up to a
+    multiple of LIVE_ALIGN."""
+    return -(-columns // (LIVE_STEPS * LIVE_ALIGN)) * LIVE_ALIGN
 
 
 def live_length(written: int, columns: int, step: int) -> int:

@@ -237,7 +237,7 @@ class StaticDecoder:
         """Whether a decode step's attention reads only the cache's columns some row has written, rounded up to a
         multiple of `live_step` (live_keys.py), instead of the whole static cache; a ring cache (refills) reads all."""
         self.live_step: int | None = None
-        """The multiple the read length is rounded up to; None: an eighth of the cache's columns (at least 16)."""
+        """The multiple the read length is rounded up to; None: an eighth of the cache's columns, in 64s."""
         self.columns_read = 0
         """Cache columns the last generate's decode steps read, summed over its steps (a step reads every row's
         keys and values at these columns, in every layer)."""

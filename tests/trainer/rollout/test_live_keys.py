@@ -25,11 +25,12 @@ def policy(tokenizer):
 
 
 def test_the_read_length_is_the_written_one_rounded_up_to_an_eighth_of_the_cache():
-    # long3b's cache: a 16-token prompt and 4096 new tokens; an eighth of 4112 columns is 514.
-    assert live_step(4112) == 514
-    assert [live_length(written, 4112, 514) for written in (17, 514, 515, 1000, 4000, 4112)] == [
-        514, 514, 1028, 1028, 4112, 4112]
-    assert live_step(14) == 16 and live_length(9, 14, 16) == 14  # a small cache is read whole
+    # long3b's cache: a 16-token prompt and 4096 new tokens; an eighth of 4112 columns is 514, 576 in multiples of 64.
+    assert live_step(4112) == 576
+    assert [live_length(written, 4112, 576) for written in (17, 576, 577, 1000, 4000, 4112)] == [
+        576, 576, 1152, 1152, 4032, 4112]
+    assert live_step(1152) == 192  # the uneven benchmark's: 128 + 1024
+    assert live_step(14) == 64 and live_length(9, 14, 64) == 14  # a small cache is read whole
 
 
 def decode(policy, tokenizer, *, live_keys: bool, step: int | None, eos_ids, sampling: Sampling, seed: int = 5):
