@@ -22,6 +22,8 @@
 #                                          # floor; ~2 min) and e2e-gsm8k7b's all_gpu, offload, offload_delayed at
 #                                          # STEPS=2 WARMUP=1 (TIMEOUT=100 each; at most 580 s in all). all_gpu at 7B holds fp32 master weights
 #                                          # and AdamW states (~120 GB): it fits an H200 only (run it with needs_h200)
+#   benchmarks/gpu_session.sh live-keys    # the static decode's attention over the live keys only (h40c): its GPU tests,
+#                                          # the batch-256 step against the whole cache's and the HBM floor (~4 min)
 #   benchmarks/gpu_session.sh e2e-gsm8k7b  # e2e_bench.py: 7B GRPO + reference, 64 prompts x 8, 1024 long-tailed tokens, 40 GiB cap
 #   benchmarks/gpu_session.sh e2e-long3b   # e2e_bench.py: 3B PPO + critic, 4096-token responses, 12 GiB cap (not timed yet:
 #                                          # a rollout of 4096 steps alone is about 30 s; give it a call of its own)
@@ -218,6 +220,13 @@
 # did not finish two steps in 110 s: give long3b a call of its own with TIMEOUT=250. .whl/ now holds xxhash
 # (trainer/checkpoint_manifest.py imports it) and gguf (a .gguf model path) for python 3.12 too.
 # Next: `tests` alone (300 s), then `issue40` on an H200 (gsm8k7b), then long3b's memory at 12 GiB, then e2e-lora14b.
+# 2026-12-07 (h40c, CPU only): long3b's critic OOM was the bench's config (the actor checkpointed, the critic not:
+# about 19 GiB of activations for one 4112-token sequence against about 1 GiB; e2e_bench now checkpoints both), an
+# unrecoverable one-sequence OOM is now one ERROR line (exit 2), and the static decode's attention reads only the
+# cache's written columns (trainer/rollout/live_keys.py). Next: `live-keys` (~4 min: the static decode's GPU tests,
+# then the batch-256 step with the live keys and with the whole cache side by side, each with the cache length it
+# read), then `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=250 e2e-long3b` in a call of its own (the critic
+# checkpointed: expect no OOM; PROFILE=1 if update_critic is slow).
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
@@ -272,6 +281,18 @@ case "${1:-}" in
     timeout 340 python3 benchmarks/e2e_bench.py --shape gsm8k7b --variants ${VARIANTS:-all_gpu,offload,offload_delayed} \
       --steps ${STEPS:-2} --warmup ${WARMUP:-1} --timeout ${TIMEOUT:-100} ${DECODE:+--decode $DECODE} "${sets[@]}" \
       --out "$out" ${PROFILE:+--profile} 2>&1 | tee "$out/e2e-gsm8k7b${TAG:-}.txt" | tail -30 ;;
+  live-keys)
+    # Issue 40 (h40c): a decode step's attention over the cache's written columns only (trainer/rollout/live_keys.py).
+    # The static decode's GPU tests first (graphs per batch size and read length; ~60 s), then rollout_bench's `uneven`
+    # (~2 min): its `step` (live keys) and `step_whole_cache` lines give the batch-256 step against its HBM floor and
+    # the cache length read, side by side; then the 7B static decode with graphs at batch 256.
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -o faulthandler_timeout=70 \
+      tests/trainer/rollout/test_static_decode_gpu.py tests/trainer/rollout/test_refill_decode_gpu.py \
+      > "$out/gpu_tests_live_keys.txt" 2>&1; tail -15 "$out/gpu_tests_live_keys.txt"
+    timeout 200 python3 benchmarks/rollout_bench.py --only uneven --out "$out/rollout-uneven-live.json" 2>&1 \
+      | tee "$out/rollout-uneven-live.txt" | tail -12
+    timeout 120 python3 benchmarks/rollout_bench.py --only allgpu_static_graphs --batch 256 \
+      --out "$out/rollout-b256-live.json" 2>&1 | tee "$out/rollout-b256-live.txt" | tail -8 ;;
   e2e-gsm8k7b|e2e-long3b|e2e-lora14b)
     shape=${1#e2e-}
     timeout 590 python3 benchmarks/e2e_bench.py --shape "$shape" --variants ${VARIANTS:-all_gpu,offload,offload_delayed} \
@@ -283,6 +304,6 @@ case "${1:-}" in
       --steps ${STEPS:-4} ${WARMUP:+--warmup $WARMUP} "${sets[@]}" --out "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.json" 2>&1 \
       | tee "$out/ranks-${SHAPE:-ppo3b}${TAG:-}.txt" | tail -30 ;;
   *)
-    echo "usage: $0 tests|rollout|offload|host|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b|issue40|e2e-gsm8k7b|e2e-long3b|e2e-lora14b|ranks" >&2
+    echo "usage: $0 tests|rollout|offload|host|headline|uncapped|telemetry|e2e-headline|e2e-ppo3b|issue40|live-keys|e2e-gsm8k7b|e2e-long3b|e2e-lora14b|ranks" >&2
     exit 2 ;;
 esac

@@ -331,12 +331,14 @@ class Bench:
         plan = self.uneven_plan
         result = uneven_decode.measure(model, plan, self.device, hbm_bytes_per_s=_hbm_bandwidth(self.device),
                                        log=lambda line: print(f"  {line}", flush=True))
-        step = result["step"]
+        step, whole = result["step"], result["step_whole_cache"]
         self.rows.append({"variant": "uneven", "ms_per_step": step["step_ms"], "tokens_per_s": None, "peak_gib": None,
                           "useful_speedup": result["useful_speedup"], "uneven": result,
                           "notes": f"refill: {result['useful_speedup']:.2f}x the useful tokens/s of a static batch, "
                                    f"{result['variants']['refill']['vs_floor']:.2f}x its HBM floor; a step at batch "
-                                   f"{step['rows']} {step['vs_floor']:.2f}x its floor"})
+                                   f"{step['rows']} {step['vs_floor']:.2f}x its floor reading "
+                                   f"{step['columns_read']:.0f} of {step['cache_columns']} cache columns "
+                                   f"({whole['vs_floor']:.2f}x reading them all)"})
         self.save()
 
     def accelerate(self) -> None:
@@ -564,7 +566,13 @@ def _static_decoder(model, *, cuda_graphs: bool = False, safety=None) -> StaticD
 def _fused(decoder: StaticDecoder) -> str:
     """What the last generate of `decoder` ran compiled or fused (a piece that fell back shows as 0)."""
     return (f"fused: {decoder.fused_norms} norms, {decoder.fused_mlps} MLPs, "
-            f"rotary {'compiled' if decoder.fused_rotary else 'own'}")
+            f"rotary {'compiled' if decoder.fused_rotary else 'own'}; {_cache_read(decoder)}")
+
+
+def _cache_read(decoder: StaticDecoder) -> str:
+    """The cache length the last generate's attention read a step, of the cache's (live_keys.py)."""
+    mean = decoder.columns_read / max(1, decoder.steps)
+    return f"cache length read {mean:.0f} of {decoder.cache_columns} columns a step"
 
 
 def _h2d_bandwidth(device: torch.device) -> float:

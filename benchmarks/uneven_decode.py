@@ -181,37 +181,46 @@ def measure(model: Any, plan: UnevenPlan, device: torch.device, *, hbm_bytes_per
     for run in result["variants"].values():
         run["useful_speedup"] = run["useful_tokens_per_s"] / static
     result["useful_speedup"] = result["variants"]["refill"]["useful_speedup"]
-    result["step"] = full_batch_step(model, prompts[:plan.slots], mask[:plan.slots], plan, device,
-                                     weight_bytes=weight_bytes, kv_bytes_per_token=per_token,
-                                     hbm_bytes_per_s=hbm_bytes_per_s)
+    for name, live_keys in (("step", True), ("step_whole_cache", False)):
+        result[name] = full_batch_step(model, prompts[:plan.slots], mask[:plan.slots], plan, device,
+                                       weight_bytes=weight_bytes, kv_bytes_per_token=per_token,
+                                       hbm_bytes_per_s=hbm_bytes_per_s, live_keys=live_keys)
     for line in report(result):
         log(line)
     return result
 
 
 def full_batch_step(model: Any, prompts: torch.Tensor, mask: torch.Tensor, plan: UnevenPlan, device: torch.device, *,
-                    weight_bytes: int, kv_bytes_per_token: int, hbm_bytes_per_s: float) -> dict[str, float]:
+                    weight_bytes: int, kv_bytes_per_token: int, hbm_bytes_per_s: float,
+                    live_keys: bool = True) -> dict[str, float]:
     """Milliseconds of one decode step of `len(prompts)` rows, none ending, in the static cache of the plan's
     response limit: the difference of two decodes (step_tokens and half as many) over their steps' difference (each
-    decode runs its first step eagerly and captures the second: the difference leaves both out)."""
+    decode runs its first step eagerly and captures the second: the difference leaves both out). `live_keys`: the
+    decoder's (attention over the cache's written columns only, else the whole cache); `columns_read`: the cache
+    columns attention read a step over the same steps, of the cache's `cache_columns`."""
     rows = len(prompts)
-    times = {}
+    times, read = {}, {}
     half = max(2, plan.step_tokens // 2)
+    cache_columns = 0
     for tokens in (half, plan.step_tokens):
         decoder = ForcedEnds(model, torch.full((rows,), tokens, dtype=torch.long, device=device), 0,
                              cuda_graphs=device.type == "cuda")
-        decoder.generate(prompts, mask, plan.new_tokens)  # captures the step's graph
+        decoder.live_keys = live_keys
+        decoder.generate(prompts, mask, plan.new_tokens)  # captures the step's graphs
         started = _now(device)
         decoder.generate(prompts, mask, plan.new_tokens)
         times[tokens] = _now(device) - started
+        read[tokens], cache_columns = decoder.columns_read, decoder.cache_columns
     step_s = (times[plan.step_tokens] - times[half]) / (plan.step_tokens - half)
+    columns_read = (read[plan.step_tokens] - read[half]) / (plan.step_tokens - half)
     live_tokens = rows * (plan.prompt_tokens + plan.step_tokens / 2)
     allocated_tokens = rows * (plan.prompt_tokens + plan.new_tokens)
     floor = (weight_bytes + live_tokens * kv_bytes_per_token) / hbm_bytes_per_s
     allocated = (weight_bytes + allocated_tokens * kv_bytes_per_token) / hbm_bytes_per_s
     return {"rows": rows, "step_ms": step_s * 1e3, "step_floor_ms": floor * 1e3,
             "step_floor_allocated_ms": allocated * 1e3, "vs_floor": step_s / floor,
-            "vs_floor_allocated": step_s / allocated}
+            "vs_floor_allocated": step_s / allocated, "live_keys": live_keys, "columns_read": columns_read,
+            "cache_columns": cache_columns}
 
 
 def report(result: dict[str, Any]) -> list[str]:
@@ -226,11 +235,15 @@ def report(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {run['seconds']:.2f} | {run['steps']} | {run['refilled']} | "
                      f"{run['useful_tokens_per_s']:.0f} | {run['useful_speedup']:.2f} | {run['vs_floor']:.2f} | "
                      f"{run['lengths_as_drawn']} |")
-    step = result.get("step")
-    if step:
-        lines.append(f"decode step at batch {step['rows']}: {step['step_ms']:.2f} ms; floor "
-                     f"{step['step_floor_ms']:.2f} ms with the live keys and values ({step['vs_floor']:.2f}x), "
-                     f"{step['step_floor_allocated_ms']:.2f} ms with the whole cache "
+    for name in ("step", "step_whole_cache"):
+        step = result.get(name)
+        if not step:
+            continue
+        how = "only the live keys" if step.get("live_keys", True) else "the whole cache"
+        lines.append(f"decode step at batch {step['rows']}, attention over {how}: {step['step_ms']:.2f} ms; "
+                     f"cache length read {step.get('columns_read', 0):.0f} of {step.get('cache_columns', 0)} "
+                     f"columns; floor {step['step_floor_ms']:.2f} ms with the live keys and values "
+                     f"({step['vs_floor']:.2f}x), {step['step_floor_allocated_ms']:.2f} ms with the whole cache "
                      f"({step['vs_floor_allocated']:.2f}x)")
     return lines
 

@@ -37,6 +37,7 @@ from trainer.models import load_tokenizer
 from trainer.offload import offload_message
 from trainer.offload.copies import CopyLog
 from trainer.offload.dynamic import MemoryProbe
+from trainer.out_of_memory import PhaseWatch
 from trainer.randomness import seed_everything
 from trainer.reporting import StepObserver
 from trainer.rewards.time_limit import StepInterrupted
@@ -213,9 +214,10 @@ class Trainer:
         """One RL step over a batch of prompts (`share`: how this rank samples them; None: rollout.n responses
         each, a group each); returns its metrics under verl's names."""
         share = share or StepShare(list(range(len(records))), self.config.actor_rollout_ref.rollout.n)
-        timer = StepTimer(self._synchronize, on_phase=self.control.phase_started)
+        watch = PhaseWatch(self.config, self.control.phase_started)  # an unrecoverable OOM: one line naming the phase
+        timer = StepTimer(self._synchronize, on_phase=watch.phase_started)
         metrics: dict[str, float] = {}
-        with timer.phase("step"):
+        with timer.phase("step"), watch.reported():
             with timer.phase("gen"):
                 batch = self.generation.generate(records, n=share.copies, groups=share.groups)
                 if self.greedy_baseline is not None:

@@ -26,6 +26,7 @@ def test_each_variant_of_each_realistic_shape_is_a_valid_run(tmp_path, shape, va
         assert config.actor_rollout_ref.rollout.n == spec["n"]
         assert (config.actor_rollout_ref.model.lora_rank > 0) == spec["lora"]
         assert config.critic.enable == (spec["algorithm"] == "gae")
+        assert config.critic.model.enable_gradient_checkpointing == config.critic.enable  # as the actor's: long3b's OOM
         assert config.actor_rollout_ref.actor.fsdp_config.delayed_update == (variant == "offload_delayed")
         assert config.actor_rollout_ref.actor.fsdp_config.optimizer_offload == (variant != "all_gpu")
         if spec["lengths"] is not None:  # ended at drawn lengths in the static decode

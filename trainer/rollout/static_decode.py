@@ -40,6 +40,7 @@ from transformers import PreTrainedModel, StaticCache
 from trainer.rollout.fused_mlp import fused_mlps
 from trainer.rollout.fused_norms import fused_rms_norms
 from trainer.rollout.fused_rotary import fused_rotary
+from trainer.rollout.live_keys import LiveWindow, live_length, live_step
 from trainer.rollout.refill import PendingRows, copy_prompt_rows, ring_columns, set_write_column, supports_ring
 
 SAFE_POINT_EVERY = 8
@@ -232,6 +233,16 @@ class StaticDecoder:
         """Rows the last generate refilled (prompts that took a finished row's slot)."""
         self.steps = 0
         """Decode steps (one token for every row of the batch) the last generate ran, its prefills left out."""
+        self.live_keys = True
+        """Whether a decode step's attention reads only the cache's columns some row has written, rounded up to a
+        multiple of `live_step` (live_keys.py), instead of the whole static cache; a ring cache (refills) reads all."""
+        self.live_step: int | None = None
+        """The multiple the read length is rounded up to; None: an eighth of the cache's columns, in 64s."""
+        self.columns_read = 0
+        """Cache columns the last generate's decode steps read, summed over its steps (a step reads every row's
+        keys and values at these columns, in every layer)."""
+        self.cache_columns = 0
+        """Columns of the last generate's cache: what a step reads without `live_keys`."""
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
@@ -249,7 +260,7 @@ class StaticDecoder:
         # One column more than a response holds: a finished row's pads go there (see _step).
         out = torch.full((rows, max_new_tokens + 1), self.pad_id, dtype=prompt_ids.dtype, device=device)
         self.log_probs = torch.zeros((rows, max_new_tokens + 1), dtype=torch.float32, device=device)
-        self.bucket_history, self.refilled, self.steps = [slots], 0, 0
+        self.bucket_history, self.refilled, self.steps, self.columns_read = [slots], 0, 0, 0
         if rows == 0 or max_new_tokens == 0:
             self.log_probs = self.log_probs[:, :0]
             return out[:, :0]
@@ -284,6 +295,7 @@ class StaticDecoder:
         slots = len(batch) if slots is None else slots
         ring = prompt_length + max_new_tokens
         cache = StaticCache(config=self.model.config, max_cache_len=ring)
+        window, self.cache_columns = LiveWindow(cache), ring
         first = torch.arange(batch.start, batch.start + slots, device=device)
         # Left padding: a row's first real token is at position 0 (generate's position ids).
         positions = (prompt_mask[first].long().cumsum(dim=1) - 1).clamp(min=0)
@@ -310,8 +322,8 @@ class StaticDecoder:
         capturable = self.cuda_graphs and device.type == "cuda" and mask_4d and self.agree_active is None
         key = self.safety.graph_key() if capturable else None
         pool = torch.cuda.graph_pool_handle() if capturable else None  # one pool: graphs replay one at a time
-        graphs: dict[tuple[int, Hashable], torch.cuda.CUDAGraph] = {}
-        warm: set[tuple[int, Hashable]] = set()  # the (batch size, key)s whose step ran once (a capture's warm-up)
+        graphs: dict[tuple[int, Hashable, int], torch.cuda.CUDAGraph] = {}
+        warm: set[tuple[int, Hashable, int]] = set()  # (batch size, key, columns read)s whose step ran once
         self.replays = 0
         sizes = fine_buckets(slots) if self.fine_buckets else buckets(slots)
         horizon = max_new_tokens - 1  # the steps after which every row of the batch has run to its length
@@ -339,7 +351,11 @@ class StaticDecoder:
                 if capturable:
                     key = self.safety.graph_key()  # layers may have moved
                     graphs = {shape: graph for shape, graph in graphs.items() if shape[1] == key}
-            shape = (len(state.index), key)
+            # Without a ring every row has written the first prompt_length + step columns, this step's included.
+            live = self.live_keys and mask_4d and not state.ring
+            window.length = live_length(prompt_length + step, ring, self.live_step or live_step(ring)) if live else None
+            self.columns_read += window.length or ring
+            shape = (len(state.index), key, window.length or ring)
             graph = graphs.get(shape) if key is not None else None
             if graph is None and key is not None and shape in warm:
                 graphs[shape] = graph = torch.cuda.CUDAGraph()
@@ -348,7 +364,7 @@ class StaticDecoder:
                 # ("global") a CUDA call of theirs that is unsafe during a capture would invalidate this one.
                 reserved = torch.cuda.memory_reserved(device)
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self._step(state, cache, eos, mask_4d=True)
+                    self._step(state, cache, eos, mask_4d=True, columns=window.length)
                 self.graph_pool_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)
             if graph is not None:
                 graph.replay()
@@ -356,7 +372,7 @@ class StaticDecoder:
                 self.replays += 1
             else:
                 # Also a capture's warm-up: a graph of a batch size is captured at its second step.
-                self._step(state, cache, eos, mask_4d=mask_4d)
+                self._step(state, cache, eos, mask_4d=mask_4d, columns=window.length)
                 warm.add(shape)
             self._record(out, state)
         self.steps += step
@@ -402,15 +418,17 @@ class StaticDecoder:
             return out.shape[1]
         return int(finished.int().argmax(dim=1).max()) + 1
 
-    def _step(self, state: _Rows, cache: StaticCache, eos: torch.Tensor, *, mask_4d: bool) -> None:
+    def _step(self, state: _Rows, cache: StaticCache, eos: torch.Tensor, *, mask_4d: bool,
+              columns: int | None = None) -> None:
         """One token for every row, in place in `state`'s tensors (what a CUDA graph of the step replays): the cache
         position `slot` becomes attended, the model reads each row's last token at its position, the next one is
         sampled; a row that had finished gets the pad id, and its response column stays past the last (`limit`: the
-        output's spare column)."""
+        output's spare column). `columns`: how many of the cache's columns attention reads (the cache's LiveWindow
+        returns as many; None: all)."""
         state.valid.index_fill_(1, state.slot, True)
         if mask_4d:
             # A [rows, 1, 1, positions] boolean mask is taken as it is: no mask to build, no host read.
-            attention_mask = state.valid[:, None, None, :]
+            attention_mask = state.valid[:, None, None, :columns]
         else:  # sliding-window layers: transformers builds their masks from the 2-D one
             attention_mask = state.valid[:, :int(state.slot) + 1].long()
         if state.ring:

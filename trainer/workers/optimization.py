@@ -308,7 +308,7 @@ def accumulate_gradients(
     are dropped and it is redone: with the same micro-batches once memory was relieved (the same
     result), otherwise with the failed micro-batch split in two (the same result, by the weighting above,
     metrics too: `mini_batch_metrics`). One sequence that does not fit with
-    nothing left to free raises the CUDA error.
+    nothing left to free raises recovery.SequenceOutOfMemory, with its tokens.
 
     With several `ranks`, `mini_batch` is this rank's share: the weight it is divided by is the whole
     mini-batch's, all ranks' (verl's global token count), and FSDP2's average of the ranks' gradients is
@@ -346,9 +346,12 @@ def accumulate_gradients(
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
 
+    def tokens(piece: Piece) -> tuple[int, int]:
+        sequences = arranged.select(torch.arange(piece.first, piece.first + piece.count))
+        return int(sequences.prompt_mask.sum()), int(sequences.response_real_mask.sum())
+
     with memory.accumulating() if memory is not None else contextlib.nullcontext():
-        retried = retry_out_of_memory(backward, plan.pieces, memory,
-                                      discard=discard, single_item_error=None)
+        retried = retry_out_of_memory(backward, plan.pieces, memory, discard=discard, tokens=tokens)
     return mini_batch_metrics([result for _, result in retried.done]), retried.recoveries
 
 

@@ -31,8 +31,22 @@ from trainer.config import OptimConfig
 
 T = TypeVar("T")
 
-SINGLE_SEQUENCE_MESSAGE = ("CUDA out of memory on a single sequence, with no layer left to move to the CPU: lower "
-                           "the response length or raise the memory budget")
+
+
+class SequenceOutOfMemory(torch.OutOfMemoryError):
+    """Out of device memory on a micro-batch of one sequence with nothing left to free: recovery has nothing left to
+    move or split, and a restart would meet it again. The step's phase turns it into one ERROR line that says what to
+    change (trainer/out_of_memory.py); it stays a torch.OutOfMemoryError for whoever catches those."""
+
+    def __init__(self, cause: BaseException, tokens: tuple[int, int] | None = None):
+        self.tokens = tokens
+        """The sequence's (prompt, response) tokens, where the work knows them."""
+        lines = str(cause).strip().splitlines()
+        self.detail = lines[0] if lines else type(cause).__name__
+        """Torch's own message, its first line: what was asked for, what was in use and allowed."""
+        length = f" of {sum(tokens)} tokens" if tokens is not None else ""
+        super().__init__(f"CUDA out of memory on a single sequence{length}, with no layer left to move to the CPU "
+                         f"({self.detail})")
 
 
 class OutOfMemoryRelief(Protocol):
@@ -99,7 +113,7 @@ class Retried(Generic[T]):
 
 def retry_out_of_memory(run: Callable[[Piece], T], pieces: Sequence[Piece], relief: OutOfMemoryRelief | None, *,
                         discard: Callable[[], None] | None = None,
-                        single_item_error: str | None = SINGLE_SEQUENCE_MESSAGE) -> Retried[T]:
+                        tokens: Callable[[Piece], tuple[int, int]] | None = None) -> Retried[T]:
     """`run` every piece in order, recovering from CUDA out-of-memory errors.
 
     After an error, once its frames (and the tensors they hold) are gone: `relief.release()`
@@ -107,8 +121,8 @@ def retry_out_of_memory(run: Callable[[Piece], T], pieces: Sequence[Piece], reli
     (accumulated gradients), and they are all run again; then, if `relief.relieve_memory()` freed
     memory, the same pieces run again, otherwise the failed piece is split in two (each half keeps
     its origin). Each of these counts as one recovery. A piece of one item that fails with nothing
-    freed ends it: an OutOfMemoryError saying `single_item_error`, or with None the CUDA error
-    itself. Without `relief` the error propagates at once.
+    freed ends it: a SequenceOutOfMemory with the CUDA error's message and, given `tokens`, the piece's
+    (prompt, response) tokens. Without `relief` the error propagates at once.
     """
     pieces = list(pieces)
     done: list[tuple[Piece, T]] = []
@@ -134,9 +148,7 @@ def retry_out_of_memory(run: Callable[[Piece], T], pieces: Sequence[Piece], reli
             recoveries += 1
             continue
         if piece.count == 1:
-            if single_item_error is None:
-                raise failure
-            raise torch.OutOfMemoryError(single_item_error)
+            raise SequenceOutOfMemory(failure, tokens(piece) if tokens is not None else None) from None
         half = piece.count // 2
         pieces[failed:failed + 1] = [Piece(piece.first, half), Piece(piece.first + half, piece.count - half)]
         recoveries += 1

@@ -14,7 +14,7 @@ from tests.trainer.offload.test_offload import TOKENIZER, offloaded, policy
 from trainer.algorithms import log_probs_from_logits
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import response_logits, run_updates
-from trainer.workers.recovery import Piece, retry_out_of_memory, split_into_pieces
+from trainer.workers.recovery import Piece, SequenceOutOfMemory, retry_out_of_memory, split_into_pieces
 
 
 class Memory:
@@ -198,11 +198,12 @@ def test_the_retry_helper_keeps_the_pieces_done_unless_a_discard_voids_them():
     assert events == [(0, 2), (2, 2), "release", "relieve", (2, 2), (4, 2)] and relieved.recoveries == 1
 
 
-def test_one_item_that_fails_with_nothing_freed_ends_it_with_the_message_asked_for():
+def test_one_item_that_fails_with_nothing_freed_ends_it_with_torchs_message_and_its_tokens():
     def never(piece: Piece) -> None:
-        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)\nmore")
 
-    with pytest.raises(torch.OutOfMemoryError, match="single sequence"):
+    with pytest.raises(SequenceOutOfMemory, match=r"single sequence, .*\(CUDA out of memory \(injected\)\)$"):
         retry_out_of_memory(never, split_into_pieces(1, 1), Relief([]))
-    with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory \(injected\)$"):
-        retry_out_of_memory(never, split_into_pieces(1, 1), Relief([]), single_item_error=None)
+    with pytest.raises(SequenceOutOfMemory, match="single sequence of 7 tokens") as raised:
+        retry_out_of_memory(never, split_into_pieces(2, 2), Relief([]), tokens=lambda piece: (3, piece.first + 4))
+    assert raised.value.tokens == (3, 4) and raised.value.detail == "CUDA out of memory (injected)"  # 1st half
