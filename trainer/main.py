@@ -2,9 +2,10 @@
 
 The ``verl`` command validates the config, writes it into the run directory and starts this
 process; it can also be run by hand. Exit codes: 0 done (or stopped on request, after a
-checkpoint), 2 a problem with the config, data or models (one ``ERROR:`` line per problem; one sequence that does
-not fit on the device with nothing left to free is one too: trainer/out_of_memory.py), 12 out of device memory that the trainer could not recover from (one ``ERROR:`` line with what
-to change); any other non-zero code is a crash.
+checkpoint), 2 a problem with the config, data or models (one ``ERROR:`` line per problem; one
+sequence that does not fit on the device with nothing left to free is one too:
+trainer/out_of_memory.py), 12 out of device memory that the trainer could not recover from (one
+``ERROR:`` line with what to change); any other non-zero code is a crash.
 """
 
 from __future__ import annotations
