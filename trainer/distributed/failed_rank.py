@@ -54,11 +54,13 @@ def last_error_record(text: str) -> str | None:
     return None
 
 
-def report_failed_rank(logs: Path, rank: int, how: str, since: Mapping[Path, int]) -> None:
+def report_failed_rank(logs: Path, rank: int, how: str, since: Mapping[Path, int], *, user_error: bool = False
+                       ) -> None:
     """Append to the run's log one line naming `rank`, which failed first (`how`: "exit code 2"), and its last ERROR
     record written since `since` (log_sizes before the ranks started). Nothing for rank 0: its record is the run's
-    log's already, and a line after it would hide its traceback from the daemon. Best effort: a log that cannot be
-    read or written changes nothing else."""
+    log's already, and a line after it would hide its traceback from the daemon. Nothing either for a `user_error`
+    (exit code 2) the rank logged nothing of: every rank found the same problem in the config, and rank 0's ERROR
+    lines in the terminal say it. Best effort: a log that cannot be read or written changes nothing else."""
     if rank == 0:
         return
     path = rank_log(logs, rank)
@@ -66,6 +68,8 @@ def report_failed_rank(logs: Path, rank: int, how: str, since: Mapping[Path, int
     with contextlib.suppress(OSError), path.open("rb") as file:
         file.seek(since.get(path, 0))
         record = last_error_record(file.read().decode("utf-8", errors="replace"))
+    if record is None and user_error:
+        return
     said = f"its log ({path}) says:\n{record}" if record is not None else f"nothing in its log ({path}) says why"
     with contextlib.suppress(OSError), (logs / RUN_LOG).open("a", encoding="utf-8") as file:
         file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR rank {rank} failed first ({how}), and the group "

@@ -157,7 +157,8 @@ def run_group(plan: GroupPlan, trainer_args: Sequence[str], *, log_dir: Path) ->
         code = group_exit_code(error.failures)
         print(f"verl launcher: rank {rank} failed ({_describe(code)}); the group ends with it", file=sys.stderr,
               flush=True)
-        report_failed_rank(log_dir.parent, rank, _describe(code), since=logs_before)  # its error in trainer.log
+        report_failed_rank(log_dir.parent, rank, _describe(code), since=logs_before,  # its error in trainer.log
+                           user_error=code == EXIT_USAGE)
         return code
     except SignalException as error:  # the ranks were asked to stop (the agent passed the signal on)
         return -int(error.sigval)

@@ -50,12 +50,14 @@ def test_the_run_log_ends_with_the_failed_ranks_record_so_its_cause_is_the_daemo
     assert last_error_line(text) == "ValueError: rank 1's judge is down"
 
 
-def test_a_rank_that_wrote_no_error_is_named_and_rank_0_adds_nothing(tmp_path: Path) -> None:
+def test_a_silent_rank_is_named_unless_it_was_a_config_problem_and_rank_0_adds_nothing(tmp_path: Path) -> None:
     (tmp_path / "trainer.log").write_text(RANK_0)
     (tmp_path / "trainer-rank1.log").write_text(EARLIER_ATTEMPT)
     since = log_sizes(tmp_path)
     report_failed_rank(tmp_path, 0, "exit code 1", since=since)
     assert (tmp_path / "trainer.log").read_text() == RANK_0  # rank 0's own traceback stays the last
+    report_failed_rank(tmp_path, 1, "exit code 2", since=since, user_error=True)  # a config problem: rank 0 says it
+    assert (tmp_path / "trainer.log").read_text() == RANK_0
     report_failed_rank(tmp_path, 1, "exit code 3", since=since)  # it died writing nothing (os._exit)
     assert last_error_line((tmp_path / "trainer.log").read_text()) == (
         f"rank 1 failed first (exit code 3), and the group ended with it; nothing in its log "
