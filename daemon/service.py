@@ -140,7 +140,9 @@ def run_daemon(config: RunConfig, config_path: Path, *, monitor: bool, run_lock:
     ends; `monitor` shows the live view in this terminal (the trainer's output then goes to logs/trainer.out).
     `run_lock`: the run directory's lock when the caller took it already (before it wrote the config there)."""
     with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
-        return runner.run(Daemon(config, Path(config_path), monitor=monitor, run_lock=run_lock).run())
+        # The process ends after the run's summary: a late repeat of the stop signal stays ignored until then.
+        return runner.run(Daemon(config, Path(config_path), monitor=monitor, run_lock=run_lock,
+                                 restore_signals=False).run())
 
 
 def _event_loop_factory():
@@ -167,12 +169,14 @@ class Daemon:
     `trainer_command` replaces ``python -m trainer --config CONFIG`` (or the launcher of several ranks: see
     `default_trainer_command`; tests run a fake trainer), `nvml` the
     pynvml module (tests pass a fake), `state` the state directory, `run_lock` the run directory's lock when
-    the caller holds it already (else `run` takes it).
+    the caller holds it already (else `run` takes it). `restore_signals`: SIGTERM's and SIGINT's handlers as they
+    were once `run` ends (a stop ignores late repeats of its signal while it tears down); False for the `verl`
+    process, which ends after the run's summary and keeps ignoring them until then.
     """
 
     def __init__(self, config: RunConfig, config_path: Path, *, monitor: bool = False,
                  trainer_command: Sequence[str] | None = None, nvml: Any = None, state: Path | None = None,
-                 out: TextIO | None = None, run_lock: RunLock | None = None):
+                 out: TextIO | None = None, run_lock: RunLock | None = None, restore_signals: bool = True):
         self.config = config
         self.config_path = Path(config_path).resolve()
         self.monitor = monitor
@@ -209,6 +213,8 @@ class Daemon:
                                stale_after_s=self.hang_timeout_s)
         self._step_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self._first_signal_at: float | None = None
+        self._restore_signals = restore_signals
+        self._signals_before: dict[int, Any] = {}  # SIGTERM's and SIGINT's handlers before the daemon's own
         self._nvml = nvml
         self.sampler: GpuSampler | None = None
         self.ipc: IpcServer | None = None
@@ -247,6 +253,9 @@ class Daemon:
             return await self._run_owned(lock)
         finally:
             lock.release()
+            if self._restore_signals:  # a process that goes on (a test, a caller's own loop) gets them back
+                for signum, handler in self._signals_before.items():
+                    signal.signal(signum, handler)
 
     async def _run_owned(self, lock: RunLock) -> int:
         """run(), once the run directory is this daemon's."""
@@ -302,6 +311,9 @@ class Daemon:
         self.metrics.set_nvml_up(self.sampler.nvml_up)
         self.sampler.start()
         for signum in (signal.SIGTERM, signal.SIGINT):
+            handler = signal.getsignal(signum)
+            if handler is not None:  # None: not set from Python, and so not restorable from it
+                self._signals_before[signum] = handler
             self._loop.add_signal_handler(signum, self._on_signal, signum)
         if self.monitor:
             self._start_monitor()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 
@@ -29,15 +27,3 @@ def pytest_itemcollected(item):
     # Every end-to-end test runs `verl train` (a daemon and its trainer) for real: slow by what it is.
     if "e2e" in item.path.parts:
         item.add_marker(pytest.mark.slow)
-
-
-@pytest.fixture(autouse=True)
-def _stop_signals_restored():
-    """A test that runs the daemon in this process leaves SIGTERM and SIGINT ignored (the daemon ignores repeats of its
-    stop signal while it shuts down). Left so, the worker's later tests, and the processes they spawn, ignore them too:
-    prime's Pool.terminate then waited forever for workers that ignored its SIGTERM (the fast tier hung 10 minutes)."""
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    yield
-    for signum, handler in saved.items():
-        if signal.getsignal(signum) is not handler:
-            signal.signal(signum, handler)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from trainer.config.exit_codes import EXIT_OK, EXIT_USAGE
+from trainer.distributed.failed_rank import log_sizes, report_failed_rank
 
 if TYPE_CHECKING:
     from trainer.config.schema import DaemonConfig, TrainerConfig
@@ -144,6 +145,7 @@ def run_group(plan: GroupPlan, trainer_args: Sequence[str], *, log_dir: Path) ->
     if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
         options["shutdown_timeout"] = plan.shutdown_timeout_s
     log_dir.mkdir(parents=True, exist_ok=True)
+    logs_before = log_sizes(log_dir.parent)  # a failed rank's record is what it writes from now on
     config = LaunchConfig(min_nodes=plan.nnodes, max_nodes=plan.nnodes, nproc_per_node=plan.nproc_per_node,
                           run_id=plan.run_id, rdzv_backend=plan.rdzv_backend, rdzv_endpoint=plan.rdzv_endpoint,
                           rdzv_configs=dict(plan.rdzv_configs), max_restarts=0, start_method="spawn",
@@ -155,6 +157,8 @@ def run_group(plan: GroupPlan, trainer_args: Sequence[str], *, log_dir: Path) ->
         code = group_exit_code(error.failures)
         print(f"verl launcher: rank {rank} failed ({_describe(code)}); the group ends with it", file=sys.stderr,
               flush=True)
+        report_failed_rank(log_dir.parent, rank, _describe(code), since=logs_before,  # its error in trainer.log
+                           user_error=code == EXIT_USAGE)
         return code
     except SignalException as error:  # the ranks were asked to stop (the agent passed the signal on)
         return -int(error.sigval)

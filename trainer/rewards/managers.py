@@ -43,6 +43,7 @@ from trainer.rewards.custom import (
 from trainer.rewards.manager import RewardFunction, RewardScores, RuleReward, ScoreFunction, decode_responses
 from trainer.rewards.sandbox_fusion import SandboxFusion, SandboxScore
 from trainer.rewards.time_limit import RewardThreadsExhausted, RewardTimeoutError, StepInterrupted, call_with_time_limit
+from trainer.rewards.worker_pool import WorkerPool
 from trainer.rollout.batch import RolloutBatch
 
 Warn = Callable[[str], None]
@@ -146,7 +147,8 @@ class PrimeReward:
             self._pool = None
 
     def _start(self) -> multiprocessing.pool.Pool:
-        self._pool = multiprocessing.get_context("spawn").Pool(self.processes)
+        # Its shutdown ends the workers even where this process ignores SIGTERM (trainer/rewards/worker_pool.py).
+        self._pool = WorkerPool(self.processes)
         # The workers' start (a Python and the scorer's imports each) is not the scores' time: it is waited for.
         self._pool.map(worker_ready, range(self.processes), chunksize=1)
         return self._pool
