@@ -18,8 +18,8 @@ Environment:
   FAKE_LOG           with FAKE_CRASH "raise:MESSAGE": the log a traceback ending in RuntimeError: MESSAGE goes to
 
 As a rank of a group (trainer/distributed/launch.py runs it with `-- fake_trainer.py`; RANK set), each event
-also names the rank; every rank steps in time with the others (they share the progress file, as ranks share
-a checkpoint), and only rank 0 reads down messages (it would pass them on to the others).
+also names the rank; the ranks start stepping together, once all of them have started (they share the progress
+file, as ranks share a checkpoint), and only rank 0 reads down messages (it would pass them on to the others).
 """
 
 from __future__ import annotations
@@ -65,6 +65,21 @@ def starts_so_far() -> int:
                for event in map(json.loads, EVENTS.read_text().splitlines()))
 
 
+def wait_for_the_other_ranks(run: int) -> None:
+    """Start stepping once every rank of the group has started this run (as real ranks meet in their first
+    collective): a rank started late on a loaded machine would find the others' progress past its crash step, or
+    the run over."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        lines = EVENTS.read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.endswith("}")]  # not a line another rank is writing
+        started = {event.get("rank") for event in events if event["event"] == "start" and event.get("run") == run}
+        if len(started) >= world:
+            return
+        time.sleep(0.02)
+
+
 def crash(how: str) -> None:
     record("crash", how=how)
     if how == "kill":
@@ -100,6 +115,8 @@ def main() -> int:
     else:
         signal.signal(signal.SIGTERM, lambda *_: record("sigterm_ignored"))
     record("start", step=step, run=run)
+    if RANK is not None:
+        wait_for_the_other_ranks(run)
     client = TelemetryClient.from_env(run_dir=str(FOLDER))
     if client is not None:
         client.hello(start_step=step, total_steps=total)
