@@ -221,6 +221,10 @@ class ModelBuilder:
             self.log(describe_adapter(adapter, "critic"))
         split = self._sequence_split(critic.ulysses_sequence_parallel_size,
                                      remove_padding=critic.model.use_remove_padding)
+        if split is not None and is_vision_language(model):
+            raise RunSetupError(f"{KEYS.critic.ulysses_sequence_parallel_size}: {critic.ulysses_sequence_parallel_size}"
+                                " with a vision-language critic, whose sequences are not split here (their images and "
+                                "multimodal positions would be); set 1")
         rollout = config.actor_rollout_ref.rollout
         worker = Critic(self._place(model, critic.fsdp_config, Role.CRITIC, split), critic, rollout_n=rollout.n,
                         forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,

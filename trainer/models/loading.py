@@ -137,9 +137,10 @@ def load_critic(
     preset copies the backbone of the policy built from the same seed, to match.
     """
     if is_vision_language(path if path.startswith(BUILTIN_PREFIX) else _local_directory(path)):
-        raise ModelLoadError(f"{KEYS.critic.model.path}: {path!r} is a vision-language model, and a critic that sees "
-                             "the images is not built here; train it with GRPO or another estimator without a critic "
-                             f"({KEYS.algorithm.adv_estimator}=grpo)")
+        # The policy's vision-language model with a value head: the built-in one as the policy of `seed` is built.
+        policy = load_policy(path, tokenizer, dtype=dtype, seed=seed, override_config=override_config,
+                             gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code)
+        return with_value_head(policy, seed + 1)
     if path.startswith(BUILTIN_PREFIX):
         config = _builtin_config(tokenizer, override_config, num_labels=1)
         model = seeded_init(Qwen2ForTokenClassification, config, seed + 1)
@@ -155,6 +156,25 @@ def load_critic(
         dropout.p = 0.0
         model.config.classifier_dropout = 0.0
     return _prepare(model, tokenizer, dtype, gradient_checkpointing)
+
+
+def with_value_head(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """A vision-language model as a value model, as verl builds one (trl's AutoModelForCausalLMWithValueHead over the
+    AutoModelForVision2Seq model): its vision tower and language model, and in place of the LM head one output per
+    token, drawn from `seed` (normal, the model's initializer_range; a zero bias, as a token classifier's). Its forward
+    takes the images and computes the multimodal positions as the actor's does; its "logits" [B, T, 1] are the values
+    (a language model's hidden state at each token, projected)."""
+    text = model.config.get_text_config()
+    old = model.get_output_embeddings()
+    head = torch.nn.Linear(text.hidden_size, 1, dtype=old.weight.dtype, device=old.weight.device)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * text.initializer_range)
+        head.bias.zero_()
+    model.set_output_embeddings(head)
+    # The value head shares nothing with the embedding (a tied config would tie it back on the next tie_weights).
+    model.config.tie_word_embeddings = text.tie_word_embeddings = False
+    return model
 
 
 def load_reward_model(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from trainer.models import ModelLoadError, load_critic, load_policy, load_tokenizer
+from trainer.models import load_critic, load_policy, load_tokenizer
 from trainer.models.vision_language import IMAGE_PAD, VISION_END, VISION_START, ImageDataError, ImageProcessor
 from trainer.rollout.budget import KVCacheShape
 
@@ -68,9 +68,13 @@ def test_the_tiny_model_sees_its_images() -> None:
     assert not torch.allclose(logits[0], logits[1])
 
 
-def test_a_vision_language_critic_is_refused_naming_the_key() -> None:
-    with pytest.raises(ModelLoadError, match=r"critic.model.path: 'builtin:tiny-qwen2-vl' is a vision-language model"):
-        load_critic(TINY_VL, load_tokenizer(TINY_VL), dtype=torch.float32, seed=0)
+def test_a_vision_language_critic_is_the_policys_model_with_a_value_head() -> None:
+    tokenizer = load_tokenizer(TINY_VL)
+    critic = load_critic(TINY_VL, tokenizer, dtype=torch.float32, seed=0)
+    policy = load_policy(TINY_VL, tokenizer, dtype=torch.float32, seed=0)
+    assert critic.get_output_embeddings().weight.shape == (1, critic.config.get_text_config().hidden_size)
+    backbone = policy.model.state_dict()
+    assert all(torch.equal(value, backbone[key]) for key, value in critic.model.state_dict().items())
 
 
 def test_the_rollout_budget_reads_the_language_models_shape() -> None:
