@@ -104,6 +104,7 @@ class Generation:
                                                                        **images(first, count)),
                                    len(repeated), len(repeated) if refills else rows,
                                    memory=None if self.ranks.distributed else self.memory.for_role(Role.ACTOR))
+            self._match_other_ranks(rollout, len(pieces), prompt_ids, prompt_mask, slots, images(0, 1))
         sampled = [torch.cat(parts) for parts in zip(*pieces, strict=True) if parts[0] is not None]
         # The ranks of a sequence-parallel group sampled the same prompts from the same random stream; their first
         # rank's responses go to the others, so that a kernel not bitwise deterministic on another device cannot
@@ -112,6 +113,15 @@ class Generation:
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated,
                             rollout_log_probs=log_probs[0] if log_probs else None, multi_modal_inputs=multi_modal)
+
+    def _match_other_ranks(self, rollout: HFRollout, pieces: int, prompt_ids: torch.Tensor,
+                           prompt_mask: torch.Tensor, slots: dict, images: dict) -> None:
+        """A synced rollout (every forward gathers the shards) whose share is shorter than another rank's (uneven
+        shares, use_dynamic_bsz) samples the batch's first prompt, discarded, until it ran as many pieces."""
+        if not rollout.synced:
+            return
+        for _ in range(int(self.ranks.max(pieces)) - pieces):
+            rollout.sample(prompt_ids[:1], prompt_mask[:1], **slots, **images)
 
     def _prompts(self, records: Sequence[PromptRecord], n: int
                  ) -> tuple[list[Prompt], list[dict[str, torch.Tensor]] | None]:
