@@ -4,7 +4,6 @@ update is one process's over the whole batch."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from tests.trainer.distributed.test_ranks import rank_script_reports
-from tests.trainer.distributed.uneven_shares_ranks import uneven
+from tests.trainer.distributed.uneven_shares_ranks import PPO, uneven
 from trainer.config import load_config
 from trainer.data import sequence_share
 from trainer.data.sampler import rank_mini_batches
@@ -65,27 +64,33 @@ def whole_batch(parts: list[RolloutBatch]) -> RolloutBatch:
 
 
 @pytest.mark.slow
-def test_uneven_shares_with_token_budgets_train_as_one_process_on_the_whole_batch(tmp_path: Path):
+@pytest.mark.parametrize("more", [(), tuple(PPO)], ids=["grpo", "ppo"])
+def test_uneven_shares_with_token_budgets_train_as_one_process_on_the_whole_batch(tmp_path: Path, more):
     reward = tmp_path / "score.py"
     reward.write_text(SCORE_BY_TEXT)
     out = tmp_path / "out"
     out.mkdir()
-    reports = rank_script_reports("uneven_shares_ranks.py", out, str(tmp_path / "runs"), str(reward))
+    reports = rank_script_reports("uneven_shares_ranks.py", out, str(tmp_path / "runs"), str(reward), *more)
     parts = [torch.load(out / f"batch{rank}.pt", weights_only=False) for rank in (0, 1)]
     assert [len(part) for part in parts] == [2, 1]  # 3 sequences: 2 and 1
     whole = whole_batch(parts)
     assert whole.advantages.abs().sum() > 0, "no advantages: the comparison below would prove nothing"
 
-    one = Trainer(load_config(None, uneven(1, str(tmp_path / "one"), str(reward))), log=lambda *_: None)
-    before = {name: parameter.detach().clone() for name, parameter in one.actor.model.named_parameters()}
-    metrics = one.actor.update(whole)
-    two = torch.load(out / "weights.pt")
-    for name, parameter in one.actor.model.named_parameters():
-        torch.testing.assert_close(two[name], parameter.detach(), atol=1e-6, rtol=1e-5, msg=name)
-    assert any(not torch.equal(before[name], two[name]) for name in before), "the step changed no weight"
-    # Rank 0's step metrics are the run's (every rank's combined): the one process's, the loss weighed by tokens
-    # (rank 0's 2 sequences' and rank 1's one, not each rank's half).
-    found = reports[0]["metrics"]
-    for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy"):
-        assert found[key] == pytest.approx(sum(metrics[key]) / len(metrics[key]), rel=1e-4, abs=1e-7), key
-    assert math.isfinite(found["actor/pg_loss"]) and found["training/global_step"] == 1
+    one = Trainer(load_config(None, uneven(1, str(tmp_path / "one"), str(reward), *more)), log=lambda *_: None)
+    models = [(one.actor, "weights.pt")] + ([(one.critic, "critic.pt")] if one.critic is not None else [])
+    assert len(models) == 1 + bool(more)
+    for worker, saved in models:
+        before = {name: parameter.detach().clone() for name, parameter in worker.model.named_parameters()}
+        metrics = worker.update(whole)
+        two = torch.load(out / saved)
+        for name, parameter in worker.model.named_parameters():
+            torch.testing.assert_close(two[name], parameter.detach(), atol=1e-6, rtol=1e-5, msg=name)
+        assert any(not torch.equal(before[name], two[name]) for name in before), "the step changed no weight"
+        # Rank 0's step metrics are the run's (every rank's combined): the one process's, the loss weighed by
+        # tokens (rank 0's 2 sequences' and rank 1's one, not each rank's half).
+        found = reports[0]["metrics"]
+        keys = [key for key in metrics if key.endswith(("grad_norm", "pg_loss", "entropy", "vf_loss", "vpred_mean"))]
+        assert len(keys) == 3
+        for key in keys:
+            assert found[key] == pytest.approx(sum(metrics[key]) / len(metrics[key]), rel=1e-4, abs=1e-7), key
+    assert found["training/global_step"] == 1

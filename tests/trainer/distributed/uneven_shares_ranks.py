@@ -6,7 +6,9 @@ rank 0 takes 2 of the sequences, rank 1 one, and rank 1 runs a filler micro-batc
 saves the batch its actor update got (OUT/batch<r>.pt) and the step's run-wide metrics; rank 0 the whole weights after
 the step (OUT/weights.pt), for the test to compare with one process's update over the whole batch.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 uneven_shares_ranks.py OUT RUNS_DIR REWARD
+    python -m torch.distributed.run --standalone --nproc-per-node 2 uneven_shares_ranks.py OUT RUNS_DIR REWARD ...
+
+The overrides after REWARD are added to the run's (PPO: with a critic, whose weights rank 0 saves to OUT/critic.pt).
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from trainer.loop import Trainer
 PROMPT, RESPONSE = 8, 6
 
 
-def uneven(ranks: int, runs_dir: str, reward: str) -> list[str]:
+PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", f"critic.ppo_max_token_len_per_gpu={PROMPT + RESPONSE}",
+       f"critic.forward_max_token_len_per_gpu={PROMPT + RESPONSE}"]
+"""With a critic (PPO), its values and its update in token-budget micro-batches of one sequence too."""
+
+
+def uneven(ranks: int, runs_dir: str, reward: str, *more: str) -> list[str]:
     """The run's overrides on `ranks` ranks: 3 sequences, so 2 and 1 on two ranks."""
     return [
         "actor_rollout_ref.model.path=builtin:tiny-qwen2",
@@ -38,13 +45,19 @@ def uneven(ranks: int, runs_dir: str, reward: str) -> list[str]:
         "actor_rollout_ref.rollout.temperature=2.0", "algorithm.adv_estimator=grpo",
         f"data.max_prompt_length={PROMPT}", f"data.max_response_length={RESPONSE}", "trainer.device=cpu",
         f"trainer.n_gpus_per_node={ranks}", "trainer.total_training_steps=1", "trainer.save_freq=-1",
-        f"custom_reward_function.path={reward}", f"trainer.runs_dir={runs_dir}", "trainer.experiment_name=uneven"]
+        f"custom_reward_function.path={reward}", f"trainer.runs_dir={runs_dir}", "trainer.experiment_name=uneven",
+        *more]
 
 
-def main(out: Path, runs_dir: str, reward: str) -> None:
+def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter).detach().clone()
+            for name, parameter in model.named_parameters()}
+
+
+def main(out: Path, runs_dir: str, reward: str, *more: str) -> None:
     ranks = Ranks.from_environment("cpu")
     try:
-        trainer = Trainer(load_config(None, uneven(2, runs_dir, reward)), log=lambda *_: None, ranks=ranks)
+        trainer = Trainer(load_config(None, uneven(2, runs_dir, reward, *more)), log=lambda *_: None, ranks=ranks)
         update = trainer.actor.update
 
         def recorded(batch):
@@ -60,14 +73,16 @@ def main(out: Path, runs_dir: str, reward: str) -> None:
 
         trainer.observers.append(Metrics())
         trainer.fit()
-        weights = {name: (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter).detach().clone()
-                   for name, parameter in trainer.actor.model.named_parameters()}
+        weights = whole_weights(trainer.actor.model)
+        critic = whole_weights(trainer.critic.model) if trainer.critic is not None else None
         if ranks.rank == 0:
             torch.save(weights, out / "weights.pt")
+            if critic is not None:
+                torch.save(critic, out / "critic.pt")
         (out / f"rank{ranks.rank}.json").write_text(json.dumps({"metrics": seen}))
     finally:
         ranks.close()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3], *sys.argv[4:])
