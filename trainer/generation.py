@@ -11,6 +11,7 @@ and scores it with the same reward; the trainer does the same inside its `gen` p
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -99,12 +100,15 @@ class Generation:
             # The static decode takes the whole batch and refills finished rows' slots (`rows` at once) with it.
             refills = rollout.refills(self.device)
             slots = {"slots": rows} if refills else {}
+            size = len(repeated) if refills else rows
+            fillers = self._fillers(rollout, math.ceil(len(repeated) / size))
             pieces = run_in_pieces(lambda first, count: rollout.sample(prompt_ids[first:first + count],
                                                                        prompt_mask[first:first + count], **slots,
                                                                        **images(first, count)),
-                                   len(repeated), len(repeated) if refills else rows,
+                                   len(repeated), size,
                                    memory=None if self.ranks.distributed else self.memory.for_role(Role.ACTOR))
-            self._match_other_ranks(rollout, len(pieces), prompt_ids, prompt_mask, slots, images(0, 1))
+            for _ in range(fillers):  # discarded: a shorter share's forwards to match another rank's
+                rollout.sample(prompt_ids[:1], prompt_mask[:1], **slots, **images(0, 1))
         sampled = [torch.cat(parts) for parts in zip(*pieces, strict=True) if parts[0] is not None]
         # The ranks of a sequence-parallel group sampled the same prompts from the same random stream; their first
         # rank's responses go to the others, so that a kernel not bitwise deterministic on another device cannot
@@ -114,14 +118,10 @@ class Generation:
                             response_mask=response_mask, group_index=group_index, records=repeated,
                             rollout_log_probs=log_probs[0] if log_probs else None, multi_modal_inputs=multi_modal)
 
-    def _match_other_ranks(self, rollout: HFRollout, pieces: int, prompt_ids: torch.Tensor,
-                           prompt_mask: torch.Tensor, slots: dict, images: dict) -> None:
-        """A synced rollout (every forward gathers the shards) whose share is shorter than another rank's (uneven
-        shares, use_dynamic_bsz) samples the batch's first prompt, discarded, until it ran as many pieces."""
-        if not rollout.synced:
-            return
-        for _ in range(int(self.ranks.max(pieces)) - pieces):
-            rollout.sample(prompt_ids[:1], prompt_mask[:1], **slots, **images)
+    def _fillers(self, rollout: HFRollout, pieces: int) -> int:
+        """How many more pieces a synced rollout (every forward gathers the shards) of `pieces` runs to match the
+        rank that runs the most (uneven shares, use_dynamic_bsz): agreed before any piece runs."""
+        return self.ranks.max(pieces) - pieces if rollout.synced else 0
 
     def _prompts(self, records: Sequence[PromptRecord], n: int
                  ) -> tuple[list[Prompt], list[dict[str, torch.Tensor]] | None]:

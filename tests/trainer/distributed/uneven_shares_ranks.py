@@ -3,7 +3,8 @@ torch.distributed.run (2 CPU ranks over gloo) from test_uneven_shares.py.
 
 The trainer (UNEVEN: one prompt x 3 responses, GRPO, token-budget micro-batches of one sequence each) runs one step:
 rank 0 takes 2 of the sequences, rank 1 one, and rank 1 runs a filler micro-batch to match rank 0's two. Each rank
-saves the batch its actor update got (OUT/batch<r>.pt) and the step's run-wide metrics; rank 0 the whole weights after
+saves the batch its actor update got (OUT/batch<r>.pt) and the step's run-wide metrics (no rank holds the whole
+weights: every forward, the rollout's too, is a collective); rank 0 the whole weights after
 the step (OUT/weights.pt), for the test to compare with one process's update over the whole batch.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 uneven_shares_ranks.py OUT RUNS_DIR REWARD ...
@@ -21,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.config import load_config
+from trainer.distributed import sharding
 from trainer.distributed.ranks import Ranks
 from trainer.loop import Trainer
 
@@ -56,6 +58,9 @@ def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def main(out: Path, runs_dir: str, reward: str, *more: str) -> None:
     ranks = Ranks.from_environment("cpu")
+    # No rank holds the whole weights: every forward gathers the shards (a collective), the rollout's synced too,
+    # so a rank that ran one forward fewer than the other would leave it waiting.
+    sharding.WHOLE_WEIGHTS_SHARE = 0.0
     try:
         trainer = Trainer(load_config(None, uneven(2, runs_dir, reward, *more)), log=lambda *_: None, ranks=ranks)
         update = trainer.actor.update
