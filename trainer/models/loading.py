@@ -47,9 +47,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False,
-                   setting: str = KEYS.actor_rollout_ref.model.tokenizer_path) -> PreTrainedTokenizerBase:
-    """A tokenizer set up for generation: left padding, and a pad token (eos when it has none).
-    `setting`: the config key that chooses the tokenizer, named in the errors."""
+                   setting: str = KEYS.actor_rollout_ref.model.tokenizer_path,
+                   chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """A tokenizer set up for generation: left padding, and a pad token (eos when it has none); `chat_template`
+    (model.custom_chat_template) in place of its own. `setting`: the config key that chooses the tokenizer, named in
+    the errors."""
     if path == BUILTIN_PREFIX + TINY_VL:
         tokenizer = tiny_vision_tokenizer(build_tiny_tokenizer())
     elif path.startswith(BUILTIN_PREFIX):
@@ -68,6 +70,8 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False,
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(f"tokenizer at {path!r} has no eos token: responses could never end")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -137,10 +141,9 @@ def load_critic(
     preset copies the backbone of the policy built from the same seed, to match.
     """
     if is_vision_language(path if path.startswith(BUILTIN_PREFIX) else _local_directory(path)):
-        # The policy's vision-language model with a value head: the built-in one as the policy of `seed` is built.
-        policy = load_policy(path, tokenizer, dtype=dtype, seed=seed, override_config=override_config,
-                             gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code)
-        return with_value_head(policy, seed + 1)
+        return _prepare(_vision_value_model(path, tokenizer, dtype=dtype, seed=seed, override_config=override_config,
+                                            trust_remote_code=trust_remote_code),
+                        tokenizer, dtype, gradient_checkpointing)
     if path.startswith(BUILTIN_PREFIX):
         config = _builtin_config(tokenizer, override_config, num_labels=1)
         model = seeded_init(Qwen2ForTokenClassification, config, seed + 1)
@@ -158,21 +161,21 @@ def load_critic(
     return _prepare(model, tokenizer, dtype, gradient_checkpointing)
 
 
-def with_value_head(model: PreTrainedModel, seed: int) -> PreTrainedModel:
-    """A vision-language model as a value model, as verl builds one (trl's AutoModelForCausalLMWithValueHead over the
-    AutoModelForVision2Seq model): its vision tower and language model, and in place of the LM head one output per
-    token, drawn from `seed` (normal, the model's initializer_range; a zero bias, as a token classifier's). Its forward
-    takes the images and computes the multimodal positions as the actor's does; its "logits" [B, T, 1] are the values
-    (a language model's hidden state at each token, projected)."""
+def _vision_value_model(path: str, tokenizer: PreTrainedTokenizerBase, *, dtype: torch.dtype, seed: int,
+                        override_config: dict[str, Any] | None, trust_remote_code: bool) -> PreTrainedModel:
+    """A vision-language value model: the policy's model (its vision tower and language model, the built-in
+    preset's from the same seed) with a one-output head per token in place of its language-model head, so that its
+    forward reads the images as the actor's does; the head starts random (seeded). verl's critic of a
+    vision-language model is the same backbone under a value head."""
+    model = load_policy(path, tokenizer, dtype=dtype, seed=seed, override_config=override_config,
+                        trust_remote_code=trust_remote_code)
     text = model.config.get_text_config()
-    old = model.get_output_embeddings()
-    head = torch.nn.Linear(text.hidden_size, 1, dtype=old.weight.dtype, device=old.weight.device)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * text.initializer_range)
-        head.bias.zero_()
-    model.set_output_embeddings(head)
-    # The value head shares nothing with the embedding (a tied config would tie it back on the next tie_weights).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        head = torch.nn.Linear(text.hidden_size, 1, bias=False)
+        torch.nn.init.normal_(head.weight, std=getattr(text, "initializer_range", 0.02))
+    model.lm_head = head.to(dtype)
+    # A tied head would be tied back to the embedding (a [vocabulary, hidden] matrix) on the next tie_weights.
     model.config.tie_word_embeddings = text.tie_word_embeddings = False
     return model
 

@@ -68,13 +68,16 @@ def test_the_tiny_model_sees_its_images() -> None:
     assert not torch.allclose(logits[0], logits[1])
 
 
-def test_a_vision_language_critic_is_the_policys_model_with_a_value_head() -> None:
+def test_a_vision_language_critic_is_the_policys_model_under_a_value_head() -> None:
     tokenizer = load_tokenizer(TINY_VL)
     critic = load_critic(TINY_VL, tokenizer, dtype=torch.float32, seed=0)
     policy = load_policy(TINY_VL, tokenizer, dtype=torch.float32, seed=0)
-    assert critic.get_output_embeddings().weight.shape == (1, critic.config.get_text_config().hidden_size)
-    backbone = policy.model.state_dict()
-    assert all(torch.equal(value, backbone[key]) for key, value in critic.model.state_dict().items())
+    assert critic.lm_head.weight.shape == (1, policy.config.get_text_config().hidden_size)
+    # The same parameters, the policy's values but the head's.
+    for (name, ours), (_, theirs) in zip(critic.named_parameters(), policy.named_parameters(), strict=True):
+        assert name == "lm_head.weight" or torch.equal(ours, theirs), name
+    ids = torch.tensor([[3, 4, 5, 6]])
+    assert critic(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.shape == (1, 4, 1)
 
 
 def test_the_rollout_budget_reads_the_language_models_shape() -> None:
