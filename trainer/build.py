@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.config import BUILTIN_PREFIX, KEYS, FSDPConfig, RunConfig
 from trainer.config.messages import Role
 from trainer.data import PromptRecord
-from trainer.data.checks import check_prompts, drop_overlong_prompts
+from trainer.data.checks import Seen, check_prompts, drop_overlong_prompts
 from trainer.data.user_classes import read_records
 from trainer.distributed.layer_moves import ShardedLayers
 from trainer.distributed.ranks import Ranks, host_threads_per_rank
@@ -27,7 +27,7 @@ from trainer.memory import MemoryManager, Model, ModelMemory
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
 from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
 from trainer.models.vision import freeze_vision_tower
-from trainer.models.vision_language import is_vision_language
+from trainer.models.vision_language import is_vision_language, prompts_as_seen
 from trainer.offload.copies import CopyLog
 from trainer.offload.groups import parameter_groups
 from trainer.rewards.manager import ModelReward, RewardFunction
@@ -66,24 +66,25 @@ def load_prompts(config: RunConfig, tokenizer: PreTrainedTokenizerBase, log: Log
     name = (f"{source}'s built-in {len(tokenizer)}-token tokenizer" if source.startswith(BUILTIN_PREFIX)
             else repr(source))
     files = ((KEYS.data.train_files, data.train_files), (KEYS.data.val_files, data.val_files))
+    seen = prompts_as_seen(model.path, tokenizer)  # a vision-language model's prompts count their images' tokens
     records = {key: _filtered(config, key, read_records(config, paths, tokenizer, require_ground_truth=builtin_scoring),
-                              tokenizer, log) if paths else []
+                              tokenizer, log, seen) if paths else []
                for key, paths in files}
     for files_key, loaded in records.items():
         check_prompts(loaded, tokenizer, files_key=files_key, max_length=data.max_prompt_length,
                       truncation=data.truncation, tokenizer_setting=KEYS.actor_rollout_ref.model.tokenizer_path,
-                      tokenizer_name=name, template_kwargs=data.apply_chat_template_kwargs)
+                      tokenizer_name=name, template_kwargs=data.apply_chat_template_kwargs, seen=seen)
     return records[KEYS.data.train_files], records[KEYS.data.val_files]
 
 
 def _filtered(config: RunConfig, files_key: str, records: list[PromptRecord], tokenizer: PreTrainedTokenizerBase,
-              log: Log) -> list[PromptRecord]:
+              log: Log, seen: Seen | None = None) -> list[PromptRecord]:
     """data.filter_overlong_prompts: the records whose prompt fits data.max_prompt_length (as verl's dataset
     filters them at load); the count dropped goes to the log."""
     data = config.data
     if not data.filter_overlong_prompts:
         return records
-    kept = drop_overlong_prompts(records, tokenizer, data.max_prompt_length, data.apply_chat_template_kwargs)
+    kept = drop_overlong_prompts(records, tokenizer, data.max_prompt_length, data.apply_chat_template_kwargs, seen)
     log(f"{KEYS.data.filter_overlong_prompts}: dropped {len(records) - len(kept)} of {len(records)} prompts of "
         f"{files_key} longer than {KEYS.data.max_prompt_length}={data.max_prompt_length} tokens")
     if not kept:
@@ -220,6 +221,10 @@ class ModelBuilder:
             self.log(describe_adapter(adapter, "critic"))
         split = self._sequence_split(critic.ulysses_sequence_parallel_size,
                                      remove_padding=critic.model.use_remove_padding)
+        if split is not None and is_vision_language(model):
+            raise RunSetupError(f"{KEYS.critic.ulysses_sequence_parallel_size}: {critic.ulysses_sequence_parallel_size}"
+                                " with a vision-language critic, whose sequences are not split here (their images and "
+                                "multimodal positions would be); set 1")
         rollout = config.actor_rollout_ref.rollout
         worker = Critic(self._place(model, critic.fsdp_config, Role.CRITIC, split), critic, rollout_n=rollout.n,
                         forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,

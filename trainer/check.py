@@ -37,6 +37,7 @@ def check_run(config: RunConfig) -> list[str]:
     from trainer.data.user_classes import prompt_sampler, read_records
     from trainer.errors import UserError
     from trainer.models.loading import load_tokenizer
+    from trainer.models.vision_language import prompts_as_seen
     from trainer.rollout.tools import tool_problems
 
     problems: list[str] = []
@@ -52,6 +53,12 @@ def check_run(config: RunConfig) -> list[str]:
                            setting=KEYS.reward_model.model.tokenizer_path)
     except UserError as error:
         problems.append(str(error))
+    seen = None  # a vision-language model's prompts count their images' tokens
+    if tokenizer is not None:
+        try:
+            seen = prompts_as_seen(model.path, tokenizer)
+        except UserError as error:
+            problems.append(str(error))
     problems += _unreadable_model_configs(config)
     problems += tool_problems(config)  # the multi-turn rollout's tools and interactions, built
     # The built-in rule scorers compare each response with the row's ground truth (as the trainer loads them).
@@ -65,7 +72,7 @@ def check_run(config: RunConfig) -> list[str]:
                 prompt_sampler(config, records)
             if tokenizer is not None and data.filter_overlong_prompts:
                 records = drop_overlong_prompts(records, tokenizer, data.max_prompt_length,
-                                                data.apply_chat_template_kwargs)
+                                                data.apply_chat_template_kwargs, seen)
                 if files and not records:
                     problems.append(f"{files_key}: every prompt is longer than {KEYS.data.max_prompt_length}="
                                     f"{data.max_prompt_length} tokens ({KEYS.data.filter_overlong_prompts} drops "
@@ -76,7 +83,7 @@ def check_run(config: RunConfig) -> list[str]:
                         else repr(source))
                 check_prompts(records, tokenizer, files_key=files_key, max_length=data.max_prompt_length,
                               truncation=data.truncation, tokenizer_setting=KEYS.actor_rollout_ref.model.tokenizer_path,
-                              tokenizer_name=name, template_kwargs=data.apply_chat_template_kwargs)
+                              tokenizer_name=name, template_kwargs=data.apply_chat_template_kwargs, seen=seen)
         except UserError as error:
             problems.append(str(error))
     return problems

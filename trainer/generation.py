@@ -11,6 +11,7 @@ and scores it with the same reward; the trainer does the same inside its `gen` p
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -96,11 +97,15 @@ class Generation:
             # The static decode takes the whole batch and refills finished rows' slots (`rows` at once) with it.
             refills = rollout.refills(self.device)
             slots = {"slots": rows} if refills else {}
+            size = len(repeated) if refills else rows
+            fillers = self._fillers(rollout, math.ceil(len(repeated) / size))
             pieces = run_in_pieces(lambda first, count: rollout.sample(prompt_ids[first:first + count],
                                                                        prompt_mask[first:first + count], **slots,
                                                                        **images(first, count)),
-                                   len(repeated), len(repeated) if refills else rows,
+                                   len(repeated), size,
                                    memory=None if self.ranks.distributed else self.memory.for_role(Role.ACTOR))
+            for _ in range(fillers):  # discarded: a shorter share's forwards to match another rank's
+                rollout.sample(prompt_ids[:1], prompt_mask[:1], **slots, **images(0, 1))
         sampled = [torch.cat(parts) for parts in zip(*pieces, strict=True) if parts[0] is not None]
         # The ranks of a sequence-parallel group sampled the same prompts from the same random stream; their first
         # rank's responses go to the others, so that a kernel not bitwise deterministic on another device cannot
@@ -109,6 +114,11 @@ class Generation:
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, group_index=group_index, records=repeated,
                             rollout_log_probs=log_probs[0] if log_probs else None, multi_modal_inputs=multi_modal)
+
+    def _fillers(self, rollout: HFRollout, pieces: int) -> int:
+        """How many more pieces a synced rollout (every forward gathers the shards) of `pieces` runs to match the
+        rank that runs the most (uneven shares, use_dynamic_bsz): agreed before any piece runs."""
+        return self.ranks.max(pieces) - pieces if rollout.synced else 0
 
     def _prompts(self, records: Sequence[PromptRecord], n: int
                  ) -> tuple[list[Prompt], list[dict[str, torch.Tensor]] | None]:

@@ -137,13 +137,18 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
     n = config.actor_rollout_ref.rollout.n
     batch = config.data.train_batch_size
     problems = []
-    if config.actor_rollout_ref.actor.use_dynamic_bsz and batch * n % dp:
-        # verl skips its check then and pads the batch it dispatches; here every data-parallel group takes as many.
-        problems.append(ConfigProblem("data.train_batch_size", f"got {batch}, whose {batch * n} sequences (x "
-                                      f"rollout.n {n}) do not divide among the run's {dp} data-parallel groups; "
-                                      f"allowed: a multiple of {dp // math.gcd(dp, n)} (verl pads such a batch; "
-                                      "this trainer does not)"))
-    elif batch * n % world and not config.actor_rollout_ref.actor.use_dynamic_bsz:
+    critic_mini = config.critic.ppo_mini_batch_size if config.use_critic else None
+    if (config.actor_rollout_ref.actor.use_dynamic_bsz and batch * n % dp and critic_mini is not None
+            and critic_mini != config.actor_rollout_ref.actor.ppo_mini_batch_size):
+        # verl skips its check then: the ranks take uneven shares of each actor mini-batch (run_wide.py), which the
+        # critic's mini-batches of another size would cut otherwise on each rank.
+        problems.append(ConfigProblem("critic.ppo_mini_batch_size", f"got {critic_mini}, but the step's {batch * n} "
+                                      f"sequences (x rollout.n {n}) do not divide among the run's {dp} data-parallel "
+                                      "groups, and uneven shares are dealt by the actor's mini-batches of "
+                                      f"{config.actor_rollout_ref.actor.ppo_mini_batch_size}; allowed: the actor's "
+                                      f"ppo_mini_batch_size, or data.train_batch_size a multiple of "
+                                      f"{dp // math.gcd(dp, n)}"))
+    if batch * n % world and not config.actor_rollout_ref.actor.use_dynamic_bsz:
         problems.append(ConfigProblem("data.train_batch_size", f"got {batch}, whose {batch * n} sequences (x "
                                       f"rollout.n {n}) do not divide among the run's {world} ranks (trainer.nnodes x "
                                       "trainer.n_gpus_per_node); verl requires train_batch_size x rollout.n to be a "

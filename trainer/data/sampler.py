@@ -103,8 +103,22 @@ def rank_share(batch: list[int], *, rank: int, world_size: int, mini_batch_size:
             for index in batch[start + rank * share: start + (rank + 1) * share]]
 
 
+def uneven_shares(count: int, world_size: int) -> list[int]:
+    """`count` items dealt among `world_size` ranks as evenly as they go: the first count % world_size ranks take one
+    more (numpy's array_split)."""
+    return [count // world_size + (rank < count % world_size) for rank in range(world_size)]
+
+
+def rank_mini_batches(sequences: int, mini_batch_size: int, rank: int, world_size: int) -> list[int]:
+    """Rank `rank`'s sequences in each mini-batch of a step of `sequences` that do not divide among the ranks: each
+    global mini-batch of `mini_batch_size` sequences (ppo_mini_batch_size x rollout.n; the last may be shorter)
+    dealt by `uneven_shares`, so that the ranks' local mini-batches together are the one-process ones."""
+    return [uneven_shares(min(mini_batch_size, sequences - start), world_size)[rank]
+            for start in range(0, sequences, mini_batch_size)]
+
+
 def sequence_share(batch: list[int], *, copies: int, rank: int, world_size: int,
-                   mini_batch_size: int) -> tuple[list[int], list[int]]:
+                   mini_batch_size: int, global_mini_batch: int | None = None) -> tuple[list[int], list[int]]:
     """Rank `rank`'s share of a step's sequences when whole prompts do not split among the ranks (fewer prompts
     than ranks, per step or per mini-batch, or not a multiple of them): verl splits the sequences, each prompt of
     `batch` repeated `copies` (rollout.n) times in a row, not the prompts, so a prompt's group may span ranks.
@@ -113,8 +127,20 @@ def sequence_share(batch: list[int], *, copies: int, rank: int, world_size: int,
     ranks' local mini-batches together are the global ones a single rank would take; `mini_batch_size` is verl's
     per-rank size (ppo_mini_batch_size x rollout.n // ranks, workers/optimization.rank_mini_batch_size), and the
     last mini-batch may be shorter. Returns each of this rank's sequences' prompt (an entry of `batch`) and its
-    group: the position of that prompt in `batch`, the same on every rank."""
+    group: the position of that prompt in `batch`, the same on every rank.
+
+    Sequences that do not divide among the ranks (use_dynamic_bsz: verl skips its batch-size check) are dealt by
+    `global_mini_batch` (ppo_mini_batch_size x rollout.n): each mini-batch of that many split as `uneven_shares`
+    does (`rank_mini_batches`)."""
     sequences = len(batch) * copies
+    if sequences % world_size and global_mini_batch is not None and global_mini_batch >= world_size:
+        positions, start = [], 0
+        for sizes in (uneven_shares(min(global_mini_batch, sequences - first), world_size)
+                      for first in range(0, sequences, global_mini_batch)):
+            positions.extend(range(start + sum(sizes[:rank]), start + sum(sizes[:rank + 1])))
+            start += sum(sizes)
+        groups = [position // copies for position in positions]
+        return [batch[group] for group in groups], groups
     if sequences % world_size or mini_batch_size < 1:
         raise ValueError(f"{len(batch)} prompts x {copies} responses in mini-batches of {mini_batch_size} per rank "
                          f"do not split among {world_size} ranks")

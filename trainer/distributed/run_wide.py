@@ -62,7 +62,8 @@ class RunWide:
             return StepShare(rank_share(batch, rank=self.ranks.dp_rank, world_size=self.ranks.dp_size,
                                         mini_batch_size=mini_batch_size), n)
         prompts, groups = sequence_share(batch, copies=n, rank=self.ranks.dp_rank, world_size=self.ranks.dp_size,
-                                         mini_batch_size=mini_batch_size * n // self.ranks.dp_size)
+                                         mini_batch_size=mini_batch_size * n // self.ranks.dp_size,
+                                         global_mini_batch=mini_batch_size * n)
         return StepShare(prompts, 1, groups)
 
     @property

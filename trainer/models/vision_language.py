@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,39 +107,89 @@ class ImageProcessor:
         """`prompt` with each `<image>` written as the vision tokens of the matching image of `images` (verl's row:
         {'bytes': PNG} or a path), and the row's multi-modal inputs: pixel_values [patches, channels * 2 * 14 * 14]
         and image_grid_thw [images, 3]. `where` names the row in errors."""
-        texts = [prompt] if isinstance(prompt, str) else [message["content"] for message in prompt]
-        marks = sum(text.count(IMAGE_PLACEHOLDER) for text in texts if isinstance(text, str))
-        if marks != len(images):
-            raise ImageDataError(f"{where}: its prompt has {marks} {IMAGE_PLACEHOLDER} and the row {len(images)} "
-                                 f"images; each image needs one {IMAGE_PLACEHOLDER} where it goes in the prompt")
+        _check_marks(prompt, images, where)
         if not images:
             return prompt, {}
         processed = self.images(images=[_image(image, where) for image in images], return_tensors="pt")
         grid = processed["image_grid_thw"]
-        tokens = iter((grid.prod(dim=-1) // self.images.merge_size ** 2).tolist())
+        tokens = (grid.prod(dim=-1) // self.images.merge_size ** 2).tolist()
+        return _written(prompt, tokens), {"pixel_values": processed["pixel_values"], "image_grid_thw": grid}
 
-        def written(text: str) -> str:
-            pieces = text.split(IMAGE_PLACEHOLDER)
-            return pieces[0] + "".join(f"{VISION_START}{IMAGE_PAD * next(tokens)}{VISION_END}{piece}"
-                                       for piece in pieces[1:])
+    def seen_prompt(self, prompt: str | list[dict[str, Any]], images: Sequence[Any], where: str
+                    ) -> str | list[dict[str, Any]]:
+        """`prompt` as the model sees it, each `<image>` written as its image's vision tokens, as `prompt_inputs`
+        writes it, from each image's size alone (no pixels are processed): what data.max_prompt_length counts at
+        start, as verl's dataset counts a prompt through its processor."""
+        _check_marks(prompt, images, where)
+        return _written(prompt, [self.image_tokens(image, where) for image in images]) if images else prompt
 
-        if isinstance(prompt, str):
-            prompt = written(prompt)
-        else:
-            prompt = [{**message, "content": written(message["content"])} for message in prompt]
-        return prompt, {"pixel_values": processed["pixel_values"], "image_grid_thw": grid}
+    def image_tokens(self, image: Any, where: str) -> int:
+        """The vision tokens one image is written as: its patches at the size the processor resizes it to, merged
+        merge_size x merge_size."""
+        width, height = _opened(image, where).size
+        return int(self.images.get_number_of_image_patches(height, width)) // self.images.merge_size ** 2
+
+
+def prompts_as_seen(path: str, tokenizer: PreTrainedTokenizerBase
+                    ) -> Callable[[Any], str | list[dict[str, Any]]] | None:
+    """For the model at `path` (a directory, a cached hub id or a built-in name), a record's prompt as the model sees
+    it (`ImageProcessor.seen_prompt`: its images' vision tokens written in), where it is a vision-language model;
+    None for a text model (or a path that does not resolve: loading the model says why)."""
+    try:
+        directory = path if path.startswith("builtin:") else resolve_model_path(path)
+    except UserError:
+        return None
+    if not is_vision_language(directory):
+        return None
+    processor = ImageProcessor.load(path, tokenizer)
+    return lambda record: processor.seen_prompt(record.prompt, record.images, record.source or "a prompt")
+
+
+def _check_marks(prompt: str | list[dict[str, Any]], images: Sequence[Any], where: str) -> None:
+    texts = [prompt] if isinstance(prompt, str) else [message["content"] for message in prompt]
+    marks = sum(text.count(IMAGE_PLACEHOLDER) for text in texts if isinstance(text, str))
+    if marks != len(images):
+        raise ImageDataError(f"{where}: its prompt has {marks} {IMAGE_PLACEHOLDER} and the row {len(images)} "
+                             f"images; each image needs one {IMAGE_PLACEHOLDER} where it goes in the prompt")
+
+
+def _written(prompt: str | list[dict[str, Any]], tokens: Sequence[int]) -> str | list[dict[str, Any]]:
+    """`prompt` with its i-th `<image>` written as `<|vision_start|>`, tokens[i] `<|image_pad|>`, `<|vision_end|>`."""
+    counts = iter(tokens)
+
+    def written(text: str) -> str:
+        pieces = text.split(IMAGE_PLACEHOLDER)
+        return pieces[0] + "".join(f"{VISION_START}{IMAGE_PAD * next(counts)}{VISION_END}{piece}"
+                                   for piece in pieces[1:])
+
+    if isinstance(prompt, str):
+        return written(prompt)
+    return [{**message, "content": written(message["content"])} for message in prompt]
 
 
 def _image(image: Any, where: str) -> Image.Image:
     """One image of verl's row layout as RGB: {'bytes': ...} (or {'path': ...}), raw bytes, or a path."""
+    opened = _opened(image, where)
+    try:
+        return opened.convert("RGB")
+    except (OSError, ValueError) as error:
+        raise _unreadable(where, error) from None
+
+
+def _opened(image: Any, where: str) -> Image.Image:
+    """One image of verl's row layout, opened (its header read: its size is known, its pixels not yet decoded)."""
     if isinstance(image, dict):
         image = image.get("bytes") or image.get("path")
     try:
         source = io.BytesIO(image) if isinstance(image, bytes) else Path(str(image)).expanduser()
-        return Image.open(source).convert("RGB")
+        return Image.open(source)
     except (OSError, ValueError) as error:
-        raise ImageDataError(f"{where}: an image could not be read ({error}); allowed: {{'bytes': PNG or JPEG "
-                             "bytes}, or a path") from None
+        raise _unreadable(where, error) from None
+
+
+def _unreadable(where: str, error: Exception) -> ImageDataError:
+    return ImageDataError(f"{where}: an image could not be read ({error}); allowed: {{'bytes': PNG or JPEG bytes}}, "
+                          "or a path")
 
 
 def vision_token_ids(model: torch.nn.Module) -> list[int]:

@@ -30,6 +30,8 @@ from trainer.workers.optimization import (
     MicroBatchMerging,
     build_optimizer,
     build_scheduler,
+    local_mini_batches,
+    one_mini_batch,
     rank_mini_batch_size,
     response_logits,
     restore_schedule,
@@ -155,7 +157,8 @@ class Actor:
         """Whether an update of `size` sequences is one optimizer step (one mini-batch, one epoch): its forwards all
         run on the weights that scored the old log-probs, so the loss takes its own log-probs, detached, as the old
         ones (verl's actor does the same), and the separate scoring pass is not needed."""
-        return self.config.ppo_epochs == 1 and size <= self.mini_batch_size
+        return self.config.ppo_epochs == 1 and one_mini_batch(size, local_mini_batches(
+            size, self.config.ppo_mini_batch_size, self.rollout_n, self.ranks))
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return self.score_responses(batch).log_probs
@@ -171,7 +174,7 @@ class Actor:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""
         metrics = run_updates(
             self.model, self.optimizer, batch, self._loss,
-            mini_batch_size=self.mini_batch_size,
+            mini_batch_size=local_mini_batches(len(batch), self.config.ppo_mini_batch_size, self.rollout_n, self.ranks),
             micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,

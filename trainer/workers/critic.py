@@ -13,6 +13,7 @@ from trainer.workers.optimization import (
     MicroBatchMerging,
     build_optimizer,
     build_scheduler,
+    local_mini_batches,
     publish_pending,
     rank_mini_batch_size,
     response_logits,
@@ -87,7 +88,7 @@ class Critic:
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
         metrics = run_updates(
             self.model, self.optimizer, batch, self._loss,
-            mini_batch_size=self.mini_batch_size,
+            mini_batch_size=local_mini_batches(len(batch), self.config.ppo_mini_batch_size, self.rollout_n, self.ranks),
             micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
             epochs=self.config.ppo_epochs,
             grad_clip=self.config.grad_clip,

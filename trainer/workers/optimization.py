@@ -4,6 +4,7 @@ and the mini-batch / micro-batch loop with gradient accumulation."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from transformers import PreTrainedModel
 
 from trainer.algorithms import LOSS_AGG_MODES, aggregation_weight
 from trainer.config import FSDP_CONFIG, FSDPConfig, OptimConfig
+from trainer.data.sampler import rank_mini_batches
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
 from trainer.models.vision_language import forward_inputs
@@ -98,6 +100,25 @@ def rank_mini_batch_size(ppo_mini_batch_size: int, rollout_n: int, ranks: Ranks 
     """Sequences per mini-batch on this rank: verl's global count of prompts, times rollout.n, shared among the
     data-parallel groups (the ranks of a sequence-parallel group hold the same share)."""
     return ppo_mini_batch_size * rollout_n // (ranks.dp_size if ranks is not None else 1)
+
+
+def local_mini_batches(size: int, ppo_mini_batch_size: int, rollout_n: int, ranks: Ranks | None) -> int | list[int]:
+    """This rank's mini-batches of an update of its `size` sequences: `rank_mini_batch_size` each, or where the step's
+    sequences do not divide among the data-parallel groups (use_dynamic_bsz), this rank's share of each global
+    mini-batch of ppo_mini_batch_size x rollout.n (data.rank_mini_batches, as distributed/run_wide.py dealt them).
+    On several ranks a collective (the step's sequences, summed)."""
+    even = rank_mini_batch_size(ppo_mini_batch_size, rollout_n, ranks)
+    if ranks is None or not ranks.distributed:
+        return even
+    sequences = round(ranks.reduce_many([float(size)], "sum")[0]) // ranks.sp_size
+    if sequences % ranks.dp_size == 0:
+        return even
+    return rank_mini_batches(sequences, ppo_mini_batch_size * rollout_n, ranks.dp_rank, ranks.dp_size)
+
+
+def one_mini_batch(size: int, mini_batches: int | list[int]) -> bool:
+    """Whether an update of `size` sequences in `mini_batches` (local_mini_batches) is one optimizer step."""
+    return len(mini_batches) == 1 if isinstance(mini_batches, list) else size <= mini_batches
 
 
 def warmup_steps(config: OptimConfig, total_steps: int) -> int:
@@ -214,7 +235,7 @@ def run_updates(
     batch: RolloutBatch,
     loss_fn: LossFn,
     *,
-    mini_batch_size: int,
+    mini_batch_size: int | list[int],
     micro_batch_size: int,
     epochs: int,
     grad_clip: float,
@@ -243,14 +264,23 @@ def run_updates(
     (MicroBatchMerging); the gradient is the same.
 
     `loss_mask`: the tokens `loss_fn` reads of a batch (None: its response_mask), whose counts weigh the micro-batches.
+
+    `mini_batch_size` as a list: this rank's sequences in each mini-batch, where the ranks' shares are uneven
+    (local_mini_batches); the micro-batches' metrics are then scaled so that the run's mean over the ranks, which
+    weighs each rank by its sequences (metrics.combine_rank_metrics), is still the global mini-batch's value.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
     recoveries = 0
     model.train()
+    micro_keys: set[str] = set()
     for _ in range(epochs):
         order = (torch.randperm(len(batch), generator=shuffle_generator) if shuffle_generator is not None
                  else torch.arange(len(batch)))
-        for mini_batch in batch.select(order).split(mini_batch_size):
+        ordered = batch.select(order)
+        mini_batches = (ordered.split(mini_batch_size) if isinstance(mini_batch_size, int)
+                        else (ordered.select(range(start, start + size)) for start, size in
+                              zip(itertools.accumulate([0, *mini_batch_size]), mini_batch_size, strict=False)))
+        for mini_batch in mini_batches:
             publish_pending(optimizer)  # a delayed update lands before the next forward
             optimizer.zero_grad(set_to_none=True)
             size, budget = micro_batch_size, max_token_len
@@ -265,6 +295,7 @@ def run_updates(
             recoveries += recovered
             for key, values in micro_metrics.items():
                 metrics[key].extend(values)
+                micro_keys.add(key)
             # The offload optimizer clips inside its update (one read of CPU-resident gradients).
             clip = getattr(optimizer, "clip_grad_norm_", None)
             grad_norm = clip(grad_clip) if clip is not None else torch.nn.utils.clip_grad_norm_(
@@ -278,6 +309,13 @@ def run_updates(
                 metrics["skipped_steps"].append(1.0)
             metrics["grad_norm"].append(grad_norm.item())
     optimizer.zero_grad(set_to_none=True)
+    if isinstance(mini_batch_size, list) and ranks is not None and ranks.distributed:
+        # Each rank's values are its micro-batches' shares of the global loss times the world size, whose plain mean
+        # over the ranks is the global value; the run weighs rank r by its sequences s_r: S / (world x s_r) undoes it.
+        sequences = ranks.reduce_many([float(len(batch))], "sum")[0]
+        scale = sequences / (ranks.world_size * len(batch))
+        for key in micro_keys:
+            metrics[key] = [value * scale for value in metrics[key]]
     metrics["oom_recoveries"] = [float(recoveries)]
     return metrics
 
@@ -335,6 +373,8 @@ def accumulate_gradients(
         micro_batch = arranged.select(torch.arange(piece.first, piece.first + piece.count))
         loss, micro_metrics = loss_fn(micro_batch)
         shares = _aggregation_weights(mask_of(micro_batch)) / whole
+        if plan.is_filler(piece):  # a forward and backward to match another rank's count: it weighs nothing
+            shares = shares * 0
         parts = loss if isinstance(loss, dict) else {loss_agg_mode: loss}
         total = sum((part * shares[LOSS_AGG_MODES.index(mode)] for mode, part in parts.items()),
                     start=torch.zeros((), device=shares.device))

@@ -132,19 +132,27 @@ class MicroBatches:
     """How a batch splits into micro-batches: the batch reordered by `order`, then `pieces` of it in turn."""
 
     order: torch.Tensor | None
-    """[B] the sequences in micro-batch order; None: the batch's own order."""
+    """[B] the sequences in micro-batch order; None: the batch's own order. After them, `fillers` more."""
     pieces: list[Piece]
     """Consecutive pieces of the reordered batch, one per micro-batch."""
+    fillers: int = 0
+    """Micro-batches of one sequence (a copy of the batch's first) after the batch's own: a rank whose share is
+    shorter than another's runs as many forwards as it (a sharded model's are collectives); their results are
+    dropped and their loss weighs nothing (`is_filler`)."""
 
     def arrange(self, batch: RolloutBatch) -> RolloutBatch:
-        """The batch in micro-batch order."""
+        """The batch in micro-batch order, the fillers' copies after it."""
         return batch if self.order is None else batch.select(self.order)
 
     def restore(self, results: torch.Tensor) -> torch.Tensor:
-        """Per-sequence `results` in micro-batch order, back in the batch's order."""
+        """Per-sequence `results` in micro-batch order, back in the batch's order (the fillers' dropped)."""
         if self.order is None:
             return results
-        return results[torch.argsort(self.order).to(results.device)]
+        own = len(self.order) - self.fillers
+        return results[:own][torch.argsort(self.order[:own]).to(results.device)]
+
+    def is_filler(self, piece: Piece) -> bool:
+        return self.order is not None and piece.first >= len(self.order) - self.fillers
 
 
 AgreeCount = Callable[[int], int]
@@ -158,31 +166,43 @@ def plan_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_token_len
     With several ranks (`agree`, the largest of every rank's count), the token budget's micro-batches are as
     many on every rank: a sharded model's forward and backward are collectives (FSDP2's gathers), and a rank
     that ran one micro-batch fewer would leave the others waiting for it. Each rank splits its share into the
-    most any rank needs (verl's rearrange_micro_batches does the same over its data-parallel group)."""
+    most any rank needs (verl's rearrange_micro_batches does the same over its data-parallel group).
+
+    A rank whose share is shorter (sequences that do not divide among the ranks, with use_dynamic_bsz) may have
+    fewer sequences than the agreed count: it runs `MicroBatches.fillers` to make up the count. With fixed sizes the
+    counts agree the same way (one collective)."""
     if max_token_len is None:
-        return MicroBatches(None, split_into_pieces(len(batch), micro_batch_size))
-    lengths = batch.attention_mask.sum(dim=1).tolist()
-    groups = (token_budget_partitions(lengths, max_token_len) if agree is None
-              else agreed_partitions(lengths, max_token_len, agree))
-    pieces, first = [], 0
-    for group in groups:
-        pieces.append(Piece(first, len(group)))
-        first += len(group)
-    return MicroBatches(torch.tensor([index for group in groups for index in group], dtype=torch.long), pieces)
+        pieces = split_into_pieces(len(batch), micro_batch_size)
+        fillers = agree(len(pieces)) - len(pieces) if agree is not None else 0
+        if not fillers:
+            return MicroBatches(None, pieces)
+        order = list(range(len(batch)))
+    else:
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        groups, agreed = ((token_budget_partitions(lengths, max_token_len), 0) if agree is None
+                          else agreed_partitions(lengths, max_token_len, agree))
+        pieces, first = [], 0
+        for group in groups:
+            pieces.append(Piece(first, len(group)))
+            first += len(group)
+        order = [index for group in groups for index in group]
+        fillers = max(0, agreed - len(groups))
+    pieces += [Piece(len(order) + number, 1) for number in range(fillers)]
+    return MicroBatches(torch.tensor(order + [0] * fillers, dtype=torch.long), pieces, fillers)
 
 
-def agreed_partitions(lengths: Sequence[int], max_tokens: int, agree: AgreeCount) -> list[list[int]]:
-    """token_budget_partitions into as many groups on every rank: the most any rank needs. A balanced split
-    into that many can overflow the budget on some rank, which then needs one more; the ranks agree again
-    until none does. Every rank holds as many sequences (the config divides the batches among them), and a
-    rank never needs more groups than sequences, so the count stops there at the latest."""
+def agreed_partitions(lengths: Sequence[int], max_tokens: int, agree: AgreeCount) -> tuple[list[list[int]], int]:
+    """token_budget_partitions into as many groups on every rank: the most any rank needs, and that count. A
+    balanced split into that many can overflow the budget on some rank, which then needs one more; the ranks agree
+    again until none does. A rank never needs more groups than sequences, so the count stops there at the latest;
+    a rank with fewer sequences than the count returns fewer groups (its caller adds fillers)."""
     count = len(token_budget_partitions(lengths, max_tokens))
     while True:
         agreed = agree(count)
         groups = token_budget_partitions(lengths, max_tokens, at_least=agreed)
         count = len(groups)
         if agree(count) == agreed:  # no rank needed more than was agreed
-            return groups
+            return groups, agreed
 
 
 def token_budget_partitions(lengths: Sequence[int], max_tokens: int, at_least: int = 1) -> list[list[int]]:

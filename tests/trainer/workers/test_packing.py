@@ -311,7 +311,7 @@ def test_ranks_agree_on_as_many_token_budget_micro_batches_as_the_rank_that_need
         return largest
 
     threads = [threading.Thread(target=lambda rank=rank: results.__setitem__(
-        rank, agreed_partitions(shares[rank], 10, lambda count: agree(rank, count)))) for rank in shares]
+        rank, agreed_partitions(shares[rank], 10, lambda count: agree(rank, count))[0])) for rank in shares]
     for thread in threads:
         thread.start()
     for thread in threads:
