@@ -148,6 +148,14 @@ def _batch_sizes_for_ranks(config: RunConfig) -> list[ConfigProblem]:
                                       f"{config.actor_rollout_ref.actor.ppo_mini_batch_size}; allowed: the actor's "
                                       f"ppo_mini_batch_size, or data.train_batch_size a multiple of "
                                       f"{dp // math.gcd(dp, n)}"))
+    if config.actor_rollout_ref.actor.use_dynamic_bsz and batch * n % dp and config.reward_model.enable:
+        # The reward model scores each rank's share in micro-batches whose forwards gather its shards: a shorter
+        # share runs fewer of them, and the ranks would wait on each other for good.
+        problems.append(ConfigProblem("reward_model.enable", f"got true, but the step's {batch * n} sequences (x "
+                                      f"rollout.n {n}) do not divide among the run's {dp} data-parallel groups, and "
+                                      "a sharded reward model does not score uneven shares yet; allowed: "
+                                      f"data.train_batch_size a multiple of {dp // math.gcd(dp, n)}, or a reward "
+                                      "function instead of a reward model"))
     if batch * n % world and not config.actor_rollout_ref.actor.use_dynamic_bsz:
         problems.append(ConfigProblem("data.train_batch_size", f"got {batch}, whose {batch * n} sequences (x "
                                       f"rollout.n {n}) do not divide among the run's {world} ranks (trainer.nnodes x "

@@ -73,3 +73,15 @@ def test_token_budgets_skip_verls_sequence_check_and_the_ranks_take_uneven_share
     (key, message), *_ = problems(*dynamic, "data.train_batch_size=2", "algorithm.adv_estimator=gae",
                                   "critic.ppo_mini_batch_size=1")
     assert key == "critic.ppo_mini_batch_size" and "dealt by the actor's mini-batches of 2" in message
+
+
+def test_a_reward_model_on_uneven_shares_is_one_line_rather_than_a_hang():
+    """Its micro-batches' forwards gather the shards: a rank with a shorter share would run fewer and the other
+    rank would wait for good."""
+    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "trainer.n_gpus_per_node=4",
+               "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=3",
+               "reward_model.enable=true", "reward_model.model.path=builtin:tiny-qwen2"]
+    found = problems(*dynamic, "data.train_batch_size=2")  # 6 sequences on 4 ranks: 2, 2, 1 and 1
+    assert [key for key, _ in found] == ["reward_model.enable"], found
+    assert "allowed: data.train_batch_size a multiple of 4" in found[0][1]
+    assert problems(*dynamic, "data.train_batch_size=4") == []  # 12 on 4: even shares
