@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 
@@ -27,3 +29,15 @@ def pytest_itemcollected(item):
     # Every end-to-end test runs `verl train` (a daemon and its trainer) for real: slow by what it is.
     if "e2e" in item.path.parts:
         item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_restored():
+    """`run_daemon` (the `verl` command's daemon) keeps SIGTERM and SIGINT ignored once its stop begins, until the
+    process ends: a test that calls it in this process leaves them so. Left so, the worker's later tests spawn
+    processes that inherit them ignored (a `verl monitor` in a terminal then never saw its Ctrl-C)."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in saved.items():
+        if signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
