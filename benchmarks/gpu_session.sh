@@ -227,6 +227,12 @@
 # then the batch-256 step with the live keys and with the whole cache side by side, each with the cache length it
 # read), then `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=250 e2e-long3b` in a call of its own (the critic
 # checkpointed: expect no OOM; PROFILE=1 if update_critic is slow).
+# 2026-12-07 20:35-23:34 (fourth session): no device was lent (status: paused for the session): no GPU figure.
+# Since the last GPU call, e2e_bench checkpoints the critic in every shape with a critic (ppo3b too): to compare
+# ppo3b with a commit from before, run the new one with SET=critic.model.enable_gradient_checkpointing=false, or
+# both commits' all_gpu and offload in one call. Next, in order: `tests` alone (300 s, output to a file), `live-keys`,
+# `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=250 e2e-long3b`, `issue40` on an H200, `e2e-lora14b`, then
+# the real model (benchmarks/README.md: the GGUF carried in two calls) with real_model.py --device cuda.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
