@@ -5,23 +5,10 @@ masked columns sums in another order: at most 2 ulps of these values apart), at 
 import pytest
 import torch
 
-from trainer.models import load_policy, load_tokenizer
+from tests.trainer.rollout.test_static_decode import PROMPTS
 from trainer.rollout.live_keys import live_length, live_step
 from trainer.rollout.prompts import encode_prompts
 from trainer.rollout.static_decode import Sampling, StaticDecoder
-
-TINY = "builtin:tiny-qwen2"
-PROMPTS = ["1 2 3", "4", "5 6", "7 8 9 0", "2 2", "9 8 7 6 5", "0", "3 1"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TINY)
-
-
-@pytest.fixture(scope="module")
-def policy(tokenizer):
-    return load_policy(TINY, tokenizer, dtype=torch.float32, seed=3, override_config={"num_hidden_layers": 2}).eval()
 
 
 def test_the_read_length_is_the_written_one_rounded_up_to_an_eighth_of_the_cache():

@@ -14,23 +14,13 @@ from transformers import (
 )
 
 from trainer.config import RolloutConfig
-from trainer.models import load_policy, load_tokenizer
+from trainer.models import load_policy
 from trainer.rollout.hf_rollout import HFRollout
 from trainer.rollout.prompts import encode_prompts
 from trainer.rollout.static_decode import CHECK_EVERY, Sampling, StaticDecoder, buckets
 
 TINY = "builtin:tiny-qwen2"
 PROMPTS = ["1 2 3", "4", "5 6", "7 8 9 0", "2 2", "9 8 7 6 5", "0", "3 1"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TINY)
-
-
-@pytest.fixture(scope="module")
-def policy(tokenizer):
-    return load_policy(TINY, tokenizer, dtype=torch.float32, seed=3, override_config={"num_hidden_layers": 2}).eval()
 
 
 def prompts(tokenizer, repeat: int = 1):
