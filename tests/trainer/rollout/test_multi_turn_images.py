@@ -6,14 +6,14 @@ own images are one NOTE line."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from tests.trainer.rollout.test_multi_turn import CALL, GSM8K_TOOL, TOK, ScriptedModel, prompt_of, record, rollout
+from tests.trainer.rollout.test_tool_media import PictureTool
 from trainer.config.multi_turn import MultiTurnConfig
 from trainer.rollout.multi_turn import MultiTurnRollout
-from trainer.rollout.tools import Schema, load_tools
+from trainer.rollout.tools import load_tools
 
 
 class ScriptedVisionModel(ScriptedModel):
@@ -54,22 +54,6 @@ def test_a_finished_ranks_stand_in_samples_a_prompt_with_its_images() -> None:
     assert model.images == [[2], [2], [2]]
     assert model.shown[1] == [prompt_of("q2")] == model.shown[2]  # the prompt, its image tokens with it
     assert batch.response_mask[0].tolist() == [1.0] * 2 + [0.0] * 30  # the stand-in's turns are dropped
-
-
-class PictureTool:
-    """Answers with its text and a picture, as verl's image tools answer (a dict as ToolResponse's fields)."""
-
-    name = "echo"
-    tool_schema = Schema({"type": "function", "function": {"name": "echo"}})
-
-    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, None]:
-        return "one", None
-
-    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[Any, float, dict]:
-        return {"text": parameters["text"], "image": [object()]}, 0.0, {}
-
-    async def release(self, instance_id: str, **kwargs: Any) -> None:
-        pass
 
 
 def test_a_tools_images_are_one_note_for_a_vision_language_model_too() -> None:
