@@ -157,9 +157,11 @@ def inject(fault: str, api: Api, process: subprocess.Popen[bytes], state: Path, 
 
 
 def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, mean_interval_s: float, seed: int,
-              burst: int, faults: tuple[str, ...] = FAULTS, log=print) -> dict[str, Any]:
+              burst: int, faults: tuple[str, ...] = FAULTS, minutes: float | None = None, log=print) -> dict[str, Any]:
     """The faulted run (each fault drawn from `faults`) and, beside it, the same run untouched; the comparison and
-    what happened."""
+    what happened. With `minutes`, faults are injected for that long (the run's `steps` only an upper bound), then
+    both runs train on to the faulted run's next regular checkpoint but one and are ended there: the comparison
+    covers the metrics and weights up to that step."""
     from benchmarks.soak import SoakError, start_run
 
     if unknown := set(faults) - set(FAULTS):
@@ -177,13 +179,20 @@ def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, 
     # faulted run's time rather than both runs' one after the other.
     reference_dir = work / "reference"
     reference_dir.mkdir(parents=True, exist_ok=True)
-    reference, _, _ = start_run(reference_dir, [*overrides, "trainer.experiment_name=chaos"])
+    # With a time bound, the reference keeps every checkpoint (pruned below as the faulted run passes them): the
+    # step both end at is known only when the time is up.
+    reference, _, _ = start_run(reference_dir, [*overrides, "trainer.experiment_name=chaos",
+                                                *(["trainer.max_ckpt_to_keep=null"] if minutes else [])])
+    end_step = steps
     try:
         api = Api(info["url"], info["token"])
         checkpoints = chaos_dir / "runs" / "chaos" / "checkpoints"
         events: list[dict[str, Any]] = []
         stop = threading.Event()
+        reference_checkpoints = reference_dir / "runs" / "chaos" / "checkpoints"
         while process.poll() is None and not stop.is_set():
+            if minutes is not None and time.monotonic() - started >= minutes * 60:
+                break
             deadline = time.monotonic() + randomness.expovariate(1.0 / mean_interval_s)
             while time.monotonic() < deadline and process.poll() is None:
                 time.sleep(0.2)
@@ -196,26 +205,63 @@ def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, 
             log(f"  {fault} at step {event['at_step']}: "
                 + ("recovered" if event.get("recovered") else f"NOT recovered ({event})"))
             events.append(event)
+            if minutes is not None:
+                prune_below(reference_checkpoints, event["at_step"] - 3 * save_freq)
+        if minutes is not None and process.poll() is None:
+            end_step = end_both(api, (process, checkpoints), (reference, reference_checkpoints), save_freq, steps)
+            log(f"  time is up: both runs ended after their checkpoint of step {end_step}")
         process.wait()
         chaos_s = time.monotonic() - started
         reference.wait()
     finally:
         if reference.poll() is None:  # the faulted run broke off: the reference has no use
             reference.kill()
-    if process.returncode != 0 or reference.returncode != 0:
+    if end_step == steps and (process.returncode != 0 or reference.returncode != 0):
         raise SoakError(f"the faulted run exited {process.returncode}, the reference {reference.returncode}; see "
                         f"{chaos_dir / 'verl.out'} and {reference_dir / 'verl.out'}")
-    comparison = compare(chaos_dir / "runs" / "chaos", reference_dir / "runs" / "chaos", steps)
-    return {"steps": steps, "seed": seed, "chaos_run_s": chaos_s, "total_s": time.monotonic() - started,
+    comparison = compare(chaos_dir / "runs" / "chaos", reference_dir / "runs" / "chaos", end_step)
+    return {"steps": end_step, "seed": seed, "minutes": minutes, "chaos_run_s": chaos_s, "total_s": time.monotonic() - started,
             "injected": dict(Counter(event["fault"] for event in events)),
             "recovered": dict(Counter(event["fault"] for event in events if event.get("recovered"))),
             "full_disk": "through VERL_FAULT_FULL_DISK (ENOSPC at a save's write or rename), no tmpfs",
             "events": events, **comparison}
 
 
-def computed(run_dir: Path) -> list[dict[str, Any]]:
+def prune_below(checkpoints: Path, step: int) -> None:
+    """The reference's checkpoints before `step` removed (the faulted run is past them: no comparison needs them)."""
+    import shutil
+
+    for path in checkpoints.glob("global_step_*"):
+        if int(path.name.rsplit("_", 1)[1]) < step:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def end_both(api: Api, chaos: tuple[subprocess.Popen[bytes], Path], reference: tuple[subprocess.Popen[bytes], Path],
+             save_freq: int, steps: int) -> int:
+    """Both runs trained to the faulted run's next regular checkpoint but one (a save not already under way), then
+    ended (SIGTERM to each daemon, SIGKILL after 120 s): that step."""
+    step = (api.status() or {"progress": {"step": 0}})["progress"]["step"]
+    end = min((max(step, 0) // save_freq + 2) * save_freq, steps)
+    for process, checkpoints in (chaos, reference):
+        start = time.monotonic()
+        while not (checkpoints / f"global_step_{end}").is_dir() and process.poll() is None:
+            if time.monotonic() - start > RECOVERY_TIMEOUT_S:
+                raise RuntimeError(f"no checkpoint of step {end} in {checkpoints} within {RECOVERY_TIMEOUT_S:.0f} s")
+            time.sleep(0.5)
+    for process, _ in (chaos, reference):
+        process.terminate()
+    for process, _ in (chaos, reference):
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return end
+
+
+def computed(run_dir: Path, last_step: int | None = None) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [{key: value for key, value in row.items() if not key.startswith(MACHINE_METRICS)} for row in rows]
+    return [{key: value for key, value in row.items() if not key.startswith(MACHINE_METRICS)} for row in rows
+            if last_step is None or row["step"] <= last_step]
 
 
 def compare(chaos: Path, reference: Path, steps: int) -> dict[str, Any]:
@@ -223,7 +269,7 @@ def compare(chaos: Path, reference: Path, steps: int) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
 
-    ours, theirs = computed(chaos), computed(reference)
+    ours, theirs = computed(chaos, steps), computed(reference, steps)
     differing = [row["step"] for row, other in zip(ours, theirs, strict=False) if row != other]
     weights_equal = True
     for role in ("actor", "critic"):
@@ -241,7 +287,9 @@ def chaos_report(result: dict[str, Any]) -> str:
     injected = ", ".join(f"{fault} {count}" for fault, count in result["injected"].items()) or "nothing"
     recovered = ", ".join(f"{fault} {count}" for fault, count in result["recovered"].items()) or "nothing"
     return "\n".join([
-        f"chaos soak: {result['steps']} steps, seed {result['seed']}; the faulted run took "
+        f"chaos soak: {result['steps']} steps"
+        + (f" (faults for {result['minutes']:g} min)" if result.get("minutes") else "")
+        + f", seed {result['seed']}; the faulted run took "
         f"{result['chaos_run_s'] / 60:.1f} min, {result['total_s'] / 60:.1f} min with the reference run",
         f"injected: {injected}; recovered: {recovered}; full disk: {result['full_disk']}",
         f"metrics equal to the uninterrupted run's: {result['metrics_equal']} (rows {result['metrics_rows']}"

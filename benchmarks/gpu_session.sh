@@ -250,7 +250,8 @@ case "${1:-}" in
     # which a GPU image may lack.
     files=$(grep -rl --include='*.py' 'pytest.mark.gpu' tests)
     # Written as it goes, so a stage cut by a timeout still shows how far it came.
-    python3 -m pytest -q -p no:cacheprovider -m gpu -rfs $files > "$out/gpu_tests.txt" 2>&1; tail -60 "$out/gpu_tests.txt" ;;
+    timeout ${TESTS_TIMEOUT:-290} python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -o faulthandler_timeout=90 $files \
+      > "$out/gpu_tests.txt" 2>&1; tail -60 "$out/gpu_tests.txt" ;;
   rollout)
     timeout 580 python3 benchmarks/rollout_bench.py ${SECTIONS:+--only $SECTIONS} ${BATCH:+--batch $BATCH} --out "$out/rollout${BATCH:+-b$BATCH}.json" 2>&1 \
       | tee "$out/rollout${BATCH:+-b$BATCH}.txt" | tail -30 ;;

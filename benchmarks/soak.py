@@ -415,6 +415,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     chaos = parser.add_argument_group("the chaos soak (benchmarks/chaos.py): faults injected, then compared")
     chaos.add_argument("--chaos", action="store_true", help="inject faults into a run of --steps steps")
     chaos.add_argument("--steps", type=int, default=2000, help="steps of the chaos run (default 2000)")
+    chaos.add_argument("--minutes", type=float, help="inject faults for this long, then end both runs at the next "
+                       "checkpoint but one and compare to there (--steps then only bounds the run)")
     chaos.add_argument("--mean-interval", type=float, default=30.0, help="mean seconds between faults (default 30)")
     chaos.add_argument("--hang-timeout", type=float, default=20.0, help="daemon.hang_timeout_s (default 20)")
     chaos.add_argument("--burst", type=int, default=100, help="API clients of a burst (default 100)")
@@ -467,7 +469,7 @@ def _chaos(args: argparse.Namespace) -> int:
         try:
             result = run_chaos(Path(work), steps=args.steps, save_freq=args.save_freq, hang_timeout_s=args.hang_timeout,
                                mean_interval_s=args.mean_interval, seed=args.seed, burst=args.burst,
-                               faults=tuple(args.faults.split(",")),
+                               faults=tuple(args.faults.split(",")), minutes=args.minutes,
                                log=lambda line: print(line, file=sys.stderr, flush=True))
         except (SoakError, StartError) as error:
             print(f"ERROR: {error}", file=sys.stderr)
