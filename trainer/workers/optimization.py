@@ -171,8 +171,8 @@ class MicroBatchMerging:
     a larger micro-batch needs little more memory (the 7B GRPO headline's update learned 3.6 GiB of working
     memory at 8 sequences and 3.8 GiB at 32, in one). So while the layers stream, a mini-batch runs as one
     micro-batch; the gradient is the same (accumulate_gradients weighs each micro-batch by its share). One that
-    runs out of memory is split by the recovery as any other, and from then on merged micro-batches hold at
-    most half as many sequences (or tokens) as the one that failed, never fewer than configured.
+    runs out of memory is split by the recovery as any other, and from then on micro-batches hold at most as many
+    sequences as fitted after the split (or half the failed token budget), fewer than configured too.
     """
 
     def __init__(self, enabled: bool = True):
@@ -188,20 +188,22 @@ class MicroBatchMerging:
     def sizes(self, mini_batch: RolloutBatch, micro_batch_size: int, max_token_len: int | None,
               streaming: bool) -> tuple[int, int | None]:
         """(micro-batch size, token budget) for `mini_batch`: the configured ones, or merged while `streaming`."""
-        if not (self.enabled and streaming):
-            return micro_batch_size, max_token_len
+        if not (self.enabled and streaming):  # a limit learned from an error holds here too
+            return (min(micro_batch_size, self.sequences or micro_batch_size),
+                    None if max_token_len is None else min(max_token_len, self.tokens or max_token_len))
         if max_token_len is None:
-            most = len(mini_batch) if self.sequences is None else self.sequences
-            merged: tuple[int, int | None] = (max(micro_batch_size, min(len(mini_batch), most)), None)
+            most = max(micro_batch_size, len(mini_batch))
+            merged: tuple[int, int | None] = (min(most, self.sequences or most), None)
             what = (f"micro-batches of {merged[0]} sequences instead of ppo_micro_batch_size_per_gpu "
                     f"{micro_batch_size}")
         else:
             tokens = int(mini_batch.attention_mask.sum())
-            most = tokens if self.tokens is None else self.tokens
-            merged = (micro_batch_size, max(max_token_len, min(tokens, most)))
+            most = max(max_token_len, tokens)
+            merged = (micro_batch_size, min(most, self.tokens or most))
             what = f"one token budget of the whole mini-batch instead of ppo_max_token_len_per_gpu {max_token_len}"
         # Said once (a mini-batch's tokens change every step); a new limit is said where it is set.
-        if merged != (micro_batch_size, max_token_len) and not self._announced:
+        larger = merged[0] > micro_batch_size or (merged[1] or 0) > (max_token_len or 0)
+        if larger and not self._announced:
             self._announced = True
             self.news.append(f"the update streams layers from the CPU, so a mini-batch of {len(mini_batch)} "
                              f"sequences runs in {what} (the same gradient; {FSDP_CONFIG.merge_micro_batches})")
@@ -212,21 +214,23 @@ class MicroBatchMerging:
         merging is on (within its limit after an error), the configured ones otherwise. What the phase planner
         weighs a layer kept on the device by (token budgets are counted as the sequences they hold)."""
         mini_batch = max(1, min(mini_batch_size, size))
-        per = micro_batch_size
-        if self.enabled:
-            per = max(micro_batch_size, min(mini_batch, mini_batch if self.sequences is None else self.sequences))
+        per = max(micro_batch_size, mini_batch) if self.enabled else micro_batch_size
+        per = min(per, self.sequences or per)  # a limit learned from an error
         return math.ceil(size / mini_batch) * math.ceil(mini_batch / max(1, per))
 
-    def ran_out_of_memory(self, size: int, budget: int | None, micro_batch_size: int,
+    def ran_out_of_memory(self, fitting: int, budget: int | None, micro_batch_size: int,
                           max_token_len: int | None) -> None:
-        """A mini-batch in micro-batches of `size` (or `budget` tokens) ran out of memory: merge at most half."""
+        """A mini-batch's micro-batches ran out of memory and were split until `fitting` sequences fit (or, by token
+        budget, of `budget` tokens): later mini-batches start there, below the configured size too (each error
+        redoes the mini-batch's micro-batches: one learned once, not every step)."""
         if budget is None or max_token_len is None:
-            self.sequences = max(micro_batch_size, size // 2)
-            limit = f"{self.sequences} sequences"
+            self.sequences = fitting if self.sequences is None else min(self.sequences, fitting)
+            limit, configured = f"{self.sequences} sequences", f"ppo_micro_batch_size_per_gpu {micro_batch_size}"
         else:
-            self.tokens = max(max_token_len, budget // 2)
-            limit = f"{self.tokens} tokens"
-        self.news.append(f"merged micro-batches ran out of device memory: they hold at most {limit} from now on")
+            self.tokens = max(1, budget // 2)
+            limit, configured = f"{self.tokens} tokens", f"ppo_max_token_len_per_gpu {max_token_len}"
+        self.news.append(f"micro-batches ran out of device memory: they hold at most {limit} from now on "
+                         f"({configured})")
 
 
 def run_updates(
@@ -286,12 +290,12 @@ def run_updates(
             size, budget = micro_batch_size, max_token_len
             if merging is not None and memory is not None:
                 size, budget = merging.sizes(mini_batch, size, budget, memory.update_streams_layers())
-            micro_metrics, recovered = accumulate_gradients(model, optimizer, mini_batch, loss_fn, size,
-                                                            memory=memory, max_token_len=budget,
-                                                            loss_agg_mode=loss_agg_mode, ranks=ranks,
-                                                            loss_mask=loss_mask)
-            if merging is not None and recovered and (size, budget) != (micro_batch_size, max_token_len):
-                merging.ran_out_of_memory(size, budget, micro_batch_size, max_token_len)
+            micro_metrics, recovered, fitting = accumulate_gradients(model, optimizer, mini_batch, loss_fn, size,
+                                                                     memory=memory, max_token_len=budget,
+                                                                     loss_agg_mode=loss_agg_mode, ranks=ranks,
+                                                                     loss_mask=loss_mask)
+            if merging is not None and fitting is not None:
+                merging.ran_out_of_memory(fitting, budget, micro_batch_size, max_token_len)
             recoveries += recovered
             for key, values in micro_metrics.items():
                 metrics[key].extend(values)
@@ -332,10 +336,10 @@ def accumulate_gradients(
     loss_agg_mode: str = "token-mean",
     ranks: Ranks | None = None,
     loss_mask: MaskOf | None = None,
-) -> tuple[dict[str, list[float]], int]:
+) -> tuple[dict[str, list[float]], int, int | None]:
     """The gradient of the mini-batch's loss, summed over micro-batches (of `micro_batch_size` sequences,
-    or by token budget with `max_token_len`); its metrics (`mini_batch_metrics`), and the out-of-memory errors
-    recovered from.
+    or by token budget with `max_token_len`); its metrics (`mini_batch_metrics`), the out-of-memory errors
+    recovered from, and the most sequences a micro-batch held after one was split (None: none was).
 
     Each micro-batch's loss weighs its share of what the mini-batch's loss is averaged over (its tokens
     for token-mean, its sequences for the seq-mean modes: `aggregation_weight`), so the gradient is the
@@ -392,7 +396,7 @@ def accumulate_gradients(
 
     with memory.accumulating() if memory is not None else contextlib.nullcontext():
         retried = retry_out_of_memory(backward, plan.pieces, memory, discard=discard, tokens=tokens)
-    return mini_batch_metrics([result for _, result in retried.done]), retried.recoveries
+    return mini_batch_metrics([result for _, result in retried.done]), retried.recoveries, retried.fitting
 
 
 def _aggregation_weights(mask: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,9 @@ class Retried(Generic[T]):
 
     done: list[tuple[Piece, T]]
     recoveries: int
+    fitting: int | None = None
+    """After a split, the most items a piece held from then on (every later piece was cut to it): what a caller
+    that runs more batches may start from. None: nothing was split."""
 
 
 def retry_out_of_memory(run: Callable[[Piece], T], pieces: Sequence[Piece], relief: OutOfMemoryRelief | None, *,
@@ -120,13 +123,15 @@ def retry_out_of_memory(run: Callable[[Piece], T], pieces: Sequence[Piece], reli
     forgets the failed pass; `discard`, when given, drops what the pieces done so far left behind
     (accumulated gradients), and they are all run again; then, if `relief.relieve_memory()` freed
     memory, the same pieces run again, otherwise the failed piece is split in two (each half keeps
-    its origin). Each of these counts as one recovery. A piece of one item that fails with nothing
+    its origin) and every later piece is cut to the larger half's size (a piece as large would fail too: each
+    failure of an accumulating run redoes all its pieces). Each of these counts as one recovery. A piece of one item that fails with nothing
     freed ends it: a SequenceOutOfMemory with the CUDA error's message and, given `tokens`, the piece's
     (prompt, response) tokens. Without `relief` the error propagates at once.
     """
     pieces = list(pieces)
     done: list[tuple[Piece, T]] = []
     recoveries = 0
+    fitting: int | None = None
     while len(done) < len(pieces):
         piece = pieces[len(done)]
         try:
@@ -150,9 +155,16 @@ def retry_out_of_memory(run: Callable[[Piece], T], pieces: Sequence[Piece], reli
         if piece.count == 1:
             raise SequenceOutOfMemory(failure, tokens(piece) if tokens is not None else None) from None
         half = piece.count // 2
-        pieces[failed:failed + 1] = [Piece(piece.first, half), Piece(piece.first + half, piece.count - half)]
+        fitting = piece.count - half if fitting is None else min(fitting, piece.count - half)
+        later = [part for other in pieces[failed + 1:] for part in _cut(other, fitting)]
+        pieces[failed:] = [Piece(piece.first, half), Piece(piece.first + half, piece.count - half), *later]
         recoveries += 1
-    return Retried(done, recoveries)
+    return Retried(done, recoveries, fitting)
+
+
+def _cut(piece: Piece, size: int) -> list[Piece]:
+    """`piece` as consecutive pieces of at most `size` items."""
+    return [Piece(piece.first + start, min(size, piece.count - start)) for start in range(0, piece.count, size)]
 
 
 def run_in_pieces(run: Callable[[int, int], T], total: int, size: int, *, memory: WorkerMemory | None) -> list[T]:

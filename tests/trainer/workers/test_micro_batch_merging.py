@@ -1,6 +1,7 @@
 """fsdp_config.merge_micro_batches (issue 14): while a model's update streams layers from the CPU, a mini-batch runs
 as one micro-batch, with the gradient of the configured micro-batches; a merged one that runs out of memory is split
-and later ones hold at most half as many; a model whose layers stay on the device keeps its micro-batches."""
+and later ones hold at most what fitted (a configured one too); a model whose layers stay on the device keeps its
+micro-batches."""
 
 from __future__ import annotations
 
@@ -107,6 +108,22 @@ def test_a_merged_micro_batch_that_runs_out_of_memory_is_split_and_later_ones_ho
     assert "they hold at most 2 sequences from now on" in merging.news[-1]
 
 
+def test_a_configured_micro_batch_that_runs_out_of_memory_is_learned_once_not_every_mini_batch():
+    """long3b on an H100 (2026-12-08): micro-batches of the configured size ran out of memory in every step, each
+    error redoing the mini-batch's micro-batches with layers streamed (8 recoveries a step). The size that fitted
+    after the split now holds for the later micro-batches and mini-batches, below the configured one."""
+    (expected,), expected_weights, _ = update(LAYERS_RESIDENT, None)
+    merging = MicroBatchMerging()
+    # The first micro-batch (2 sequences, as configured) fails; split, its twin in the mini-batch is cut too, and
+    # the second mini-batch starts at one sequence: one recovery in all.
+    (metrics,), weights, sizes = update(LAYERS_RESIDENT, merging, fail_on=1)
+    assert sizes == [2, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert metrics["oom_recoveries"] == [1.0]
+    assert merging.sequences == 1
+    assert "at most 1 sequences from now on (ppo_micro_batch_size_per_gpu 2)" in merging.news[-1]
+    assert_same_step(metrics, weights, expected, expected_weights)
+
+
 def test_the_planner_counts_the_merged_micro_batches_of_an_update():
     """_passes("training") weighs a layer kept on the device by them: an update of 64 sequences in mini-batches of
     32 streams its layers in 2 micro-batches, not the 8 that ppo_micro_batch_size_per_gpu 8 would make."""
@@ -114,9 +131,9 @@ def test_the_planner_counts_the_merged_micro_batches_of_an_update():
     merging = MicroBatchMerging()
     assert merging.micro_batches(64, 32, 8) == 2
     assert merging.micro_batches(20, 32, 8) == 1  # a batch smaller than a mini-batch is one
-    merging.ran_out_of_memory(32, None, 8, None)  # after an error, merged micro-batches hold 16
+    merging.ran_out_of_memory(16, None, 8, None)  # after an error, 16 sequences fitted
     assert merging.micro_batches(64, 32, 8) == 4
-    assert merging.micro_batches(64, 32, 48) == 2  # never below the configured size
+    assert merging.micro_batches(64, 32, 48) == 4  # below the configured size too: 16 fitted
 
 
 def test_the_setting_defaults_on():

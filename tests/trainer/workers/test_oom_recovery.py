@@ -182,20 +182,22 @@ def failing_once_on(first: int, count: int, events: list):
 def test_the_retry_helper_keeps_the_pieces_done_unless_a_discard_voids_them():
     events = []
     kept = retry_out_of_memory(failing_once_on(2, 2, events), split_into_pieces(6, 2), Relief(events))
-    assert events == [(0, 2), (2, 2), "release", "relieve", (2, 1), (3, 1), (4, 2)]
+    # The later piece as large as the failed one is cut to the half that fitted (it would fail too).
+    assert events == [(0, 2), (2, 2), "release", "relieve", (2, 1), (3, 1), (4, 1), (5, 1)]
     assert [(piece.first, piece.count, result) for piece, result in kept.done] == [
-        (0, 2, 0), (2, 1, 2), (3, 1, 3), (4, 2, 4)]
-    assert kept.recoveries == 1
+        (0, 2, 0), (2, 1, 2), (3, 1, 3), (4, 1, 4), (5, 1, 5)]
+    assert kept.recoveries == 1 and kept.fitting == 1
     # Accumulating pieces (gradients): the discard comes after the release, and every piece is redone.
     events = []
     redone = retry_out_of_memory(failing_once_on(2, 2, events), split_into_pieces(6, 2), Relief(events),
                                  discard=lambda: events.append("discard"))
-    assert events == [(0, 2), (2, 2), "release", "discard", "relieve", (0, 2), (2, 1), (3, 1), (4, 2)]
-    assert [piece.first for piece, _ in redone.done] == [0, 2, 3, 4] and redone.recoveries == 1
+    assert events == [(0, 2), (2, 2), "release", "discard", "relieve", (0, 2), (2, 1), (3, 1), (4, 1), (5, 1)]
+    assert [piece.first for piece, _ in redone.done] == [0, 2, 3, 4, 5] and redone.recoveries == 1
     # Memory relieved: the same pieces again, unsplit.
     events = []
     relieved = retry_out_of_memory(failing_once_on(2, 2, events), split_into_pieces(6, 2), Relief(events, True))
     assert events == [(0, 2), (2, 2), "release", "relieve", (2, 2), (4, 2)] and relieved.recoveries == 1
+    assert relieved.fitting is None
 
 
 def test_one_item_that_fails_with_nothing_freed_ends_it_with_torchs_message_and_its_tokens():
