@@ -220,7 +220,8 @@ def run_chaos(work: Path, *, steps: int, save_freq: int, hang_timeout_s: float, 
         raise SoakError(f"the faulted run exited {process.returncode}, the reference {reference.returncode}; see "
                         f"{chaos_dir / 'verl.out'} and {reference_dir / 'verl.out'}")
     comparison = compare(chaos_dir / "runs" / "chaos", reference_dir / "runs" / "chaos", end_step)
-    return {"steps": end_step, "seed": seed, "minutes": minutes, "chaos_run_s": chaos_s, "total_s": time.monotonic() - started,
+    return {"steps": end_step, "seed": seed, "minutes": minutes, "chaos_run_s": chaos_s,
+            "total_s": time.monotonic() - started,
             "injected": dict(Counter(event["fault"] for event in events)),
             "recovered": dict(Counter(event["fault"] for event in events if event.get("recovered"))),
             "full_disk": "through VERL_FAULT_FULL_DISK (ENOSPC at a save's write or rename), no tmpfs",
