@@ -125,8 +125,8 @@ def retry_out_of_memory(run: Callable[[Piece], T], pieces: Sequence[Piece], reli
     memory, the same pieces run again, otherwise the failed piece is split in two (each half keeps
     its origin) and every later piece is cut to the larger half's size (a piece as large would fail too: each
     failure of an accumulating run redoes all its pieces). Each of these counts as one recovery. A piece of one
-    item that fails with nothing freed ends it: a SequenceOutOfMemory with the CUDA error's message and, given `tokens`, the piece's
-    (prompt, response) tokens. Without `relief` the error propagates at once.
+    item that fails with nothing freed ends it: a SequenceOutOfMemory with the CUDA error's message and, given
+    `tokens`, the piece's (prompt, response) tokens. Without `relief` the error propagates at once.
     """
     pieces = list(pieces)
     done: list[tuple[Piece, T]] = []
