@@ -8,7 +8,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.chaos import compare, damage_latest
+from benchmarks.chaos import compare, damage_latest, prune_below
 from trainer.checkpoint_manifest import verify_checkpoint, write_manifest
 
 
@@ -40,3 +40,20 @@ def test_the_comparison_ignores_the_machine_and_sees_a_drift(tmp_path):
                                        "metrics_differing_steps": [], "weights_equal": True}
     result = compare(same, drifted, 2)
     assert result["metrics_differing_steps"] == [2] and result["weights_equal"] is False
+
+
+def test_a_time_bound_compares_up_to_the_step_both_runs_saved(tmp_path):
+    """--minutes: both runs are ended after a common checkpoint, each with rows past it (the faulted one
+    resumed from older checkpoints, so its later rows differ): the comparison stops at that step."""
+    rows = [{"step": 1, "actor/pg_loss": 0.5}, {"step": 2, "actor/pg_loss": 0.25}]
+    ours = fake_run(tmp_path / "a", [*rows, {"step": 3, "actor/pg_loss": 0.1}], 1.0).parents[1]
+    theirs = fake_run(tmp_path / "b", [*rows, {"step": 3, "actor/pg_loss": 0.2}, {"step": 4}], 1.0).parents[1]
+    assert compare(ours, theirs, 2)["metrics_equal"] is True
+    assert compare(ours, theirs, 3)["metrics_differing_steps"] == [3]
+
+
+def test_the_reference_keeps_only_the_checkpoints_a_comparison_can_still_need(tmp_path):
+    for step in (10, 20, 30):
+        (tmp_path / f"global_step_{step}").mkdir()
+    prune_below(tmp_path, 20)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["global_step_20", "global_step_30"]
