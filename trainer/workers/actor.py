@@ -35,7 +35,7 @@ from trainer.workers.optimization import (
     rank_mini_batch_size,
     response_logits,
     restore_schedule,
-    run_updates,
+    update_worker,
 )
 from trainer.workers.packing import check_packable, plan_micro_batches
 from trainer.workers.recovery import WorkerMemory, run_pieces
@@ -172,23 +172,7 @@ class Actor:
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""
-        metrics = run_updates(
-            self.model, self.optimizer, batch, self._loss,
-            mini_batch_size=local_mini_batches(len(batch), self.config.ppo_mini_batch_size, self.rollout_n, self.ranks),
-            micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
-            epochs=self.config.ppo_epochs,
-            grad_clip=self.config.grad_clip,
-            shuffle_generator=self.shuffle_generator,
-            memory=self.memory,
-            max_token_len=self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
-            loss_agg_mode=self.config.loss_agg_mode,
-            ranks=self.ranks,
-            merging=self.merging,
-            loss_mask=lambda batch: batch.training_mask,
-        )
-        recovered = metrics.pop("oom_recoveries")
-        if self.memory is not None:
-            self.memory.count_recoveries(int(sum(recovered)))
+        metrics = update_worker(self, batch, self._loss, self.shuffle_generator)
         # verl's names: the actor's own under actor/; rollout correction's keep their rollout_corr/.
         metrics = {key if "/" in key else f"actor/{key}": values for key, values in metrics.items()}
         metrics["actor/lr"] = [self.scheduler.get_last_lr()[0]]

@@ -13,12 +13,11 @@ from trainer.workers.optimization import (
     MicroBatchMerging,
     build_optimizer,
     build_scheduler,
-    local_mini_batches,
     publish_pending,
     rank_mini_batch_size,
     response_logits,
     restore_schedule,
-    run_updates,
+    update_worker,
 )
 from trainer.workers.packing import check_packable, plan_micro_batches
 from trainer.workers.recovery import WorkerMemory, run_pieces
@@ -86,23 +85,7 @@ class Critic:
         return self.merging.micro_batches(size, self.mini_batch_size, self.config.ppo_micro_batch_size_per_gpu)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
-        metrics = run_updates(
-            self.model, self.optimizer, batch, self._loss,
-            mini_batch_size=local_mini_batches(len(batch), self.config.ppo_mini_batch_size, self.rollout_n, self.ranks),
-            micro_batch_size=self.config.ppo_micro_batch_size_per_gpu,
-            epochs=self.config.ppo_epochs,
-            grad_clip=self.config.grad_clip,
-            shuffle_generator=None,
-            memory=self.memory,
-            max_token_len=self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None,
-            loss_agg_mode=self.config.loss_agg_mode,
-            ranks=self.ranks,
-            merging=self.merging,
-            loss_mask=lambda batch: batch.training_mask,
-        )
-        recovered = metrics.pop("oom_recoveries")
-        if self.memory is not None:
-            self.memory.count_recoveries(int(sum(recovered)))
+        metrics = update_worker(self, batch, self._loss, None)
         metrics = {f"critic/{key}": values for key, values in metrics.items()}
         metrics["critic/lr"] = [self.scheduler.get_last_lr()[0]]
         self.scheduler.step()

@@ -8,13 +8,14 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from trainer.algorithms import LOSS_AGG_MODES, aggregation_weight
-from trainer.config import FSDP_CONFIG, FSDPConfig, OptimConfig
+from trainer.config import FSDP_CONFIG, ActorConfig, CriticConfig, FSDPConfig, OptimConfig
 from trainer.data.sampler import rank_mini_batches
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
@@ -321,6 +322,44 @@ def run_updates(
         for key in micro_keys:
             metrics[key] = [value * scale for value in metrics[key]]
     metrics["oom_recoveries"] = [float(recoveries)]
+    return metrics
+
+
+class UpdatedWorker(Protocol):
+    """What `update_worker` reads of an actor or critic: its model and optimizer, its config's update keys (verl's
+    ppo_* keys, which the two share) and where it runs."""
+
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    config: ActorConfig | CriticConfig
+    rollout_n: int
+    ranks: Ranks | None
+    memory: WorkerMemory | None
+    merging: MicroBatchMerging
+
+
+def update_worker(worker: UpdatedWorker, batch: RolloutBatch, loss_fn: LossFn,
+                  shuffle_generator: torch.Generator | None) -> dict[str, list[float]]:
+    """`run_updates` by the worker's ppo_* keys (the actor's and the critic's are the same keys), its out-of-memory
+    recoveries counted on its memory: the micro-batch metrics, unnamed."""
+    config = worker.config
+    metrics = run_updates(
+        worker.model, worker.optimizer, batch, loss_fn,
+        mini_batch_size=local_mini_batches(len(batch), config.ppo_mini_batch_size, worker.rollout_n, worker.ranks),
+        micro_batch_size=config.ppo_micro_batch_size_per_gpu,
+        epochs=config.ppo_epochs,
+        grad_clip=config.grad_clip,
+        shuffle_generator=shuffle_generator,
+        memory=worker.memory,
+        max_token_len=config.ppo_max_token_len_per_gpu if config.use_dynamic_bsz else None,
+        loss_agg_mode=config.loss_agg_mode,
+        ranks=worker.ranks,
+        merging=worker.merging,
+        loss_mask=lambda batch: batch.training_mask,
+    )
+    recovered = metrics.pop("oom_recoveries")
+    if worker.memory is not None:
+        worker.memory.count_recoveries(int(sum(recovered)))
     return metrics
 
 

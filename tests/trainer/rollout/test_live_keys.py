@@ -1,6 +1,6 @@
 """A static decode step's attention reads only the cache's written columns (live_keys.py, issue 40): the same
 tokens as reading the whole cache, and the same log-probabilities to the last bits of fp32 (a softmax over fewer
-masked columns sums in another order: at most 2 ulps of these values apart), at the lengths counted by hand."""
+masked columns sums in another order: a few ulps of these values apart), at the lengths counted by hand."""
 
 import pytest
 import torch
@@ -40,7 +40,9 @@ def test_reading_the_live_keys_gives_the_same_tokens_and_log_probs_as_the_whole_
     live, live_log_probs, decoder, _ = decode(policy, tokenizer, live_keys=True, step=step, eos_ids=eos_ids,
                                               sampling=sampling)
     assert torch.equal(live, whole)
-    assert torch.allclose(live_log_probs, whole_log_probs, rtol=0, atol=5e-7)  # |log p| < 4: an ulp is 2.4e-7
+    # |log p| < 4, where an ulp is 2.4e-7: 3 ulps apart on this machine's CPU kernels (7.2e-7 at -2.56; 2 on another),
+    # where reading a wrong column would move a log-prob by far more.
+    assert torch.allclose(live_log_probs, whole_log_probs, rtol=0, atol=1e-6)
     assert (live_log_probs != 0).sum() == (whole_log_probs != 0).sum() > 0
     assert decoder.bucket_history == whole_decoder.bucket_history
     if step is not None:
