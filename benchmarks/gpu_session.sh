@@ -233,6 +233,16 @@
 # both commits' all_gpu and offload in one call. Next, in order: `tests` alone (300 s, output to a file), `live-keys`,
 # `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=250 e2e-long3b`, `issue40` on an H200, `e2e-lora14b`, then
 # the real model (benchmarks/README.md: the GGUF carried in two calls) with real_model.py --device cuda.
+# 2026-12-08 00:26-00:48 (fifth session), one H100, five calls (1,270 s of the budget with the start): every call now
+# begins `source benchmarks/device_env.sh` (carry [".whl"]; fastapi 0.165 needs opentelemetry-api, now a wheel).
+# `tests` 62 passed in 198 s (235 s with the install); `live-keys` with SKIP_TESTS=1 (its tests are in `tests`):
+# the batch-256 static step 12.7 ms reading 224 of 256 columns, but `uneven` ran out of memory at its full-batch
+# step's prefill (76.8 GiB allocated, twice: uneven_decode.py now collects each decoder before the next and records
+# what was held); `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=270 e2e-long3b` 317 s: 1.53x, update_actor
+# 4.46x with 8 out-of-memory recoveries a step (the logits of 4112-token sequences; the recovery now learns the
+# size that fits); `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=260 e2e-lora14b` 269 s: trains, 2.82x (gen
+# 4.33x: 4 of 48 layers streamed every token). Next: `uneven` again (130 s), long3b with the recovery's fix (and
+# actor_rollout_ref.model.use_fused_kernels if merged), gsm8k7b on an H200 (issue40), then lora14b's rollout.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
