@@ -67,13 +67,16 @@ def test_ppo_with_a_reference_on_two_sequence_parallel_ranks_trains_a_vision_lan
     """The actor's log-probs and update, the reference's log-probs and the critic's values and update run on
     sequence shards of the prompts with their images; the actor's and the critic's parameters are one rank's on the
     same global batch, and so are the metrics. verl's Ulysses configs set use_remove_padding too: a vision-language
-    model's forwards are padded whatever it says, on one rank as on two."""
+    model's forwards are padded whatever it says, on one rank as on two. The split run keeps the policy's embedding
+    and head shards on the CPU (sequence_parallel_offload) and recomputes its layers in backward (gradient
+    checkpointing: the recomputed layers' inputs carry the group too)."""
     run = vision_run(write_images_data(tmp_path / "train.parquet"))
     one = launch(1, tmp_path, "one", *run)
     assert one.returncode == 0, one.stderr[-4000:]
     two = launch(2, tmp_path, "sp", *run, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                  "critic.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
-                 "critic.model.use_remove_padding=true")
+                 "critic.model.use_remove_padding=true", "actor_rollout_ref.actor.sequence_parallel_offload=true",
+                 "actor_rollout_ref.model.enable_gradient_checkpointing=true")
     assert two.returncode == 0, two.stderr[-4000:]
     for role in ("actor", "ref", "critic"):
         assert ran_on_sequence_shards(two, role), role
