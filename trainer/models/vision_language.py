@@ -7,10 +7,9 @@ in two steps: `ImageProcessor.prompt_inputs` writes each `<image>` as `<|vision_
 merged patch + `<|vision_end|>` (what Qwen's chat template and processor write for an image) and returns the row's
 pixel values; `forward_inputs` joins a batch's rows for one forward. The multimodal RoPE position ids ([3, B, T]:
 time, height, width) are the model's own (get_rope_index), computed from the tokens, the image grids and
-`mm_token_type_ids` (1 on image tokens): the rollout's generate computes them so. The training forwards compute them
-once beforehand (`multimodal_position_ids`) and pass them in, so that a forward split along the sequence (Ulysses,
-trainer/workers/sequence_split.py) gives its decoder the whole sequence's positions to cut, as the padded forward
-of one rank reads them.
+`mm_token_type_ids` (1 on image tokens), so the caller passes no position_ids; a forward split along the sequence
+(Ulysses, trainer/workers/sequence_split.py) computes them once beforehand with the same function
+(`multimodal_position_ids`), so that its decoder gets the whole sequence's positions to cut.
 """
 
 from __future__ import annotations
@@ -239,7 +238,8 @@ def multimodal_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, att
     """[3, B, T] the multimodal RoPE positions (time, height, width) of a padded batch with `images`
     (`image_inputs`): the model's own get_rope_index, from the tokens, the image grids and the mask, when a row has an
     image; otherwise each row's text positions, counted from its first real token, on all three axes (as the rollout's
-    generate gave them)."""
+    generate gave them; the model's own forward counts them from the padding's first, which rotary attention,
+    relative, does not tell apart)."""
     if not images:
         text = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         return text.unsqueeze(0).expand(3, -1, -1)

@@ -18,7 +18,7 @@ from trainer.config import FSDP_CONFIG, FSDPConfig, OptimConfig
 from trainer.data.sampler import rank_mini_batches
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
-from trainer.models.vision_language import image_inputs, multimodal_position_ids
+from trainer.models.vision_language import forward_inputs
 from trainer.offload import OffloadEngine
 from trainer.offload.groups import find_parts, parameter_groups
 from trainer.rollout.batch import RolloutBatch
@@ -57,15 +57,12 @@ def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_paddi
 def vision_response_logits(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
     """[B, R, V] a vision-language model's logits that predict each response token, from a padded forward with the
     rows' images (a padding-free one would need the multimodal RoPE positions per packed sequence: verl computes
-    them itself; here the model's get_rope_index places them in the padded rows). The positions are computed
-    beforehand by the function the forward split by Ulysses computes them with (sequence_split.py)."""
+    them itself; here the model does, from the padded rows); the position ids are the model's own."""
     assert batch.multi_modal_inputs is not None
     response_length = batch.response_ids.shape[1]
-    input_ids, attention_mask = batch.input_ids, batch.attention_mask
-    images = image_inputs(batch.multi_modal_inputs, input_ids.device)
-    output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   position_ids=multimodal_position_ids(model, input_ids, attention_mask, images),
-                   logits_to_keep=response_length + 1, **images)
+    input_ids = batch.input_ids
+    output = model(input_ids=input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                   logits_to_keep=response_length + 1, **forward_inputs(model, input_ids, batch.multi_modal_inputs))
     return output.logits[:, :response_length]
 
 
