@@ -1,6 +1,7 @@
-"""Ulysses sequence parallelism on a vision-language model (the built-in tiny Qwen2-VL): 2 CPU ranks over gloo against
-one process without Ulysses, the actor's log-probs and entropies, the critic's values, and the gradients of a loss
-over them (the vision tower's included); and the one line that refuses a vision-language model it cannot split.
+"""Ulysses sequence parallelism on a vision-language model (the built-in tiny Qwen2-VL, and a tiny Qwen2.5-VL): 2 CPU
+ranks over gloo against one process without Ulysses, the actor's log-probs and entropies, the critic's values, and
+the gradients of a loss over them (the vision tower's included); and the one line that refuses a vision-language
+model it cannot split.
 
 The two-rank checks run once, in one torch.distributed.run launch of ulysses_vision_ranks.py.
 """
@@ -25,7 +26,7 @@ def reports(tmp_path_factory) -> list[dict[str, float]]:
     return rank_script_reports("ulysses_vision_ranks.py", tmp_path_factory.mktemp("ulysses_vision"))
 
 
-@pytest.mark.parametrize("case", ["images", "images/checkpointing", "text_only"])
+@pytest.mark.parametrize("case", ["images", "images/checkpointing", "text_only", "qwen2_5_vl/images"])
 def test_the_actor_s_log_probs_and_gradients_split_over_two_ranks_are_one_process_s(reports, case):
     """Prompts with images of two sizes and one without, left-padded: each rank's decoder ran on half of the
     (padded) positions, and the responses' log-probs, entropies and the gradients of a loss over them are one

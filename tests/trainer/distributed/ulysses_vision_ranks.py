@@ -1,8 +1,9 @@
 """One rank of the Ulysses checks on a vision-language model, run by torch.distributed.run (2 CPU ranks over gloo)
 from test_ulysses_vision.py.
 
-Each rank builds the built-in tiny Qwen2-VL (the actor's model, and the critic's: the same with a value head) and a
-rollout batch of prompts with images of two sizes and one without, left-padded, with responses of several lengths.
+Each rank builds the built-in tiny Qwen2-VL (the actor's model, and the critic's: the same with a value head), a tiny
+Qwen2.5-VL actor, and a rollout batch of prompts with images of two sizes and one without, left-padded, with
+responses of several lengths.
 The workers' forwards split by Ulysses (SequenceSplit: the images merged into the whole sequence's embeddings and
 the multimodal positions computed before the decoder, whose inputs are cut to the rank's positions) are compared with
 the same forwards of one process without Ulysses (response_logits). Each rank writes {check name: largest relative
@@ -23,11 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from trainer.algorithms import log_probs_and_entropy_from_logits
 from trainer.distributed.ulysses import SequenceParallel, sequence_parallel_mesh
 from trainer.models.loading import load_critic, load_policy, load_tokenizer
-from trainer.models.vision_language import TINY_VL, ImageProcessor
+from trainer.models.vision_language import TINY_VL, ImageProcessor, tiny_qwen2_vl_config
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import response_logits
 from trainer.workers.sequence_split import SequenceSplit
@@ -96,13 +98,32 @@ def gradient_differences(sharded: torch.nn.Module, whole: torch.nn.Module, name:
             f"{name}/vision_grad_size": max(float(theirs.abs().max()) for _, theirs in vision)}
 
 
-def actor_checks(sp: SequenceParallel, *, with_images: bool, checkpointing: bool) -> dict[str, float]:
+def tiny_qwen2_5_vl() -> torch.nn.Module:
+    """A Qwen2.5-VL of the built-in Qwen2-VL's language model, with a two-block vision tower whose first block
+    attends within windows (Qwen2.5-VL's own)."""
+    tokenizer = load_tokenizer(MODEL)
+    qwen2_vl = tiny_qwen2_vl_config(tokenizer)
+    text = qwen2_vl.text_config.to_dict()
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=text["hidden_size"], num_heads=2, intermediate_size=64,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  fullatt_block_indexes=[1], in_channels=3)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=qwen2_vl.image_token_id,
+                              video_token_id=qwen2_vl.video_token_id, tie_word_embeddings=False,
+                              vision_start_token_id=qwen2_vl.vision_start_token_id,
+                              vision_end_token_id=qwen2_vl.vision_end_token_id)
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(config).float()
+
+
+def actor_checks(sp: SequenceParallel, *, with_images: bool, checkpointing: bool,
+                 kind: str = "qwen2_vl") -> dict[str, float]:
     """The actor's log-probs and entropies of the responses, and the gradients of a loss over them, split over the
     group against one process's padded forward."""
     batch = vision_batch(with_images)
     wanted = batch.response_mask.bool()
     tokenizer = load_tokenizer(MODEL)
-    whole = load_policy(MODEL, tokenizer, dtype=torch.float32, seed=0)
+    whole = (load_policy(MODEL, tokenizer, dtype=torch.float32, seed=0) if kind == "qwen2_vl"
+             else tiny_qwen2_5_vl())
     sharded = copy.deepcopy(whole)
     split = SequenceSplit(sp, pad_token_id=tokenizer.pad_token_id)
     split.prepare(sharded)
@@ -123,7 +144,8 @@ def actor_checks(sp: SequenceParallel, *, with_images: bool, checkpointing: bool
     ((log_probs + 0.1 * entropy) * weights * wanted).sum().backward()
     averaged_over_group(sharded, sp)
 
-    name = "actor/" + ("images" if with_images else "text_only") + ("/checkpointing" if checkpointing else "")
+    name = (("actor/" if kind == "qwen2_vl" else f"actor/{kind}/") + ("images" if with_images else "text_only")
+            + ("/checkpointing" if checkpointing else ""))
     results = {f"{name}/log_probs": difference(log_probs[wanted], whole_log_probs[wanted]),
                f"{name}/entropy": difference(entropy[wanted], whole_entropy[wanted]),
                f"{name}/sequence_length": batch.input_ids.shape[1], f"{name}/decoder_length": layer_lengths[0]}
@@ -179,6 +201,7 @@ def main(out: Path) -> None:
     results |= actor_checks(sp, with_images=True, checkpointing=False)
     results |= actor_checks(sp, with_images=True, checkpointing=True)
     results |= actor_checks(sp, with_images=False, checkpointing=False)
+    results |= actor_checks(sp, with_images=True, checkpointing=False, kind="qwen2_5_vl")
     results |= critic_checks(sp)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
