@@ -160,18 +160,15 @@ class ModelBuilder:
     def _actor(self) -> tuple[Actor, Any, SequenceSplit | None]:
         config, model_config = self.config, self.config.actor_rollout_ref.model
         actor_config, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-        # Ulysses (trainer/workers/sequence_split.py): the policy's forwards run on this rank's sequence shards.
-        split = self._sequence_split(actor_config.ulysses_sequence_parallel_size,
-                                     remove_padding=model_config.use_remove_padding)
         # With LoRA the adapter is in the model before the engine lays it out; peft's wrapper disables it for the
         # reference policy and saves it in the checkpoints.
         policy = self._policy(actor_config.fsdp_config, model_config.enable_gradient_checkpointing)
         if actor_config.freeze_vision_tower:
             freeze_vision_tower(policy, self.log)
-        if split is not None and is_vision_language(policy):
-            raise RunSetupError(f"{KEYS.actor_rollout_ref.actor.ulysses_sequence_parallel_size}: "
-                                f"{actor_config.ulysses_sequence_parallel_size} with a vision-language model, whose "
-                                "sequences are not split here (their images and multimodal positions would be); set 1")
+        # Ulysses (trainer/workers/sequence_split.py): the policy's forwards run on this rank's sequence shards.
+        split = self._sequence_split(policy, actor_config.ulysses_sequence_parallel_size,
+                                     KEYS.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
+                                     remove_padding=model_config.use_remove_padding)
         model, adapter = with_adapter(policy, LoraSettings.of(model_config, KEYS.actor_rollout_ref.model), role="actor",
                                       seed=config.trainer.seed)
         model = self._place(model, self._policy_placement(actor_config.fsdp_config), Role.ACTOR, split)
@@ -219,12 +216,9 @@ class ModelBuilder:
                                       seed=seed + 1)
         if adapter is not None:
             self.log(describe_adapter(adapter, "critic"))
-        split = self._sequence_split(critic.ulysses_sequence_parallel_size,
+        split = self._sequence_split(model, critic.ulysses_sequence_parallel_size,
+                                     KEYS.critic.ulysses_sequence_parallel_size,
                                      remove_padding=critic.model.use_remove_padding)
-        if split is not None and is_vision_language(model):
-            raise RunSetupError(f"{KEYS.critic.ulysses_sequence_parallel_size}: {critic.ulysses_sequence_parallel_size}"
-                                " with a vision-language critic, whose sequences are not split here (their images and "
-                                "multimodal positions would be); set 1")
         rollout = config.actor_rollout_ref.rollout
         worker = Critic(self._place(model, critic.fsdp_config, Role.CRITIC, split), critic, rollout_n=rollout.n,
                         forward_micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
@@ -250,13 +244,17 @@ class ModelBuilder:
                            max_length=config.data.max_prompt_length + config.data.max_response_length,
                            memory=self._memory(Role.REWARD), remove_padding=network.use_remove_padding)
 
-    def _sequence_split(self, degree: int, *, remove_padding: bool) -> SequenceSplit | None:
-        """The sequence split of a model of Ulysses `degree` (1 or the run's, as the config checked): None for
-        degree 1, whose forwards run whole sequences (its sp group's ranks repeat them). With `remove_padding`
-        it splits each micro-batch's padding-free row."""
+    def _sequence_split(self, model: torch.nn.Module, degree: int, setting: str, *,
+                        remove_padding: bool) -> SequenceSplit | None:
+        """The sequence split of `model`, of Ulysses `degree` (1 or the run's, as the config checked; set at
+        `setting`): None for degree 1, whose forwards run whole sequences (its sp group's ranks repeat them). With
+        `remove_padding` it splits each micro-batch's padding-free row; a vision-language model's forwards are
+        padded whatever it says (its images are placed per padded row), split at its decoder."""
         if degree == 1:
             return None
-        return SequenceSplit.of(self.ranks, self.tokenizer.pad_token_id, remove_padding=remove_padding)
+        SequenceSplit.check_splittable(model, setting, degree)
+        return SequenceSplit.of(self.ranks, self.tokenizer.pad_token_id,
+                                remove_padding=remove_padding and not is_vision_language(model))
 
     def _policy_placement(self, fsdp_config: FSDPConfig) -> FSDPConfig:
         """actor.sequence_parallel_offload: the policy's embedding and head on the CPU (FSDP2's CPUOffloadPolicy

@@ -144,7 +144,8 @@ class SequenceParallel:
         return cls(mesh.get_group(dimension) if mesh.size(names.index(dimension)) > 1 else None)
 
     def shard(self, model: PreTrainedModel, *, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor, pad_token_id: int = 0) -> SequenceShard:
+              position_ids: torch.Tensor, pad_token_id: int = 0,
+              decoder: torch.nn.Module | None = None) -> SequenceShard:
         """This rank's part of a [B, T] micro-batch (padded on the right to a multiple of the degree).
 
         `attention_mask` is 1 at real tokens (the trainer's left-padded prompts and right-padded responses);
@@ -153,6 +154,12 @@ class SequenceParallel:
         transformers finds its sequences from the position ids and keeps them apart (a block-diagonal causal
         mask). Its padding up to a multiple of the degree has position id 0 everywhere, so each padding token is a
         sequence of its own, seen by no real token.
+
+        With `decoder`, the model's decoder module, the micro-batch is split at the decoder's entry instead of
+        before the model: for a model whose forward computes what its decoder reads (a vision-language model merges
+        its images' embeddings into the tokens'), the whole padded sequence goes into the model, and the decoder's
+        `inputs_embeds` and `position_ids` (here [3, B, T] multimodal ones too, split along their last dimension)
+        are cut to this rank's positions there (`SequenceShard.forward`).
         """
         length = input_ids.shape[1]
         labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=pad_token_id)
@@ -162,10 +169,16 @@ class SequenceParallel:
         padded = [torch.nn.functional.pad(tensor, (0, padding), value=value) for tensor, value in
                   ((input_ids, pad_token_id), (position_ids, 0), (labels, pad_token_id))]
         padded_mask = None if attention_mask is None else torch.nn.functional.pad(attention_mask, (0, padding))
-        full_mask = _full_sequence_mask(model, padded_mask, padded[1])
-        attention = UlyssesAttention(self, full_mask, padded[1])
-        local = [tensor.chunk(self.size, dim=1)[self.rank] for tensor in padded]
-        return SequenceShard(self, local[0], local[1], local[2], length, attention=attention)
+        # Multimodal positions carry no sequence boundaries; the mask is the padding's then.
+        text_positions = padded[1] if padded[1].dim() == 2 else None
+        full_mask = _full_sequence_mask(model, padded_mask, padded[0], text_positions)
+        attention = UlyssesAttention(self, full_mask, text_positions)
+        local_labels = padded[2].chunk(self.size, dim=1)[self.rank]
+        if decoder is not None:
+            return SequenceShard(self, padded[0], padded[1], local_labels, length, attention=attention,
+                                 attention_mask=padded_mask, decoder=decoder)
+        local = [tensor.chunk(self.size, dim=1)[self.rank] for tensor in padded[:2]]
+        return SequenceShard(self, local[0], local[1], local_labels, length, attention=attention)
 
     def gather(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The group's shards of `local` joined along `dim` in rank order (autograd: a reduce-scatter back)."""
@@ -198,17 +211,18 @@ class SequenceParallel:
         return received.permute(1, 2, 0, 3, 4).reshape(batch, length // self.size, self.size * heads, width)
 
 
-def _full_sequence_mask(model: PreTrainedModel, attention_mask: torch.Tensor | None,
-                        position_ids: torch.Tensor) -> torch.Tensor | None:
-    """The mask transformers would build for the whole [B, T] sequence for the wrapped implementation: for SDPA
-    a [B, 1, T, T] boolean mask, or None when there is no padding (causality alone, SDPA's is_causal). Without
-    `attention_mask`, a row of packed sequences (position ids restarting at 0) gets the block-diagonal one."""
-    config = model.config
+def _full_sequence_mask(model: PreTrainedModel, attention_mask: torch.Tensor | None, input_ids: torch.Tensor,
+                        position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask transformers would build for the whole [B, T] sequence of `input_ids` for the wrapped implementation:
+    for SDPA a [B, 1, T, T] boolean mask, or None when there is no padding (causality alone, SDPA's is_causal).
+    Without `attention_mask`, a row of packed sequences (position ids restarting at 0) gets the block-diagonal one."""
+    # A multimodal model's decoder builds its mask from its text settings (the same object for a text model).
+    config = model.config.get_text_config()
     if not config._attn_implementation.startswith(PREFIX):
         raise ValueError(f"the model uses attn_implementation {config._attn_implementation!r}; call "
                          "use_ulysses_attention(model) before sharding its inputs")
     # Only the shape, dtype and device of the embeddings matter to the mask; an empty hidden dimension is free.
-    shape_only = torch.empty(*position_ids.shape, 0, dtype=model.dtype, device=position_ids.device)
+    shape_only = torch.empty(*input_ids.shape, 0, dtype=model.dtype, device=input_ids.device)
     mask: torch.Tensor | None = create_causal_mask(config, shape_only, attention_mask, None, position_ids)
     return mask
 
@@ -223,7 +237,8 @@ class UlyssesAttention:
 
     parallel: SequenceParallel
     mask: torch.Tensor | None
-    position_ids: torch.Tensor
+    position_ids: torch.Tensor | None
+    """[B, T] text positions; None for a multimodal model's, which its layers are not given either."""
 
     def attend(self, wrapped: Callable[..., tuple[torch.Tensor, Any]], module: torch.nn.Module,
                query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
@@ -268,6 +283,7 @@ class SequenceShard:
 
     labels: [B, T/S] the token each local position predicts (the next one; padding past the end).
     length: T, the micro-batch's length before padding; gathered tensors are cut back to it.
+    With `decoder` (split at the decoder's entry), input_ids and position_ids are the whole padded sequence's.
     """
 
     parallel: SequenceParallel
@@ -277,11 +293,39 @@ class SequenceShard:
     length: int
     attention: UlyssesAttention | None = None
     attention_mask: torch.Tensor | None = None
-    """The local batch's own mask when unsharded (degree 1); sharded forwards carry the full one in `attention`."""
+    """The local batch's own mask when unsharded (degree 1); sharded forwards carry the full one in `attention`
+    (split at the decoder, this is the padded [B, T] mask the model's own steps before it read)."""
+    decoder: torch.nn.Module | None = None
+    """The module whose inputs are split, when not the model's (SequenceParallel.shard)."""
+
+    def forward(self, model: torch.nn.Module, **inputs: Any) -> Any:
+        """The model's output for this shard (its logits are those of this rank's positions); `inputs`: what else
+        the call takes (a vision-language model's pixel values and image grids)."""
+        if self.decoder is None or self.attention is None:
+            return model(**self.model_inputs(), **inputs, use_cache=False)
+        handle = self.decoder.register_forward_pre_hook(self._decoder_inputs, with_kwargs=True)
+        try:
+            return model(**self.model_inputs(), **inputs, use_cache=False)
+        finally:
+            handle.remove()
+
+    def _decoder_inputs(self, decoder: torch.nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The decoder's call with this rank's positions of the whole sequence's embeddings and position ids, the
+        whole sequence's mask, and the group's attention (a forward pre-hook's answer)."""
+        embeddings, positions = kwargs.get("inputs_embeds"), kwargs.get("position_ids")
+        if embeddings is None or positions is None:
+            raise ValueError(f"{type(decoder).__name__} was called without inputs_embeds and position_ids, which "
+                             "Ulysses splits at its entry")
+        size, rank = self.parallel.size, self.parallel.rank
+        return args, {**kwargs, "inputs_embeds": embeddings.chunk(size, dim=1)[rank],
+                      "position_ids": positions.chunk(size, dim=-1)[rank], "attention_mask": self.attention.mask,
+                      MODEL_KEYWORD: self.attention}
 
     def model_inputs(self) -> dict[str, Any]:
-        """Keyword arguments of the model call for this shard."""
-        if self.attention is None:
+        """Keyword arguments of the model call for this shard (split at the decoder: the whole sequence's, which
+        `forward` cuts at the decoder's entry)."""
+        if self.attention is None or self.decoder is not None:
             return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
                     "position_ids": self.position_ids}
         # A ready 4-D mask is passed through by transformers untouched, so no local-length mask is built (without

@@ -7,7 +7,9 @@ in two steps: `ImageProcessor.prompt_inputs` writes each `<image>` as `<|vision_
 merged patch + `<|vision_end|>` (what Qwen's chat template and processor write for an image) and returns the row's
 pixel values; `forward_inputs` joins a batch's rows for one forward. The multimodal RoPE position ids ([3, B, T]:
 time, height, width) are the model's own (get_rope_index), computed from the tokens, the image grids and
-`mm_token_type_ids` (1 on image tokens), so the caller passes no position_ids.
+`mm_token_type_ids` (1 on image tokens), so the caller passes no position_ids; a forward split along the sequence
+(Ulysses, trainer/workers/sequence_split.py) computes them once beforehand with the same function
+(`multimodal_position_ids`), so that its decoder gets the whole sequence's positions to cut.
 """
 
 from __future__ import annotations
@@ -204,11 +206,46 @@ def forward_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
     """What a forward of a vision-language model takes besides the [B, T] tokens for `rows` (their multi-modal inputs,
     in the batch's order): the rows' pixel values and image grids joined, and mm_token_type_ids ([B, T], 1 on image
     tokens) from which the model computes its multimodal RoPE position ids; {} when no row has an image."""
+    images = image_inputs(rows, input_ids.device)
+    if not images:
+        return {}
+    return {**images, "mm_token_type_ids": (input_ids == model.config.image_token_id).to(torch.int32)}
+
+
+def image_inputs(rows: Sequence[dict[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
+    """The pixel values and image grids of a batch's `rows` (their multi-modal inputs, in the batch's order) joined
+    for one forward, on `device`; {} when no row has an image."""
     rows = [row for row in rows if row]
     if not rows:
         return {}
-    device = input_ids.device
-    image_token = model.config.image_token_id
     return {"pixel_values": torch.cat([row["pixel_values"] for row in rows]).to(device),
-            "image_grid_thw": torch.cat([row["image_grid_thw"] for row in rows]).to(device),
-            "mm_token_type_ids": (input_ids == image_token).to(torch.int32)}
+            "image_grid_thw": torch.cat([row["image_grid_thw"] for row in rows]).to(device)}
+
+
+def rope_index_owner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The part of a vision-language model that computes its multimodal RoPE positions (`get_rope_index`) and runs
+    its decoder (`language_model`): Qwen2-VL's and Qwen2.5-VL's inner model (under a LoRA or FSDP wrapper too); None
+    for a model without one."""
+    for module in model.modules():
+        if callable(getattr(module, "get_rope_index", None)) and isinstance(
+                getattr(module, "language_model", None), torch.nn.Module):
+            return module
+    return None
+
+
+def multimodal_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            images: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[3, B, T] the multimodal RoPE positions (time, height, width) of a padded batch with `images`
+    (`image_inputs`): the model's own get_rope_index, from the tokens, the image grids and the mask, when a row has an
+    image; otherwise each row's text positions, counted from its first real token, on all three axes (as the rollout's
+    generate gave them; the model's own forward counts them from the padding's first, which rotary attention,
+    relative, does not tell apart)."""
+    if not images:
+        text = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        return text.unsqueeze(0).expand(3, -1, -1)
+    owner = rope_index_owner(model)
+    if owner is None:
+        raise ValueError(f"{type(model).__name__} has no get_rope_index to place its images' tokens")
+    positions, _ = owner.get_rope_index(input_ids, mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
+                                        image_grid_thw=images["image_grid_thw"], attention_mask=attention_mask)
+    return positions

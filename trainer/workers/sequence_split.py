@@ -15,6 +15,13 @@ tokens of the micro-batch's sequences are first packed into one [1, N] row, each
 mask transformers builds from the gathered position ids, and the gathered [1, N] figures are picked at the
 positions that predict response tokens, as the one-rank padding-free forward picks its logits.
 
+A vision-language model (Qwen2-VL, Qwen2.5-VL) is split at its decoder's entry instead, as verl splits it: every
+rank runs the vision tower on the micro-batch's images and merges them into the whole sequence's embeddings, the
+multimodal RoPE positions ([3, B, T]) are computed once beforehand from the tokens and image grids (the model's
+get_rope_index, `multimodal_position_ids`), and the decoder's embeddings and positions are cut to the rank's
+positions there. Its forwards are padded (the sequences' images and positions are placed per padded row), as one
+rank's are, whatever use_remove_padding says.
+
 Every rank of the group then computes the same loss; the gathers' backward sums their gradients back onto
 each rank's positions, so FSDP2's average over all ranks is one rank's gradient of the whole sequence (see
 ulysses.py). The rollout does not go through here: generation runs whole sequences on every rank.
@@ -31,6 +38,7 @@ from trainer.config import KEYS
 from trainer.distributed.ranks import Ranks
 from trainer.distributed.ulysses import SequenceParallel, SequenceShard, use_ulysses_attention
 from trainer.errors import RunSetupError
+from trainer.models.vision_language import image_inputs, is_vision_language, multimodal_position_ids, rope_index_owner
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.packing import PackedRow
 
@@ -62,6 +70,16 @@ class SequenceSplit:
         except ValueError as error:
             raise RunSetupError(f"{setting}: {error}; set override_config.attn_implementation=sdpa for the model, "
                                 "or the degree 1") from None
+
+    @staticmethod
+    def check_splittable(model: PreTrainedModel, setting: str, degree: int) -> None:
+        """Refuse, in one line naming `setting` (the model's degree, `degree`), a vision-language model whose
+        sequences cannot be split before its decoder: one without the multimodal positions of the whole sequence
+        (get_rope_index) and a decoder (language_model) to split at."""
+        if is_vision_language(model) and rope_index_owner(model) is None:
+            raise RunSetupError(f"{setting}: {degree}, but {type(model).__name__} is a vision-language model without "
+                                "a get_rope_index and a language_model to split its sequences at (Ulysses splits "
+                                "Qwen2-VL's and Qwen2.5-VL's); allowed: 1 for this model")
 
     def log_probs_and_entropy(self, model: PreTrainedModel, batch: RolloutBatch, temperature: float, *,
                               entropy: bool, entropy_graph: bool = False,
@@ -97,6 +115,8 @@ class SequenceSplit:
                  batch: RolloutBatch) -> tuple[torch.Tensor, SequenceShard, PackedRow | None]:
         """The model's output on this rank's positions ([B, T/S, ...], or [1, N/S, ...] of the padding-free row),
         the shard that gathers it, and the row's layout when padding-free."""
+        if batch.multi_modal_inputs is not None:
+            return self._vision_forward(model, batch)
         if self.remove_padding:
             row = PackedRow.of(batch)
             shard = self.parallel.shard(model, input_ids=row.pack(batch.input_ids), attention_mask=None,
@@ -105,8 +125,20 @@ class SequenceSplit:
             row = None
             shard = self.parallel.shard(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                         position_ids=batch.position_ids, pad_token_id=self.pad_token_id)
-        output = model(**shard.model_inputs(), use_cache=False)
-        return output.logits, shard, row
+        return shard.forward(model).logits, shard, row
+
+    def _vision_forward(self, model: PreTrainedModel,
+                        batch: RolloutBatch) -> tuple[torch.Tensor, SequenceShard, None]:
+        """A vision-language model's padded forward, split at its decoder: the whole sequence's embeddings (the
+        images' merged in) and multimodal positions are cut there, so its output is this rank's [B, T/S, ...]."""
+        owner = rope_index_owner(model)
+        assert owner is not None, "check_splittable refuses a vision-language model without get_rope_index"
+        input_ids, attention_mask = batch.input_ids, batch.attention_mask
+        images = image_inputs(batch.multi_modal_inputs or [], input_ids.device)
+        shard = self.parallel.shard(model, input_ids=input_ids, attention_mask=attention_mask,
+                                    position_ids=multimodal_position_ids(model, input_ids, attention_mask, images),
+                                    pad_token_id=self.pad_token_id, decoder=owner.language_model)
+        return shard.forward(model, **images).logits, shard, None
 
     @staticmethod
     def _responses(per_position: torch.Tensor, batch: RolloutBatch, row: PackedRow | None) -> torch.Tensor:
