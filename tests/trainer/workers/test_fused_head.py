@@ -116,12 +116,18 @@ def test_with_lora_the_frozen_heads_fused_update_gives_the_adapters_unfused_grad
     torch.testing.assert_close(gradients, expected, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("placement", [{"offload_policy": {"lm_head": "cpu"}}, {"param_offload": True},
-                                       {"offload_policy": {"lm_head": "cpu"}, "optimizer_offload": True}],
-                         ids=["head_on_cpu", "all_on_cpu", "head_and_masters_on_cpu"])
-def test_through_the_offload_engine_a_cpu_resident_head_streams_into_the_fused_update(placement, monkeypatch):
-    """The engine streams the head in chunks of 64 rows (its own forward, routed by the engine): the fused forward
-    and backward read each chunk once and send each chunk's weight gradient to the host."""
+@pytest.mark.parametrize(("placement", "tied", "streamed"), [
+    ({"offload_policy": {"lm_head": "cpu"}}, False, True),
+    ({"param_offload": True}, False, True),
+    ({"offload_policy": {"lm_head": "cpu"}, "optimizer_offload": True}, False, True),
+    ({"param_offload": True}, True, True),  # the embedding's rows gathered, the same weight streamed as the head
+    ({"optimizer_offload": True}, False, False),  # the head in a device slot the engine's hooks swap in
+], ids=["head_on_cpu", "all_on_cpu", "head_and_masters_on_cpu", "tied_all_on_cpu", "head_hooked_on_device"])
+def test_through_the_offload_engine_the_fused_update_gives_the_resident_numbers(placement, tied, streamed,
+                                                                               monkeypatch):
+    """A head the engine streams in chunks of 64 rows (its own forward, routed by the engine): the fused forward
+    and backward read each chunk once and send each chunk's weight gradient to the host. A head the engine keeps in
+    a device slot: the swapped forward reads the weight its hooks put in place."""
     from tests.trainer.test_memory import Run
     from trainer.memory import MemoryManager
 
@@ -136,13 +142,13 @@ def test_through_the_offload_engine_a_cpu_resident_head_streams_into_the_fused_u
 
     monkeypatch.setattr(StreamedHeadRows, "chunks", counted)
     batch = wide_batch(2)
-    resident = actor_for(policy(), fused=False, entropy_coeff=0.01)
+    resident = actor_for(policy(tie_word_embeddings=tied), fused=False, entropy_coeff=0.01)
     run = Run()
-    model = run.memory.place(policy(), FSDPConfig.model_validate(placement), "actor")
-    engine = run.memory.engine("actor")
-    head_unit = next(unit for unit in engine.layout.units if unit.group == "lm_head")
-    assert len(head_unit.blocks) == VOCABULARY // 64 + 1, "the head streams in chunks"
+    model = run.memory.place(policy(tie_word_embeddings=tied), FSDPConfig.model_validate(placement), "actor")
+    chunked = [unit for unit in run.memory.engine("actor").layout.units if unit.blocks and unit.blocks[0].rows]
+    assert [len(unit.blocks) for unit in chunked] == ([VOCABULARY // 64 + 1] if streamed else [])
     offloaded = actor_for(model, fused=True, memory=run.memory.for_role("actor"), entropy_coeff=0.01)
+    widths = head_widths(model)
     expected = resident.compute_log_probs(batch)
     torch.testing.assert_close(offloaded.compute_log_probs(batch), expected, **TOLERANCE)
     batch.old_log_probs = expected + 0.05 * batch.response_mask
@@ -151,9 +157,10 @@ def test_through_the_offload_engine_a_cpu_resident_head_streams_into_the_fused_u
         assert offloaded_metrics[key] == pytest.approx(resident_metrics[key], rel=1e-5, abs=1e-6), key
     torch.testing.assert_close(dict(offloaded.model.state_dict()), dict(resident.model.state_dict()),
                                rtol=1e-5, atol=1e-6)
-    # Two scoring forwards, then three micro-batches' forward and backward: each reads the 10 chunks once.
-    assert chunks_read == list(range(0, VOCABULARY, 64)) * 2 + (
-        list(range(0, VOCABULARY, 64)) + list(range(0, VOCABULARY, 64))[::-1]) * 3
+    assert widths == [2] * 5, "two scoring forwards and three micro-batches' forwards, each fused"
+    # Each scoring forward reads the 10 chunks once; each micro-batch's forward and backward, once each way.
+    rows = list(range(0, VOCABULARY, 64))
+    assert chunks_read == ((rows * 2 + (rows + rows[::-1]) * 3) if streamed else [])
 
 
 def test_an_update_of_long_responses_makes_no_tensor_of_the_logits_size(monkeypatch):
