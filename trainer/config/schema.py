@@ -81,8 +81,7 @@ class ModelConfig(Section):
     use_remove_padding: bool = False
     """Padding-free forward (real tokens packed in one row) for the actor's and reference's log-probs and update."""
     use_fused_kernels: bool = False
-    """The actor's, its old log-probs' and the reference's log-probs and entropies from the last hidden states and the
-    head's weight a tile at a time, never the [B, R, V] logits (verl's fused kernels, in torch here)."""
+    """Log-probs and entropies from the hidden states and the head's weight a tile at a time, never the logits."""
     lora_adapter_path: str | None = None
     """A saved peft adapter the policy's LoRA starts from (its own rank, alpha and modules); unset: a new one."""
     custom_chat_template: str | None = None
