@@ -114,19 +114,22 @@ LONG_TAILED = {"median_tokens": 160, "sigma": 1.0}
 random-init model's rows end at them (an EOS forced at the drawn length, in the benchmark only)."""
 SHAPES: dict[str, dict[str, Any]] = {
     "headline": {"cap_gib": 40.0, "algorithm": "grpo", "prompts": 8, "n": 4, "response_length": 128,
-                 "reference": True, "reward_model": True, "lora": False, "lengths": None},
+                 "reference": True, "reward_model": True, "lora": False, "lengths": None, "fused_head": False},
     "ppo3b": {"cap_gib": 12.0, "algorithm": "gae", "prompts": 16, "n": 1, "response_length": 128,
-              "reference": False, "reward_model": False, "lora": False, "lengths": None},
+              "reference": False, "reward_model": False, "lora": False, "lengths": None, "fused_head": False},
     "quick": {"cap_gib": 0.0, "algorithm": "gae", "prompts": 4, "n": 2, "response_length": 8,
-              "reference": True, "reward_model": True, "lora": False, "lengths": None},
+              "reference": True, "reward_model": True, "lora": False, "lengths": None, "fused_head": False},
     # Issue 40's shapes: what RL recipes run. gsm8k7b: verl's GSM8K GRPO recipe's batch at 7B; long3b: long responses
     # (its rows run to the limit); lora14b: a model whose bf16 weights do not fit a 40 GiB cap beside a step's work.
+    # gsm8k7b and long3b run with model.use_fused_kernels (in every variant: a setting of the shape, as verl's
+    # fused-kernel recipe sets it), their results from before it measured without: their [B, R, V] logits (1.25 GB
+    # in bf16 per 4112-token sequence of long3b, kept for the backward) are never made.
     "gsm8k7b": {"cap_gib": 40.0, "algorithm": "grpo", "prompts": 64, "n": 8, "response_length": 1024,
-                "reference": True, "reward_model": False, "lora": False, "lengths": LONG_TAILED},
+                "reference": True, "reward_model": False, "lora": False, "lengths": LONG_TAILED, "fused_head": True},
     "long3b": {"cap_gib": 12.0, "algorithm": "gae", "prompts": 16, "n": 1, "response_length": 4096,
-               "reference": False, "reward_model": False, "lora": False, "lengths": None},
+               "reference": False, "reward_model": False, "lora": False, "lengths": None, "fused_head": True},
     "lora14b": {"cap_gib": 40.0, "algorithm": "grpo", "prompts": 16, "n": 4, "response_length": 512,
-                "reference": True, "reward_model": False, "lora": True, "lengths": LONG_TAILED},
+                "reference": True, "reward_model": False, "lora": True, "lengths": LONG_TAILED, "fused_head": False},
 }
 for _name in ("gsm8k7b", "long3b", "lora14b"):
     # The CPU smoke of each: its algorithm, models and options at the tiny actor's size.
@@ -178,6 +181,7 @@ def overrides(shape: str, variant: str, device: str, runs_dir: Path, models: Pat
         f"actor_rollout_ref.model.path={models / 'policy'}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
         f"actor_rollout_ref.rollout.n={spec['n']}",
+        f"actor_rollout_ref.model.use_fused_kernels={str(spec['fused_head']).lower()}",
         # Drawn lengths are forced in the static decode (auto is static on a GPU; on the CPU it is generate).
         f"actor_rollout_ref.rollout.decode={'static' if spec['lengths'] and decode == 'auto' else decode}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",

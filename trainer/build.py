@@ -25,6 +25,7 @@ from trainer.distributed.sharding import Sharded, offload_summary, shard_model
 from trainer.errors import RunSetupError
 from trainer.memory import MemoryManager, Model, ModelMemory
 from trainer.models import load_critic, load_policy, load_reward_model, load_tokenizer, torch_dtype
+from trainer.models.fused_head import fused_head_blocker
 from trainer.models.lora import LoraSettings, describe_adapter, with_adapter
 from trainer.models.vision import freeze_vision_tower
 from trainer.models.vision_language import is_vision_language, prompts_as_seen
@@ -178,7 +179,8 @@ class ModelBuilder:
                       ranks=self.ranks, sequence_split=split, remove_padding=model_config.use_remove_padding,
                       log_prob_max_token_len=(rollout.log_prob_max_token_len_per_gpu
                                               if rollout.log_prob_use_dynamic_bsz else None),
-                      rollout_correction=config.algorithm.rollout_correction)
+                      rollout_correction=config.algorithm.rollout_correction,
+                      fused_head=self._fused_head(model, split, "the actor"))
         if adapter is not None:
             self.log(describe_adapter(adapter, "actor"))
         return actor, adapter, split
@@ -199,9 +201,25 @@ class ModelBuilder:
             model = self._policy(ref.fsdp_config, False).eval().requires_grad_(False)
             model = self._place(model, self._policy_placement(ref.fsdp_config), Role.REF, split)
             memory = self._memory(Role.REF)
+        fused = actor.fused_head if adapter is not None else self._fused_head(model, split, "the reference")
         return Reference(model, ref, temperature=config.actor_rollout_ref.rollout.temperature,
                          remove_padding=config.actor_rollout_ref.model.use_remove_padding, memory=memory,
-                         sequence_split=split, ranks=self.ranks, adapter=adapter)
+                         sequence_split=split, ranks=self.ranks, adapter=adapter, fused_head=fused)
+
+    def _fused_head(self, model: torch.nn.Module, split: SequenceSplit | None, whose: str) -> bool:
+        """model.use_fused_kernels for `model` (placed): on where its head can compute the log-probs fused; where it
+        cannot (fused_head_blocker), one NOTE line and the log-probs from the logits."""
+        key = KEYS.actor_rollout_ref.model.use_fused_kernels
+        if not self.config.actor_rollout_ref.model.use_fused_kernels:
+            return False
+        blocker = fused_head_blocker(model, sequence_parallel=split is not None)
+        if blocker is not None:
+            self.log(f"NOTE: {key}=true: {blocker}; {whose}'s log-probs come from its logits (the unfused path)")
+            return False
+        if whose == "the actor" and self.config.scores_sum_pi_squared:
+            self.log(f"NOTE: {key}=true: the old-log-prob pass computes each position's sum of squared probabilities "
+                     "(calculate_sum_pi_squared), which only the logits give: that pass is not fused, the update is")
+        return True
 
     def _critic(self) -> tuple[Critic, Any]:
         config, critic = self.config, self.config.critic

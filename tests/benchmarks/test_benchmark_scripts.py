@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import e2e_bench, grpo_headline, offload_bench, peak_timeline, ranks_bench, telemetry_bench
+from benchmarks import (
+    e2e_bench,
+    fused_head_cpu,
+    grpo_headline,
+    offload_bench,
+    peak_timeline,
+    ranks_bench,
+    telemetry_bench,
+)
 
 
 @pytest.mark.slow
@@ -33,6 +41,16 @@ def test_the_headline_refuses_bad_arguments_in_one_line(argv, capsys):
     assert grpo_headline.main([*argv, "--device", "cpu", "--quick"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("ERROR: --") and "\n" not in error
+
+
+def test_the_fused_head_benchmark_measures_a_lower_peak_fused_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "fused.json"
+    assert fused_head_cpu.main(["--vocabularies", "4096", "--tokens", "128", "--repeats", "1", "--out", str(out)]) == 0
+    unfused, fused = json.loads(out.read_text())["rows"]
+    assert (unfused["fused"], fused["fused"]) == (False, True) and fused["seconds"] > 0
+    # The unfused pass holds the 4.1 MiB logits and their gradient; the fused one a tile at a time.
+    assert fused["peak_mib"] < unfused["peak_mib"] - 4, (fused, unfused)
+    assert "4096    fused" in capsys.readouterr().out
 
 
 def test_the_offload_benchmark_names_an_unknown_section(capsys):

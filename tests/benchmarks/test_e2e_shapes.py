@@ -31,6 +31,8 @@ def test_each_variant_of_each_realistic_shape_is_a_valid_run(tmp_path, shape, va
         assert config.actor_rollout_ref.actor.fsdp_config.optimizer_offload == (variant != "all_gpu")
         if spec["lengths"] is not None:  # ended at drawn lengths in the static decode
             assert config.actor_rollout_ref.rollout.decode == "static"
+        # The long-response shapes compute their log-probs fused (both sides of a comparison: a setting of the shape).
+        assert config.actor_rollout_ref.model.use_fused_kernels == (shape in ("gsm8k7b", "long3b"))
     assert e2e_bench.SHAPES["gsm8k7b"]["prompts"] * e2e_bench.SHAPES["gsm8k7b"]["n"] == 512
     assert e2e_bench._actor_shape("lora14b")["num_hidden_layers"] == 48
 

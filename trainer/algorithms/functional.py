@@ -399,7 +399,7 @@ def log_probs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor
     (to float32 rounding) with a fraction of their memory (`_LogProbsAndEntropy`). Without `entropy_graph` the
     entropies carry no gradient (a metric). `kernels`: the per-chunk functions (compiled ones: ChunkKernels)."""
     chunks = _loss_chunks(logits.shape, LOSS_CHUNK_ELEMENTS)
-    log_probs, entropies = _LogProbsAndEntropy.apply(logits, labels, temperature, chunks, kernels)
+    log_probs, entropies = _LogProbsAndEntropy.apply(logits, labels, temperature, chunks, kernels)  # type: ignore[no-untyped-call]
     return log_probs, entropies if entropy_graph else entropies.detach()
 
 

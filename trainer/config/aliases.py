@@ -268,8 +268,13 @@ ALIASES: tuple[Alias, ...] = (
     default_only("*mtp*", "multi-token prediction is not built"),
     noted("actor_rollout_ref.ref.use_torch_compile", "the reference computes no entropy, which is what verl compiles "
                                                      "(the actor's update does: actor.use_torch_compile)"),
-    noted("*fused_kernel*", "verl's fused head-and-log-prob kernel is not built: the log-probs and entropy here come "
-                            "from the head's logits, chunk by chunk in float32 (trainer/algorithms/functional.py)"),
+    default_only("actor_rollout_ref.actor.use_fused_kernels", "verl's actor repeats "
+                 "actor_rollout_ref.model.use_fused_kernels, which this project reads for the actor, its old "
+                 "log-probs and the reference"),
+    noted("*fused_kernel_options.impl_backend", "verl's Triton kernel is not built: the fused head runs its torch "
+          "implementation (trainer/algorithms/fused_head.py), tile by tile", accepts=("torch",)),
+    noted("reward_model.model.use_fused_kernels", "a reward model scores sequences with its value head: it has no "
+          "vocabulary head to fuse"),
     noted("*use_liger", "Liger's kernels are not used: the models run transformers' own code (the decode compiles its "
                         "fused rotary and MLP pieces on a GPU)"),
     default_only("*entropy_*", _ENTROPY, (True, False)),

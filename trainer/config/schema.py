@@ -80,6 +80,8 @@ class ModelConfig(Section):
     """Modules of target_modules left without an adapter: a list of names, or a regex; unset excludes none."""
     use_remove_padding: bool = False
     """Padding-free forward (real tokens packed in one row) for the actor's and reference's log-probs and update."""
+    use_fused_kernels: bool = False
+    """Log-probs and entropies from the hidden states and the head's weight a tile at a time, never the logits."""
     lora_adapter_path: str | None = None
     """A saved peft adapter the policy's LoRA starts from (its own rank, alpha and modules); unset: a new one."""
     custom_chat_template: str | None = None

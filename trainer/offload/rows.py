@@ -4,16 +4,19 @@ The embedding on the CPU is never shipped whole: the rows of the batch's distinc
 gathered on the CPU and only they cross; the device expands them (F.embedding), so its backward
 sums each token's gradient, and only those rows come back to be added into the embedding's
 gradient on the CPU. The head on the CPU crosses in row chunks (`HeadStreamer`), and its weight
-gradient goes back chunk by chunk, so neither ever exists whole on the device.
+gradient goes back chunk by chunk, so neither ever exists whole on the device. With use_fused_kernels the head's
+forward computes the log-probs and entropies over the same chunks (`StreamedHeadRows`), never the logits.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch.nn import functional as F
 
+from trainer.algorithms.fused_head import HeadRows, fused_log_probs_and_entropy
 from trainer.offload.copies import D2H, H2D, CopyLog, CopyStreams
 from trainer.offload.embedding_cache import EmbeddingCache
 from trainer.offload.functions import gathered_rows, streamed_linear
@@ -40,9 +43,9 @@ class RowsAndChunks:
             if unit.kind == UnitKind.ROWS:
                 parts.embedding.forward = functools.partial(self._embedding_forward, unit)
                 if parts.tied and parts.head is not None:
-                    parts.head.forward = functools.partial(self._head_forward, unit)
+                    parts.head.forward = RoutedHead(self, unit)
             elif unit.kind == UnitKind.CHUNKS and parts.head is not None:
-                parts.head.forward = functools.partial(self._head_forward, unit)
+                parts.head.forward = RoutedHead(self, unit)
 
     def enable_embedding_cache(self, *, cache_size: int, warmup_steps: int) -> EmbeddingCache | None:
         """Serve no-grad lookups of a CPU-resident embedding from a device cache of its most frequent
@@ -161,6 +164,59 @@ class RowsAndChunks:
         return HeadStreamer(self, unit).forward(hidden)
 
 
+class RoutedHead:
+    """The forward of a head streamed in chunks (`RowsAndChunks._head_forward`), and its fused log-probs (`fused`:
+    what trainer/models/fused_head.py calls in its place around a forward with use_fused_kernels)."""
+
+    def __init__(self, owner: RowsAndChunks, unit: Unit):
+        self.owner, self.unit = owner, unit
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.owner._head_forward(self.unit, hidden)
+
+    def fused(self, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, *,
+              entropy_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each position's log-prob of its label and entropy, over the head's chunks as they stream (or its copy kept
+        on the device); the weight's gradient goes to the host chunk by chunk, as the unfused backward sends it."""
+        return fused_log_probs_and_entropy(hidden, self.owner.layout.parts.head_weight, labels, temperature,
+                                           entropy_graph=entropy_graph,
+                                           rows=StreamedHeadRows(HeadStreamer(self.owner, self.unit)))
+
+
+class StreamedHeadRows(HeadRows):
+    """The head's weight for the fused log-probs: each chunk fetched into its device slot (or sliced from the
+    phase's device copy) while it is read; its gradient sent to the host (the weight given is the CPU master, which
+    only says whether it trains)."""
+
+    sends_weight_grad = True
+
+    def __init__(self, streamer: HeadStreamer):
+        super().__init__()
+        self.head = streamer
+
+    def chunks(self, weight: torch.Tensor, *, backward: bool) -> Iterator[tuple[int, torch.Tensor]]:
+        owner, unit = self.head.owner, self.head.unit
+        staged = owner.staging.staged_copy(unit)
+        for block in reversed(unit.blocks) if backward else unit.blocks:
+            assert block.rows is not None
+            first, last = block.rows
+            if staged is not None:  # kept whole on the device for this phase
+                yield first, staged[first:last]
+                continue
+            owner.streamer.acquire(block)
+            try:
+                yield first, self.head.chunk(block)
+            finally:
+                owner.streamer.release(block)
+
+    def begin_backward(self) -> None:
+        self.head.owner.gradients.enter_backward()
+
+    def send_weight_grad(self, first: int, grad: torch.Tensor) -> None:
+        unit = self.head.unit
+        self.head.owner.gradients.send(unit, [(grad, unit.index_of(self.head.weight), first * grad.shape[1])])
+
+
 class HeadStreamer:
     """y = x W^T for a head whose weight W streams in row chunks (see functions.StreamedLinear)."""
 
@@ -168,7 +224,7 @@ class HeadStreamer:
         self.owner, self.unit = owner, unit
         self.weight = owner.layout.parts.head_weight
 
-    def _chunk(self, block: Block) -> torch.Tensor:
+    def chunk(self, block: Block) -> torch.Tensor:
         assert block.rows is not None and block.slot.data is not None
         first, last = block.rows
         size = torch.Size((last - first, self.weight.shape[1]))
@@ -185,7 +241,7 @@ class HeadStreamer:
             streamer.acquire(block)
             assert block.rows is not None
             first, last = block.rows
-            out[:, first:last] = flat @ self._chunk(block).t()
+            out[:, first:last] = flat @ self.chunk(block).t()
             streamer.release(block)
         return out.view(*hidden.shape[:-1], out.shape[-1])
 
@@ -207,7 +263,7 @@ class HeadStreamer:
             grad_chunk = grads[:, first:last]
             if grad_input is not None and staged is None:
                 streamer.acquire(block)
-                grad_input.addmm_(grad_chunk, self._chunk(block))
+                grad_input.addmm_(grad_chunk, self.chunk(block))
                 streamer.release(block)
             if trains_weight:
                 weight_grad = grad_chunk.t().mm(flat)

@@ -25,6 +25,7 @@ from trainer.algorithms.functional import EAGER_KERNELS
 from trainer.config import KEYS, ActorConfig
 from trainer.config.losses import RolloutCorrectionConfig
 from trainer.distributed.ranks import Ranks
+from trainer.models.fused_head import FusedScoring
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.optimization import (
     MicroBatchMerging,
@@ -55,25 +56,27 @@ class ResponseScores(NamedTuple):
 def compute_log_probs(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
                       temperature: float, memory: WorkerMemory | None = None, remove_padding: bool = False,
                       max_token_len: int | None = None, sequence_split: SequenceSplit | None = None,
-                      ranks: Ranks | None = None) -> torch.Tensor:
+                      ranks: Ranks | None = None, fused_head: bool = False) -> torch.Tensor:
     """[B, R] log-probs of the sampled responses under `model` at the sampling temperature (`score_responses`)."""
     return score_responses(model, batch, micro_batch_size=micro_batch_size, temperature=temperature, memory=memory,
                            remove_padding=remove_padding, max_token_len=max_token_len, sequence_split=sequence_split,
-                           ranks=ranks).log_probs
+                           ranks=ranks, fused_head=fused_head).log_probs
 
 
 @torch.no_grad()
 def score_responses(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_size: int,
                     temperature: float, memory: WorkerMemory | None = None, remove_padding: bool = False,
                     max_token_len: int | None = None, sequence_split: SequenceSplit | None = None,
-                    ranks: Ranks | None = None, sum_pi_squared: bool = False) -> ResponseScores:
+                    ranks: Ranks | None = None, sum_pi_squared: bool = False,
+                    fused_head: bool = False) -> ResponseScores:
     """[B, R] log-probs of the sampled responses under `model` at the sampling temperature, in micro-batches
     of `micro_batch_size` sequences or, with `max_token_len`, of at most that many real tokens (as many on
     every one of several `ranks`); with `remove_padding`, each from a padding-free forward; with
     `sequence_split`, each on this rank's sequence shard (Ulysses). With `memory` (the memory manager's, for
     `model`), a micro-batch that runs out of device memory is retried or split. With `sum_pi_squared`, also each
     position's sum of squared probabilities (verl's calculate_sum_pi_squared), from the same logits, a chunk at a
-    time."""
+    time. With `fused_head` (use_fused_kernels; not with `sequence_split`), the log-probs come from the fused head,
+    never the logits, unless `sum_pi_squared` asks for what only the logits give."""
     plan = plan_micro_batches(batch, micro_batch_size, max_token_len,
                               agree=ranks.count_agreement if ranks is not None else None)
     arranged = plan.arrange(batch)
@@ -85,6 +88,9 @@ def score_responses(model: PreTrainedModel, batch: RolloutBatch, *, micro_batch_
             if sum_pi_squared:
                 return torch.stack(sequence_split.log_probs_and_sum_pi_squared(model, micro_batch, temperature), -1)
             return sequence_split.log_probs_and_entropy(model, micro_batch, temperature, entropy=False)[0]
+        if fused_head and not sum_pi_squared:
+            return response_logits(model, micro_batch, remove_padding=remove_padding,
+                                   fused=FusedScoring(temperature))[..., 0]
         logits = response_logits(model, micro_batch, remove_padding=remove_padding)
         squares = sum_pi_squared_from_logits(logits, temperature) if sum_pi_squared else None
         # At temperature 1 half-precision logits go as they are: log_probs_from_logits upcasts them a row at a
@@ -112,7 +118,7 @@ class Actor:
                  log_prob_micro_batch_size: int, total_steps: int, seed: int, memory: WorkerMemory | None = None,
                  remove_padding: bool = False, log_prob_max_token_len: int | None = None,
                  ranks: Ranks | None = None, sequence_split: SequenceSplit | None = None,
-                 rollout_correction: RolloutCorrectionConfig | None = None):
+                 rollout_correction: RolloutCorrectionConfig | None = None, fused_head: bool = False):
         self.model = model
         self.ranks = ranks  # several: the model is sharded and the batches are this rank's share
         self.sequence_split = sequence_split  # Ulysses: every forward on this rank's slice of the sequences
@@ -140,6 +146,9 @@ class Actor:
         self.merging = MicroBatchMerging(config.fsdp_config.merge_micro_batches)
         # actor.use_torch_compile: the update's log-prob and entropy chunks compiled on a GPU (verl's default).
         self.kernels = compiled_kernels() if config.use_torch_compile else EAGER_KERNELS
+        # model.use_fused_kernels, where the model can (fused_head_blocker): log-probs and entropies from the hidden
+        # states and the head's weight, never the [B, R, V] logits.
+        self.fused_head = fused_head
 
     @property
     def _world_size(self) -> int:
@@ -168,7 +177,8 @@ class Actor:
         return score_responses(self.model, batch, micro_batch_size=self.log_prob_micro_batch_size,
                                temperature=self.temperature, memory=self.memory,
                                remove_padding=self.remove_padding, max_token_len=self.log_prob_max_token_len,
-                               sequence_split=self.sequence_split, ranks=self.ranks, sum_pi_squared=sum_pi_squared)
+                               sequence_split=self.sequence_split, ranks=self.ranks, sum_pi_squared=sum_pi_squared,
+                               fused_head=self.fused_head)
 
     def update(self, batch: RolloutBatch) -> dict[str, list[float]]:
         """One PPO update over the batch; returns the micro-batch metrics under verl's actor/ names."""
@@ -222,6 +232,10 @@ class Actor:
                 self.model, batch, self.temperature, entropy=True, entropy_graph=entropy_graph, kernels=self.kernels)
             assert entropies is not None
             return log_probs, entropies
+        if self.fused_head:
+            scores = response_logits(self.model, batch, remove_padding=self.remove_padding,
+                                     fused=FusedScoring(self.temperature, entropy_graph))
+            return scores[..., 0], scores[..., 1] if entropy_graph else scores[..., 1].detach()
         # Chunk by chunk in float32, keeping the logits as the model gave them (a fraction of the composed ops' memory).
         return log_probs_and_entropy_from_logits(response_logits(self.model, batch, remove_padding=self.remove_padding),
                                                  batch.response_ids, self.temperature, entropy_graph=entropy_graph,

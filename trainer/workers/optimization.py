@@ -19,6 +19,7 @@ from trainer.config import FSDP_CONFIG, ActorConfig, CriticConfig, FSDPConfig, O
 from trainer.data.sampler import rank_mini_batches
 from trainer.distributed.host_adamw import HostAdamW
 from trainer.distributed.ranks import Ranks
+from trainer.models.fused_head import FusedScoring
 from trainer.models.vision_language import forward_inputs
 from trainer.offload import OffloadEngine
 from trainer.offload.groups import find_parts, parameter_groups
@@ -33,23 +34,29 @@ MaskOf = Callable[[RolloutBatch], torch.Tensor]
 """The [B, R] tokens a batch's loss reads (what its aggregation divides by)."""
 
 
-def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_padding: bool = False) -> torch.Tensor:
+def response_logits(model: PreTrainedModel, batch: RolloutBatch, *, remove_padding: bool = False,
+                    fused: FusedScoring | None = None) -> torch.Tensor:
     """[B, R, ...] the model's output at the positions that predict (or value) each response token; with
-    `remove_padding`, from one padding-free forward over the real tokens (zeros where responses are padding)."""
+    `remove_padding`, from one padding-free forward over the real tokens (zeros where responses are padding). With
+    `fused` (use_fused_kernels; not for a vision-language model), [B, R, 2]: each response token's log-prob and
+    the entropy there, from the fused head (trainer/models/fused_head.py), never the logits."""
     if batch.multi_modal_inputs is not None:
+        assert fused is None, "a vision-language model's forward is not fused (fused_head_blocker)"
         return vision_response_logits(model, batch)
     if remove_padding:
-        return packed_response_outputs(model, batch)
+        return packed_response_outputs(model, batch, fused=fused)
     response_length = batch.response_ids.shape[1]
     # Only the last response_length + 1 positions go through the head: the prompt's [P, V] logits are never read.
     kept = takes_logits_to_keep(model)
-    output = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-        **({"logits_to_keep": response_length + 1} if kept else {}),
-    )
+    kept_positions = response_length + 1 if kept else 0
+    with fused.around(model, batch.input_ids, kept_positions) if fused else contextlib.nullcontext():
+        output = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            **({"logits_to_keep": response_length + 1} if kept else {}),
+        )
     # Position t predicts token t + 1: the last prompt position predicts the first response token.
     first = output.logits.shape[1] - response_length - 1
     return output.logits[:, first: first + response_length]

@@ -14,6 +14,7 @@ the budget allows, balanced by their real tokens (prompt and response); results 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import inspect
 import math
@@ -25,6 +26,7 @@ from transformers import PreTrainedModel
 
 from trainer.distributed.ulysses import PREFIX as ULYSSES_PREFIX
 from trainer.errors import RunSetupError
+from trainer.models.fused_head import FusedScoring
 from trainer.rollout.batch import RolloutBatch
 from trainer.workers.recovery import Piece, split_into_pieces
 
@@ -97,20 +99,24 @@ class PackedRow:
         return padded
 
 
-def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+def packed_response_outputs(model: PreTrainedModel, batch: RolloutBatch, *,
+                            fused: FusedScoring | None = None) -> torch.Tensor:
     """[B, R, ...] the model's output at the positions that predict (or value) each response token, from one
-    padding-free forward; zeros where the response is padding."""
+    padding-free forward; zeros where the response is padding. With `fused`, [B, R, 2] log-probs and entropies
+    from the fused head (optimization.response_logits)."""
     row = PackedRow.of(batch)
     # Only the kept positions go through the head (a causal LM's logits_to_keep): for a long prompt most
     # of the [T, V] logits the padded forward computes are never read.
     head_only_kept = takes_logits_to_keep(model)
-    output = model(
-        input_ids=row.pack(batch.input_ids),
-        position_ids=row.pack(batch.position_ids),
-        use_cache=False,
-        **packed_boundary_keywords(model, row.real.sum(dim=1)),
-        **({"logits_to_keep": row.keep} if head_only_kept else {}),
-    )
+    input_ids = row.pack(batch.input_ids)
+    with fused.around(model, input_ids, row.keep if head_only_kept else 0) if fused else contextlib.nullcontext():
+        output = model(
+            input_ids=input_ids,
+            position_ids=row.pack(batch.position_ids),
+            use_cache=False,
+            **packed_boundary_keywords(model, row.real.sum(dim=1)),
+            **({"logits_to_keep": row.keep} if head_only_kept else {}),
+        )
     return row.unpack(output.logits[0] if head_only_kept else output.logits[0, row.keep])
 
 

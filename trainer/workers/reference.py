@@ -23,7 +23,7 @@ class Reference:
 
     def __init__(self, model: PreTrainedModel, config: RefConfig, *, temperature: float, remove_padding: bool,
                  memory: WorkerMemory | None, sequence_split: SequenceSplit | None, ranks: Ranks | None,
-                 adapter: Any = None):
+                 adapter: Any = None, fused_head: bool = False):
         self.model = model
         self.config = config
         self.temperature = temperature
@@ -34,6 +34,7 @@ class Reference:
         self.adapter = adapter  # LoRA: peft's wrapper of the actor, whose adapter is disabled while scoring
         # The model placed as which role: its own, or the actor's (whose weights the memory manager stages).
         self.role = Role.REF if adapter is None else Role.ACTOR
+        self.fused_head = fused_head  # model.use_fused_kernels, where the model can: log-probs never from the logits
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, R] log-probs of the responses under the reference policy, at the sampling temperature."""
@@ -44,4 +45,5 @@ class Reference:
                                      temperature=self.temperature, memory=self.memory,
                                      sequence_split=self.sequence_split, remove_padding=self.remove_padding,
                                      max_token_len=config.log_prob_max_token_len_per_gpu
-                                     if config.log_prob_use_dynamic_bsz else None, ranks=self.ranks)
+                                     if config.log_prob_use_dynamic_bsz else None, ranks=self.ranks,
+                                     fused_head=self.fused_head)

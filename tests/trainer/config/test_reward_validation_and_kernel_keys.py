@@ -11,8 +11,8 @@ ARO = "actor_rollout_ref"
 
 
 @pytest.mark.parametrize("line", [
-    f"{ARO}.model.use_liger=True", f"{ARO}.model.use_fused_kernels=True",
-    f"{ARO}.model.fused_kernel_options.impl_backend=triton", f"{ARO}.actor.fsdp_config.use_torch_compile=False",
+    f"{ARO}.model.use_liger=True", f"{ARO}.model.fused_kernel_options.impl_backend=triton",
+    f"{ARO}.actor.fsdp_config.use_torch_compile=False",
     f"{ARO}.ref.use_torch_compile=False", "reward_model.launch_reward_fn_async=True",
 ])
 def test_a_kernel_or_async_switch_with_no_effect_here_is_accepted_with_a_note(line: str) -> None:
@@ -27,6 +27,25 @@ def test_a_kernel_or_async_switch_with_no_effect_here_is_accepted_with_a_note(li
 ])
 def test_a_switch_whose_both_values_run_the_same_here_is_accepted_silently(line: str) -> None:
     assert load_config_with_notes(None, [line]).notes == []
+
+
+def test_the_fused_kernels_switch_is_read_and_no_longer_noted_as_not_built() -> None:
+    assert load_config(None, []).actor_rollout_ref.model.use_fused_kernels is False, "verl's default"
+    loaded = load_config_with_notes(None, [f"{ARO}.model.use_fused_kernels=True"])
+    assert loaded.config.actor_rollout_ref.model.use_fused_kernels is True and loaded.notes == []
+    # verl's actor repeats the model's key: accepted where it does, refused where it does not.
+    mirrored = load_config_with_notes(None, [f"{ARO}.model.use_fused_kernels=True",
+                                             f"{ARO}.actor.use_fused_kernels=True",
+                                             "reward_model.model.use_fused_kernels=True"])
+    assert mirrored.config.actor_rollout_ref.model.use_fused_kernels is True and mirrored.notes == []
+    with pytest.raises(ConfigError, match=rf"{ARO}.actor.use_fused_kernels: got true, but verl's actor repeats "
+                                          rf"{ARO}.model.use_fused_kernels"):
+        load_config(None, [f"{ARO}.actor.use_fused_kernels=True"])
+    # Triton's backend runs the torch implementation, said in the NOTE line; torch's is what runs anyway.
+    [note] = load_config_with_notes(None, [f"{ARO}.model.use_fused_kernels=True",
+                                           f"{ARO}.model.fused_kernel_options.impl_backend=triton"]).notes
+    assert "torch implementation" in note.why and "not built: the log-probs" not in note.why
+    assert load_config_with_notes(None, [f"{ARO}.model.fused_kernel_options.impl_backend=torch"]).notes == []
 
 
 def test_the_actors_torch_compile_switch_is_read() -> None:
