@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.config import BUILTIN_PREFIX, KEYS, FSDPConfig, RunConfig
 from trainer.config.messages import Role
-from trainer.data import PromptRecord
+from trainer.data import PromptRecord, sample_records
 from trainer.data.checks import Seen, check_prompts, drop_overlong_prompts
 from trainer.data.user_classes import read_records
 from trainer.distributed.layer_moves import ShardedLayers
@@ -68,8 +68,11 @@ def load_prompts(config: RunConfig, tokenizer: PreTrainedTokenizerBase, log: Log
             else repr(source))
     files = ((KEYS.data.train_files, data.train_files), (KEYS.data.val_files, data.val_files))
     seen = prompts_as_seen(model.path, tokenizer)  # a vision-language model's prompts count their images' tokens
-    records = {key: _filtered(config, key, read_records(config, paths, tokenizer, require_ground_truth=builtin_scoring),
-                              tokenizer, log, seen) if paths else []
+    most = {KEYS.data.train_files: data.train_max_samples, KEYS.data.val_files: data.val_max_samples}
+    # Drawn before the length filter, as verl's dataset draws them.
+    records = {key: _filtered(config, key, sample_records(
+                   read_records(config, paths, tokenizer, require_ground_truth=builtin_scoring), most[key],
+                   shuffle=data.shuffle, seed=config.prompt_order_seed), tokenizer, log, seen) if paths else []
                for key, paths in files}
     for files_key, loaded in records.items():
         check_prompts(loaded, tokenizer, files_key=files_key, max_length=data.max_prompt_length,

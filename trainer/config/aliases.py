@@ -312,7 +312,6 @@ ALIASES: tuple[Alias, ...] = (
                                      "verl's registered ones (reward_model.reward_manager: naive, dapo, prime, batch, "
                                      "remote)"),
     default_only("data.tokenizer", "the prompts are tokenized with actor_rollout_ref.model.tokenizer_path"),
-    default_only("data.*max_samples", "each data file is read whole"),
     default_only("data.reward_fn_key", "each row's scorer is picked by its data_source column"),
     noted("data.validation_shuffle", "no effect here: validation prompts are taken in the order of their files"),
     noted("data.filter_overlong_prompts_workers", "no effect here: filtering runs once, in the trainer process"),

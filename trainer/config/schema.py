@@ -529,6 +529,11 @@ class DataConfig(Section):
     """Prompts per training step."""
     val_batch_size: int | None = Field(256, ge=1)
     """Prompts per validation generation batch; null: all of them in one batch (verl's meaning)."""
+    train_max_samples: int = -1
+    """At most this many training prompts, drawn once when the files are read (with shuffle, a random draw seeded
+    as the prompt order is, as verl draws them; else the first ones); -1: all of them."""
+    val_max_samples: int = -1
+    """The same for the validation prompts; -1: all of them."""
     shuffle: bool = True
     """Shuffle prompts every epoch."""
     seed: int | None = 1

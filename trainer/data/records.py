@@ -62,6 +62,21 @@ def load_records(files: Iterable[str], prompt_key: str = "prompt", *,
     return records
 
 
+def sample_records(records: list[PromptRecord], max_samples: int, *, shuffle: bool, seed: int) -> list[PromptRecord]:
+    """At most `max_samples` of `records` (-1 or more than there are: all of them), as verl's RLHFDataset takes them:
+    with `shuffle`, numpy's default_rng(seed).choice of that many without replacement, in the order drawn; else the
+    first ones. verl draws unseeded when data.seed is null; here the seed is always set (data.seed, else
+    trainer.seed), so that a resumed run reads the same prompts."""
+    if max_samples < 0 or max_samples >= len(records):
+        return records
+    if not shuffle:
+        return records[:max_samples]
+    import numpy as np  # torch's dependency; verl draws with numpy, so the same seed takes the same rows
+
+    chosen = np.random.default_rng(seed).choice(len(records), size=max_samples, replace=False)
+    return [records[int(index)] for index in chosen]
+
+
 def check_ground_truths(records: Iterable[PromptRecord]) -> None:
     """Every record carries reward_model.ground_truth, which the built-in rule scorers compare each response with."""
     for record in records:

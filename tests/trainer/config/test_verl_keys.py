@@ -118,6 +118,8 @@ GOOD: list[tuple[list[str], dict[str, Any]]] = [
       f"{ARO}.rollout.layered_summon=True"], {}),
     ([f"{ARO}.actor.fsdp_config.fsdp_size=8", "critic.model.fsdp_config.fsdp_size=8"], {}),
     (["trainer.default_hdfs_dir=hdfs://cluster/checkpoints", "ray_kwargs.ray_init.num_cpus=8"], {}),
+    (["data.train_max_samples=100", "data.val_max_samples=8"], {"data.train_max_samples": 100,
+                                                                 "data.val_max_samples": 8}),
     # what verl runs with, said in a WARNING line
     (["trainer.critic_warmup=2", "algorithm.adv_estimator=grpo", f"{ARO}.rollout.n=4"], {"trainer.critic_warmup": 2}),
     (["trainer.max_critic_ckpt_to_keep=1", "algorithm.adv_estimator=grpo", f"{ARO}.rollout.n=4"],
@@ -142,7 +144,6 @@ REFUSED: list[tuple[list[str], dict[str, str]]] = [
                                                             "sampled from its own share of the prompts"}),
     ([f"{ARO}.actor.optim.optimizer=SGD"], {f"{ARO}.actor.optim.optimizer": "the optimizer here is AdamW"}),
     ([f"{ARO}.actor.optim._target_=my.Optimizer"], {f"{ARO}.actor.optim._target_": "Hydra instantiates"}),
-    (["data.train_max_samples=100"], {"data.train_max_samples": "each data file is read whole"}),
     (["data.max_prompt_length=1024", f"{ARO}.rollout.prompt_length=512"],
      {f"{ARO}.rollout.prompt_length": "it mirrors data.max_prompt_length; set that; allowed: verl's default 1024"}),
     # a misspelt key is still the schema's unknown key, not one of verl's
