@@ -218,6 +218,11 @@ ALIASES: tuple[Alias, ...] = (
     default_only("*.rollout.prompt_length", "it mirrors data.max_prompt_length; set that"),
     default_only("*.rollout.response_length", "it mirrors data.max_response_length; set that"),
     default_only("data.tool_config_path", "it mirrors actor_rollout_ref.rollout.multi_turn.tool_config_path; set that"),
+    # Worker counts and engine options of verl's serving, first: the patterns after them refuse the rest.
+    noted("actor_rollout_ref.rollout.agent.num_workers", "verl's agent-loop worker processes: the rollout here runs "
+                                                         "in the trainer process"),
+    noted("actor_rollout_ref.rollout.skip_tokenizer_init", "a vLLM engine option: the built-in rollout uses the "
+                                                           "actor's tokenizer"),
     default_only("actor_rollout_ref.rollout.agent.*", "verl's agent loop is not built"),
     default_only("actor_rollout_ref.rollout.skip_*", "replaying dumped rollouts is not built"),
     # verl itself refuses these (its RolloutConfig raises on mode=sync and on a pipeline-parallel rollout).

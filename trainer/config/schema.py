@@ -530,8 +530,7 @@ class DataConfig(Section):
     val_batch_size: int | None = Field(256, ge=1)
     """Prompts per validation generation batch; null: all of them in one batch (verl's meaning)."""
     train_max_samples: int = -1
-    """At most this many training prompts, drawn once when the files are read (with shuffle, a random draw seeded
-    as the prompt order is, as verl draws them; else the first ones); -1: all of them."""
+    """At most this many training prompts, drawn at load as verl draws them (shuffle: a seeded draw); -1: all."""
     val_max_samples: int = -1
     """The same for the validation prompts; -1: all of them."""
     shuffle: bool = True
