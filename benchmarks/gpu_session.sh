@@ -241,8 +241,17 @@
 # what was held); `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=270 e2e-long3b` 317 s: 1.53x, update_actor
 # 4.46x with 8 out-of-memory recoveries a step (the logits of 4112-token sequences; the recovery now learns the
 # size that fits); `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=260 e2e-lora14b` 269 s: trains, 2.82x (gen
-# 4.33x: 4 of 48 layers streamed every token). Next: `uneven` again (130 s), long3b with the recovery's fix (and
-# actor_rollout_ref.model.use_fused_kernels if merged), gsm8k7b on an H200 (issue40), then lora14b's rollout.
+# 4.33x: 4 of 48 layers streamed every token). After 00:48 the out-of-memory recovery learned the size that fits
+# (once, not every step) and model.use_fused_kernels was built (long3b and gsm8k7b set it in every variant); loans
+# were paused from 02:07 with 529 s left, so neither ran on a GPU. Next, in order, every call starting with
+# `source benchmarks/device_env.sh`:
+#   1. `VARIANTS=all_gpu,offload STEPS=2 WARMUP=1 TIMEOUT=270 benchmarks/gpu_session.sh e2e-long3b` (~320 s; the
+#      fused head and the recovery against 1.53x / update_actor 4.46x / 8 recoveries a step; add PROFILE=1 if the
+#      update is still far from its floor), then `SKIP_TESTS=1 benchmarks/gpu_session.sh live-keys` (~170 s: the
+#      uneven section with each decoder collected, useful_speedup against 1.93x);
+#   2. on an H200 (needs_h200): `benchmarks/gpu_session.sh issue40` (gsm8k7b, never run: all_gpu needs ~120 GB);
+#   3. `python3 -m pytest -m gpu tests/trainer/algorithms/test_fused_head.py tests/trainer/workers/test_fused_head.py`
+#      has no GPU test yet: the fused head's tiles in bf16 on a GPU are checked only through long3b's losses.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and
