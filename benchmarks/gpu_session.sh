@@ -250,8 +250,7 @@
 #      update is still far from its floor), then `SKIP_TESTS=1 benchmarks/gpu_session.sh live-keys` (~170 s: the
 #      uneven section with each decoder collected, useful_speedup against 1.93x);
 #   2. on an H200 (needs_h200): `benchmarks/gpu_session.sh issue40` (gsm8k7b, never run: all_gpu needs ~120 GB);
-#   3. `python3 -m pytest -m gpu tests/trainer/algorithms/test_fused_head.py tests/trainer/workers/test_fused_head.py`
-#      has no GPU test yet: the fused head's tiles in bf16 on a GPU are checked only through long3b's losses.
+#   `tests` picks up test_fused_head.py's GPU test (the tiles on the GPU's kernels, float32 and bf16): never run yet.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
 # pydantic_core 2.46.4, annotated_types, typing_inspection, and since 2026-12-02 hydra-core (1.3.2), omegaconf (2.3.0) and

@@ -32,7 +32,7 @@ def scores_and_gradients(log_probs: torch.Tensor, entropies: torch.Tensor,
                          inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
     """The forward's two outputs, then the gradients of a loss that weighs each position's figures differently."""
     generator = torch.Generator().manual_seed(1)
-    weights = torch.randn(2, *POSITIONS, generator=generator)
+    weights = torch.randn(2, *POSITIONS, generator=generator).to(log_probs.device)
     loss = (log_probs * weights[0]).sum()
     if entropies.requires_grad:
         loss = loss + (entropies * weights[1]).sum()
@@ -113,3 +113,23 @@ def test_no_tensor_of_the_logits_size_is_made_in_the_forward_or_the_backward():
     # The largest: the weight's gradient (V x H = 4,800) and its float32 chunk, a tile's 2,000 logits, the hidden
     # states' gradient (N x H = 1,920).
     assert fused.largest <= max(VOCABULARY * WIDTH, 2000), fused.largest
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_on_a_gpu_the_fused_tiles_give_the_logits_paths_figures(dtype):
+    """The tiles' matrix products and reductions on the GPU's kernels (bf16 as the models train), against the
+    logits' path on the same device: bf16's own rounding of the logits bounds the difference there."""
+    cuda = [tensor.detach().cuda().requires_grad_(tensor.requires_grad) for tensor in head_inputs(dtype=dtype)[:2]]
+    hidden, weight = cuda
+    labels = head_inputs()[2].cuda()
+    expected = scores_and_gradients(*log_probs_and_entropy_from_logits(hidden @ weight.t(), labels, 0.6),
+                                    (hidden, weight))
+    got = scores_and_gradients(*fused_log_probs_and_entropy(hidden, weight, labels, 0.6,
+                                                            rows=HeadRows(64), tile_elements=1000), (hidden, weight))
+    tolerance = TOLERANCE if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for name, value, reference in zip(("log-probs", "entropies", "hidden grad", "weight grad"), got, expected,
+                                      strict=True):
+        torch.testing.assert_close(value.float().cpu(), reference.float().cpu(), **tolerance,
+                                   msg=lambda message, name=name: f"{name}: {message}")
