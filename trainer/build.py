@@ -262,7 +262,8 @@ class ModelBuilder:
                                   seed=config.trainer.seed, trust_remote_code=network.trust_remote_code)
         return ModelReward(self._place(model, network.fsdp_config, Role.REWARD), self.tokenizer, tokenizer,
                            micro_batch_size=config.reward_model.micro_batch_size_per_gpu,
-                           max_length=config.data.max_prompt_length + config.data.max_response_length,
+                           max_length=config.reward_model.max_length or (config.data.max_prompt_length
+                                                                         + config.data.max_response_length),
                            memory=self._memory(Role.REWARD), remove_padding=network.use_remove_padding)
 
     def _sequence_split(self, model: torch.nn.Module, degree: int, setting: str, *,

@@ -304,8 +304,6 @@ ALIASES: tuple[Alias, ...] = (
     default_only("*hf_config_path", "the model's config.json is read from its own directory"),
     default_only("reward_model.model.input_tokenizer", "responses are decoded with the actor's tokenizer"),
     default_only("reward_model.model.override_config", "the reward model is built from its directory as it is"),
-    default_only("reward_model.max_length", "reward-model inputs here are cut at data.max_prompt_length + "
-                                            "data.max_response_length"),
     default_only("reward_model.use_reward_loop", "the reward here is verl's legacy in-process one (a rule-based "
                  "manager, or one sequence-classification model in the trainer process); either value runs it",
                  (True, False)),

@@ -426,6 +426,8 @@ class RewardModelConfig(Section):
     """The reward model."""
     micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Sequences per reward-model forward."""
+    max_length: int | None = Field(None, ge=1)
+    """Most tokens of a reward-model input (prompt and response, cut on the right); null: the two data limits' sum."""
     reward_manager: Literal["naive", "dapo", "prime", "batch", "remote"] = "naive"
     """verl's rule-based reward manager: naive, dapo (overlong penalty), prime or remote (in processes) or batch."""
     reward_kwargs: RewardKwargs = RewardKwargs()

@@ -119,6 +119,7 @@ GOOD: list[tuple[list[str], dict[str, Any]]] = [
     ([f"{ARO}.actor.fsdp_config.fsdp_size=8", "critic.model.fsdp_config.fsdp_size=8"], {}),
     (["trainer.default_hdfs_dir=hdfs://cluster/checkpoints", "ray_kwargs.ray_init.num_cpus=8"], {}),
     ([f"{ARO}.rollout.agent.num_workers=2", f"{ARO}.rollout.skip_tokenizer_init=False"], {}),
+    (["reward_model.max_length=64"], {"reward_model.max_length": 64}),
     (["data.train_max_samples=100", "data.val_max_samples=8"], {"data.train_max_samples": 100,
                                                                  "data.val_max_samples": 8}),
     # what verl runs with, said in a WARNING line

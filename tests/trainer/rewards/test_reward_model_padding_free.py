@@ -90,6 +90,7 @@ def test_a_step_scored_padding_free_gets_the_padded_forwards_scores(tmp_path: Pa
     trainer = Trainer(config, log=lambda *_: None, warn=lambda *_: None)
     reward = trainer.models.reward
     assert isinstance(reward, ModelReward) and reward.head is not None, "the run's reward model is padding-free"
+    assert reward.max_length == 8 + 4  # reward_model.max_length null: the data limits' sum
     scored: list[RolloutBatch] = []
     score = trainer.score
     trainer.score = lambda batch: (scored.append(batch), score(batch))[1]  # type: ignore[method-assign]
@@ -99,3 +100,16 @@ def test_a_step_scored_padding_free_gets_the_padded_forwards_scores(tmp_path: Pa
     torch.testing.assert_close(batch.token_level_scores.sum(dim=1), padded(batch), rtol=1e-5, atol=1e-5)
     [row] = trainer.metrics_log.read()
     assert row["critic/score/mean"] == pytest.approx(padded(batch).mean().item(), abs=1e-5)
+
+
+def test_reward_model_max_length_cuts_its_inputs(tmp_path: Path) -> None:
+    """verl's reward_model.max_length (refused until 2026-12-08): the most tokens the reward model reads of a prompt
+    and its response."""
+    directory = tmp_path / "reward_model"
+    reward_model().save_pretrained(directory)
+    TOKENIZER.save_pretrained(directory)
+    config = load_config(None, ["trainer.device=cpu", "reward_model.enable=true", f"reward_model.model.path={directory}",
+                                "reward_model.max_length=6", f"trainer.runs_dir={tmp_path / 'runs'}",
+                                "actor_rollout_ref.model.override_config={num_hidden_layers: 1}"])
+    reward = Trainer(config, log=lambda *_: None, warn=lambda *_: None).models.reward
+    assert isinstance(reward, ModelReward) and reward.max_length == 6  # the tokenizer's cut in ModelReward.score
