@@ -109,7 +109,8 @@ def test_reward_model_max_length_cuts_its_inputs(tmp_path: Path) -> None:
     reward_model().save_pretrained(directory)
     TOKENIZER.save_pretrained(directory)
     config = load_config(None, ["trainer.device=cpu", "reward_model.enable=true",
-                                f"reward_model.model.path={directory}", "reward_model.max_length=6", f"trainer.runs_dir={tmp_path / 'runs'}",
+                                f"reward_model.model.path={directory}", "reward_model.max_length=6",
+                                f"trainer.runs_dir={tmp_path / 'runs'}",
                                 "actor_rollout_ref.model.override_config={num_hidden_layers: 1}"])
     reward = Trainer(config, log=lambda *_: None, warn=lambda *_: None).models.reward
     assert isinstance(reward, ModelReward) and reward.max_length == 6  # the tokenizer's cut in ModelReward.score
