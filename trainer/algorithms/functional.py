@@ -342,20 +342,31 @@ def _chunk_backward(logits: torch.Tensor, labels: torch.Tensor, totals: torch.Te
                     temperature: float) -> torch.Tensor:
     """One chunk of `_LogProbsAndEntropy`'s backward: the [..., V] gradient of the logits (float32; the softmax
     computed again from the logits and their logsumexps `totals`)."""
-    scaled = _scaled_chunk(logits, temperature, own=True)  # changed in place below
+    scaled = _scaled_chunk(logits, temperature, own=True)  # changed in place by softmax_gradient
+    return softmax_gradient(scaled, totals, labels, grad_log_probs, grad_entropies, temperature)
+
+
+def softmax_gradient(scaled: torch.Tensor, totals: torch.Tensor, labels: torch.Tensor,
+                     grad_log_probs: torch.Tensor | None, grad_entropies: torch.Tensor | None, temperature: float, *,
+                     means: torch.Tensor | None = None, inside: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 gradient of logits z, given as `scaled` = z / T in float32 (changed in place), of the log-prob of
+    each position's label and of its entropy, from the positions' logsumexps of z / T (`totals`) and the softmax
+    means of z / T (`means`; None: computed here): d entropy / dz_j = -p_j (z_j - sum_i p_i z_i) and
+    d log p_label / dz_j = [j = label] - p_j, both over T. `inside`: whether each label falls in these columns (a
+    tile of the vocabulary: use_fused_kernels' trainer/algorithms/fused_head.py; None: every label does)."""
     probs = torch.exp(scaled - totals.unsqueeze(-1))
-    # d entropy / dz_j = -p_j (z_j - sum_i p_i z_i); d log p_label / dz_j = [j = label] - p_j (over T).
     if grad_entropies is not None:
-        mean = (probs * scaled).sum(-1, keepdim=True)
-        chunk = scaled.sub_(mean).mul_(probs).mul_(-grad_entropies.unsqueeze(-1))
+        means = (probs * scaled).sum(-1) if means is None else means
+        grad = scaled.sub_(means.unsqueeze(-1)).mul_(probs).mul_(-grad_entropies.unsqueeze(-1))
         if grad_log_probs is not None:
-            chunk.sub_(probs.mul_(grad_log_probs.unsqueeze(-1)))
+            grad.sub_(probs.mul_(grad_log_probs.unsqueeze(-1)))
     else:
         assert grad_log_probs is not None
-        chunk = probs.mul_(-grad_log_probs.unsqueeze(-1))
+        grad = probs.mul_(-grad_log_probs.unsqueeze(-1))
     if grad_log_probs is not None:
-        chunk.scatter_add_(-1, labels.unsqueeze(-1), grad_log_probs.unsqueeze(-1))
-    return chunk / temperature if temperature != 1.0 else chunk
+        added = grad_log_probs if inside is None else torch.where(inside, grad_log_probs, 0.0)
+        grad.scatter_add_(-1, labels.unsqueeze(-1), added.unsqueeze(-1))
+    return grad / temperature if temperature != 1.0 else grad
 
 
 class ChunkKernels(NamedTuple):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer.algorithms.functional import LOSS_CHUNK_ELEMENTS
+from trainer.algorithms.functional import LOSS_CHUNK_ELEMENTS, softmax_gradient
 
 HEAD_ROWS_PER_CHUNK = 8192
 """Vocabulary rows of a resident head's weight a tile reads (the weight gradient of a chunk adds up in float32:
@@ -158,16 +158,7 @@ def _labels_in(labels: torch.Tensor, first: int, rows: int) -> tuple[torch.Tenso
 def _grad_of_logits(scaled: torch.Tensor, inside: torch.Tensor, index: torch.Tensor, totals: torch.Tensor,
                     means: torch.Tensor, grad_log_probs: torch.Tensor | None, grad_entropies: torch.Tensor | None,
                     temperature: float) -> torch.Tensor:
-    """A tile's float32 gradient of the logits (before the temperature's division): d entropy / dz_j =
-    -p_j (z_j - sum_i p_i z_i), d log p_label / dz_j = [j = label] - p_j, both over the temperature."""
-    probs = torch.exp(scaled - totals.unsqueeze(-1))
-    if grad_entropies is not None:
-        grad = scaled.sub_(means.unsqueeze(-1)).mul_(probs).mul_(-grad_entropies.unsqueeze(-1))
-        if grad_log_probs is not None:
-            grad.sub_(probs.mul_(grad_log_probs.unsqueeze(-1)))
-    else:
-        assert grad_log_probs is not None
-        grad = probs.mul_(-grad_log_probs.unsqueeze(-1))
-    if grad_log_probs is not None:
-        grad.scatter_add_(-1, index.unsqueeze(-1), torch.where(inside, grad_log_probs, 0.0).unsqueeze(-1))
-    return grad / temperature if temperature != 1.0 else grad
+    """A tile's float32 gradient of the logits: the logits' path's arithmetic (softmax_gradient) over this tile's
+    columns, with the labels that fall in it."""
+    return softmax_gradient(scaled, totals, index, grad_log_probs, grad_entropies, temperature, means=means,
+                            inside=inside)
