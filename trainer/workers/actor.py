@@ -27,8 +27,8 @@ from trainer.config.losses import RolloutCorrectionConfig
 from trainer.distributed.ranks import Ranks
 from trainer.models.fused_head import FusedScoring
 from trainer.rollout.batch import RolloutBatch
+from trainer.workers.merging import MicroBatchMerging
 from trainer.workers.optimization import (
-    MicroBatchMerging,
     build_optimizer,
     build_scheduler,
     local_mini_batches,

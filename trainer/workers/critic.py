@@ -9,8 +9,8 @@ from trainer.algorithms import compute_value_loss
 from trainer.config import KEYS, CriticConfig
 from trainer.distributed.ranks import Ranks
 from trainer.rollout.batch import RolloutBatch
+from trainer.workers.merging import MicroBatchMerging
 from trainer.workers.optimization import (
-    MicroBatchMerging,
     build_optimizer,
     build_scheduler,
     publish_pending,

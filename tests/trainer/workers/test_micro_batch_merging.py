@@ -11,7 +11,8 @@ import torch
 from tests.trainer.offload.test_offload import offloaded, policy
 from tests.trainer.workers.test_oom_recovery import Loss, Memory, rollout_batch
 from trainer.config import FSDPConfig
-from trainer.workers.optimization import MicroBatchMerging, run_updates
+from trainer.workers.merging import MicroBatchMerging
+from trainer.workers.optimization import run_updates
 
 ALL_CPU = {"param_offload": True}
 """Every layer on the CPU: the update streams them."""
