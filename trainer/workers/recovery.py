@@ -80,7 +80,7 @@ class WorkerMemory(OutOfMemoryRelief, Protocol):
 
     def update_streams_layers(self) -> bool:
         """Whether the model's update, placed for now, streams transformer layers from the CPU (its micro-batches
-        then merge: optimization.MicroBatchMerging)."""
+        then merge: merging.MicroBatchMerging)."""
         ...
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
