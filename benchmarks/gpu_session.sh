@@ -250,6 +250,9 @@
 #      update is still far from its floor), then `SKIP_TESTS=1 benchmarks/gpu_session.sh live-keys` (~170 s: the
 #      uneven section with each decoder collected, useful_speedup against 1.93x);
 #   2. on an H200 (needs_h200): `benchmarks/gpu_session.sh issue40` (gsm8k7b, never run: all_gpu needs ~120 GB);
+#   3. lora14b's rollout (44 of 48 layers kept: 4.33x): `VARIANTS=offload STEPS=2 WARMUP=1 TIMEOUT=260
+#      SET="dynamic_offload.gpu_memory_threshold=0.95" TAG=-threshold95 e2e-lora14b` beside the default, to see whether the
+#      threshold's reserve (4 GiB of 40) is what keeps the last 4 layers off (then the planner's margin is the lever).
 #   `tests` picks up test_fused_head.py's GPU test (the tiles on the GPU's kernels, float32 and bf16): never run yet.
 # Needs python3 with torch, transformers, accelerate and the project's other dependencies importable
 # (on the device image: installed from wheels first, see .library/device; the image lacks pydantic 2.13.4,
