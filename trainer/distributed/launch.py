@@ -28,6 +28,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -134,8 +135,18 @@ def forward_to_ranks(signum: int) -> int:
     return reached
 
 
+JOIN_DELAY_S = 5.0
+"""Seconds a node other than node 0 waits before it joins the rendezvous. After a rank of another node dies, node 0's
+group fails only at its next collective and its launcher, which holds the rendezvous store at trainer.rdzv_endpoint,
+ends a moment later: a node restarted sooner joined that dying store and waited on it for good (seen on the 2-core
+machine, tests/e2e/test_ranks.py: node 1 restarted 1 s before node 0's old launcher ended, then hung 5 minutes).
+Node 0 itself hosts the store and never waits."""
+
+
 def run_group(plan: GroupPlan, trainer_args: Sequence[str], *, log_dir: Path) -> int:
     """Run the ranks until they end; the exit code for the daemon (negative: the signal to end by)."""
+    if plan.nnodes > 1 and plan.node_rank > 0:
+        time.sleep(JOIN_DELAY_S)
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(plan.shutdown_timeout_s)  # torch before LaunchConfig's field
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
