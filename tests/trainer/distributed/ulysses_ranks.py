@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -221,11 +222,18 @@ def padding_free_checks(sp: SequenceParallel, kind: str, key_value_heads: int) -
             f"{name}/grads": max(difference(mine.grad, theirs.grad) for mine, theirs in pairs)}
 
 
-def main(out: Path) -> None:
+def run_rank_checks(out: Path, checks: Callable[[SequenceParallel], dict[str, float]]) -> None:
+    """`checks` on a sequence-parallel group of every rank (gloo, deterministic algorithms), each rank's figures
+    written to `out`/rank<N>.json; the scripts' main (this one's and ulysses_vision_ranks.py's)."""
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
     mesh = sequence_parallel_mesh("cpu", dist.get_world_size(), dist.get_world_size())
-    sp = SequenceParallel.from_mesh(mesh)
+    results = checks(SequenceParallel.from_mesh(mesh))
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+def text_model_checks(sp: SequenceParallel) -> dict[str, float]:
     results: dict[str, float] = {}
     for key_value_heads in (2, 1):  # 1 key-value head on 2 ranks: repeated so each rank holds one
         for padded in (False, True):
@@ -235,9 +243,8 @@ def main(out: Path) -> None:
     results |= training_step_checks(sp, "qwen2", 2, checkpointing=True)
     results |= padding_free_checks(sp, "qwen2", 2)
     results |= padding_free_checks(sp, "llama", 1)
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    run_rank_checks(Path(sys.argv[1]), text_model_checks)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import io
-import json
 import sys
 from pathlib import Path
 
@@ -26,8 +25,9 @@ import torch.distributed as dist
 from PIL import Image
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+from tests.trainer.distributed.ulysses_ranks import run_rank_checks
 from trainer.algorithms import log_probs_and_entropy_from_logits
-from trainer.distributed.ulysses import SequenceParallel, sequence_parallel_mesh
+from trainer.distributed.ulysses import SequenceParallel
 from trainer.models.loading import load_critic, load_policy, load_tokenizer
 from trainer.models.vision_language import TINY_VL, ImageProcessor, tiny_qwen2_vl_config
 from trainer.rollout.batch import RolloutBatch
@@ -192,20 +192,15 @@ def critic_checks(sp: SequenceParallel) -> dict[str, float]:
         sharded, whole, "critic")
 
 
-def main(out: Path) -> None:
-    dist.init_process_group("gloo")
-    torch.use_deterministic_algorithms(True)
-    mesh = sequence_parallel_mesh("cpu", dist.get_world_size(), dist.get_world_size())
-    sp = SequenceParallel.from_mesh(mesh)
+def vision_model_checks(sp: SequenceParallel) -> dict[str, float]:
     results: dict[str, float] = {}
     results |= actor_checks(sp, with_images=True, checkpointing=False)
     results |= actor_checks(sp, with_images=True, checkpointing=True)
     results |= actor_checks(sp, with_images=False, checkpointing=False)
     results |= actor_checks(sp, with_images=True, checkpointing=False, kind="qwen2_5_vl")
     results |= critic_checks(sp)
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    run_rank_checks(Path(sys.argv[1]), vision_model_checks)
