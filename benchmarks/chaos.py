@@ -247,7 +247,9 @@ def end_both(api: Api, chaos: tuple[subprocess.Popen[bytes], Path], reference: t
         start = time.monotonic()
         while not (checkpoints / f"global_step_{end}").is_dir() and process.poll() is None:
             if time.monotonic() - start > RECOVERY_TIMEOUT_S:
-                raise RuntimeError(f"no checkpoint of step {end} in {checkpoints} within {RECOVERY_TIMEOUT_S:.0f} s")
+                from benchmarks.soak import SoakError  # the error soak.py's --chaos reports in one line
+
+                raise SoakError(f"no checkpoint of step {end} in {checkpoints} within {RECOVERY_TIMEOUT_S:.0f} s")
             time.sleep(0.5)
     for process, _ in (chaos, reference):
         process.terminate()
